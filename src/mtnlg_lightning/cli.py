@@ -1,0 +1,36 @@
+"""`mtnlg`: the LightningCLI entry point (fit / validate / test / predict)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from mtnlg_lightning.data.datamodule import GPTDataModule
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.module import MTNLGModule
+
+
+class MTNLGCLI(LightningCLI):
+    pass
+
+
+def _wandb_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.expanduser("~/.netrc")
+    return os.path.exists(netrc) and "api.wandb.ai" in open(netrc, encoding="utf-8", errors="ignore").read()
+
+
+def main(args: list[str] | None = None) -> None:
+    if "WANDB_MODE" not in os.environ and not _wandb_configured():
+        os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
+    try:
+        MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    except MTNLGError as error:
+        print(f"mtnlg: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""JSONL input/output helpers shared by the curation tools.
+
+* Reading validates every record and raises :class:`InputError` with a one-line message that names the
+  file and the 1-based line number (invalid JSON, not an object, missing or non-string text key).
+* Blank lines are skipped (they are not records); line numbers still count them.
+* Writing is atomic: data goes to a temporary file in the destination directory, which is fsynced and
+  moved into place with ``os.replace``, so a reader never sees a half-written output under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+
+class InputError(Exception):
+    """Bad user input (missing file, invalid JSON, missing key, empty input).
+
+    The CLIs print ``str(err)`` as a single line on stderr and exit with status 2.
+    """
+
+
+def _one_line(msg: str, limit: int = 160) -> str:
+    msg = " ".join(str(msg).split())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def check_input_files(paths: list[str]) -> None:
+    """Fail early (before any output is written) on missing, unreadable or empty input files."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise InputError(f"{path}: no such file")
+        if os.path.isdir(path):
+            raise InputError(f"{path}: is a directory, expected a JSONL file")
+        if not os.access(path, os.R_OK):
+            raise InputError(f"{path}: not readable")
+        if os.path.getsize(path) == 0:
+            raise InputError(f"{path}: empty input (no records)")
+
+
+def parse_record(line: bytes | str, path: str, lineno: int, text_key: str) -> tuple[dict, str]:
+    """Parse one JSONL line and return ``(record, text)``; raise :class:`InputError` naming file:line."""
+    try:
+        rec = json.loads(line)
+    except ValueError as err:  # json.JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        raise InputError(f"{path}:{lineno}: invalid JSON: {_one_line(err)}") from None
+    if not isinstance(rec, dict):
+        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+    try:
+        text = rec[text_key]
+    except KeyError:
+        raise InputError(f"{path}:{lineno}: missing text key {text_key!r}") from None
+    if not isinstance(text, str):
+        raise InputError(f"{path}:{lineno}: text key {text_key!r} is {type(text).__name__}, expected a string")
+    return rec, text
+
+
+def iter_lines(path: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(byte_offset, raw_line)`` for lines that *start* in ``[start, end)`` (``start`` must be a
+    line start). Raw lines keep their trailing newline."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = start
+        for line in f:
+            if end is not None and pos >= end:
+                break
+            yield pos, line
+            pos += len(line)
+
+
+def iter_records(path: str, text_key: str = "text") -> Iterator[tuple[int, dict, str]]:
+    """Yield ``(lineno, record, text)`` for every non-blank line of a JSONL file (validated)."""
+    for lineno, (_, line) in enumerate(iter_lines(path), start=1):
+        if not line.strip():
+            continue
+        rec, text = parse_record(line, path, lineno, text_key)
+        yield lineno, rec, text
+
+
+def line_starts_plan(path: str, target_bytes: int) -> list[tuple[int, int]]:
+    """Split a file into byte ranges of about ``target_bytes`` aligned to line starts."""
+    size = os.path.getsize(path)
+    bounds = [0]
+    with open(path, "rb") as f:
+        while True:
+            nxt = bounds[-1] + max(1, target_bytes)
+            if nxt >= size:
+                break
+            f.seek(nxt - 1)
+            f.readline()  # finish the line that contains byte nxt-1
+            pos = f.tell()
+            if pos >= size:
+                break
+            bounds.append(pos)
+    bounds.append(size)
+    return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def count_lines_before(path: str, offset: int) -> int:
+    """Number of newline characters before ``offset`` (used to turn shard-local line numbers into global ones)."""
+    n = 0
+    with open(path, "rb") as f:
+        remaining = offset
+        while remaining > 0:
+            chunk = f.read(min(remaining, 1 << 20))
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return n
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Write ``path`` atomically: temp file in the same directory, fsync, ``os.replace``.
+
+    On any exception the temp file is removed and ``path`` is left untouched.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    with atomic_write(path, "w") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def dumps_line(obj: Any) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")

@@ -1,0 +1,3 @@
+from mtnlg_lightning.data.datamodule import GPTDataModule
+
+__all__ = ["GPTDataModule"]

@@ -1,0 +1,164 @@
+"""The LightningDataModule: indexed datasets -> packed GPT samples -> weighted blend -> DP-sharded step batches."""
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
+from mtnlg_lightning.data.indexed import IndexedDataset
+from mtnlg_lightning.errors import MTNLGError
+
+SPLITS = ("train", "valid", "test")
+
+
+class StepBatches(IterableDataset):
+    """Yields, for each optimizer step, this data-parallel rank's share of the global batch.
+
+    The global batch of a step is the contiguous sample range [consumed, consumed + batch size) of the blend,
+    where the batch size comes from the ramp-up schedule; DP rank r takes the r-th contiguous slice (as
+    Megatron's pretraining sampler). Tensor- and pipeline-parallel ranks with the same DP rank get the same data.
+    With several loader workers, worker w produces steps w, w+W, ...: the DataLoader's round-robin keeps order.
+    """
+
+    def __init__(self, dataset, batch_size_at, start_samples: int, end_samples: int, dp_rank: int, dp_size: int):
+        self.dataset, self.batch_size_at = dataset, batch_size_at
+        self.start_samples, self.end_samples = start_samples, end_samples
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def _steps(self):
+        consumed = self.start_samples
+        while consumed < self.end_samples:
+            size = self.batch_size_at(consumed)
+            yield consumed, size
+            consumed += size
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._steps())
+
+    def __iter__(self):
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        for step, (consumed, size) in enumerate(self._steps()):
+            if step % num_workers != worker_id:
+                continue
+            local = size // self.dp_size
+            first = consumed + self.dp_rank * local
+            rows = [self.dataset[i % len(self.dataset)] for i in range(first, first + local)]
+            yield {
+                "tokens": torch.from_numpy(np.stack(rows)),
+                "consumed_samples": torch.tensor(consumed),
+                "global_batch_size": torch.tensor(size),
+            }
+
+
+class GPTDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        datasets: list[str] | None = None,
+        weights: list[float] | None = None,
+        builtin_corpus: str | None = None,
+        split: str = "969,30,1",
+        seed: int = 1234,
+        num_workers: int = 0,
+        eval_samples: int | None = None,
+    ):
+        """
+        Args:
+            datasets: dataset prefixes (PREFIX.bin/PREFIX.idx written by tools/preprocess_data.py).
+            weights: blend weight per dataset (normalised; default equal). MT-NLG blended 15 datasets.
+            builtin_corpus: "python-docs" builds (once, cached) the offline demo corpus instead of `datasets`.
+            split: train/valid/test split of each dataset's documents, Megatron style.
+            seed: seed of document and sample shuffling (data order is independent of the layout).
+            num_workers: DataLoader worker processes.
+            eval_samples: validation/test samples per evaluation (default: one pass over the split, capped at 1024).
+        """
+        super().__init__()
+        if builtin_corpus not in (None, "python-docs"):
+            raise MTNLGError(f"unknown builtin_corpus {builtin_corpus!r}; the one available is 'python-docs'")
+        if not datasets and not builtin_corpus:
+            raise MTNLGError("no data: set data.datasets (PREFIX paths) or data.builtin_corpus: python-docs")
+        if weights is not None and len(weights) != len(datasets or []):
+            raise MTNLGError(f"data.weights has {len(weights)} entries for {len(datasets or [])} datasets")
+        self.prefixes = list(datasets or [])
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.prefixes)
+        self.builtin_corpus, self.split, self.seed = builtin_corpus, split, seed
+        self.num_workers, self.eval_samples = num_workers, eval_samples
+        self.blends: dict[str, BlendedDataset] = {}
+
+    def prepare_data(self) -> None:
+        if self.builtin_corpus:
+            from mtnlg_lightning.data.builtin_corpus import build_demo_data
+
+            build_demo_data()
+
+    # The recipe (sequence length, batch schedule, DP layout, consumed samples) is owned by the LightningModule.
+    @property
+    def _module(self):
+        return self.trainer.lightning_module
+
+    def _dp(self) -> tuple[int, int]:
+        strategy = self.trainer.strategy
+        return (getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
+                getattr(strategy, "data_parallel_size", self.trainer.world_size))
+
+    def _planned_train_samples(self, seq_len: int, indexed: list[IndexedDataset]) -> int:
+        max_steps = self.trainer.max_steps if self.trainer is not None else -1
+        if max_steps and max_steps > 0:
+            return self._module.batch_schedule.consumed_samples(max_steps)
+        tokens = sum(int(ds.sizes[slice(*split_ranges(len(ds), self.split)[0])].astype(np.int64).sum())
+                     for ds in indexed)
+        return max(1, tokens // seq_len)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.builtin_corpus:
+            from mtnlg_lightning.data.builtin_corpus import build_demo_data
+
+            self.prefixes, self.weights = [build_demo_data(progress=False)[0]], [1.0]
+        seq_len = self._module.config.seq_len
+        vocab = self._module.config.padded_vocab_size()
+        indexed = [IndexedDataset(p) for p in self.prefixes]
+        for ds in indexed:
+            if ds.num_tokens and int(ds.tokens.max()) >= vocab:
+                raise MTNLGError(f"{ds.prefix} holds token ids >= the model's vocabulary {vocab}; "
+                                 f"set model.vocab_size to the tokenizer's size")
+        counts = {"train": self._planned_train_samples(seq_len, indexed)}
+        for name in ("valid", "test"):
+            per_split = [split_ranges(len(ds), self.split)[SPLITS.index(name)] for ds in indexed]
+            tokens = sum(int(ds.sizes[slice(*r)].astype(np.int64).sum()) for ds, r in zip(indexed, per_split))
+            counts[name] = self.eval_samples or min(1024, max(0, (tokens - 1) // seq_len))
+        for index, name in enumerate(SPLITS):
+            if counts[name] <= 0:
+                continue
+            needed = BlendedDataset.samples_needed(self.weights, counts[name])
+            parts = [GPTDataset(ds, split_ranges(len(ds), self.split)[index], seq_len, n, self.seed + index,
+                                name=f"{ds.prefix}[{name}]")
+                     for ds, n in zip(indexed, needed)]
+            self.blends[name] = BlendedDataset(parts, self.weights, counts[name])
+
+    def train_dataloader(self):
+        module = self._module
+        dp_rank, dp_size = self._dp()
+        module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
+        blend = self.blends["train"]
+        steps = StepBatches(blend, module.batch_schedule.batch_size_at_samples, module.consumed_samples,
+                            len(blend), dp_rank, dp_size)
+        return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
+
+    def _eval_dataloader(self, name: str):
+        if name not in self.blends:
+            return []
+        dp_rank, dp_size = self._dp()
+        size = self._module.micro_batch_size * dp_size
+        blend = self.blends[name]
+        batches = StepBatches(blend, lambda _: size, 0, len(blend) - len(blend) % size, dp_rank, dp_size)
+        return DataLoader(batches, batch_size=None, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return self._eval_dataloader("valid")
+
+    def test_dataloader(self):
+        return self._eval_dataloader("test")

@@ -1,0 +1,78 @@
+"""GPT-2-style byte-level BPE through HF `tokenizers`. Files come from the user (nothing is downloaded)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mtnlg_lightning.errors import MTNLGError
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+class Tokenizer:
+    """Wraps a `tokenizers.Tokenizer`; `eod_id` is the end-of-document token appended after every document."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, pre_tokenizers
+        from tokenizers.models import BPE
+
+        path = Path(path)
+        try:
+            if path.is_dir() and (path / "tokenizer.json").exists():
+                path = path / "tokenizer.json"
+            if path.is_file():
+                self._tok = HFTokenizer.from_file(str(path))
+            elif path.is_dir() and (path / "vocab.json").exists() and (path / "merges.txt").exists():
+                self._tok = HFTokenizer(BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+                self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+                self._tok.decoder = decoders.ByteLevel()
+            else:
+                raise MTNLGError(
+                    f"no tokenizer at {path}: give a tokenizer.json file, or a directory holding tokenizer.json "
+                    f"or vocab.json + merges.txt (train one with tools/train_tokenizer.py)"
+                )
+        except MTNLGError:
+            raise
+        except Exception as error:  # tokenizers raises plain Exceptions on malformed files
+            raise MTNLGError(f"cannot load tokenizer {path}: {error}") from None
+        self.eod_id = self._tok.token_to_id(EOD_TOKEN)
+        if self.eod_id is None:
+            raise MTNLGError(f"tokenizer {path} has no {EOD_TOKEN} token (needed as end-of-document)")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style, with <|endoftext|>) on an iterator of texts; write tokenizer.json atomically."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    tok = HFTokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    output = Path(output)
+    if output.suffix != ".json":
+        output = output / "tokenizer.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_suffix(".json.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, output)
+    return Tokenizer(output)

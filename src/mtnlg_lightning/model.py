@@ -1,0 +1,125 @@
+"""The MT-NLG / Megatron GPT decoder as a plain nn.Module. Parallelism is applied from outside.
+
+Shapes: B batch, S sequence, H hidden, V padded vocabulary. The module keeps no parallel code paths:
+tensor parallelism swaps its Linear/Embedding layers for sharded ones (their `out_features` shrink and the
+attention infers its local head count), pipeline parallelism deletes the parts a stage does not own
+(`embed`, blocks, `norm`, `lm_head` may be None/absent), as torchtitan does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtnlg_lightning.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        # qkv output is laid out [heads, 3, head_dim] so a contiguous column shard holds whole heads.
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = config.attention_dropout
+        # Swappable so activation checkpointing can recompute just the attention core (Megatron's selective).
+        self.core = AttentionCore()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        qkv = self.qkv(x).view(B, S, -1, 3, self.head_dim)  # -1: heads held by this rank
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [B, heads, S, head_dim]
+        y = self.core(q, k, v, self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class AttentionCore(nn.Module):
+    """softmax(QK^T / sqrt(d)) V with a causal mask; flash/memory-efficient kernels where available."""
+
+    def forward(self, q, k, v, dropout_p: float = 0.0):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size)
+        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x)))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(config.padded_vocab_size(), config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.wte(tokens) + self.wpe(positions))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config)
+        # A dict keeps parameter names stable when pipeline stages delete the blocks they do not own.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied input/output embedding
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron init: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * num_layers)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scaled = name.endswith("attn.proj") or name.endswith("mlp.fc2")
+                nn.init.normal_(module.weight, mean=0.0, std=out_std if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V]."""
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.blocks.values():
+            h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def build_model(config: ModelConfig, device: str | torch.device | None = None) -> GPT:
+    """Build on `device`; on "meta" nothing is allocated (used to size the 530B model)."""
+    with torch.device(device or "cpu"):
+        return GPT(config)

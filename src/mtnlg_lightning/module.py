@@ -1,0 +1,179 @@
+"""The LightningModule: the GPT model plus the MT-NLG recipe (AdamW b2=0.95, clipping, schedules, metrics)."""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from mtnlg_lightning.config import get_config
+from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.model import build_model
+from mtnlg_lightning.schedules import BatchSizeSchedule, LRSchedule
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+class MTNLGModule(L.LightningModule):
+    def __init__(
+        self,
+        preset: str = "tiny",
+        model_overrides: dict | None = None,
+        micro_batch_size: int = 8,
+        global_batch_size: int = 8,
+        rampup_batch_size: list[int] | None = None,
+        lr: float = 5.0e-5,
+        min_lr: float = 5.0e-6,
+        warmup_tokens: int = 1_000_000_000,
+        decay_tokens: int = 340_000_000_000,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1.0e-8,
+        grad_clip: float | None = 1.0,
+        peak_tflops: float | None = None,
+    ):
+        """
+        Args:
+            preset: model preset name (tiny, demo, gpt3-125m, gpt3-1.3b, gpt3-175b, mtnlg-530b).
+            model_overrides: ModelConfig fields to change, e.g. {num_layers: 5, vocab_size: 50257}.
+            micro_batch_size: sequences per forward/backward on one rank.
+            global_batch_size: sequences per optimizer step over all data-parallel ranks (layout-independent).
+            rampup_batch_size: [start, increment, ramp_samples] (MT-NLG: [32, 32, 5859375] = 12B tokens).
+            lr, min_lr: peak and final learning rate (MT-NLG: 5e-5 -> 5e-6).
+            warmup_tokens: linear warmup length in tokens (MT-NLG: 1B).
+            decay_tokens: end of the cosine decay in tokens (MT-NLG: 340B).
+            weight_decay: AdamW decay on weight matrices and embeddings; biases and LayerNorms get none.
+            betas, eps: AdamW (MT-NLG: beta2 = 0.95 for stability).
+            grad_clip: global gradient-norm clipping (MT-NLG: 1.0); null disables.
+            peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = get_config(preset, **(model_overrides or {}))
+        self.micro_batch_size = micro_batch_size
+        ramp = rampup_batch_size or [None, None, 0]
+        if len(ramp) != 3:
+            raise ValueError("rampup_batch_size takes [start, increment, ramp_samples]")
+        self.batch_schedule = BatchSizeSchedule(global_batch_size, *ramp)
+        self.lr_schedule = LRSchedule(lr, min_lr, warmup_tokens, decay_tokens)
+        self.grad_clip = grad_clip
+        self.automatic_optimization = False  # micro-batch accumulation and the update are driven here
+        self.model: torch.nn.Module | None = None
+        self.loss_fn = cross_entropy
+        self.consumed_samples = 0
+        self._step_started: float | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    # ---------------------------------------------------------------- optimisation recipe
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        fused = self.device.type == "cuda" or None
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                      eps=self.hparams.eps, fused=fused)
+        seq_len, peak = self.config.seq_len, self.hparams.lr
+
+        def lr_multiplier(_step: int) -> float:
+            return self.lr_schedule(self.consumed_samples * seq_len) / peak
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def training_step(self, batch, batch_idx):
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        tokens = batch["tokens"]
+        consumed, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
+        lr = optimizer.param_groups[0]["lr"]
+        loss = self.forward_backward(tokens)
+        grad_norm = self.clip_and_step(optimizer)
+        scheduler_step_samples = consumed + global_batch
+        self.consumed_samples = scheduler_step_samples
+        scheduler.step()
+        self._log_step(loss, grad_norm, lr, global_batch)
+        return loss
+
+    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients over this rank's micro-batches; return the mean loss (detached)."""
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "forward_backward"):  # e.g. a pipeline schedule owns the micro-batch loop
+            return strategy.forward_backward(self, tokens)
+        chunks = tokens.split(self.micro_batch_size)
+        total = torch.zeros((), device=tokens.device)
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            no_sync = getattr(strategy, "block_backward_sync", None)
+            with nullcontext() if last or no_sync is None else no_sync():
+                loss = self.loss_fn(self.model(chunk[:, :-1]), chunk[:, 1:])
+                self.manual_backward(loss / len(chunks))
+            total += loss.detach()
+        return total / len(chunks)
+
+    def clip_and_step(self, optimizer) -> torch.Tensor:
+        """Clip by the global gradient norm, apply the update, return the pre-clip norm."""
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "clip_and_step"):  # engines that clip inside their step (DeepSpeed)
+            return strategy.clip_and_step(self, optimizer)
+        max_norm = self.grad_clip if self.grad_clip else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
+        now = time.perf_counter()
+        seconds, self._step_started = now - self._step_started, now
+        tokens = global_batch * self.config.seq_len
+        flops = flops_per_iteration(self.config, global_batch)
+        tflops = flops / seconds / self.trainer.world_size / 1e12
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
+        self.log("lr", lr, prog_bar=True)
+        self.log("grad_norm", torch.as_tensor(grad_norm, dtype=torch.float32))
+        self.log("consumed_samples", float(self.consumed_samples))
+        self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
+        self.log("global_batch_size", float(global_batch))
+        self.log("tokens_per_sec", tokens / seconds, prog_bar=True)
+        self.log("tflops_per_device", tflops)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        peak = peak_flops_for(device_name, self.hparams.peak_tflops)
+        if peak:
+            self.log("mfu", tflops * 1e12 / peak)
+
+    # ---------------------------------------------------------------- evaluation
+    def _eval_loss(self, batch) -> torch.Tensor:
+        strategy = self.trainer.strategy
+        tokens = batch["tokens"]
+        if hasattr(strategy, "forward_only"):
+            return strategy.forward_only(self, tokens)
+        chunks = tokens.split(self.micro_batch_size)
+        return torch.stack([self.loss_fn(self.model(c[:, :-1]), c[:, 1:]) for c in chunks]).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._eval_loss(batch), prog_bar=True, sync_dist=True, batch_size=len(batch["tokens"]))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._eval_loss(batch), sync_dist=True, batch_size=len(batch["tokens"]))
+
+    # ---------------------------------------------------------------- checkpoint state
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["consumed_samples"] = self.consumed_samples
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.consumed_samples = checkpoint.get("consumed_samples", 0)
+        self.configure_model()
