@@ -102,7 +102,7 @@ class MTNLGModule(L.LightningModule):
         consumed, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
         loss = self.forward_backward(tokens)
-        grad_norm = self.clip_and_step(optimizer)
+        grad_norm = self.clip_and_step(optimizer, loss)
         scheduler_step_samples = consumed + global_batch
         self.consumed_samples = scheduler_step_samples
         scheduler.step()
@@ -125,16 +125,25 @@ class MTNLGModule(L.LightningModule):
             total += loss.detach()
         return total / len(chunks)
 
-    def clip_and_step(self, optimizer) -> torch.Tensor:
-        """Clip by the global gradient norm, apply the update, return the pre-clip norm."""
+    def clip_and_step(self, optimizer, loss: torch.Tensor) -> torch.Tensor:
+        """Clip by the global gradient norm, apply the update unless vetoed, return the pre-clip norm."""
         strategy = self.trainer.strategy
         if hasattr(strategy, "clip_and_step"):  # engines that clip inside their step (DeepSpeed)
-            return strategy.clip_and_step(self, optimizer)
+            return strategy.clip_and_step(self, optimizer, loss)
         max_norm = self.grad_clip if self.grad_clip else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        optimizer.step()
+        if not self.should_skip_update(loss, grad_norm):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def should_skip_update(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """True when a callback vetoes this step's update (e.g. loss-spike `skip`): params and optimizer state
+        then stay exactly as they were. Callbacks opt in by defining `should_skip_update(trainer, module, loss,
+        grad_norm)`; every rank must return the same answer (callbacks reduce their signal across the world)."""
+        votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm)
+                 for cb in self.trainer.callbacks if hasattr(cb, "should_skip_update")]
+        return any(votes)
 
     def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
