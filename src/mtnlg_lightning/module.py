@@ -67,6 +67,7 @@ class MTNLGModule(L.LightningModule):
         self.loss_fn = cross_entropy
         self.consumed_samples = 0
         self._step_started: float | None = None
+        self._first_loss: float | None = None
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -163,6 +164,16 @@ class MTNLGModule(L.LightningModule):
         peak = peak_flops_for(device_name, self.hparams.peak_tflops)
         if peak:
             self.log("mfu", tflops * 1e12 / peak)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self._first_loss is None and "train_loss" in self.trainer.callback_metrics:
+            self._first_loss = float(self.trainer.callback_metrics["train_loss"])
+
+    def on_train_end(self) -> None:
+        last = self.trainer.callback_metrics.get("train_loss")
+        if self.trainer.is_global_zero and last is not None and self._first_loss is not None:
+            print(f"\ntrain_loss {self._first_loss:.3f} (first step) -> {float(last):.3f} (step "
+                  f"{self.trainer.global_step}); consumed {self.consumed_samples:,} samples")
 
     # ---------------------------------------------------------------- evaluation
     def _eval_loss(self, batch) -> torch.Tensor:

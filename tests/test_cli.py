@@ -1,0 +1,51 @@
+"""`mtnlg` through LightningCLI, as a user runs it."""
+import csv
+
+from conftest import run_cli
+
+
+def read_metrics(save_dir):
+    (path,) = list(save_dir.rglob("metrics.csv"))
+    return list(csv.DictReader(path.open()))
+
+
+def test_fit_tiny_logs_train_loss_every_step_to_csv_and_learns(tmp_path, demo_data):
+    out = run_cli("fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "8",
+                  "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path) if r.get("train_loss")]
+    assert [int(r["step"]) for r in rows] == list(range(8))
+    losses = [float(r["train_loss"]) for r in rows]
+    assert losses[-1] < losses[0]
+    for key in ("lr", "grad_norm", "consumed_samples", "consumed_tokens", "tokens_per_sec", "tflops_per_device"):
+        assert rows[-1][key], key
+    assert float(rows[-1]["consumed_samples"]) == 64 and float(rows[-1]["consumed_tokens"]) == 64 * 64
+    assert "train_loss" in out.stdout and "(first step) ->" in out.stdout
+
+
+def test_fit_help_and_print_config_are_standard_lightning_cli():
+    out = run_cli("fit", "--help")
+    assert out.returncode == 0 and "--model.preset" in out.stdout and "--data.datasets" in out.stdout
+    out = run_cli("fit", "--print_config", "--config", "configs/demo.yaml")
+    assert out.returncode == 0, out.stderr
+    assert "preset: demo" in out.stdout and "builtin_corpus: python-docs" in out.stdout
+
+
+def test_unknown_preset_is_one_line_without_traceback():
+    out = run_cli("fit", "--config", "configs/tiny.yaml", "--model.preset", "gpt5")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("mtnlg: error: unknown model preset 'gpt5'")
+
+
+def test_seq_len_above_position_table_is_one_line(tmp_path):
+    out = run_cli("fit", "--config", "configs/tiny.yaml", "--model.model_overrides", "{seq_len: 128}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "seq_len 128 is above the position table size 64" in out.stderr.strip().splitlines()[-1]
+
+
+def test_missing_dataset_files_are_one_line(tmp_path):
+    out = run_cli("fit", "--config", "configs/tiny.yaml", "--data.builtin_corpus", "null",
+                  "--data.datasets", f"[{tmp_path}/nope]")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"missing dataset file {tmp_path}/nope.idx" in out.stderr.strip().splitlines()[-1]
