@@ -1,7 +1,7 @@
 """`mtnlg` through LightningCLI, as a user runs it."""
 import csv
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 
 def read_metrics(save_dir):
@@ -49,3 +49,12 @@ def test_missing_dataset_files_are_one_line(tmp_path):
                   "--data.datasets", f"[{tmp_path}/nope]")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"missing dataset file {tmp_path}/nope.idx" in out.stderr.strip().splitlines()[-1]
+
+
+def test_demo_config_saves_a_checkpoint_and_an_offline_wandb_run(tmp_path, demo_data):
+    out = run_cli("fit", "--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps", "6",
+                  "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "runs/demo/checkpoints/last.ckpt").exists()
+    (run,) = list((tmp_path / "runs/demo/wandb").glob("offline-run-*"))
+    assert list(run.glob("run-*.wandb"))
