@@ -121,8 +121,8 @@ class GPTDataModule(L.LightningDataModule):
         seq_len = self._module.config.seq_len
         vocab = self._module.config.padded_vocab_size()
         indexed = [IndexedDataset(p) for p in self.prefixes]
-        for ds in indexed:
-            if ds.num_tokens and int(ds.tokens.max()) >= vocab:
+        for ds in indexed:  # a full scan is cheap up to a few hundred million tokens; skipped above that
+            if 0 < ds.num_tokens <= 256_000_000 and int(ds.tokens.max()) >= vocab:
                 raise MTNLGError(f"{ds.prefix} holds token ids >= the model's vocabulary {vocab}; "
                                  f"set model.vocab_size to the tokenizer's size")
         counts = {"train": self._planned_train_samples(seq_len, indexed)}
