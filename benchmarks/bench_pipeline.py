@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Pipeline schedule efficiency: measured idle fraction per stage vs the theoretical bubble (PP-1)/(MB+PP-1).
+
+Each stage runs the real schedules of `torch.distributed.pipelining` (as the strategy does) over gloo, one process
+per stage. Stage compute is a fixed-duration wait (forward t, backward 2t, as a transformer layer) so that the
+measurement isolates the schedule: with 2 CPU cores, real matmuls in 4 processes would measure core sharing instead
+of pipeline bubbles. Idle fraction of a stage = 1 - busy / step time, over several steps after a warm-up.
+
+    python benchmarks/bench_pipeline.py [--pp 2 4] [--microbatches 4 8 16] [--forward-ms 4] [--steps 3]
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mtnlg_lightning.parallel.pipeline import schedule_class, stage_ranks  # noqa: E402
+
+HIDDEN = 16
+
+
+class TimedWait(torch.autograd.Function):
+    """Identity whose forward takes `fwd` seconds and backward `2 * fwd`; adds the time to a busy counter."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, busy):
+        ctx.fwd, ctx.busy = fwd, busy
+        start = time.perf_counter()
+        time.sleep(fwd)
+        busy[0] += time.perf_counter() - start
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = time.perf_counter()
+        time.sleep(2 * ctx.fwd)
+        ctx.busy[0] += time.perf_counter() - start
+        return grad.clone(), None, None
+
+
+class SimulatedStage(nn.Module):
+    def __init__(self, seconds: float, busy: list):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.seconds, self.busy = seconds, busy
+
+    def forward(self, x):
+        return TimedWait.apply(self.proj(x), self.seconds, self.busy)
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    from torch.distributed.pipelining import PipelineStage
+
+    results = []
+    for schedule in args.schedules:
+        per_rank = 2 if schedule == "interleaved_1f1b" else 1
+        num_stages = world * per_rank
+        for m in args.microbatches:
+            if schedule == "interleaved_1f1b" and m % world:
+                continue
+            busy = [0.0]
+            # A rank does the same total work whatever the schedule: its layers split over its virtual stages.
+            seconds = args.forward_ms / 1000 / per_rank
+            stages = [PipelineStage(SimulatedStage(seconds, busy), s, num_stages, torch.device("cpu"))
+                      for s in stage_ranks(schedule, world, per_rank)[rank]]
+            loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
+            sched = schedule_class(schedule)(stages if per_rank > 1 else stages[0], n_microbatches=m,
+                                             loss_fn=loss_fn, scale_grads=False)
+            x = torch.randn(m, 4, HIDDEN)
+            idle = []
+            for step in range(args.steps + 1):
+                busy[0] = 0.0
+                dist.barrier()
+                start = time.perf_counter()
+                is_first, is_last = rank == 0, rank == world - 1  # looped placement: stage 0 and the last
+                sched.step(*((x,) if is_first else ()), **({"target": x} if is_last else {}))
+                dist.barrier()
+                wall = time.perf_counter() - start
+                if step:  # the first step is a warm-up
+                    idle.append(1 - busy[0] / wall)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, statistics.median(idle))
+            if rank == 0:
+                results.append({"schedule": schedule, "pp": world, "microbatches": m, "idle_per_stage": gathered,
+                                "theory_1f1b": (world - 1) / (m + world - 1),
+                                "theory_interleaved": (world - 1) / (per_rank * m + world - 1)})
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (default 2 4)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="micro-batches per step")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "gpipe"],
+                        help="schedules to compare (default 1f1b interleaved_1f1b gpipe)")
+    parser.add_argument("--forward-ms", type=float, default=20.0,
+                        help="forward time of one stage per micro-batch; per-op overhead (gloo send/recv, schedule "
+                             "bookkeeping, ~1-2 ms here) adds idle time that theory does not count, so keep it large")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after 1 warm-up)")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    rows = []
+    for pp in args.pp:
+        queue = ctx.Queue()
+        mp.start_processes(worker, args=(pp, free_port(), args, queue), nprocs=pp, start_method="spawn", join=True)
+        rows += queue.get()
+    print(f"{'schedule':<17} {'pp':>3} {'mb':>3} {'idle/stage (measured)':<30} {'mean':>6} {'theory':>7}")
+    for r in rows:
+        theory = r["theory_interleaved"] if r["schedule"] == "interleaved_1f1b" else r["theory_1f1b"]
+        stages = " ".join(f"{x:.2f}" for x in r["idle_per_stage"])
+        print(f"{r['schedule']:<17} {r['pp']:>3} {r['microbatches']:>3} {stages:<30} "
+              f"{statistics.mean(r['idle_per_stage']):>6.3f} {theory:>7.3f}")
+    by_key = {(r["schedule"], r["pp"], r["microbatches"]): statistics.mean(r["idle_per_stage"]) for r in rows}
+    for pp in args.pp:
+        for m in args.microbatches:
+            a, b = by_key.get(("1f1b", pp, m)), by_key.get(("interleaved_1f1b", pp, m))
+            if a is not None and b is not None:
+                print(f"pp {pp} mb {m:>2}: interleaved idle {b:.3f} vs 1f1b {a:.3f} (ratio {b / a:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
