@@ -68,10 +68,17 @@ class MTNLGModule(L.LightningModule):
         self.consumed_samples = 0
         self._step_started: float | None = None
         self._first_loss: float | None = None
+        self._restart_train_data = False
 
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_model(self.config)
+            # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing):
+            # callbacks opt in by defining `on_model_built(trainer, module)`.
+            trainer = self._trainer
+            for callback in trainer.callbacks if trainer is not None else []:
+                if hasattr(callback, "on_model_built"):
+                    callback.on_model_built(trainer, self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -144,7 +151,27 @@ class MTNLGModule(L.LightningModule):
         grad_norm)`; every rank must return the same answer (callbacks reduce their signal across the world)."""
         votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm)
                  for cb in self.trainer.callbacks if hasattr(cb, "should_skip_update")]
-        return any(votes)
+        if any(votes):
+            # A vetoed update still counts as a training step (as Megatron's skipped iterations): max_steps,
+            # checkpoint cadence and the data plan (consumed_samples(max_steps)) stay in step with the data.
+            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+            progress.increment_ready()
+            progress.increment_completed()
+            return True
+        return False
+
+    def restart_train_data(self) -> None:
+        """Restart the train data stream at `consumed_samples` after a callback moved it (loss-spike rewind, recorded
+        data skips): the current epoch ends before its next batch (that batch is dropped, unused) and the next epoch
+        rebuilds the train dataloader, which starts at `consumed_samples`."""
+        self._restart_train_data = True
+        self.trainer.reload_dataloaders_every_n_epochs = 1
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self._restart_train_data:
+            self._restart_train_data = False
+            return -1  # Lightning: end this epoch now
+        return None
 
     def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
