@@ -1,0 +1,231 @@
+"""Megatron-style tensor parallelism on plain tensors (so DeepSpeed's ZeRO can flatten and partition them).
+
+Names say what is sharded along which axis:
+- `ColumnParallelLinear`: weight [out/TP, in], output features split (QKV by whole heads, MLP fc1).
+- `RowParallelLinear`: weight [out, in/TP], input features split, partial outputs summed (attn proj, MLP fc2);
+  its bias is replicated and added once after the sum.
+- `VocabParallelEmbedding`: weight [V/TP, H], vocabulary rows split; the LM head reuses that shard (tied).
+- `vocab_parallel_cross_entropy`: the loss over vocabulary-split logits without gathering them.
+
+The conjugate f/g functions (Megatron paper, Fig. 3) over the TP group: `copy_to_tensor_parallel_region` (f) is
+identity forward / all-reduce backward; `reduce_from_tensor_parallel_region` (g) is all-reduce forward / identity
+backward: one all-reduce per sublayer each way. Sharded parameters carry `tensor_model_parallel = True` and
+`partition_dim` (DeepSpeed counts them once per TP rank in the global grad norm; replicated ones only on TP rank 0).
+
+`parallelize(model, tp_group)` shards a built GPT from outside by copying the right slices of its weights, so a
+TP run starts from exactly the single-process initialisation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---------------------------------------------------------------------------------------------- f and g
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce of the input gradient backward (each rank used x for a different shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: all-reduce forward (sum the partial results), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def _mark_sharded(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+    return param
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return full.detach().chunk(size, dim=dim)[rank].clone().contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T + b_local with W split along the output features (dim 0); output stays split."""
+
+    def __init__(self, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None, group):
+        super().__init__()
+        self.group = group
+        self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=0)
+        self.bias = _mark_sharded(nn.Parameter(bias_shard), partition_dim=0) if bias_shard is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> "ColumnParallelLinear":
+        bias = _shard(linear.bias, 0, rank, size) if linear.bias is not None else None
+        return cls(_shard(linear.weight, 0, rank, size), bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_ranks(x_local W_local^T) + b with W split along the input features (dim 1); bias replicated."""
+
+    def __init__(self, weight_shard: torch.Tensor, bias: torch.Tensor | None, group):
+        super().__init__()
+        self.group = group
+        self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=1)
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> "RowParallelLinear":
+        return cls(_shard(linear.weight, 1, rank, size), linear.bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [vocab_start, vocab_end) on this rank; other tokens contribute zeros, summed over TP."""
+
+    def __init__(self, weight_shard: torch.Tensor, vocab_start: int, group):
+        super().__init__()
+        self.group = group
+        self.vocab_start, self.vocab_end = vocab_start, vocab_start + weight_shard.shape[0]
+        self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=0)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group, rank: int, size: int) -> "VocabParallelEmbedding":
+        shard = _shard(embedding.weight, 0, rank, size)
+        return cls(shard, rank * shard.shape[0], group)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.group)
+
+
+class VocabParallelLMHead(nn.Module):
+    """Logits for this rank's vocabulary slice, tied to the `VocabParallelEmbedding` shard (same Parameter)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, group):
+        super().__init__()
+        self.group = group
+        self.weight = embedding.weight  # tied: one Parameter registered in both modules
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_parallel_region(h, self.group), self.weight)
+
+
+# ---------------------------------------------------------------------------------------------- loss
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token CE over logits split along the vocabulary: three all-reduces of [N] tensors, no gather."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        vocab_local = logits.shape[-1]
+        vocab_start = dist.get_rank(group) * vocab_local
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < vocab_start) | (target >= vocab_start + vocab_local)
+        local_target = (target - vocab_start).masked_fill(outside, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        target_logit = logits[rows, local_target].masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, group=group)
+
+        exp_logits = logits.exp()
+        sum_exp = exp_logits.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - target_logit
+
+        ctx.save_for_backward(exp_logits.div_(sum_exp.unsqueeze(-1)), outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    """Mean token loss of vocabulary-split logits [B, S, V/TP] against labels [B, S] (same on every TP rank)."""
+    per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), labels.flatten(), group)
+    return per_token.mean()
+
+
+class VocabParallelCrossEntropy:
+    """A picklable `module.loss_fn` bound to a TP group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.group)
+
+
+# ---------------------------------------------------------------------------------------------- parallelize
+def parallelize(model: nn.Module, group, rank: int, size: int) -> nn.Module:
+    """Shard a built GPT across the TP `group` in place (Megatron's split) and return it.
+
+    Attention: QKV column-parallel (the [heads, 3, head_dim] output layout makes contiguous shards whole heads),
+    proj row-parallel. MLP: fc1 column, fc2 row. Word embedding vocab-parallel with the LM head tied to its shard.
+    LayerNorms, position embeddings and row-parallel biases stay replicated. Parts a pipeline stage does not own
+    (None) are skipped. size == 1 leaves the model untouched.
+    """
+    if size == 1:
+        return model
+    for block in model.blocks.values():
+        block.attn.qkv = ColumnParallelLinear.from_linear(block.attn.qkv, group, rank, size)
+        block.attn.proj = RowParallelLinear.from_linear(block.attn.proj, group, rank, size)
+        block.mlp.fc1 = ColumnParallelLinear.from_linear(block.mlp.fc1, group, rank, size)
+        block.mlp.fc2 = RowParallelLinear.from_linear(block.mlp.fc2, group, rank, size)
+    embed = getattr(model, "embed", None)
+    if embed is not None:
+        embed.wte = VocabParallelEmbedding.from_embedding(embed.wte, group, rank, size)
+    if getattr(model, "lm_head", None) is not None:
+        if embed is None:
+            raise NotImplementedError("an LM head without the embedding on the same stage arrives with pipelining")
+        model.lm_head = VocabParallelLMHead(embed.wte, group)
+    return model
+
+
+@torch.no_grad()
+def gather_tensor_parallel(tensor: torch.Tensor, partition_dim: int, group) -> torch.Tensor:
+    """Concatenate the TP shards of one parameter along its partition dimension."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=partition_dim)
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))

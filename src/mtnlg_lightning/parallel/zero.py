@@ -1,0 +1,175 @@
+"""DeepSpeed ZeRO over the data-parallel groups: the mpu object DeepSpeed reads, and engine construction.
+
+The mpu mirrors DeepSpeed's own `PipelineParallelGrid`: the data-parallel group is the ranks holding the same
+(pp, tp) shard (ZeRO partitions only across it), and the **model-parallel group is the pp x tp ranks of one
+replica** with model-parallel rank pp * TP + tp: DeepSpeed all-reduces the squared grad norm over that group, so
+with only the TP group there each pipeline stage would clip by its own partial norm.
+
+The optimizer is the LightningModule's own (`configure_optimizers`: torch AdamW with the decay groups, i.e.
+what DeepSpeed builds for `"torch_adam": true`), handed to DeepSpeed as a client optimizer, and its LambdaLR keeps
+driving the learning rate per step: one recipe for every strategy. The caller's `engine.step()` is the
+accumulation boundary (`gradient_accumulation_steps: 1`, `managed_gradient_accumulation: false`): step() does the
+DP reduction, the clipping by the global norm, the update and zero_grad.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.parallel.layout import ProcessGroups
+
+# Private DeepSpeed behaviour is relied on (unmanaged accumulation, optimizer internals for the update veto):
+# pyproject pins deepspeed>=0.19,<0.20 and tests/test_parallel_equivalence.py fails loudly if it changes.
+SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
+
+
+@dataclass
+class ModelParallelUnit:
+    """What `deepspeed.initialize(mpu=...)` asks of Megatron's `mpu` module, answered from our groups."""
+
+    groups: ProcessGroups
+
+    def get_data_parallel_group(self):
+        return self.groups.data_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.data_parallel_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.groups.data_parallel_size
+
+    def get_model_parallel_group(self):
+        return self.groups.model_parallel_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.model_parallel_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.layout.model_parallel
+
+    def get_tensor_model_parallel_group(self):
+        return self.groups.tensor_parallel_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.groups.tensor_parallel_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.groups.tensor_parallel_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.groups.pipeline_parallel_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.groups.pipeline_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.groups.layout.pipeline_parallel
+
+
+def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_clip: float | None, precision: str = "32-true",
+                     overrides: dict | None = None, shard_numel: int | None = None) -> dict:
+    """The DeepSpeed config for one recipe. `overrides` (the strategy's `deepspeed_config`) is merged on top.
+
+    Buckets are capped at this rank's shard size (`shard_numel`): ZeRO allocates its reduce buckets per
+    micro-step, and with `deterministic: true` torch fills every new allocation, so an oversized bucket costs.
+    """
+    bucket = int(min(5e7, max(shard_numel or 5e7, 1e5)))
+    if zero_stage not in (1, 2, 3):
+        raise MTNLGError(f"zero_stage {zero_stage} is not one of 0 (plain DP), 1, 2, 3")
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,  # the module accumulates micro-batches; step() is the boundary
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": float(grad_clip) if grad_clip else 0.0,
+        "zero_optimization": {
+            "stage": zero_stage,
+            "overlap_comm": zero_stage == 2,  # unmanaged accumulation allows overlap only with stage 2
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    if "bf16" in str(precision):
+        config["bf16"] = {"enabled": True}
+    elif str(precision).startswith("16"):
+        config["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return _merge(config, overrides or {})
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict,
+                      mpu: ModelParallelUnit):
+    """`deepspeed.initialize` on this rank's model shard with the module's optimizer; returns the engine."""
+    try:
+        import deepspeed
+    except ImportError as error:  # pragma: no cover - depends on the install
+        raise MTNLGError("zero_stage >= 1 needs DeepSpeed: pip install 'mtnlg-lightning[deepspeed]'") from error
+    version = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    if not SUPPORTED_DEEPSPEED[0] <= version < SUPPORTED_DEEPSPEED[1]:
+        raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install deepspeed>=0.19,<0.20")
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu,
+                                           dist_init_required=False)
+    return engine
+
+
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a ZeRO wrapper (it holds the fp32 partitions and their Adam moments)."""
+    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes this rank holds for the optimizer: fp32 master params it updates + their state (Adam moments)."""
+    inner = base_optimizer(optimizer)
+    seen, total = set(), 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            tensors = [param] + [t for t in inner.state.get(param, {}).values() if torch.is_tensor(t)]
+            for t in tensors:
+                if id(t) not in seen and t.dim() > 0:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
+class UpdateSnapshot:
+    """A copy of everything `engine.step()` changes on this rank, so a vetoed update can be undone exactly.
+
+    DeepSpeed reduces, clips and updates in one call, so the pre-clip norm a veto needs is only known after the
+    update: the strategy snapshots (only when some callback can veto), steps, asks, and restores if vetoed.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer):
+        inner = base_optimizer(optimizer)
+        self._tensors = []
+        for p in model.parameters():
+            self._tensors.append(getattr(p, "ds_tensor", p).data)  # ZeRO-3: this rank's partition
+        for group in inner.param_groups:
+            for p in group["params"]:
+                self._tensors.append(p.data)
+                self._tensors += [t for t in inner.state.get(p, {}).values() if torch.is_tensor(t)]
+        self._copies = [t.detach().clone() for t in self._tensors]
+        self._inner = inner
+        self._state_keys = {id(p): set(inner.state.get(p, {})) for g in inner.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for tensor, copy_ in zip(self._tensors, self._copies):
+            tensor.copy_(copy_)
+        for group in self._inner.param_groups:  # state created by the vetoed (first) step is dropped
+            for p in group["params"]:
+                if not self._state_keys.get(id(p)) and p in self._inner.state:
+                    del self._inner.state[p]

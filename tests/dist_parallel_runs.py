@@ -1,0 +1,109 @@
+"""Several layouts in one torchrun launch (launches are the expensive part on a small CPU machine).
+
+    torchrun --standalone --nproc-per-node 2 tests/dist_parallel_runs.py OUT_DIR tp2 dp2_zero1 ...
+
+Each named run trains the tiny model through Lightning with `MegatronDeepSpeedStrategy`; rank 0 writes
+OUT_DIR/NAME.pt = {losses, grad_norms, lrs, params: {step: {name: full tensor}}, ...} for pytest to compare with
+the single-process reference.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parallel_harness import VetoStep, tiny_run  # noqa: E402
+
+from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+
+
+def strategy(tp=1, zero=0, **kw):
+    return MegatronDeepSpeedStrategy(tensor_parallel=tp, zero_stage=zero, print_layout=False, **kw)
+
+
+def ckpt_dir(out: Path, name: str) -> Path:
+    return out / f"{name}_ckpt"
+
+
+def run(name: str, out: Path, world: int) -> dict:
+    extra = {}
+    # name -> (strategy, run kwargs). "*_ckpt" runs 6 steps saving at step 3; "*_resume" resumes from it.
+    if name in ("tp2", "tp4", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
+        tp = {"tp2": 2, "tp4": 4}.get(name, 1)
+        zero = int(name[-1]) if "zero" in name else 0
+        ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
+        rec, trainer = tiny_run(strategy(tp, zero, deepspeed_config=ds), devices=world, max_steps=5)
+    elif name.endswith("_ckpt") or name.endswith("_resume"):
+        base = name.rsplit("_", 1)[0]  # e.g. tp2, tp2_dp2_zero1
+        tp = 2 if base.startswith("tp2") else 1
+        zero = int(base[-1]) if "zero" in base else 0
+        directory = ckpt_dir(out, base)
+        if name.endswith("_ckpt"):
+            rec, trainer = tiny_run(strategy(tp, zero), devices=world, max_steps=6, checkpoint_dir=directory,
+                                    capture_steps=(5, 6))
+        else:
+            rec, trainer = tiny_run(strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt",
+                                    capture_steps=(6,))
+    elif name == "dp2_zero1_veto":
+        rec, trainer = tiny_run(strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3),
+                                callbacks=[VetoStep(2)])
+    elif name == "zero1_memory":
+        rec, trainer, extra = memory_run(world)
+    else:
+        raise SystemExit(f"unknown run {name}")
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params, **extra}
+
+
+def memory_run(world: int):
+    """Per-rank bytes of the real ZeRO-1 optimizer state at dp=world (a trained engine) and at dp=1 (the same
+    model and optimizer under a ZeRO-1 engine whose data-parallel group is this rank alone)."""
+    from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
+    from mtnlg_lightning.parallel.zero import (ModelParallelUnit, deepspeed_config, initialize_engine,
+                                               optimizer_state_bytes)
+
+    rec, trainer = tiny_run(strategy(1, 1), devices=world, max_steps=1, capture_steps=())
+    bytes_dp = optimizer_state_bytes(trainer.strategy.engine.optimizer)
+
+    # dp=1: one group per rank, created collectively; each rank holds the full optimizer state.
+    singles = [dist.new_group([r]) for r in range(world)]
+    me = dist.get_rank()
+    layout = ParallelLayout(1)
+    groups = ProcessGroups(layout=layout, rank=0, coord=layout.coord(0), tensor_parallel_group=singles[me],
+                           data_parallel_group=singles[me], pipeline_parallel_group=singles[me],
+                           model_parallel_group=singles[me])
+    module = trainer.lightning_module
+    from mtnlg_lightning.model import build_model
+
+    model = build_model(module.config)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+    engine = initialize_engine(model, opt, deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
+    tokens = torch.randint(0, 4096, (4, 65))
+    loss = module.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    bytes_one = optimizer_state_bytes(engine.optimizer)
+    total = sum(p.numel() for p in model.parameters())
+    return rec, trainer, {"bytes_dp": bytes_dp, "bytes_dp1": bytes_one, "num_params": total, "dp": world}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    names = sys.argv[2:]
+    for name in names:
+        started = time.perf_counter()
+        result = run(name, out, int(__import__("os").environ["WORLD_SIZE"]))
+        result["seconds"] = time.perf_counter() - started
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}.pt")
+            print(f"[dist_parallel_runs] {name}: {result['seconds']:.1f}s losses={result['losses']}", flush=True)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""One tiny training run with a given strategy, recording what the equivalence tests compare.
+
+Used in-process for the single-process reference and by `dist_parallel_runs.py` under torchrun for the layouts,
+so both sides build exactly the same config, data and seed.
+"""
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from mtnlg_lightning.data.datamodule import GPTDataModule
+from mtnlg_lightning.module import MTNLGModule
+
+SEED = 1234
+# Small enough that clipping triggers on every step of the tiny model (its grad norm is ~0.3 .. 2).
+GRAD_CLIP = 0.05
+CAPTURE_STEP = 5
+
+
+class Recorder(Callback):
+    """Per-step train_loss / grad_norm / lr as logged (synced over ranks) and the gathered parameters at steps."""
+
+    def __init__(self, capture_steps=(CAPTURE_STEP,)):
+        self.capture_steps = set(capture_steps)
+        self.losses, self.grad_norms, self.lrs = [], [], []
+        self.params: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.losses.append(float(metrics["train_loss"]))
+        self.grad_norms.append(float(metrics["grad_norm"]))
+        self.lrs.append(float(metrics["lr"]))
+        if trainer.global_step in self.capture_steps:
+            strategy = trainer.strategy
+            if hasattr(strategy, "full_state_dict"):
+                full = strategy.full_state_dict()
+            else:
+                full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
+            self.params[trainer.global_step] = {k: v.cpu() for k, v in full.items()}
+
+
+class VetoStep(Callback):
+    """Vetoes the update of one step (1-based), as a loss-spike callback would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def should_skip_update(self, trainer, module, loss, grad_norm) -> bool:
+        return trainer.global_step + 1 == self.step
+
+
+def tiny_run(strategy="auto", devices=1, max_steps=5, grad_clip=GRAD_CLIP, capture_steps=(CAPTURE_STEP,),
+             checkpoint_dir=None, checkpoint_every=3, ckpt_path=None, callbacks=()) -> tuple[Recorder, L.Trainer]:
+    L.seed_everything(SEED, verbose=False)
+    module = MTNLGModule(preset="tiny", micro_batch_size=4, global_batch_size=8, lr=1e-3, min_lr=1e-4,
+                         warmup_tokens=1024, decay_tokens=10240, grad_clip=grad_clip)
+    data = GPTDataModule(builtin_corpus="python-docs", seed=SEED)
+    recorder = Recorder(capture_steps)
+    cbs = [recorder, *callbacks]
+    if checkpoint_dir is not None:
+        cbs.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every, save_top_k=-1,
+                                   filename="{step}"))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
+                        max_steps=max_steps, logger=False, enable_checkpointing=checkpoint_dir is not None,
+                        callbacks=cbs, use_distributed_sampler=False, deterministic=True, limit_val_batches=0,
+                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return recorder, trainer

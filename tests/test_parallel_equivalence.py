@@ -1,0 +1,105 @@
+"""The contract of the 3D strategy: every layout trains exactly like one process.
+
+The tiny model, same config and seed, 5 steps with a gradient clip small enough to trigger on every step: per-step
+losses within relative 1e-5 of the single-process run and the gathered parameters equal at fp32 tolerance, for
+tp2; dp2 with ZeRO-1, ZeRO-2, ZeRO-3; tp2 x dp2 with ZeRO-1; tp4. Plus, from the same launches: checkpoint
+resume in the same layout (6 steps == 3 + resume + 3), an update veto under ZeRO leaves params and optimizer
+untouched, and ZeRO-1's real per-rank optimizer state halves at dp=2.
+
+Launches are expensive here (2 CPU cores), so all layouts of one world size share one torchrun launch
+(`dist_parallel_runs.py`), each writing its results for these assertions.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
+
+pytestmark = pytest.mark.distributed
+HERE = Path(__file__).resolve().parent
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong shard or norm is >= 1e-3
+
+WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero1_veto", "zero1_memory"]
+WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4"]
+
+
+def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(HERE / "dist_parallel_runs.py"), str(out), *runs]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    rec, _ = tiny_run(max_steps=6, capture_steps=(CAPTURE_STEP, 6))
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return launch(2, WORLD2_RUNS, tmp_path_factory.mktemp("world2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return launch(4, WORLD4_RUNS, tmp_path_factory.mktemp("world4"))
+
+
+def max_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def test_reference_clips_on_every_step(reference):
+    assert all(norm > GRAD_CLIP for norm in reference["grad_norms"][:5]), reference["grad_norms"]
+
+
+@pytest.mark.parametrize("layout,world", [
+    ("tp2_ckpt", 2), ("dp2_zero1", 2), ("dp2_zero2", 2), ("dp2_zero3", 2), ("tp2_dp2_zero1_ckpt", 4), ("tp4", 4),
+])
+def test_layout_trains_like_one_process(layout, world, reference, world2, world4):
+    run = (world2 if world == 2 else world4)[layout]
+    steps = CAPTURE_STEP
+    assert len(run["losses"]) >= steps
+    assert max_rel(run["losses"][:steps], reference["losses"][:steps]) <= LOSS_RTOL
+    assert max_rel(run["grad_norms"][:steps], reference["grad_norms"][:steps]) <= 1e-4  # same pre-clip norm
+    assert run["lrs"][:steps] == pytest.approx(reference["lrs"][:steps], rel=1e-7)  # same LR schedule
+    assert max_param_diff(run["params"][steps], reference["params"][steps]) <= PARAM_ATOL
+
+
+@pytest.mark.parametrize("layout,world", [("tp2", 2), ("tp2_dp2_zero1", 4)])
+def test_checkpoint_resume_in_the_same_layout_continues_identically(layout, world, world2, world4):
+    runs = world2 if world == 2 else world4
+    full, resumed = runs[f"{layout}_ckpt"], runs[f"{layout}_resume"]
+    assert len(full["losses"]) == 6 and len(resumed["losses"]) == 3  # 6 steps == 3 + resume + 3
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6, abs=0)
+    assert resumed["lrs"] == full["lrs"][3:]
+    assert max_param_diff(resumed["params"][6], full["params"][6]) <= 1e-6
+
+
+def test_vetoed_update_under_zero_leaves_parameters_and_optimizer_untouched(world2):
+    run = world2["dp2_zero1_veto"]  # step 2 vetoed
+    assert max_param_diff(run["params"][2], run["params"][1]) == 0.0
+    assert max_param_diff(run["params"][3], run["params"][2]) > 0.0  # step 3 updates again
+
+
+def test_zero1_optimizer_state_per_rank_halves_at_dp2(world2):
+    run = world2["zero1_memory"]
+    ratio = run["bytes_dp"] / run["bytes_dp1"]
+    # fp32 master copy + Adam's two moments = 12 bytes per parameter at dp=1, read from the real optimizer.
+    assert run["bytes_dp1"] == pytest.approx(12 * run["num_params"], rel=0.01)
+    assert ratio == pytest.approx(0.5, rel=0.05), (run["bytes_dp"], run["bytes_dp1"])
