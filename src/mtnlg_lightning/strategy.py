@@ -69,13 +69,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             process_group_backend: default nccl on CUDA, gloo on CPU.
         """
         super().__init__()
-        if zero_stage not in (0, 1, 2, 3):
-            raise MTNLGError(f"zero_stage {zero_stage} is not one of 0 (plain DP), 1, 2, 3")
-        if pipeline_parallel != 1:
-            raise MTNLGError(f"pipeline_parallel {pipeline_parallel} is not supported yet: pipeline parallelism "
-                             f"arrives with part 2 of the 3D strategy (issue 4); use pipeline_parallel: 1")
-        if sequence_parallel:
-            raise MTNLGError("sequence_parallel is not implemented yet; set sequence_parallel: false")
         self.tensor_parallel, self.pipeline_parallel, self.zero_stage = tensor_parallel, pipeline_parallel, zero_stage
         self.gpus_per_node, self.allow_tp_across_nodes = gpus_per_node, allow_tp_across_nodes
         self.sequence_parallel = sequence_parallel
@@ -126,11 +119,26 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
+    def _check_arguments(self) -> None:
+        # Here rather than in __init__: the CLI's argument parser would bury the message in its own report.
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise MTNLGError(f"zero_stage {self.zero_stage} is not one of 0 (plain DP), 1, 2, 3")
+        if self.pipeline_parallel != 1:
+            raise MTNLGError(f"pipeline_parallel {self.pipeline_parallel} is not supported yet: pipeline "
+                             f"parallelism arrives with part 2 of the 3D strategy (issue 4); use pipeline_parallel: 1")
+        if self.sequence_parallel:
+            raise MTNLGError("sequence_parallel is not implemented yet; set sequence_parallel: false")
+
     def _configure_launcher(self) -> None:
+        self._check_arguments()
         if not self.cluster_environment.creates_processes_externally:
+            # Lightning will spawn the ranks: check the layout first, so a bad one is one line from one process.
+            ParallelLayout(self.num_nodes * self.num_processes, self.tensor_parallel, self.pipeline_parallel,
+                           self.gpus_per_node or self.num_processes or None, self.allow_tp_across_nodes)
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
+        self._check_arguments()
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
