@@ -3,8 +3,8 @@
 * Reading validates every record and raises :class:`InputError` with a one-line message that names the
   file and the 1-based line number (invalid JSON, not an object, missing or non-string text key).
 * Blank lines are skipped (they are not records); line numbers still count them.
-* Writing is atomic: data goes to a temporary file in the destination directory, which is fsynced and
-  moved into place with ``os.replace``, so a reader never sees a half-written output under its final name.
+* Writing is atomic: data goes to a temporary file in the destination directory, which is moved into
+  place with ``os.replace`` (fsynced first for final outputs): a reader never sees a half-written output.
 """
 
 from __future__ import annotations
@@ -114,20 +114,30 @@ def count_lines_before(path: str, offset: int) -> int:
     return n
 
 
-@contextlib.contextmanager
-def atomic_write(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Write ``path`` atomically: temp file in the same directory, fsync, ``os.replace``.
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
-    On any exception the temp file is removed and ``path`` is left untouched.
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb", fsync: bool = False) -> Iterator[IO[Any]]:
+    """Write ``path`` atomically: temp file in the same directory, ``os.replace`` (optionally fsync first).
+
+    On any exception the temp file is removed and ``path`` is left untouched.  ``os.replace`` alone makes the
+    file appear complete-or-absent to readers and across a killed process; ``fsync=True`` adds durability
+    across a machine crash (used for final outputs).
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the output ordinary permissions
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -135,8 +145,8 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
         raise
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    with atomic_write(path, "w") as f:
+def write_json_atomic(path: str, obj: Any, fsync: bool = False) -> None:
+    with atomic_write(path, "w", fsync=fsync) as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
 

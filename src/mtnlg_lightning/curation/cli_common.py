@@ -1,0 +1,54 @@
+"""Shared CLI plumbing: one-line errors with exit status 2 for bad input, no tracebacks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from .jsonl import InputError
+
+EXIT_BAD_INPUT = 2
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def run_cli(prog: str, body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except InputError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; finished stages are kept, re-run the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def positive_int(value: str) -> int:
+    import argparse
+
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return v
+
+
+class HelpFormatter:
+    """argparse formatter factory that appends '(default: X)' only for meaningful defaults."""
+
+    def __new__(cls, *args, **kwargs):
+        import argparse
+
+        class _Formatter(argparse.HelpFormatter):
+            def _get_help_string(self, action):
+                h = action.help or ""
+                if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in h and action.option_strings:
+                    h += " (default: %(default)s)"
+                return h
+
+        return _Formatter(*args, **kwargs)

@@ -1,0 +1,110 @@
+"""Vectorised MinHash that reproduces datasketch's MinHash bit for bit.
+
+Hash scheme (named explicitly, as datasketch>=2 requires):
+
+* ``"affine32"`` (datasketch 2.x default, our default): the 32-bit input hash ``h`` is pre-mixed with the
+  MurmurHash3 32-bit finaliser, then permutation ``k`` is ``a_k * fmix32(h) + b_k mod 2^32`` (``a_k`` odd).
+* ``"legacy"`` (datasketch < 2.0): ``((a_k * h + b_k) mod (2^61 - 1)) & 0xFFFFFFFF`` where ``a_k * h + b_k``
+  is first computed in uint64 *with wrap-around*, exactly as datasketch's numpy code does.
+
+The permutation parameters ``(a, b)`` are taken from ``datasketch.MinHash(num_perm, seed, scheme).permutations``
+so a signature computed here equals ``MinHash(num_perm, seed, scheme=..., hashfunc=...).update_batch(...)``
+on the same 32-bit input hashes; :meth:`MinHasher.to_lean` wraps one as a ``datasketch.LeanMinHash``.
+Signatures are stored as uint32 (4 bytes per permutation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from datasketch import LeanMinHash, MinHash
+
+SCHEMES = ("affine32", "legacy")
+MAX_HASH32 = np.uint32(0xFFFFFFFF)
+_MERSENNE = np.uint64((1 << 61) - 1)
+_MASK32 = np.uint64(0xFFFFFFFF)
+_ROWS_PER_CHUNK = 2048
+
+
+def fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _mod_mersenne61(t: np.ndarray) -> np.ndarray:
+    """``t % (2^61-1)`` for uint64 ``t`` without a division: 2^61 = 1 (mod p)."""
+    t = (t & _MERSENNE) + (t >> np.uint64(61))
+    return np.where(t >= _MERSENNE, t - _MERSENNE, t)
+
+
+class MinHasher:
+    """Computes MinHash signatures of 32-bit hash arrays for all permutations at once."""
+
+    def __init__(self, num_perm: int = 256, seed: int = 1, scheme: str = "affine32"):
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        self.num_perm, self.seed, self.scheme = num_perm, seed, scheme
+        a, b = MinHash(num_perm=num_perm, seed=seed, scheme=scheme).permutations
+        if scheme == "affine32":
+            self.a = np.ascontiguousarray(a, dtype=np.uint32)
+            self.b = np.ascontiguousarray(b, dtype=np.uint32)
+            self._buf = np.empty((_ROWS_PER_CHUNK, num_perm), dtype=np.uint32)
+        else:
+            self.a = np.ascontiguousarray(a, dtype=np.uint64)
+            self.b = np.ascontiguousarray(b, dtype=np.uint64)
+            self._buf = np.empty((_ROWS_PER_CHUNK, num_perm), dtype=np.uint64)
+
+    def __getstate__(self):
+        return {"num_perm": self.num_perm, "seed": self.seed, "scheme": self.scheme}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def signature(self, hashes32: np.ndarray) -> np.ndarray:
+        """MinHash signature (uint32, length ``num_perm``) of an array of 32-bit hash values.
+
+        An empty input gives the all-0xFFFFFFFF signature (datasketch's empty MinHash).
+        """
+        out = np.full(self.num_perm, MAX_HASH32, dtype=np.uint32)
+        if len(hashes32) == 0:
+            return out
+        if self.scheme == "affine32":
+            hv = fmix32(np.asarray(hashes32).astype(np.uint32, copy=False))
+            for s in range(0, len(hv), _ROWS_PER_CHUNK):
+                chunk = hv[s : s + _ROWS_PER_CHUNK]
+                buf = self._buf[: len(chunk)]
+                np.multiply(chunk[:, None], self.a, out=buf)
+                np.add(buf, self.b, out=buf)
+                np.minimum(out, buf.min(axis=0), out=out)
+            return out
+        hv = np.asarray(hashes32).astype(np.uint64) & _MASK32
+        res = np.full(self.num_perm, np.uint64(0xFFFFFFFF), dtype=np.uint64)
+        for s in range(0, len(hv), _ROWS_PER_CHUNK):
+            chunk = hv[s : s + _ROWS_PER_CHUNK]
+            buf = self._buf[: len(chunk)]
+            np.multiply(chunk[:, None], self.a, out=buf)  # wraps mod 2^64, like datasketch
+            np.add(buf, self.b, out=buf)
+            np.minimum(res, (_mod_mersenne61(buf) & _MASK32).min(axis=0), out=res)
+        return res.astype(np.uint32)
+
+    def hashvalues(self, sig: np.ndarray) -> np.ndarray:
+        """Signature in datasketch's storage dtype for this scheme (uint32 affine32, uint64 legacy)."""
+        return np.asarray(sig, dtype=np.uint32 if self.scheme == "affine32" else np.uint64)
+
+    def to_lean(self, sig: np.ndarray) -> LeanMinHash:
+        """Wrap a signature as a ``datasketch.LeanMinHash`` (same seed and scheme)."""
+        return LeanMinHash(seed=self.seed, hashvalues=self.hashvalues(sig), scheme=self.scheme)
+
+    def datasketch_minhash(self, hashes32) -> MinHash:
+        """Reference path: datasketch's own ``MinHash.update_batch`` over the same 32-bit hashes."""
+        m = MinHash(num_perm=self.num_perm, seed=self.seed, scheme=self.scheme, hashfunc=int)
+        m.update_batch([int(h) for h in hashes32])
+        return m
+
+
+def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray | float:
+    """Fraction of equal signature entries (row-wise for 2-D input)."""
+    eq = np.asarray(sig_a) == np.asarray(sig_b)
+    return eq.mean(axis=-1)

@@ -1,0 +1,47 @@
+"""Union-find (disjoint sets) for clustering verified duplicate pairs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class UnionFind:
+    """Array-backed union-find with path halving and union by size (Python lists: fast scalar access)."""
+
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+        self.size = [1] * n
+
+    def find(self, x: int) -> int:
+        parent = self.parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> bool:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return False
+        if self.size[ra] < self.size[rb]:
+            ra, rb = rb, ra
+        self.parent[rb] = ra
+        self.size[ra] += self.size[rb]
+        return True
+
+    def roots(self) -> np.ndarray:
+        """Root of every element, vectorised (pointer jumping)."""
+        parent = np.asarray(self.parent, dtype=np.int64)
+        while True:
+            nxt = parent[parent]
+            if np.array_equal(nxt, parent):
+                return parent
+            parent = nxt
+
+
+def components(n: int, edges: np.ndarray) -> np.ndarray:
+    """Component root for each of ``n`` elements given an (m, 2) edge array."""
+    uf = UnionFind(n)
+    for a, b in np.asarray(edges, dtype=np.int64).tolist():
+        uf.union(a, b)
+    return uf.roots()

@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Thin CLI: downstream-task decontamination of JSONL training data (see ``--help``; library:
+mtnlg_lightning.curation.decontaminate)."""
+
+import os
+import sys
+
+try:
+    import mtnlg_lightning.curation.decontaminate_cli  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "src"))
+
+from mtnlg_lightning.curation.decontaminate_cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
