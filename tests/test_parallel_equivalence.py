@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong shard or norm is >= 1e-3
 
-WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero1_veto", "zero1_memory"]
+WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero1_veto", "zero1_memory"]
 WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4"]
 
 
@@ -81,7 +81,7 @@ def test_layout_trains_like_one_process(layout, world, reference, world2, world4
     assert max_param_diff(run["params"][steps], reference["params"][steps]) <= PARAM_ATOL
 
 
-@pytest.mark.parametrize("layout,world", [("tp2", 2), ("tp2_dp2_zero1", 4)])
+@pytest.mark.parametrize("layout,world", [("tp2", 2), ("dp2_zero3", 2), ("tp2_dp2_zero1", 4)])
 def test_checkpoint_resume_in_the_same_layout_continues_identically(layout, world, world2, world4):
     runs = world2 if world == 2 else world4
     full, resumed = runs[f"{layout}_ckpt"], runs[f"{layout}_resume"]
