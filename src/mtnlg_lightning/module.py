@@ -206,8 +206,11 @@ class MTNLGModule(L.LightningModule):
     def _eval_loss(self, batch) -> torch.Tensor:
         strategy = self.trainer.strategy
         tokens = batch["tokens"]
-        if hasattr(strategy, "forward_only"):
+        if hasattr(strategy, "forward_only"):  # e.g. a pipeline schedule runs the micro-batches
             return strategy.forward_only(self, tokens)
+        return self.mean_micro_batch_loss(tokens)
+
+    def mean_micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
         chunks = tokens.split(self.micro_batch_size)
         return torch.stack([self.loss_fn(self.model(c[:, :-1]), c[:, 1:]) for c in chunks]).mean()
 

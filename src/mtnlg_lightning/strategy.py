@@ -31,9 +31,12 @@ from torch.distributed.constants import default_pg_timeout
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
+from mtnlg_lightning.parallel.pipeline import (MULTI_STAGE, V_SHAPED, PipelineChunks, PipelineRunner, TiedEmbedding,
+                                               create_embedding_group, layers_per_stage, schedule_class,
+                                               split_into_stages, stage_ranks)
 from mtnlg_lightning.parallel.tensor_parallel import (VocabParallelCrossEntropy, gather_tensor_parallel,
                                                       is_tensor_parallel, parallelize)
-from mtnlg_lightning.parallel.zero import (ModelParallelUnit, UpdateSnapshot, deepspeed_config,
+from mtnlg_lightning.parallel.zero import (ModelParallelUnit, UpdateSnapshot, deepspeed_config, engine_backward,
                                            initialize_engine)
 
 _META_FILE = "meta.pt"
@@ -46,6 +49,10 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        pipeline_schedule: str = "1f1b",
+        virtual_pipeline_stages: int | None = None,
+        first_stage_layers: int | None = None,
+        last_stage_layers: int | None = None,
         zero_stage: int = 1,
         gpus_per_node: int | None = None,
         allow_tp_across_nodes: bool = False,
@@ -58,7 +65,13 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         """
         Args:
             tensor_parallel: Megatron TP degree (heads, MLP and vocabulary split); TP groups are consecutive ranks.
-            pipeline_parallel: pipeline stages; only 1 in this release (pipelining arrives with part 2, issue 4).
+            pipeline_parallel: pipeline stages (outermost in the layout; usually one hop across nodes).
+            pipeline_schedule: a `torch.distributed.pipelining` schedule: 1f1b (MT-NLG's), interleaved_1f1b,
+                gpipe, looped_bfs, zbv_zero_bubble.
+            virtual_pipeline_stages: stages per rank (interleaved schedules); default 2 for interleaved_1f1b,
+                looped_bfs and zbv_zero_bubble, else 1.
+            first_stage_layers, last_stage_layers: explicit block counts for the first/last stage (they also hold
+                the embedding and the LM head); default: balanced by blocks (105 layers / 35 stages = 3 each).
             zero_stage: 0 = plain data-parallel all-reduce with the module's optimizer; 1, 2, 3 = DeepSpeed ZeRO
                 over the data-parallel group (optimizer states / + gradients / + parameters partitioned).
             gpus_per_node: ranks per node for the topology; default from LOCAL_WORLD_SIZE or trainer.devices.
@@ -70,6 +83,10 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         """
         super().__init__()
         self.tensor_parallel, self.pipeline_parallel, self.zero_stage = tensor_parallel, pipeline_parallel, zero_stage
+        self.pipeline_schedule = pipeline_schedule
+        self.virtual_pipeline_stages = virtual_pipeline_stages or (2 if pipeline_schedule in MULTI_STAGE else 1)
+        self.first_stage_layers, self.last_stage_layers = first_stage_layers, last_stage_layers
+        self.pipeline: PipelineRunner | None = None
         self.gpus_per_node, self.allow_tp_across_nodes = gpus_per_node, allow_tp_across_nodes
         self.sequence_parallel = sequence_parallel
         self.extra_deepspeed_config = deepspeed_config or {}
@@ -123,9 +140,17 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         # Here rather than in __init__: the CLI's argument parser would bury the message in its own report.
         if self.zero_stage not in (0, 1, 2, 3):
             raise MTNLGError(f"zero_stage {self.zero_stage} is not one of 0 (plain DP), 1, 2, 3")
-        if self.pipeline_parallel != 1:
-            raise MTNLGError(f"pipeline_parallel {self.pipeline_parallel} is not supported yet: pipeline "
-                             f"parallelism arrives with part 2 of the 3D strategy (issue 4); use pipeline_parallel: 1")
+        schedule_class(self.pipeline_schedule)  # unknown names fail here with the list of known ones
+        multi = self.pipeline_schedule in MULTI_STAGE
+        if multi != (self.virtual_pipeline_stages > 1):
+            raise MTNLGError(f"pipeline_schedule {self.pipeline_schedule} takes "
+                             f"{'2 or more' if multi else '1'} virtual_pipeline_stages, got {self.virtual_pipeline_stages}")
+        if self.pipeline_parallel > 1 and self.zero_stage == 3:
+            raise MTNLGError("zero_stage 3 partitions parameters a pipeline stage needs whole: use zero_stage 1 or "
+                             "2 with pipeline_parallel > 1")
+        if self.pipeline_schedule in V_SHAPED and self.zero_stage == 2:
+            raise MTNLGError(f"pipeline_schedule {self.pipeline_schedule} splits the backward in two, which ZeRO-2's "
+                             f"gradient bookkeeping does not follow: use zero_stage 0 or 1 with it")
         if self.sequence_parallel:
             raise MTNLGError("sequence_parallel is not implemented yet; set sequence_parallel: false")
 
@@ -161,6 +186,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
             layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
+            stages = self.pipeline_parallel * self.virtual_pipeline_stages
+            layers_per_stage(config.num_layers, stages, self.first_stage_layers, self.last_stage_layers)
         return layout
 
     def set_world_ranks(self) -> None:
@@ -176,10 +203,15 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.model_to_device()
         module = self.lightning_module
         groups = self.groups
-        if groups.tensor_parallel_size > 1 and not getattr(module, "_mtnlg_parallelized", False):
-            parallelize(module.model, groups.tensor_parallel_group, groups.tensor_parallel_rank,
-                        groups.tensor_parallel_size)
-            module.loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group)
+        if not getattr(module, "_mtnlg_parallelized", False):
+            stage_models = self._split_pipeline(module.model)
+            for stage_model in stage_models:
+                parallelize(stage_model, groups.tensor_parallel_group, groups.tensor_parallel_rank,
+                            groups.tensor_parallel_size)
+            if groups.tensor_parallel_size > 1:
+                module.loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group)
+            if self.pipeline_parallel > 1:
+                module.model = stage_models[0] if len(stage_models) == 1 else PipelineChunks(stage_models)
             module._mtnlg_parallelized = True
         self.model = self.precision_plugin.convert_module(self.model)
         self.barrier()
@@ -192,7 +224,45 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                                           shard_numel=sum(p.numel() for p in module.model.parameters()))
                 self.engine = initialize_engine(module.model, self.optimizers[0], config, ModelParallelUnit(groups))
                 self.optimizers = [self.engine.optimizer]
+            if self.pipeline is not None and self.zero_stage == 2:
+                self.pipeline.backward_context = lambda: engine_backward(self.engine)
         self.setup_precision_plugin()
+
+    def _split_pipeline(self, model) -> list:
+        """This rank's pipeline stage models (the model itself without pipelining) and the schedule runner."""
+        if self.pipeline_parallel == 1:
+            return [model]
+        groups, layout = self.groups, self.layout
+        models, indices, _ = split_into_stages(model, self.pipeline_parallel, groups.pipeline_parallel_rank,
+                                               self.pipeline_schedule, self.virtual_pipeline_stages,
+                                               self.first_stage_layers, self.last_stage_layers)
+        group, first_rank, last_rank = create_embedding_group(layout, self.pipeline_schedule,
+                                                              self.virtual_pipeline_stages, groups.rank)
+        num_stages = self.pipeline_parallel * self.virtual_pipeline_stages
+        firsts = [m for m in models if m.embed is not None]
+        lasts = [m for m in models if m.lm_head is not None]
+        tied = None
+        if group is not None:
+            weight = firsts[0].embed.wte.weight if firsts else lasts[0].lm_head.weight
+            tied = TiedEmbedding(group, first_rank, last_rank, weight, is_first=bool(firsts))
+        placement = stage_ranks(self.pipeline_schedule, self.pipeline_parallel, self.virtual_pipeline_stages)
+        last_pp = next(r for r, stages in enumerate(placement) if num_stages - 1 in stages)
+        c = groups.coord
+        self.pipeline = PipelineRunner(models, indices, num_stages, self.pipeline_schedule, self.root_device,
+                                       groups.pipeline_parallel_group, layout.rank(last_pp, c.dp, c.tp),
+                                       is_first=bool(firsts), is_last=bool(lasts), tied=tied)
+        return models
+
+    def _add_to_embedding_grad(self, grad: torch.Tensor) -> None:
+        """The last stage's LM-head gradient joins the word embedding's (before the DP reduction and clipping)."""
+        weight = self.pipeline.tied.weight
+        if self.engine is not None and self.zero_stage == 2:  # ZeRO-2 takes gradients in its backward hooks
+            with engine_backward(self.engine):
+                torch.autograd.backward((weight * grad).sum())
+        elif weight.grad is None:
+            weight.grad = grad.clone()
+        else:
+            weight.grad.add_(grad)
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -224,7 +294,12 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ the training step (called by the module)
     def forward_backward(self, module, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's micro-batches: forward, loss, backward (through the engine under ZeRO); mean loss."""
+        """This rank's micro-batches: forward, loss, backward (through the engine under ZeRO); mean loss.
+        With pipelining the schedule runs them (Lightning's backward is not used) and the loss, computed on the
+        last stage, is broadcast along the pipeline."""
+        if self.pipeline is not None:
+            return self.pipeline.run(tokens, module.micro_batch_size, module.loss_fn, train=True,
+                                     add_to_embedding_grad=self._add_to_embedding_grad)
         forward = self.engine if self.engine is not None else module.model
         chunks = tokens.split(module.micro_batch_size)
         total = torch.zeros((), device=tokens.device)
@@ -233,6 +308,12 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             module.manual_backward(loss / len(chunks))
             total += loss.detach()
         return total / len(chunks)
+
+    def forward_only(self, module, tokens: torch.Tensor) -> torch.Tensor:
+        """Validation/test loss: through the pipeline schedule (forward only) when pipelined."""
+        if self.pipeline is None:
+            return module.mean_micro_batch_loss(tokens)
+        return self.pipeline.run(tokens, module.micro_batch_size, module.loss_fn, train=False)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         if self.engine is None:
@@ -256,6 +337,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             else:
                 self._engine_stepped = True
                 optimizer.step()  # Lightning counts the step; optimizer_step sees the engine already stepped
+            self._sync_tied_embedding()
             return grad_norm
         params = [p for p in module.model.parameters() if p.grad is not None]
         self._all_reduce_data_parallel_grads(params)
@@ -267,7 +349,14 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         if not module.should_skip_update(loss, grad_norm):  # a vetoed step is counted by the module
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self._sync_tied_embedding()
         return grad_norm
+
+    def _sync_tied_embedding(self) -> None:
+        """After every update (and checkpoint load) the last stage's LM head receives the updated embedding, so
+        the two copies are bit-identical between steps, as Megatron keeps them."""
+        if self.pipeline is not None and self.pipeline.tied is not None:
+            self.pipeline.tied.broadcast_weight()
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Under ZeRO the engine steps (Lightning's step counting happens around this call)."""
@@ -318,8 +407,30 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 value = p.detach().clone()
                 if is_tensor_parallel(p) and self.groups.tensor_parallel_size > 1:
                     value = gather_tensor_parallel(value, p.partition_dim, self.groups.tensor_parallel_group)
+                if isinstance(model, PipelineChunks):
+                    name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)
                 out[name] = value
+        if self.pipeline_parallel > 1:  # every stage's parameters, on every rank
+            parts = [None] * self.pipeline_parallel
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()},
+                                   group=self.groups.pipeline_parallel_group)
+            out = {k: v.to(self.root_device) for part in parts for k, v in part.items()}
         return out
+
+    @torch.no_grad()
+    def tied_head_copy(self) -> torch.Tensor | None:
+        """The last stage's copy of the word embedding (TP-gathered), on every rank; None without a cross-rank tie."""
+        tied = self.pipeline.tied if self.pipeline is not None else None
+        copy_ = None
+        if tied is not None and not tied.is_first:
+            copy_ = tied.weight.detach().clone()
+            if self.groups.tensor_parallel_size > 1:
+                copy_ = gather_tensor_parallel(copy_, 0, self.groups.tensor_parallel_group)
+            copy_ = copy_.cpu()
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, copy_)
+        found = [part for part in parts if part is not None]
+        return found[0].to(self.root_device) if found else None
 
     # ------------------------------------------------------------------ checkpoints: one folder, this layout
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -361,6 +472,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                                                           load_lr_scheduler_states=False, load_module_strict=True)
             if client_state is None:
                 raise MTNLGError(f"{path} holds no DeepSpeed checkpoint of this layout")
+            self._sync_tied_embedding()
             return client_state
         shard_file = path / f"rank_{self.global_rank:05d}.pt"
         if not shard_file.exists():
@@ -369,4 +481,5 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.lightning_module.model.load_state_dict(shard["model"])
         for optimizer, state in zip(self.optimizers, shard["optimizers"]):
             optimizer.load_state_dict(state)
+        self._sync_tied_embedding()
         return torch.load(path / _META_FILE, map_location="cpu", weights_only=False)

@@ -7,8 +7,8 @@ embedding, the last stage keeps the final norm and the LM head, every stage keep
 original names (so checkpoints and parameter names match the single-process model).
 
 Tied embedding (Megatron: the LM head on the last stage is a copy of the word embedding, and the two gradients
-are summed every step). Here the embedding parameter lives only on the first stage; at the start of every step
-the last stage receives it into a gradient-tracking copy, and after the backward its gradient is sent back and
+are summed every step). Here the embedding parameter lives only on the first stage; after every update the last
+stage receives it into a gradient-tracking copy, and after each backward the copy's gradient is sent back and
 added to the embedding's gradient before the optimizer step. So the two are bit-identical by construction, the
 optimizer and the grad norm see the weight once, and ZeRO (1 or 2) needs no special case for it.
 """
@@ -116,7 +116,7 @@ class TiedEmbedding:
         self.weight, self.is_first = weight, is_first
 
     def broadcast_weight(self) -> None:
-        """Start of step: the head copy receives the current embedding."""
+        """After each update: the head copy receives the updated embedding."""
         with torch.no_grad():
             buffer = self.weight.data if self.is_first else self.weight.detach()
             dist.broadcast(buffer, src=self.first_rank, group=self.group)
@@ -140,3 +140,116 @@ def schedule_class(name: str):
     if name not in SCHEDULES:
         raise MTNLGError(f"unknown pipeline schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
     return getattr(pipelining, SCHEDULES[name])
+
+
+class PipelineChunks(nn.ModuleList):
+    """The stage models one rank holds with virtual stages (interleaved schedules), as one module for the
+    optimizer, DeepSpeed and checkpoints. Block names are global indices, so names stay unique across chunks."""
+
+
+def split_into_stages(model: nn.Module, pp_size: int, pp_rank: int, schedule: str, stages_per_rank: int,
+                      first_stage_layers: int | None = None, last_stage_layers: int | None = None):
+    """This rank's stage models (pruned copies of `model`) and their global stage indices."""
+    import copy
+
+    num_stages = pp_size * stages_per_rank
+    counts = layers_per_stage(model.config.num_layers, num_stages, first_stage_layers, last_stage_layers)
+    indices = stage_ranks(schedule, pp_size, stages_per_rank)[pp_rank]
+    models = [build_stage(model if len(indices) == 1 else copy.deepcopy(model), i, counts) for i in indices]
+    retie_on_same_rank(models)
+    return models, indices, counts
+
+
+def create_embedding_group(layout, schedule: str, stages_per_rank: int, rank: int):
+    """Collectively create the {first stage, last stage} groups (one per (dp, tp)); return this rank's and the two
+    ranks, or (None, None, None) when one rank holds both ends (V-shaped schedules) or there is no pipeline."""
+    pp = layout.pipeline_parallel
+    placement = stage_ranks(schedule, pp, stages_per_rank)
+    last_stage = pp * stages_per_rank - 1
+    first_pp = next(r for r, stages in enumerate(placement) if 0 in stages)
+    last_pp = next(r for r, stages in enumerate(placement) if last_stage in stages)
+    if pp == 1 or first_pp == last_pp:
+        return None, None, None
+    mine = (None, None, None)
+    for d in range(layout.data_parallel):
+        for t in range(layout.tensor_parallel):
+            ends = [layout.rank(first_pp, d, t), layout.rank(last_pp, d, t)]
+            group = dist.new_group(ends)  # every rank takes part in creating every group
+            if rank in ends:
+                mine = (group, ends[0], ends[1])
+    return mine
+
+
+class PipelineRunner:
+    """Drives this rank's stages through a `torch.distributed.pipelining` schedule for one step.
+
+    The schedule object depends on the number of micro-batches, which the batch ramp-up changes, so one is built
+    (lazily) per count. The loss function divides by that count, so the accumulated gradients are the mean over
+    the step's micro-batches without the schedule rescaling them (ZeRO-2 moves gradients out of `.grad` during the
+    backward, where a later rescale could not reach). `backward_context` wraps every stage backward (the DeepSpeed
+    engine's per-micro-batch bookkeeping under ZeRO-2)."""
+
+    def __init__(self, stage_models, stage_indices, num_stages: int, schedule: str, device, pp_group,
+                 last_stage_rank: int, is_first: bool, is_last: bool, tied: TiedEmbedding | None = None,
+                 backward_context=None):
+        self.stage_models, self.stage_indices, self.num_stages = stage_models, stage_indices, num_stages
+        self.schedule_name, self.device, self.pp_group = schedule, device, pp_group
+        self.last_stage_rank, self.is_first, self.is_last = last_stage_rank, is_first, is_last
+        self.tied, self.backward_context = tied, backward_context
+        self._schedules: dict[int, object] = {}
+        self._loss_fn = None
+
+    def _schedule(self, num_microbatches: int):
+        if num_microbatches not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            context = self.backward_context
+
+            class Stage(PipelineStage):
+                def backward_maybe_with_nosync(self, *args, **kwargs):
+                    if context is None:
+                        return super().backward_maybe_with_nosync(*args, **kwargs)
+                    with context():
+                        return super().backward_maybe_with_nosync(*args, **kwargs)
+
+            stages = [Stage(m, i, self.num_stages, self.device, group=self.pp_group)
+                      for m, i in zip(self.stage_models, self.stage_indices)]
+            cls = schedule_class(self.schedule_name)
+
+            def loss_fn(output, target):
+                return self._loss_fn(output, target) / num_microbatches
+
+            try:
+                self._schedules[num_microbatches] = cls(stages if len(stages) > 1 else stages[0],
+                                                        n_microbatches=num_microbatches, loss_fn=loss_fn,
+                                                        scale_grads=False)
+            except ValueError as error:  # e.g. 1F1B needs at least as many micro-batches as stages
+                raise MTNLGError(f"pipeline schedule {self.schedule_name} cannot run {num_microbatches} "
+                                 f"micro-batches per step: {error} (raise global_batch_size or lower "
+                                 f"micro_batch_size: micro-batches = local batch / micro_batch_size)") from None
+        return self._schedules[num_microbatches]
+
+    def run(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool = True,
+            add_to_embedding_grad=None) -> torch.Tensor:
+        """One step (train: forward + backward of every micro-batch; else forward only). Returns the mean loss
+        over the micro-batches on every rank of the pipeline."""
+        if tokens.shape[0] % micro_batch_size:
+            raise MTNLGError(f"local batch {tokens.shape[0]} is not a multiple of micro_batch_size {micro_batch_size}")
+        schedule = self._schedule(tokens.shape[0] // micro_batch_size)
+        self._loss_fn = loss_fn
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": []} if self.is_last else {}
+        if train:
+            schedule.step(*args, **kwargs)
+            if self.tied is not None:
+                self.tied.reduce_grad(add_to_embedding_grad)
+        else:
+            with torch.no_grad():
+                schedule.eval(*args, **kwargs)
+        if self.is_last:
+            loss = torch.stack([l.detach().float() for l in kwargs["losses"]]).sum()
+        else:
+            loss = torch.zeros((), device=tokens.device)
+        dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
+        return loss

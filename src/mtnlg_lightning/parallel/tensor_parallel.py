@@ -131,12 +131,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """Logits for this rank's vocabulary slice, tied to the `VocabParallelEmbedding` shard (same Parameter)."""
+    """Logits for this rank's vocabulary slice, tied to the `VocabParallelEmbedding` shard (same Parameter).
 
-    def __init__(self, embedding: VocabParallelEmbedding, group):
+    On a last pipeline stage without the embedding, `weight` is a plain tensor: the per-step copy of the first
+    stage's shard that `pipeline.TiedEmbedding` fills (not a parameter: the optimizer sees the embedding once)."""
+
+    def __init__(self, weight: torch.Tensor, group):
         super().__init__()
         self.group = group
-        self.weight = embedding.weight  # tied: one Parameter registered in both modules
+        self.weight = weight  # tied: the embedding's Parameter, or the pipeline copy
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tensor_parallel_region(h, self.group), self.weight)
@@ -212,10 +215,13 @@ def parallelize(model: nn.Module, group, rank: int, size: int) -> nn.Module:
     embed = getattr(model, "embed", None)
     if embed is not None:
         embed.wte = VocabParallelEmbedding.from_embedding(embed.wte, group, rank, size)
-    if getattr(model, "lm_head", None) is not None:
-        if embed is None:
-            raise NotImplementedError("an LM head without the embedding on the same stage arrives with pipelining")
-        model.lm_head = VocabParallelLMHead(embed.wte, group)
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        if embed is not None:
+            model.lm_head = VocabParallelLMHead(embed.wte.weight, group)
+        else:  # last pipeline stage: shard the embedding copy like the embedding itself
+            shard = _shard(head.weight, 0, rank, size).requires_grad_(head.weight.requires_grad)
+            model.lm_head = VocabParallelLMHead(shard, group)
     return model
 
 

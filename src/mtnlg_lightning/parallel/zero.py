@@ -14,6 +14,7 @@ DP reduction, the clipping by the global norm, the update and zero_grad.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,21 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu,
                                            dist_init_required=False)
     return engine
+
+
+@contextmanager
+def engine_backward(engine):
+    """The bookkeeping `engine.backward` does around a backward, for backwards that a pipeline schedule runs
+    (ZeRO-2 moves each micro-batch's gradients into its partitions from hooks that rely on it). Private DeepSpeed
+    internals: pinned by the version range above and exercised by the pp2 x dp2 ZeRO-2 equivalence test."""
+    engine.optimizer.clear_backward_seen_flag()
+    engine._running_engine_backward = True
+    engine._backward_prologue()
+    try:
+        yield
+    finally:
+        engine._backward_epilogue()
+        engine._running_engine_backward = False
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer:
