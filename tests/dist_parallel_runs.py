@@ -29,10 +29,41 @@ def ckpt_dir(out: Path, name: str) -> Path:
     return out / f"{name}_ckpt"
 
 
+# Pipeline layouts: name -> (strategy kwargs, model overrides). Micro-batch 2: every pipeline gets >= 2
+# micro-batches per step (the global batch stays 8).
+PIPELINE_RUNS = {
+    "pp2_1f1b": (dict(pipeline_parallel=2), None),
+    "pp2_interleaved": (dict(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b"), {"num_layers": 4}),
+    "pp2_5blocks_zero1": (dict(pipeline_parallel=2, zero_stage=1), {"num_layers": 5}),
+    "pp2_dp2_zero1": (dict(pipeline_parallel=2, zero_stage=1), None),
+    "pp2_dp2_zero2": (dict(pipeline_parallel=2, zero_stage=2), None),
+    "tp2_pp2_dp2_zero1": (dict(tensor_parallel=2, pipeline_parallel=2, zero_stage=1), None),
+}
+
+
+def pipeline_run(name: str, world: int, out: Path):
+    base = name.removesuffix("_ckpt").removesuffix("_resume")
+    kwargs, overrides = PIPELINE_RUNS[base]
+    kwargs = {"tensor_parallel": 1, "zero_stage": 0, **kwargs, "print_layout": False}
+    common = dict(devices=world, micro_batch_size=2, model_overrides=overrides)
+    if name.endswith("_ckpt"):
+        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=6, checkpoint_dir=ckpt_dir(out, base),
+                                capture_steps=(5, 6), **common)
+    elif name.endswith("_resume"):
+        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=6, capture_steps=(6,),
+                                ckpt_path=ckpt_dir(out, base) / "step=3.ckpt", **common)
+    else:
+        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, **common)
+    # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
+    return rec, trainer, {"tied_head": trainer.strategy.tied_head_copy()}
+
+
 def run(name: str, out: Path, world: int) -> dict:
     extra = {}
     # name -> (strategy, run kwargs). "*_ckpt" runs 6 steps saving at step 3; "*_resume" resumes from it.
-    if name in ("tp2", "tp4", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
+    if name.removesuffix("_ckpt").removesuffix("_resume") in PIPELINE_RUNS:
+        rec, trainer, extra = pipeline_run(name, world, out)
+    elif name in ("tp2", "tp4", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
         tp = {"tp2": 2, "tp4": 4}.get(name, 1)
         zero = int(name[-1]) if "zero" in name else 0
         ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None

@@ -26,8 +26,11 @@ HERE = Path(__file__).resolve().parent
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong shard or norm is >= 1e-3
 
-WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero1_veto", "zero1_memory"]
-WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4"]
+WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3",
+               "dp2_zero1_veto", "zero1_memory", "pp2_1f1b_ckpt", "pp2_1f1b_resume", "pp2_interleaved",
+               "pp2_5blocks_zero1"]
+WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
+WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
@@ -53,6 +56,21 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     return launch(4, WORLD4_RUNS, tmp_path_factory.mktemp("world4"))
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return launch(8, WORLD8_RUNS, tmp_path_factory.mktemp("world8"))
+
+
+@pytest.fixture(scope="module")
+def deeper_references():
+    """Single-process references for the pipeline layouts that need more blocks than the tiny preset's 2."""
+    out = {}
+    for layers in (4, 5):
+        rec, _ = tiny_run(max_steps=5, model_overrides={"num_layers": layers})
+        out[layers] = {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
+    return out
 
 
 def max_rel(a, b):
@@ -103,3 +121,40 @@ def test_zero1_optimizer_state_per_rank_halves_at_dp2(world2):
     # fp32 master copy + Adam's two moments = 12 bytes per parameter at dp=1, read from the real optimizer.
     assert run["bytes_dp1"] == pytest.approx(12 * run["num_params"], rel=0.01)
     assert ratio == pytest.approx(0.5, rel=0.05), (run["bytes_dp"], run["bytes_dp1"])
+
+
+PIPELINE_LAYOUTS = [  # (run, world, blocks): 1F1B, interleaved (2 virtual stages per rank), 5 blocks on 2
+    ("pp2_1f1b_ckpt", 2, 2),   # stages (3 + 2), ZeRO-1 and ZeRO-2 under PP, and MT-NLG's TP x PP x DP on 8 ranks
+    ("pp2_interleaved", 2, 4),
+    ("pp2_5blocks_zero1", 2, 5),
+    ("pp2_dp2_zero1", 4, 2),
+    ("pp2_dp2_zero2", 4, 2),
+    ("tp2_pp2_dp2_zero1", 8, 2),
+]
+
+
+@pytest.mark.parametrize("layout,world,blocks", PIPELINE_LAYOUTS)
+def test_pipeline_layout_trains_like_one_process(layout, world, blocks, reference, deeper_references, world2,
+                                                 world4, world8):
+    run = {2: world2, 4: world4, 8: world8}[world][layout]
+    ref = reference if blocks == 2 else deeper_references[blocks]
+    steps = CAPTURE_STEP
+    assert max_rel(run["losses"][:steps], ref["losses"][:steps]) <= LOSS_RTOL
+    assert max_rel(run["grad_norms"][:steps], ref["grad_norms"][:steps]) <= 1e-4  # norm over dp + pp + tp
+    assert all(norm > GRAD_CLIP for norm in ref["grad_norms"][:steps])  # clipping triggered every step
+    assert max_param_diff(run["params"][steps], ref["params"][steps]) <= PARAM_ATOL  # every stage, gathered
+
+
+@pytest.mark.parametrize("layout,world", [(name, world) for name, world, _ in PIPELINE_LAYOUTS
+                                          if name != "pp2_1f1b_ckpt"])
+def test_tied_embedding_on_the_last_stage_stays_identical_to_the_first_stage(layout, world, world2, world4, world8):
+    run = {2: world2, 4: world4, 8: world8}[world][layout]
+    assert torch.equal(run["tied_head"], run["params"][CAPTURE_STEP]["embed.wte.weight"])
+
+
+def test_pipeline_checkpoint_resume_continues_identically(world2):
+    full, resumed = world2["pp2_1f1b_ckpt"], world2["pp2_1f1b_resume"]
+    assert len(full["losses"]) == 6 and len(resumed["losses"]) == 3  # 6 steps == 3 + resume + 3
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6, abs=0)
+    assert max_param_diff(resumed["params"][6], full["params"][6]) <= 1e-6
+    assert torch.equal(resumed["tied_head"], resumed["params"][6]["embed.wte.weight"])

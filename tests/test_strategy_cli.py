@@ -42,8 +42,31 @@ def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line(
     assert errors == ["mtnlg: error: world size 2 is not divisible by tensor_parallel 4 x pipeline_parallel 1 = 4"]
 
 
-def test_pipeline_parallel_is_refused_until_part_2_with_one_line():
-    out = run_cli("fit", "--config", "configs/tiny.yaml", "--trainer.strategy", "configs/strategy/tp2.yaml",
-                  "--trainer.strategy.init_args.pipeline_parallel", "2", "--trainer.devices", "4")
+def test_more_pipeline_stages_than_blocks_is_one_line():
+    out = run_cli("fit", "--config", "configs/tiny.yaml", "--trainer.strategy", "configs/strategy/pp2.yaml",
+                  "--trainer.strategy.init_args.pipeline_parallel", "3", "--trainer.devices", "3")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("mtnlg: error: pipeline_parallel 2 is not supported yet")
+    errors = {line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")}
+    assert errors == {"mtnlg: error: num_layers 2 is fewer than pipeline_parallel 3 stages"}
+
+
+@pytest.mark.distributed
+def test_tp2_pp2_dp2_on_8_ranks_trains_like_one_process_and_validates_through_the_pipeline(tmp_path):
+    common = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "4",
+              "--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
+    single = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    parallel = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "3d"),
+                       "--trainer.strategy", "configs/strategy/tp2_pp2_dp2.yaml", "--trainer.devices", "8")
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    assert "layout: world 8 = pp 2 x dp 2 x tp 2 on 1 node(s) of 8 rank(s)" in parallel.stdout + parallel.stderr
+
+    reference, rows = train_rows(tmp_path / "single"), train_rows(tmp_path / "3d")
+    assert [int(r["step"]) for r in rows] == list(range(4))  # one train_loss row per step
+    for ref, row in zip(reference, rows):
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), rel=1e-5)
+        assert float(row["grad_norm"]) == pytest.approx(float(ref["grad_norm"]), rel=1e-4)
+    val = lambda d: [float(r["val_loss"]) for r in csv.DictReader(next(d.rglob("metrics.csv")).open())  # noqa: E731
+                     if r.get("val_loss")]
+    assert val(tmp_path / "3d") == pytest.approx(val(tmp_path / "single"), rel=1e-5)  # forward-only pipeline
+    assert len(val(tmp_path / "3d")) == 1

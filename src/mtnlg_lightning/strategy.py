@@ -211,6 +211,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             if groups.tensor_parallel_size > 1:
                 module.loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group)
             if self.pipeline_parallel > 1:
+                self.pipeline.tied = self._tied_embedding(stage_models)  # after TP sharding: the final tensors
                 module.model = stage_models[0] if len(stage_models) == 1 else PipelineChunks(stage_models)
             module._mtnlg_parallelized = True
         self.model = self.precision_plugin.convert_module(self.model)
@@ -236,22 +237,28 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         models, indices, _ = split_into_stages(model, self.pipeline_parallel, groups.pipeline_parallel_rank,
                                                self.pipeline_schedule, self.virtual_pipeline_stages,
                                                self.first_stage_layers, self.last_stage_layers)
-        group, first_rank, last_rank = create_embedding_group(layout, self.pipeline_schedule,
-                                                              self.virtual_pipeline_stages, groups.rank)
         num_stages = self.pipeline_parallel * self.virtual_pipeline_stages
         firsts = [m for m in models if m.embed is not None]
         lasts = [m for m in models if m.lm_head is not None]
-        tied = None
-        if group is not None:
-            weight = firsts[0].embed.wte.weight if firsts else lasts[0].lm_head.weight
-            tied = TiedEmbedding(group, first_rank, last_rank, weight, is_first=bool(firsts))
         placement = stage_ranks(self.pipeline_schedule, self.pipeline_parallel, self.virtual_pipeline_stages)
         last_pp = next(r for r, stages in enumerate(placement) if num_stages - 1 in stages)
         c = groups.coord
         self.pipeline = PipelineRunner(models, indices, num_stages, self.pipeline_schedule, self.root_device,
                                        groups.pipeline_parallel_group, layout.rank(last_pp, c.dp, c.tp),
-                                       is_first=bool(firsts), is_last=bool(lasts), tied=tied)
+                                       is_first=bool(firsts), is_last=bool(lasts))
         return models
+
+    def _tied_embedding(self, stage_models) -> TiedEmbedding | None:
+        """The link between the word embedding (first stage) and the LM-head copy (last stage) of this rank's
+        (dp, tp) coordinates; None when this rank holds neither end or both (V-shaped schedules)."""
+        group, first_rank, last_rank = create_embedding_group(self.layout, self.pipeline_schedule,
+                                                              self.virtual_pipeline_stages, self.groups.rank)
+        if group is None:
+            return None
+        firsts = [m for m in stage_models if m.embed is not None]
+        lasts = [m for m in stage_models if m.lm_head is not None]
+        weight = firsts[0].embed.wte.weight if firsts else lasts[0].lm_head.weight
+        return TiedEmbedding(group, first_rank, last_rank, weight, is_first=bool(firsts))
 
     def _add_to_embedding_grad(self, grad: torch.Tensor) -> None:
         """The last stage's LM-head gradient joins the word embedding's (before the DP reduction and clipping)."""

@@ -152,7 +152,9 @@ class GPTDataModule(L.LightningDataModule):
         if name not in self.blends:
             return []
         dp_rank, dp_size = self._dp()
-        size = self._module.micro_batch_size * dp_size
+        # Evaluation batches are global batches (as Megatron's eval iterations): the same micro-batch count per
+        # rank as training, which pipeline schedules need.
+        size = self._module.batch_schedule.global_batch_size
         blend = self.blends[name]
         batches = StepBatches(blend, lambda _: size, 0, len(blend) - len(blend) % size, dp_rank, dp_size)
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers)
