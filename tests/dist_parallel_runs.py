@@ -38,14 +38,17 @@ PIPELINE_RUNS = {
     "pp2_dp2_zero1": (dict(pipeline_parallel=2, zero_stage=1), None),
     "pp2_dp2_zero2": (dict(pipeline_parallel=2, zero_stage=2), None),
     "tp2_pp2_dp2_zero1": (dict(tensor_parallel=2, pipeline_parallel=2, zero_stage=1), None),
+    "pp2_rampup": (dict(pipeline_parallel=2), None),  # batch 2, 2, 4, ...: 1 micro-batch < 2 stages at first
 }
+RAMPUP = [2, 2, 12]
 
 
 def pipeline_run(name: str, world: int, out: Path):
     base = name.removesuffix("_ckpt").removesuffix("_resume")
     kwargs, overrides = PIPELINE_RUNS[base]
     kwargs = {"tensor_parallel": 1, "zero_stage": 0, **kwargs, "print_layout": False}
-    common = dict(devices=world, micro_batch_size=2, model_overrides=overrides)
+    common = dict(devices=world, micro_batch_size=2, model_overrides=overrides,
+                  rampup_batch_size=RAMPUP if base == "pp2_rampup" else None)
     if name.endswith("_ckpt"):
         rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=6, checkpoint_dir=ckpt_dir(out, base),
                                 capture_steps=(5, 6), **common)

@@ -52,12 +52,12 @@ class VetoStep(Callback):
 
 def tiny_run(strategy="auto", devices=1, max_steps=5, grad_clip=GRAD_CLIP, capture_steps=(CAPTURE_STEP,),
              checkpoint_dir=None, checkpoint_every=3, ckpt_path=None, callbacks=(), micro_batch_size=4,
-             model_overrides=None) -> tuple[Recorder, L.Trainer]:
+             model_overrides=None, rampup_batch_size=None) -> tuple[Recorder, L.Trainer]:
     """`micro_batch_size` changes only how the global batch of 8 is cut (the loss and gradients are the same
     mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}."""
     L.seed_everything(SEED, verbose=False)
     module = MTNLGModule(preset="tiny", model_overrides=model_overrides, micro_batch_size=micro_batch_size,
-                         global_batch_size=8, lr=1e-3, min_lr=1e-4, warmup_tokens=1024, decay_tokens=10240,
+                         global_batch_size=8, rampup_batch_size=rampup_batch_size, lr=1e-3, min_lr=1e-4, warmup_tokens=1024, decay_tokens=10240,
                          grad_clip=grad_clip)
     data = GPTDataModule(builtin_corpus="python-docs", seed=SEED)
     recorder = Recorder(capture_steps)

@@ -28,7 +28,7 @@ PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong sh
 
 WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3",
                "dp2_zero1_veto", "zero1_memory", "pp2_1f1b_ckpt", "pp2_1f1b_resume", "pp2_interleaved",
-               "pp2_5blocks_zero1"]
+               "pp2_5blocks_zero1", "pp2_rampup"]
 WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
 WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
 
@@ -150,6 +150,16 @@ def test_pipeline_layout_trains_like_one_process(layout, world, blocks, referenc
 def test_tied_embedding_on_the_last_stage_stays_identical_to_the_first_stage(layout, world, world2, world4, world8):
     run = {2: world2, 4: world4, 8: world8}[world][layout]
     assert torch.equal(run["tied_head"], run["params"][CAPTURE_STEP]["embed.wte.weight"])
+
+
+def test_pipeline_follows_the_batch_ramp_up_even_below_one_micro_batch_per_stage(world2):
+    """MT-NLG starts at 32 sequences over 16 replicas: 2 micro-batches for 35 stages. Here: 1 for 2 stages."""
+    from dist_parallel_runs import RAMPUP
+
+    rec, _ = tiny_run(max_steps=5, rampup_batch_size=RAMPUP, micro_batch_size=2)
+    run = world2["pp2_rampup"]
+    assert max_rel(run["losses"][:5], rec.losses[:5]) <= LOSS_RTOL
+    assert max_param_diff(run["params"][5], rec.params[5]) <= PARAM_ATOL
 
 
 def test_pipeline_checkpoint_resume_continues_identically(world2):

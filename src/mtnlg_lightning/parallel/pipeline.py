@@ -214,7 +214,13 @@ class PipelineRunner:
 
             stages = [Stage(m, i, self.num_stages, self.device, group=self.pp_group)
                       for m, i in zip(self.stage_models, self.stage_indices)]
-            cls = schedule_class(self.schedule_name)
+            name = self.schedule_name
+            if name == "1f1b" and num_microbatches < self.num_stages:
+                # Early in the batch ramp-up (MT-NLG: 32 sequences over 16 replicas = 2 micro-batches for 35
+                # stages) 1F1B's warm-up already holds every micro-batch; torch's Schedule1F1B refuses that case,
+                # GPipe runs it with the same results and at most num_microbatches < stages in flight.
+                name = "gpipe"
+            cls = schedule_class(name)
 
             def loss_fn(output, target):
                 return self._loss_fn(output, target) / num_microbatches
