@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--every-n", dest="every_n", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per mode (after the measured one)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", help="also write the per-mode figures to this JSON file")
     parser.add_argument("--mode", help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
     if args.mode:
@@ -145,6 +146,9 @@ def main() -> None:
         print(f"{r['mode']:<10} {r['checkpointed']:>10} {r['step_peak_mib']:>14.0f} {mem:>+8.0%} {r['step_s']:>8.2f} "
               f"{slow:>+13.0%} {r['loss']:>8.4f}")
     print("step peak = peak RSS during one training step minus RSS before it (grads + activations + temporaries).")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ngrams", type=int, default=100000, help="approximate number of task n-grams to load")
     ap.add_argument("--docs", type=int, default=5000, help="training documents (~3.6 KB each)")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_decontam_")
+    figures = {"training_mb": None, "mb_per_s_by_workers": {}}
     n_tasks = max(1, int(args.ngrams / 13.5))  # tasks of 14-40 words: ~15 13-grams each; 10% short tasks: 1
     t0 = time.perf_counter()
     tasks, docs = make_tasks_and_training(n_tasks, args.docs, seed=7, doc_chars=3600, plant_fraction=0.05)
@@ -40,6 +42,7 @@ def main() -> None:
             for r in recs:
                 f.write(json.dumps(r) + "\n")
     mb = os.path.getsize(ip) / 1e6
+    figures["training_mb"] = mb
     print(f"# bench_decontaminate (cpu cores visible: {os.cpu_count()}; data generated in {time.perf_counter() - t0:.0f} s)")
     for workers in (1, 2):
         c0 = time.process_time()
@@ -47,6 +50,7 @@ def main() -> None:
                                                progress=False))
         cpu = time.process_time() - c0 - (rep["timings_s"]["load_tasks"] if workers == 1 else 0)
         tm = rep["timings_s"]
+        figures["mb_per_s_by_workers"][workers] = rep["mb_per_s"]
         scan = tm["count_pass"] + tm["clean_pass"]
         line = (f"{workers} worker{'s' if workers > 1 else ' '}: {rep['mb_per_s']:6.2f} MB/s wall"
                 f" ({mb:.1f} MB in {scan:.2f} s: count {tm['count_pass']:.2f} s + clean {tm['clean_pass']:.2f} s)")
@@ -59,6 +63,10 @@ def main() -> None:
             d = rep["documents"]
             print(f"documents           : {d['in']} in, {d['records_out']} out; {rep['hits']['documents']} hit;"
                   f" {d['split']} split, {d['trimmed']} trimmed, {d['dropped_too_many_splits'] + d['dropped_no_piece_left']} dropped")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

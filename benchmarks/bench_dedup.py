@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--scale-docs", type=int, default=100000, help="memory run size (0 to skip)")
     ap.add_argument("--accuracy-docs", type=int, default=4000, help="accuracy corpus size (0 to skip)")
     ap.add_argument("--skip-naive", action="store_true", help="do not run the datasketch baseline")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
+    figures = {}
     tmp = tempfile.mkdtemp(prefix="bench_dedup_")
     print(f"# bench_dedup (cpu cores visible: {os.cpu_count()}, work dir {tmp})")
 
@@ -91,8 +93,10 @@ def main() -> None:
           " which is robust to other load on a shared machine)")
     print(f"ours, 1 worker        : {n / t1:8.0f} docs/s wall, {n / c1:8.0f} docs/CPU-s"
           f"  ({t1:.2f} s; stages {rep1['timings_s']})")
+    figures.update(docs=n, ours_docs_per_s=n / t1, ours_docs_per_cpu_s=n / c1)
     if not args.skip_naive:
         tn, kept, cn = naive_datasketch(corpus, os.path.join(tmp, "naive.jsonl"))
+        figures.update(datasketch_docs_per_s=n / tn, datasketch_docs_per_cpu_s=n / cn)
         print(f"naive datasketch      : {n / tn:8.0f} docs/s wall, {n / cn:8.0f} docs/CPU-s  ({tn:.2f} s;"
               f" kept {kept}, ours kept {rep1['totals']['docs_out']})")
         print(f"speed-up              : {tn / t1:8.1f} x wall, {cn / c1:.1f} x CPU")
@@ -136,12 +140,18 @@ def main() -> None:
         for name, kw in (("default 32x8", {}), ("--preset mtnlg 20x13", {"banding": MTNLG_BANDING})):
             r = evaluate_dedup(recs, os.path.join(tmp, "acc-" + name.split()[0].strip("-")), **kw)
             hi, mid = r["J>=0.85"], r["0.80<=J<0.85"]
+            figures.setdefault("accuracy", {})[name] = {"recall_j085_clustered": hi["recall_clustered"],
+                                                        "precision": r["precision_verified_pairs"]}
             p8 = r["report"]["banding"]["candidate_probability"]["0.80"]
             print(f"{name:22} {hi['pairs']:12d} {hi['recall_direct']:6.3f}/{hi['recall_clustered']:6.3f} "
                   f"{mid['pairs']:13d} {mid['recall_direct']:6.3f}/{mid['recall_clustered']:6.3f} "
                   f"{r['precision_verified_pairs']:9.4f} {p8:10.3f}")
         print("recall shown as direct/clustered: direct = the pair itself became an LSH candidate (then verified);"
               " clustered = both documents ended up in the same duplicate cluster")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

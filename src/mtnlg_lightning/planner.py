@@ -41,6 +41,10 @@ def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -
 def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "bf16") -> float:
     b = STATE_BYTES[precision]
     weights, grads, optimizer = (params * b[k] for k in ("weights", "grads", "optimizer"))
+    if precision == "fp32" and zero_stage >= 1:
+        # DeepSpeed ZeRO keeps an fp32 master partition even for an fp32 model (measured: bench_memory.py);
+        # plain DP (ZeRO-0) updates the fp32 weights in place.
+        optimizer += params * 4
     if zero_stage >= 1:
         optimizer /= dp
     if zero_stage >= 2:
