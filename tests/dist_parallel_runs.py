@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_harness import VetoStep, tiny_run  # noqa: E402
+from parallel_harness import ScaleLossAt, VetoStep, tiny_run  # noqa: E402
 
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
@@ -82,6 +82,18 @@ def run(name: str, out: Path, world: int) -> dict:
         else:
             rec, trainer = tiny_run(strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt",
                                     capture_steps=(6,))
+    elif name == "pp2_spike_skip":  # the callbacks under the 3D strategy: every rank takes the same decision
+        from mtnlg_lightning.callbacks import LossSpikeDetection
+
+        spikes = LossSpikeDetection(action="skip", window=5, warmup_steps=3)
+        rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=8, micro_batch_size=2,
+                                capture_steps=(6, 7, 8), callbacks=[ScaleLossAt(6), spikes])
+        extra = {"spike_steps": [s["step"] for s in spikes.spikes]}
+    elif name == "pp2_activation_checkpointing":
+        from mtnlg_lightning.callbacks import ActivationCheckpointing
+
+        rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=5, micro_batch_size=2,
+                                callbacks=[ActivationCheckpointing(mode="full")])
     elif name == "dp2_zero1_veto":
         rec, trainer = tiny_run(strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3),
                                 callbacks=[VetoStep(2)])

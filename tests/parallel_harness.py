@@ -50,6 +50,21 @@ class VetoStep(Callback):
         return trainer.global_step + 1 == self.step
 
 
+class ScaleLossAt(Callback):
+    """Multiplies the training loss of one step (0-based) by `factor`: an injected loss spike. Wraps whatever
+    loss the strategy installed (vocab-parallel CE under TP), so it works under any layout."""
+
+    def __init__(self, step: int, factor: float = 1e3):
+        self.step, self.factor, self._original = step, factor, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._original is None:
+            self._original = pl_module.loss_fn
+        original, factor = self._original, self.factor
+        spiking = trainer.global_step == self.step
+        pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if spiking else original
+
+
 def tiny_run(strategy="auto", devices=1, max_steps=5, grad_clip=GRAD_CLIP, capture_steps=(CAPTURE_STEP,),
              checkpoint_dir=None, checkpoint_every=3, ckpt_path=None, callbacks=(), micro_batch_size=4,
              model_overrides=None, rampup_batch_size=None) -> tuple[Recorder, L.Trainer]:

@@ -28,7 +28,7 @@ PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong sh
 
 WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3",
                "dp2_zero1_veto", "zero1_memory", "pp2_1f1b_ckpt", "pp2_1f1b_resume", "pp2_interleaved",
-               "pp2_5blocks_zero1", "pp2_rampup"]
+               "pp2_5blocks_zero1", "pp2_rampup", "pp2_spike_skip", "pp2_activation_checkpointing"]
 WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
 WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
 
@@ -168,3 +168,16 @@ def test_pipeline_checkpoint_resume_continues_identically(world2):
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6, abs=0)
     assert max_param_diff(resumed["params"][6], full["params"][6]) <= 1e-6
     assert torch.equal(resumed["tied_head"], resumed["params"][6]["embed.wte.weight"])
+
+
+def test_loss_spike_skip_under_the_pipeline_is_one_decision_for_all_ranks(world2):
+    run = world2["pp2_spike_skip"]  # loss x 1e3 at step 6 (0-based); global_step 7 counts it
+    assert run["spike_steps"] == [6]
+    assert max_param_diff(run["params"][7], run["params"][6]) == 0.0  # both stages kept their parameters
+    assert max_param_diff(run["params"][8], run["params"][7]) > 0.0  # and train on afterwards
+
+
+def test_activation_checkpointing_composes_with_the_pipeline(reference, world2):
+    run = world2["pp2_activation_checkpointing"]
+    assert max_rel(run["losses"][:5], reference["losses"][:5]) <= LOSS_RTOL
+    assert max_param_diff(run["params"][5], reference["params"][5]) <= PARAM_ATOL
