@@ -26,16 +26,25 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
         return EXIT_ERROR
 
 
-def positive_int(value: str) -> int:
+def int_at_least(minimum: int):
+    """An argparse `type` accepting integers >= minimum, with a message naming the bound."""
     import argparse
 
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return v
+    wording = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(value: str) -> int:
+        try:
+            v = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {value!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {value!r}")
+        return v
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 class HelpFormatter:

@@ -5,20 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, positive_int, run_cli
+from .cli_common import HelpFormatter, int_at_least, positive_int, run_cli
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
 
 
-def _non_negative(value: str) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return v
+_non_negative = int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
