@@ -153,3 +153,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Tear the world down before the interpreter does: DeepSpeed/gloo threads left to static destructors can abort
+    # the process at exit ("terminate called without an active exception") after all the work succeeded.
+    dist.barrier()
+    dist.destroy_process_group()

@@ -30,6 +30,15 @@ def main(args: list[str] | None = None) -> None:
     except MTNLGError as error:
         print(f"mtnlg: error: {error}", file=sys.stderr)
         sys.exit(2)
+    _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Leave no communication threads to the interpreter's exit (they can abort an otherwise finished run)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
