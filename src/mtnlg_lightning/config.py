@@ -65,6 +65,15 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def deep_merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, recursing into nested dicts (as YAML configs and DeepSpeed overrides combine)."""
+    out = dict(base)
+    for key, value in extra.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = deep_merge(out[key], value) if both else value
+    return out
+
+
 def get_config(preset: str, **overrides) -> ModelConfig:
     """Build a config from a preset name, with field overrides (e.g. num_layers=5)."""
     if preset not in PRESETS:

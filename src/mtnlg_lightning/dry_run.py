@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from mtnlg_lightning.config import count_parameters, get_config
+from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
@@ -17,20 +17,13 @@ from mtnlg_lightning.schedules import BatchSizeSchedule
 STRATEGY = "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def load_configs(paths: list[str]) -> dict:
     merged: dict = {}
     for path in paths:
         if not Path(path).exists():
             raise MTNLGError(f"config {path} does not exist")
         try:
-            merged = _merge(merged, yaml.safe_load(Path(path).read_text()) or {})
+            merged = deep_merge(merged, yaml.safe_load(Path(path).read_text()) or {})
         except yaml.YAMLError as error:
             raise MTNLGError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     return merged

@@ -13,12 +13,12 @@ DP reduction, the clipping by the global norm, the update and zero_grad.
 """
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from mtnlg_lightning.config import deep_merge
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
@@ -100,14 +100,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_clip: float | 
         config["bf16"] = {"enabled": True}
     elif str(precision).startswith("16"):
         config["fp16"] = {"enabled": True, "initial_scale_power": 16}
-    return _merge(config, overrides or {})
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    return deep_merge(config, overrides or {})
 
 
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict,
