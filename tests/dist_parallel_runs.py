@@ -87,8 +87,18 @@ def run(name: str, out: Path, world: int) -> dict:
 
         spikes = LossSpikeDetection(action="skip", window=5, warmup_steps=3)
         rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=8, micro_batch_size=2,
-                                capture_steps=(6, 7, 8), callbacks=[ScaleLossAt(6), spikes])
+                                capture_steps=(6, 7, 8), callbacks=[ScaleLossAt(6 * 8), spikes])
         extra = {"spike_steps": [s["step"] for s in spikes.spikes]}
+    elif name == "pp2_spike_rewind":  # restore the sharded checkpoint from before the spike, skip the data
+        from mtnlg_lightning.callbacks import LossSpikeDetection
+
+        spikes = LossSpikeDetection(action="rewind", window=5, warmup_steps=3, skip_batches=2,
+                                    record_file=str(out / "rewinds.json"))
+        rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=10, micro_batch_size=2,
+                                capture_steps=(10,), callbacks=[ScaleLossAt(7 * 8), spikes],
+                                checkpoint_dir=ckpt_dir(out, name), checkpoint_every=3)
+        extra = {"spike_steps": [s["step"] for s in spikes.spikes], "record": spikes.record,
+                 "tied_head": trainer.strategy.tied_head_copy()}
     elif name == "pp2_activation_checkpointing":
         from mtnlg_lightning.callbacks import ActivationCheckpointing
 

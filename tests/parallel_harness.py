@@ -51,18 +51,19 @@ class VetoStep(Callback):
 
 
 class ScaleLossAt(Callback):
-    """Multiplies the training loss of one step (0-based) by `factor`: an injected loss spike. Wraps whatever
-    loss the strategy installed (vocab-parallel CE under TP), so it works under any layout."""
+    """A poisoned batch: multiplies the training loss of the batch that starts at `consumed_samples` by `factor`.
+    Keyed by data, not by step, so a rewind that skips the batch also skips the poison. Wraps whatever loss the
+    strategy installed (vocab-parallel CE under TP), so it works under any layout."""
 
-    def __init__(self, step: int, factor: float = 1e3):
-        self.step, self.factor, self._original = step, factor, None
+    def __init__(self, consumed_samples: int, factor: float = 1e3):
+        self.consumed_samples, self.factor, self._original = consumed_samples, factor, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._original is None:
             self._original = pl_module.loss_fn
         original, factor = self._original, self.factor
-        spiking = trainer.global_step == self.step
-        pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if spiking else original
+        poisoned = int(batch["consumed_samples"]) == self.consumed_samples
+        pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if poisoned else original
 
 
 def tiny_run(strategy="auto", devices=1, max_steps=5, grad_clip=GRAD_CLIP, capture_steps=(CAPTURE_STEP,),

@@ -28,7 +28,8 @@ PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong sh
 
 WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3",
                "dp2_zero1_veto", "zero1_memory", "pp2_1f1b_ckpt", "pp2_1f1b_resume", "pp2_interleaved",
-               "pp2_5blocks_zero1", "pp2_rampup", "pp2_spike_skip", "pp2_activation_checkpointing"]
+               "pp2_5blocks_zero1", "pp2_rampup", "pp2_spike_skip", "pp2_activation_checkpointing",
+               "pp2_spike_rewind"]
 WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
 WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
 
@@ -181,3 +182,15 @@ def test_activation_checkpointing_composes_with_the_pipeline(reference, world2):
     run = world2["pp2_activation_checkpointing"]
     assert max_rel(run["losses"][:5], reference["losses"][:5]) <= LOSS_RTOL
     assert max_param_diff(run["params"][5], reference["params"][5]) <= PARAM_ATOL
+
+
+def test_loss_spike_rewind_under_the_pipeline_restores_the_sharded_checkpoint_and_skips_the_data(world2):
+    run = world2["pp2_spike_rewind"]  # loss x 1e3 at step 7; checkpoints at steps 3, 6, 9
+    assert run["spike_steps"] == [7]
+    (rewind,) = run["record"]["rewinds"]
+    assert rewind["restored_step"] == 6 and rewind["checkpoint"].endswith("step=6.ckpt")
+    assert rewind["skipped_batches"] == [48, 56]  # the batches of steps 6 and 7 (8 samples each)
+    # Steps 0-7 (7 spiked), then the restored step-6 state skips 2 batches: global steps 8 and 9 train on.
+    assert len(run["losses"]) == 10 and run["losses"][7] > 1000
+    assert all(loss < 9 for loss in run["losses"][8:]), run["losses"]
+    assert torch.equal(run["tied_head"], run["params"][10]["embed.wte.weight"])
