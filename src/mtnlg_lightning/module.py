@@ -68,6 +68,7 @@ class MTNLGModule(L.LightningModule):
         self.consumed_samples = 0
         self._step_started: float | None = None
         self._first_loss: float | None = None
+        self._peak_flops: float | None = None  # per-device peak FLOP/s for MFU, resolved once per fit
         self._restart_train_data = False
 
     def configure_model(self) -> None:
@@ -187,10 +188,12 @@ class MTNLGModule(L.LightningModule):
         self.log("global_batch_size", float(global_batch))
         self.log("tokens_per_sec", tokens / seconds, prog_bar=True)
         self.log("tflops_per_device", tflops)
+        if self._peak_flops:
+            self.log("mfu", tflops * 1e12 / self._peak_flops)
+
+    def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        peak = peak_flops_for(device_name, self.hparams.peak_tflops)
-        if peak:
-            self.log("mfu", tflops * 1e12 / peak)
+        self._peak_flops = peak_flops_for(device_name, self.hparams.peak_tflops)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._first_loss is None and "train_loss" in self.trainer.callback_metrics:

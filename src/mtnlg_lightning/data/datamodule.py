@@ -105,14 +105,6 @@ class GPTDataModule(L.LightningDataModule):
         return (getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
                 getattr(strategy, "data_parallel_size", self.trainer.world_size))
 
-    def _planned_train_samples(self, seq_len: int, indexed: list[IndexedDataset]) -> int:
-        max_steps = self.trainer.max_steps if self.trainer is not None else -1
-        if max_steps and max_steps > 0:
-            return self._module.batch_schedule.consumed_samples(max_steps)
-        tokens = sum(int(ds.sizes[slice(*split_ranges(len(ds), self.split)[0])].astype(np.int64).sum())
-                     for ds in indexed)
-        return max(1, tokens // seq_len)
-
     def setup(self, stage: str | None = None) -> None:
         if self.builtin_corpus:
             from mtnlg_lightning.data.builtin_corpus import build_demo_data
@@ -125,18 +117,22 @@ class GPTDataModule(L.LightningDataModule):
             if 0 < ds.num_tokens <= 256_000_000 and int(ds.tokens.max()) >= vocab:
                 raise MTNLGError(f"{ds.prefix} holds token ids >= the model's vocabulary {vocab}; "
                                  f"set model.vocab_size to the tokenizer's size")
-        counts = {"train": self._planned_train_samples(seq_len, indexed)}
-        for name in ("valid", "test"):
-            per_split = [split_ranges(len(ds), self.split)[SPLITS.index(name)] for ds in indexed]
-            tokens = sum(int(ds.sizes[slice(*r)].astype(np.int64).sum()) for ds, r in zip(indexed, per_split))
-            counts[name] = self.eval_samples or min(1024, max(0, (tokens - 1) // seq_len))
+        ranges = [split_ranges(len(ds), self.split) for ds in indexed]  # per dataset: train, valid, test
+        split_tokens = [sum(int(ds.sizes[slice(*r[index])].astype(np.int64).sum()) for ds, r in zip(indexed, ranges))
+                        for index in range(len(SPLITS))]
+        max_steps = self.trainer.max_steps if self.trainer is not None else -1
+        if max_steps and max_steps > 0:
+            counts = {"train": self._module.batch_schedule.consumed_samples(max_steps)}
+        else:  # one pass over the training split
+            counts = {"train": max(1, split_tokens[0] // seq_len)}
+        for index, name in enumerate(SPLITS[1:], start=1):
+            counts[name] = self.eval_samples or min(1024, max(0, (split_tokens[index] - 1) // seq_len))
         for index, name in enumerate(SPLITS):
             if counts[name] <= 0:
                 continue
             needed = BlendedDataset.samples_needed(self.weights, counts[name])
-            parts = [GPTDataset(ds, split_ranges(len(ds), self.split)[index], seq_len, n, self.seed + index,
-                                name=f"{ds.prefix}[{name}]")
-                     for ds, n in zip(indexed, needed)]
+            parts = [GPTDataset(ds, r[index], seq_len, n, self.seed + index, name=f"{ds.prefix}[{name}]")
+                     for ds, r, n in zip(indexed, ranges, needed)]
             self.blends[name] = BlendedDataset(parts, self.weights, counts[name])
 
     def train_dataloader(self):
