@@ -5,6 +5,7 @@
 Each benchmark runs as its own subprocess (a crash is reported and the rest still run) with options small enough
 for a 2-core machine (benchmarks/suite.py); its full output goes to DIR/NAME.log. Exit status 1 if any failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,12 @@ def run(bench, logs: Path) -> dict:
     with open(logs / f"{bench.name}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE.parent)
     seconds = time.perf_counter() - started
-    result = {"name": bench.name, "seconds": seconds, "returncode": proc.returncode, "log": str(logs / f"{bench.name}.log")}
+    result = {
+        "name": bench.name,
+        "seconds": seconds,
+        "returncode": proc.returncode,
+        "log": str(logs / f"{bench.name}.log"),
+    }
     if proc.returncode == 0 and out.exists():
         result["data"] = json.loads(out.read_text())
         try:
@@ -59,8 +65,10 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['name']}: FAILED ({r['error'].splitlines()[0]}; log {r['log']})")
     lines.append("-" * 140)
-    lines.append("  ".join(f"{r['name']} {r['seconds']:.0f}s" for r in results)
-                 + f"  | total {sum(r['seconds'] for r in results) / 60:.1f} min")
+    lines.append(
+        "  ".join(f"{r['name']} {r['seconds']:.0f}s" for r in results)
+        + f"  | total {sum(r['seconds'] for r in results) / 60:.1f} min"
+    )
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ excluded). tracemalloc would see nothing (torch allocates in C++), and ru_maxrss
 when clear_refs is not permitted the script falls back to measuring the first step against a pre-step baseline
 with optimizer states created up front (reported as such). Step time: median wall time of --steps further steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,14 @@ def child(args) -> dict:
     from mtnlg_lightning.module import cross_entropy
 
     torch.manual_seed(0)
-    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq,
-                         vocab_size=args.vocab, name="bench")
+    config = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        seq_len=args.seq,
+        vocab_size=args.vocab,
+        name="bench",
+    )
     model = build_model(config)
     names = apply_activation_checkpointing(model, args.mode, args.every_n)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -95,10 +102,17 @@ def child(args) -> dict:
         step()
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
-    return {"mode": args.mode, "checkpointed": len(names), "loss": loss, "rss_before_mib": before / 1024,
-            "step_peak_mib": (peak - before) / 1024, "step_s": statistics.median(times) if times else float("nan"),
-            "params": params, "peak_method": "clear_refs" if can_reset else "ru_maxrss-first-step",
-            "threads": torch.get_num_threads()}
+    return {
+        "mode": args.mode,
+        "checkpointed": len(names),
+        "loss": loss,
+        "rss_before_mib": before / 1024,
+        "step_peak_mib": (peak - before) / 1024,
+        "step_s": statistics.median(times) if times else float("nan"),
+        "params": params,
+        "peak_method": "clear_refs" if can_reset else "ru_maxrss-first-step",
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
@@ -120,31 +134,49 @@ def main() -> None:
         return
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    passthrough = [f"--layers={args.layers}", f"--seq={args.seq}", f"--hidden={args.hidden}", f"--heads={args.heads}",
-                   f"--vocab={args.vocab}", f"--batch={args.batch}", f"--every-n={args.every_n}",
-                   f"--steps={args.steps}"]
+    passthrough = [
+        f"--layers={args.layers}",
+        f"--seq={args.seq}",
+        f"--hidden={args.hidden}",
+        f"--heads={args.heads}",
+        f"--vocab={args.vocab}",
+        f"--batch={args.batch}",
+        f"--every-n={args.every_n}",
+        f"--steps={args.steps}",
+    ]
     results = []
     for mode in args.modes.split(","):
-        out = subprocess.run([sys.executable, __file__, f"--mode={mode}", *passthrough], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, f"--mode={mode}", *passthrough],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(f"  measured {mode}", file=sys.stderr, flush=True)
 
     first = results[0]
-    print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
-          f"vocab {args.vocab} ({first['params'] / 1e6:.1f}M params), fp32 CPU, {first['threads']} threads, "
-          f"peak via {first['peak_method']}")
+    print(
+        f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
+        f"vocab {args.vocab} ({first['params'] / 1e6:.1f}M params), fp32 CPU, {first['threads']} threads, "
+        f"peak via {first['peak_method']}"
+    )
     print(f"weights + AdamW states resident before the step: {first['rss_before_mib']:.0f} MiB (process total)")
     base = next((r for r in results if r["mode"] == "none"), first)
-    header = f"{'mode':<10} {'recomputed':>10} {'step peak MiB':>14} {'vs none':>8} {'step s':>8} {'time vs none':>13} " \
-             f"{'loss':>8}"
+    header = (
+        f"{'mode':<10} {'recomputed':>10} {'step peak MiB':>14} {'vs none':>8} {'step s':>8} {'time vs none':>13} "
+        f"{'loss':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         mem = r["step_peak_mib"] / base["step_peak_mib"] - 1
         slow = r["step_s"] / base["step_s"] - 1
-        print(f"{r['mode']:<10} {r['checkpointed']:>10} {r['step_peak_mib']:>14.0f} {mem:>+8.0%} {r['step_s']:>8.2f} "
-              f"{slow:>+13.0%} {r['loss']:>8.4f}")
+        print(
+            f"{r['mode']:<10} {r['checkpointed']:>10} {r['step_peak_mib']:>14.0f} {mem:>+8.0%} {r['step_s']:>8.2f} "
+            f"{slow:>+13.0%} {r['loss']:>8.4f}"
+        )
     print("step peak = peak RSS during one training step minus RSS before it (grads + activations + temporaries).")
     if args.json:
         with open(args.json, "w") as f:

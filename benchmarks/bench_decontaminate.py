@@ -43,26 +43,37 @@ def main() -> None:
                 f.write(json.dumps(r) + "\n")
     mb = os.path.getsize(ip) / 1e6
     figures["training_mb"] = mb
-    print(f"# bench_decontaminate (cpu cores visible: {os.cpu_count()}; data generated in {time.perf_counter() - t0:.0f} s)")
+    print(
+        f"# bench_decontaminate (cpu cores visible: {os.cpu_count()}; "
+        f"data generated in {time.perf_counter() - t0:.0f} s)"
+    )
     for workers in (1, 2):
         c0 = time.process_time()
-        rep = run_decontaminate(DecontamConfig([tp], ip, os.path.join(tmp, f"out{workers}.jsonl"), workers=workers,
-                                               progress=False))
+        rep = run_decontaminate(
+            DecontamConfig([tp], ip, os.path.join(tmp, f"out{workers}.jsonl"), workers=workers, progress=False)
+        )
         cpu = time.process_time() - c0 - (rep["timings_s"]["load_tasks"] if workers == 1 else 0)
         tm = rep["timings_s"]
         figures["mb_per_s_by_workers"][workers] = rep["mb_per_s"]
         scan = tm["count_pass"] + tm["clean_pass"]
-        line = (f"{workers} worker{'s' if workers > 1 else ' '}: {rep['mb_per_s']:6.2f} MB/s wall"
-                f" ({mb:.1f} MB in {scan:.2f} s: count {tm['count_pass']:.2f} s + clean {tm['clean_pass']:.2f} s)")
+        line = (
+            f"{workers} worker{'s' if workers > 1 else ' '}: {rep['mb_per_s']:6.2f} MB/s wall"
+            f" ({mb:.1f} MB in {scan:.2f} s: count {tm['count_pass']:.2f} s + clean {tm['clean_pass']:.2f} s)"
+        )
         if workers == 1:
             line += f", {mb / cpu:6.2f} MB per CPU-s"
-            print(f"task n-grams loaded : {rep['tasks']['ngrams']} (by length {rep['tasks']['ngrams_by_length']});"
-                  f" load {tm['load_tasks']:.2f} s")
+            print(
+                f"task n-grams loaded : {rep['tasks']['ngrams']} (by length {rep['tasks']['ngrams_by_length']});"
+                f" load {tm['load_tasks']:.2f} s"
+            )
         print(line)
         if workers == 1:
             d = rep["documents"]
-            print(f"documents           : {d['in']} in, {d['records_out']} out; {rep['hits']['documents']} hit;"
-                  f" {d['split']} split, {d['trimmed']} trimmed, {d['dropped_too_many_splits'] + d['dropped_no_piece_left']} dropped")
+            print(
+                f"documents           : {d['in']} in, {d['records_out']} out; {rep['hits']['documents']} hit;"
+                f" {d['split']} split, {d['trimmed']} trimmed,"
+                f" {d['dropped_too_many_splits'] + d['dropped_no_piece_left']} dropped"
+            )
 
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ plus DeepSpeed's fp32 master partition under ZeRO >= 1), and the paper's bf16 mi
 
     python benchmarks/bench_memory.py [--dp 2 4] [--zero 0 1 2 3] [--preset demo] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,18 @@ def worker(out: Path, preset: str, stages: list[int]) -> None:
     rows = []
     for zero in stages:
         probe = StateBytesProbe()
-        trainer = fit(megatron_strategy(zero=zero), devices=world, preset=preset, steps=2, micro_batch=1,
-                      global_batch=world, callbacks=[probe])
-        numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                    for p in trainer.lightning_module.model.parameters())
+        trainer = fit(
+            megatron_strategy(zero=zero),
+            devices=world,
+            preset=preset,
+            steps=2,
+            micro_batch=1,
+            global_batch=world,
+            callbacks=[probe],
+        )
+        numel = sum(
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.lightning_module.model.parameters()
+        )
         per_rank = [None] * world
         dist.all_gather_object(per_rank, probe.result.as_dict())
         rows.append({"zero": zero, "dp": world, "num_params": numel, "per_rank": per_rank})
@@ -50,8 +59,20 @@ def worker(out: Path, preset: str, stages: list[int]) -> None:
 def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", __file__,
-               "--worker", str(out), "--preset", preset, "--zero", *map(str, stages)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={dp}",
+            __file__,
+            "--worker",
+            str(out),
+            "--preset",
+            preset,
+            "--zero",
+            *map(str, stages),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
             raise SystemExit(f"dp={dp} launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -61,27 +82,42 @@ def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
 def planner_bytes(num_params: int, dp: int, zero: int) -> dict:
     from mtnlg_lightning.planner import model_state_bytes
 
-    return {"fp32": model_state_bytes(num_params, dp, zero, "fp32"),
-            "bf16_20_bytes": model_state_bytes(num_params, dp, zero, "bf16")}
+    return {
+        "fp32": model_state_bytes(num_params, dp, zero, "fp32"),
+        "bf16_20_bytes": model_state_bytes(num_params, dp, zero, "bf16"),
+    }
 
 
 def report(rows: list[dict]) -> list[dict]:
-    print(f"{'ZeRO':>4} {'dp':>3} {'params':>8} {'grads':>8} {'master':>8} {'moments':>8} {'measured':>9} "
-          f"{'planner fp32':>12} {'ratio':>6} {'bf16 20 B/p':>11}   (MB per rank, max over ranks)")
+    print(
+        f"{'ZeRO':>4} {'dp':>3} {'params':>8} {'grads':>8} {'master':>8} {'moments':>8} {'measured':>9} "
+        f"{'planner fp32':>12} {'ratio':>6} {'bf16 20 B/p':>11}   (MB per rank, max over ranks)"
+    )
     out = []
     for row in rows:
         worst = max(row["per_rank"], key=lambda r: r["total"])
         plan = planner_bytes(row["num_params"], row["dp"], row["zero"])
         ratio = worst["total"] / plan["fp32"]
-        print(f"{row['zero']:>4} {row['dp']:>3} {worst['params'] / MB:>8.2f} {worst['grads'] / MB:>8.2f} "
-              f"{worst['master'] / MB:>8.2f} {worst['moments'] / MB:>8.2f} {worst['total'] / MB:>9.2f} "
-              f"{plan['fp32'] / MB:>12.2f} {ratio:>6.3f} {plan['bf16_20_bytes'] / MB:>11.2f}")
-        out.append({**row, "measured_max_rank": worst, "planner_fp32": plan["fp32"],
-                    "planner_bf16_20_bytes": plan["bf16_20_bytes"], "ratio_measured_to_planner": ratio})
+        print(
+            f"{row['zero']:>4} {row['dp']:>3} {worst['params'] / MB:>8.2f} {worst['grads'] / MB:>8.2f} "
+            f"{worst['master'] / MB:>8.2f} {worst['moments'] / MB:>8.2f} {worst['total'] / MB:>9.2f} "
+            f"{plan['fp32'] / MB:>12.2f} {ratio:>6.3f} {plan['bf16_20_bytes'] / MB:>11.2f}"
+        )
+        out.append(
+            {
+                **row,
+                "measured_max_rank": worst,
+                "planner_fp32": plan["fp32"],
+                "planner_bf16_20_bytes": plan["bf16_20_bytes"],
+                "ratio_measured_to_planner": ratio,
+            }
+        )
     n = rows[0]["num_params"]
-    print(f"{n / 1e6:.2f}M params, fp32 CPU runs. planner fp32 = 4 weights + 4 grads + 8 Adam moments per param "
-          f"(+ 4 fp32 master under DeepSpeed ZeRO >= 1), sharded by ZeRO stage; the paper's bf16 accounting is "
-          f"20 bytes/param at ZeRO-0 ({20 * n / MB:.1f} MB here).")
+    print(
+        f"{n / 1e6:.2f}M params, fp32 CPU runs. planner fp32 = 4 weights + 4 grads + 8 Adam moments per param "
+        f"(+ 4 fp32 master under DeepSpeed ZeRO >= 1), sharded by ZeRO stage; the paper's bf16 accounting is "
+        f"20 bytes/param at ZeRO-0 ({20 * n / MB:.1f} MB here)."
+    )
     return out
 
 

@@ -6,6 +6,7 @@ for --repeats rounds and the ratio of median step times is printed (this machine
 
     python benchmarks/bench_overhead.py [--preset gpt3-125m --seq-len 128 --steps 6 --repeats 3]
 """
+
 import argparse
 import json
 import math
@@ -13,6 +14,7 @@ import os
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,20 +40,39 @@ class StepTimer(L.Callback):
 
 
 def module_kwargs(args):
-    return dict(preset=args.preset, model_overrides={"seq_len": args.seq_len, "max_position_embeddings": 2048},
-                micro_batch_size=args.micro_batch, global_batch_size=args.global_batch, lr=1e-4, min_lr=1e-5,
-                warmup_tokens=0, decay_tokens=10**9, grad_clip=1.0)
+    return dict(
+        preset=args.preset,
+        model_overrides={"seq_len": args.seq_len, "max_position_embeddings": 2048},
+        micro_batch_size=args.micro_batch,
+        global_batch_size=args.global_batch,
+        lr=1e-4,
+        min_lr=1e-5,
+        warmup_tokens=0,
+        decay_tokens=10**9,
+        grad_clip=1.0,
+    )
 
 
 def run_lightning(args) -> list[float]:
     L.seed_everything(1234, verbose=False)
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="auto", devices=1, precision="32-true", max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
-                        log_every_n_steps=1, callbacks=[timer])
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=1,
+        precision="32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        log_every_n_steps=1,
+        callbacks=[timer],
+    )
     trainer.fit(MTNLGModule(**module_kwargs(args)), GPTDataModule(builtin_corpus="python-docs"))
-    return [b - a for a, b in zip(timer.times, timer.times[1:])]
+    return [b - a for a, b in pairwise(timer.times)]
 
 
 def run_plain(args, batches) -> list[float]:
@@ -61,8 +82,12 @@ def run_plain(args, batches) -> list[float]:
     model = build_model(module.config)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     times = []
     for tokens in batches:
         start = time.perf_counter()
@@ -83,11 +108,19 @@ def data_batches(args):
     from mtnlg_lightning.data.gpt_dataset import GPTDataset
     from mtnlg_lightning.data.indexed import IndexedDataset
 
-    dataset = GPTDataset(IndexedDataset(build_demo_data(progress=False)[0]), (0, 500), args.seq_len,
-                         args.steps * args.global_batch, seed=1)
-    return [torch.from_numpy(__import__("numpy").stack([dataset[i * args.global_batch + j]
-                                                         for j in range(args.global_batch)]))
-            for i in range(args.steps)]
+    dataset = GPTDataset(
+        IndexedDataset(build_demo_data(progress=False)[0]),
+        (0, 500),
+        args.seq_len,
+        args.steps * args.global_batch,
+        seed=1,
+    )
+    return [
+        torch.from_numpy(
+            __import__("numpy").stack([dataset[i * args.global_batch + j] for j in range(args.global_batch)])
+        )
+        for i in range(args.steps)
+    ]
 
 
 def main() -> int:
@@ -106,19 +139,26 @@ def main() -> int:
     for round_ in range(args.repeats):
         lightning_steps += run_lightning(args)[2:]
         plain_steps += run_plain(args, batches)[2:]
-        print(f"round {round_ + 1}/{args.repeats}: lightning {statistics.median(lightning_steps):.3f} s/step, "
-              f"plain {statistics.median(plain_steps):.3f} s/step", flush=True)
+        print(
+            f"round {round_ + 1}/{args.repeats}: lightning {statistics.median(lightning_steps):.3f} s/step, "
+            f"plain {statistics.median(plain_steps):.3f} s/step",
+            flush=True,
+        )
     tokens = args.global_batch * args.seq_len
     result = {
-        "preset": args.preset, "seq_len": args.seq_len, "global_batch": args.global_batch,
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
         "mtnlg_fit_tokens_per_s": tokens / statistics.median(lightning_steps),
         "plain_pytorch_tokens_per_s": tokens / statistics.median(plain_steps),
     }
     result["ratio"] = result["mtnlg_fit_tokens_per_s"] / result["plain_pytorch_tokens_per_s"]
-    print(f"framework overhead ({args.preset}, seq {args.seq_len}, batch {args.global_batch}, median of "
-          f"{len(plain_steps)} steps each): mtnlg fit {result['mtnlg_fit_tokens_per_s']:,.0f} tokens/s | plain "
-          f"PyTorch {result['plain_pytorch_tokens_per_s']:,.0f} tokens/s | ratio {result['ratio']:.3f} "
-          f"(target >= 0.95)")
+    print(
+        f"framework overhead ({args.preset}, seq {args.seq_len}, batch {args.global_batch}, median of "
+        f"{len(plain_steps)} steps each): mtnlg fit {result['mtnlg_fit_tokens_per_s']:,.0f} tokens/s | plain "
+        f"PyTorch {result['plain_pytorch_tokens_per_s']:,.0f} tokens/s | ratio {result['ratio']:.3f} "
+        f"(target >= 0.95)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0 if math.isfinite(result["ratio"]) else 1

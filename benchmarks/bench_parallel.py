@@ -19,6 +19,7 @@ Theoretical volume per rank per step (fp32, B = global batch / dp, s = seq, h = 
 
     python benchmarks/bench_parallel.py [--preset demo --global-batch 8 --micro-batch 4 --steps 5 --rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,26 +78,56 @@ def worker(args) -> None:
             fit("auto", 1, args.preset, args.steps, args.micro_batch, args.global_batch, [timer])
         else:
             world = int(os.environ["WORLD_SIZE"])
-            fit(megatron_strategy(**LAYOUTS[name]), world, args.preset, args.steps, args.micro_batch,
-                args.global_batch, [timer, comm])
+            fit(
+                megatron_strategy(**LAYOUTS[name]),
+                world,
+                args.preset,
+                args.steps,
+                args.micro_batch,
+                args.global_batch,
+                [timer, comm],
+            )
         per_rank = [comm.last]
         if dist.is_initialized():
             per_rank = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, comm.last)
-        rows.append({"layout": name, "step_seconds": timer.seconds[args.warmup:], "comm_per_rank": per_rank})
+        rows.append({"layout": name, "step_seconds": timer.seconds[args.warmup :], "comm_per_rank": per_rank})
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.worker).write_text(json.dumps(rows))
 
 
 # ------------------------------------------------------------------ the parent
 def run_round(args, layouts: list[str], world: int, out: Path) -> list[dict]:
-    common = ["--worker", str(out), "--preset", args.preset, "--steps", str(args.steps), "--warmup",
-              str(args.warmup), "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch)]
+    common = [
+        "--worker",
+        str(out),
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--global-batch",
+        str(args.global_batch),
+    ]
     if world == 1:
         cmd = [sys.executable, __file__, *common, "--threads", "1", "--layouts", "single"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               __file__, *common, "--threads", "1", "--layouts", *layouts]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            __file__,
+            *common,
+            "--threads",
+            "1",
+            "--layouts",
+            *layouts,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -112,13 +143,18 @@ def theory(args, layout: str) -> dict[str, float]:
     s, h, layers = c.seq_len, c.hidden_size, c.num_layers
     if layout == "tp2":
         bsh = args.global_batch * s * h
-        return {"tp": 4 * (4 * layers * bsh + 2 * bsh + 3 * args.global_batch * s),
-                "tp_issue_formula_forward": 4 * 2 * layers * bsh}
+        return {
+            "tp": 4 * (4 * layers * bsh + 2 * bsh + 3 * args.global_batch * s),
+            "tp_issue_formula_forward": 4 * 2 * layers * bsh,
+        }
     if layout == "dp2_zero1":
         grads = 4 * count_parameters(c)  # TP = PP = 1: the whole replica
         return {"dp_gradient_reduce": grads, "dp_param_all_gather": grads}
     if layout == "pp2":
-        return {"pp_activations": 4 * 2 * args.global_batch * s * h, "pp_tied_embedding": 4 * 2 * c.padded_vocab_size() * h}
+        return {
+            "pp_activations": 4 * 2 * args.global_batch * s * h,
+            "pp_tied_embedding": 4 * 2 * c.padded_vocab_size() * h,
+        }
     return {}
 
 
@@ -129,11 +165,15 @@ def measured(comm: dict, layout: str) -> dict[str, float]:
     if layout == "tp2":
         return {"tp": total(lambda kind, op: kind == "tp")}
     if layout == "dp2_zero1":
-        return {"dp_gradient_reduce": total(lambda kind, op: kind == "dp" and "reduce" in op),
-                "dp_param_all_gather": total(lambda kind, op: kind == "dp" and "gather" in op)}
+        return {
+            "dp_gradient_reduce": total(lambda kind, op: kind == "dp" and "reduce" in op),
+            "dp_param_all_gather": total(lambda kind, op: kind == "dp" and "gather" in op),
+        }
     if layout == "pp2":  # the tied embedding travels by broadcast over its own first/last-stage group
-        return {"pp_activations": total(lambda kind, op: op in ("send", "recv", "isend", "irecv")),
-                "pp_tied_embedding": total(lambda kind, op: op == "broadcast")}
+        return {
+            "pp_activations": total(lambda kind, op: op in ("send", "recv", "isend", "irecv")),
+            "pp_tied_embedding": total(lambda kind, op: op == "broadcast"),
+        }
     return {}
 
 
@@ -171,21 +211,39 @@ def main() -> int:
                 for row in run_round(args, names, world, Path(tmp) / f"r{round_}_{world}.json"):
                     steps[row["layout"]] += row["step_seconds"]
                     comm[row["layout"]] = row["comm_per_rank"]
-            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-                f"{k} {statistics.median(v):.3f} s/step" for k, v in steps.items()), flush=True)
+            print(
+                f"round {round_ + 1}/{args.rounds}: "
+                + ", ".join(f"{k} {statistics.median(v):.3f} s/step" for k, v in steps.items()),
+                flush=True,
+            )
 
     tokens = args.global_batch * __import__("mtnlg_lightning.config", fromlist=["x"]).get_config(args.preset).seq_len
     base = tokens / statistics.median(steps["single"])
-    result = {"preset": args.preset, "global_batch": args.global_batch, "world": args.world, "notes": notes,
-              "single_tokens_per_s": base, "layouts": {}}
-    print(f"\nthroughput ({args.preset}, global batch {args.global_batch}, {args.rounds} rounds, median step): "
-          f"single process (1 thread) {base:,.0f} tokens/s")
-    print(f"{'layout':<10} {'tokens/s':>9} {'vs single':>9} {'effic.':>6}   {'comm/rank/step':<18} {'measured MB':>11} "
-          f"{'theory MB':>9} {'ratio':>6}")
+    result = {
+        "preset": args.preset,
+        "global_batch": args.global_batch,
+        "world": args.world,
+        "notes": notes,
+        "single_tokens_per_s": base,
+        "layouts": {},
+    }
+    print(
+        f"\nthroughput ({args.preset}, global batch {args.global_batch}, {args.rounds} rounds, median step): "
+        f"single process (1 thread) {base:,.0f} tokens/s"
+    )
+    print(
+        f"{'layout':<10} {'tokens/s':>9} {'vs single':>9} {'effic.':>6}   {'comm/rank/step':<18} {'measured MB':>11} "
+        f"{'theory MB':>9} {'ratio':>6}"
+    )
     for name in layouts:
         tps = tokens / statistics.median(steps[name])
-        entry = {"tokens_per_s": tps, "ratio_vs_single": tps / base, "efficiency": tps / base / args.world,
-                 "comm": {}, "comm_raw_rank0": comm[name][0]}
+        entry = {
+            "tokens_per_s": tps,
+            "ratio_vs_single": tps / base,
+            "efficiency": tps / base / args.world,
+            "comm": {},
+            "comm_raw_rank0": comm[name][0],
+        }
         expected = theory(args, name)
         got_per_rank = [measured(c, name) for c in comm[name]]
         first = True
@@ -198,8 +256,10 @@ def main() -> int:
             print(f"{head}   {key:<18} {got / 1e6:>11.2f} {want / 1e6:>9.2f} {got / want:>6.3f}")
             first = False
         result["layouts"][name] = entry
-    print("comm = payload bytes of the process-group calls, max over ranks, last step; theory in the module doc. "
-          "Other traffic (world: logged-loss sync; mp: grad-norm) is in the JSON's comm_raw_rank0.")
+    print(
+        "comm = payload bytes of the process-group calls, max over ranks, last step; theory in the module doc. "
+        "Other traffic (world: logged-loss sync; mp: grad-norm) is in the JSON's comm_raw_rank0."
+    )
     for note in notes:
         print(note)
     if args.json:

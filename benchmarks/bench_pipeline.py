@@ -8,6 +8,7 @@ of pipeline bubbles. Idle fraction of a stage = 1 - busy / step time, over sever
 
     python benchmarks/bench_pipeline.py [--pp 2 4] [--microbatches 4 8 16] [--forward-ms 4] [--steps 3]
 """
+
 import argparse
 import json
 import os
@@ -75,11 +76,14 @@ def worker(rank, world, port, args, queue):
             busy = [0.0]
             # A rank does the same total work whatever the schedule: its layers split over its virtual stages.
             seconds = args.forward_ms / 1000 / per_rank
-            stages = [PipelineStage(SimulatedStage(seconds, busy), s, num_stages, torch.device("cpu"))
-                      for s in stage_ranks(schedule, world, per_rank)[rank]]
+            stages = [
+                PipelineStage(SimulatedStage(seconds, busy), s, num_stages, torch.device("cpu"))
+                for s in stage_ranks(schedule, world, per_rank)[rank]
+            ]
             loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
-            sched = schedule_class(schedule)(stages if per_rank > 1 else stages[0], n_microbatches=m,
-                                             loss_fn=loss_fn, scale_grads=False)
+            sched = schedule_class(schedule)(
+                stages if per_rank > 1 else stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False
+            )
             x = torch.randn(m, 4, HIDDEN)
             idle = []
             for step in range(args.steps + 1):
@@ -95,9 +99,16 @@ def worker(rank, world, port, args, queue):
             gathered = [None] * world
             dist.all_gather_object(gathered, statistics.median(idle))
             if rank == 0:
-                results.append({"schedule": schedule, "pp": world, "microbatches": m, "idle_per_stage": gathered,
-                                "theory_1f1b": (world - 1) / (m + world - 1),
-                                "theory_interleaved": (world - 1) / (per_rank * m + world - 1)})
+                results.append(
+                    {
+                        "schedule": schedule,
+                        "pp": world,
+                        "microbatches": m,
+                        "idle_per_stage": gathered,
+                        "theory_1f1b": (world - 1) / (m + world - 1),
+                        "theory_interleaved": (world - 1) / (per_rank * m + world - 1),
+                    }
+                )
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -113,11 +124,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (default 2 4)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="micro-batches per step")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "gpipe"],
-                        help="schedules to compare (default 1f1b interleaved_1f1b gpipe)")
-    parser.add_argument("--forward-ms", type=float, default=20.0,
-                        help="forward time of one stage per micro-batch; per-op overhead (gloo send/recv, schedule "
-                             "bookkeeping, ~1-2 ms here) adds idle time that theory does not count, so keep it large")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["1f1b", "interleaved_1f1b", "gpipe"],
+        help="schedules to compare (default 1f1b interleaved_1f1b gpipe)",
+    )
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=20.0,
+        help="forward time of one stage per micro-batch; per-op overhead (gloo send/recv, schedule "
+        "bookkeeping, ~1-2 ms here) adds idle time that theory does not count, so keep it large",
+    )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after 1 warm-up)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
@@ -131,8 +150,10 @@ def main() -> int:
     for r in rows:
         theory = r["theory_interleaved"] if r["schedule"] == "interleaved_1f1b" else r["theory_1f1b"]
         stages = " ".join(f"{x:.2f}" for x in r["idle_per_stage"])
-        print(f"{r['schedule']:<17} {r['pp']:>3} {r['microbatches']:>3} {stages:<30} "
-              f"{statistics.mean(r['idle_per_stage']):>6.3f} {theory:>7.3f}")
+        print(
+            f"{r['schedule']:<17} {r['pp']:>3} {r['microbatches']:>3} {stages:<30} "
+            f"{statistics.mean(r['idle_per_stage']):>6.3f} {theory:>7.3f}"
+        )
     by_key = {(r["schedule"], r["pp"], r["microbatches"]): statistics.mean(r["idle_per_stage"]) for r in rows}
     for pp in args.pp:
         for m in args.microbatches:

@@ -6,6 +6,7 @@ communication backend. Only the outermost call is counted (`batch_isend_irecv` c
 calls `all_gather`...). Bytes are the payload: the full buffer a collective reduces or gathers (all-reduce: the
 tensor; reduce-scatter: its input; all-gather: its output), the tensor sent or received for point-to-point.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,24 +33,50 @@ def _nbytes(x) -> int:
 
 # op -> how to find (payload, group) in its arguments: the positional index of the payload and its keywords.
 _PAYLOAD = {
-    "all_reduce": (0, ("tensor",)), "reduce": (0, ("tensor",)), "broadcast": (0, ("tensor",)),
-    "all_gather": (0, ("tensor_list",)), "all_gather_into_tensor": (0, ("output_tensor",)),
-    "_all_gather_base": (0, ("output_tensor",)), "reduce_scatter": (1, ("input_list",)),
-    "reduce_scatter_tensor": (1, ("input",)), "_reduce_scatter_base": (1, ("input",)),
-    "all_to_all_single": (1, ("input",)), "send": (0, ("tensor",)), "recv": (0, ("tensor",)),
-    "isend": (0, ("tensor",)), "irecv": (0, ("tensor",)), "all_reduce_coalesced": (0, ("tensors",)),
+    "all_reduce": (0, ("tensor",)),
+    "reduce": (0, ("tensor",)),
+    "broadcast": (0, ("tensor",)),
+    "all_gather": (0, ("tensor_list",)),
+    "all_gather_into_tensor": (0, ("output_tensor",)),
+    "_all_gather_base": (0, ("output_tensor",)),
+    "reduce_scatter": (1, ("input_list",)),
+    "reduce_scatter_tensor": (1, ("input",)),
+    "_reduce_scatter_base": (1, ("input",)),
+    "all_to_all_single": (1, ("input",)),
+    "send": (0, ("tensor",)),
+    "recv": (0, ("tensor",)),
+    "isend": (0, ("tensor",)),
+    "irecv": (0, ("tensor",)),
+    "all_reduce_coalesced": (0, ("tensors",)),
 }
-_GROUP_POSITION = {"all_reduce": 2, "reduce": 3, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2,
-                   "_all_gather_base": 2, "reduce_scatter": 3, "reduce_scatter_tensor": 3,
-                   "_reduce_scatter_base": 3, "send": 2, "recv": 2, "isend": 2, "irecv": 2,
-                   "all_reduce_coalesced": 2, "all_to_all_single": 4}
+_GROUP_POSITION = {
+    "all_reduce": 2,
+    "reduce": 3,
+    "broadcast": 2,
+    "all_gather": 2,
+    "all_gather_into_tensor": 2,
+    "_all_gather_base": 2,
+    "reduce_scatter": 3,
+    "reduce_scatter_tensor": 3,
+    "_reduce_scatter_base": 3,
+    "send": 2,
+    "recv": 2,
+    "isend": 2,
+    "irecv": 2,
+    "all_reduce_coalesced": 2,
+    "all_to_all_single": 4,
+}
 
 
 def register_groups(groups) -> None:
     """Name this rank's groups (a `ProcessGroups`): by identity first, then by member ranks (DeepSpeed may
     create its own group over the same ranks)."""
-    for kind, attr in (("tp", "tensor_parallel_group"), ("dp", "data_parallel_group"),
-                       ("pp", "pipeline_parallel_group"), ("mp", "model_parallel_group")):
+    for kind, attr in (
+        ("tp", "tensor_parallel_group"),
+        ("dp", "data_parallel_group"),
+        ("pp", "pipeline_parallel_group"),
+        ("mp", "model_parallel_group"),
+    ):
         group = getattr(groups, attr, None)
         if group is not None:
             _kinds[id(group)] = kind
@@ -91,8 +118,7 @@ def _wrap(name: str, fn):
                 if payload is None and index is not None and len(args) > index:
                     payload = args[index]
                 position = _GROUP_POSITION.get(name)
-                group = kwargs.get("group", args[position] if position is not None and len(args) > position
-                                   else None)
+                group = kwargs.get("group", args[position] if position is not None and len(args) > position else None)
                 key = (group_kind(group), name.lstrip("_"))
                 counts[key] += _nbytes(payload)
                 calls[key] += 1

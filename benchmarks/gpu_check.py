@@ -7,6 +7,7 @@
 Exits non-zero on any error. Without a GPU and without --cpu-smoke it fails (a GPU check that silently ran on CPU
 would be misleading).
 """
+
 import argparse
 import csv
 import os
@@ -26,9 +27,11 @@ def environment() -> str:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"python {platform.python_version()} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
-            f"lightning {lightning.__version__} | GPU {gpu} | flash SDPA "
-            f"{torch.backends.cuda.flash_sdp_enabled() if torch.cuda.is_available() else 'n/a'}")
+    return (
+        f"python {platform.python_version()} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
+        f"lightning {lightning.__version__} | GPU {gpu} | flash SDPA "
+        f"{torch.backends.cuda.flash_sdp_enabled() if torch.cuda.is_available() else 'n/a'}"
+    )
 
 
 def main() -> int:
@@ -52,17 +55,44 @@ def main() -> int:
         steps, overrides = min(args.steps, 6), ["--model.preset", "tiny", "--trainer.accelerator", "cpu"]
     else:
         steps = args.steps
-        overrides = ["--model.preset", args.preset, "--model.model_overrides", "{seq_len: 2048}",
-                     "--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed",
-                     "--model.micro_batch_size", str(args.micro_batch),
-                     "--model.global_batch_size", str(args.global_batch), "--model.warmup_tokens", "0"]
+        overrides = [
+            "--model.preset",
+            args.preset,
+            "--model.model_overrides",
+            "{seq_len: 2048}",
+            "--trainer.accelerator",
+            "gpu",
+            "--trainer.precision",
+            "bf16-mixed",
+            "--model.micro_batch_size",
+            str(args.micro_batch),
+            "--model.global_batch_size",
+            str(args.global_batch),
+            "--model.warmup_tokens",
+            "0",
+        ]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        argv = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), *overrides,
-                "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
-                "--trainer.deterministic", "false", "--trainer.default_root_dir", tmp,
-                "--trainer.enable_progress_bar", "false",
-                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", tmp]
+        argv = [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            *overrides,
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.deterministic",
+            "false",
+            "--trainer.default_root_dir",
+            tmp,
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger",
+            "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir",
+            tmp,
+        ]
         try:
             mtnlg(argv)
         except SystemExit as exit_:
@@ -74,7 +104,7 @@ def main() -> int:
     if len(rows) != steps:
         print(f"gpu_check: error: expected {steps} logged steps, got {len(rows)}", file=sys.stderr)
         return 1
-    steady = rows[min(5, len(rows) - 1):]  # skip warm-up steps (allocator, kernel selection)
+    steady = rows[min(5, len(rows) - 1) :]  # skip warm-up steps (allocator, kernel selection)
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in steady)
     tflops = statistics.median(float(r["tflops_per_device"]) for r in steady)
     mfu = [float(r["mfu"]) for r in steady if r.get("mfu")]
@@ -83,10 +113,13 @@ def main() -> int:
         print("gpu_check: error: non-finite loss", file=sys.stderr)
         return 1
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    print(f"steps {steps} | loss {losses[0]:.3f} -> {losses[-1]:.3f} | median tokens/s {tokens:,.0f} | "
-          f"TFLOP/s per GPU {tflops:.1f} | MFU {statistics.median(mfu):.1%}" if mfu else
-          f"steps {steps} | loss {losses[0]:.3f} -> {losses[-1]:.3f} | median tokens/s {tokens:,.0f} | "
-          f"TFLOP/s {tflops:.3f} | MFU n/a (unknown peak)")
+    print(
+        f"steps {steps} | loss {losses[0]:.3f} -> {losses[-1]:.3f} | median tokens/s {tokens:,.0f} | "
+        f"TFLOP/s per GPU {tflops:.1f} | MFU {statistics.median(mfu):.1%}"
+        if mfu
+        else f"steps {steps} | loss {losses[0]:.3f} -> {losses[-1]:.3f} | median tokens/s {tokens:,.0f} | "
+        f"TFLOP/s {tflops:.3f} | MFU n/a (unknown peak)"
+    )
     print(f"peak GPU memory {peak_mem:.1f} GiB | wall time {wall:.0f} s (including start-up)")
     return 0
 

@@ -3,6 +3,7 @@
 Shared by bench_parallel (throughput, communication) and bench_memory (model-state bytes) so every layout, and the
 single-process baseline, trains the same model on the same data with the same recipe.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,18 +42,45 @@ def megatron_strategy(tp: int = 1, pp: int = 1, zero: int = 0):
 
     # ZeRO-3 keeps no parameter whole ("persistent"): small models would otherwise stay unpartitioned.
     ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
-    return MegatronDeepSpeedStrategy(tensor_parallel=tp, pipeline_parallel=pp, zero_stage=zero, print_layout=False,
-                                     deepspeed_config=ds)
+    return MegatronDeepSpeedStrategy(
+        tensor_parallel=tp, pipeline_parallel=pp, zero_stage=zero, print_layout=False, deepspeed_config=ds
+    )
 
 
-def fit(strategy="auto", devices: int = 1, preset: str = "demo", steps: int = 4, micro_batch: int = 4,
-        global_batch: int = 8, callbacks=()) -> L.Trainer:
+def fit(
+    strategy="auto",
+    devices: int = 1,
+    preset: str = "demo",
+    steps: int = 4,
+    micro_batch: int = 4,
+    global_batch: int = 8,
+    callbacks=(),
+) -> L.Trainer:
     L.seed_everything(SEED, verbose=False)
-    module = MTNLGModule(preset=preset, micro_batch_size=micro_batch, global_batch_size=global_batch, lr=1e-4,
-                         min_lr=1e-5, warmup_tokens=0, decay_tokens=10**9, grad_clip=1.0)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true", max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        use_distributed_sampler=False, callbacks=list(callbacks))
+    module = MTNLGModule(
+        preset=preset,
+        micro_batch_size=micro_batch,
+        global_batch_size=global_batch,
+        lr=1e-4,
+        min_lr=1e-5,
+        warmup_tokens=0,
+        decay_tokens=10**9,
+        grad_clip=1.0,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=list(callbacks),
+    )
     trainer.fit(module, GPTDataModule(builtin_corpus="python-docs", seed=SEED))
     return trainer

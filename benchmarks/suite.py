@@ -3,10 +3,11 @@
 Options are sized so the whole suite finishes in about 15 minutes on a 2-core machine; every row is
 (figure, ours, baseline, ratio, target), both sides measured in the same run of that benchmark.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 MB = 1e6
 
@@ -24,27 +25,55 @@ def _ratio(a, b):
 
 
 def overhead_rows(d):
-    return [(f"overhead: tokens/s, mtnlg fit vs plain PyTorch ({d['preset']}, seq {d['seq_len']})",
-             d["mtnlg_fit_tokens_per_s"], d["plain_pytorch_tokens_per_s"], d["ratio"], ">= 0.95")]
+    return [
+        (
+            f"overhead: tokens/s, mtnlg fit vs plain PyTorch ({d['preset']}, seq {d['seq_len']})",
+            d["mtnlg_fit_tokens_per_s"],
+            d["plain_pytorch_tokens_per_s"],
+            d["ratio"],
+            ">= 0.95",
+        )
+    ]
 
 
 def parallel_rows(d):
     rows = []
     for name, e in d["layouts"].items():
-        rows.append((f"parallel: {name} tokens/s vs 1 process (1 thread; ratio/2 = efficiency {e['efficiency']:.2f})",
-                     e["tokens_per_s"], d["single_tokens_per_s"], e["ratio_vs_single"], "2.0 ideal on 2 cores"))
+        rows.append(
+            (
+                f"parallel: {name} tokens/s vs 1 process (1 thread; ratio/2 = efficiency {e['efficiency']:.2f})",
+                e["tokens_per_s"],
+                d["single_tokens_per_s"],
+                e["ratio_vs_single"],
+                "2.0 ideal on 2 cores",
+            )
+        )
         for key, c in e["comm"].items():
-            rows.append((f"parallel: {name} comm MB/rank/step {key} vs theory", c["measured_bytes"] / MB,
-                         c["theory_bytes"] / MB, c["ratio"], "1.00"))
+            rows.append(
+                (
+                    f"parallel: {name} comm MB/rank/step {key} vs theory",
+                    c["measured_bytes"] / MB,
+                    c["theory_bytes"] / MB,
+                    c["ratio"],
+                    "1.00",
+                )
+            )
     rows += [(f"parallel: {note}", None, None, None, "") for note in d.get("notes", [])]
     return rows
 
 
 def memory_rows(d):
-    return [(f"memory: ZeRO-{r['zero']} dp={r['dp']} model-state MB/rank vs planner fp32 "
-             f"(bf16 20 B/param: {r['planner_bf16_20_bytes'] / MB:.1f})",
-             r["measured_max_rank"]["total"] / MB, r["planner_fp32"] / MB, r["ratio_measured_to_planner"],
-             "1.00 +- 0.10") for r in d]
+    return [
+        (
+            f"memory: ZeRO-{r['zero']} dp={r['dp']} model-state MB/rank vs planner fp32 "
+            f"(bf16 20 B/param: {r['planner_bf16_20_bytes'] / MB:.1f})",
+            r["measured_max_rank"]["total"] / MB,
+            r["planner_fp32"] / MB,
+            r["ratio_measured_to_planner"],
+            "1.00 +- 0.10",
+        )
+        for r in d
+    ]
 
 
 def pipeline_rows(d):
@@ -52,8 +81,15 @@ def pipeline_rows(d):
     for r in d:
         theory = r["theory_interleaved"] if r["schedule"] == "interleaved_1f1b" else r["theory_1f1b"]
         idle = sum(r["idle_per_stage"]) / len(r["idle_per_stage"])
-        out.append((f"pipeline: {r['schedule']} pp={r['pp']} mb={r['microbatches']} idle fraction vs theory",
-                    idle, theory, _ratio(idle, theory), "~1 (+ per-op overhead)"))
+        out.append(
+            (
+                f"pipeline: {r['schedule']} pp={r['pp']} mb={r['microbatches']} idle fraction vs theory",
+                idle,
+                theory,
+                _ratio(idle, theory),
+                "~1 (+ per-op overhead)",
+            )
+        )
     return out
 
 
@@ -63,19 +99,39 @@ def activation_rows(d):
     for r in d:
         if r is base:
             continue
-        out.append((f"activation ckpt: {r['mode']} step peak MiB vs none", r["step_peak_mib"],
-                    base["step_peak_mib"], _ratio(r["step_peak_mib"], base["step_peak_mib"]), "< 1"))
-        out.append((f"activation ckpt: {r['mode']} step s vs none", r["step_s"], base["step_s"],
-                    _ratio(r["step_s"], base["step_s"]), "> 1 (recompute cost)"))
+        out.append(
+            (
+                f"activation ckpt: {r['mode']} step peak MiB vs none",
+                r["step_peak_mib"],
+                base["step_peak_mib"],
+                _ratio(r["step_peak_mib"], base["step_peak_mib"]),
+                "< 1",
+            )
+        )
+        out.append(
+            (
+                f"activation ckpt: {r['mode']} step s vs none",
+                r["step_s"],
+                base["step_s"],
+                _ratio(r["step_s"], base["step_s"]),
+                "> 1 (recompute cost)",
+            )
+        )
     return out
 
 
 def dedup_rows(d):
     rows = []
     if "datasketch_docs_per_s" in d:
-        rows.append((f"dedup: docs/s, ours (1 worker) vs naive datasketch ({d['docs']} docs)",
-                     d["ours_docs_per_s"], d["datasketch_docs_per_s"],
-                     _ratio(d["ours_docs_per_s"], d["datasketch_docs_per_s"]), "> 1"))
+        rows.append(
+            (
+                f"dedup: docs/s, ours (1 worker) vs naive datasketch ({d['docs']} docs)",
+                d["ours_docs_per_s"],
+                d["datasketch_docs_per_s"],
+                _ratio(d["ours_docs_per_s"], d["datasketch_docs_per_s"]),
+                "> 1",
+            )
+        )
     for name, a in d.get("accuracy", {}).items():
         rows.append((f"dedup: recall J>=0.85 (clustered), {name}", a["recall_j085_clustered"], None, None, ">= 0.95"))
     return rows
@@ -83,22 +139,50 @@ def dedup_rows(d):
 
 def decontaminate_rows(d):
     w = {int(k): v for k, v in d["mb_per_s_by_workers"].items()}
-    return [(f"decontaminate: MB/s, 2 workers vs 1 ({d['training_mb']:.1f} MB)", w.get(2), w.get(1),
-             _ratio(w.get(2, 0), w.get(1, 0)), "> 1 (2 cores, shared)")]
+    return [
+        (
+            f"decontaminate: MB/s, 2 workers vs 1 ({d['training_mb']:.1f} MB)",
+            w.get(2),
+            w.get(1),
+            _ratio(w.get(2, 0), w.get(1, 0)),
+            "> 1 (2 cores, shared)",
+        )
+    ]
 
 
 SUITE = [
-    Benchmark("overhead", "bench_overhead.py",
-              ["--preset", "gpt3-125m", "--seq-len", "128", "--micro-batch", "2", "--global-batch", "2",
-               "--steps", "4", "--repeats", "2"], overhead_rows),
+    Benchmark(
+        "overhead",
+        "bench_overhead.py",
+        [
+            "--preset",
+            "gpt3-125m",
+            "--seq-len",
+            "128",
+            "--micro-batch",
+            "2",
+            "--global-batch",
+            "2",
+            "--steps",
+            "4",
+            "--repeats",
+            "2",
+        ],
+        overhead_rows,
+    ),
     Benchmark("parallel", "bench_parallel.py", ["--rounds", "2", "--steps", "5"], parallel_rows),
     Benchmark("memory", "bench_memory.py", ["--dp", "2", "4"], memory_rows),
-    Benchmark("pipeline", "bench_pipeline.py", ["--pp", "2", "4", "--microbatches", "4", "8", "--steps", "2"],
-              pipeline_rows),
-    Benchmark("activation_checkpointing", "bench_activation_checkpointing.py",
-              ["--layers", "4", "--seq", "512", "--steps", "2"], activation_rows),
-    Benchmark("dedup", "bench_dedup.py", ["--docs", "1500", "--scale-docs", "0", "--accuracy-docs", "1000"],
-              dedup_rows),
-    Benchmark("decontaminate", "bench_decontaminate.py", ["--ngrams", "20000", "--docs", "1000"],
-              decontaminate_rows),
+    Benchmark(
+        "pipeline", "bench_pipeline.py", ["--pp", "2", "4", "--microbatches", "4", "8", "--steps", "2"], pipeline_rows
+    ),
+    Benchmark(
+        "activation_checkpointing",
+        "bench_activation_checkpointing.py",
+        ["--layers", "4", "--seq", "512", "--steps", "2"],
+        activation_rows,
+    ),
+    Benchmark(
+        "dedup", "bench_dedup.py", ["--docs", "1500", "--scale-docs", "0", "--accuracy-docs", "1000"], dedup_rows
+    ),
+    Benchmark("decontaminate", "bench_decontaminate.py", ["--ngrams", "20000", "--docs", "1000"], decontaminate_rows),
 ]

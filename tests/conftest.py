@@ -12,8 +12,14 @@ os.environ.setdefault("WANDB_MODE", "offline")
 def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:
     """Run a console entry point as a user would (`mtnlg ...`), capturing output."""
     full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mtnlg_lightning.cli", *args], cwd=cwd or ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mtnlg_lightning.cli", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@
 Each stage trains 2 steps through `parallel_harness.tiny_run` (the equivalence tests' run) with
 `StateBytesProbe`; rank 0 saves {zero: {"num_params", "dp", "per_rank": [StateBytes dicts]}} for pytest.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,13 @@ def state_bytes_run(zero: int, world: int) -> dict:
     # ZeRO-3 keeps no parameter whole ("persistent"): the tiny model's would otherwise all stay unpartitioned.
     ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
     probe = StateBytesProbe()
-    _, trainer = tiny_run(MegatronDeepSpeedStrategy(zero_stage=zero, print_layout=False, deepspeed_config=ds),
-                          devices=world, max_steps=2, capture_steps=(), callbacks=[probe])
+    _, trainer = tiny_run(
+        MegatronDeepSpeedStrategy(zero_stage=zero, print_layout=False, deepspeed_config=ds),
+        devices=world,
+        max_steps=2,
+        capture_steps=(),
+        callbacks=[probe],
+    )
     per_rank = [None] * world
     dist.all_gather_object(per_rank, probe.result.as_dict())
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.lightning_module.model.parameters())

@@ -6,6 +6,7 @@ Each named run trains the tiny model through Lightning with `MegatronDeepSpeedSt
 OUT_DIR/NAME.pt = {losses, grad_norms, lrs, params: {step: {name: full tensor}}, ...} for pytest to compare with
 the single-process reference.
 """
+
 from __future__ import annotations
 
 import sys
@@ -47,14 +48,28 @@ def pipeline_run(name: str, world: int, out: Path):
     base = name.removesuffix("_ckpt").removesuffix("_resume")
     kwargs, overrides = PIPELINE_RUNS[base]
     kwargs = {"tensor_parallel": 1, "zero_stage": 0, **kwargs, "print_layout": False}
-    common = dict(devices=world, micro_batch_size=2, model_overrides=overrides,
-                  rampup_batch_size=RAMPUP if base == "pp2_rampup" else None)
+    common = dict(
+        devices=world,
+        micro_batch_size=2,
+        model_overrides=overrides,
+        rampup_batch_size=RAMPUP if base == "pp2_rampup" else None,
+    )
     if name.endswith("_ckpt"):
-        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=6, checkpoint_dir=ckpt_dir(out, base),
-                                capture_steps=(5, 6), **common)
+        rec, trainer = tiny_run(
+            MegatronDeepSpeedStrategy(**kwargs),
+            max_steps=6,
+            checkpoint_dir=ckpt_dir(out, base),
+            capture_steps=(5, 6),
+            **common,
+        )
     elif name.endswith("_resume"):
-        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=6, capture_steps=(6,),
-                                ckpt_path=ckpt_dir(out, base) / "step=3.ckpt", **common)
+        rec, trainer = tiny_run(
+            MegatronDeepSpeedStrategy(**kwargs),
+            max_steps=6,
+            capture_steps=(6,),
+            ckpt_path=ckpt_dir(out, base) / "step=3.ckpt",
+            **common,
+        )
     else:
         rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, **common)
     # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
@@ -77,36 +92,61 @@ def run(name: str, out: Path, world: int) -> dict:
         zero = int(base[-1]) if "zero" in base else 0
         directory = ckpt_dir(out, base)
         if name.endswith("_ckpt"):
-            rec, trainer = tiny_run(strategy(tp, zero), devices=world, max_steps=6, checkpoint_dir=directory,
-                                    capture_steps=(5, 6))
+            rec, trainer = tiny_run(
+                strategy(tp, zero), devices=world, max_steps=6, checkpoint_dir=directory, capture_steps=(5, 6)
+            )
         else:
-            rec, trainer = tiny_run(strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt",
-                                    capture_steps=(6,))
+            rec, trainer = tiny_run(
+                strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt", capture_steps=(6,)
+            )
     elif name == "pp2_spike_skip":  # the callbacks under the 3D strategy: every rank takes the same decision
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(action="skip", window=5, warmup_steps=3)
-        rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=8, micro_batch_size=2,
-                                capture_steps=(6, 7, 8), callbacks=[ScaleLossAt(6 * 8), spikes])
+        rec, trainer = tiny_run(
+            strategy(pipeline_parallel=2),
+            devices=world,
+            max_steps=8,
+            micro_batch_size=2,
+            capture_steps=(6, 7, 8),
+            callbacks=[ScaleLossAt(6 * 8), spikes],
+        )
         extra = {"spike_steps": [s["step"] for s in spikes.spikes]}
     elif name == "pp2_spike_rewind":  # restore the sharded checkpoint from before the spike, skip the data
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
-        spikes = LossSpikeDetection(action="rewind", window=5, warmup_steps=3, skip_batches=2,
-                                    record_file=str(out / "rewinds.json"))
-        rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=10, micro_batch_size=2,
-                                capture_steps=(10,), callbacks=[ScaleLossAt(7 * 8), spikes],
-                                checkpoint_dir=ckpt_dir(out, name), checkpoint_every=3)
-        extra = {"spike_steps": [s["step"] for s in spikes.spikes], "record": spikes.record,
-                 "tied_head": trainer.strategy.tied_head_copy()}
+        spikes = LossSpikeDetection(
+            action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / "rewinds.json")
+        )
+        rec, trainer = tiny_run(
+            strategy(pipeline_parallel=2),
+            devices=world,
+            max_steps=10,
+            micro_batch_size=2,
+            capture_steps=(10,),
+            callbacks=[ScaleLossAt(7 * 8), spikes],
+            checkpoint_dir=ckpt_dir(out, name),
+            checkpoint_every=3,
+        )
+        extra = {
+            "spike_steps": [s["step"] for s in spikes.spikes],
+            "record": spikes.record,
+            "tied_head": trainer.strategy.tied_head_copy(),
+        }
     elif name == "pp2_activation_checkpointing":
         from mtnlg_lightning.callbacks import ActivationCheckpointing
 
-        rec, trainer = tiny_run(strategy(pipeline_parallel=2), devices=world, max_steps=5, micro_batch_size=2,
-                                callbacks=[ActivationCheckpointing(mode="full")])
+        rec, trainer = tiny_run(
+            strategy(pipeline_parallel=2),
+            devices=world,
+            max_steps=5,
+            micro_batch_size=2,
+            callbacks=[ActivationCheckpointing(mode="full")],
+        )
     elif name == "dp2_zero1_veto":
-        rec, trainer = tiny_run(strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3),
-                                callbacks=[VetoStep(2)])
+        rec, trainer = tiny_run(
+            strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3), callbacks=[VetoStep(2)]
+        )
     elif name == "zero1_memory":
         rec, trainer, extra = memory_run(world)
     else:
@@ -118,8 +158,12 @@ def memory_run(world: int):
     """Per-rank bytes of the real ZeRO-1 optimizer state at dp=world (a trained engine) and at dp=1 (the same
     model and optimizer under a ZeRO-1 engine whose data-parallel group is this rank alone)."""
     from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
-    from mtnlg_lightning.parallel.zero import (ModelParallelUnit, deepspeed_config, initialize_engine,
-                                               optimizer_state_bytes)
+    from mtnlg_lightning.parallel.zero import (
+        ModelParallelUnit,
+        deepspeed_config,
+        initialize_engine,
+        optimizer_state_bytes,
+    )
 
     rec, trainer = tiny_run(strategy(1, 1), devices=world, max_steps=1, capture_steps=())
     bytes_dp = optimizer_state_bytes(trainer.strategy.engine.optimizer)
@@ -128,15 +172,25 @@ def memory_run(world: int):
     singles = [dist.new_group([r]) for r in range(world)]
     me = dist.get_rank()
     layout = ParallelLayout(1)
-    groups = ProcessGroups(layout=layout, rank=0, coord=layout.coord(0), tensor_parallel_group=singles[me],
-                           data_parallel_group=singles[me], pipeline_parallel_group=singles[me],
-                           model_parallel_group=singles[me])
+    groups = ProcessGroups(
+        layout=layout,
+        rank=0,
+        coord=layout.coord(0),
+        tensor_parallel_group=singles[me],
+        data_parallel_group=singles[me],
+        pipeline_parallel_group=singles[me],
+        model_parallel_group=singles[me],
+    )
     module = trainer.lightning_module
     from mtnlg_lightning.model import build_model
 
     model = build_model(module.config)
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+        ]
+    )
     engine = initialize_engine(model, opt, deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
     tokens = torch.randint(0, 4096, (4, 65))
     loss = module.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])

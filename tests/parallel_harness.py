@@ -3,6 +3,7 @@
 Used in-process for the single-process reference and by `dist_parallel_runs.py` under torchrun for the layouts,
 so both sides build exactly the same config, data and seed.
 """
+
 from __future__ import annotations
 
 import lightning as L
@@ -66,24 +67,59 @@ class ScaleLossAt(Callback):
         pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if poisoned else original
 
 
-def tiny_run(strategy="auto", devices=1, max_steps=5, grad_clip=GRAD_CLIP, capture_steps=(CAPTURE_STEP,),
-             checkpoint_dir=None, checkpoint_every=3, ckpt_path=None, callbacks=(), micro_batch_size=4,
-             model_overrides=None, rampup_batch_size=None) -> tuple[Recorder, L.Trainer]:
+def tiny_run(
+    strategy="auto",
+    devices=1,
+    max_steps=5,
+    grad_clip=GRAD_CLIP,
+    capture_steps=(CAPTURE_STEP,),
+    checkpoint_dir=None,
+    checkpoint_every=3,
+    ckpt_path=None,
+    callbacks=(),
+    micro_batch_size=4,
+    model_overrides=None,
+    rampup_batch_size=None,
+) -> tuple[Recorder, L.Trainer]:
     """`micro_batch_size` changes only how the global batch of 8 is cut (the loss and gradients are the same
     mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}."""
     L.seed_everything(SEED, verbose=False)
-    module = MTNLGModule(preset="tiny", model_overrides=model_overrides, micro_batch_size=micro_batch_size,
-                         global_batch_size=8, rampup_batch_size=rampup_batch_size, lr=1e-3, min_lr=1e-4, warmup_tokens=1024, decay_tokens=10240,
-                         grad_clip=grad_clip)
+    module = MTNLGModule(
+        preset="tiny",
+        model_overrides=model_overrides,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=8,
+        rampup_batch_size=rampup_batch_size,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_tokens=1024,
+        decay_tokens=10240,
+        grad_clip=grad_clip,
+    )
     data = GPTDataModule(builtin_corpus="python-docs", seed=SEED)
     recorder = Recorder(capture_steps)
     cbs = [recorder, *callbacks]
     if checkpoint_dir is not None:
-        cbs.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every, save_top_k=-1,
-                                   filename="{step}"))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
-                        max_steps=max_steps, logger=False, enable_checkpointing=checkpoint_dir is not None,
-                        callbacks=cbs, use_distributed_sampler=False, deterministic=True, limit_val_batches=0,
-                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False)
+        cbs.append(
+            ModelCheckpoint(
+                dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=checkpoint_dir is not None,
+        callbacks=cbs,
+        use_distributed_sampler=False,
+        deterministic=True,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return recorder, trainer

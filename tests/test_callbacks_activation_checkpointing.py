@@ -1,4 +1,5 @@
 """ActivationCheckpointing: each mode recomputes what it says, and losses and gradients match `none` (fp32)."""
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,11 @@ def test_mode_matches_none_and_recomputes_what_it_says(mode, forward_counts):
     assert forward_counts == {}  # nothing recomputed without checkpointing
     names, loss, grads, model = loss_and_grads(mode, forward_counts)
     assert names == EXPECTED[mode]
-    recomputed = {"full": {"Block": 4, "AttentionCore": 4}, "every_n": {"Block": 2, "AttentionCore": 2},
-                  "selective": {"AttentionCore": 4}}[mode]
+    recomputed = {
+        "full": {"Block": 4, "AttentionCore": 4},
+        "every_n": {"Block": 2, "AttentionCore": 2},
+        "selective": {"AttentionCore": 4},
+    }[mode]
     assert forward_counts == recomputed
     torch.testing.assert_close(loss, ref_loss, rtol=1.3e-6, atol=1e-5)  # fp32 tolerance (identical in practice)
     assert grads.keys() == ref_grads.keys()
@@ -69,7 +73,7 @@ def test_mode_matches_none_and_recomputes_what_it_says(mode, forward_counts):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1.3e-6, atol=1e-5, msg=name)
     # the module tree and parameter names are untouched (state dicts, TP/PP swaps by name keep working)
     assert list(model.state_dict()) == list(ref_model.state_dict())
-    assert all(type(m) is type(r) for m, r in zip(model.modules(), ref_model.modules()))
+    assert all(type(m) is type(r) for m, r in zip(model.modules(), ref_model.modules(), strict=True))
 
 
 def test_apply_is_idempotent_switchable_and_survives_deepcopy():
@@ -100,11 +104,30 @@ class Inspect(Callback):
 
 def _fit(callbacks):
     L.seed_everything(1234, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, use_distributed_sampler=False, deterministic=True, callbacks=callbacks)
-    module = MTNLGModule(preset="tiny", model_overrides={"hidden_dropout": 0.1}, micro_batch_size=4,
-                         global_batch_size=8, lr=1e-3, min_lr=1e-4, warmup_tokens=1024, decay_tokens=10240)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        deterministic=True,
+        callbacks=callbacks,
+    )
+    module = MTNLGModule(
+        preset="tiny",
+        model_overrides={"hidden_dropout": 0.1},
+        micro_batch_size=4,
+        global_batch_size=8,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_tokens=1024,
+        decay_tokens=10240,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, GPTDataModule(builtin_corpus="python-docs", seed=1234))

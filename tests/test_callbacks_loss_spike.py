@@ -1,5 +1,6 @@
 """LossSpikeDetection: detection at the right step, `skip` bit-identical, `rewind` + recorded skips (also after a
 restart), NaN handling, no false positives on a normal run. In-process Trainer runs of the tiny preset (CPU)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,16 @@ class PoisonedModule(MTNLGModule):
     """The tiny recipe; the loss of the batches starting at the given consumed_samples is scaled (or NaN)."""
 
     def __init__(self, poison: dict[int, float] | None = None):
-        super().__init__(preset="tiny", micro_batch_size=4, global_batch_size=BATCH, lr=1e-3, min_lr=1e-4,
-                         warmup_tokens=1024, decay_tokens=10240, grad_clip=1.0)
+        super().__init__(
+            preset="tiny",
+            micro_batch_size=4,
+            global_batch_size=BATCH,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_tokens=1024,
+            decay_tokens=10240,
+            grad_clip=1.0,
+        )
         self.poison = dict(poison or {})
         self.factor = None
         self.loss_fn = self._loss
@@ -52,13 +61,26 @@ def fit(tmp_path, callbacks, max_steps, poison=None, ckpt_path=None, checkpoint_
     L.seed_everything(1234, verbose=False)
     callbacks = list(callbacks)
     if checkpoint_every:
-        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "checkpoints", filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=checkpoint_every))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-                        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        use_distributed_sampler=False, deterministic=True, default_root_dir=tmp_path,
-                        callbacks=callbacks)
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=tmp_path / "checkpoints", filename="{step}", save_top_k=-1, every_n_train_steps=checkpoint_every
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        deterministic=True,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
     module = PoisonedModule(poison)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -93,7 +115,9 @@ def test_detector_flags_outliers_and_nan_only():
 def test_detector_zscore_and_signal_selection():
     detector = SpikeDetector(window=10, threshold=4.0, warmup_steps=5, method="zscore", signals=("loss",))
     for step in range(12):
-        spike, _, _ = detector.observe(torch.tensor(3.0 + 0.01 * (step % 3)), torch.tensor(100.0 if step == 11 else 1.0))
+        spike, _, _ = detector.observe(
+            torch.tensor(3.0 + 0.01 * (step % 3)), torch.tensor(100.0 if step == 11 else 1.0)
+        )
         assert not bool(spike)  # grad_norm is not tested (only NaN/Inf would count)
     spike, _, z = detector.observe(torch.tensor(30.0), torch.tensor(1.0))
     assert bool(spike) and z[0] > 4.0
@@ -118,8 +142,11 @@ class Snapshot(Callback):
     @staticmethod
     def _state(trainer, pl_module):
         params = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
-        optim = {(i, k): v.detach().clone() if torch.is_tensor(v) else v
-                 for i, state in trainer.optimizers[0].state_dict()["state"].items() for k, v in state.items()}
+        optim = {
+            (i, k): v.detach().clone() if torch.is_tensor(v) else v
+            for i, state in trainer.optimizers[0].state_dict()["state"].items()
+            for k, v in state.items()
+        }
         return params, optim
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -132,8 +159,7 @@ class Snapshot(Callback):
 
 
 def _identical(a, b):
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
 def test_skip_leaves_params_and_optimizer_state_bit_identical_nan_included(tmp_path):
@@ -141,8 +167,9 @@ def test_skip_leaves_params_and_optimizer_state_bit_identical_nan_included(tmp_p
     spikes = LossSpikeDetection(action="skip", warmup_steps=5)
     snap = Snapshot([nan_at, spike_at, normal_at])
     recorder = Recorder()
-    trainer, module = fit(tmp_path, [spikes, snap, recorder], max_steps=12,
-                          poison={nan_at: float("nan"), spike_at: 1e3})
+    trainer, module = fit(
+        tmp_path, [spikes, snap, recorder], max_steps=12, poison={nan_at: float("nan"), spike_at: 1e3}
+    )
     assert [s["step"] for s in spikes.spikes] == [2, 9]
     assert math.isnan(spikes.spikes[0]["loss"]) and spikes.spikes[1]["loss"] > 1e3
     for position in (nan_at, spike_at):
@@ -158,8 +185,11 @@ def test_skip_leaves_params_and_optimizer_state_bit_identical_nan_included(tmp_p
 def test_rewind_restores_and_skips_exactly_the_recorded_batches_also_after_restart(tmp_path):
     spike_step = 10
     poison = {spike_step * BATCH: 1e3}
-    spikes, recorder, snap = LossSpikeDetection(action="rewind", warmup_steps=5, skip_batches=3), Recorder(), \
-        Snapshot([])
+    spikes, recorder, snap = (
+        LossSpikeDetection(action="rewind", warmup_steps=5, skip_batches=3),
+        Recorder(),
+        Snapshot([]),
+    )
     trainer, module = fit(tmp_path, [spikes, recorder, snap], max_steps=16, poison=poison, checkpoint_every=4)
     record_path = tmp_path / "checkpoints" / "loss_spike_rewinds.json"
     record = json.loads(record_path.read_text())
@@ -178,8 +208,14 @@ def test_rewind_restores_and_skips_exactly_the_recorded_batches_also_after_resta
     # Restart from the checkpoint before the rewind: the record is honoured, the same batches are skipped, and the
     # run ends bit-identical to the rewound one (it restored the same checkpoint and trained the same batches).
     spikes2, recorder2 = LossSpikeDetection(action="rewind", warmup_steps=5, skip_batches=3), Recorder()
-    trainer2, module2 = fit(tmp_path, [spikes2, recorder2], max_steps=16, poison=poison, checkpoint_every=4,
-                            ckpt_path=str(tmp_path / "checkpoints" / "step=8.ckpt"))
+    trainer2, module2 = fit(
+        tmp_path,
+        [spikes2, recorder2],
+        max_steps=16,
+        poison=poison,
+        checkpoint_every=4,
+        ckpt_path=str(tmp_path / "checkpoints" / "step=8.ckpt"),
+    )
     assert recorder2.trained == after and spikes2.spikes == []
     assert json.loads(record_path.read_text()) == record
     assert trainer2.global_step == 16 and module2.consumed_samples == 128

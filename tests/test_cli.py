@@ -1,4 +1,5 @@
 """`mtnlg` through LightningCLI, as a user runs it."""
+
 import csv
 
 from conftest import ROOT, run_cli
@@ -10,8 +11,17 @@ def read_metrics(save_dir):
 
 
 def test_fit_tiny_logs_train_loss_every_step_to_csv_and_learns(tmp_path, demo_data):
-    out = run_cli("fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "8",
-                  "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path))
+    out = run_cli(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.max_steps",
+        "8",
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [r for r in read_metrics(tmp_path) if r.get("train_loss")]
     assert [int(r["step"]) for r in rows] == list(range(8))
@@ -45,15 +55,26 @@ def test_seq_len_above_position_table_is_one_line(tmp_path):
 
 
 def test_missing_dataset_files_are_one_line(tmp_path):
-    out = run_cli("fit", "--config", "configs/tiny.yaml", "--data.builtin_corpus", "null",
-                  "--data.datasets", f"[{tmp_path}/nope]")
+    out = run_cli(
+        "fit", "--config", "configs/tiny.yaml", "--data.builtin_corpus", "null", "--data.datasets", f"[{tmp_path}/nope]"
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"missing dataset file {tmp_path}/nope.idx" in out.stderr.strip().splitlines()[-1]
 
 
 def test_demo_config_saves_a_checkpoint_and_an_offline_wandb_run(tmp_path, demo_data):
-    out = run_cli("fit", "--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps", "6",
-                  "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", cwd=tmp_path)
+    out = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--trainer.max_steps",
+        "6",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.limit_val_batches",
+        "1",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "runs/demo/checkpoints/last.ckpt").exists()
     (run,) = list((tmp_path / "runs/demo/wandb").glob("offline-run-*"))

@@ -16,8 +16,14 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 def tool(name, *args, cwd=None):
     env = {k: v for k, v in os.environ.items() if k != "MTNLG_DEDUP_CRASH_AT"}
-    return subprocess.run([sys.executable, str(TOOLS / name), *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(TOOLS / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
 
 
 def write_jsonl(path, records):
@@ -43,15 +49,33 @@ def test_dedup_end_to_end(tmp_path):
     recs = make_near_dup_corpus(150, seed=9, doc_chars=1200)
     a = write_jsonl(tmp_path / "a.jsonl", recs[:100])
     b = write_jsonl(tmp_path / "b.jsonl", recs[100:])
-    p = tool("dedup.py", a, b, "--output-dir", tmp_path / "out", "--priority", "b.jsonl,a.jsonl", "--workers", "2",
-             "--shingle", "word:5", "--threshold", "0.8", "--seed", "1")
+    p = tool(
+        "dedup.py",
+        a,
+        b,
+        "--output-dir",
+        tmp_path / "out",
+        "--priority",
+        "b.jsonl,a.jsonl",
+        "--workers",
+        "2",
+        "--shingle",
+        "word:5",
+        "--threshold",
+        "0.8",
+        "--seed",
+        "1",
+    )
     assert p.returncode == 0, p.stderr
     assert "mtnlg-dedup summary" in p.stdout and "P(cand)" in p.stdout and len(p.stdout.splitlines()) <= 20
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["settings"]["priority"] == ["b.jsonl", "a.jsonl"]
     kept = sum(1 for _ in open(tmp_path / "out" / "a.jsonl")) + sum(1 for _ in open(tmp_path / "out" / "b.jsonl"))
     dups = sum(1 for _ in open(tmp_path / "out" / "duplicates.jsonl"))
-    assert kept + dups == 150 and dups == rep["totals"]["exact_duplicates_removed"] + rep["totals"]["near_duplicates_removed"]
+    assert (
+        kept + dups == 150
+        and dups == rep["totals"]["exact_duplicates_removed"] + rep["totals"]["near_duplicates_removed"]
+    )
     p = tool("dedup.py", a, b, "--output-dir", tmp_path / "out2", "--preset", "mtnlg", "-q")
     assert p.returncode == 0, p.stderr
     rep = json.loads((tmp_path / "out2" / "report.json").read_text())
@@ -65,9 +89,29 @@ def test_decontaminate_end_to_end(tmp_path):
     tasks, docs = make_tasks_and_training(50, 60, seed=1, doc_chars=1500, plant_fraction=0.3)
     t = write_jsonl(tmp_path / "tasks.jsonl", tasks)
     i = write_jsonl(tmp_path / "train.jsonl", docs)
-    p = tool("decontaminate.py", "--tasks", t, "--input", i, "--output", tmp_path / "o" / "clean.jsonl",
-             "--workers", "2", "--max-ngram", "13", "--min-ngram", "8", "--window", "200", "--min-piece", "200",
-             "--max-splits", "10", "--frequent-threshold", "10")
+    p = tool(
+        "decontaminate.py",
+        "--tasks",
+        t,
+        "--input",
+        i,
+        "--output",
+        tmp_path / "o" / "clean.jsonl",
+        "--workers",
+        "2",
+        "--max-ngram",
+        "13",
+        "--min-ngram",
+        "8",
+        "--window",
+        "200",
+        "--min-piece",
+        "200",
+        "--max-splits",
+        "10",
+        "--frequent-threshold",
+        "10",
+    )
     assert p.returncode == 0, p.stderr
     assert "mtnlg-decontaminate summary" in p.stdout
     rep = json.loads((tmp_path / "o" / "report.json").read_text())

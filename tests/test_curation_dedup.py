@@ -64,7 +64,9 @@ def test_exact_duplicates_are_removed_first_without_lsh(tmp_path):
     assert [r["id"] for r in read_jsonl(tmp_path / "out" / "in.jsonl")] == ["a", "b"]
     dups = read_jsonl(tmp_path / "out" / "duplicates.jsonl")
     assert [(d["id"], d["duplicate_of"], d["kind"], d["exact_jaccard"]) for d in dups] == [
-        ("a-copy", "a", "exact", 1.0), ("a-copy2", "a", "exact", 1.0)]
+        ("a-copy", "a", "exact", 1.0),
+        ("a-copy2", "a", "exact", 1.0),
+    ]
     assert rep["totals"]["exact_duplicates_removed"] == 2
     assert rep["pairs"]["candidate_pairs"] == 0  # exact copies never reached LSH
 
@@ -121,8 +123,10 @@ def test_priority_input_wins_then_first_occurrence(tmp_path):
     rep = run(tmp_path, [f1, f2], priority=["books.jsonl"], force=True)
     assert [r["id"] for r in read_jsonl(tmp_path / "out" / "web.jsonl")] == ["w2"]
     assert [r["id"] for r in read_jsonl(tmp_path / "out" / "books.jsonl")] == ["k1"]  # first occurrence in books
-    dups = {d["id"]: (d["duplicate_of"], d["duplicate_of_source"], d["kind"]) for d in
-            read_jsonl(tmp_path / "out" / "duplicates.jsonl")}
+    dups = {
+        d["id"]: (d["duplicate_of"], d["duplicate_of_source"], d["kind"])
+        for d in read_jsonl(tmp_path / "out" / "duplicates.jsonl")
+    }
     assert dups == {"w1": ("k1", "books.jsonl", "near"), "k2": ("k1", "books.jsonl", "near")}
     assert rep["settings"]["priority"] == ["books.jsonl", "web.jsonl"]
     assert rep["inputs"][0]["docs_out"] == 1 and rep["inputs"][1]["near_duplicates_removed"] == 1
@@ -142,8 +146,17 @@ def test_kept_records_are_unchanged_bytes_in_order_and_report_fields(tmp_path):
     for d in dups:  # id falls back to FILE:LINE; line numbers are 1-based and count the blank line
         name, line = d["id"].split(":")
         assert name == "c.jsonl" and lines[int(line) - 1].strip() and d["line"] == int(line)
-        assert set(d) == {"id", "source", "line", "duplicate_of", "duplicate_of_source", "duplicate_of_line", "kind",
-                          "estimated_jaccard", "exact_jaccard"}
+        assert set(d) == {
+            "id",
+            "source",
+            "line",
+            "duplicate_of",
+            "duplicate_of_source",
+            "duplicate_of_line",
+            "kind",
+            "estimated_jaccard",
+            "exact_jaccard",
+        }
     for key in ("inputs", "totals", "clusters", "pairs", "timings_s", "docs_per_s", "banding", "settings"):
         assert key in rep
     assert rep["banding"]["candidate_probability"]["0.80"] == pytest.approx(0.9972, abs=1e-4)
@@ -195,14 +208,17 @@ def _outputs(d):
     return {n: (d / n).read_bytes() for n in ("c.jsonl", "duplicates.jsonl")}
 
 
-@pytest.mark.parametrize("point,resumed", [
-    ("signatures:shard2", []),
-    ("signatures", ["signatures"]),
-    ("buckets", ["signatures", "buckets"]),
-    ("verify", ["signatures", "buckets", "verify"]),
-    ("clusters", ["signatures", "buckets", "verify", "clusters"]),
-    ("publish:1", ["signatures", "buckets", "verify", "clusters", "filter"]),
-])
+@pytest.mark.parametrize(
+    "point,resumed",
+    [
+        ("signatures:shard2", []),
+        ("signatures", ["signatures"]),
+        ("buckets", ["signatures", "buckets"]),
+        ("verify", ["signatures", "buckets", "verify"]),
+        ("clusters", ["signatures", "buckets", "verify", "clusters"]),
+        ("publish:1", ["signatures", "buckets", "verify", "clusters", "filter"]),
+    ],
+)
 def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus, monkeypatch, point, resumed):
     path, ref = corpus
     out = tmp_path / "out"

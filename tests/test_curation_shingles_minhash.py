@@ -91,8 +91,9 @@ def test_minhash_equals_datasketch_fed_with_shingle_strings():
     text = render(TextGenerator(seed=2).document(1200))
     words = normalize_words(text)
     strings = [" ".join(words[i : i + 5]).encode() for i in range(len(words) - 4)]
-    m = MinHash(num_perm=128, seed=7, scheme="affine32",
-                hashfunc=lambda b: shingle_string_hash(b.decode(), W5) & 0xFFFFFFFF)
+    m = MinHash(
+        num_perm=128, seed=7, scheme="affine32", hashfunc=lambda b: shingle_string_hash(b.decode(), W5) & 0xFFFFFFFF
+    )
     m.update_batch(strings)
     ours = MinHasher(128, 7).signature((shingle_hashes(text, W5) & np.uint64(0xFFFFFFFF)).astype(np.uint32))
     assert np.array_equal(ours, m.hashvalues)

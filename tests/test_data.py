@@ -1,6 +1,8 @@
 """Indexed dataset files, packing with EOD, blending, tokenizer, DP-sharded step batches, bad files."""
+
 import json
 import os
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -71,7 +73,7 @@ def test_samples_pack_documents_across_eod_boundaries(tmp_path):
         assert len(sample) == 17
         # every window is a contiguous run of some epoch's document order: each token follows its predecessor
         # within a document, or an EOD starts the next document
-        for a, b in zip(sample[:-1], sample[1:]):
+        for a, b in pairwise(sample):
             assert (b == a + 1 and a != EOD) or a == EOD or b == EOD
         seen_eod_inside |= bool((sample[1:-1] == EOD).any())
     assert seen_eod_inside
@@ -139,7 +141,11 @@ def test_step_batches_shard_the_global_batch_by_data_parallel_rank_and_follow_th
 
 
 def test_tokenizer_trained_here_round_trips_text_and_has_an_eod(tmp_path):
-    texts = ["The quick brown fox jumps over the lazy dog.", "Über naïve café — 東京 ✓", "x = [i ** 2 for i in range(10)]"]
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Über naïve café — 東京 ✓",
+        "x = [i ** 2 for i in range(10)]",
+    ]
     tokenizer = train_bpe(texts * 20, vocab_size=300, output=tmp_path)
     for text in texts:
         assert tokenizer.decode(tokenizer.encode(text)) == text

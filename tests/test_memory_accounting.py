@@ -4,6 +4,7 @@ One 2-rank launch trains the tiny model under ZeRO 0, 1, 2, 3 (`dist_memory_runs
 params, grads, fp32 master and Adam moments (`StateBytesProbe`). The planner's fp32 accounting
 (`planner.model_state_bytes(..., precision="fp32")`: these CPU runs train in fp32) must match within 10%.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,22 @@ DP = 2
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory") / "state_bytes.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DP}",
-           str(HERE / "dist_memory_runs.py"), str(out), "0", "1", "2", "3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={DP}",
+        str(HERE / "dist_memory_runs.py"),
+        str(out),
+        "0",
+        "1",
+        "2",
+        "3",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

@@ -1,4 +1,5 @@
 """The GPT decoder: shapes, causality, tied embeddings, Megatron init, presets and parameter counts."""
+
 import math
 
 import pytest

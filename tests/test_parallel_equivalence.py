@@ -9,6 +9,7 @@ untouched, and ZeRO-1's real per-rank optimizer state halves at dp=2.
 Launches are expensive here (2 CPU cores), so all layouts of one world size share one torchrun launch
 (`dist_parallel_runs.py`), each writing its results for these assertions.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
 
 pytestmark = pytest.mark.distributed
@@ -26,17 +26,40 @@ HERE = Path(__file__).resolve().parent
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong shard or norm is >= 1e-3
 
-WORLD2_RUNS = ["tp2_ckpt", "tp2_resume", "dp2_zero3_ckpt", "dp2_zero3_resume", "dp2_zero1", "dp2_zero2", "dp2_zero3",
-               "dp2_zero1_veto", "zero1_memory", "pp2_1f1b_ckpt", "pp2_1f1b_resume", "pp2_interleaved",
-               "pp2_5blocks_zero1", "pp2_rampup", "pp2_spike_skip", "pp2_activation_checkpointing",
-               "pp2_spike_rewind"]
+WORLD2_RUNS = [
+    "tp2_ckpt",
+    "tp2_resume",
+    "dp2_zero3_ckpt",
+    "dp2_zero3_resume",
+    "dp2_zero1",
+    "dp2_zero2",
+    "dp2_zero3",
+    "dp2_zero1_veto",
+    "zero1_memory",
+    "pp2_1f1b_ckpt",
+    "pp2_1f1b_resume",
+    "pp2_interleaved",
+    "pp2_5blocks_zero1",
+    "pp2_rampup",
+    "pp2_spike_skip",
+    "pp2_activation_checkpointing",
+    "pp2_spike_rewind",
+]
 WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
 WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(HERE / "dist_parallel_runs.py"), str(out), *runs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(HERE / "dist_parallel_runs.py"),
+        str(out),
+        *runs,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -75,7 +98,7 @@ def deeper_references():
 
 
 def max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -87,9 +110,17 @@ def test_reference_clips_on_every_step(reference):
     assert all(norm > GRAD_CLIP for norm in reference["grad_norms"][:5]), reference["grad_norms"]
 
 
-@pytest.mark.parametrize("layout,world", [
-    ("tp2_ckpt", 2), ("dp2_zero1", 2), ("dp2_zero2", 2), ("dp2_zero3", 2), ("tp2_dp2_zero1_ckpt", 4), ("tp4", 4),
-])
+@pytest.mark.parametrize(
+    "layout,world",
+    [
+        ("tp2_ckpt", 2),
+        ("dp2_zero1", 2),
+        ("dp2_zero2", 2),
+        ("dp2_zero3", 2),
+        ("tp2_dp2_zero1_ckpt", 4),
+        ("tp4", 4),
+    ],
+)
 def test_layout_trains_like_one_process(layout, world, reference, world2, world4):
     run = (world2 if world == 2 else world4)[layout]
     steps = CAPTURE_STEP
@@ -125,7 +156,7 @@ def test_zero1_optimizer_state_per_rank_halves_at_dp2(world2):
 
 
 PIPELINE_LAYOUTS = [  # (run, world, blocks): 1F1B, interleaved (2 virtual stages per rank), 5 blocks on 2
-    ("pp2_1f1b_ckpt", 2, 2),   # stages (3 + 2), ZeRO-1 and ZeRO-2 under PP, and MT-NLG's TP x PP x DP on 8 ranks
+    ("pp2_1f1b_ckpt", 2, 2),  # stages (3 + 2), ZeRO-1 and ZeRO-2 under PP, and MT-NLG's TP x PP x DP on 8 ranks
     ("pp2_interleaved", 2, 4),
     ("pp2_5blocks_zero1", 2, 5),
     ("pp2_dp2_zero1", 4, 2),
@@ -135,8 +166,9 @@ PIPELINE_LAYOUTS = [  # (run, world, blocks): 1F1B, interleaved (2 virtual stage
 
 
 @pytest.mark.parametrize("layout,world,blocks", PIPELINE_LAYOUTS)
-def test_pipeline_layout_trains_like_one_process(layout, world, blocks, reference, deeper_references, world2,
-                                                 world4, world8):
+def test_pipeline_layout_trains_like_one_process(
+    layout, world, blocks, reference, deeper_references, world2, world4, world8
+):
     run = {2: world2, 4: world4, 8: world8}[world][layout]
     ref = reference if blocks == 2 else deeper_references[blocks]
     steps = CAPTURE_STEP
@@ -146,8 +178,9 @@ def test_pipeline_layout_trains_like_one_process(layout, world, blocks, referenc
     assert max_param_diff(run["params"][steps], ref["params"][steps]) <= PARAM_ATOL  # every stage, gathered
 
 
-@pytest.mark.parametrize("layout,world", [(name, world) for name, world, _ in PIPELINE_LAYOUTS
-                                          if name != "pp2_1f1b_ckpt"])
+@pytest.mark.parametrize(
+    "layout,world", [(name, world) for name, world, _ in PIPELINE_LAYOUTS if name != "pp2_1f1b_ckpt"]
+)
 def test_tied_embedding_on_the_last_stage_stays_identical_to_the_first_stage(layout, world, world2, world4, world8):
     run = {2: world2, 4: world4, 8: world8}[world][layout]
     assert torch.equal(run["tied_head"], run["params"][CAPTURE_STEP]["embed.wte.weight"])

@@ -1,11 +1,12 @@
 """Pipeline stage partitioning, stage pruning and the MT-NLG 530B dry run (no processes, no memory)."""
+
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, run_cli
+
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import build_model
@@ -51,8 +52,12 @@ def test_stages_keep_their_blocks_under_global_names_and_the_last_stage_holds_a_
 
 
 def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
-    out = subprocess.run([sys.executable, str(ROOT / "tools/dry_run.py"), "--config",
-                          str(ROOT / "configs/mtnlg_530b.yaml")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools/dry_run.py"), "--config", str(ROOT / "configs/mtnlg_530b.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "world 4480 = 560 node(s) x 8: pp 35 x dp 16 x tp 8; TP groups inside a node: yes" in text
@@ -64,11 +69,23 @@ def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
 def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  strategy:\n    init_args: {tensor_parallel: 16}\n")
-    out = subprocess.run([sys.executable, str(ROOT / "tools/dry_run.py"), "--config",
-                          str(ROOT / "configs/mtnlg_530b.yaml"), "--config", str(bad)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/dry_run.py"),
+            "--config",
+            str(ROOT / "configs/mtnlg_530b.yaml"),
+            "--config",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == ("dry_run: error: tensor_parallel 16 is larger than a node (8 ranks per node): TP "
-                                  "groups would cross nodes; lower tensor_parallel or set allow_tp_across_nodes: true")
+    assert out.stderr.strip() == (
+        "dry_run: error: tensor_parallel 16 is larger than a node (8 ranks per node): TP "
+        "groups would cross nodes; lower tensor_parallel or set allow_tp_across_nodes: true"
+    )
 
 
 def test_530b_config_parses_through_the_cli():

@@ -1,11 +1,12 @@
 """tools/plan.py: the paper's arithmetic, memory accounting, layout validation; the GPU check's CPU smoke mode."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.planner import model_state_bytes, plan, search, tflops_from_time
@@ -19,8 +20,18 @@ def test_planner_reproduces_the_papers_tflops_from_its_iteration_times(nodes, se
 
 
 def test_the_papers_530b_layout_fits_in_80gb_with_3_layers_per_stage():
-    p = plan(MTNLG, tp=8, pp=35, dp=16, gpus_per_node=8, gpu="a100-80g", global_batch=1920, micro_batch=1,
-             recompute="full", zero_stage=1)
+    p = plan(
+        MTNLG,
+        tp=8,
+        pp=35,
+        dp=16,
+        gpus_per_node=8,
+        gpu="a100-80g",
+        global_batch=1920,
+        micro_batch=1,
+        recompute="full",
+        zero_stage=1,
+    )
     assert p.layers_per_stage == [3] * 35
     assert p.fits and p.total_gb < 80 and p.tp_within_node
     assert p.num_microbatches == 120
@@ -29,8 +40,9 @@ def test_the_papers_530b_layout_fits_in_80gb_with_3_layers_per_stage():
 
 
 def test_530b_without_recompute_and_without_zero_does_not_fit():
-    p = plan(MTNLG, tp=8, pp=35, dp=8, gpus_per_node=8, gpu="a100-80g", global_batch=1920, recompute="none",
-             zero_stage=0)
+    p = plan(
+        MTNLG, tp=8, pp=35, dp=8, gpus_per_node=8, gpu="a100-80g", global_batch=1920, recompute="none", zero_stage=0
+    )
     assert not p.fits
 
 
@@ -57,23 +69,73 @@ def test_search_returns_only_fitting_layouts_fastest_first():
 
 
 def test_plan_cli_prints_every_figure_and_validates():
-    out = subprocess.run([sys.executable, str(ROOT / "tools/plan.py"), "--model", "mtnlg-530b", "--tp", "8", "--pp",
-                          "35", "--dp", "16", "--gpus-per-node", "8", "--gpu", "a100-80g", "--global-batch", "1920",
-                          "--micro-batch", "1", "--recompute", "full"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/plan.py"),
+            "--model",
+            "mtnlg-530b",
+            "--tp",
+            "8",
+            "--pp",
+            "35",
+            "--dp",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--gpu",
+            "a100-80g",
+            "--global-batch",
+            "1920",
+            "--micro-batch",
+            "1",
+            "--recompute",
+            "full",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
-    for text in ("layers per stage     3", "params per GPU", "model states", "activations", "fits",
-                 "TP inside a node     yes", "pipeline bubble", "FLOPs per iteration", "TFLOP/s per GPU"):
+    for text in (
+        "layers per stage     3",
+        "params per GPU",
+        "model states",
+        "activations",
+        "fits",
+        "TP inside a node     yes",
+        "pipeline bubble",
+        "FLOPs per iteration",
+        "TFLOP/s per GPU",
+    ):
         assert text in out.stdout
     out = subprocess.run([sys.executable, str(ROOT / "tools/plan.py"), "--tp", "3"], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("plan: error: num_heads 128")
-    out = subprocess.run([sys.executable, str(ROOT / "tools/plan.py"), "--model", "gpt3-1.3b", "--gpus", "16",
-                          "--global-batch", "512", "--search", "--json"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/plan.py"),
+            "--model",
+            "gpt3-1.3b",
+            "--gpus",
+            "16",
+            "--global-batch",
+            "512",
+            "--search",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and json.loads(out.stdout)[0]["fits"]
 
 
 def test_gpu_check_cpu_smoke_mode_runs_the_training_machinery():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--cpu-smoke"],
-                         capture_output=True, text=True, timeout=600, env={"WANDB_MODE": "offline",
-                                                                             **__import__("os").environ})
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--cpu-smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"WANDB_MODE": "offline", **__import__("os").environ},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "torch 2" in out.stdout and "median tokens/s" in out.stdout

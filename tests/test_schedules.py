@@ -1,11 +1,12 @@
 """Batch-size ramp-up and the LR schedule: exact arithmetic."""
-import math
+
+from itertools import pairwise
 
 import pytest
 
+from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration
-from mtnlg_lightning.config import get_config
 from mtnlg_lightning.schedules import BatchSizeSchedule, LRSchedule
 
 MTNLG_RAMP = BatchSizeSchedule(1920, 32, 32, 12_000_000_000 // 2048)
@@ -20,10 +21,10 @@ def test_mtnlg_ramp_starts_at_32_and_ends_at_1920():
 def test_ramp_grows_by_the_increment_in_equal_sample_slices():
     ramp = BatchSizeSchedule(64, 16, 16, 300)  # 3 increments of 100 samples each
     sizes = [ramp.batch_size(step) for step in range(20)]
-    assert sizes[:7] == [16] * 7               # 0..96 consumed
-    assert sizes[7] == 32                      # 112 consumed >= 100
+    assert sizes[:7] == [16] * 7  # 0..96 consumed
+    assert sizes[7] == 32  # 112 consumed >= 100
     assert set(sizes) == {16, 32, 48, 64}
-    assert all(b - a in (0, 16) for a, b in zip(sizes, sizes[1:]))
+    assert all(b - a in (0, 16) for a, b in pairwise(sizes))
 
 
 def test_consumed_samples_is_the_exact_sum_of_batch_sizes_across_ramp_boundaries():
@@ -69,7 +70,7 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lr(11_000) == pytest.approx(5e-6)
     assert lr(50_000) == 5e-6
     values = [lr(t) for t in range(1_000, 11_001, 500)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in pairwise(values))
 
 
 def test_megatron_flops_formula_reproduces_the_papers_tflops_with_full_recompute():

@@ -1,8 +1,8 @@
 """The 3D strategy through the real `mtnlg` CLI: `--trainer.strategy configs/strategy/X.yaml`, as a user runs it."""
+
 import csv
 
 import pytest
-
 from conftest import run_cli
 
 
@@ -14,16 +14,30 @@ def train_rows(save_dir):
 def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: int):
     """The same tiny config through `mtnlg fit` on one process and on `devices` ranks with `strategy_file`;
     returns (reference train rows, parallel train rows, parallel output)."""
-    common = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(steps),
-              "--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
+    common = [
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+    ]
     single = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
-    parallel = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "parallel"),
-                       "--trainer.strategy", strategy_file, "--trainer.devices", str(devices))
+    parallel = run_cli(
+        *common,
+        "--trainer.logger.save_dir",
+        str(tmp_path / "parallel"),
+        "--trainer.strategy",
+        strategy_file,
+        "--trainer.devices",
+        str(devices),
+    )
     assert parallel.returncode == 0, parallel.stderr[-3000:]
     reference, rows = train_rows(tmp_path / "single"), train_rows(tmp_path / "parallel")
     assert [int(r["step"]) for r in rows] == list(range(steps))  # one train_loss row per step, not one per rank
-    for ref, row in zip(reference, rows):
+    for ref, row in zip(reference, rows, strict=True):
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), rel=1e-5)
         assert float(row["grad_norm"]) == pytest.approx(float(ref["grad_norm"]), rel=1e-4)
     return reference, rows, parallel.stdout + parallel.stderr
@@ -34,14 +48,21 @@ def test_tp2_zero1_on_4_ranks_logs_train_loss_once_per_step_matching_one_process
     reference, rows, output = fit_single_and_parallel(tmp_path, "configs/strategy/tp2_zero1.yaml", 4, 5)
     # Rank 0 printed the layout table: TP pairs of consecutive ranks, ZeRO-1 across the DP pairs.
     assert "layout: world 4 = pp 1 x dp 2 x tp 2 on 1 node(s) of 4 rank(s)" in output
-    for ref, row in zip(reference, rows):
+    for ref, row in zip(reference, rows, strict=True):
         assert float(row["lr"]) == pytest.approx(float(ref["lr"]), rel=1e-7)
     assert all(float(r["grad_norm"]) > 1.0 for r in reference)  # tiny.yaml's grad_clip 1.0 triggers
 
 
 def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line():
-    out = run_cli("fit", "--config", "configs/tiny.yaml", "--trainer.strategy", "configs/strategy/tp4.yaml",
-                  "--trainer.devices", "2")
+    out = run_cli(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.strategy",
+        "configs/strategy/tp4.yaml",
+        "--trainer.devices",
+        "2",
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")]
@@ -49,8 +70,17 @@ def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line(
 
 
 def test_more_pipeline_stages_than_blocks_is_one_line():
-    out = run_cli("fit", "--config", "configs/tiny.yaml", "--trainer.strategy", "configs/strategy/pp2.yaml",
-                  "--trainer.strategy.init_args.pipeline_parallel", "3", "--trainer.devices", "3")
+    out = run_cli(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.strategy",
+        "configs/strategy/pp2.yaml",
+        "--trainer.strategy.init_args.pipeline_parallel",
+        "3",
+        "--trainer.devices",
+        "3",
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     errors = {line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")}
     assert errors == {"mtnlg: error: num_layers 2 is fewer than pipeline_parallel 3 stages"}
@@ -60,7 +90,13 @@ def test_more_pipeline_stages_than_blocks_is_one_line():
 def test_tp2_pp2_dp2_on_8_ranks_trains_like_one_process_and_validates_through_the_pipeline(tmp_path):
     _, _, output = fit_single_and_parallel(tmp_path, "configs/strategy/tp2_pp2_dp2.yaml", 8, 4)
     assert "layout: world 8 = pp 2 x dp 2 x tp 2 on 1 node(s) of 8 rank(s)" in output
-    val = lambda d: [float(r["val_loss"]) for r in csv.DictReader(next(d.rglob("metrics.csv")).open())  # noqa: E731
-                     if r.get("val_loss")]
+
+    def val(d):
+        return [
+            float(r["val_loss"])
+            for r in csv.DictReader(next(d.rglob("metrics.csv")).open())  # noqa: E731
+            if r.get("val_loss")
+        ]
+
     assert val(tmp_path / "parallel") == pytest.approx(val(tmp_path / "single"), rel=1e-5)  # forward-only pipeline
     assert len(val(tmp_path / "parallel")) == 1

@@ -1,4 +1,5 @@
 """Lets `python tools/X.py` run from a source checkout before `pip install -e .`."""
+
 import os
 import sys
 

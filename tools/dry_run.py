@@ -4,6 +4,7 @@ memory) and TP-sharded, the batch arithmetic over the whole ramp-up, and the pla
 
     python tools/dry_run.py --config configs/mtnlg_530b.yaml [--config more.yaml ...] [--gpu a100-80g]
 """
+
 import argparse
 import sys
 
@@ -16,13 +17,25 @@ from mtnlg_lightning.planner import GPU_MEMORY_BYTES
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", required=True,
-                        help="a `mtnlg fit` YAML config; repeat to merge several, later ones win (as the CLI)")
-    parser.add_argument("--gpu", default="a100-80g", choices=sorted(GPU_MEMORY_BYTES),
-                        help="GPU type for the memory check (default a100-80g, MT-NLG's DGX A100)")
-    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
-                        help="activation recompute for the memory estimate (default: from the config's "
-                             "ActivationCheckpointing callback, else none)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        help="a `mtnlg fit` YAML config; repeat to merge several, later ones win (as the CLI)",
+    )
+    parser.add_argument(
+        "--gpu",
+        default="a100-80g",
+        choices=sorted(GPU_MEMORY_BYTES),
+        help="GPU type for the memory check (default a100-80g, MT-NLG's DGX A100)",
+    )
+    parser.add_argument(
+        "--recompute",
+        default=None,
+        choices=("none", "selective", "full"),
+        help="activation recompute for the memory estimate (default: from the config's "
+        "ActivationCheckpointing callback, else none)",
+    )
     args = parser.parse_args(argv)
     try:
         report = dry_run(args.config, args.gpu, args.recompute)

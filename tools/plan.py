@@ -5,6 +5,7 @@
         --global-batch 1920 --micro-batch 1 --recompute full
     python tools/plan.py --model gpt3-175b --gpus 1024 --gpus-per-node 8 --gpu h100 --global-batch 1536 --search
 """
+
 import argparse
 import json
 import sys
@@ -44,14 +45,30 @@ def main(argv=None) -> int:
                 print(json.dumps([p.as_dict() for p in plans[: args.top]], indent=1))
             else:
                 print(f"{len(plans)} layouts of {gpus} x {args.gpu} fit {args.model}; fastest {args.top}:")
-                print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'recompute':>9} {'zero':>4} {'GB/GPU':>7} "
-                      f"{'bubble':>7} {'s/iter':>8} {'TFLOP/s':>8}")
+                print(
+                    f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'recompute':>9} {'zero':>4} {'GB/GPU':>7} "
+                    f"{'bubble':>7} {'s/iter':>8} {'TFLOP/s':>8}"
+                )
                 for p in plans[: args.top]:
-                    print(f"{p.tp:>3} {p.pp:>3} {p.dp:>5} {p.micro_batch:>3} {p.recompute:>9} {p.zero_stage:>4} "
-                          f"{p.total_gb:>7.1f} {p.bubble:>7.1%} {p.iteration_seconds:>8.2f} {p.tflops_per_gpu:>8.1f}")
+                    print(
+                        f"{p.tp:>3} {p.pp:>3} {p.dp:>5} {p.micro_batch:>3} {p.recompute:>9} {p.zero_stage:>4} "
+                        f"{p.total_gb:>7.1f} {p.bubble:>7.1%} {p.iteration_seconds:>8.2f} {p.tflops_per_gpu:>8.1f}"
+                    )
             return 0 if plans else 1
-        result = plan(config, args.tp, args.pp, args.dp, args.gpus_per_node, args.gpu, args.global_batch,
-                      args.micro_batch, args.recompute, args.zero_stage, args.mfu, args.precision)
+        result = plan(
+            config,
+            args.tp,
+            args.pp,
+            args.dp,
+            args.gpus_per_node,
+            args.gpu,
+            args.global_batch,
+            args.micro_batch,
+            args.recompute,
+            args.zero_stage,
+            args.mfu,
+            args.precision,
+        )
     except MTNLGError as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Train a GPT-2-style byte-level BPE tokenizer (with <|endoftext|>) on JSONL text; writes tokenizer.json.
 
-    python tools/train_tokenizer.py --input corpus.jsonl --vocab-size 50257 --output tok/
+python tools/train_tokenizer.py --input corpus.jsonl --vocab-size 50257 --output tok/
 """
+
 import argparse
 import sys
 import time
@@ -18,7 +19,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, nargs="+", help="JSONL file(s), one document per line")
     parser.add_argument("--json-key", default="text", help="field holding the text (default: text)")
-    parser.add_argument("--vocab-size", type=int, default=50257, help="vocabulary size incl. <|endoftext|> (GPT-2: 50257)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=50257, help="vocabulary size incl. <|endoftext|> (GPT-2: 50257)"
+    )
     parser.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge (default: 2)")
     parser.add_argument("--output", required=True, help="output tokenizer.json path, or a directory to hold it")
     args = parser.parse_args(argv)
@@ -31,8 +34,10 @@ def main(argv=None) -> int:
     except MTNLGError as error:
         print(f"train_tokenizer: error: {error}", file=sys.stderr)
         return 2
-    print(f"trained a {tokenizer.vocab_size}-token byte-level BPE on {len(texts):,} documents "
-          f"in {time.perf_counter() - start:.1f} s -> {args.output}")
+    print(
+        f"trained a {tokenizer.vocab_size}-token byte-level BPE on {len(texts):,} documents "
+        f"in {time.perf_counter() - start:.1f} s -> {args.output}"
+    )
     return 0
 
 

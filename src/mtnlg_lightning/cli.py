@@ -1,4 +1,5 @@
 """`mtnlg`: the LightningCLI entry point (fit / validate / test / predict)."""
+
 from __future__ import annotations
 
 import os

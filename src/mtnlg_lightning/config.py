@@ -1,9 +1,10 @@
 """Model hyper-parameters and named presets (tiny ... mtnlg-530b)."""
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mtnlg_lightning.errors import MTNLGError
 
@@ -33,9 +34,7 @@ class ModelConfig:
         if self.init_std is None:
             self.init_std = math.sqrt(1.0 / (3.0 * self.hidden_size))
         if self.hidden_size % self.num_heads:
-            raise MTNLGError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
+            raise MTNLGError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.seq_len > self.max_position_embeddings:
             raise MTNLGError(
                 f"seq_len {self.seq_len} is above the position table size {self.max_position_embeddings} "

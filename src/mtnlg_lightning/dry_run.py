@@ -1,4 +1,5 @@
 """Validate a `mtnlg fit` config for a cluster we do not have: layout, per-stage meta models, batches, memory."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,11 +45,11 @@ def _check_keys(args: dict, cls, where: str) -> None:
         raise MTNLGError(f"{where} has unknown key(s) {unknown}; valid: {sorted(known)}")
 
 
-def _stage_parameters(model_config, pp: int, pp_rank: int, schedule: str, virtual: int, strategy: dict,
-                      tp: int) -> int:
+def _stage_parameters(model_config, pp: int, pp_rank: int, schedule: str, virtual: int, strategy: dict, tp: int) -> int:
     full = build_model(model_config, device="meta")
-    stage_models, _, _ = split_into_stages(full, pp, pp_rank, schedule, virtual, strategy.get("first_stage_layers"),
-                                           strategy.get("last_stage_layers"))
+    stage_models, _, _ = split_into_stages(
+        full, pp, pp_rank, schedule, virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
+    )
     for stage in stage_models:
         parallelize(stage, None, 0, tp)
     return sum(p.numel() for stage in stage_models for p in stage.parameters())
@@ -70,12 +71,14 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
     tp, pp = int(strategy.get("tensor_parallel", 1)), int(strategy.get("pipeline_parallel", 1))
     schedule = strategy.get("pipeline_schedule", "1f1b")
     virtual = strategy.get("virtual_pipeline_stages") or (2 if schedule in MULTI_STAGE else 1)
-    layout = ParallelLayout(world, tp, pp, strategy.get("gpus_per_node") or devices,
-                            bool(strategy.get("allow_tp_across_nodes", False)))
+    layout = ParallelLayout(
+        world, tp, pp, strategy.get("gpus_per_node") or devices, bool(strategy.get("allow_tp_across_nodes", False))
+    )
     model_config = get_config(model_args.get("preset", "tiny"), **(model_args.get("model_overrides") or {}))
     layout.validate_model(model_config.num_heads, model_config.padded_vocab_size(tp), model_config.num_layers)
-    counts = layers_per_stage(model_config.num_layers, pp * virtual, strategy.get("first_stage_layers"),
-                              strategy.get("last_stage_layers"))
+    counts = layers_per_stage(
+        model_config.num_layers, pp * virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
+    )
 
     micro = int(model_args.get("micro_batch_size", 8))
     ramp = model_args.get("rampup_batch_size") or [None, None, 0]
@@ -92,12 +95,25 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
     params_per_stage = [params_of.get(r, params_of.get(min(1, pp - 1))) for r in range(pp)]
 
     callbacks = trainer.get("callbacks") or []
-    modes = [(c.get("init_args") or {}).get("mode") for c in callbacks if isinstance(c, dict)
-             and c.get("class_path", "").endswith("ActivationCheckpointing")]
+    modes = [
+        (c.get("init_args") or {}).get("mode")
+        for c in callbacks
+        if isinstance(c, dict) and c.get("class_path", "").endswith("ActivationCheckpointing")
+    ]
     recompute = recompute or (modes[0] if modes and modes[0] in ("full", "selective") else "none")
-    estimate = plan(model_config, tp, pp, layout.data_parallel, layout.ranks_per_node, gpu,
-                    batches.global_batch_size, micro, recompute, int(strategy.get("zero_stage", 1)),
-                    layers=counts if virtual == 1 else None)
+    estimate = plan(
+        model_config,
+        tp,
+        pp,
+        layout.data_parallel,
+        layout.ranks_per_node,
+        gpu,
+        batches.global_batch_size,
+        micro,
+        recompute,
+        int(strategy.get("zero_stage", 1)),
+        layers=counts if virtual == 1 else None,
+    )
 
     total_params = count_parameters(model_config)
     lines = [
@@ -114,8 +130,8 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
         f"(built on the meta device, TP-sharded)",
         f"  batches      {first_batch} -> {batches.global_batch_size} sequences (ramp over {batches.rampup_samples:,} "
         f"samples, {batches.steps_for_samples(batches.rampup_samples):,} steps); micro-batches per pipeline "
-        f"{micro_first} -> {micro_full}" + ("  (fewer than the stages early in the ramp: run as GPipe order)"
-                                             if micro_first < pp * virtual else ""),
+        f"{micro_first} -> {micro_full}"
+        + ("  (fewer than the stages early in the ramp: run as GPipe order)" if micro_first < pp * virtual else ""),
         format_plan(estimate),
     ]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """Model FLOPs per iteration (Megatron's formula), achieved TFLOP/s and MFU."""
+
 from __future__ import annotations
 
 from mtnlg_lightning.config import ModelConfig
@@ -15,8 +16,9 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def flops_per_iteration(config: ModelConfig, batch_size: int, seq_len: int | None = None,
-                        recompute: bool = False) -> float:
+def flops_per_iteration(
+    config: ModelConfig, batch_size: int, seq_len: int | None = None, recompute: bool = False
+) -> float:
     """72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (Narayanan et al. 2021); 96 instead of 72 with full recompute."""
     s = seq_len or config.seq_len
     h, L, V = config.hidden_size, config.num_layers, config.padded_vocab_size()

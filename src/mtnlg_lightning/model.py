@@ -5,6 +5,7 @@ tensor parallelism swaps its Linear/Embedding layers for sharded ones (their `ou
 attention infers its local head count), pipeline parallelism deletes the parts a stage does not own
 (`embed`, blocks, `norm`, `lm_head` may be None/absent), as torchtitan does.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The LightningModule: the GPT model plus the MT-NLG recipe (AdamW b2=0.95, clipping, schedules, metrics)."""
+
 from __future__ import annotations
 
 import math
@@ -90,11 +91,14 @@ class MTNLGModule(L.LightningModule):
         for param in self.model.parameters():
             if param.requires_grad:
                 (decay if param.ndim >= 2 else no_decay).append(param)
-        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         fused = self.device.type == "cuda" or None
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-                                      eps=self.hparams.eps, fused=fused)
+        optimizer = torch.optim.AdamW(
+            groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps, fused=fused
+        )
         seq_len, peak = self.config.seq_len, self.hparams.lr
 
         def lr_multiplier(_step: int) -> float:
@@ -150,8 +154,11 @@ class MTNLGModule(L.LightningModule):
         """True when a callback vetoes this step's update (e.g. loss-spike `skip`): params and optimizer state
         then stay exactly as they were. Callbacks opt in by defining `should_skip_update(trainer, module, loss,
         grad_norm)`; every rank must return the same answer (callbacks reduce their signal across the world)."""
-        votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm)
-                 for cb in self.trainer.callbacks if hasattr(cb, "should_skip_update")]
+        votes = [
+            cb.should_skip_update(self.trainer, self, loss, grad_norm)
+            for cb in self.trainer.callbacks
+            if hasattr(cb, "should_skip_update")
+        ]
         if any(votes):
             # A vetoed update still counts as a training step (as Megatron's skipped iterations): max_steps,
             # checkpoint cadence and the data plan (consumed_samples(max_steps)) stay in step with the data.
@@ -202,8 +209,10 @@ class MTNLGModule(L.LightningModule):
     def on_train_end(self) -> None:
         last = self.trainer.callback_metrics.get("train_loss")
         if self.trainer.is_global_zero and last is not None and self._first_loss is not None:
-            print(f"\ntrain_loss {self._first_loss:.3f} (first step) -> {float(last):.3f} (step "
-                  f"{self.trainer.global_step}); consumed {self.consumed_samples:,} samples")
+            print(
+                f"\ntrain_loss {self._first_loss:.3f} (first step) -> {float(last):.3f} (step "
+                f"{self.trainer.global_step}); consumed {self.consumed_samples:,} samples"
+            )
 
     # ---------------------------------------------------------------- evaluation
     def _eval_loss(self, batch) -> torch.Tensor:

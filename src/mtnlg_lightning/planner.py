@@ -4,24 +4,31 @@ Model-state bytes follow the ZeRO paper's mixed-precision Adam accounting (MT-NL
 bf16 weights 2 + bf16 grads 2 + fp32 grads 4 + fp32 master weights 4 + Adam moments 8); activation bytes
 follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models").
 """
+
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import PEAK_BF16_FLOPS, flops_per_iteration
 
-GPU_MEMORY_BYTES = {"a100-40g": 40e9, "a100-80g": 80e9, "a100": 80e9, "h100": 80e9, "h100-sxm": 80e9,
-                    "h100-pcie": 80e9, "h200": 141e9}
+GPU_MEMORY_BYTES = {
+    "a100-40g": 40e9,
+    "a100-80g": 80e9,
+    "a100": 80e9,
+    "h100": 80e9,
+    "h100-sxm": 80e9,
+    "h100-pcie": 80e9,
+    "h200": 141e9,
+}
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 # Bytes per parameter of each model-state component, by precision.
 STATE_BYTES = {
     "bf16": {"weights": 2, "grads": 2 + 4, "optimizer": 4 + 4 + 4},  # bf16 grads + fp32 grad accumulation
-    "fp32": {"weights": 4, "grads": 4, "optimizer": 4 + 4},           # fp32 training: Adam moments only
+    "fp32": {"weights": 4, "grads": 4, "optimizer": 4 + 4},  # fp32 training: Adam moments only
 }
 
 
@@ -54,8 +61,9 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "b
     return weights + grads + optimizer
 
 
-def activation_bytes_per_layer(config: ModelConfig, micro_batch: int, tp: int, recompute: str,
-                               seq_len: int | None = None) -> float:
+def activation_bytes_per_layer(
+    config: ModelConfig, micro_batch: int, tp: int, recompute: str, seq_len: int | None = None
+) -> float:
     """Stored activation bytes of one transformer layer for one micro-batch (bf16, no sequence parallel)."""
     s, b, h, a = seq_len or config.seq_len, micro_batch, config.hidden_size, config.num_heads
     if recompute == "full":
@@ -99,9 +107,21 @@ class Plan:
         return asdict(self)
 
 
-def plan(config: ModelConfig, tp: int, pp: int, dp: int, gpus_per_node: int, gpu: str, global_batch: int,
-         micro_batch: int = 1, recompute: str = "full", zero_stage: int = 1, mfu: float = 0.4,
-         precision: str = "bf16", layers: list[int] | None = None) -> Plan:
+def plan(
+    config: ModelConfig,
+    tp: int,
+    pp: int,
+    dp: int,
+    gpus_per_node: int,
+    gpu: str,
+    global_batch: int,
+    micro_batch: int = 1,
+    recompute: str = "full",
+    zero_stage: int = 1,
+    mfu: float = 0.4,
+    precision: str = "bf16",
+    layers: list[int] | None = None,
+) -> Plan:
     gpu = gpu.lower()
     if gpu not in GPU_MEMORY_BYTES:
         raise MTNLGError(f"unknown gpu {gpu!r}; choose one of: {', '.join(GPU_MEMORY_BYTES)}")
@@ -121,7 +141,7 @@ def plan(config: ModelConfig, tp: int, pp: int, dp: int, gpus_per_node: int, gpu
     # 1F1B: stage i keeps activations of min(pp - i, m) micro-batches in flight.
     in_flight = [min(pp - i, num_microbatches) for i in range(pp)]
     per_layer = activation_bytes_per_layer(config, micro_batch, tp, recompute)
-    s, h = config.seq_len, config.hidden_size
+    s, _h = config.seq_len, config.hidden_size
     # Working set while (re)computing one layer, plus fp32 logits of the last stage.
     working = activation_bytes_per_layer(config, micro_batch, tp, "none") if recompute != "none" else 0
     logits = 4 * s * micro_batch * config.padded_vocab_size(tp) / tp
@@ -142,23 +162,47 @@ def plan(config: ModelConfig, tp: int, pp: int, dp: int, gpus_per_node: int, gpu
     seconds = model_flops / (gpus * peak * mfu) / (1 - bubble) * (flops / model_flops)
     memory = GPU_MEMORY_BYTES[gpu]
     return Plan(
-        model=config.name, tp=tp, pp=pp, dp=dp, gpus=gpus, micro_batch=micro_batch, global_batch=global_batch,
-        num_microbatches=num_microbatches, recompute=recompute, zero_stage=zero_stage, layers_per_stage=layers,
-        params_per_gpu=max(stage_params), model_state_gb=states[worst] / 1e9, activation_gb=activations[worst] / 1e9,
-        total_gb=totals[worst] / 1e9, gpu_memory_gb=memory / 1e9, fits=totals[worst] <= 0.9 * memory,
-        tp_within_node=tp <= gpus_per_node and gpus_per_node % tp == 0, bubble=bubble,
-        flops_per_iteration=flops, iteration_seconds=seconds, tflops_per_gpu=flops / seconds / gpus / 1e12,
+        model=config.name,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        gpus=gpus,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        num_microbatches=num_microbatches,
+        recompute=recompute,
+        zero_stage=zero_stage,
+        layers_per_stage=layers,
+        params_per_gpu=max(stage_params),
+        model_state_gb=states[worst] / 1e9,
+        activation_gb=activations[worst] / 1e9,
+        total_gb=totals[worst] / 1e9,
+        gpu_memory_gb=memory / 1e9,
+        fits=totals[worst] <= 0.9 * memory,
+        tp_within_node=tp <= gpus_per_node and gpus_per_node % tp == 0,
+        bubble=bubble,
+        flops_per_iteration=flops,
+        iteration_seconds=seconds,
+        tflops_per_gpu=flops / seconds / gpus / 1e12,
     )
 
 
-def tflops_from_time(config: ModelConfig, global_batch: int, seconds: float, gpus: int,
-                     recompute: bool = True) -> float:
+def tflops_from_time(
+    config: ModelConfig, global_batch: int, seconds: float, gpus: int, recompute: bool = True
+) -> float:
     """Achieved TFLOP/s per GPU from a measured iteration time (how the paper reports throughput)."""
     return flops_per_iteration(config, global_batch, recompute=recompute) / seconds / gpus / 1e12
 
 
-def search(config: ModelConfig, num_gpus: int, gpus_per_node: int, gpu: str, global_batch: int,
-           mfu: float = 0.4, precision: str = "bf16") -> list[Plan]:
+def search(
+    config: ModelConfig,
+    num_gpus: int,
+    gpus_per_node: int,
+    gpu: str,
+    global_batch: int,
+    mfu: float = 0.4,
+    precision: str = "bf16",
+) -> list[Plan]:
     """Every valid (tp, pp, dp, micro batch, recompute, ZeRO) layout that fits, fastest first."""
     plans = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and config.num_heads % t == 0]
@@ -169,8 +213,9 @@ def search(config: ModelConfig, num_gpus: int, gpus_per_node: int, gpu: str, glo
         for micro, recompute, zero in itertools.product((1, 2, 4), RECOMPUTE_MODES, (0, 1, 2)):
             if global_batch % (micro * dp) or (zero == 2 and pp > 1):
                 continue
-            candidate = plan(config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero, mfu,
-                             precision)
+            candidate = plan(
+                config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero, mfu, precision
+            )
             if candidate.fits and candidate.tp_within_node:
                 plans.append(candidate)
     return sorted(plans, key=lambda p: (p.iteration_seconds, p.total_gb))

@@ -2,6 +2,7 @@
 
 Both are pure functions of the optimizer step, so every rank, every layout and a resumed run agree exactly.
 """
+
 from __future__ import annotations
 
 import bisect

@@ -12,6 +12,7 @@ all-reduce (`zero_stage: 0`) or hands model shard + optimizer to DeepSpeed ZeRO 
 The LightningModule keeps its loop: it calls `forward_backward` and `clip_and_step` here, and its LambdaLR keeps
 setting the learning rate. Works under Lightning's launcher, torchrun and SLURM (Lightning's cluster environments).
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -21,8 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -31,13 +35,31 @@ from torch.distributed.constants import default_pg_timeout
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
-from mtnlg_lightning.parallel.pipeline import (MULTI_STAGE, V_SHAPED, PipelineChunks, PipelineRunner, TiedEmbedding,
-                                               create_embedding_group, layers_per_stage, schedule_class,
-                                               split_into_stages, stage_ranks)
-from mtnlg_lightning.parallel.tensor_parallel import (VocabParallelCrossEntropy, gather_tensor_parallel,
-                                                      is_tensor_parallel, parallelize)
-from mtnlg_lightning.parallel.zero import (ModelParallelUnit, UpdateSnapshot, deepspeed_config, engine_backward,
-                                           initialize_engine)
+from mtnlg_lightning.parallel.pipeline import (
+    MULTI_STAGE,
+    V_SHAPED,
+    PipelineChunks,
+    PipelineRunner,
+    TiedEmbedding,
+    create_embedding_group,
+    layers_per_stage,
+    schedule_class,
+    split_into_stages,
+    stage_ranks,
+)
+from mtnlg_lightning.parallel.tensor_parallel import (
+    VocabParallelCrossEntropy,
+    gather_tensor_parallel,
+    is_tensor_parallel,
+    parallelize,
+)
+from mtnlg_lightning.parallel.zero import (
+    ModelParallelUnit,
+    UpdateSnapshot,
+    deepspeed_config,
+    engine_backward,
+    initialize_engine,
+)
 
 _META_FILE = "meta.pt"
 
@@ -143,14 +165,20 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         schedule_class(self.pipeline_schedule)  # unknown names fail here with the list of known ones
         multi = self.pipeline_schedule in MULTI_STAGE
         if multi != (self.virtual_pipeline_stages > 1):
-            raise MTNLGError(f"pipeline_schedule {self.pipeline_schedule} takes "
-                             f"{'2 or more' if multi else '1'} virtual_pipeline_stages, got {self.virtual_pipeline_stages}")
+            raise MTNLGError(
+                f"pipeline_schedule {self.pipeline_schedule} takes "
+                f"{'2 or more' if multi else '1'} virtual_pipeline_stages, got {self.virtual_pipeline_stages}"
+            )
         if self.pipeline_parallel > 1 and self.zero_stage == 3:
-            raise MTNLGError("zero_stage 3 partitions parameters a pipeline stage needs whole: use zero_stage 1 or "
-                             "2 with pipeline_parallel > 1")
+            raise MTNLGError(
+                "zero_stage 3 partitions parameters a pipeline stage needs whole: use zero_stage 1 or "
+                "2 with pipeline_parallel > 1"
+            )
         if self.pipeline_schedule in V_SHAPED and self.zero_stage == 2:
-            raise MTNLGError(f"pipeline_schedule {self.pipeline_schedule} splits the backward in two, which ZeRO-2's "
-                             f"gradient bookkeeping does not follow: use zero_stage 0 or 1 with it")
+            raise MTNLGError(
+                f"pipeline_schedule {self.pipeline_schedule} splits the backward in two, which ZeRO-2's "
+                f"gradient bookkeeping does not follow: use zero_stage 0 or 1 with it"
+            )
         if self.sequence_parallel:
             raise MTNLGError("sequence_parallel is not implemented yet; set sequence_parallel: false")
 
@@ -158,8 +186,13 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self._check_arguments()
         if not self.cluster_environment.creates_processes_externally:
             # Lightning will spawn the ranks: check the layout first, so a bad one is one line from one process.
-            ParallelLayout(self.num_nodes * self.num_processes, self.tensor_parallel, self.pipeline_parallel,
-                           self.gpus_per_node or self.num_processes or None, self.allow_tp_across_nodes)
+            ParallelLayout(
+                self.num_nodes * self.num_processes,
+                self.tensor_parallel,
+                self.pipeline_parallel,
+                self.gpus_per_node or self.num_processes or None,
+                self.allow_tp_across_nodes,
+            )
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
@@ -181,8 +214,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
 
     def _build_layout(self) -> ParallelLayout:
         gpus_per_node = self.gpus_per_node or gpus_per_node_from_env(self.num_processes or None)
-        layout = ParallelLayout(self.world_size, self.tensor_parallel, self.pipeline_parallel, gpus_per_node,
-                                self.allow_tp_across_nodes)
+        layout = ParallelLayout(
+            self.world_size, self.tensor_parallel, self.pipeline_parallel, gpus_per_node, self.allow_tp_across_nodes
+        )
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
             layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
@@ -206,8 +240,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         if not getattr(module, "_mtnlg_parallelized", False):
             stage_models = self._split_pipeline(module.model)
             for stage_model in stage_models:
-                parallelize(stage_model, groups.tensor_parallel_group, groups.tensor_parallel_rank,
-                            groups.tensor_parallel_size)
+                parallelize(
+                    stage_model, groups.tensor_parallel_group, groups.tensor_parallel_rank, groups.tensor_parallel_size
+                )
             if groups.tensor_parallel_size > 1:
                 module.loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group)
             if self.pipeline_parallel > 1:
@@ -220,9 +255,14 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             if self.zero_stage >= 1:
-                config = deepspeed_config(self.zero_stage, module.micro_batch_size, module.grad_clip,
-                                          str(trainer.precision), self.extra_deepspeed_config,
-                                          shard_numel=sum(p.numel() for p in module.model.parameters()))
+                config = deepspeed_config(
+                    self.zero_stage,
+                    module.micro_batch_size,
+                    module.grad_clip,
+                    str(trainer.precision),
+                    self.extra_deepspeed_config,
+                    shard_numel=sum(p.numel() for p in module.model.parameters()),
+                )
                 self.engine = initialize_engine(module.model, self.optimizers[0], config, ModelParallelUnit(groups))
                 self.optimizers = [self.engine.optimizer]
             if self.pipeline is not None and self.zero_stage == 2:
@@ -234,25 +274,40 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         if self.pipeline_parallel == 1:
             return [model]
         groups, layout = self.groups, self.layout
-        models, indices, _ = split_into_stages(model, self.pipeline_parallel, groups.pipeline_parallel_rank,
-                                               self.pipeline_schedule, self.virtual_pipeline_stages,
-                                               self.first_stage_layers, self.last_stage_layers)
+        models, indices, _ = split_into_stages(
+            model,
+            self.pipeline_parallel,
+            groups.pipeline_parallel_rank,
+            self.pipeline_schedule,
+            self.virtual_pipeline_stages,
+            self.first_stage_layers,
+            self.last_stage_layers,
+        )
         num_stages = self.pipeline_parallel * self.virtual_pipeline_stages
         firsts = [m for m in models if m.embed is not None]
         lasts = [m for m in models if m.lm_head is not None]
         placement = stage_ranks(self.pipeline_schedule, self.pipeline_parallel, self.virtual_pipeline_stages)
         last_pp = next(r for r, stages in enumerate(placement) if num_stages - 1 in stages)
         c = groups.coord
-        self.pipeline = PipelineRunner(models, indices, num_stages, self.pipeline_schedule, self.root_device,
-                                       groups.pipeline_parallel_group, layout.rank(last_pp, c.dp, c.tp),
-                                       is_first=bool(firsts), is_last=bool(lasts))
+        self.pipeline = PipelineRunner(
+            models,
+            indices,
+            num_stages,
+            self.pipeline_schedule,
+            self.root_device,
+            groups.pipeline_parallel_group,
+            layout.rank(last_pp, c.dp, c.tp),
+            is_first=bool(firsts),
+            is_last=bool(lasts),
+        )
         return models
 
     def _tied_embedding(self, stage_models) -> TiedEmbedding | None:
         """The link between the word embedding (first stage) and the LM-head copy (last stage) of this rank's
         (dp, tp) coordinates; None when this rank holds neither end or both (V-shaped schedules)."""
-        group, first_rank, last_rank = create_embedding_group(self.layout, self.pipeline_schedule,
-                                                              self.virtual_pipeline_stages, self.groups.rank)
+        group, first_rank, last_rank = create_embedding_group(
+            self.layout, self.pipeline_schedule, self.virtual_pipeline_stages, self.groups.rank
+        )
         if group is None:
             return None
         firsts = [m for m in stage_models if m.embed is not None]
@@ -305,8 +360,13 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         With pipelining the schedule runs them (Lightning's backward is not used) and the loss, computed on the
         last stage, is broadcast along the pipeline."""
         if self.pipeline is not None:
-            return self.pipeline.run(tokens, module.micro_batch_size, module.loss_fn, train=True,
-                                     add_to_embedding_grad=self._add_to_embedding_grad)
+            return self.pipeline.run(
+                tokens,
+                module.micro_batch_size,
+                module.loss_fn,
+                train=True,
+                add_to_embedding_grad=self._add_to_embedding_grad,
+            )
         forward = self.engine if self.engine is not None else module.model
         chunks = tokens.split(module.micro_batch_size)
         total = torch.zeros((), device=tokens.device)
@@ -382,7 +442,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.groups.data_parallel_group)
         flat /= self.groups.data_parallel_size
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(reduced)
 
     def _global_grad_norm(self, params) -> torch.Tensor:
@@ -419,8 +479,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 out[name] = value
         if self.pipeline_parallel > 1:  # every stage's parameters, on every rank
             parts = [None] * self.pipeline_parallel
-            dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()},
-                                   group=self.groups.pipeline_parallel_group)
+            dist.all_gather_object(
+                parts, {k: v.cpu() for k, v in out.items()}, group=self.groups.pipeline_parallel_group
+            )
             out = {k: v.to(self.root_device) for part in parts for k, v in part.items()}
         return out
 
@@ -467,16 +528,22 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 torch.save(meta, path / _META_FILE)
             self.barrier()
             module = self.lightning_module
-            torch.save({"model": module.model.state_dict(),
-                        "optimizers": [o.state_dict() for o in self.optimizers]},
-                       path / f"rank_{self.global_rank:05d}.pt")
+            torch.save(
+                {"model": module.model.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers]},
+                path / f"rank_{self.global_rank:05d}.pt",
+            )
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.engine is not None:
-            _, client_state = self.engine.load_checkpoint(str(path), tag="checkpoint", load_optimizer_states=True,
-                                                          load_lr_scheduler_states=False, load_module_strict=True)
+            _, client_state = self.engine.load_checkpoint(
+                str(path),
+                tag="checkpoint",
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+                load_module_strict=True,
+            )
             if client_state is None:
                 raise MTNLGError(f"{path} holds no DeepSpeed checkpoint of this layout")
             self._sync_tied_embedding()
@@ -486,7 +553,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             raise MTNLGError(f"{path} has no shard for rank {self.global_rank} (saved with another layout?)")
         shard = torch.load(shard_file, map_location=self.root_device, weights_only=False)
         self.lightning_module.model.load_state_dict(shard["model"])
-        for optimizer, state in zip(self.optimizers, shard["optimizers"]):
+        for optimizer, state in zip(self.optimizers, shard["optimizers"], strict=True):
             optimizer.load_state_dict(state)
         self._sync_tied_embedding()
         return torch.load(path / _META_FILE, map_location="cpu", weights_only=False)

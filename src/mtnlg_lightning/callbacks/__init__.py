@@ -1,4 +1,5 @@
 """Training callbacks: loss-spike detection (log / skip / rewind) and activation checkpointing."""
+
 from mtnlg_lightning.callbacks.activation_checkpointing import (
     ActivationCheckpointing,
     apply_activation_checkpointing,

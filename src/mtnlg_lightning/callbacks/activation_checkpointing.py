@@ -23,6 +23,7 @@ When: before any strategy wraps the model. ``MTNLGModule.configure_model()`` bui
 callbacks' ``setup`` and before ``strategy.setup``, which is where DDP/DeepSpeed/the 3D strategy wrap or shard the
 model). For a LightningModule that built its model earlier, ``setup`` applies it instead.
 """
+
 from __future__ import annotations
 
 import functools

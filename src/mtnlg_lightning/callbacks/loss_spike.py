@@ -33,6 +33,7 @@ skipped (so global_step keeps counting data steps and max_steps / the data plan 
 re-evaluated at the new position, and `module.restart_train_data()` ends the epoch so the train dataloader is rebuilt
 from the new position.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,15 @@ def _world_size() -> int:
 class SpikeDetector:
     """Rolling-window outlier test on (loss, grad_norm), computed on the tensors' device without host syncs."""
 
-    def __init__(self, window: int = 100, threshold: float = 6.0, warmup_steps: int = 20, method: str = "mad",
-                 min_relative_deviation: float = 0.1, signals: tuple[str, ...] = SIGNALS):
+    def __init__(
+        self,
+        window: int = 100,
+        threshold: float = 6.0,
+        warmup_steps: int = 20,
+        method: str = "mad",
+        min_relative_deviation: float = 0.1,
+        signals: tuple[str, ...] = SIGNALS,
+    ):
         if window < 3:
             raise MTNLGError(f"loss-spike window must be >= 3 steps, got {window}")
         if method not in ("mad", "zscore"):
@@ -184,8 +192,7 @@ class LossSpikeDetection(Callback):
         if skip_batches < 0 or rewind_lookback_steps < 0 or max_rewinds < 0:
             raise MTNLGError("skip_batches, rewind_lookback_steps and max_rewinds must be >= 0")
         self.action = action
-        self.detector = SpikeDetector(window, threshold, warmup_steps, method, min_relative_deviation,
-                                      tuple(signals))
+        self.detector = SpikeDetector(window, threshold, warmup_steps, method, min_relative_deviation, tuple(signals))
         self.skip_batches, self.rewind_lookback_steps = skip_batches, rewind_lookback_steps
         self.max_rewinds, self.record_file = max_rewinds, record_file
         self.spikes: list[dict] = []  # every detected spike (host-side, after its flag was read)
@@ -231,8 +238,10 @@ class LossSpikeDetection(Callback):
         if record is not None:
             self.record = record
             if record["rewinds"]:
-                rank_zero_info(f"LossSpikeDetection: honouring {len(record['rewinds'])} recorded data skip(s) from "
-                               f"{self._record_path}")
+                rank_zero_info(
+                    f"LossSpikeDetection: honouring {len(record['rewinds'])} recorded data skip(s) from "
+                    f"{self._record_path}"
+                )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._jump_recorded_skips(trainer, pl_module, batch)
@@ -278,7 +287,7 @@ class LossSpikeDetection(Callback):
         if not self._pending:
             return
         rows = torch.stack([r for _, r in self._pending]).cpu().tolist()  # one read for the whole batch
-        for (current, _), (spike, loss, norm, z_loss, z_norm) in zip(self._pending, rows):
+        for (current, _), (spike, loss, norm, z_loss, z_norm) in zip(self._pending, rows, strict=True):
             if spike:
                 current.update(spike=True, loss=loss, grad_norm=norm, z_loss=z_loss, z_grad_norm=z_norm)
                 self._report(trainer, current)
@@ -288,9 +297,11 @@ class LossSpikeDetection(Callback):
         spike = {k: current[k] for k in ("step", "consumed_samples", "loss", "grad_norm", "z_loss", "z_grad_norm")}
         spike["action"] = self.action
         self.spikes.append(spike)
-        message = (f"loss spike at step {spike['step']} (consumed_samples {spike['consumed_samples']}): "
-                   f"loss {spike['loss']:.4g} (z {spike['z_loss']:.1f}), grad_norm {spike['grad_norm']:.4g} "
-                   f"(z {spike['z_grad_norm']:.1f}); action: {self.action}")
+        message = (
+            f"loss spike at step {spike['step']} (consumed_samples {spike['consumed_samples']}): "
+            f"loss {spike['loss']:.4g} (z {spike['z_loss']:.1f}), grad_norm {spike['grad_norm']:.4g} "
+            f"(z {spike['z_grad_norm']:.1f}); action: {self.action}"
+        )
         rank_zero_warn(message)
         if not trainer.is_global_zero:
             return
@@ -360,19 +371,26 @@ class LossSpikeDetection(Callback):
             _set_global_step(trainer, trainer.global_step + skipped)
             for config in trainer.lr_scheduler_configs:  # the LR is a function of consumed_samples
                 config.scheduler.step()
-            rank_zero_info(f"LossSpikeDetection: skipping {skipped} recorded batch(es): samples [{start}, {position})"
-                           f" -> step {trainer.global_step}")
+            rank_zero_info(
+                f"LossSpikeDetection: skipping {skipped} recorded batch(es): samples [{start}, {position})"
+                f" -> step {trainer.global_step}"
+            )
         pl_module.restart_train_data()
 
     def _rewind(self, trainer, pl_module, spike: dict) -> None:
         done = len(self.record["rewinds"])
         if done >= self.max_rewinds:
             raise LossSpikeError(
-                f"loss spike at step {spike['step']} after {done} rewind(s), the maximum (max_rewinds={self.max_rewinds})"
+                f"loss spike at step {spike['step']} after {done} rewind(s), "
+                f"the maximum (max_rewinds={self.max_rewinds})"
                 f"; training stopped. Record of skipped data: {self._record_path}. Inspect the data near "
-                f"consumed_samples {spike['consumed_samples']}, lower the LR or raise max_rewinds.")
-        found = self._find_checkpoint(trainer, spike["step"] - self.rewind_lookback_steps) \
-            if trainer.is_global_zero else None
+                f"consumed_samples {spike['consumed_samples']}, lower the LR or raise max_rewinds."
+            )
+        found = (
+            self._find_checkpoint(trainer, spike["step"] - self.rewind_lookback_steps)
+            if trainer.is_global_zero
+            else None
+        )
         found = trainer.strategy.broadcast(found)
         if found is not None:
             path, _ = found
@@ -385,18 +403,28 @@ class LossSpikeDetection(Callback):
         while len(batches) < self.skip_batches or position <= spike["consumed_samples"]:
             batches.append(position)
             position += pl_module.batch_schedule.batch_size_at_samples(position)
-        entry = {"rewind": done + 1, "spike_step": spike["step"], "spike_consumed_samples": spike["consumed_samples"],
-                 "loss": spike["loss"], "grad_norm": spike["grad_norm"], "checkpoint": path,
-                 "restored_step": restored_step, "skip_from": first, "skip_to": position,
-                 "skipped_batches": batches}
+        entry = {
+            "rewind": done + 1,
+            "spike_step": spike["step"],
+            "spike_consumed_samples": spike["consumed_samples"],
+            "loss": spike["loss"],
+            "grad_norm": spike["grad_norm"],
+            "checkpoint": path,
+            "restored_step": restored_step,
+            "skip_from": first,
+            "skip_to": position,
+            "skipped_batches": batches,
+        }
         self.record["rewinds"].append(entry)
         if trainer.is_global_zero:
             self._write_record_file(self.record)
         trainer.strategy.barrier("loss_spike_rewind")
         _set_global_step(trainer, restored_step)
-        rank_zero_warn(f"LossSpikeDetection: rewind {done + 1}/{self.max_rewinds}: restored "
-                       f"{path or 'nothing'} (step {restored_step}), skipping {len(batches)} batch(es) = samples "
-                       f"[{first}, {position}); recorded in {self._record_path}")
+        rank_zero_warn(
+            f"LossSpikeDetection: rewind {done + 1}/{self.max_rewinds}: restored "
+            f"{path or 'nothing'} (step {restored_step}), skipping {len(batches)} batch(es) = samples "
+            f"[{first}, {position}); recorded in {self._record_path}"
+        )
         # The jump over [first, position) happens at the next batch start, as for a restart.
 
     def _find_checkpoint(self, trainer, max_step: int) -> tuple[str, int] | None:
@@ -426,7 +454,7 @@ class LossSpikeDetection(Callback):
         strategy.load_model_state_dict(checkpoint, strict=pl_module.strict_loading)
         if strategy.lightning_restore_optimizer:
             strategy.load_optimizer_state_dict(checkpoint)
-        for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+        for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=False):
             config.scheduler.load_state_dict(state)
         return int(checkpoint["global_step"])
 

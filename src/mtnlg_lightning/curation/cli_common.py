@@ -56,7 +56,11 @@ class HelpFormatter:
         class _Formatter(argparse.HelpFormatter):
             def _get_help_string(self, action):
                 h = action.help or ""
-                if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in h and action.option_strings:
+                if (
+                    action.default not in (None, False, argparse.SUPPRESS)
+                    and "%(default)" not in h
+                    and action.option_strings
+                ):
                     h += " (default: %(default)s)"
                 return h
 

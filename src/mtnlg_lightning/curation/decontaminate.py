@@ -239,8 +239,9 @@ class TaskNgrams:
         return sorted(self.task_names[t] for t in self.task_sets[gid])
 
 
-def clean_text(text: str, index: TaskNgrams, active: np.ndarray | None, window: int = 200,
-               min_piece: int = 200) -> tuple[list[str], list[int]]:
+def clean_text(
+    text: str, index: TaskNgrams, active: np.ndarray | None, window: int = 200, min_piece: int = 200
+) -> tuple[list[str], list[int]]:
     """Remove task n-grams from one text. Returns (pieces kept, ids of the n-grams that caused cuts)."""
     pieces: list[str] = []
     matched: list[int] = []
@@ -467,11 +468,15 @@ def run_decontaminate(cfg: DecontamConfig) -> dict:
                             tasks_hit.add(t)
                     per_task_docs.update(tasks_hit)
                     if len(hit_docs) < _HIT_LIST_LIMIT:
-                        hit_docs.append({
-                            "line": h["line"],
-                            "id": h["id"],
-                            "ngrams": [{"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]],
-                        })
+                        hit_docs.append(
+                            {
+                                "line": h["line"],
+                                "id": h["id"],
+                                "ngrams": [
+                                    {"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]
+                                ],
+                            }
+                        )
                 bar.update(nd)
             t_clean = time.perf_counter() - t2
             by_len = Counter(len(g) for g in index.ngrams)
@@ -481,10 +486,17 @@ def run_decontaminate(cfg: DecontamConfig) -> dict:
             report = {
                 "tool": "mtnlg-decontaminate",
                 "settings": {
-                    "input": cfg.input, "output": cfg.output, "tasks": cfg.tasks, "text_key": cfg.text_key,
-                    "max_ngram": cfg.max_ngram, "min_ngram": cfg.min_ngram, "window": cfg.window,
-                    "min_piece": cfg.min_piece, "max_splits": cfg.max_splits,
-                    "frequent_threshold": cfg.frequent_threshold, "workers": cfg.workers,
+                    "input": cfg.input,
+                    "output": cfg.output,
+                    "tasks": cfg.tasks,
+                    "text_key": cfg.text_key,
+                    "max_ngram": cfg.max_ngram,
+                    "min_ngram": cfg.min_ngram,
+                    "window": cfg.window,
+                    "min_piece": cfg.min_piece,
+                    "max_splits": cfg.max_splits,
+                    "frequent_threshold": cfg.frequent_threshold,
+                    "workers": cfg.workers,
                 },
                 "tasks": {
                     "task_texts": dict(index.task_texts),
@@ -493,8 +505,10 @@ def run_decontaminate(cfg: DecontamConfig) -> dict:
                 },
                 "frequent_ngrams": {
                     "ignored": int(len(frequent)),
-                    "top": [{"ngram": index.ngram_text(int(g)), "documents": int(freq[g]), "tasks": index.tasks_of(int(g))}
-                            for g in top],
+                    "top": [
+                        {"ngram": index.ngram_text(int(g)), "documents": int(freq[g]), "tasks": index.tasks_of(int(g))}
+                        for g in top
+                    ],
                 },
                 "documents": {
                     "in": docs,
@@ -509,14 +523,18 @@ def run_decontaminate(cfg: DecontamConfig) -> dict:
                 },
                 "hits": {
                     "documents": n_hit_docs,
-                    "per_task": {t: {"documents": per_task_docs[t], "matches": per_task_matches[t]}
-                                 for t in index.task_names},
+                    "per_task": {
+                        t: {"documents": per_task_docs[t], "matches": per_task_matches[t]} for t in index.task_names
+                    },
                     "list": hit_docs,
                     "list_truncated": n_hit_docs > len(hit_docs),
                 },
                 "bytes_in": size,
-                "timings_s": {"load_tasks": round(t_tasks, 3), "count_pass": round(t_count, 3),
-                              "clean_pass": round(t_clean, 3)},
+                "timings_s": {
+                    "load_tasks": round(t_tasks, 3),
+                    "count_pass": round(t_count, 3),
+                    "clean_pass": round(t_clean, 3),
+                },
                 "mb_per_s": round(size / 1e6 / scan_s, 2) if scan_s > 0 else None,
                 "mb_per_s_per_worker": round(size / 1e6 / scan_s / max(1, cfg.workers), 2) if scan_s > 0 else None,
             }
@@ -537,7 +555,8 @@ def format_summary(report: dict) -> str:
         "mtnlg-decontaminate summary",
         f"  tasks      {sum(t['task_texts'].values())} texts from {len(t['task_texts'])} tasks -> {t['ngrams']} n-grams"
         f" (by length {t['ngrams_by_length']})",
-        f"  frequent   {report['frequent_ngrams']['ignored']} n-grams in >= {s['frequent_threshold']} documents ignored",
+        f"  frequent   {report['frequent_ngrams']['ignored']} n-grams in >= {s['frequent_threshold']}"
+        " documents ignored",
         f"  documents  {d['in']} in -> {d['records_out']} records out: {d['clean']} clean, {d['trimmed']} trimmed,"
         f" {d['split']} split, {d['dropped_too_many_splits']} dropped (> {s['max_splits']} pieces),"
         f" {d['dropped_no_piece_left']} dropped (no piece > {s['min_piece']} chars)",

@@ -26,26 +26,59 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--tasks", nargs="+", required=True, metavar="TASKS.jsonl",
-                   help='task files, one {"task": name, "text": ...} per line ("task" defaults to the file name)')
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        required=True,
+        metavar="TASKS.jsonl",
+        help='task files, one {"task": name, "text": ...} per line ("task" defaults to the file name)',
+    )
     p.add_argument("--input", required=True, metavar="TRAIN.jsonl", help="training data, one JSON object per line")
-    p.add_argument("--output", required=True, metavar="OUT.jsonl",
-                   help="decontaminated records: the source fields, text replaced by each piece, plus split_id")
-    p.add_argument("--report", default=None, metavar="REPORT.json",
-                   help="where to write the report (default: report.json in the output's directory)")
+    p.add_argument(
+        "--output",
+        required=True,
+        metavar="OUT.jsonl",
+        help="decontaminated records: the source fields, text replaced by each piece, plus split_id",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="REPORT.json",
+        help="where to write the report (default: report.json in the output's directory)",
+    )
     p.add_argument("--text-key", default="text", help="JSON key holding the training text")
     p.add_argument("--id-key", default="id", help="JSON key with a document id, quoted in the report's hit list")
     p.add_argument("--max-ngram", type=positive_int, default=13, help="n-gram length in words taken from task texts")
-    p.add_argument("--min-ngram", type=positive_int, default=8,
-                   help="task texts of --min-ngram..--max-ngram-1 words are used whole; shorter ones are ignored")
-    p.add_argument("--window", type=_non_negative, default=200,
-                   help="characters removed on each side of a match before extending to the nearest sentence end")
-    p.add_argument("--min-piece", type=_non_negative, default=200,
-                   help="pieces of a split document with this many characters or fewer are dropped")
-    p.add_argument("--max-splits", type=positive_int, default=10,
-                   help="a document left in more than this many pieces is dropped entirely")
-    p.add_argument("--frequent-threshold", type=positive_int, default=10,
-                   help="task n-grams found in at least this many training documents are ignored (common phrases)")
+    p.add_argument(
+        "--min-ngram",
+        type=positive_int,
+        default=8,
+        help="task texts of --min-ngram..--max-ngram-1 words are used whole; shorter ones are ignored",
+    )
+    p.add_argument(
+        "--window",
+        type=_non_negative,
+        default=200,
+        help="characters removed on each side of a match before extending to the nearest sentence end",
+    )
+    p.add_argument(
+        "--min-piece",
+        type=_non_negative,
+        default=200,
+        help="pieces of a split document with this many characters or fewer are dropped",
+    )
+    p.add_argument(
+        "--max-splits",
+        type=positive_int,
+        default=10,
+        help="a document left in more than this many pieces is dropped entirely",
+    )
+    p.add_argument(
+        "--frequent-threshold",
+        type=positive_int,
+        default=10,
+        help="task n-grams found in at least this many training documents are ignored (common phrases)",
+    )
     p.add_argument("--workers", type=positive_int, default=1, help="worker processes for both passes")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     return p
@@ -57,10 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_ngram > args.max_ngram:
         parser.error("--min-ngram must not exceed --max-ngram")
     cfg = DecontamConfig(
-        tasks=args.tasks, input=args.input, output=args.output, report=args.report, text_key=args.text_key,
-        id_key=args.id_key, max_ngram=args.max_ngram, min_ngram=args.min_ngram, window=args.window,
-        min_piece=args.min_piece, max_splits=args.max_splits, frequent_threshold=args.frequent_threshold,
-        workers=args.workers, progress=not args.quiet,
+        tasks=args.tasks,
+        input=args.input,
+        output=args.output,
+        report=args.report,
+        text_key=args.text_key,
+        id_key=args.id_key,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        window=args.window,
+        min_piece=args.min_piece,
+        max_splits=args.max_splits,
+        frequent_threshold=args.frequent_threshold,
+        workers=args.workers,
+        progress=not args.quiet,
     )
 
     def body() -> int:

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .jsonl import InputError, atomic_write, check_input_files, dumps_line, iter_lines, line_starts_plan, write_json_atomic
+from .jsonl import (
+    InputError,
+    atomic_write,
+    check_input_files,
+    dumps_line,
+    iter_lines,
+    line_starts_plan,
+    write_json_atomic,
+)
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding, band_keys, band_pairs, decode_pairs, pair_codes
 from .shingles import ShingleSpec
 from .signatures import Corpus, compute_shard, load_corpus, shard_name
@@ -129,16 +137,20 @@ class DedupRun:
             raise InputError("no input files given")
         check_input_files(cfg.inputs)
         seen: dict[str, str] = {}
-        for p, name in zip(cfg.inputs, self.names):
+        for p, name in zip(cfg.inputs, self.names, strict=True):
             if name in seen:
-                raise InputError(f"two inputs have the same file name {name!r} ({seen[name]}, {p}); outputs would collide")
+                raise InputError(
+                    f"two inputs have the same file name {name!r} ({seen[name]}, {p}); outputs would collide"
+                )
             if name in (DUPLICATES_NAME, REPORT_NAME):
                 raise InputError(f"{p}: input file name {name!r} collides with an output file name")
             seen[name] = p
         real_inputs = {os.path.realpath(p) for p in cfg.inputs}
         for name in self.names:
             if os.path.realpath(os.path.join(self.out, name)) in real_inputs:
-                raise InputError(f"output {os.path.join(self.out, name)} would overwrite an input; choose another --output-dir")
+                raise InputError(
+                    f"output {os.path.join(self.out, name)} would overwrite an input; choose another --output-dir"
+                )
         if not 0.0 < cfg.threshold <= 1.0:
             raise InputError(f"--threshold must be in (0, 1], got {cfg.threshold}")
         self.file_rank = self._file_rank()
@@ -270,7 +282,9 @@ class DedupRun:
             if os.path.exists(out_file):
                 done_bytes += e - s
                 continue
-            todo.append((self.paths[fi], s, e, out_file, cfg.text_key, str(cfg.shingle), cfg.num_perm, cfg.seed, cfg.scheme))
+            todo.append(
+                (self.paths[fi], s, e, out_file, cfg.text_key, str(cfg.shingle), cfg.num_perm, cfg.seed, cfg.scheme)
+            )
         total_bytes = sum(e - s for _, _, s, e in self.plan)
         bar = self.progress(total=total_bytes, initial=done_bytes, unit="B", unit_scale=True, desc="signatures")
         workers = max(1, min(cfg.workers, len(todo)))
@@ -283,7 +297,7 @@ class DedupRun:
                     del res
             else:
                 with multiprocessing.Pool(workers) as pool:
-                    for task, _ in zip(todo, pool.imap(compute_shard, todo)):
+                    for task, _ in zip(todo, pool.imap(compute_shard, todo), strict=True):
                         bar.update(task[2] - task[1])
         finally:
             bar.close()
@@ -294,8 +308,14 @@ class DedupRun:
                 raise InputError(f"{self.cfg.inputs[fi]}: empty input (no records)")
         self._mark_done(
             "signatures",
-            {"seconds": time.perf_counter() - t0, "docs": len(self.corpus), "bytes": total_bytes, "shards": len(self.plan),
-             "shards_resumed": len(self.plan) - len(todo), "workers": workers},
+            {
+                "seconds": time.perf_counter() - t0,
+                "docs": len(self.corpus),
+                "bytes": total_bytes,
+                "shards": len(self.plan),
+                "shards_resumed": len(self.plan) - len(todo),
+                "workers": workers,
+            },
         )
 
     def _corpus(self) -> Corpus:
@@ -324,8 +344,12 @@ class DedupRun:
             total += len(codes)
         self._mark_done(
             "buckets",
-            {"seconds": time.perf_counter() - t0, "lsh_docs": int(len(members)), "band_pairs": int(total),
-             "exact_duplicate_docs": int(np.count_nonzero(c.exact_rep != np.arange(n)))},
+            {
+                "seconds": time.perf_counter() - t0,
+                "lsh_docs": int(len(members)),
+                "band_pairs": int(total),
+                "exact_duplicate_docs": int(np.count_nonzero(c.exact_rep != np.arange(n))),
+            },
         )
 
     def _store_args(self) -> tuple:
@@ -346,8 +370,16 @@ class DedupRun:
         n_candidates = len(pairs)
         # cheap pre-rejection: a pair whose MinHash estimate is far below the threshold cannot plausibly reach it
         # (for J >= threshold, P(estimate < threshold - margin) < 1e-4 at 256 permutations and margin 0.1)
-        est = np.concatenate([(c.sigs[pairs[s : s + 65536, 0]] == c.sigs[pairs[s : s + 65536, 1]]).mean(axis=1)
-                              for s in range(0, len(pairs), 65536)]) if len(pairs) else np.empty(0)
+        est = (
+            np.concatenate(
+                [
+                    (c.sigs[pairs[s : s + 65536, 0]] == c.sigs[pairs[s : s + 65536, 1]]).mean(axis=1)
+                    for s in range(0, len(pairs), 65536)
+                ]
+            )
+            if len(pairs)
+            else np.empty(0)
+        )
         if self.cfg.estimate_margin >= 0:  # a negative margin: verify every candidate exactly
             pairs = pairs[est >= self.cfg.threshold - self.cfg.estimate_margin]
         workers = self.cfg.workers if len(pairs) >= 20000 else 1
@@ -367,7 +399,9 @@ class DedupRun:
             else:
                 chunks = np.array_split(pairs, workers * 8)
                 with multiprocessing.Pool(workers, initializer=_init_store, initargs=self._store_args()) as pool:
-                    for ch, (e, j, cpt, skp) in zip(chunks, pool.imap(verify_chunk, [(ch, self.cfg.threshold) for ch in chunks])):
+                    for ch, (e, j, cpt, skp) in zip(
+                        chunks, pool.imap(verify_chunk, [(ch, self.cfg.threshold) for ch in chunks]), strict=True
+                    ):
                         edges.append(e), js.append(j)
                         computed += cpt
                         skipped += skp
@@ -381,10 +415,15 @@ class DedupRun:
             np.savez(f, edges=e, exact=j, estimated=est)
         self._mark_done(
             "verify",
-            {"seconds": time.perf_counter() - t0, "candidate_pairs": int(n_candidates),
-             "rejected_by_estimate": int(n_candidates - len(pairs)), "jaccard_computed": computed,
-             "skipped_already_connected": skipped, "verified_pairs": int(len(e)),
-             "rejected_pairs": computed - int(len(e))},
+            {
+                "seconds": time.perf_counter() - t0,
+                "candidate_pairs": int(n_candidates),
+                "rejected_by_estimate": int(n_candidates - len(pairs)),
+                "jaccard_computed": computed,
+                "skipped_already_connected": skipped,
+                "verified_pairs": int(len(e)),
+                "rejected_pairs": computed - int(len(e)),
+            },
         )
 
     def stage_clusters(self) -> None:
@@ -396,7 +435,7 @@ class DedupRun:
         n = len(c)
         with np.load(os.path.join(self.work, "verified.npz")) as z:
             edges, edge_j = z["edges"], z["exact"]
-        known = {(a, b): j for (a, b), j in zip(edges.tolist(), edge_j.tolist())}
+        known = {(a, b): j for (a, b), j in zip(edges.tolist(), edge_j.tolist(), strict=True)}
         uf = UnionFind(n)
         for a, b in edges.tolist():
             uf.union(a, b)
@@ -433,9 +472,15 @@ class DedupRun:
                 hist[f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")] = int(m.sum())
         self._mark_done(
             "clusters",
-            {"seconds": time.perf_counter() - t0, "clusters": int(len(sizes)), "docs_in_clusters": int(sizes.sum()),
-             "largest_cluster": int(sizes.max()) if len(sizes) else 0, "size_histogram": hist,
-             "removed_exact": int(kind_exact.sum()), "removed_near": int((~kind_exact).sum())},
+            {
+                "seconds": time.perf_counter() - t0,
+                "clusters": int(len(sizes)),
+                "docs_in_clusters": int(sizes.sum()),
+                "largest_cluster": int(sizes.max()) if len(sizes) else 0,
+                "size_histogram": hist,
+                "removed_exact": int(kind_exact.sum()),
+                "removed_near": int((~kind_exact).sum()),
+            },
         )
 
     def stage_filter(self) -> None:
@@ -472,37 +517,47 @@ class DedupRun:
                             kept += 1
                         if need_id[d]:
                             rec = json.loads(line)
-                            ids[d] = rec[self.cfg.id_key] if self.cfg.id_key in rec else f"{self.names[fi]}:{int(c.lines[d])}"
+                            ids[d] = (
+                                rec[self.cfg.id_key]
+                                if self.cfg.id_key in rec
+                                else f"{self.names[fi]}:{int(c.lines[d])}"
+                            )
                         d += 1
                         bar.update(1)
                 per_file.append((hi - lo, kept))
             with atomic_write(os.path.join(final, DUPLICATES_NAME), fsync=True) as out:
                 for i, d in enumerate(removed.tolist()):
                     k = int(keeper[d])
-                    out.write(dumps_line({
-                        "id": ids[d],
-                        "source": self.names[int(c.file_idx[d])],
-                        "line": int(c.lines[d]),
-                        "duplicate_of": ids[k],
-                        "duplicate_of_source": self.names[int(c.file_idx[k])],
-                        "duplicate_of_line": int(c.lines[k]),
-                        "kind": "exact" if kind_exact[i] else "near",
-                        "estimated_jaccard": round(float(est[i]), 4),
-                        "exact_jaccard": round(float(exact_j[i]), 4),
-                    }))
+                    out.write(
+                        dumps_line(
+                            {
+                                "id": ids[d],
+                                "source": self.names[int(c.file_idx[d])],
+                                "line": int(c.lines[d]),
+                                "duplicate_of": ids[k],
+                                "duplicate_of_source": self.names[int(c.file_idx[k])],
+                                "duplicate_of_line": int(c.lines[k]),
+                                "kind": "exact" if kind_exact[i] else "near",
+                                "estimated_jaccard": round(float(est[i]), 4),
+                                "exact_jaccard": round(float(exact_j[i]), 4),
+                            }
+                        )
+                    )
         finally:
             bar.close()
         rem_file = c.file_idx[removed]
         inputs = []
         for fi in range(len(self.paths)):
             m = rem_file == fi
-            inputs.append({
-                "file": self.cfg.inputs[fi],
-                "docs_in": per_file[fi][0],
-                "docs_out": per_file[fi][1],
-                "exact_duplicates_removed": int(np.count_nonzero(kind_exact[m])),
-                "near_duplicates_removed": int(np.count_nonzero(~kind_exact[m])),
-            })
+            inputs.append(
+                {
+                    "file": self.cfg.inputs[fi],
+                    "docs_in": per_file[fi][0],
+                    "docs_out": per_file[fi][1],
+                    "exact_duplicates_removed": int(np.count_nonzero(kind_exact[m])),
+                    "near_duplicates_removed": int(np.count_nonzero(~kind_exact[m])),
+                }
+            )
         self._mark_done("filter", {"seconds": time.perf_counter() - t0, "inputs": inputs})
 
     def publish(self) -> dict:
@@ -549,9 +604,20 @@ class DedupRun:
                 "near_duplicates_removed": st["clusters"]["removed_near"],
                 "bytes_in": st["signatures"]["bytes"],
             },
-            "clusters": {k: st["clusters"][k] for k in ("clusters", "docs_in_clusters", "largest_cluster", "size_histogram")},
-            "pairs": {k: st["verify"][k] for k in ("candidate_pairs", "rejected_by_estimate", "jaccard_computed",
-                                                    "skipped_already_connected", "verified_pairs", "rejected_pairs")},
+            "clusters": {
+                k: st["clusters"][k] for k in ("clusters", "docs_in_clusters", "largest_cluster", "size_histogram")
+            },
+            "pairs": {
+                k: st["verify"][k]
+                for k in (
+                    "candidate_pairs",
+                    "rejected_by_estimate",
+                    "jaccard_computed",
+                    "skipped_already_connected",
+                    "verified_pairs",
+                    "rejected_pairs",
+                )
+            },
             "signature_bytes_per_doc": self.cfg.num_perm * 4,
             "signature_shards": {"total": st["signatures"]["shards"], "reused": st["signatures"]["shards_resumed"]},
             "timings_s": timings,
@@ -589,7 +655,8 @@ def format_summary(report: dict) -> str:
     b = report["banding"]
     lines = [
         "mtnlg-dedup " + ("(already complete, nothing to do)" if report.get("already_complete") else "summary"),
-        f"  settings   threshold {s['threshold']}  {b['bands']} bands x {b['rows_per_band']} rows ({s['num_perm']} perms)"
+        f"  settings   threshold {s['threshold']}  {b['bands']} bands x {b['rows_per_band']} rows"
+        f" ({s['num_perm']} perms)"
         f"  shingle {s['shingle']}  scheme {s['scheme']}  seed {s['seed']}",
         "  P(cand)    " + "  ".join(f"J={j}: {v:.3f}" for j, v in b["candidate_probability"].items()),
     ]
@@ -606,7 +673,8 @@ def format_summary(report: dict) -> str:
         f"  pairs      {p['candidate_pairs']} candidates ({p['rejected_by_estimate']} rejected by estimate),"
         f" {p['jaccard_computed']} exact Jaccard computed,"
         f" {p['verified_pairs']} verified, {p['rejected_pairs']} rejected",
-        "  time       " + "  ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
+        "  time       "
+        + "  ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
         + f"  total {report['total_s']:.2f}s  ({report['docs_per_s']} docs/s)",
     ]
     if report.get("resumed_stages"):

@@ -44,45 +44,100 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("inputs", nargs="+", metavar="IN.jsonl", help="input JSONL files, one JSON object per line")
-    p.add_argument("--output-dir", "-o", required=True, metavar="OUT",
-                   help="directory for the deduplicated files, duplicates.jsonl and report.json (created if missing)")
+    p.add_argument(
+        "--output-dir",
+        "-o",
+        required=True,
+        metavar="OUT",
+        help="directory for the deduplicated files, duplicates.jsonl and report.json (created if missing)",
+    )
     p.add_argument("--text-key", default="text", help="JSON key holding the document text")
-    p.add_argument("--id-key", default="id",
-                   help="JSON key with a document id, used in duplicates.jsonl (absent: FILE:LINE is used)")
-    p.add_argument("--threshold", type=_threshold, default=0.8,
-                   help="exact Jaccard similarity (on the shingle sets) at or above which two documents are duplicates")
-    p.add_argument("--num-bands", type=positive_int, default=None,
-                   help=f"LSH bands b (default {DEFAULT_BANDING.bands}); permutations = b x r")
-    p.add_argument("--rows-per-band", type=positive_int, default=None,
-                   help=f"LSH rows per band r (default {DEFAULT_BANDING.rows}); P(candidate|J) = 1-(1-J^r)^b")
-    p.add_argument("--preset", choices=["default", "mtnlg"], default="default",
-                   help="'mtnlg': the paper's 20 bands x 13 rows (260 permutations); cannot be combined with "
-                        "--num-bands/--rows-per-band. 'default': 32 x 8, which meets the recall targets at J=0.8")
-    p.add_argument("--shingle", type=_shingle, default=ShingleSpec("word", 5), metavar="word:K|char:N",
-                   help="shingles: K-word windows of the lowercased, punctuation-stripped words, or N-character "
-                        "windows of the lowercased, whitespace-collapsed text")
-    p.add_argument("--priority", default=None, metavar="IN2.jsonl,IN.jsonl",
-                   help="comma-separated inputs, highest priority first: a cluster keeps its document from the "
-                        "highest-priority input (unlisted inputs follow in command-line order); ties go to the "
-                        "first occurrence")
+    p.add_argument(
+        "--id-key",
+        default="id",
+        help="JSON key with a document id, used in duplicates.jsonl (absent: FILE:LINE is used)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=_threshold,
+        default=0.8,
+        help="exact Jaccard similarity (on the shingle sets) at or above which two documents are duplicates",
+    )
+    p.add_argument(
+        "--num-bands",
+        type=positive_int,
+        default=None,
+        help=f"LSH bands b (default {DEFAULT_BANDING.bands}); permutations = b x r",
+    )
+    p.add_argument(
+        "--rows-per-band",
+        type=positive_int,
+        default=None,
+        help=f"LSH rows per band r (default {DEFAULT_BANDING.rows}); P(candidate|J) = 1-(1-J^r)^b",
+    )
+    p.add_argument(
+        "--preset",
+        choices=["default", "mtnlg"],
+        default="default",
+        help="'mtnlg': the paper's 20 bands x 13 rows (260 permutations); cannot be combined with "
+        "--num-bands/--rows-per-band. 'default': 32 x 8, which meets the recall targets at J=0.8",
+    )
+    p.add_argument(
+        "--shingle",
+        type=_shingle,
+        default=ShingleSpec("word", 5),
+        metavar="word:K|char:N",
+        help="shingles: K-word windows of the lowercased, punctuation-stripped words, or N-character "
+        "windows of the lowercased, whitespace-collapsed text",
+    )
+    p.add_argument(
+        "--priority",
+        default=None,
+        metavar="IN2.jsonl,IN.jsonl",
+        help="comma-separated inputs, highest priority first: a cluster keeps its document from the "
+        "highest-priority input (unlisted inputs follow in command-line order); ties go to the "
+        "first occurrence",
+    )
     p.add_argument("--workers", type=positive_int, default=1, help="worker processes for signatures and verification")
     p.add_argument("--seed", type=int, default=1, help="seed of the MinHash permutations (datasketch MinHash seed)")
-    p.add_argument("--scheme", choices=list(SCHEMES), default="affine32",
-                   help="datasketch MinHash permutation scheme: 'affine32' (datasketch>=2 default) or 'legacy' "
-                        "(a*h+b mod 2^61-1, datasketch<2)")
-    p.add_argument("--max-bucket-neighbors", type=positive_int, default=DEFAULT_MAX_NEIGHBORS,
-                   help="inside one LSH bucket each document is paired with this many following members (all pairs "
-                        "for buckets up to this size + 1); bounds the work on huge buckets")
-    p.add_argument("--estimate-margin", type=float, default=0.1,
-                   help="candidate pairs whose MinHash-estimated Jaccard is below threshold minus this margin are "
-                        "rejected without computing the exact Jaccard (a pair at the threshold is lost with "
-                        "probability < 1e-4 at 256 permutations); a negative value verifies every candidate exactly")
-    p.add_argument("--shard-mb", type=positive_int, default=16,
-                   help="size of the input shards (MB) that signature workers process and that a resumed run skips")
-    p.add_argument("--force", action="store_true",
-                   help="start clean even if OUT holds a finished or resumable run with the same inputs and settings")
-    p.add_argument("--keep-work", action="store_true",
-                   help="keep the stage files in OUT/.dedup-work after success (for inspection)")
+    p.add_argument(
+        "--scheme",
+        choices=list(SCHEMES),
+        default="affine32",
+        help="datasketch MinHash permutation scheme: 'affine32' (datasketch>=2 default) or 'legacy' "
+        "(a*h+b mod 2^61-1, datasketch<2)",
+    )
+    p.add_argument(
+        "--max-bucket-neighbors",
+        type=positive_int,
+        default=DEFAULT_MAX_NEIGHBORS,
+        help="inside one LSH bucket each document is paired with this many following members (all pairs "
+        "for buckets up to this size + 1); bounds the work on huge buckets",
+    )
+    p.add_argument(
+        "--estimate-margin",
+        type=float,
+        default=0.1,
+        help="candidate pairs whose MinHash-estimated Jaccard is below threshold minus this margin are "
+        "rejected without computing the exact Jaccard (a pair at the threshold is lost with "
+        "probability < 1e-4 at 256 permutations); a negative value verifies every candidate exactly",
+    )
+    p.add_argument(
+        "--shard-mb",
+        type=positive_int,
+        default=16,
+        help="size of the input shards (MB) that signature workers process and that a resumed run skips",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start clean even if OUT holds a finished or resumable run with the same inputs and settings",
+    )
+    p.add_argument(
+        "--keep-work",
+        action="store_true",
+        help="keep the stage files in OUT/.dedup-work after success (for inspection)",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     return p
 

@@ -95,7 +95,9 @@ class Corpus:
 
 
 def load_corpus(sig_dir: str, plan: list, n_files: int, file_rank: list[int]) -> Corpus:
-    parts: dict[str, list] = {k: [] for k in ("file_idx", "offsets", "lengths", "lines", "nsh", "ex_hi", "ex_lo", "sigs")}
+    parts: dict[str, list] = {
+        k: [] for k in ("file_idx", "offsets", "lengths", "lines", "nsh", "ex_hi", "ex_lo", "sigs")
+    }
     line_base = [0] * n_files
     for fi, si, _, _ in plan:
         with np.load(os.path.join(sig_dir, shard_name(fi, si))) as z:

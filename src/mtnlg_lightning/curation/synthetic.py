@@ -42,8 +42,10 @@ _SYLLABLES = (
 ).split()
 
 BOILERPLATE = [
-    "Subscribe to our newsletter for the latest updates and exclusive offers delivered straight to your inbox every week.",
-    "All rights reserved. No part of this publication may be reproduced without prior written permission of the publisher.",
+    "Subscribe to our newsletter for the latest updates and exclusive offers delivered straight to your inbox "
+    "every week.",
+    "All rights reserved. No part of this publication may be reproduced without prior written permission of the "
+    "publisher.",
     "Click here to read more stories like this one and follow us on social media for daily news and analysis.",
     "This article was originally published on our partner site and is republished here with permission of the author.",
     "Cookies help us deliver our services. By using our services you agree to our use of cookies and privacy policy.",
@@ -120,7 +122,7 @@ def _edit_words(gen: TextGenerator, paras, rate: float, ops=("sub", "ins", "del"
         q: list[str] = []
         draws = rng.random(len(p))
         choice = rng.integers(0, len(ops), len(p))
-        for t, r, c in zip(p, draws.tolist(), choice.tolist()):
+        for t, r, c in zip(p, draws.tolist(), choice.tolist(), strict=True):
             if r >= rate:
                 q.append(t)
                 continue
@@ -215,7 +217,10 @@ def make_near_dup_corpus(
     return out
 
 
-def ground_truth_pairs(records: list[dict], spec: ShingleSpec = ShingleSpec()) -> list[tuple[int, int, float]]:
+_DEFAULT_SPEC = ShingleSpec()
+
+
+def ground_truth_pairs(records: list[dict], spec: ShingleSpec = _DEFAULT_SPEC) -> list[tuple[int, int, float]]:
     """Exact Jaccard (string shingle sets) of every within-family pair: ``[(i, j, J), ...]`` with i < j.
 
     Pairs across families are unrelated random texts (J ~ 0); :func:`true_jaccard` checks any of them."""
@@ -234,7 +239,7 @@ def ground_truth_pairs(records: list[dict], spec: ShingleSpec = ShingleSpec()) -
     return out
 
 
-def true_jaccard(records: list[dict], i: int, j: int, spec: ShingleSpec = ShingleSpec()) -> float:
+def true_jaccard(records: list[dict], i: int, j: int, spec: ShingleSpec = _DEFAULT_SPEC) -> float:
     return jaccard_strings(shingle_strings(records[i]["text"], spec), shingle_strings(records[j]["text"], spec))
 
 
@@ -245,7 +250,7 @@ def accuracy(
     verified_pairs: Iterable[tuple[int, int]],
     cluster_of: list[int] | np.ndarray,
     threshold: float = 0.8,
-    spec: ShingleSpec = ShingleSpec(),
+    spec: ShingleSpec = _DEFAULT_SPEC,
     rep: list[int] | np.ndarray | None = None,
 ) -> dict:
     """Recall by Jaccard bucket (direct = the pair became an LSH candidate and was verified; clustered = both

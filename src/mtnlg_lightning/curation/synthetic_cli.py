@@ -24,8 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--docs", type=positive_int, default=10000, help="number of documents")
     p.add_argument("--output", "-o", required=True, metavar="CORPUS.jsonl", help="where to write the corpus")
-    p.add_argument("--truth", default=None, metavar="PAIRS.jsonl",
-                   help='optional ground truth: one {"a": id, "b": id, "jaccard": J} per within-family pair')
+    p.add_argument(
+        "--truth",
+        default=None,
+        metavar="PAIRS.jsonl",
+        help='optional ground truth: one {"a": id, "b": id, "jaccard": J} per within-family pair',
+    )
     p.add_argument("--shingle", default="word:5", help="shingling used for the ground-truth Jaccard")
     p.add_argument("--doc-chars", type=positive_int, default=3600, help="mean document length in characters")
     p.add_argument("--dup-fraction", type=float, default=0.3, help="fraction of documents that are variants")

@@ -5,6 +5,7 @@ extracted with `ast`, one document per module, then a 4096-token byte-level BPE 
 corpus is tokenized. Everything is cached under MTNLG_CACHE (default ~/.cache/mtnlg_lightning); nothing is
 downloaded.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,8 +36,11 @@ def stdlib_documents(min_chars: int = 40):
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = (n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                                               ast.AsyncFunctionDef)))
+        nodes = (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        )
         parts = [doc for doc in (ast.get_docstring(n) for n in nodes) if doc and len(doc) >= min_chars]
         if parts:
             yield {"id": str(path.relative_to(root)), "text": "\n\n".join(parts)}

@@ -1,7 +1,6 @@
 """The LightningDataModule: indexed datasets -> packed GPT samples -> weighted blend -> DP-sharded step batches."""
-from __future__ import annotations
 
-import math
+from __future__ import annotations
 
 import lightning as L
 import numpy as np
@@ -102,8 +101,10 @@ class GPTDataModule(L.LightningDataModule):
 
     def _dp(self) -> tuple[int, int]:
         strategy = self.trainer.strategy
-        return (getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
-                getattr(strategy, "data_parallel_size", self.trainer.world_size))
+        return (
+            getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
+            getattr(strategy, "data_parallel_size", self.trainer.world_size),
+        )
 
     def setup(self, stage: str | None = None) -> None:
         if self.builtin_corpus:
@@ -115,11 +116,15 @@ class GPTDataModule(L.LightningDataModule):
         indexed = [IndexedDataset(p) for p in self.prefixes]
         for ds in indexed:  # a full scan is cheap up to a few hundred million tokens; skipped above that
             if 0 < ds.num_tokens <= 256_000_000 and int(ds.tokens.max()) >= vocab:
-                raise MTNLGError(f"{ds.prefix} holds token ids >= the model's vocabulary {vocab}; "
-                                 f"set model.vocab_size to the tokenizer's size")
+                raise MTNLGError(
+                    f"{ds.prefix} holds token ids >= the model's vocabulary {vocab}; "
+                    f"set model.vocab_size to the tokenizer's size"
+                )
         ranges = [split_ranges(len(ds), self.split) for ds in indexed]  # per dataset: train, valid, test
-        split_tokens = [sum(int(ds.sizes[slice(*r[index])].astype(np.int64).sum()) for ds, r in zip(indexed, ranges))
-                        for index in range(len(SPLITS))]
+        split_tokens = [
+            sum(int(ds.sizes[slice(*r[index])].astype(np.int64).sum()) for ds, r in zip(indexed, ranges, strict=True))
+            for index in range(len(SPLITS))
+        ]
         max_steps = self.trainer.max_steps if self.trainer is not None else -1
         if max_steps and max_steps > 0:
             counts = {"train": self._module.batch_schedule.consumed_samples(max_steps)}
@@ -131,8 +136,10 @@ class GPTDataModule(L.LightningDataModule):
             if counts[name] <= 0:
                 continue
             needed = BlendedDataset.samples_needed(self.weights, counts[name])
-            parts = [GPTDataset(ds, r[index], seq_len, n, self.seed + index, name=f"{ds.prefix}[{name}]")
-                     for ds, r, n in zip(indexed, ranges, needed)]
+            parts = [
+                GPTDataset(ds, r[index], seq_len, n, self.seed + index, name=f"{ds.prefix}[{name}]")
+                for ds, r, n in zip(indexed, ranges, needed, strict=True)
+            ]
             self.blends[name] = BlendedDataset(parts, self.weights, counts[name])
 
     def train_dataloader(self):
@@ -140,8 +147,9 @@ class GPTDataModule(L.LightningDataModule):
         dp_rank, dp_size = self._dp()
         module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
         blend = self.blends["train"]
-        steps = StepBatches(blend, module.batch_schedule.batch_size_at_samples, module.consumed_samples,
-                            len(blend), dp_rank, dp_size)
+        steps = StepBatches(
+            blend, module.batch_schedule.batch_size_at_samples, module.consumed_samples, len(blend), dp_rank, dp_size
+        )
         return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
 
     def _eval_dataloader(self, name: str):

@@ -1,4 +1,5 @@
 """GPT training samples: documents (already ending in EOD) packed into seq_len+1 token windows, shuffled."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,8 +27,15 @@ class GPTDataset:
     with generators seeded by (seed, e): the order is a pure function of (files, split, seq_len, seed), and a
     dataset built for more samples extends a smaller one (so the planned run length never changes the data)."""
 
-    def __init__(self, indexed: IndexedDataset, doc_range: tuple[int, int], seq_len: int, num_samples: int,
-                 seed: int, name: str = ""):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        doc_range: tuple[int, int],
+        seq_len: int,
+        num_samples: int,
+        seed: int,
+        name: str = "",
+    ):
         self.indexed, self.seq_len, self.name = indexed, seq_len, name
         docs = np.arange(*doc_range, dtype=np.int64)
         tokens_per_epoch = int(indexed.sizes[docs].astype(np.int64).sum()) if len(docs) else 0
@@ -43,8 +51,9 @@ class GPTDataset:
         self.doc_starts = np.zeros(len(self.doc_order) + 1, dtype=np.int64)
         np.cumsum(indexed.sizes[self.doc_order], out=self.doc_starts[1:])
         # Block e holds samples [e*spe, (e+1)*spe); its last window ends within the stream of E epochs.
-        self.shuffle = np.concatenate([e * samples_per_epoch + np.random.default_rng([seed, e, 1]).permutation(
-            samples_per_epoch) for e in epochs])
+        self.shuffle = np.concatenate(
+            [e * samples_per_epoch + np.random.default_rng([seed, e, 1]).permutation(samples_per_epoch) for e in epochs]
+        )
 
     def __len__(self) -> int:
         return len(self.shuffle)
@@ -79,13 +88,13 @@ class BlendedDataset:
         self.weights = weights / weights.sum()
         self.datasets = datasets
         picks = [np.arange(int(np.ceil(w * num_samples)) + 1) for w in self.weights]
-        positions = np.concatenate([(p + 0.5) / w for p, w in zip(picks, self.weights)])
+        positions = np.concatenate([(p + 0.5) / w for p, w in zip(picks, self.weights, strict=True)])
         owners = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, p in enumerate(picks)])
         order = np.lexsort((owners, positions))[:num_samples]
         self.dataset_index = owners[order]
         self.sample_index = np.concatenate([p for p in picks])[order]
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
-        for dataset, count in zip(datasets, counts):
+        for dataset, count in zip(datasets, counts, strict=True):
             if count > len(dataset):  # cannot happen when sub-datasets were sized by `samples_needed`
                 raise MTNLGError(f"blend needs {count} samples from a dataset that has {len(dataset)}")
 

@@ -3,6 +3,7 @@
 The .idx layout is Megatron-LM's `MMIDIDX` format, so files are interchangeable with Megatron's tools:
 magic(9) version<Q> dtype_code<B> num_sequences<Q> num_documents<Q> sizes[int32] pointers[int64] doc_idx[int64].
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,16 @@ from mtnlg_lightning.errors import MTNLGError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-               8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
 
@@ -95,10 +104,12 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(index, dtype=np.int32, count=num_sequences, offset=HEADER_BYTES)
-        self.pointers = np.frombuffer(index, dtype=np.int64, count=num_sequences,
-                                      offset=HEADER_BYTES + self.sizes.nbytes)
-        self.doc_idx = np.frombuffer(index, dtype=np.int64, count=num_docs,
-                                     offset=HEADER_BYTES + self.sizes.nbytes + self.pointers.nbytes)
+        self.pointers = np.frombuffer(
+            index, dtype=np.int64, count=num_sequences, offset=HEADER_BYTES + self.sizes.nbytes
+        )
+        self.doc_idx = np.frombuffer(
+            index, dtype=np.int64, count=num_docs, offset=HEADER_BYTES + self.sizes.nbytes + self.pointers.nbytes
+        )
         expected_bin = int(self.sizes.astype(np.int64).sum()) * self.dtype.itemsize
         bin_size = os.path.getsize(bin_path)
         if bin_size != expected_bin:
@@ -110,7 +121,7 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = self.pointers[i] // self.dtype.itemsize
-        return self.tokens[start: start + self.sizes[i]]
+        return self.tokens[start : start + self.sizes[i]]
 
     @property
     def num_tokens(self) -> int:

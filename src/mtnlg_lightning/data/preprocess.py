@@ -1,4 +1,5 @@
 """JSONL -> tokenized PREFIX.bin/.idx (each document followed by the end-of-document token)."""
+
 from __future__ import annotations
 
 import json
@@ -65,12 +66,20 @@ class PreprocessSummary:
 
     def __str__(self) -> str:
         rate = self.input_bytes / 1e6 / max(self.seconds, 1e-9)
-        return (f"{self.documents:,} documents, {self.tokens:,} tokens (EOD included) in {self.seconds:.1f} s: "
-                f"{self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s, {rate:.2f} MB/s")
+        return (
+            f"{self.documents:,} documents, {self.tokens:,} tokens (EOD included) in {self.seconds:.1f} s: "
+            f"{self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s, {rate:.2f} MB/s"
+        )
 
 
-def preprocess_jsonl(input_path: str, tokenizer_path: str, output_prefix: str, json_key: str = "text",
-                     workers: int = 1, progress: bool = True) -> PreprocessSummary:
+def preprocess_jsonl(
+    input_path: str,
+    tokenizer_path: str,
+    output_prefix: str,
+    json_key: str = "text",
+    workers: int = 1,
+    progress: bool = True,
+) -> PreprocessSummary:
     tokenizer = Tokenizer(tokenizer_path)
     start = time.perf_counter()
     if not os.path.exists(input_path):

@@ -1,4 +1,5 @@
 """GPT-2-style byte-level BPE through HF `tokenizers`. Files come from the user (nothing is downloaded)."""
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,8 @@ class Tokenizer:
 
 
 def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: int = 2) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 style, with <|endoftext|>) on an iterator of texts; write tokenizer.json atomically."""
+    """Train a byte-level BPE (GPT-2 style, with <|endoftext|>) on an iterator of texts; write
+    tokenizer.json atomically."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, pre_tokenizers, trainers
     from tokenizers.models import BPE
@@ -64,8 +66,11 @@ def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     output = Path(output)

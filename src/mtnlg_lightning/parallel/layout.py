@@ -11,6 +11,7 @@ across nodes). Everything here is arithmetic: no process is needed to build, pri
 how the topology tests simulate 2 nodes x 4 ranks on one machine. `ProcessGroups.create` turns a layout into
 torch.distributed groups once the world exists.
 """
+
 from __future__ import annotations
 
 import os
@@ -117,23 +118,34 @@ class ParallelLayout:
     # ------------------------------------------------------------------ groups (lists of global ranks)
     def tensor_parallel_groups(self) -> list[list[int]]:
         """Same (pp, dp), tp = 0..TP-1: consecutive ranks."""
-        return [[self.rank(p, d, t) for t in range(self.tensor_parallel)]
-                for p in range(self.pipeline_parallel) for d in range(self.data_parallel)]
+        return [
+            [self.rank(p, d, t) for t in range(self.tensor_parallel)]
+            for p in range(self.pipeline_parallel)
+            for d in range(self.data_parallel)
+        ]
 
     def data_parallel_groups(self) -> list[list[int]]:
         """Same (pp, tp): the replicas of one model shard (ZeRO partitions across these)."""
-        return [[self.rank(p, d, t) for d in range(self.data_parallel)]
-                for p in range(self.pipeline_parallel) for t in range(self.tensor_parallel)]
+        return [
+            [self.rank(p, d, t) for d in range(self.data_parallel)]
+            for p in range(self.pipeline_parallel)
+            for t in range(self.tensor_parallel)
+        ]
 
     def pipeline_parallel_groups(self) -> list[list[int]]:
         """Same (dp, tp): the stages of one pipeline."""
-        return [[self.rank(p, d, t) for p in range(self.pipeline_parallel)]
-                for d in range(self.data_parallel) for t in range(self.tensor_parallel)]
+        return [
+            [self.rank(p, d, t) for p in range(self.pipeline_parallel)]
+            for d in range(self.data_parallel)
+            for t in range(self.tensor_parallel)
+        ]
 
     def model_parallel_groups(self) -> list[list[int]]:
         """Same dp: the pp x tp ranks of one replica, ordered by model-parallel rank pp * TP + tp."""
-        return [[self.rank(p, d, t) for p in range(self.pipeline_parallel) for t in range(self.tensor_parallel)]
-                for d in range(self.data_parallel)]
+        return [
+            [self.rank(p, d, t) for p in range(self.pipeline_parallel) for t in range(self.tensor_parallel)]
+            for d in range(self.data_parallel)
+        ]
 
     @staticmethod
     def _group_of(groups: list[list[int]], rank: int) -> list[int]:
@@ -149,15 +161,22 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------ the printed table
     def table(self) -> str:
-        head = (f"layout: world {self.world_size} = pp {self.pipeline_parallel} x dp {self.data_parallel} x "
-                f"tp {self.tensor_parallel} on {self.num_nodes} node(s) of {self.ranks_per_node} rank(s)")
-        rows = [head, f"{'rank':>5} {'node':>5} {'local':>5} {'pp':>3} {'dp':>3} {'tp':>3}  "
-                      f"{'tp group':<16} {'dp group':<16} {'pp group':<16}"]
+        head = (
+            f"layout: world {self.world_size} = pp {self.pipeline_parallel} x dp {self.data_parallel} x "
+            f"tp {self.tensor_parallel} on {self.num_nodes} node(s) of {self.ranks_per_node} rank(s)"
+        )
+        rows = [
+            head,
+            f"{'rank':>5} {'node':>5} {'local':>5} {'pp':>3} {'dp':>3} {'tp':>3}  "
+            f"{'tp group':<16} {'dp group':<16} {'pp group':<16}",
+        ]
         fmt = lambda g: ",".join(map(str, g))  # noqa: E731
         for r in range(self.world_size):
             c, g = self.coord(r), self.groups_of(r)
-            rows.append(f"{r:>5} {self.node(r):>5} {self.local_rank(r):>5} {c.pp:>3} {c.dp:>3} {c.tp:>3}  "
-                        f"{fmt(g['tp']):<16} {fmt(g['dp']):<16} {fmt(g['pp']):<16}")
+            rows.append(
+                f"{r:>5} {self.node(r):>5} {self.local_rank(r):>5} {c.pp:>3} {c.dp:>3} {c.tp:>3}  "
+                f"{fmt(g['tp']):<16} {fmt(g['dp']):<16} {fmt(g['pp']):<16}"
+            )
         return "\n".join(rows)
 
 
@@ -181,17 +200,19 @@ class ProcessGroups:
     ranks: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, layout: ParallelLayout, backend: str | None = None) -> "ProcessGroups":
+    def create(cls, layout: ParallelLayout, backend: str | None = None) -> ProcessGroups:
         import torch.distributed as dist
 
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise MTNLGError(f"layout is for {layout.world_size} ranks but the world has {dist.get_world_size()}")
         mine = cls(layout=layout, rank=rank, coord=layout.coord(rank), ranks=layout.groups_of(rank))
-        for attr, groups in (("tensor_parallel_group", layout.tensor_parallel_groups()),
-                             ("data_parallel_group", layout.data_parallel_groups()),
-                             ("pipeline_parallel_group", layout.pipeline_parallel_groups()),
-                             ("model_parallel_group", layout.model_parallel_groups())):
+        for attr, groups in (
+            ("tensor_parallel_group", layout.tensor_parallel_groups()),
+            ("data_parallel_group", layout.data_parallel_groups()),
+            ("pipeline_parallel_group", layout.pipeline_parallel_groups()),
+            ("model_parallel_group", layout.model_parallel_groups()),
+        ):
             for ranks in groups:  # every rank takes part in creating every group
                 group = dist.new_group(ranks, backend=backend)
                 if rank in ranks:

@@ -12,6 +12,7 @@ stage receives it into a gradient-tracking copy, and after each backward the cop
 added to the embedding's gradient before the optimizer step. So the two are bit-identical by construction, the
 optimizer and the grad norm see the weight once, and ZeRO (1 or 2) needs no special case for it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "zbv_zero_bubble"}
 V_SHAPED = {"zbv_zero_bubble"}
 
 
-def layers_per_stage(num_layers: int, num_stages: int, first_stage_layers: int | None = None,
-                     last_stage_layers: int | None = None) -> list[int]:
+def layers_per_stage(
+    num_layers: int, num_stages: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None
+) -> list[int]:
     """Blocks per stage: balanced (extra blocks go to the middle/later stages, since the first and last stages
     also hold the embedding and the head), or with explicit counts for the first and/or last stage."""
     if num_stages < 1:
@@ -48,8 +50,10 @@ def layers_per_stage(num_layers: int, num_stages: int, first_stage_layers: int |
     rest_stages = num_stages - len(fixed)
     rest_layers = num_layers - sum(fixed.values())
     if any(n < 1 for n in fixed.values()) or rest_layers < rest_stages or (rest_stages == 0 and rest_layers):
-        raise MTNLGError(f"first/last stage layers {first_stage_layers}/{last_stage_layers} leave {rest_layers} "
-                         f"layers for {rest_stages} other stages of {num_layers} layers on {num_stages} stages")
+        raise MTNLGError(
+            f"first/last stage layers {first_stage_layers}/{last_stage_layers} leave {rest_layers} "
+            f"layers for {rest_stages} other stages of {num_layers} layers on {num_stages} stages"
+        )
     base, extra = divmod(rest_layers, rest_stages) if rest_stages else (0, 0)
     free = [i for i in range(num_stages) if i not in fixed]
     # Extra blocks go to the middle stages first (the first and last also hold the embedding and the LM head).
@@ -147,8 +151,15 @@ class PipelineChunks(nn.ModuleList):
     optimizer, DeepSpeed and checkpoints. Block names are global indices, so names stay unique across chunks."""
 
 
-def split_into_stages(model: nn.Module, pp_size: int, pp_rank: int, schedule: str, stages_per_rank: int,
-                      first_stage_layers: int | None = None, last_stage_layers: int | None = None):
+def split_into_stages(
+    model: nn.Module,
+    pp_size: int,
+    pp_rank: int,
+    schedule: str,
+    stages_per_rank: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+):
     """This rank's stage models (pruned copies of `model`) and their global stage indices."""
     import copy
 
@@ -189,9 +200,20 @@ class PipelineRunner:
     backward, where a later rescale could not reach). `backward_context` wraps every stage backward (the DeepSpeed
     engine's per-micro-batch bookkeeping under ZeRO-2)."""
 
-    def __init__(self, stage_models, stage_indices, num_stages: int, schedule: str, device, pp_group,
-                 last_stage_rank: int, is_first: bool, is_last: bool, tied: TiedEmbedding | None = None,
-                 backward_context=None):
+    def __init__(
+        self,
+        stage_models,
+        stage_indices,
+        num_stages: int,
+        schedule: str,
+        device,
+        pp_group,
+        last_stage_rank: int,
+        is_first: bool,
+        is_last: bool,
+        tied: TiedEmbedding | None = None,
+        backward_context=None,
+    ):
         self.stage_models, self.stage_indices, self.num_stages = stage_models, stage_indices, num_stages
         self.schedule_name, self.device, self.pp_group = schedule, device, pp_group
         self.last_stage_rank, self.is_first, self.is_last = last_stage_rank, is_first, is_last
@@ -212,8 +234,10 @@ class PipelineRunner:
                     with context():
                         return super().backward_maybe_with_nosync(*args, **kwargs)
 
-            stages = [Stage(m, i, self.num_stages, self.device, group=self.pp_group)
-                      for m, i in zip(self.stage_models, self.stage_indices)]
+            stages = [
+                Stage(m, i, self.num_stages, self.device, group=self.pp_group)
+                for m, i in zip(self.stage_models, self.stage_indices, strict=True)
+            ]
             name = self.schedule_name
             if name == "1f1b" and num_microbatches < self.num_stages:
                 # Early in the batch ramp-up (MT-NLG: 32 sequences over 16 replicas = 2 micro-batches for 35
@@ -226,17 +250,23 @@ class PipelineRunner:
                 return self._loss_fn(output, target) / num_microbatches
 
             try:
-                self._schedules[num_microbatches] = cls(stages if len(stages) > 1 else stages[0],
-                                                        n_microbatches=num_microbatches, loss_fn=loss_fn,
-                                                        scale_grads=False)
+                self._schedules[num_microbatches] = cls(
+                    stages if len(stages) > 1 else stages[0],
+                    n_microbatches=num_microbatches,
+                    loss_fn=loss_fn,
+                    scale_grads=False,
+                )
             except ValueError as error:  # e.g. 1F1B needs at least as many micro-batches as stages
-                raise MTNLGError(f"pipeline schedule {self.schedule_name} cannot run {num_microbatches} "
-                                 f"micro-batches per step: {error} (raise global_batch_size or lower "
-                                 f"micro_batch_size: micro-batches = local batch / micro_batch_size)") from None
+                raise MTNLGError(
+                    f"pipeline schedule {self.schedule_name} cannot run {num_microbatches} "
+                    f"micro-batches per step: {error} (raise global_batch_size or lower "
+                    f"micro_batch_size: micro-batches = local batch / micro_batch_size)"
+                ) from None
         return self._schedules[num_microbatches]
 
-    def run(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool = True,
-            add_to_embedding_grad=None) -> torch.Tensor:
+    def run(
+        self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool = True, add_to_embedding_grad=None
+    ) -> torch.Tensor:
         """One step (train: forward + backward of every micro-batch; else forward only). Returns the mean loss
         over the micro-batches on every rank of the pipeline."""
         if tokens.shape[0] % micro_batch_size:
@@ -254,7 +284,7 @@ class PipelineRunner:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs)
         if self.is_last:
-            loss = torch.stack([l.detach().float() for l in kwargs["losses"]]).sum()
+            loss = torch.stack([loss.detach().float() for loss in kwargs["losses"]]).sum()
         else:
             loss = torch.zeros((), device=tokens.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)

@@ -16,6 +16,7 @@ Where each part lives:
     DeepSpeed's gradient holders are found by attribute name (every attribute naming "grad"), so a DeepSpeed
     rename shows up as a grads figure of 0, not as a crash.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -102,10 +103,12 @@ def state_bytes(model: torch.nn.Module, optimizer, grads: int | None = None) -> 
     optimizer_params = _optimizer_params(inner)
     # The master copy is what the optimizer updates when that is not the model's own memory.
     master = _bytes(optimizer_params, exclude_storages={p.untyped_storage().data_ptr() for p in model_params})
-    moments = _bytes(t for p in optimizer_params for t in inner.state.get(p, {}).values()
-                     if torch.is_tensor(t) and t.dim() > 0)
-    return StateBytes(params=params, grads=grad_bytes(model, optimizer) if grads is None else grads,
-                      master=master, moments=moments)
+    moments = _bytes(
+        t for p in optimizer_params for t in inner.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0
+    )
+    return StateBytes(
+        params=params, grads=grad_bytes(model, optimizer) if grads is None else grads, master=master, moments=moments
+    )
 
 
 class StateBytesProbe(Callback):

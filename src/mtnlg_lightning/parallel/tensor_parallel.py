@@ -15,6 +15,7 @@ backward: one all-reduce per sublayer each way. Sharded parameters carry `tensor
 `parallelize(model, tp_group)` shards a built GPT from outside by copying the right slices of its weights, so a
 TP run starts from exactly the single-process initialisation.
 """
+
 from __future__ import annotations
 
 import torch
@@ -83,7 +84,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark_sharded(nn.Parameter(bias_shard), partition_dim=0) if bias_shard is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> ColumnParallelLinear:
         bias = _shard(linear.bias, 0, rank, size) if linear.bias is not None else None
         return cls(_shard(linear.weight, 0, rank, size), bias, group)
 
@@ -101,7 +102,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> RowParallelLinear:
         return cls(_shard(linear.weight, 1, rank, size), linear.bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=0)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group, rank: int, size: int) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, group, rank: int, size: int) -> VocabParallelEmbedding:
         shard = _shard(embedding.weight, 0, rank, size)
         return cls(shard, rank * shard.shape[0], group)
 

@@ -11,6 +11,7 @@ driving the learning rate per step: one recipe for every strategy. The caller's 
 accumulation boundary (`gradient_accumulation_steps: 1`, `managed_gradient_accumulation: false`): step() does the
 DP reduction, the clipping by the global norm, the update and zero_grad.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -70,8 +71,14 @@ class ModelParallelUnit:
         return self.groups.layout.pipeline_parallel
 
 
-def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_clip: float | None, precision: str = "32-true",
-                     overrides: dict | None = None, shard_numel: int | None = None) -> dict:
+def deepspeed_config(
+    zero_stage: int,
+    micro_batch_size: int,
+    grad_clip: float | None,
+    precision: str = "32-true",
+    overrides: dict | None = None,
+    shard_numel: int | None = None,
+) -> dict:
     """The DeepSpeed config for one recipe. `overrides` (the strategy's `deepspeed_config`) is merged on top.
 
     Buckets are capped at this rank's shard size (`shard_numel`): ZeRO allocates its reduce buckets per
@@ -103,8 +110,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_clip: float | 
     return deep_merge(config, overrides or {})
 
 
-def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict,
-                      mpu: ModelParallelUnit):
+def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, mpu: ModelParallelUnit):
     """`deepspeed.initialize` on this rank's model shard with the module's optimizer; returns the engine."""
     try:
         import deepspeed
@@ -113,8 +119,9 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     version = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
     if not SUPPORTED_DEEPSPEED[0] <= version < SUPPORTED_DEEPSPEED[1]:
         raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install deepspeed>=0.19,<0.20")
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu,
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False
+    )
     return engine
 
 
@@ -176,7 +183,7 @@ class UpdateSnapshot:
 
     @torch.no_grad()
     def restore(self) -> None:
-        for tensor, copy_ in zip(self._tensors, self._copies):
+        for tensor, copy_ in zip(self._tensors, self._copies, strict=True):
             tensor.copy_(copy_)
         for group in self._inner.param_groups:  # state created by the vetoed (first) step is dropped
             for p in group["params"]:
