@@ -1,0 +1,59 @@
+"""Weights of a checkpoint in model space, whatever layout wrote it: for export, generation and evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtnlg_lightning.config import ModelConfig, get_config
+from mtnlg_lightning.errors import MTNLGError
+
+
+@dataclass
+class ModelState:
+    """A model as a checkpoint holds it.
+
+    weights: single-process parameter names of `GPT` (`embed.wte.weight`, `blocks.0.attn.qkv.weight`, ...), the
+        tied `lm_head.weight` left out, the word embedding trimmed to `config.vocab_size` rows (no padding).
+    hparams: the `MTNLGModule` init arguments (preset, model_overrides, recipe).
+    tokenizer: the tokenizer file or directory saved with the run, if any.
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    hparams: dict
+    tokenizer: Path | None = None
+
+
+def model_space(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Drop the tied head and the vocabulary padding (it depends on the TP degree that wrote it)."""
+    out = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    out["embed.wte.weight"] = out["embed.wte.weight"][: config.vocab_size]
+    return out
+
+
+def _read_lightning_file(path: Path) -> ModelState:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one line for the user
+        raise MTNLGError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise MTNLGError(f"{path} is not a checkpoint of this project (no state_dict)")
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    config = get_config(hparams.get("preset", "tiny"), **(hparams.get("model_overrides") or {}))
+    weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    tokenizer = (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    return ModelState(config, model_space(weights, config), hparams, Path(tokenizer) if tokenizer else None)
+
+
+def read_model_state(path: str | Path) -> ModelState:
+    """Model-space weights of a checkpoint (a Lightning `.ckpt` file of a single-process run, or a checkpoint
+    folder of any layout); errors are one `MTNLGError` line."""
+    path = Path(path)
+    if not path.exists():
+        raise MTNLGError(f"checkpoint {path} does not exist")
+    if path.is_file():
+        return _read_lightning_file(path)
+    raise MTNLGError(f"{path} is not a checkpoint this version can read")
