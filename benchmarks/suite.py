@@ -150,6 +150,31 @@ def decontaminate_rows(d):
     ]
 
 
+def generate_rows(d):
+    rows = [
+        (
+            f"generate: tokens/s, mtnlg-generate vs transformers generate ({d['parameters'] / 1e6:.0f}M, "
+            f"{d['dtype']}, batch {batch}, {d['new_tokens']} new tokens)",
+            b["ours_tokens_per_s"],
+            b["transformers_tokens_per_s"],
+            b["ratio"],
+            ">= 1.0",
+        )
+        for batch, b in d["batches"].items()
+    ]
+    kv = d["kv_cache"]
+    rows.append(
+        (
+            "generate: tokens/s, KV cache vs recomputing the prefix (batch 1)",
+            kv["cached_tokens_per_s"],
+            kv["recompute_tokens_per_s"],
+            kv["speedup"],
+            "> 1",
+        )
+    )
+    return rows
+
+
 SUITE = [
     Benchmark(
         "overhead",
@@ -185,4 +210,5 @@ SUITE = [
         "dedup", "bench_dedup.py", ["--docs", "1500", "--scale-docs", "0", "--accuracy-docs", "1000"], dedup_rows
     ),
     Benchmark("decontaminate", "bench_decontaminate.py", ["--ngrams", "20000", "--docs", "1000"], decontaminate_rows),
+    Benchmark("generate", "bench_generate.py", ["--batches", "1", "8", "--repeats", "2"], generate_rows),
 ]

@@ -11,9 +11,9 @@ def train_rows(save_dir):
     return [r for r in csv.DictReader(path.open()) if r.get("train_loss")]
 
 
-def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: int):
-    """The same tiny config through `mtnlg fit` on one process and on `devices` ranks with `strategy_file`;
-    returns (reference train rows, parallel train rows, parallel output)."""
+def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: int, extra: tuple[str, ...] = ()):
+    """The same tiny config (plus `extra` arguments) through `mtnlg fit` on one process and on `devices` ranks with
+    `strategy_file`; returns (reference train rows, parallel train rows, parallel output)."""
     common = [
         "fit",
         "--config",
@@ -22,6 +22,7 @@ def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: i
         str(steps),
         "--trainer.logger",
         "lightning.pytorch.loggers.CSVLogger",
+        *extra,
     ]
     single = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -37,6 +38,7 @@ class MTNLGModule(L.LightningModule):
         eps: float = 1.0e-8,
         grad_clip: float | None = 1.0,
         peak_tflops: float | None = None,
+        init_from: str | None = None,
     ):
         """
         Args:
@@ -52,10 +54,20 @@ class MTNLGModule(L.LightningModule):
             betas, eps: AdamW (MT-NLG: beta2 = 0.95 for stability).
             grad_clip: global gradient-norm clipping (MT-NLG: 1.0); null disables.
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
+            init_from: start from these weights (fresh optimizer): a Hugging Face GPT-2 directory or a project
+                checkpoint; the architecture comes from it (see mtnlg_lightning.interop.init_from).
         """
         super().__init__()
         self.save_hyperparameters()
-        self.config = get_config(preset, **(model_overrides or {}))
+        if init_from:
+            from mtnlg_lightning.interop.init_from import config_for_init
+
+            self.config = config_for_init(init_from, preset, model_overrides)
+            # Checkpoints rebuild the config from preset + overrides: record the resolved one.
+            resolved = dataclasses.asdict(self.config)
+            self.hparams["model_overrides"] = {k: v for k, v in resolved.items() if k != "name"}
+        else:
+            self.config = get_config(preset, **(model_overrides or {}))
         self.micro_batch_size = micro_batch_size
         ramp = rampup_batch_size or [None, None, 0]
         if len(ramp) != 3:
@@ -75,6 +87,10 @@ class MTNLGModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_model(self.config)
+            if self.hparams.get("init_from"):
+                from mtnlg_lightning.interop.init_from import load_init_weights
+
+                load_init_weights(self.model, self.hparams.init_from)
             # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing):
             # callbacks opt in by defining `on_model_built(trainer, module)`.
             trainer = self._trainer

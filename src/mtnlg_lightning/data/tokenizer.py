@@ -54,6 +54,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write it as one `tokenizer.json` (whatever files it was read from)."""
+        self._tok.save(str(path))
+
 
 def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: int = 2) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style, with <|endoftext|>) on an iterator of texts; write

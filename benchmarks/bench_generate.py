@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Generation speed: tokens/s of `mtnlg_lightning.generate` vs transformers' `generate`, side by side.
+
+Both run the same random GPT-2 model (default ~125M: 12 layers, hidden 768, vocabulary 50257; ours holds the very
+same tensors through the Hugging Face import mapping), in the same dtype and number of threads, greedy, exactly
+--new-tokens new tokens from the same random prompt, at batch 1 and 8 (the same prompt sampled 8 times). Rounds
+alternate the two; medians are compared. Also: our KV cache against re-running the whole prefix for every token.
+
+    python benchmarks/bench_generate.py [--layers 12 --hidden 768 --new-tokens 128 --batches 1 8 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from mtnlg_lightning.generate import generate  # noqa: E402
+from mtnlg_lightning.interop.gpt2_mapping import from_hf, load_model_space  # noqa: E402
+from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402
+from mtnlg_lightning.model import build_model  # noqa: E402
+
+
+def build_pair(layers: int, hidden: int, heads: int, vocab: int, positions: int, dtype: torch.dtype, tmp: Path):
+    """A random transformers GPT-2 and our GPT holding the same weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads)
+    theirs = GPT2LMHeadModel(config).eval()
+    config.save_pretrained(tmp)  # our config comes from the file, as an import reads it
+    ours_config = read_hf_config(tmp)
+    ours = build_model(ours_config)
+    load_model_space(ours, from_hf(theirs.state_dict(), ours_config))
+    return theirs.to(dtype), ours.to(dtype).eval()
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per setting (medians compared)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs, ours = build_pair(
+            args.layers, args.hidden, args.heads, args.vocab, args.prompt_tokens + args.new_tokens, dtype, Path(tmp)
+        )
+    params = sum(p.numel() for p in theirs.parameters())
+    prompt = torch.randint(0, args.vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    n = args.new_tokens
+    threads = torch.get_num_threads()
+    print(f"# bench_generate: {params / 1e6:.0f}M parameters, {args.dtype}, {threads} threads, {n} new tokens")
+    result = {"parameters": params, "dtype": args.dtype, "threads": threads, "new_tokens": n}
+    result["batches"] = {}
+
+    def run_ours(batch, use_cache=True):
+        out = generate(ours, prompt, n, temperature=0, num_samples=batch, use_cache=use_cache)
+        assert all(len(t) == n for t in out.tokens)
+
+    def run_theirs(batch):
+        ids = torch.tensor([prompt] * batch)
+        with torch.inference_mode():
+            out = theirs.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == len(prompt) + n
+
+    run_ours(1), run_theirs(1)  # warm-up (allocator, kernels)
+    for batch in args.batches:
+        ours_s, theirs_s = [], []
+        for _ in range(args.repeats):
+            ours_s.append(timed(lambda b=batch: run_ours(b)))
+            theirs_s.append(timed(lambda b=batch: run_theirs(b)))
+        o, t = batch * n / statistics.median(ours_s), batch * n / statistics.median(theirs_s)
+        result["batches"][batch] = {"ours_tokens_per_s": o, "transformers_tokens_per_s": t, "ratio": o / t}
+        print(f"batch {batch}: mtnlg {o:8.1f} tokens/s | transformers {t:8.1f} tokens/s | ratio {o / t:.2f}")
+    cached = statistics.median(timed(lambda: run_ours(1)) for _ in range(args.repeats))
+    recomputed = statistics.median(timed(lambda: run_ours(1, use_cache=False)) for _ in range(max(1, args.repeats - 1)))
+    result["kv_cache"] = {
+        "cached_tokens_per_s": n / cached,
+        "recompute_tokens_per_s": n / recomputed,
+        "speedup": recomputed / cached,
+    }
+    print(f"KV cache vs recomputing the prefix (batch 1): {n / cached:.1f} vs {n / recomputed:.1f} tokens/s, "
+          f"speed-up {recomputed / cached:.2f}x")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Hugging Face GPT-2 directories: read one as a model source, write one from a checkpoint (atomically).
+
+A directory holds `config.json` (`model_type: gpt2`), `model.safetensors` (or shards with an index, or a
+`pytorch_model.bin` read with `weights_only=True`), the tokenizer files and `generation_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mtnlg_lightning.checkpoint import ModelState, read_model_state
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.interop.gpt2_mapping import from_hf, to_hf
+
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MTNLGError("Hugging Face interop needs transformers: pip install 'mtnlg-lightning[hf]'") from None
+    return transformers
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def read_hf_config(path: str | Path) -> ModelConfig:
+    """The architecture of a GPT-2 directory as a `ModelConfig`; any other architecture is one line."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MTNLGError(f"{path / 'config.json'} is not readable JSON ({exc})") from None
+    model_type = cfg.get("model_type")
+    if model_type != "gpt2":
+        raise MTNLGError(f"{path} holds a {model_type!r} model; only GPT-2-architecture models (gpt2) can be imported")
+    problems = []
+    if cfg.get("activation_function", "gelu_new") not in TANH_GELUS:
+        problems.append(f"activation_function {cfg['activation_function']!r} (this GPT uses tanh GeLU)")
+    if not cfg.get("scale_attn_weights", True) or cfg.get("scale_attn_by_inverse_layer_idx", False):
+        problems.append("non-standard attention scaling")
+    if not cfg.get("tie_word_embeddings", True):
+        problems.append("an untied LM head")
+    if problems:
+        raise MTNLGError(f"{path}: GPT-2 variant with {', '.join(problems)} cannot be imported")
+    n_positions = cfg.get("n_positions", 1024)
+    return ModelConfig(
+        num_layers=cfg["n_layer"],
+        hidden_size=cfg["n_embd"],
+        num_heads=cfg["n_head"],
+        seq_len=n_positions,
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg.get("n_inner") or 4 * cfg["n_embd"],
+        max_position_embeddings=n_positions,
+        hidden_dropout=cfg.get("resid_pdrop", 0.0),
+        attention_dropout=cfg.get("attn_pdrop", 0.0),
+        layernorm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        name=cfg.get("_name_or_path") or path.name,
+    )
+
+
+def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(path / shard).items()}
+    if (path / "pytorch_model.bin").is_file():  # files from elsewhere never run code: tensors only
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise MTNLGError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def read_hf_dir(path: str | Path) -> ModelState:
+    """A local GPT-2 directory as a `ModelState` (model-space weights, fp32 as stored or upcast)."""
+    path = Path(path)
+    config = read_hf_config(path)
+    try:
+        tensors = _read_hf_tensors(path)
+    except MTNLGError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a corrupt weights file is one line for the user
+        raise MTNLGError(f"cannot read the weights in {path} ({type(exc).__name__}: {exc})") from None
+    weights = {k: v.float() for k, v in from_hf(tensors, config).items()}
+    has_tokenizer = (path / "tokenizer.json").is_file() or (path / "vocab.json").is_file()
+    return ModelState(config, weights, {"init_from": str(path)}, path if has_tokenizer else None)
+
+
+def read_source(path: str | Path) -> ModelState:
+    """A project checkpoint (any layout `read_model_state` reads) or a Hugging Face GPT-2 directory."""
+    return read_hf_dir(path) if is_hf_dir(path) else read_model_state(path)
+
+
+def source_config(path: str | Path) -> ModelConfig:
+    """The architecture of a source, reading only its config where the format allows."""
+    return read_hf_config(path) if is_hf_dir(path) else read_model_state(path).config
+
+
+# ------------------------------------------------------------------------------------------------ export
+def export_hf(
+    state: ModelState,
+    output: str | Path,
+    dtype: str = "fp32",
+    tokenizer: str | Path | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Write `state` as a GPT-2 directory `output` (temp dir, then rename). Returns a summary; its `tokenizer` is
+    None when none was known (the model is still written: pass one later or copy its files in)."""
+    transformers = _transformers()
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    if dtype not in DTYPES:
+        raise MTNLGError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if output.exists() and not overwrite and any(output.iterdir()):
+        raise MTNLGError(f"{output} exists and is not empty (pass --overwrite to replace it)")
+    tokenizer = tokenizer or state.tokenizer
+    tok = Tokenizer(tokenizer) if tokenizer else None
+    config, weights = state.config, dict(state.weights)
+    eod_id = tok.eod_id if tok else None
+    vocab = config.vocab_size
+    if tok is not None:  # the padded rows and any rows past the tokenizer's ids are never produced: trim them
+        if tok.vocab_size > config.vocab_size:
+            raise MTNLGError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens, the model only {config.vocab_size}")
+        vocab = tok.vocab_size
+        weights["embed.wte.weight"] = weights["embed.wte.weight"][:vocab]
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in to_hf(weights, config).items()}
+    hf_config = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=config.max_position_embeddings,
+        n_embd=config.hidden_size,
+        n_layer=config.num_layers,
+        n_head=config.num_heads,
+        n_inner=config.ffn_hidden_size,
+        activation_function="gelu_new",
+        resid_pdrop=config.hidden_dropout,
+        embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout,
+        layer_norm_epsilon=config.layernorm_eps,
+        initializer_range=config.init_std,
+        bos_token_id=eod_id,
+        eos_token_id=eod_id,
+        tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+        dtype=str(DTYPES[dtype]).removeprefix("torch."),
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        hf_config.save_pretrained(tmp)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(tmp)
+        if tok is not None:
+            tok.save(tmp / "tokenizer.json")
+            fast = transformers.PreTrainedTokenizerFast(
+                tokenizer_file=str(tmp / "tokenizer.json"),
+                bos_token=EOD_TOKEN,
+                eos_token=EOD_TOKEN,
+                unk_token=EOD_TOKEN,
+                model_max_length=config.max_position_embeddings,
+            )
+            fast.save_pretrained(tmp)
+        _replace_dir(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {
+        "output": str(output),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "vocab_size": vocab,
+        "dtype": dtype,
+        "tokenizer": str(tokenizer) if tokenizer else None,
+    }
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move `new` to `target`; an existing target is moved aside first and removed only after the swap."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,59 @@
+"""`--model.init_from PATH`: start a run from the weights of a Hugging Face GPT-2 directory or a project checkpoint.
+
+The architecture comes from the source. `model_overrides` may set what does not change the weights' shapes or
+meaning (seq_len up to the source's position table, dropout, init_std, vocabulary padding); an architecture field
+that differs from the source is a one-line error. The weights are copied into the full model right after it is
+built, before any strategy shards it, so every layout starts from the same numbers; the optimizer starts fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mtnlg_lightning.config import PRESETS, ModelConfig
+from mtnlg_lightning.errors import MTNLGError
+
+ARCHITECTURE = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "vocab_size",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+    "layernorm_eps",
+)
+
+
+def config_for_init(init_from: str, preset: str, overrides: dict | None) -> ModelConfig:
+    """The run's model config: the source's architecture, the preset's (or overridden) seq_len, the overrides."""
+    from mtnlg_lightning.interop.hf import source_config
+
+    source = source_config(init_from)
+    overrides = dict(overrides or {})
+    for field in ARCHITECTURE:
+        theirs = getattr(source, field)
+        if field in overrides and overrides[field] != theirs:
+            raise MTNLGError(
+                f"model_overrides {field}={overrides[field]} conflicts with {init_from} ({field}={theirs}); "
+                f"with init_from the architecture comes from the source"
+            )
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise MTNLGError(f"unknown model config field(s) {unknown}; valid fields: {sorted(known)}")
+    seq_len = overrides.pop("seq_len", PRESETS.get(preset, {}).get("seq_len", source.seq_len))
+    if seq_len > source.max_position_embeddings:
+        raise MTNLGError(
+            f"seq_len {seq_len} (preset {preset!r}) is above the {source.max_position_embeddings} positions of "
+            f"{init_from}; set model.model_overrides '{{seq_len: {source.max_position_embeddings}}}' or less"
+        )
+    values = {**dataclasses.asdict(source), "seq_len": seq_len, "init_std": None, **overrides, "name": preset}
+    return ModelConfig(**values)
+
+
+def load_init_weights(model, init_from: str) -> None:
+    """Copy the source's model-space weights into the freshly built, not yet sharded `model`."""
+    from mtnlg_lightning.interop.gpt2_mapping import load_model_space
+    from mtnlg_lightning.interop.hf import read_source
+
+    load_model_space(model, read_source(init_from).weights)
