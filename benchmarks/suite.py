@@ -175,6 +175,19 @@ def generate_rows(d):
     return rows
 
 
+def eval_rows(d):
+    return [
+        (
+            f"eval: LAMBADA docs/s, mtnlg-eval vs lm-eval hf ({d['documents']} docs, {d['parameters'] / 1e6:.0f}M, "
+            f"acc {d['ours_acc']:.3f} vs {d['lm_eval_acc']:.3f})",
+            d["ours_docs_per_s"],
+            d["lm_eval_hf_docs_per_s"],
+            d["ratio"],
+            ">= 1.0",
+        )
+    ]
+
+
 SUITE = [
     Benchmark(
         "overhead",
@@ -211,4 +224,5 @@ SUITE = [
     ),
     Benchmark("decontaminate", "bench_decontaminate.py", ["--ngrams", "20000", "--docs", "1000"], decontaminate_rows),
     Benchmark("generate", "bench_generate.py", ["--batches", "1", "8", "--repeats", "2"], generate_rows),
+    Benchmark("eval", "bench_eval.py", ["--repeats", "2"], eval_rows),
 ]

@@ -52,14 +52,22 @@ def random_gpt2_dir(directory: Path, seed: int = 0) -> Path:
     return out
 
 
-def train_tiny_checkpoint(directory: Path, steps: int = 10) -> Path:
-    """`mtnlg fit --config configs/tiny.yaml` for `steps` steps in one process; its last checkpoint file."""
+TINY_STEPS = 4
+
+
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The checkpoint of `mtnlg fit --config configs/tiny.yaml` for TINY_STEPS steps (cosine to the end) in one
+    process, trained once per test session and shared by the test modules."""
+    directory = tmp_path_factory.getbasetemp() / "tiny_checkpoint"
+    found = sorted(directory.rglob("*.ckpt"))
+    if found:
+        return found[0]
     out = run_cli(
         "fit",
         "--config",
         "configs/tiny.yaml",
         "--trainer.max_steps",
-        str(steps),
+        str(TINY_STEPS),
         "--trainer.enable_checkpointing",
         "true",
         "--trainer.default_root_dir",

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from hf_models import RANDOM_GPT2, demo_texts, random_gpt2_dir, train_tiny_checkpoint
+from hf_models import RANDOM_GPT2, demo_texts, random_gpt2_dir
+from hf_models import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
@@ -29,7 +30,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_run"))
+    return trained_tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Evaluation speed: LAMBADA documents/s of `mtnlg-eval` vs lm-evaluation-harness' HF backend, side by side.
+
+Both score the same file (the demo's held-out cloze set, tools/make_cloze_set.py) with the same exported model (a
+random GPT-2 with the demo tokenizer, saved as a Hugging Face directory), fp32, the same batch size and threads.
+Models are loaded before the clock starts; each timed run reads the file, builds the requests and scores them.
+Rounds alternate; medians are compared. The accuracies of both are reported too (they must be equal).
+
+    python benchmarks/bench_eval.py [--layers 6 --hidden 512 --batch-size 16 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir  # noqa: E402
+from mtnlg_lightning.data.gpt_dataset import split_ranges  # noqa: E402
+from mtnlg_lightning.data.tokenizer import Tokenizer  # noqa: E402
+from mtnlg_lightning.evaluation import tasks  # noqa: E402
+from mtnlg_lightning.evaluation.cloze import cloze_passages  # noqa: E402
+from mtnlg_lightning.evaluation.data import read_jsonl  # noqa: E402
+from mtnlg_lightning.evaluation.scoring import Scorer  # noqa: E402
+from mtnlg_lightning.generate import load_model  # noqa: E402
+
+TASK_YAML = """task: bench_lambada
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - {{metric: perplexity, aggregation: perplexity, higher_is_better: false}}
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+"""
+
+
+def make_inputs(tmp: Path, layers: int, hidden: int, heads: int, docs: int) -> tuple[Path, Path, Path]:
+    """(HF model dir, cloze file, harness task dir)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    _, tokenizer_path = build_demo_data(progress=False)
+    tokenizer = Tokenizer(tokenizer_path)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=heads)
+    model_dir = tmp / "model"
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_file=tokenizer_path, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(model_dir)
+    texts = [json.loads(line)["text"] for line in open(demo_dir() / "python_docs.jsonl", encoding="utf-8")]
+    _, (start, _), (_, end) = split_ranges(len(texts), "969,30,1")
+    data = tmp / "cloze.jsonl"
+    data.write_text("".join(json.dumps({"text": p}) + "\n" for p in cloze_passages(texts[start:end], docs)))
+    task_dir = tmp / "tasks"
+    task_dir.mkdir()
+    (task_dir / "bench_lambada.yaml").write_text(TASK_YAML.format(data=data))
+    return model_dir, data, task_dir
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--docs", type=int, default=200, help="cloze passages at most (the held-out text holds ~120)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data, task_dir = make_inputs(Path(tmp), args.layers, args.hidden, args.heads, args.docs)
+        ours_model, state = load_model(model_dir)
+        tokenizer = Tokenizer(model_dir)
+        theirs_model = HFLM(pretrained=str(model_dir), dtype="float32", batch_size=args.batch_size, device="cpu")
+        manager = TaskManager(include_path=str(task_dir), verbosity="ERROR")
+
+        def ours():
+            docs = [r["text"] for r in read_jsonl(data, ("text",))]
+            return tasks.lambada(Scorer(ours_model, args.batch_size), tokenizer, docs, 0)
+
+        def theirs():
+            out = simple_evaluate(model=theirs_model, tasks=["bench_lambada"], task_manager=manager, verbosity="ERROR")
+            return out["results"]["bench_lambada"]
+
+        ours_s, theirs_s = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            ours_result = ours()
+            ours_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            theirs_result = theirs()
+            theirs_s.append(time.perf_counter() - start)
+    n = ours_result["examples"]
+    o, t = n / statistics.median(ours_s), n / statistics.median(theirs_s)
+    result = {
+        "documents": n,
+        "parameters": sum(p.numel() for p in ours_model.parameters()),
+        "batch_size": args.batch_size,
+        "threads": torch.get_num_threads(),
+        "ours_docs_per_s": o,
+        "lm_eval_hf_docs_per_s": t,
+        "ratio": o / t,
+        "ours_acc": ours_result["acc"],
+        "lm_eval_acc": theirs_result["acc,none"],
+        "ours_perplexity": ours_result["perplexity"],
+        "lm_eval_perplexity": theirs_result["perplexity,none"],
+    }
+    print(f"# bench_eval: {n} LAMBADA-format documents, {result['parameters'] / 1e6:.0f}M parameters, fp32")
+    print(f"mtnlg-eval {o:.1f} docs/s | lm-eval hf {t:.1f} docs/s | ratio {o / t:.2f}")
+    print(f"acc {result['ours_acc']:.4f} vs {result['lm_eval_acc']:.4f}; "
+          f"perplexity {result['ours_perplexity']:.4f} vs {result['lm_eval_perplexity']:.4f}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

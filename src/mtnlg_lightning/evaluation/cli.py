@@ -1,0 +1,139 @@
+"""`mtnlg-eval`: LAMBADA, HANS and perplexity (or any lm-evaluation-harness task) on a checkpoint or HF directory.
+
+mtnlg-eval --checkpoint CKPT --task lambada --data lambada.jsonl --shots 0 1 15 --output results.json
+mtnlg-eval --checkpoint CKPT --task hans --data hans.jsonl --shots 0 4 16
+mtnlg-eval --checkpoint CKPT --task perplexity --data valid.txt --stride 512
+mtnlg-eval --checkpoint CKPT --harness-tasks lambada_openai,hellaswag [--include-path DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.evaluation import tasks
+from mtnlg_lightning.evaluation.data import read_documents, read_jsonl
+from mtnlg_lightning.evaluation.scoring import Scorer
+
+FIELDS = {"lambada": ("text",), "hans": ("sentence1", "sentence2", "gold_label")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mtnlg-eval",
+        description=__doc__.split("\n\n")[0] + " Metrics use lm-evaluation-harness' names and definitions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--checkpoint", required=True, help="a project checkpoint or a Hugging Face GPT-2 directory")
+    p.add_argument("--task", help=f"one of {', '.join(tasks.TASKS)} (or use --harness-tasks)")
+    p.add_argument(
+        "--data",
+        help="lambada: jsonl {text}; hans: jsonl {sentence1, sentence2, gold_label, heuristic}; "
+        "perplexity: a .jsonl {text} file or a text file (one document)",
+    )
+    p.add_argument("--shots", type=int, nargs="+", default=[0], help="numbers of in-context examples (lambada, hans)")
+    p.add_argument("--fewshot-data", help="draw in-context examples from this file (default: other items of --data)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the in-context example draw")
+    p.add_argument("--stride", type=int, default=None, help="perplexity: new tokens per window (default: positions)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    p.add_argument("--output", help="write the results and settings as JSON here (atomically)")
+    p.add_argument("--harness-tasks", help="comma-separated lm-evaluation-harness tasks, run through our model")
+    p.add_argument("--include-path", help="a directory of local harness task YAML files")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (quick checks)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or directory, if the checkpoint names none")
+    p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="auto: bf16 on GPU")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return p
+
+
+def evaluate_task(scorer, tokenizer, args) -> dict:
+    """{shots: metrics} for lambada/hans, {"-": metrics} for perplexity."""
+    if args.task == "perplexity":
+        docs = read_documents(args.data)[: args.limit]
+        return {"-": tasks.perplexity(scorer, tokenizer, docs, args.stride)}
+    records = read_jsonl(args.data, FIELDS[args.task])[: args.limit]
+    fewshot = read_jsonl(args.fewshot_data, FIELDS[args.task]) if args.fewshot_data else None
+    if args.task == "hans":
+        tasks.check_hans(records, args.data)
+        if fewshot is not None:
+            tasks.check_hans(fewshot, args.fewshot_data)
+        return {k: tasks.hans(scorer, tokenizer, records, k, fewshot, args.seed) for k in args.shots}
+    docs = [r["text"] for r in records]
+    fewshot = [r["text"] for r in fewshot] if fewshot is not None else None
+    return {k: tasks.lambada(scorer, tokenizer, docs, k, fewshot, args.seed) for k in args.shots}
+
+
+def check_args(args) -> None:
+    if args.harness_tasks:
+        return
+    if args.task not in tasks.TASKS:
+        known = ", ".join(tasks.TASKS)
+        raise MTNLGError(f"unknown task {args.task!r}; the known tasks are {known} (or use --harness-tasks)")
+    if not args.data:
+        raise MTNLGError(f"--task {args.task} needs --data FILE")
+    if any(k < 0 for k in args.shots) or args.batch_size < 1:
+        raise MTNLGError("--shots must be >= 0 and --batch-size >= 1")
+
+
+def table(results: dict) -> str:
+    lines = []
+    for task, by_setting in results.items():
+        for setting, metrics in by_setting.items():
+            shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+            label = f"{task} {setting}-shot" if setting != "-" else task
+            lines.append(f"{label:<24} {shown}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run(args) -> dict:
+    from mtnlg_lightning.generate import load_model, pick_device, pick_dtype, resolve_tokenizer
+
+    check_args(args)
+    device = pick_device(args.device)
+    model, state = load_model(args.checkpoint, device, pick_dtype(args.dtype, device))
+    tokenizer = resolve_tokenizer(state, args.tokenizer)
+    started = time.perf_counter()
+    if args.harness_tasks:
+        from mtnlg_lightning.evaluation.harness import run_harness
+
+        names = [t.strip() for t in args.harness_tasks.split(",") if t.strip()]
+        found = run_harness(model, tokenizer, names, args.include_path, args.batch_size, limit=args.limit)
+        results = {task: {"-": metrics} for task, metrics in found.items()}
+    else:
+        scorer = Scorer(model, args.batch_size, progress=not args.no_progress)
+        results = {args.task: evaluate_task(scorer, tokenizer, args)}
+    settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    payload = {"results": results, "settings": settings, "seconds": time.perf_counter() - started}
+    print(table(results))
+    if args.output:
+        write_json(args.output, payload)
+        print(f"wrote {args.output}")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except MTNLGError as error:
+        print(f"mtnlg-eval: error: {one_line(error)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Task files: JSON lines checked as they are read (a malformed line is one error naming file:line)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mtnlg_lightning.errors import MTNLGError
+
+
+def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise MTNLGError(f"{path} does not exist")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise MTNLGError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise MTNLGError(f"{path}:{number}: expected a JSON object")
+            missing = [k for k in fields if not isinstance(record.get(k), str) or not record[k].strip()]
+            if missing:
+                raise MTNLGError(f"{path}:{number}: missing or empty text field(s) {', '.join(missing)}")
+            records.append(record)
+    if not records:
+        raise MTNLGError(f"{path} holds no records")
+    return records
+
+
+def read_documents(path: str | Path) -> list[str]:
+    """Documents for perplexity: the `text` of each line of a .jsonl file, or a whole text file as one document."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return [r["text"] for r in read_jsonl(path, ("text",))]
+    if not path.is_file():
+        raise MTNLGError(f"{path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise MTNLGError(f"{path} is empty")
+    return [text]

@@ -1,0 +1,85 @@
+"""lm-evaluation-harness on a project checkpoint, without exporting: an `lm_eval.api.model.LM` over a plain `GPT`.
+
+    results = run_harness(model, tokenizer, ["lambada_openai"], include_path=None)
+
+Scores follow the harness' HF backend rules (see `scoring`), so they agree with `lm_eval --model hf` on the
+exported model.
+"""
+
+from __future__ import annotations
+
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
+from mtnlg_lightning.generate import generate
+
+
+def _lm_base():
+    try:
+        from lm_eval.api.model import LM
+    except ImportError:
+        raise MTNLGError("the harness adapter needs lm-eval: pip install 'mtnlg-lightning[eval]'") from None
+    return LM
+
+
+class _Adapter:
+    """The methods the harness calls; mixed into its `LM` base class by `harness_lm` (lm-eval stays optional)."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 16, max_gen_toks: int = 256):
+        super().__init__()
+        self.scorer = Scorer(model, batch_size, progress=True)
+        self.model, self.tokenizer, self.max_gen_toks = model, tokenizer, max_gen_toks
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        prepared = []
+        for context, continuation in (r.args for r in requests):
+            if context:
+                ctx, cont = encode_pair(self.tokenizer, context, continuation)
+            else:  # as the harness: an empty context is the end-of-text token
+                ctx, cont = [self.tokenizer.eod_id], self.tokenizer.encode(continuation)
+            prepared.append(pair_request(ctx, cont, self.scorer.max_len))
+        return self.scorer.score(prepared, desc="loglikelihood")
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        windows = [
+            rolling_requests(self.tokenizer.encode(r.args[0]), self.tokenizer.eod_id, self.scorer.max_len)
+            for r in requests
+        ]
+        scores = iter(self.scorer.score([w for ws in windows for w in ws], desc="loglikelihood_rolling"))
+        return [sum(next(scores)[0] for _ in ws) for ws in windows]
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        out = []
+        limit = self.model.config.max_position_embeddings
+        for context, kwargs in (r.args for r in requests):
+            until = kwargs.get("until") or [self.tokenizer.decode([self.tokenizer.eod_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            new = kwargs.get("max_gen_toks", self.max_gen_toks)
+            ids = self.tokenizer.encode(context)[-max(1, limit - new) :] or [self.tokenizer.eod_id]
+            made = generate(self.model, ids, new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
+            text = self.tokenizer.decode(made)
+            cut = min((text.find(s) for s in until if s and s in text), default=len(text))
+            out.append(text[:cut])
+        return out
+
+
+def harness_lm(model, tokenizer, batch_size: int = 16):
+    cls = type("MTNLGLM", (_Adapter, _lm_base()), {})
+    return cls(model, tokenizer, batch_size)
+
+
+def run_harness(model, tokenizer, tasks: list[str], include_path: str | None = None, batch_size: int = 16, **kw):
+    """`lm_eval.simple_evaluate` on our model; returns {task: {metric: value}} (the harness' `,none` filter
+    suffix dropped)."""
+    lm = harness_lm(model, tokenizer, batch_size)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise MTNLGError(f"unknown harness task(s) {', '.join(unknown)} (add --include-path DIR for local tasks)")
+    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **kw)["results"]
+    return {
+        task: {k.split(",")[0]: v for k, v in metrics.items() if k != "alias" and "_stderr" not in k}
+        for task, metrics in results.items()
+    }

@@ -1,0 +1,126 @@
+"""The paper's evaluations on a `Scorer`: LAMBADA (zero/one/few-shot), HANS (in-context examples), perplexity.
+
+Metric names are lm-evaluation-harness': `acc`, `perplexity`, `word_perplexity`, `byte_perplexity`,
+`bits_per_byte`.
+
+Prompts (k = number of shots; examples are drawn with a seeded generator, never the item under test):
+- lambada: context = all words of the passage but the last, target = " " + last word (harness `lambada_openai`);
+  k-shot prefixes k other whole passages, each followed by a blank line.
+- hans: "{sentence1}\\nQuestion: {sentence2} True or False?\\nAnswer:" scored against " True" (entailment) and
+  " False" (non-entailment); k-shot prefixes k answered examples, each followed by a blank line.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections import defaultdict
+
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
+
+TASKS = ("lambada", "hans", "perplexity")
+SHOT_SEPARATOR = "\n\n"
+HANS_TEMPLATE = "{sentence1}\nQuestion: {sentence2} True or False?\nAnswer:"
+HANS_ANSWERS = {"entailment": " True", "non-entailment": " False"}
+
+
+def pick_shots(pool: list, k: int, exclude: int | None, rng: random.Random) -> list:
+    """k examples of `pool` (not pool[exclude], the item under test when the pool is the test file)."""
+    candidates = [i for i in range(len(pool)) if i != exclude]
+    if k > len(candidates):
+        raise MTNLGError(f"{k} shots asked, but only {len(candidates)} other examples are available")
+    return [pool[i] for i in rng.sample(candidates, k)]
+
+
+def lambada_split(text: str) -> tuple[str, str]:
+    words = text.strip().split(" ")
+    return " ".join(words[:-1]), " " + words[-1]
+
+
+def lambada_prompts(docs: list[str], shots: int, fewshot: list[str] | None, seed: int) -> list[tuple[str, str]]:
+    """(context, target) per passage; k-shot contexts start with k other passages."""
+    rng = random.Random(seed)
+    out = []
+    for i, text in enumerate(docs):
+        context, target = lambada_split(text)
+        pool, exclude = (fewshot, None) if fewshot is not None else (docs, i)
+        examples = pick_shots(pool, shots, exclude, rng) if shots else []
+        out.append(("".join(e.strip() + SHOT_SEPARATOR for e in examples) + context, target))
+    return out
+
+
+def lambada(scorer: Scorer, tokenizer, docs: list[str], shots: int, fewshot=None, seed: int = 1234) -> dict:
+    prompts = lambada_prompts(docs, shots, fewshot, seed)
+    requests = [pair_request(*encode_pair(tokenizer, c, t), scorer.max_len) for c, t in prompts]
+    scores = scorer.score(requests, desc=f"lambada {shots}-shot")
+    loglik = sum(s for s, _ in scores) / len(scores)
+    return {"acc": sum(g for _, g in scores) / len(scores), "perplexity": math.exp(-loglik), "examples": len(docs)}
+
+
+def hans_prompt(record: dict) -> str:
+    return HANS_TEMPLATE.format(sentence1=record["sentence1"].strip(), sentence2=record["sentence2"].strip())
+
+
+def hans_prompts(records: list[dict], shots: int, fewshot: list[dict] | None, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i, record in enumerate(records):
+        pool, exclude = (fewshot, None) if fewshot is not None else (records, i)
+        examples = pick_shots(pool, shots, exclude, rng) if shots else []
+        prefix = "".join(hans_prompt(e) + HANS_ANSWERS[e["gold_label"]] + SHOT_SEPARATOR for e in examples)
+        out.append(prefix + hans_prompt(record))
+    return out
+
+
+def check_hans(records: list[dict], path) -> None:
+    for number, record in enumerate(records, start=1):
+        if record.get("gold_label") not in HANS_ANSWERS:
+            raise MTNLGError(
+                f"{path}: record {number}: gold_label {record.get('gold_label')!r} is not one of "
+                f"{', '.join(HANS_ANSWERS)}"
+            )
+
+
+def hans(scorer: Scorer, tokenizer, records: list[dict], shots: int, fewshot=None, seed: int = 1234) -> dict:
+    """Accuracy of the likelier answer, overall and per heuristic (lexical_overlap, subsequence, constituent)."""
+    prompts = hans_prompts(records, shots, fewshot, seed)
+    answers = list(HANS_ANSWERS.values())
+    pairs = [encode_pair(tokenizer, prompt, answer) for prompt in prompts for answer in answers]
+    requests = [pair_request(context, answer, scorer.max_len) for context, answer in pairs]
+    scores = scorer.score(requests, desc=f"hans {shots}-shot")
+    per_heuristic: dict[str, list[bool]] = defaultdict(list)
+    for i, record in enumerate(records):
+        pair = scores[i * len(answers) : (i + 1) * len(answers)]
+        chosen = max(range(len(answers)), key=lambda j: pair[j][0])
+        per_heuristic[record.get("heuristic", "all")].append(answers[chosen] == HANS_ANSWERS[record["gold_label"]])
+    correct = [c for cs in per_heuristic.values() for c in cs]
+    result = {"acc": sum(correct) / len(correct), "examples": len(records)}
+    for name, cs in sorted(per_heuristic.items()):
+        result[f"acc_{name}"] = sum(cs) / len(cs)
+    return result
+
+
+def rolling_loglik(scorer: Scorer, token_docs: list[list[int]], prefix: int | None, stride: int | None = None):
+    """(total log-likelihood, tokens scored) of every token of every token list, in rolling windows."""
+    windows = [r for tokens in token_docs for r in rolling_requests(tokens, prefix, scorer.max_len, stride)]
+    scores = scorer.score(windows, desc="perplexity")
+    return sum(s for s, _ in scores), sum(len(r.targets) for r in windows)
+
+
+def perplexity(scorer: Scorer, tokenizer, docs: list[str], stride: int | None = None) -> dict:
+    """Rolling log-likelihood of every token of every document (the first predicted from <|endoftext|>, as the
+    harness): token-level loss and perplexity, and the harness' word/byte perplexity and bits per byte."""
+    loglik, tokens = rolling_loglik(scorer, [tokenizer.encode(d) for d in docs], tokenizer.eod_id, stride)
+    words = sum(len(re.split(r"\s+", d)) for d in docs)
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    return {
+        "loss": -loglik / tokens,
+        "perplexity": math.exp(-loglik / tokens),
+        "word_perplexity": math.exp(-loglik / words),
+        "byte_perplexity": math.exp(-loglik / nbytes),
+        "bits_per_byte": -loglik / nbytes / math.log(2),
+        "tokens": tokens,
+        "documents": len(docs),
+    }
