@@ -234,3 +234,15 @@ def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one
     assert len({round(p, 3) for _, _, p in single}) == 2  # two evaluations: after optimizer steps 2 and 4
     assert [(s, a) for s, a, _ in parallel] == [(s, a) for s, a, _ in single]
     assert [p for _, _, p in parallel] == pytest.approx([p for _, _, p in single], rel=1e-5)
+
+
+def test_hans_reads_its_own_tab_separated_release_format(tmp_path):
+    from mtnlg_lightning.evaluation.data import read_records
+
+    rows = [json.loads(line) for line in open(HANS)]
+    columns = ["gold_label", "sentence1", "sentence2", "pairID", "heuristic", "subcase"]
+    tsv = tmp_path / "heuristics_evaluation_set.txt"
+    lines = ["\t".join(columns)] + ["\t".join(r[c] for c in columns) for r in rows]
+    tsv.write_text("\n".join(lines) + "\n")
+    fields = ("sentence1", "sentence2", "gold_label")
+    assert [{c: r[c] for c in columns} for r in read_records(tsv, fields)] == [{c: r[c] for c in columns} for r in rows]

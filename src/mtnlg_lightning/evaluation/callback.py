@@ -79,7 +79,7 @@ class DownstreamEval(L.Callback):
 
     @torch.no_grad()
     def _evaluate(self, pl_module, weights) -> dict[str, float]:
-        from mtnlg_lightning.evaluation.data import read_jsonl
+        from mtnlg_lightning.evaluation.data import read_records
         from mtnlg_lightning.interop.gpt2_mapping import load_model_space
         from mtnlg_lightning.model import build_model
 
@@ -93,8 +93,8 @@ class DownstreamEval(L.Callback):
             found = tasks.perplexity(scorer, self.tokenizer, read_documents(self.data)[: self.limit])
             return {"perplexity_loss": found["loss"], "perplexity_ppl": found["perplexity"]}
         fields = ("text",) if self.task == "lambada" else ("sentence1", "sentence2", "gold_label")
-        records = read_jsonl(self.data, fields)[: self.limit]
-        fewshot = read_jsonl(self.fewshot_data, fields) if self.fewshot_data else None
+        records = read_records(self.data, fields)[: self.limit]
+        fewshot = read_records(self.fewshot_data, fields) if self.fewshot_data else None
         out = {}
         for k in self.shots:
             suffix = f"_{k}shot" if k else ""

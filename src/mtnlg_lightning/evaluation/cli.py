@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.evaluation import tasks
-from mtnlg_lightning.evaluation.data import read_documents, read_jsonl
+from mtnlg_lightning.evaluation.data import read_documents, read_records
 from mtnlg_lightning.evaluation.scoring import Scorer
 
 FIELDS = {"lambada": ("text",), "hans": ("sentence1", "sentence2", "gold_label")}
@@ -57,8 +57,8 @@ def evaluate_task(scorer, tokenizer, args) -> dict:
     if args.task == "perplexity":
         docs = read_documents(args.data)[: args.limit]
         return {"-": tasks.perplexity(scorer, tokenizer, docs, args.stride)}
-    records = read_jsonl(args.data, FIELDS[args.task])[: args.limit]
-    fewshot = read_jsonl(args.fewshot_data, FIELDS[args.task]) if args.fewshot_data else None
+    records = read_records(args.data, FIELDS[args.task])[: args.limit]
+    fewshot = read_records(args.fewshot_data, FIELDS[args.task]) if args.fewshot_data else None
     if args.task == "hans":
         tasks.check_hans(records, args.data)
         if fewshot is not None:

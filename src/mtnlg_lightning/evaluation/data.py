@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError
+
+
+def read_records(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
+    """JSON lines, or a tab-separated file with a header row (`.txt`/`.tsv`, as HANS ships its data)."""
+    path = Path(path)
+    if path.suffix in (".txt", ".tsv") and path.is_file():
+        return read_tsv(path, fields)
+    return read_jsonl(path, fields)
+
+
+def read_tsv(path: Path, fields: tuple[str, ...]) -> list[dict]:
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    for number, row in enumerate(rows, start=2):
+        missing = [k for k in fields if not (row.get(k) or "").strip()]
+        if missing:
+            raise MTNLGError(f"{path}:{number}: missing or empty column(s) {', '.join(missing)}")
+    if not rows:
+        raise MTNLGError(f"{path} holds no records")
+    return rows
 
 
 def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
