@@ -172,3 +172,11 @@ def test_fit_init_from_trains_the_same_under_tp2_as_in_one_process(hf_dir, tmp_p
         tmp_path, "configs/strategy/tp2.yaml", 2, 5, ("--model.init_from", str(hf_dir), *data)
     )
     assert len(reference) == 5
+
+
+def test_init_from_a_project_checkpoint_starts_from_its_weights(tiny_checkpoint):
+    module = MTNLGModule(preset="tiny", init_from=str(tiny_checkpoint))
+    module.configure_model()
+    reference, _ = load_model(tiny_checkpoint)
+    for (name, ours), (_, theirs) in zip(module.model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
