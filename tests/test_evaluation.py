@@ -78,6 +78,7 @@ def harness_task_dir(directory, data):
     return directory
 
 
+@pytest.mark.slow
 def test_lambada_equals_lm_eval_hf_on_the_exported_model_and_our_harness_adapter(
     checkpoint, tokenizer_path, cloze, tmp_path, capsys
 ):
