@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_harness import ScaleLossAt, VetoStep, tiny_run  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
+from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tiny_run  # noqa: E402
 
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
@@ -39,14 +40,28 @@ PIPELINE_RUNS = {
     "pp2_dp2_zero1": (dict(pipeline_parallel=2, zero_stage=1), None),
     "pp2_dp2_zero2": (dict(pipeline_parallel=2, zero_stage=2), None),
     "tp2_pp2_dp2_zero1": (dict(tensor_parallel=2, pipeline_parallel=2, zero_stage=1), None),
+    "tp2_pp2_dp2_zero1_sp": (dict(tensor_parallel=2, pipeline_parallel=2, zero_stage=1, sequence_parallel=True), None),
     "pp2_rampup": (dict(pipeline_parallel=2), None),  # batch 2, 2, 4, ...: 1 micro-batch < 2 stages at first
 }
 RAMPUP = [2, 2, 12]
+# Runs whose torch.distributed traffic is counted per group (benchmarks/comm_counter.py) at their last step.
+COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}
+
+
+# Sequence parallelism: name -> (tensor_parallel, zero_stage, activation checkpointing mode).
+SEQUENCE_PARALLEL_RUNS = {
+    "tp2_sp": (2, 0, None),
+    "tp2_sp_full_ac": (2, 0, "full"),
+    "tp4_sp": (4, 0, None),
+    "tp2_dp2_zero2_sp": (2, 2, None),
+    "tp2_dp2_zero3_sp": (2, 3, None),
+}
 
 
 def pipeline_run(name: str, world: int, out: Path):
     base = name.removesuffix("_ckpt").removesuffix("_resume")
     kwargs, overrides = PIPELINE_RUNS[base]
+    comm = CommPerStep(enabled=name in COUNTED_RUNS)
     kwargs = {"tensor_parallel": 1, "zero_stage": 0, **kwargs, "print_layout": False}
     common = dict(
         devices=world,
@@ -71,9 +86,9 @@ def pipeline_run(name: str, world: int, out: Path):
             **common,
         )
     else:
-        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, **common)
+        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, callbacks=[comm], **common)
     # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
-    return rec, trainer, {"tied_head": trainer.strategy.tied_head_copy()}
+    return rec, trainer, {"tied_head": trainer.strategy.tied_head_copy(), **comm.result(trainer)}
 
 
 def run(name: str, out: Path, world: int) -> dict:
@@ -86,6 +101,20 @@ def run(name: str, out: Path, world: int) -> dict:
         zero = int(name[-1]) if "zero" in name else 0
         ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
         rec, trainer = tiny_run(strategy(tp, zero, deepspeed_config=ds), devices=world, max_steps=5)
+    elif name in SEQUENCE_PARALLEL_RUNS:
+        from mtnlg_lightning.callbacks import ActivationCheckpointing
+
+        tp, zero, recompute = SEQUENCE_PARALLEL_RUNS[name]
+        ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
+        comm = CommPerStep(enabled=name in COUNTED_RUNS)
+        callbacks = [comm] + ([ActivationCheckpointing(mode=recompute)] if recompute else [])
+        rec, trainer = tiny_run(
+            strategy(tp, zero, sequence_parallel=True, deepspeed_config=ds),
+            devices=world,
+            max_steps=5,
+            callbacks=callbacks,
+        )
+        extra = comm.result(trainer)
     elif name.endswith("_ckpt") or name.endswith("_resume"):
         base = name.rsplit("_", 1)[0]  # e.g. tp2, tp2_dp2_zero1
         tp = 2 if base.startswith("tp2") else 1
@@ -205,6 +234,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     names = sys.argv[2:]
+    if COUNTED_RUNS.intersection(names):
+        from benchmarks import comm_counter
+
+        comm_counter.install()  # before DeepSpeed builds its communication backend
     for name in names:
         started = time.perf_counter()
         result = run(name, out, int(__import__("os").environ["WORLD_SIZE"]))

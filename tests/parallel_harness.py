@@ -67,6 +67,40 @@ class ScaleLossAt(Callback):
         pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if poisoned else original
 
 
+class CommPerStep(Callback):
+    """Bytes of every torch.distributed call of the next-to-last training step (the last one also gathers the
+    captured parameters), by group kind and op, max over ranks (`benchmarks/comm_counter.py`, installed by the
+    launch before DeepSpeed starts). Disabled: records nothing."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.last = enabled, {}
+
+    def on_train_start(self, trainer, pl_module):
+        if self.enabled:
+            from benchmarks import comm_counter
+
+            comm_counter.register_groups(trainer.strategy.groups)
+            comm_counter.reset()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.enabled:
+            from benchmarks import comm_counter
+
+            self.last = comm_counter.snapshot()  # the previous step, start to start
+            comm_counter.reset()
+
+    def result(self, trainer) -> dict:
+        """{"comm": {"tp/all_gather_into_tensor": max bytes over ranks, ...}} (empty when disabled)."""
+        if not self.enabled:
+            return {}
+        import torch.distributed as dist
+
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {k: v["bytes"] for k, v in self.last.items()})
+        keys = {k for rank in per_rank for k in rank}
+        return {"comm": {k: max(rank.get(k, 0) for rank in per_rank) for k in keys}}
+
+
 def tiny_run(
     strategy="auto",
     devices=1,

@@ -47,6 +47,7 @@ from mtnlg_lightning.parallel.pipeline import (
     split_into_stages,
     stage_ranks,
 )
+from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
 from mtnlg_lightning.parallel.tensor_parallel import (
     VocabParallelCrossEntropy,
     gather_tensor_parallel,
@@ -98,7 +99,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 over the data-parallel group (optimizer states / + gradients / + parameters partitioned).
             gpus_per_node: ranks per node for the topology; default from LOCAL_WORLD_SIZE or trainer.devices.
             allow_tp_across_nodes: accept TP groups that span nodes (slow: TP all-reduces leave NVLink).
-            sequence_parallel: Megatron sequence parallelism (not implemented yet).
+            sequence_parallel: Megatron sequence parallelism (needs tensor_parallel > 1, seq_len divisible by it):
+                LayerNorm/dropout/residual activations sharded along the sequence over the TP group.
             deepspeed_config: extra DeepSpeed config merged over the generated one (e.g. ZeRO bucket sizes).
             print_layout: rank 0 prints the rank -> node / (pp, dp, tp) / groups table at start-up.
             process_group_backend: default nccl on CUDA, gloo on CPU.
@@ -179,8 +181,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 f"pipeline_schedule {self.pipeline_schedule} splits the backward in two, which ZeRO-2's "
                 f"gradient bookkeeping does not follow: use zero_stage 0 or 1 with it"
             )
-        if self.sequence_parallel:
-            raise MTNLGError("sequence_parallel is not implemented yet; set sequence_parallel: false")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise MTNLGError("sequence_parallel shards over the tensor-parallel group: it needs tensor_parallel > 1")
 
     def _configure_launcher(self) -> None:
         self._check_arguments()
@@ -220,6 +222,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
             layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
+            if self.sequence_parallel:
+                check_sequence_length(config.seq_len, self.tensor_parallel)
             stages = self.pipeline_parallel * self.virtual_pipeline_stages
             layers_per_stage(config.num_layers, stages, self.first_stage_layers, self.last_stage_layers)
         return layout
@@ -241,7 +245,11 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             stage_models = self._split_pipeline(module.model)
             for stage_model in stage_models:
                 parallelize(
-                    stage_model, groups.tensor_parallel_group, groups.tensor_parallel_rank, groups.tensor_parallel_size
+                    stage_model,
+                    groups.tensor_parallel_group,
+                    groups.tensor_parallel_rank,
+                    groups.tensor_parallel_size,
+                    sequence_parallel=self.sequence_parallel,
                 )
             if groups.tensor_parallel_size > 1:
                 module.loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group)
