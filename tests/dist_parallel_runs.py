@@ -128,12 +128,13 @@ def run(name: str, out: Path, world: int) -> dict:
             rec, trainer = tiny_run(
                 strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt", capture_steps=(6,)
             )
-    elif name == "pp2_spike_skip":  # the callbacks under the 3D strategy: every rank takes the same decision
+    elif name in ("pp2_spike_skip", "tp2_sp_spike_skip"):  # the callbacks under the 3D strategy: one decision
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(action="skip", window=5, warmup_steps=3)
+        layout = dict(pipeline_parallel=2) if name == "pp2_spike_skip" else dict(tp=2, sequence_parallel=True)
         rec, trainer = tiny_run(
-            strategy(pipeline_parallel=2),
+            strategy(**layout),
             devices=world,
             max_steps=8,
             micro_batch_size=2,

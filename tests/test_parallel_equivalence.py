@@ -2,7 +2,9 @@
 
 The tiny model, same config and seed, 5 steps with a gradient clip small enough to trigger on every step: per-step
 losses within relative 1e-5 of the single-process run and the gathered parameters equal at fp32 tolerance, for
-tp2; dp2 with ZeRO-1, ZeRO-2, ZeRO-3; tp2 x dp2 with ZeRO-1; tp4. Plus, from the same launches: checkpoint
+tp2; dp2 with ZeRO-1, ZeRO-2, ZeRO-3; tp2 x dp2 with ZeRO-1; tp4; sequence parallelism at tp2 (also with full
+activation checkpointing and with the loss-spike skip), tp4, tp2 x dp2 ZeRO-2/3, tp2 x pp2 x dp2 ZeRO-1, with its
+communication counted against theory. Plus, from the same launches: checkpoint
 resume in the same layout (6 steps == 3 + resume + 3), an update veto under ZeRO leaves params and optimizer
 untouched, and ZeRO-1's real per-rank optimizer state halves at dp=2.
 
@@ -44,9 +46,21 @@ WORLD2_RUNS = [
     "pp2_spike_skip",
     "pp2_activation_checkpointing",
     "pp2_spike_rewind",
+    "tp2_sp",
+    "tp2_sp_full_ac",
+    "tp2_sp_spike_skip",
 ]
-WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
-WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
+WORLD4_RUNS = [
+    "tp2_dp2_zero1_ckpt",
+    "tp2_dp2_zero1_resume",
+    "tp4",
+    "pp2_dp2_zero1",
+    "pp2_dp2_zero2",
+    "tp4_sp",
+    "tp2_dp2_zero2_sp",
+    "tp2_dp2_zero3_sp",
+]
+WORLD8_RUNS = ["tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
@@ -119,6 +133,11 @@ def test_reference_clips_on_every_step(reference):
         ("dp2_zero3", 2),
         ("tp2_dp2_zero1_ckpt", 4),
         ("tp4", 4),
+        ("tp2_sp", 2),  # sequence parallelism
+        ("tp2_sp_full_ac", 2),  # ... with every block recomputed in the backward pass
+        ("tp4_sp", 4),
+        ("tp2_dp2_zero2_sp", 4),
+        ("tp2_dp2_zero3_sp", 4),
     ],
 )
 def test_layout_trains_like_one_process(layout, world, reference, world2, world4):
@@ -162,6 +181,7 @@ PIPELINE_LAYOUTS = [  # (run, world, blocks): 1F1B, interleaved (2 virtual stage
     ("pp2_dp2_zero1", 4, 2),
     ("pp2_dp2_zero2", 4, 2),
     ("tp2_pp2_dp2_zero1", 8, 2),
+    ("tp2_pp2_dp2_zero1_sp", 8, 2),  # + sequence parallelism: the stage boundary carries the sequence shard
 ]
 
 
@@ -204,8 +224,9 @@ def test_pipeline_checkpoint_resume_continues_identically(world2):
     assert torch.equal(resumed["tied_head"], resumed["params"][6]["embed.wte.weight"])
 
 
-def test_loss_spike_skip_under_the_pipeline_is_one_decision_for_all_ranks(world2):
-    run = world2["pp2_spike_skip"]  # loss x 1e3 at step 6 (0-based); global_step 7 counts it
+@pytest.mark.parametrize("layout", ["pp2_spike_skip", "tp2_sp_spike_skip"])
+def test_loss_spike_skip_under_the_3d_strategy_is_one_decision_for_all_ranks(layout, world2):
+    run = world2[layout]  # loss x 1e3 at step 6 (0-based); global_step 7 counts it
     assert run["spike_steps"] == [6]
     assert max_param_diff(run["params"][7], run["params"][6]) == 0.0  # both stages kept their parameters
     assert max_param_diff(run["params"][8], run["params"][7]) > 0.0  # and train on afterwards
@@ -227,3 +248,29 @@ def test_loss_spike_rewind_under_the_pipeline_restores_the_sharded_checkpoint_an
     assert len(run["losses"]) == 10 and run["losses"][7] > 1000
     assert all(loss < 9 for loss in run["losses"][8:]), run["losses"]
     assert torch.equal(run["tied_head"], run["params"][10]["embed.wte.weight"])
+
+
+# ---------------------------------------------------------------------------------------------- sequence parallelism
+def test_sequence_parallel_communication_counted_in_the_ranks_equals_theory(world2):
+    """tp2 + SP, one step (2 micro-batches of b=4; tiny: L=2, s=64, h=64), payload bytes per TP rank, fp32.
+
+    Per micro-batch and layer, 2 all-gathers + 2 reduce-scatters forward (each half of a TP all-reduce) and
+    2 reduce-scatters + 4 all-gathers backward (one re-gathers the saved input shard of each column-parallel
+    layer); the LM head gathers (1 forward, 1 + 1 reduce-scatter backward) and the scattered embedding gathers
+    its gradient (1). All-reduces: the word embedding (b*s*h), the loss (3 x b*s) and the LayerNorm and
+    row-parallel-bias gradients (6h per layer + 2h for the final norm)."""
+    comm = world2["tp2_sp"]["comm"]
+    micro_batches, b, s, h, layers = 2, 4, 64, 64, 2
+    bsh = 4 * b * s * h
+    assert comm["tp/all_gather_into_tensor"] == micro_batches * (6 * layers + 1 + 2) * bsh
+    assert comm["tp/reduce_scatter_tensor"] == micro_batches * (4 * layers + 1) * bsh
+    assert comm["tp/all_reduce"] == micro_batches * (bsh + 4 * 3 * b * s + 4 * (6 * layers + 2) * h)
+
+
+def test_pipeline_stage_boundary_carries_the_sequence_shard(world8):
+    """tp2 x pp2 x dp2: per step 2 micro-batches of [2, 64, 64] fp32 cross the stage boundary each way; with
+    sequence parallelism each TP rank sends and receives only its half of the sequence."""
+    plain, sp = world8["tp2_pp2_dp2_zero1"]["comm"], world8["tp2_pp2_dp2_zero1_sp"]["comm"]
+    activation = 2 * 2 * 64 * 64 * 4  # micro-batches x b x s x h x fp32
+    assert plain["pp/isend"] == plain["pp/irecv"] == activation
+    assert sp["pp/isend"] == sp["pp/irecv"] == activation // 2

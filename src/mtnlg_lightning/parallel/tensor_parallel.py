@@ -128,7 +128,9 @@ class RowParallelLinear(nn.Module):
         return cls(_shard(linear.weight, 1, rank, size), linear.bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else reduce_from_tensor_parallel_region
+        reduce = (
+            reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else reduce_from_tensor_parallel_region
+        )
         y = reduce(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
