@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.model import build_model
+from mtnlg_lightning.peak_memory import StepPeakMemory
 from mtnlg_lightning.schedules import BatchSizeSchedule, LRSchedule
 
 
@@ -52,6 +53,9 @@ class MTNLGModule(L.LightningModule):
             betas, eps: AdamW (MT-NLG: beta2 = 0.95 for stability).
             grad_clip: global gradient-norm clipping (MT-NLG: 1.0); null disables.
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
+
+        Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
+        (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -70,6 +74,7 @@ class MTNLGModule(L.LightningModule):
         self._step_started: float | None = None
         self._first_loss: float | None = None
         self._peak_flops: float | None = None  # per-device peak FLOP/s for MFU, resolved once per fit
+        self._peak_memory: StepPeakMemory | None = None
         self._restart_train_data = False
 
     def configure_model(self) -> None:
@@ -110,6 +115,9 @@ class MTNLGModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self._step_started is None:
             self._step_started = time.perf_counter()
+        if self._peak_memory is None:
+            self._peak_memory = StepPeakMemory(self.device)
+        self._peak_memory.reset()
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         tokens = batch["tokens"]
         consumed, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
@@ -197,6 +205,9 @@ class MTNLGModule(L.LightningModule):
         self.log("tflops_per_device", tflops)
         if self._peak_flops:
             self.log("mfu", tflops * 1e12 / self._peak_flops)
+        # The rank closest to running out decides whether a layout fits: max over ranks.
+        peak = torch.tensor(self._peak_memory.read_bytes() / 2**20, device=self.device)
+        self.log("peak_memory_mib", peak, sync_dist=True, reduce_fx="max")
 
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
