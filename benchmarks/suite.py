@@ -120,6 +120,36 @@ def activation_rows(d):
     return out
 
 
+def sequence_parallel_memory_rows(d):
+    rows = d["rows"]
+    none = next(r for r in rows if r["tp"] == 1)
+    out = []
+    for r in rows:
+        if r is none:
+            continue
+        out.append(
+            (
+                f"activation memory/layer/rank: {r['layout']} vs no parallelism (MB; Korthikanti formula ratio)",
+                r["measured_bytes"] / MB,
+                none["measured_bytes"] / MB,
+                r["measured_vs_none"],
+                f"{r['formula_vs_none']:.3f}",
+            )
+        )
+        if r["sp"]:
+            tp = next(x for x in rows if x["tp"] == r["tp"] and not x["sp"])
+            out.append(
+                (
+                    f"activation memory/layer/rank: {r['layout']} vs tp{r['tp']} (MB; formula ratio)",
+                    r["measured_bytes"] / MB,
+                    tp["measured_bytes"] / MB,
+                    _ratio(r["measured_bytes"], tp["measured_bytes"]),
+                    f"{r['formula_fp32_bytes'] / tp['formula_fp32_bytes']:.3f}",
+                )
+            )
+    return out
+
+
 def dedup_rows(d):
     rows = []
     if "datasketch_docs_per_s" in d:
@@ -180,6 +210,12 @@ SUITE = [
         "bench_activation_checkpointing.py",
         ["--layers", "4", "--seq", "512", "--steps", "2"],
         activation_rows,
+    ),
+    Benchmark(
+        "sequence_parallel_memory",
+        "bench_sequence_parallel_memory.py",
+        ["--hidden", "256", "--heads", "8", "--seq", "1024", "--batch", "2"],
+        sequence_parallel_memory_rows,
     ),
     Benchmark(
         "dedup", "bench_dedup.py", ["--docs", "1500", "--scale-docs", "0", "--accuracy-docs", "1000"], dedup_rows
