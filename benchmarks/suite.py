@@ -58,6 +58,17 @@ def parallel_rows(d):
                     "1.00",
                 )
             )
+    shard = d.get("pp_sequence_shard")
+    if shard:
+        rows.append(
+            (
+                "parallel: PP activation bytes/micro-batch/rank, tp2_pp2 + SP vs tp2_pp2 (the sequence shard)",
+                shard["tp2_pp2_sp"],
+                shard["tp2_pp2"],
+                shard["ratio"],
+                "0.50 (1/TP)",
+            )
+        )
     rows += [(f"parallel: {note}", None, None, None, "") for note in d.get("notes", [])]
     return rows
 
@@ -201,6 +212,12 @@ SUITE = [
         overhead_rows,
     ),
     Benchmark("parallel", "bench_parallel.py", ["--rounds", "2", "--steps", "5"], parallel_rows),
+    Benchmark(
+        "parallel_sp_pipeline",
+        "bench_parallel.py",
+        ["--world", "4", "--layouts", "tp2_pp2", "tp2_pp2_sp", "--rounds", "1", "--steps", "3", "--warmup", "1"],
+        parallel_rows,
+    ),
     Benchmark("memory", "bench_memory.py", ["--dp", "2", "4"], memory_rows),
     Benchmark(
         "pipeline", "bench_pipeline.py", ["--pp", "2", "4", "--microbatches", "4", "8", "--steps", "2"], pipeline_rows
