@@ -48,13 +48,15 @@ RAMPUP = [2, 2, 12]
 COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}
 
 
-# Sequence parallelism: name -> (tensor_parallel, zero_stage, activation checkpointing mode).
+# Sequence parallelism: name -> (tensor_parallel, zero_stage, activation checkpointing mode, model overrides).
+DROPOUT = {"hidden_dropout": 0.1}
 SEQUENCE_PARALLEL_RUNS = {
-    "tp2_sp": (2, 0, None),
-    "tp2_sp_full_ac": (2, 0, "full"),
-    "tp4_sp": (4, 0, None),
-    "tp2_dp2_zero2_sp": (2, 2, None),
-    "tp2_dp2_zero3_sp": (2, 3, None),
+    "tp2_sp": (2, 0, None, None),
+    "tp2_sp_full_ac": (2, 0, "full", None),
+    "tp2_sp_dropout_full_ac": (2, 0, "full", DROPOUT),  # sliced dropout masks, redrawn by the recomputation
+    "tp4_sp": (4, 0, None, None),
+    "tp2_dp2_zero2_sp": (2, 2, None, None),
+    "tp2_dp2_zero3_sp": (2, 3, None, None),
 }
 
 
@@ -104,7 +106,7 @@ def run(name: str, out: Path, world: int) -> dict:
     elif name in SEQUENCE_PARALLEL_RUNS:
         from mtnlg_lightning.callbacks import ActivationCheckpointing
 
-        tp, zero, recompute = SEQUENCE_PARALLEL_RUNS[name]
+        tp, zero, recompute, overrides = SEQUENCE_PARALLEL_RUNS[name]
         ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
         comm = CommPerStep(enabled=name in COUNTED_RUNS)
         callbacks = [comm] + ([ActivationCheckpointing(mode=recompute)] if recompute else [])
@@ -113,6 +115,7 @@ def run(name: str, out: Path, world: int) -> dict:
             devices=world,
             max_steps=5,
             callbacks=callbacks,
+            model_overrides=overrides,
         )
         extra = comm.result(trainer)
     elif name.endswith("_ckpt") or name.endswith("_resume"):

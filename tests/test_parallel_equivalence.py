@@ -48,6 +48,7 @@ WORLD2_RUNS = [
     "pp2_spike_rewind",
     "tp2_sp",
     "tp2_sp_full_ac",
+    "tp2_sp_dropout_full_ac",
     "tp2_sp_spike_skip",
 ]
 WORLD4_RUNS = [
@@ -274,3 +275,16 @@ def test_pipeline_stage_boundary_carries_the_sequence_shard(world8):
     activation = 2 * 2 * 64 * 64 * 4  # micro-batches x b x s x h x fp32
     assert plain["pp/isend"] == plain["pp/irecv"] == activation
     assert sp["pp/isend"] == sp["pp/irecv"] == activation // 2
+
+
+def test_sequence_parallel_dropout_and_its_recomputation_match_one_process(world2):
+    """hidden_dropout 0.1: each TP rank keeps its slice of a whole-sequence mask (independent masks per shard, as in
+    one process, bit-identical on CPU), and full activation checkpointing redraws the same masks."""
+    from dist_parallel_runs import DROPOUT
+
+    ref, _ = tiny_run(max_steps=5, model_overrides=DROPOUT)
+    plain, _ = tiny_run(max_steps=1, capture_steps=())
+    run = world2["tp2_sp_dropout_full_ac"]
+    assert abs(ref.losses[0] - plain.losses[0]) > 1e-3  # dropout is active
+    assert max_rel(run["losses"][:5], ref.losses[:5]) <= LOSS_RTOL
+    assert max_param_diff(run["params"][5], ref.params[5]) <= PARAM_ATOL

@@ -146,6 +146,27 @@ def scatter_output_to_sequence(module: nn.Module, group) -> None:
     module.register_forward_hook(lambda _module, _args, out: scatter_to_sequence_parallel_region(out, group))
 
 
+class SequenceParallelDropout(nn.Module):
+    """Dropout of a sequence shard whose mask is this rank's slice of one drawn for the whole sequence.
+
+    Every TP rank draws the same full mask from the same generator state (the RNG stays in step across the TP
+    group, which the replicated regions need) and keeps its slice, so the shards get independent masks, as in one
+    process, instead of one mask repeated on every shard; activation checkpointing restores the generator state
+    and redraws the same mask. On CPU the mask is bit-identical to `nn.Dropout`'s on the whole sequence."""
+
+    def __init__(self, p: float, group):
+        super().__init__()
+        self.p, self.group = p, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = list(x.shape)
+        shape[SEQUENCE_DIM] *= dist.get_world_size(self.group)
+        keep = x.new_empty(shape).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+        return x * _sequence_slice(keep, self.group)
+
+
 def _all_reduce_grad_hook(group):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous().clone()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.parallel.sequence_parallel import (
+    SequenceParallelDropout,
     all_gather_linear,
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,
@@ -234,7 +235,8 @@ def parallelize(model: nn.Module, group, rank: int, size: int, sequence_parallel
     (None) are skipped. size == 1 leaves the model untouched.
 
     sequence_parallel: the embedding output is cut to this rank's sequence slice, blocks and the final norm run on
-    slices (the LayerNorm and row-parallel-bias gradients summed over TP), the LM head gathers the sequence.
+    slices (the LayerNorm and row-parallel-bias gradients summed over TP; the blocks' dropout masks sliced from
+    whole-sequence ones), the LM head gathers the sequence.
     """
     if size == 1:
         return model
@@ -247,6 +249,8 @@ def parallelize(model: nn.Module, group, rank: int, size: int, sequence_parallel
         if sp:
             for param in [*block.ln1.parameters(), *block.ln2.parameters()]:
                 mark_sequence_parallel(param, group)
+            if isinstance(block.dropout, nn.Dropout):
+                block.dropout = SequenceParallelDropout(block.dropout.p, group)
     embed = getattr(model, "embed", None)
     if embed is not None:
         embed.wte = VocabParallelEmbedding.from_embedding(embed.wte, group, rank, size)
