@@ -85,12 +85,20 @@ class MTNLGModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
+    def setup(self, stage: str) -> None:
+        # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
+        # (the 3D strategy writes it itself, sharded).
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
+
+        strategy = self.trainer.strategy
+        if type(strategy) in (SingleDeviceStrategy, DDPStrategy):
+            strategy.checkpoint_io = ModelSpaceCheckpointIO(self)
+
     # ---------------------------------------------------------------- optimisation recipe
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for param in self.model.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
+        decay, no_decay = decay_groups(self.model)
         groups = [
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -224,6 +232,15 @@ class MTNLGModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.consumed_samples = checkpoint.get("consumed_samples", 0)
         self.configure_model()
+
+
+def decay_groups(model: torch.nn.Module) -> tuple[list, list]:
+    """AdamW's two groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return decay, no_decay
 
 
 class _LocalUpdater:

@@ -15,6 +15,7 @@ SLURM (Lightning's cluster environments).
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.constants import default_pg_timeout
 
-from mtnlg_lightning.checkpoint.layout_shards import load_layout_shards, save_layout_shards
+from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
@@ -366,7 +367,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self._engine_stepped = False
         return None
 
-    # ------------------------------------------------------------------ checkpoints: one folder, this layout
+    # ------------------------------------------------------------------ checkpoints: model space, any layout
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # shards are written by save_checkpoint
 
@@ -380,9 +381,16 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         pass
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        save_layout_shards(self, checkpoint, Path(self.broadcast(str(filepath))))
+        """The layout-independent format (checkpoint/format.py): every rank writes its pieces, the manifest last."""
+        save_sharded(self, checkpoint, Path(self.broadcast(str(filepath))))
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        state = load_layout_shards(self, Path(self.broadcast(str(checkpoint_path))))
+        """Any checkpoint of this format, whatever layout or ZeRO stage wrote it."""
+        state = load_sharded(self, Path(self.broadcast(str(checkpoint_path))))
         self._sync_tied_embedding()
         return state
+
+    def remove_checkpoint(self, filepath) -> None:
+        self.barrier()
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)

@@ -24,7 +24,6 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
 
-
 def supported_deepspeed() -> str:
     """The DeepSpeed range of pyproject's `deepspeed` extra (read from the installed metadata: written once).
     Private DeepSpeed behaviour is relied on (unmanaged accumulation, optimizer internals for the update veto),
