@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
-from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tiny_run  # noqa: E402
+from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tied_head_copy, tiny_run  # noqa: E402
 
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
@@ -90,7 +90,7 @@ def pipeline_run(name: str, world: int, out: Path):
     else:
         rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, callbacks=[comm], **common)
     # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
-    return rec, trainer, {"tied_head": trainer.strategy.tied_head_copy(), **comm.result(trainer)}
+    return rec, trainer, {"tied_head": tied_head_copy(trainer.strategy), **comm.result(trainer)}
 
 
 def run(name: str, out: Path, world: int) -> dict:
@@ -164,7 +164,7 @@ def run(name: str, out: Path, world: int) -> dict:
         extra = {
             "spike_steps": [s["step"] for s in spikes.spikes],
             "record": spikes.record,
-            "tied_head": trainer.strategy.tied_head_copy(),
+            "tied_head": tied_head_copy(trainer.strategy),
         }
     elif name == "pp2_activation_checkpointing":
         from mtnlg_lightning.callbacks import ActivationCheckpointing
@@ -193,7 +193,7 @@ def memory_run(world: int):
     from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
     from mtnlg_lightning.parallel.zero import (
         ModelParallelUnit,
-        deepspeed_config,
+        build_deepspeed_config,
         initialize_engine,
         optimizer_state_bytes,
     )
@@ -224,7 +224,7 @@ def memory_run(world: int):
             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
         ]
     )
-    engine = initialize_engine(model, opt, deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
+    engine = initialize_engine(model, opt, build_deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
     tokens = torch.randint(0, 4096, (4, 65))
     loss = module.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
     engine.backward(loss)

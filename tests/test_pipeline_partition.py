@@ -10,7 +10,7 @@ from conftest import ROOT, run_cli
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import build_model
-from mtnlg_lightning.parallel.pipeline import build_stage, layers_per_stage, schedule_class, stage_ranks
+from mtnlg_lightning.parallel.pipeline import build_stage, layers_per_stage, schedule_class, stages_held_by_rank
 
 
 def test_mtnlg_105_layers_on_35_stages_is_3_per_stage():
@@ -32,8 +32,8 @@ def test_impossible_partitions_are_clear_errors():
 
 
 def test_stage_placement_is_looped_or_v_shaped():
-    assert stage_ranks("interleaved_1f1b", 2, 2) == [[0, 2], [1, 3]]
-    assert stage_ranks("zbv_zero_bubble", 2, 2) == [[0, 3], [1, 2]]
+    assert stages_held_by_rank("interleaved_1f1b", 2, 2) == [[0, 2], [1, 3]]
+    assert stages_held_by_rank("zbv_zero_bubble", 2, 2) == [[0, 3], [1, 2]]
     with pytest.raises(MTNLGError, match="unknown pipeline schedule 'dualpipe'"):
         schedule_class("dualpipe")
 

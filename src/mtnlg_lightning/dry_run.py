@@ -8,12 +8,12 @@ import yaml
 
 from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
 from mtnlg_lightning.parallel.tensor_parallel import parallelize
 from mtnlg_lightning.planner import format_plan, plan
-from mtnlg_lightning.schedules import BatchSizeSchedule
 
 STRATEGY = "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
 
