@@ -34,3 +34,47 @@ def test_step_peak_memory_sees_a_large_allocation_and_forgets_it_after_a_reset()
     meter.reset()
     if meter.per_step:  # Linux with /proc/self/clear_refs: the peak restarts from what is resident now
         assert meter.read_bytes() < during - 200 * 2**20
+
+
+def test_sequence_parallel_gpt_matches_one_process_in_loss_and_every_gradient():
+    """A whole GPT under TP 2 + SP, ranks as threads: the same loss and, gathered, the same gradients (the
+    vocab-parallel loss runs in fp32: fp32 tolerances). Dropout needs one generator per rank: the process launches
+    of test_parallel_equivalence.py check it."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from threaded_group import run_ranks
+
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.model import build_model
+    from mtnlg_lightning.parallel.tensor_parallel import (
+        gather_tensor_parallel,
+        is_tensor_parallel,
+        parallelize,
+        vocab_parallel_cross_entropy,
+    )
+
+    torch.manual_seed(0)
+    reference = build_model(get_config("tiny")).double()
+    tokens = torch.randint(0, 4096, (2, 65))
+    loss = F.cross_entropy(reference(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+
+    def rank_fn(rank):
+        group = dist.group.WORLD
+        model = parallelize(copy.deepcopy(reference), group, rank, 2, sequence_parallel=True)
+        model.zero_grad()
+        loss = vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], group)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grads[name] = gather_tensor_parallel(p.grad, p.partition_dim, group) if is_tensor_parallel(p) else p.grad
+        return loss.detach(), grads
+
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for rank_loss, grads in run_ranks(2, rank_fn):
+        assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():  # LayerNorm and row-bias gradients summed over the sequence shards
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)

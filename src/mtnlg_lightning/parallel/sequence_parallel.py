@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 SEQUENCE_DIM = 1  # [B, S, H]
+# torch >= 2.12 names them *_single and deprecates the older names; the project supports both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---------------------------------------------------------------------------------------------- collectives
@@ -41,7 +44,7 @@ def _all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
         return x
     shard = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = torch.empty((size * shard.shape[0], *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, shard, group=group)
+    _all_gather_single(out, shard, group=group)
     return out.movedim(0, SEQUENCE_DIM)
 
 
@@ -52,7 +55,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
         return x
     full = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, full, group=group)
+    _reduce_scatter_single(out, full, group=group)
     return out.movedim(0, SEQUENCE_DIM)
 
 
