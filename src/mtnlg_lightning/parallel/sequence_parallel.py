@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning.errors import MTNLGError
+
 SEQUENCE_DIM = 1  # [B, S, H]
 # torch >= 2.12 names them *_single and deprecates the older names; the project supports both.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -189,8 +191,7 @@ def mark_sequence_parallel(param: nn.Parameter, group) -> None:
 
 
 def check_sequence_length(seq_len: int, tensor_parallel: int) -> None:
-    from mtnlg_lightning.errors import MTNLGError
-
+    """Every TP rank holds an equal slice of the sequence."""
     if seq_len % tensor_parallel:
         raise MTNLGError(
             f"sequence_parallel: seq_len {seq_len} is not divisible by tensor_parallel {tensor_parallel}; "
