@@ -38,6 +38,7 @@ class MTNLGModule(L.LightningModule):
         eps: float = 1.0e-8,
         grad_clip: float | None = 1.0,
         peak_tflops: float | None = None,
+        preemption: bool = True,
     ):
         """
         Args:
@@ -53,6 +54,8 @@ class MTNLGModule(L.LightningModule):
             betas, eps: AdamW (MT-NLG: beta2 = 0.95 for stability).
             grad_clip: global gradient-norm clipping (MT-NLG: 1.0); null disables.
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
+            preemption: on SIGTERM / SIGUSR1 every rank saves a checkpoint at the next step and stops cleanly
+                (`checkpoint.preemption.Preemption`); false leaves signals to Lightning.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -84,6 +87,11 @@ class MTNLGModule(L.LightningModule):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
+
+    def configure_callbacks(self):
+        from mtnlg_lightning.checkpoint.preemption import Preemption
+
+        return [Preemption()] if self.hparams.preemption else []
 
     def setup(self, stage: str) -> None:
         # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
