@@ -145,14 +145,15 @@ def run(name: str, out: Path, world: int) -> dict:
             callbacks=[ScaleLossAt(6 * 8), spikes],
         )
         extra = {"spike_steps": [s["step"] for s in spikes.spikes]}
-    elif name == "pp2_spike_rewind":  # restore the sharded checkpoint from before the spike, skip the data
+    elif name in ("pp2_spike_rewind", "dp2_zero1_spike_rewind"):  # restore the checkpoint before the spike
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(
             action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / "rewinds.json")
         )
+        layout = strategy(pipeline_parallel=2) if name.startswith("pp2") else strategy(1, 1)
         rec, trainer = tiny_run(
-            strategy(pipeline_parallel=2),
+            layout,
             devices=world,
             max_steps=10,
             micro_batch_size=2,
@@ -180,6 +181,16 @@ def run(name: str, out: Path, world: int) -> dict:
         rec, trainer = tiny_run(
             strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3), callbacks=[VetoStep(2)]
         )
+    elif name == "roundtrip_pp2_dp2_zero2":  # load tp2 x dp2 ZeRO-1's step-3 checkpoint, save it again unchanged
+        rec, trainer = tiny_run(
+            strategy(pipeline_parallel=2, zero=2),
+            devices=world,
+            max_steps=3,
+            micro_batch_size=2,
+            capture_steps=(),
+            ckpt_path=ckpt_dir(out, "tp2_dp2_zero1") / "step=3.ckpt",
+        )
+        trainer.save_checkpoint(out / "roundtrip.ckpt")
     elif name == "zero1_memory":
         rec, trainer, extra = memory_run(world)
     else:

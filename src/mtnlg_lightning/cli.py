@@ -40,7 +40,10 @@ def main(args: list[str] | None = None) -> None:
     try:
         MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
     except MTNLGError as error:
-        print(f"mtnlg: error: {error}", file=sys.stderr)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
+            print(f"mtnlg: error: {error}", file=sys.stderr)
         sys.exit(2)
     _destroy_process_group()
 

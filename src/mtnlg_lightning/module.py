@@ -39,6 +39,7 @@ class MTNLGModule(L.LightningModule):
         eps: float = 1.0e-8,
         grad_clip: float | None = 1.0,
         peak_tflops: float | None = None,
+        preemption: bool = True,
     ):
         """
         Args:
@@ -54,6 +55,8 @@ class MTNLGModule(L.LightningModule):
             betas, eps: AdamW (MT-NLG: beta2 = 0.95 for stability).
             grad_clip: global gradient-norm clipping (MT-NLG: 1.0); null disables.
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
+            preemption: on SIGTERM / SIGUSR1 every rank saves a checkpoint at the next step and stops cleanly
+                (`checkpoint.preemption.Preemption`); false leaves signals to Lightning.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
@@ -89,6 +92,11 @@ class MTNLGModule(L.LightningModule):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
+
+    def configure_callbacks(self):
+        from mtnlg_lightning.checkpoint.preemption import Preemption
+
+        return [Preemption()] if self.hparams.preemption else []
 
     def setup(self, stage: str) -> None:
         # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -429,15 +428,15 @@ class LossSpikeDetection(Callback):
 
 
 def _checkpoint_step(path: Path) -> int | None:
-    match = re.search(r"step=(\d+)", path.name)
-    if match:
-        return int(match.group(1))
-    if path.is_file():  # e.g. last.ckpt: read the step from the file (memory-mapped, tensors not loaded)
-        try:
-            return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
-        except Exception:
-            return None
-    return None
+    """The step of a complete checkpoint (from its manifest; links and incomplete saves are not candidates)."""
+    from mtnlg_lightning.checkpoint.format import is_checkpoint, read_manifest
+
+    if path.is_symlink() or not is_checkpoint(path):
+        return None
+    try:
+        return int(read_manifest(path)["global_step"])
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is not a candidate
+        return None
 
 
 def _batches_between(schedule, start: int, end: int) -> int:

@@ -92,6 +92,18 @@ def write_meta(directory: Path, meta: dict) -> WrittenFile:
     return WrittenFile(META, path.stat().st_size, file_digest(path))
 
 
+TOKENIZER = "tokenizer.json"
+
+
+def copy_tokenizer(directory: Path, source: str | None) -> WrittenFile | None:
+    """The run's tokenizer travels with the checkpoint (export and generation need it)."""
+    if not source or not Path(source).is_file():
+        return None
+    data = Path(source).read_bytes()
+    _write_bytes(directory / TOKENIZER, data)
+    return WrittenFile(TOKENIZER, len(data), xxhash.xxh64(data).hexdigest())
+
+
 def write_manifest(directory: Path, files: list[WrittenFile], info: dict) -> None:
     """The completion record: written after every rank's files exist, through a temp file and a rename."""
     tensors: dict[str, dict] = {}

@@ -10,9 +10,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from mtnlg_lightning.checkpoint.commit import prepare_staging, publish
-from mtnlg_lightning.checkpoint.format import TensorReader, write_manifest, write_meta, write_pieces
+from mtnlg_lightning.checkpoint.format import TensorReader, copy_tokenizer, write_manifest, write_meta, write_pieces
 from mtnlg_lightning.checkpoint.model_space import model_slots
-from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info
+from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
 from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
@@ -35,6 +35,7 @@ class ModelSpaceCheckpointIO(CheckpointIO):
         meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
         meta["optimizer"] = optimizer_meta(optimizer) if optimizer is not None else None
         files.append(write_meta(staging, meta))
+        files += [f for f in [copy_tokenizer(staging, tokenizer_of(module.trainer))] if f is not None]
         write_manifest(staging, files, checkpoint_info(module, module.trainer, SINGLE_PROCESS))
         publish(staging, path)
 

@@ -4,6 +4,8 @@ rank 0 publishes the manifest last; any layout loads any checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from mtnlg_lightning.checkpoint.commit import prepare_staging, publish, staging_
 from mtnlg_lightning.checkpoint.format import (
     CheckpointError,
     TensorReader,
+    copy_tokenizer,
     read_manifest,
     read_meta,
     verify_files,
@@ -39,6 +42,11 @@ def _first_error(errors: list[str | None]) -> str | None:
     return found[0] if found else None
 
 
+def tokenizer_of(trainer) -> str | None:
+    datamodule = getattr(trainer, "datamodule", None)
+    return getattr(datamodule, "tokenizer_file", None)
+
+
 def checkpoint_info(module, trainer, layout: dict) -> dict:
     return {
         "global_step": int(trainer.global_step),
@@ -60,6 +68,13 @@ def balanced_owners(slots: list[Slot], replicas: int) -> list[int]:
     return owner
 
 
+def _pause_for_tests() -> None:
+    """Crash tests kill the job while files are being written; this widens that window (test-only variable)."""
+    seconds = float(os.environ.get("MTNLG_TEST_SAVE_PAUSE_S", "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
     module, groups = strategy.lightning_module, strategy.groups
     if strategy.is_global_zero:
@@ -77,11 +92,13 @@ def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
     pieces = collect_pieces(slots, optimizer, strategy.engine, writer_of)
     written = write_pieces(staging, f"rank-{strategy.global_rank:05d}.safetensors", pieces)
+    _pause_for_tests()
     files = _all_gather(written)
     if strategy.is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
         meta["optimizer"] = optimizer_meta(optimizer) if optimizer is not None else None
         files.append(write_meta(staging, meta))
+        files += [f for f in [copy_tokenizer(staging, tokenizer_of(module.trainer))] if f is not None]
         layout = strategy.layout
         saved_by = {
             "tensor_parallel": layout.tensor_parallel,

@@ -186,13 +186,15 @@ def _ensure_deepspeed_state(engine, step: float) -> None:
     setters have somewhere to write, and link DeepSpeed's fragments to them."""
     optimizer = engine.optimizer
     inner = _inner_optimizer(optimizer)
-    for group in inner.param_groups:
-        for flat in group["params"]:
-            state = inner.state.get(flat)
-            if not state or "exp_avg" not in state:
-                inner.state[flat] = _fresh_adam_state(flat, group, step)
-            else:
-                state["step"].fill_(step)
+    # ZeRO-3 swaps its fp32 sub-group partitions in and out of the inner param groups at each step: take them all.
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    flats = list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
+    for flat in flats:
+        state = inner.state.get(flat)
+        if not state or "exp_avg" not in state:
+            inner.state[flat] = _fresh_adam_state(flat, inner.param_groups[0], step)
+        else:
+            state["step"].fill_(step)
     _link_fragments(optimizer)
 
 
