@@ -33,9 +33,16 @@ from torch import nn
 from mtnlg_lightning.errors import MTNLGError
 
 SEQUENCE_DIM = 1  # [B, S, H]
-# torch >= 2.12 names them *_single and deprecates the older names; the project supports both.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch >= 2.12 names it all_gather_single (deprecating all_gather_into_tensor); looked up at call time so
+    # wrappers installed later (benchmarks/comm_counter.py) see the call.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
 # ---------------------------------------------------------------------------------------------- collectives
