@@ -18,18 +18,19 @@ from mtnlg_lightning.planner_validation import DEFAULT_PATH, load_runs, validati
 
 def markdown(rows: list[dict], with_rank: bool) -> str:
     head = (
-        "| run | GPUs | layout | published s/iter | predicted s/iter | published TFLOP/s | predicted TFLOP/s | error |"
+        "| run | GPUs | layout (+ planner's pick of unpublished knobs) | published | s/iter published / predicted "
+        "| model TFLOP/s/GPU published / predicted | error |"
     )
-    rule = "|---|---:|---|---:|---:|---:|---:|---:|"
+    rule = "|---|---:|---|---|---:|---:|---:|"
     if with_rank:
         head += " search rank (time vs best) |"
         rule += "---|"
     lines = [head, rule]
     for r in rows:
         line = (
-            f"| {r['name']} | {r['gpus']} | {r['layout']} ({r['chosen']}) | {r['published_seconds']:.2f} | "
-            f"{r['predicted_seconds']:.2f} | {r['published_model_tflops']:.1f} | {r['predicted_model_tflops']:.1f} | "
-            f"{r['error']:+.1%} |"
+            f"| {r['name']} | {r['gpus']} | {r['layout']} ({r['chosen']}) | {r['published_figure']} | "
+            f"{r['published_seconds']:.2f} / {r['predicted_seconds']:.2f} | "
+            f"{r['published_model_tflops']:.1f} / {r['predicted_model_tflops']:.1f} | {r['error']:+.1%} |"
         )
         if with_rank:
             rank = "-" if r["rank"] is None else f"{r['rank']} ({r['vs_best']:.2f}x)"

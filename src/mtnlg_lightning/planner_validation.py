@@ -17,6 +17,11 @@ from mtnlg_lightning.planner import Plan, best_per_layout, plan, search
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "validation" / "published_runs.yaml"
 METRICS = ("tflops_per_gpu_with_recompute", "model_tflops_per_gpu", "iteration_seconds")
+UNITS = {
+    "tflops_per_gpu_with_recompute": "{:g} TFLOP/s (recompute counted)",
+    "model_tflops_per_gpu": "{:g} TFLOP/s",
+    "iteration_seconds": "{:g} s",
+}
 GPUS_PER_NODE = 8  # every published run is on DGX-style 8-GPU nodes
 
 
@@ -143,6 +148,7 @@ def validation_table(runs: list[PublishedRun], with_rank: bool = True) -> list[d
             "name": run.name,
             "gpus": run.gpus,
             "layout": f"tp{run.layout['tp']} pp{run.layout['pp']} dp{run.layout['dp']}",
+            "published_figure": UNITS[run.metric].format(run.value),
             "published_seconds": run.seconds(),
             "predicted_seconds": predicted.iteration_seconds,
             "published_model_tflops": published_tflops,
