@@ -123,12 +123,12 @@ def write_config(path: str, p: Plan, gpus_per_node: int) -> None:
     os.replace(tmp, target)
 
 
-def usage_lines(path: str, p: Plan) -> list[str]:
+def usage_lines(path: str, p: Plan, gpus_per_node: int) -> list[str]:
     lines = [
         f"wrote {path}; train with:",
         f"  mtnlg fit --config YOUR_RUN.yaml --trainer.strategy {path} --model.micro_batch_size {p.micro_batch} "
-        f"--model.global_batch_size {p.global_batch} --trainer.devices {min(p.gpus, 8)} "
-        f"--trainer.num_nodes {max(1, p.gpus // 8)}",
+        f"--model.global_batch_size {p.global_batch} --trainer.devices {min(p.gpus, gpus_per_node)} "
+        f"--trainer.num_nodes {max(1, p.gpus // gpus_per_node)}",
     ]
     if p.recompute != "none":
         lines.append(
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         if args.write_config:
             write_config(args.write_config, chosen, args.gpus_per_node)
             if not args.json:
-                print("\n".join(usage_lines(args.write_config, chosen)))
+                print("\n".join(usage_lines(args.write_config, chosen, args.gpus_per_node)))
     except MTNLGError as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2

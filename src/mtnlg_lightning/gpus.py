@@ -71,6 +71,11 @@ GPUS: dict[str, GPUSpec] = {
     "a100-80g": GPUSpec(memory_gb=80.0, hbm_tbps=2.039, **_A100),
     "h100": GPUSpec(memory_gb=80.0, hbm_tbps=3.35, **_H100),
     "h200": GPUSpec(memory_gb=141.0, hbm_tbps=4.8, **_H100),
+    # PCIe card: 756 TFLOP/s bf16, NVLink bridge between pairs only (gpus_per_node 2 for TP); the NIC per GPU is
+    # an assumption (no reference design). H100 efficiencies, not fitted.
+    "h100-pcie": GPUSpec(
+        **{**_H100, "peak_tflops": 756.0, "nvlink_gbps": 300.0, "network_gbps": 25.0}, memory_gb=80.0, hbm_tbps=2.0
+    ),  # fmt: skip
 }
 ALIASES = {"a100": "a100-80g", "h100-sxm": "h100", "h100-80g": "h100", "h200-141g": "h200"}
 
