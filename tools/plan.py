@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     hardware.add_argument("--gpu-spec", help="YAML file adding GPU types (fields of gpus.GPUSpec)")
     hardware.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: the NVLink domain (default 8)")
     hardware.add_argument("--gpus", type=int, help="cluster size for --search (default: tp x pp x dp)")
-    layout = parser.add_argument_group("layout (checked as given, or the search's starting point)")
+    layout = parser.add_argument_group(
+        "layout (checked as given; with --search only the batch, precision and implementation apply, and tp x pp x dp "
+        "is the default --gpus)"
+    )
     layout.add_argument("--tp", type=int, default=8, help="tensor-parallel size, inside a node (default 8)")
     layout.add_argument("--pp", type=int, default=35, help="pipeline-parallel stages (default 35)")
     layout.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
@@ -61,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over DP")
     layout.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
     layout.add_argument(
-        "--rampup", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), help="batch ramp-up to time"
+        "--rampup",
+        type=int,
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="batch ramp-up (as --model.rampup_batch_size) to time: its steps and hours",
     )
     layout.add_argument(
         "--implementation",

@@ -137,7 +137,7 @@ def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation, layout: Layout) -> dict:
     """Forward, backward, recompute and TP-communication seconds of one layer for one micro-batch."""
-    t, b, s, h, a, f = layout.tp, layout.micro_batch, config.seq_len, config.hidden_size, config.num_heads, None
+    t, b, s, h, a = layout.tp, layout.micro_batch, config.seq_len, config.hidden_size, config.num_heads
     f = config.ffn_hidden_size
     peak = gpu.peak_tflops * 1e12
     hbm = gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency
