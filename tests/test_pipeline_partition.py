@@ -1,5 +1,6 @@
 """Pipeline stage partitioning, stage pruning and the MT-NLG 530B dry run (no processes, no memory)."""
 
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,9 @@ def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
     assert "blocks per stage 3" in text and "529.6B parameters" in text
     assert "32 -> 1920 sequences" in text and "micro-batches per pipeline 2 -> 120" in text
     assert "-> fits" in text and "recompute: full" in text
+    # Memory per GPU with and without sequence parallelism (SP shards the stored activations over TP).
+    sp = re.search(r"without SP ([\d.]+) GB .* with SP ([\d.]+) GB", text)
+    assert sp and float(sp[2]) < float(sp[1])
 
 
 def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
