@@ -12,6 +12,12 @@ class UnionFind:
         self.parent = list(range(n))
         self.size = [1] * n
 
+    def grow(self, n: int) -> None:
+        """Add singleton elements until there are ``n``."""
+        while len(self.parent) < n:
+            self.parent.append(len(self.parent))
+            self.size.append(1)
+
     def find(self, x: int) -> int:
         parent = self.parent
         while parent[x] != x:
