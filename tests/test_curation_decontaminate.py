@@ -6,15 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from mtnlg_lightning.curation.decontaminate import (
-    DecontamConfig,
-    TaskNgrams,
-    clean_text,
-    run_decontaminate,
-    split_text,
-    words_and_spans,
-)
+from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.jsonl import InputError
+from mtnlg_lightning.curation.ngrams import TaskNgrams, clean_text, split_text, words_and_spans
 from mtnlg_lightning.curation.synthetic import TextGenerator
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,7 +226,7 @@ def test_two_workers_identical(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     out1, _ = run_files(tmp_path / "a", trecs, [{"text": d} for d in docs])
-    out2, rep2 = run_files(tmp_path / "b", trecs, [{"text": d} for d in docs], workers=2, chunk_lines=7)
+    out2, rep2 = run_files(tmp_path / "b", trecs, [{"text": d} for d in docs], workers=2, shard_bytes=7000)
     assert out1 == out2 and rep2["settings"]["workers"] == 2
 
 

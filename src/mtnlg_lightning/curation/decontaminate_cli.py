@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, int_at_least, positive_int, run_cli
+from .cli_common import HelpFormatter, add_engine_args, int_at_least, positive_int, run_cli
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
@@ -79,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="task n-grams found in at least this many training documents are ignored (common phrases)",
     )
-    p.add_argument("--workers", type=positive_int, default=1, help="worker processes for both passes")
+    add_engine_args(p, "both passes")
+    p.add_argument(
+        "--shard-mb",
+        type=positive_int,
+        default=8,
+        help="size (MB) of the training-file shards each task processes and a resumed run skips when finished",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     return p
 
@@ -103,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         max_splits=args.max_splits,
         frequent_threshold=args.frequent_threshold,
         workers=args.workers,
+        engine=args.engine,
+        ray_address=args.ray_address,
+        shard_bytes=args.shard_mb << 20,
         progress=not args.quiet,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, positive_int, run_cli
+from .cli_common import HelpFormatter, add_engine_args, positive_int, run_cli
 from .dedup import DedupConfig, format_summary, run_dedup
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
 from .minhash import SCHEMES
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "highest-priority input (unlisted inputs follow in command-line order); ties go to the "
         "first occurrence",
     )
-    p.add_argument("--workers", type=positive_int, default=1, help="worker processes for signatures and verification")
+    add_engine_args(p, "every stage")
     p.add_argument("--seed", type=int, default=1, help="seed of the MinHash permutations (datasketch MinHash seed)")
     p.add_argument(
         "--scheme",
@@ -162,6 +162,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         seed=args.seed,
         priority=priority,
         workers=args.workers,
+        engine=args.engine,
+        ray_address=args.ray_address,
         shard_bytes=args.shard_mb << 20,
         max_neighbors=args.max_bucket_neighbors,
         estimate_margin=args.estimate_margin,

@@ -115,6 +115,7 @@ class RayEngine:
         ray = self.ray
         shared_ref = ray.put(shared)
         futures = [self._remote.remote(fn, shared_ref, item) for item in items]
+        done = 0
         try:
             for f in futures:
                 try:
@@ -122,9 +123,19 @@ class RayEngine:
                 except ray.exceptions.RayTaskError as err:
                     cause = getattr(err, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else err) from None
+                done += 1
         finally:
-            for f in futures:  # stop what is still queued or running (error, interrupt, or a consumer that left)
-                ray.cancel(f, force=False)
+            if done < len(futures):  # error, interrupt or a consumer that left: settle the rest before returning
+                self._settle(futures[done:])
+
+    def _settle(self, futures: list) -> None:
+        """Cancel tasks not started yet and wait for the running ones, so that no task writes into a work
+        directory after the caller has cleaned it up."""
+        ray = self.ray
+        _, pending = ray.wait(futures, num_returns=len(futures), timeout=0)
+        for f in pending:
+            ray.cancel(f, force=False)
+        ray.wait(pending, num_returns=len(pending), timeout=600)
 
     def close(self) -> None:
         if self.started_here:

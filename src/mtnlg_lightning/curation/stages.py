@@ -26,10 +26,13 @@ class SimulatedCrash(BaseException):
 @dataclass
 class Faults:
     """Testing hooks, off by default: kill the run at a named point (``<stage>``, ``<stage>:task<i>``,
-    ``publish:<i>``), by ``os._exit(86)`` or by raising :class:`SimulatedCrash`."""
+    ``publish:<i>``), by ``os._exit(86)`` or by raising :class:`SimulatedCrash`; or kill the worker process
+    running the first task of stage ``kill_worker_in`` once (``kill_worker_flag`` records that it happened)."""
 
     crash_at: str | None = None
     raise_instead: bool = False
+    kill_worker_in: str | None = None
+    kill_worker_flag: str | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -41,6 +44,21 @@ class Faults:
         if self.raise_instead:
             raise SimulatedCrash(name)
         os._exit(86)
+
+
+class _KillWorkerOnce:
+    """Wraps a task: the first call anywhere (the flag file does not exist yet) kills its worker process."""
+
+    def __init__(self, fn, flag: str):
+        self.fn, self.flag = fn, flag
+
+    def __call__(self, shared, item):
+        try:
+            fd = os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return self.fn(shared, item)
+        os.close(fd)
+        os._exit(87)
 
 
 class Progress:
@@ -97,6 +115,8 @@ class StageRunner:
     def map(self, stage: str, fn, items: list, shared=None, *, total=None, unit="task", size=None):
         """Run ``fn(shared, item)`` for every item on the engine, in order, with a progress bar and a crash point
         after every finished task (``<stage>:task<i>``). ``size(item)`` weighs the bar (default 1 per task)."""
+        if self.faults.kill_worker_in == stage and self.faults.kill_worker_flag:
+            fn = _KillWorkerOnce(fn, self.faults.kill_worker_flag)
         bar = self.progress(total=total if total is not None else len(items), unit=unit, desc=stage)
         try:
             for i, (item, res) in enumerate(zip(items, self.engine.map(fn, items, shared), strict=True)):
