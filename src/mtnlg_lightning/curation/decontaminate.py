@@ -18,7 +18,7 @@ import numpy as np
 
 from .decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
 from .engine import make_engine
-from .jsonl import InputError, check_input_files, line_starts_plan, write_json_atomic
+from .jsonl import InputError, check_input_files, line_starts_plan, shard_size, write_json_atomic
 from .ngrams import load_tasks
 from .signatures import Shard
 from .stages import Faults, Progress, StageRunner
@@ -91,7 +91,7 @@ class DecontamJob:
         if real(cfg.report_path()) in {real(cfg.input), real(cfg.output), *map(real, cfg.tasks)}:
             raise InputError(f"report path {cfg.report_path()} collides with an input or the output")
 
-    def prepare(self) -> list[Shard]:
+    def prepare(self, cpus: int = 1) -> list[Shard]:
         """Resume a run with the same inputs and settings, else start clean. Returns the shards."""
         cfg = self.cfg
         fp = {
@@ -116,7 +116,7 @@ class DecontamJob:
                 self.created_dirs.append(d)
                 d = os.path.dirname(d)
             os.makedirs(self.work)
-            plan = line_starts_plan(cfg.input, cfg.shard_bytes)
+            plan = line_starts_plan(cfg.input, shard_size(os.path.getsize(cfg.input), cfg.shard_bytes, cpus))
             write_json_atomic(saved_path, {"fingerprint": fp, "plan": plan})
         if os.path.exists(cfg.report_path()):  # never leave an old report next to an output being recomputed
             os.unlink(cfg.report_path())
@@ -139,7 +139,7 @@ class DecontamJob:
         t_tasks = time.perf_counter() - t0
         engine = make_engine(cfg.engine, cfg.workers, cfg.ray_address)
         try:
-            shards = self.prepare()
+            shards = self.prepare(engine.cpus)
             ctx = DecontamContext(
                 work=self.work,
                 input=cfg.input,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
 from .engine import make_engine
-from .jsonl import InputError, check_input_files, line_starts_plan, write_json_atomic
+from .jsonl import InputError, check_input_files, line_starts_plan, shard_size, write_json_atomic
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
 from .shingles import ShingleSpec
 from .signatures import Shard, SignatureSettings
@@ -156,7 +156,7 @@ class DedupJob:
             if os.path.lexists(p):
                 os.unlink(p)
 
-    def prepare(self) -> dict | None:
+    def prepare(self, cpus: int = 1) -> dict | None:
         """Decide between 'already complete', 'resume' and 'start clean'. Returns the report if complete."""
         fp = self.fingerprint()
         self.fp = fp
@@ -194,8 +194,9 @@ class DedupJob:
         if not resume:
             os.makedirs(os.path.join(self.work, "sig"))
             plan = []
+            size = shard_size(sum(os.path.getsize(p) for p in self.paths), self.cfg.shard_bytes, cpus)
             for fi, p in enumerate(self.paths):
-                for si, (s, e) in enumerate(line_starts_plan(p, self.cfg.shard_bytes)):
+                for si, (s, e) in enumerate(line_starts_plan(p, size)):
                     plan.append((fi, si, s, e))
             write_json_atomic(work_cfg, {"fingerprint": fp, "plan": plan})
         self.shards = [Shard(fi, si, self.paths[fi], s, e) for fi, si, s, e in plan]
@@ -298,7 +299,7 @@ class DedupJob:
         self.validate()
         engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address)  # before touching OUT
         try:
-            done = self.prepare()
+            done = self.prepare(engine.cpus)
             if done is not None:
                 return done
             runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.faults)

@@ -147,7 +147,7 @@ class BucketsStage:
             "exact_duplicate_docs": int(np.count_nonzero(np.asarray(docs.exact_rep) != np.arange(n))),
             # verification partitions: ranges of first documents; a fixed function of the corpus, not of the
             # engine or the workers, so every engine writes the same work files
-            "verify_partitions": max(1, min(n // 16, max(8, math.ceil(n / DOCS_PER_VERIFY_PARTITION)))),
+            "verify_partitions": max(1, min(n // 16, max(4, math.ceil(n / DOCS_PER_VERIFY_PARTITION)))),
         }
 
 
