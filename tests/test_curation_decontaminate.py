@@ -251,3 +251,22 @@ def test_bad_inputs_raise_one_line_errors(tmp_path):
         run_decontaminate(cfg)
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "report.json").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    from mtnlg_lightning.curation.stages import Faults, SimulatedCrash
+
+    tasks, docs = planted_corpus(seed=4, n_docs=40)
+    trecs = [{"task": "t", "text": t} for t in tasks]
+    (tmp_path / "a").mkdir()
+    ref, _ = run_files(tmp_path / "a", trecs, [{"text": d} for d in docs], shard_bytes=9000)
+    tp, ip = str(tmp_path / "a" / "tasks.jsonl"), str(tmp_path / "a" / "train.jsonl")
+    cfg = DecontamConfig([tp], ip, str(tmp_path / "b" / "clean.jsonl"), progress=False, shard_bytes=9000)
+    for point, resumed in (("clean:task2", ["count"]), ("publish:1", ["count", "clean"])):
+        with pytest.raises(SimulatedCrash):
+            run_decontaminate(cfg, Faults(crash_at=point, raise_instead=True))
+        assert not (tmp_path / "b" / "report.json").exists()  # never looks done
+        rep = run_decontaminate(cfg)
+        assert rep["resumed_stages"] == resumed
+        assert [json.loads(x) for x in (tmp_path / "b" / "clean.jsonl").read_text().splitlines()] == ref
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["clean.jsonl", "report.json"]  # work dir gone
