@@ -130,9 +130,12 @@ def main() -> None:
     )
     t2, rep2, c2 = ours(corpus, os.path.join(tmp, "o2"), 2)
     print(
-        f"local, 2 workers      : {n / t2:8.0f} docs/s wall  (x{t1 / t2:.2f} vs 1 worker; stages {rep2['timings_s']})"
+        f"local, 2 workers      : {n / t2:8.0f} docs/s wall  (x{t1 / t2:.2f} vs 1 worker; {c2:.2f} CPU-s in all"
+        f" processes vs {c1:.2f} for 1 worker; stages {rep2['timings_s']})"
     )
-    figures.update(ours_docs_per_s=n / t1, ours_docs_per_cpu_s=n / c1, ours_2w_docs_per_s=n / t2)
+    figures.update(
+        ours_docs_per_s=n / t1, ours_docs_per_cpu_s=n / c1, ours_2w_docs_per_s=n / t2, ours_2w_cpu_s=c2, ours_cpu_s=c1
+    )
     dirs = [os.path.join(tmp, "o1"), os.path.join(tmp, "o2")]
     if not args.skip_ray:
         import ray
