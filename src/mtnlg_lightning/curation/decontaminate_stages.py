@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,7 +34,6 @@ class DecontamContext:
     min_piece: int
     max_splits: int
     frequent_threshold: int
-    active: np.ndarray | None = None  # per n-gram: not frequent (set for the clean pass)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
@@ -114,6 +113,7 @@ def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
         with open(stats_path) as f:
             return json.load(f)
     shard = ctx.shards[i]
+    active = np.load(ctx.path("frequency.npy")) < ctx.frequent_threshold  # n-grams that are not common phrases
     with np.load(count_path(ctx, i)) as z:
         hit_set = set((z["hit_lines"] + (first_line - 1)).tolist())
     prefix = "-".join(ctx.index.task_names)
@@ -128,7 +128,7 @@ def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
             rec = json.loads(line)
             text = rec[ctx.text_key]
             if local in hit_set:
-                pieces, matched = clean_text(text, ctx.index, ctx.active, ctx.window, ctx.min_piece)
+                pieces, matched = clean_text(text, ctx.index, active, ctx.window, ctx.min_piece)
             else:
                 pieces, matched = [text], []
             if not matched:
@@ -168,9 +168,7 @@ class CleanStage:
 
     def run(self, runner: StageRunner) -> dict:
         count = runner.stats["count"]
-        with open(self.ctx.path("frequency.npy"), "rb") as f:
-            freq = np.load(f)
-        ctx = replace(self.ctx, active=freq < self.ctx.frequent_threshold)
+        ctx = self.ctx
         os.makedirs(ctx.path("clean"), exist_ok=True)
         first_line = np.concatenate(([1], 1 + np.cumsum(count["lines_per_shard"])[:-1])).tolist()
         first_doc = np.concatenate(([0], np.cumsum(count["docs_per_shard"])[:-1])).tolist()

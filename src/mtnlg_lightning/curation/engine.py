@@ -67,8 +67,20 @@ class LocalEngine:
         pass
 
 
-def _ray_call(fn: Task, shared: Any, item: Any) -> Any:
-    return fn(shared, item)
+# Set only inside Ray worker processes: the stage's shared data, fetched and deserialised once per worker (a task
+# n-gram index takes longer to unpickle than a small task takes to run). Holds the newest stage's only.
+_ray_shared: dict[str, Any] = {}
+
+
+def _ray_call(fn: Task, shared_box: list, item: Any) -> Any:
+    import ray
+
+    ref = shared_box[0]  # boxed, so that Ray hands over the reference instead of a fresh copy for every task
+    key = ref.hex()
+    if key not in _ray_shared:
+        _ray_shared.clear()
+        _ray_shared[key] = ray.get(ref)
+    return fn(_ray_shared[key], item)
 
 
 class RayEngine:
@@ -106,6 +118,7 @@ class RayEngine:
                 raise InputError(f"cannot connect to the Ray cluster at {address}: {reason}") from None
             self.started_here = True
         self._remote = ray.remote(max_retries=max_retries)(_ray_call)
+        self._put: tuple[Any, Any] | None = None  # (shared object, its object ref): stages sharing it put it once
 
     @property
     def cpus(self) -> int:
@@ -113,8 +126,10 @@ class RayEngine:
 
     def map(self, fn: Task, items: Iterable, shared: Any = None) -> Iterator:
         ray = self.ray
-        shared_ref = ray.put(shared)
-        futures = [self._remote.remote(fn, shared_ref, item) for item in items]
+        if self._put is None or self._put[0] is not shared:
+            self._put = (shared, ray.put(shared))
+        shared_ref = self._put[1]
+        futures = [self._remote.remote(fn, [shared_ref], item) for item in items]
         done = 0
         try:
             for f in futures:
@@ -138,6 +153,7 @@ class RayEngine:
         ray.wait(pending, num_returns=len(pending), timeout=600)
 
     def close(self) -> None:
+        self._put = None
         if self.started_here:
             self.ray.shutdown()
             self.started_here = False
