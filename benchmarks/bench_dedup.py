@@ -171,7 +171,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         p = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "tools", "dedup.py"), big, "-o", out, "-q"],
+            [sys.executable, os.path.join(ROOT, "tools", "dedup.py"), big, "-o", out, "-q", "--workers", "1"],
             capture_output=True,
             text=True,
         )
