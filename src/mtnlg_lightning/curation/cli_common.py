@@ -90,3 +90,8 @@ def add_engine_args(p, what: str) -> None:
         metavar="HOST:PORT",
         help="Ray cluster to join with --engine ray (default: $RAY_ADDRESS, else a local Ray started for the run)",
     )
+
+
+def check_engine_args(args, parser) -> None:
+    if args.ray_address and args.engine != "ray":
+        parser.error("--ray-address is for --engine ray")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, add_engine_args, int_at_least, positive_int, run_cli
+from .cli_common import HelpFormatter, add_engine_args, check_engine_args, int_at_least, positive_int, run_cli
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.min_ngram > args.max_ngram:
         parser.error("--min-ngram must not exceed --max-ngram")
+    check_engine_args(args, parser)
     cfg = DecontamConfig(
         tasks=args.tasks,
         input=args.input,

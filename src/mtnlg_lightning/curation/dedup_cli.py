@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, add_engine_args, positive_int, run_cli
+from .cli_common import HelpFormatter, add_engine_args, check_engine_args, positive_int, run_cli
 from .dedup import DedupConfig, format_summary, run_dedup
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
 from .minhash import SCHEMES
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DedupConfig:
+    check_engine_args(args, parser)
     if args.preset == "mtnlg":
         if args.num_bands is not None or args.rows_per_band is not None:
             parser.error("--preset mtnlg fixes 20 bands x 13 rows; do not combine it with --num-bands/--rows-per-band")
