@@ -15,7 +15,7 @@ from mtnlg_lightning.curation.stages import Faults, SimulatedCrash
 from mtnlg_lightning.curation.synthetic import make_near_dup_corpus, make_tasks_and_training
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.distributed  # a Ray cluster: GCS, raylet and worker processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a Ray cluster: GCS, raylet and worker processes
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
