@@ -32,7 +32,7 @@ from .signatures import (
     shard_meta_path,
 )
 from .stages import StageRunner
-from .unionfind import UnionFind
+from .unionfind import components
 from .verify import DocStore, verify_pairs
 
 DUPLICATES_NAME = "duplicates.jsonl"
@@ -236,17 +236,13 @@ def cluster_documents(ctx: DedupContext, parts: int) -> dict:
     rank, exact_rep = np.asarray(docs.rank), np.asarray(docs.exact_rep)
     edges, edge_j = verified_edges(ctx, parts)
     known = {(a, b): j for (a, b), j in zip(edges.tolist(), edge_j.tolist(), strict=True)}
-    uf = UnionFind(n)
-    for a, b in edges.tolist():
-        uf.union(a, b)
-    for d in np.flatnonzero(exact_rep != np.arange(n)).tolist():
-        uf.union(d, int(exact_rep[d]))
-    roots = uf.roots()
+    dups = np.flatnonzero(exact_rep != np.arange(n))
+    labels = components(n, np.concatenate([edges, np.stack([dups, exact_rep[dups]], axis=1)]))
     best = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(best, roots, rank)
+    np.minimum.at(best, labels, rank)
     by_rank = np.empty(n, dtype=np.int64)
     by_rank[rank] = np.arange(n)
-    keeper = by_rank[best[roots]]
+    keeper = by_rank[best[labels]]
     removed = np.flatnonzero(keeper != np.arange(n))
     kind_exact = exact_rep[removed] == exact_rep[keeper[removed]]
     est = estimated_jaccard_pairs(ctx.signatures(docs), np.stack([removed, keeper[removed]], axis=1))
@@ -258,7 +254,7 @@ def cluster_documents(ctx: DedupContext, parts: int) -> dict:
                 a, b = int(exact_rep[removed[i]]), int(exact_rep[keeper[removed[i]]])
                 j = known.get((min(a, b), max(a, b)))  # verified directly: reuse; else (transitive) compute
                 exact_j[i] = j if j is not None else store.jaccard(int(removed[i]), int(keeper[removed[i]]))
-    sizes = np.bincount(roots, minlength=n)
+    sizes = np.bincount(labels, minlength=n)
     sizes = sizes[sizes >= 2]
     with atomic_write(ctx.path("clusters.npz")) as f:
         np.savez(f, keeper=keeper, removed=removed, kind_exact=kind_exact, estimated=est, exact=exact_j)
@@ -284,7 +280,7 @@ class ClustersStage:
         self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
-        # one task (on Ray it runs on a worker, not in the driver): it needs the verified edges and 16 bytes per
+        # one task (on Ray it runs on a worker, not in the driver): it needs the verified edges and ~50 bytes per
         # document, never the signatures of every document
         parts = runner.stats["verify"]["partitions"]
         (stats,) = runner.map(self.name, cluster_documents, [parts], self.ctx)
