@@ -188,6 +188,40 @@ def decontaminate_rows(d):
     return rows
 
 
+def checkpoint_rows(d):
+    rows = []
+    for run in d["runs"]:
+        n = run["ranks"]
+        rows.append(
+            (
+                f"checkpoint: save MB/s on {n} rank(s) vs torch.save ({d['preset']}, weights + Adam)",
+                run["model_state_bytes"] / run["save_s"] / MB,
+                d["torch"]["bytes"] / d["torch"]["save_s"] / MB,
+                run["save_bandwidth_vs_torch_save"],
+                ">= 0.8",
+            )
+        )
+        rows.append(
+            (
+                f"checkpoint: load s on {n} rank(s) vs torch.load (ratio = speed-up)",
+                run["load_s"],
+                d["torch"]["load_s"],
+                run["load_speed_vs_torch_load"],
+                "-",
+            )
+        )
+        rows.append(
+            (
+                f"checkpoint: bytes on disk vs model-state bytes, {n} rank(s)",
+                run["bytes_on_disk"] / MB,
+                run["model_state_bytes"] / MB,
+                run["disk_vs_model_state"],
+                "<= 1.05",
+            )
+        )
+    return rows
+
+
 SUITE = [
     Benchmark(
         "overhead",
@@ -223,4 +257,5 @@ SUITE = [
         "dedup", "bench_dedup.py", ["--docs", "1500", "--scale-docs", "0", "--accuracy-docs", "1000"], dedup_rows
     ),
     Benchmark("decontaminate", "bench_decontaminate.py", ["--ngrams", "20000", "--docs", "2000"], decontaminate_rows),
+    Benchmark("checkpoint", "bench_checkpoint.py", ["--ranks", "1", "2", "4"], checkpoint_rows),
 ]

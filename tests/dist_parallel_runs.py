@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_harness import ScaleLossAt, VetoStep, tiny_run  # noqa: E402
+from parallel_harness import ScaleLossAt, VetoStep, tied_head_copy, tiny_run  # noqa: E402
 
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
@@ -73,7 +73,7 @@ def pipeline_run(name: str, world: int, out: Path):
     else:
         rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, **common)
     # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
-    return rec, trainer, {"tied_head": trainer.strategy.tied_head_copy()}
+    return rec, trainer, {"tied_head": tied_head_copy(trainer.strategy)}
 
 
 def run(name: str, out: Path, world: int) -> dict:
@@ -112,14 +112,15 @@ def run(name: str, out: Path, world: int) -> dict:
             callbacks=[ScaleLossAt(6 * 8), spikes],
         )
         extra = {"spike_steps": [s["step"] for s in spikes.spikes]}
-    elif name == "pp2_spike_rewind":  # restore the sharded checkpoint from before the spike, skip the data
+    elif name in ("pp2_spike_rewind", "dp2_zero1_spike_rewind"):  # restore the checkpoint before the spike
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(
             action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / "rewinds.json")
         )
+        layout = strategy(pipeline_parallel=2) if name.startswith("pp2") else strategy(1, 1)
         rec, trainer = tiny_run(
-            strategy(pipeline_parallel=2),
+            layout,
             devices=world,
             max_steps=10,
             micro_batch_size=2,
@@ -131,7 +132,7 @@ def run(name: str, out: Path, world: int) -> dict:
         extra = {
             "spike_steps": [s["step"] for s in spikes.spikes],
             "record": spikes.record,
-            "tied_head": trainer.strategy.tied_head_copy(),
+            "tied_head": tied_head_copy(trainer.strategy),
         }
     elif name == "pp2_activation_checkpointing":
         from mtnlg_lightning.callbacks import ActivationCheckpointing
@@ -147,6 +148,16 @@ def run(name: str, out: Path, world: int) -> dict:
         rec, trainer = tiny_run(
             strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3), callbacks=[VetoStep(2)]
         )
+    elif name == "roundtrip_pp2_dp2_zero2":  # load tp2 x dp2 ZeRO-1's step-3 checkpoint, save it again unchanged
+        rec, trainer = tiny_run(
+            strategy(pipeline_parallel=2, zero=2),
+            devices=world,
+            max_steps=3,
+            micro_batch_size=2,
+            capture_steps=(),
+            ckpt_path=ckpt_dir(out, "tp2_dp2_zero1") / "step=3.ckpt",
+        )
+        trainer.save_checkpoint(out / "roundtrip.ckpt")
     elif name == "zero1_memory":
         rec, trainer, extra = memory_run(world)
     else:
@@ -160,7 +171,7 @@ def memory_run(world: int):
     from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
     from mtnlg_lightning.parallel.zero import (
         ModelParallelUnit,
-        deepspeed_config,
+        build_deepspeed_config,
         initialize_engine,
         optimizer_state_bytes,
     )
@@ -191,7 +202,7 @@ def memory_run(world: int):
             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
         ]
     )
-    engine = initialize_engine(model, opt, deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
+    engine = initialize_engine(model, opt, build_deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
     tokens = torch.randint(0, 4096, (4, 65))
     loss = module.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
     engine.backward(loss)

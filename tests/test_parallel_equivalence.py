@@ -44,8 +44,16 @@ WORLD2_RUNS = [
     "pp2_spike_skip",
     "pp2_activation_checkpointing",
     "pp2_spike_rewind",
+    "dp2_zero1_spike_rewind",
 ]
-WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
+WORLD4_RUNS = [
+    "tp2_dp2_zero1_ckpt",
+    "tp2_dp2_zero1_resume",
+    "roundtrip_pp2_dp2_zero2",
+    "tp4",
+    "pp2_dp2_zero1",
+    "pp2_dp2_zero2",
+]
 WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
 
 
@@ -63,7 +71,7 @@ def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}
+    return {"_dir": out, **{name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}}
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +225,9 @@ def test_activation_checkpointing_composes_with_the_pipeline(reference, world2):
     assert max_param_diff(run["params"][5], reference["params"][5]) <= PARAM_ATOL
 
 
-def test_loss_spike_rewind_under_the_pipeline_restores_the_sharded_checkpoint_and_skips_the_data(world2):
-    run = world2["pp2_spike_rewind"]  # loss x 1e3 at step 7; checkpoints at steps 3, 6, 9
+@pytest.mark.parametrize("name", ["pp2_spike_rewind", "dp2_zero1_spike_rewind"])
+def test_loss_spike_rewind_restores_the_sharded_checkpoint_and_skips_the_data(world2, name):
+    run = world2[name]  # loss x 1e3 at step 7; checkpoints at steps 3, 6, 9
     assert run["spike_steps"] == [7]
     (rewind,) = run["record"]["rewinds"]
     assert rewind["restored_step"] == 6 and rewind["checkpoint"].endswith("step=6.ckpt")
@@ -226,4 +235,20 @@ def test_loss_spike_rewind_under_the_pipeline_restores_the_sharded_checkpoint_an
     # Steps 0-7 (7 spiked), then the restored step-6 state skips 2 batches: global steps 8 and 9 train on.
     assert len(run["losses"]) == 10 and run["losses"][7] > 1000
     assert all(loss < 9 for loss in run["losses"][8:]), run["losses"]
-    assert torch.equal(run["tied_head"], run["params"][10]["embed.wte.weight"])
+    if name.startswith("pp2"):
+        assert torch.equal(run["tied_head"], run["params"][10]["embed.wte.weight"])
+
+
+def test_checkpoint_saved_in_one_layout_loaded_in_another_and_saved_again_is_tensor_for_tensor_equal(world4):
+    """Megatron's resharding test: tp2 x dp2 ZeRO-1 -> pp2 x dp2 ZeRO-2 -> saved again."""
+    from mtnlg_lightning.checkpoint.format import TensorReader, read_manifest, read_meta
+
+    first, second = world4["_dir"] / "tp2_dp2_zero1_ckpt" / "step=3.ckpt", world4["_dir"] / "roundtrip.ckpt"
+    a, b = read_manifest(first), read_manifest(second)
+    assert a["saved_by"]["tensor_parallel"] == 2 and b["saved_by"]["pipeline_parallel"] == 2
+    assert sorted(a["tensors"]) == sorted(b["tensors"]) and any(k.startswith("optim/") for k in a["tensors"])
+    reader_a, reader_b = TensorReader(first, a), TensorReader(second, b)
+    for key in a["tensors"]:
+        assert torch.equal(reader_a.read(key), reader_b.read(key)), key
+    assert read_meta(first)["optimizer"] == read_meta(second)["optimizer"]
+    assert (a["global_step"], a["consumed_samples"]) == (b["global_step"], b["consumed_samples"]) == (3, 24)

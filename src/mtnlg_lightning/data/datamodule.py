@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import numpy as np
 import torch
@@ -64,6 +66,7 @@ class GPTDataModule(L.LightningDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         eval_samples: int | None = None,
+        tokenizer: str | None = None,
     ):
         """
         Args:
@@ -74,6 +77,9 @@ class GPTDataModule(L.LightningDataModule):
             seed: seed of document and sample shuffling (data order is independent of the layout).
             num_workers: DataLoader worker processes.
             eval_samples: validation/test samples per evaluation (default: one pass over the split, capped at 1024).
+            tokenizer: the tokenizer the datasets were made with (a tokenizer.json, or a directory holding one);
+                copied into every checkpoint so export, generation and evaluation find it (the built-in corpus
+                brings its own).
         """
         super().__init__()
         if builtin_corpus not in (None, "python-docs"):
@@ -86,7 +92,20 @@ class GPTDataModule(L.LightningDataModule):
         self.weights = list(weights) if weights is not None else [1.0] * len(self.prefixes)
         self.builtin_corpus, self.split, self.seed = builtin_corpus, split, seed
         self.num_workers, self.eval_samples = num_workers, eval_samples
+        self.tokenizer = tokenizer
         self.blends: dict[str, BlendedDataset] = {}
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json of the data, if known."""
+        if self.builtin_corpus:
+            from mtnlg_lightning.data.builtin_corpus import build_demo_data
+
+            return build_demo_data(progress=False)[1]
+        if self.tokenizer and os.path.isdir(self.tokenizer):
+            candidate = os.path.join(self.tokenizer, "tokenizer.json")
+            return candidate if os.path.isfile(candidate) else None
+        return self.tokenizer
 
     def prepare_data(self) -> None:
         if self.builtin_corpus:
