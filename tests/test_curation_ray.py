@@ -85,11 +85,14 @@ def test_ray_worker_killed_mid_stage_is_retried(ray_address, corpus, tmp_path):
 
 def test_ray_killed_run_resumes_identical(ray_address, corpus, tmp_path):
     inputs, local, _ = corpus
+    killed_under_local = dedup_config(inputs, tmp_path / "ray", engine="local")
+    with pytest.raises(SimulatedCrash):  # the same work files whatever the engine: a local run resumes on Ray
+        run_dedup(killed_under_local, Faults(crash_at="buckets:task5", raise_instead=True))
     cfg = dedup_config(inputs, tmp_path / "ray")
+    cfg.force = False
     with pytest.raises(SimulatedCrash):
         run_dedup(cfg, Faults(crash_at="verify:task3", raise_instead=True))
     assert not (tmp_path / "ray" / "report.json").exists() and not (tmp_path / "ray" / "web.jsonl").exists()
-    cfg.force = False
     rep = run_dedup(cfg)
     assert rep["resumed_stages"] == ["signatures", "buckets"]
     assert outputs(tmp_path / "ray") == outputs(local)
