@@ -60,8 +60,15 @@ class LocalEngine:
             for item in items:
                 yield fn(shared, item)
             return
-        with multiprocessing.Pool(workers, initializer=_set_pool_shared, initargs=(shared,)) as pool:
+        pool = multiprocessing.Pool(workers, initializer=_set_pool_shared, initargs=(shared,))
+        try:
             yield from pool.imap(_call_with_pool_shared, [(fn, item) for item in items], chunksize=1)
+            pool.close()  # workers exit on their own (terminate() would SIGTERM them)
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
 
     def close(self) -> None:
         pass
