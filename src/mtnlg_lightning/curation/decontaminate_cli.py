@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-mb",
         type=positive_int,
         default=8,
-        help="size (MB) of the training-file shards each task processes and a resumed run skips when finished",
+        help="largest training-file shard (MB) a task processes and a resumed run skips when finished; small "
+        "inputs get smaller shards (>= 1 MB), about 4 per CPU",
     )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     return p

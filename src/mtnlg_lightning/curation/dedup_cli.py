@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-mb",
         type=positive_int,
         default=16,
-        help="size of the input shards (MB) that signature workers process and that a resumed run skips",
+        help="largest input shard (MB) a signature task processes and a resumed run skips when finished; small "
+        "inputs get smaller shards (>= 1 MB), about 4 per CPU",
     )
     p.add_argument(
         "--force",
