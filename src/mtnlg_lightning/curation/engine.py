@@ -42,12 +42,18 @@ def available_cores() -> int:
 
 
 class LocalEngine:
-    """Tasks in this process (``workers=1``) or in a pool of forked worker processes."""
+    """Tasks in this process (``workers=1``, or a stage of one task) or in a pool of forked worker processes.
+
+    The pool lives as long as the stages hand it the same shared data (one pool per run for both tools), so the
+    workers are started once rather than per stage.
+    """
 
     name = "local"
 
     def __init__(self, workers: int = 1):
         self.workers = max(1, workers)
+        self._pool = None
+        self._pool_shared = None
 
     @property
     def cpus(self) -> int:
@@ -55,23 +61,27 @@ class LocalEngine:
 
     def map(self, fn: Task, items: Iterable, shared: Any = None) -> Iterator:
         items = list(items)
-        workers = min(self.workers, len(items))
-        if workers <= 1:
+        if min(self.workers, len(items)) <= 1:
             for item in items:
                 yield fn(shared, item)
             return
-        pool = multiprocessing.Pool(workers, initializer=_set_pool_shared, initargs=(shared,))
+        if self._pool is None or self._pool_shared is not shared:
+            self.close()
+            self._pool = multiprocessing.Pool(self.workers, initializer=_set_pool_shared, initargs=(shared,))
+            self._pool_shared = shared
         try:
-            yield from pool.imap(_call_with_pool_shared, [(fn, item) for item in items], chunksize=1)
-            pool.close()  # workers exit on their own (terminate() would SIGTERM them)
-        except BaseException:
-            pool.terminate()
+            yield from self._pool.imap(_call_with_pool_shared, [(fn, item) for item in items], chunksize=1)
+        except BaseException:  # error, interrupt or a consumer that left: stop the workers now
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = self._pool_shared = None
             raise
-        finally:
-            pool.join()
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.close()  # workers exit on their own (terminate() would SIGTERM them)
+            self._pool.join()
+            self._pool = self._pool_shared = None
 
 
 # Set only inside Ray worker processes: the stage's shared data, fetched and deserialised once per worker (a task
