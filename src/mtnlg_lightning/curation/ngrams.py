@@ -1,27 +1,7 @@
 """Task n-grams and the cutting rule of downstream-task decontamination (MT-NLG; Megatron-LM
 ``tools/openwebtext/filter_ngrams.py``). The passes over the training data are in :mod:`.decontaminate_stages`.
 
-Semantics:
-
-* Words are the ``\\w+`` runs of the lowercased text (character offsets refer to the original text).
-* Task n-grams: every ``max_ngram``-word (13) window of a task text; a task text of ``min_ngram``..``max_ngram-1``
-  (8-12) words is used whole; shorter task texts are ignored.
-* Pass 1 counts, for every task n-gram, the number of training documents that contain it; n-grams found in
-  ``>= frequent_threshold`` documents are common phrases and are ignored.
-* Pass 2 scans each document for the first remaining n-gram (earliest start word; at one start the
-  ``max_ngram`` window is tried first, then shorter lengths ascending, as Megatron does), removes it plus
-  ``window`` (200) characters on each side extended outward to the nearest sentence end (``.``, ``!``, ``?``),
-  keeps the text before it as a piece if longer than ``min_piece`` (200) characters, and rescans the text after
-  it (kept only if longer than ``min_piece``).  A document left with more than ``max_splits`` (10) pieces is
-  dropped; so is one with no piece left.  Every output record keeps the source record's fields with the text
-  replaced by the piece and a ``split_id`` (``<tasks>-<doc number:010d>-<piece:04d>``, prefixed by an existing
-  ``split_id``), like Megatron's.
-
-Deliberate differences from Megatron's script (all bug fixes, documented in docs/curation.md): the end of a match
-is the end of its last word in the original text (Megatron adds the length of the space-joined words, off when
-words are separated by more than one character); every window is checked, including in texts of fewer than 14
-words (Megatron skips those) and at the tail in position order; pass 1 counts every occurrence per document
-(Megatron's greedy scan skips n-grams that overlap an earlier match).
+Semantics and the deliberate differences from Megatron's script: docs/curation.md ("Decontamination semantics").
 """
 
 from __future__ import annotations
