@@ -16,7 +16,7 @@ from mtnlg_lightning.cost_model import IMPLEMENTATIONS, Implementation, Layout, 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
-from mtnlg_lightning.schedules import BatchSizeSchedule
+from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 MEMORY_BUDGET = 0.9  # of the GPU's memory: allocator fragmentation, NCCL buffers, CUDA context
