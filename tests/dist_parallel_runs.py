@@ -116,7 +116,7 @@ def run(name: str, out: Path, world: int) -> dict:
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(
-            action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / "rewinds.json")
+            action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / f"{name}_rewinds.json")
         )
         layout = strategy(pipeline_parallel=2) if name.startswith("pp2") else strategy(1, 1)
         rec, trainer = tiny_run(

@@ -52,6 +52,7 @@ def test_stages_keep_their_blocks_under_global_names_and_the_last_stage_holds_a_
     assert torch.equal(last.lm_head.weight, embedding) and last.lm_head.weight.requires_grad
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools/dry_run.py"), "--config", str(ROOT / "configs/mtnlg_530b.yaml")],
@@ -70,6 +71,7 @@ def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
     assert sp and float(sp[2]) < float(sp[1])
 
 
+@pytest.mark.slow
 def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  strategy:\n    init_args: {tensor_parallel: 16}\n")
@@ -92,6 +94,7 @@ def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_530b_config_parses_through_the_cli():
     out = run_cli("fit", "--print_config", "--config", "configs/mtnlg_530b.yaml")
     assert out.returncode == 0, out.stderr[-2000:]

@@ -215,6 +215,7 @@ def test_write_config_output_trains_through_mtnlg_fit(tmp_path):
     assert list(tmp_path.rglob("metrics.csv"))
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_smoke_mode_runs_the_training_machinery():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--cpu-smoke"],
