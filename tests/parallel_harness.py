@@ -195,7 +195,7 @@ def tiny_run(
         precision="32-true",
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=checkpoint_dir is not None,
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in cbs),
         callbacks=cbs,
         use_distributed_sampler=False,
         deterministic=True,

@@ -55,6 +55,7 @@ def test_tp2_zero1_on_4_ranks_logs_train_loss_once_per_step_matching_one_process
     assert all(float(r["grad_norm"]) > 1.0 for r in reference)  # tiny.yaml's grad_clip 1.0 triggers
 
 
+@pytest.mark.slow
 def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line():
     out = run_cli(
         "fit",
@@ -71,6 +72,7 @@ def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line(
     assert errors == ["mtnlg: error: world size 2 is not divisible by tensor_parallel 4 x pipeline_parallel 1 = 4"]
 
 
+@pytest.mark.slow
 def test_more_pipeline_stages_than_blocks_is_one_line():
     out = run_cli(
         "fit",

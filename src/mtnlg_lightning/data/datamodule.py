@@ -30,15 +30,18 @@ class StepBatches(IterableDataset):
         self.start_samples, self.end_samples = start_samples, end_samples
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
-    def _steps(self):
-        consumed = self.start_samples
+    def _steps(self, start: int | None = None):
+        consumed = self.start_samples if start is None else start
         while consumed < self.end_samples:
             size = self.batch_size_at(consumed)
             yield consumed, size
             consumed += size
 
     def __len__(self) -> int:
-        return sum(1 for _ in self._steps())
+        """Steps of the whole split from its first sample, not from `start_samples`: a resumed run restores
+        Lightning's in-epoch batch count, and that count plus the steps left must add up to the epoch's length
+        (counted from the start, a resumed epoch would end early and the loader would replay its data)."""
+        return sum(1 for _ in self._steps(0))
 
     def __iter__(self):
         worker = get_worker_info()
