@@ -50,6 +50,21 @@ def test_boxes_written_by_several_ranks_read_back_in_any_other_box(tmp_path):
     assert torch.equal(reader.read("w", (3, 0), (3, 8)), full[3:])  # a row shard of another TP layout
 
 
+def test_flat_fragments_of_two_ranks_read_back_as_row_and_column_boxes(tmp_path):
+    """ZeRO-1/2 fragments are flat ranges of the row-major tensor, cut anywhere (here mid-row)."""
+    full = torch.arange(5 * 6, dtype=torch.float32).reshape(5, 6)
+    flat = full.flatten()
+    pieces = {
+        "rank-0.safetensors": [Piece("m", flat[:13].clone(), (), (5, 6), flat_start=0)],
+        "rank-1.safetensors": [Piece("m", flat[13:].clone(), (), (5, 6), flat_start=13)],
+    }
+    path = write_checkpoint(tmp_path / "c.ckpt", pieces)
+    reader = TensorReader(path, read_manifest(path))
+    assert torch.equal(reader.read("m"), full)
+    assert torch.equal(reader.read("m", (1, 3), (3, 3)), full[1:4, 3:6])  # a column shard of another TP layout
+    assert torch.equal(reader.read("m", (2, 0), (2, 6)), full[2:4])
+
+
 def test_a_missing_piece_is_an_error_not_zeros(tmp_path):
     path = write_checkpoint(tmp_path / "c.ckpt", {"r0.safetensors": [Piece("w", torch.ones(2, 4), (0, 0), (4, 4))]})
     with pytest.raises(CheckpointError, match="do not cover"):

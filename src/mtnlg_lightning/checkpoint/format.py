@@ -35,12 +35,14 @@ class CheckpointError(MTNLGError):
 
 @dataclass
 class Piece:
-    """One box of a tensor in model space, held by this rank."""
+    """One box of a tensor in model space, held by this rank; or, with `flat_start`, a contiguous range of the
+    tensor's row-major elements (a ZeRO fragment, written without gathering it)."""
 
     key: str
     tensor: torch.Tensor
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
+    flat_start: int | None = None
 
 
 @dataclass
@@ -67,20 +69,22 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_pieces(directory: Path, name: str, pieces: list[Piece]) -> WrittenFile:
-    """One safetensors file of this rank's pieces (its bytes hashed while in memory, then written once)."""
-    from safetensors.torch import save
+    """One safetensors file of this rank's pieces, flushed to disk, with its size and checksum."""
+    from safetensors.torch import save_file
 
     tensors = {p.key: p.tensor.detach().to("cpu").contiguous() for p in pieces}
-    data = save(tensors) if tensors else save({"__empty__": torch.zeros(0)})
-    _write_bytes(directory / name, data)
-    written = WrittenFile(name, len(data), xxhash.xxh64(data).hexdigest())
+    path = directory / name
+    save_file(tensors if tensors else {"__empty__": torch.zeros(0)}, str(path))
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+    written = WrittenFile(name, path.stat().st_size, file_digest(path))  # read back from the page cache
     for p in pieces:
-        written.pieces[p.key] = {
-            "offsets": list(p.offsets),
-            "shape": list(p.tensor.shape),
-            "global_shape": list(p.global_shape),
-            "dtype": str(p.tensor.dtype).removeprefix("torch."),
-        }
+        entry = {"global_shape": list(p.global_shape), "dtype": str(p.tensor.dtype).removeprefix("torch.")}
+        if p.flat_start is not None:
+            entry["flat"] = [p.flat_start, p.tensor.numel()]
+        else:
+            entry.update(offsets=list(p.offsets), shape=list(p.tensor.shape))
+        written.pieces[p.key] = entry
     return written
 
 
@@ -114,7 +118,10 @@ def write_manifest(directory: Path, files: list[WrittenFile], info: dict) -> Non
                 raise CheckpointError(
                     f"ranks disagree on the shape of {key}: {entry['shape']} vs {piece['global_shape']}"
                 )
-            entry["pieces"].append({"file": written.name, "offsets": piece["offsets"], "shape": piece["shape"]})
+            location = (
+                {"flat": piece["flat"]} if "flat" in piece else {"offsets": piece["offsets"], "shape": piece["shape"]}
+            )
+            entry["pieces"].append({"file": written.name, **location})
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -207,18 +214,45 @@ class TensorReader:
         out = torch.zeros(shape, dtype=dtype or getattr(torch, entry["dtype"]))
         covered = 0
         for piece in entry["pieces"]:
-            lo = [max(o, po) for o, po in zip(offsets, piece["offsets"], strict=True)]
-            hi = [
-                min(o + s, po + ps)
-                for o, s, po, ps in zip(offsets, shape, piece["offsets"], piece["shape"], strict=True)
-            ]
-            if any(h <= low for low, h in zip(lo, hi, strict=True)) and len(shape) > 0:
-                continue
-            source = tuple(slice(a - po, b - po) for a, b, po in zip(lo, hi, piece["offsets"], strict=True))
-            target = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
-            tensor_slice = self._file(piece["file"]).get_slice(key)
-            out[target] = tensor_slice[source] if source else tensor_slice[:]
-            covered += int(torch.tensor([b - a for a, b in zip(lo, hi, strict=True)]).prod()) if lo else 1
+            if "flat" in piece:
+                covered += self._read_flat(key, piece, full, offsets, out)
+            else:
+                covered += self._read_box(key, piece, offsets, shape, out)
         if covered < out.numel():
             raise CheckpointError(f"{self.path}: the pieces of {key} do not cover the box {offsets} + {shape}")
         return out
+
+    def _read_box(self, key, piece, offsets, shape, out) -> int:
+        lo = [max(o, po) for o, po in zip(offsets, piece["offsets"], strict=True)]
+        hi = [
+            min(o + s, po + ps) for o, s, po, ps in zip(offsets, shape, piece["offsets"], piece["shape"], strict=True)
+        ]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            return 0
+        source = tuple(slice(a - po, b - po) for a, b, po in zip(lo, hi, piece["offsets"], strict=True))
+        target = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
+        out[target] = self._file(piece["file"]).get_slice(key)[source]
+        return int(torch.tensor([b - a for a, b in zip(lo, hi, strict=True)]).prod())
+
+    def _read_flat(self, key, piece, full, offsets, out) -> int:
+        """A flat range [start, start + n) of the row-major tensor into the box `out` (tensors seen as rows x cols:
+        boxes here restrict the first dimension, or the second of a matrix)."""
+        start, count = piece["flat"]
+        cols = int(torch.tensor(full[1:]).prod()) if len(full) > 1 else 1
+        r0, c0 = offsets[0], (offsets[1] if len(full) > 1 else 0)
+        nr = out.shape[0]
+        nc = out[0].numel() if out.numel() else 0
+        first_row, last_row = max(r0, start // cols), min(r0 + nr, (start + count - 1) // cols + 1)
+        if first_row >= last_row:
+            return 0
+        lo, hi = max(start, first_row * cols), min(start + count, last_row * cols)
+        values = torch.zeros((last_row - first_row) * cols, dtype=out.dtype)
+        mask = torch.zeros_like(values, dtype=torch.bool)
+        values[lo - first_row * cols : hi - first_row * cols] = (
+            self._file(piece["file"]).get_slice(key)[lo - start : hi - start].to(out.dtype)
+        )
+        mask[lo - first_row * cols : hi - first_row * cols] = True
+        rows = out.view(nr, nc)[first_row - r0 : last_row - r0]
+        values, mask = values.view(-1, cols)[:, c0 : c0 + nc], mask.view(-1, cols)[:, c0 : c0 + nc]
+        rows[mask] = values[mask]
+        return int(mask.sum())

@@ -90,7 +90,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
         return owner[index] == dp_rank and (tp_rank == 0 or not slot.replicated_over_tp)
 
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
-    pieces = collect_pieces(slots, optimizer, strategy.engine, writer_of)
+    pieces = collect_pieces(slots, optimizer, strategy.engine, writer_of, groups.data_parallel_size, tp_rank)
     written = write_pieces(staging, f"rank-{strategy.global_rank:05d}.safetensors", pieces)
     _pause_for_tests()
     files = _all_gather(written)

@@ -60,20 +60,56 @@ def _fresh_adam_state(param: torch.Tensor, group: dict, step: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ collect
-def collect_pieces(slots: list[Slot], optimizer, engine, writer_of) -> list[Piece]:
-    """This rank's pieces. `writer_of(index, slot)` says whether this rank writes parameter `index` (one data-
-    parallel replica and one TP rank for replicated tensors). Under ZeRO every data-parallel rank takes part in
-    each parameter's gather (a collective), in the same order, and only the writer keeps the result."""
+def collect_pieces(
+    slots: list[Slot], optimizer, engine, writer_of, data_parallel_size: int = 1, tp_rank: int = 0
+) -> list[Piece]:
+    """This rank's pieces. `writer_of(index, slot)` says whether this rank writes parameter `index` whole (one
+    data-parallel replica, and TP rank 0 for TP-replicated tensors). Under ZeRO-1/2 each rank writes the Adam-moment
+    fragments it owns as flat ranges, with no communication, where they are contiguous in model space; the other
+    moments (ZeRO-3, column-split shards) are gathered, a collective every data-parallel rank joins in order."""
+    initialized = engine is not None and _deepspeed_state_initialized(engine)
+    if initialized:
+        _link_fragments(engine.optimizer)
     pieces = []
     for index, slot in enumerate(slots):
         writes = writer_of(index, slot) and not slot.empty
-        for key, tensor in _full_local_states(slot, optimizer, engine):
+        flat = initialized and data_parallel_size > 1 and _flat_in_model_space(slot)
+        for key, tensor in _full_local_states(slot, optimizer, engine, data_parallel_size, moments=not flat):
             if writes and tensor is not None:
                 pieces.append(Piece(key, slot.stored(tensor).detach().cpu(), slot.offsets, slot.global_shape))
+        if flat and (tp_rank == 0 or not slot.replicated_over_tp):
+            pieces += _moment_fragments(slot)
     return pieces
 
 
-def _full_local_states(slot: Slot, optimizer, engine):
+def _flat_in_model_space(slot: Slot) -> bool:
+    """A ZeRO-1/2 fragment (a flat range of this rank's shard) is a flat range of the model-space tensor when the
+    shard is whole rows of it: TP-replicated, or split along the first dimension."""
+    param = slot.param
+    if hasattr(param, "ds_id") or not hasattr(param, "_hp_mapping"):
+        return False
+    return slot.replicated_over_tp or getattr(param, "partition_dim", 0) == 0
+
+
+def _moment_fragments(slot: Slot) -> list[Piece]:
+    mapping = slot.param._hp_mapping
+    if mapping is None:  # this rank's ZeRO partition holds none of this parameter
+        return []
+    row = slot.param[0].numel() if slot.param.dim() > 1 else 1
+    stored = slot.shape[0] * row  # vocabulary padding rows are not stored
+    start, count = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+    end = min(start + count, stored)
+    if end <= start:
+        return []
+    pieces = []
+    for moment in MOMENTS:
+        fragment = mapping.get_optim_state_fragment(moment)[: end - start]
+        key = f"optim/{slot.name}/{moment}"
+        pieces.append(Piece(key, fragment.detach().cpu().clone(), (), slot.global_shape, slot.offsets[0] * row + start))
+    return pieces
+
+
+def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, moments: bool = True):
     """(key, this rank's full local tensor) for the weight, the master weight and the moments of one parameter."""
     param = slot.param
     if engine is None:
@@ -85,16 +121,26 @@ def _full_local_states(slot: Slot, optimizer, engine):
         return
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    master = safe_get_full_fp32_param(param)  # collective over the data-parallel group
-    model_dtype = param.dtype
-    yield f"model/{slot.name}", master.to(model_dtype)
-    if model_dtype != torch.float32:
-        yield f"master/{slot.name}", master
+    zero3 = hasattr(param, "ds_id")
+    if param.dtype == torch.float32 and not zero3:
+        yield f"model/{slot.name}", param.data  # ZeRO-1/2 keep every weight whole; fp32: equal to the master
+    else:
+        master = safe_get_full_fp32_param(param)  # collective over the data-parallel group
+        yield f"model/{slot.name}", master.to(param.dtype)
+        if param.dtype != torch.float32:
+            yield f"master/{slot.name}", master
+    if not moments:
+        return
     initialized = _deepspeed_state_initialized(engine)
-    if initialized:
-        _link_fragments(engine.optimizer)
+    mapping = getattr(param, "_hp_mapping", None)
+    whole = data_parallel_size == 1 and mapping is not None and mapping.lp_fragment_address.numel == param.numel()
     for moment in MOMENTS:
-        yield f"optim/{slot.name}/{moment}", safe_get_full_optimizer_state(param, moment) if initialized else None
+        if not initialized:
+            yield f"optim/{slot.name}/{moment}", None
+        elif whole:  # one replica: this rank's fragment is the whole parameter, no collective needed
+            yield f"optim/{slot.name}/{moment}", mapping.get_optim_state_fragment(moment).view_as(param)
+        else:
+            yield f"optim/{slot.name}/{moment}", safe_get_full_optimizer_state(param, moment)
 
 
 def _deepspeed_state_initialized(engine) -> bool:
