@@ -16,6 +16,14 @@ Theoretical volume per rank per step (fp32, B = global batch / dp, s = seq, h = 
       all-gathers the updated parameters (the same bytes).
   PP: activations forward and their gradients backward between stages (B*s*h each way, sent + received),
       and the tied embedding kept in step between the first and the last stage (V*h each way).
+  TP + sequence parallelism (b = micro-batch, n = micro-batches, per micro-batch): per layer 2 all-gathers and
+      2 reduce-scatters of b*s*h forward (each a half of TP's all-reduce), 2 reduce-scatters and 4 all-gathers
+      backward (one re-gathers the input shard a column-parallel layer saved instead of the whole sequence); the
+      LM head gathers (1 forward, 1 + 1 reduce-scatter backward), the scattered embedding gathers its gradient (1);
+      all-reduces: the word embedding (b*s*h), the loss (3 x b*s), the LayerNorm and row-parallel-bias gradients
+      (6h per layer + 2h). In bytes on the wire of a ring (all-reduce 2(t-1)/t, all-gather and reduce-scatter
+      (t-1)/t of the payload) the forward moves what TP moves; the backward re-gathers add 2 b*s*h per layer.
+      With pipelining the stage boundary carries the sequence shard: PP activation bytes / TP.
 
     python benchmarks/bench_parallel.py [--preset demo --global-batch 8 --micro-batch 4 --steps 5 --rounds 2]
 """
@@ -34,7 +42,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-LAYOUTS = {"tp2": dict(tp=2), "dp2_zero1": dict(zero=1), "pp2": dict(pp=2)}
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "dp2_zero1": dict(zero=1),
+    "pp2": dict(pp=2),
+    "tp2_sp": dict(tp=2, sp=True),
+    "tp2_pp2": dict(tp=2, pp=2),  # 4 ranks (--world 4): the stage boundary with and without the sequence shard
+    "tp2_pp2_sp": dict(tp=2, pp=2, sp=True),
+}
+DEFAULT_LAYOUTS = ["tp2", "dp2_zero1", "pp2", "tp2_sp"]
 
 
 def pipeline_supported() -> tuple[bool, str]:
@@ -147,6 +163,19 @@ def theory(args, layout: str) -> dict[str, float]:
             "tp": 4 * (4 * layers * bsh + 2 * bsh + 3 * args.global_batch * s),
             "tp_issue_formula_forward": 4 * 2 * layers * bsh,
         }
+    if layout == "tp2_sp":
+        bsh, n = args.global_batch * s * h, args.global_batch // args.micro_batch  # dp 1: every micro-batch here
+        return {
+            "tp_all_gather": 4 * (6 * layers + 3) * bsh,
+            "tp_reduce_scatter": 4 * (4 * layers + 1) * bsh,
+            "tp_all_reduce": 4 * (bsh + 3 * args.global_batch * s + n * (6 * layers + 2) * h),
+        }
+    if layout in ("tp2_pp2", "tp2_pp2_sp"):
+        shard = 2 if layout.endswith("_sp") else 1  # what crosses a stage: the sequence shard under SP
+        return {
+            "pp_activations": 4 * 2 * args.global_batch * s * h // shard,
+            "pp_tied_embedding": 4 * 2 * c.padded_vocab_size() * h // 2,  # each TP rank's vocabulary half
+        }
     if layout == "dp2_zero1":
         grads = 4 * count_parameters(c)  # TP = PP = 1: the whole replica
         return {"dp_gradient_reduce": grads, "dp_param_all_gather": grads}
@@ -164,17 +193,28 @@ def measured(comm: dict, layout: str) -> dict[str, float]:
 
     if layout == "tp2":
         return {"tp": total(lambda kind, op: kind == "tp")}
+    if layout == "tp2_sp":
+        return {
+            "tp_all_gather": total(lambda kind, op: kind == "tp" and op == "all_gather_into_tensor"),
+            "tp_reduce_scatter": total(lambda kind, op: kind == "tp" and op == "reduce_scatter_tensor"),
+            "tp_all_reduce": total(lambda kind, op: kind == "tp" and op == "all_reduce"),
+        }
     if layout == "dp2_zero1":
         return {
             "dp_gradient_reduce": total(lambda kind, op: kind == "dp" and "reduce" in op),
             "dp_param_all_gather": total(lambda kind, op: kind == "dp" and "gather" in op),
         }
-    if layout == "pp2":  # the tied embedding travels by broadcast over its own first/last-stage group
+    if layout in ("pp2", "tp2_pp2", "tp2_pp2_sp"):  # the tied embedding: broadcast over its first/last-stage group
         return {
             "pp_activations": total(lambda kind, op: op in ("send", "recv", "isend", "irecv")),
             "pp_tied_embedding": total(lambda kind, op: op == "broadcast"),
         }
     return {}
+
+
+def need_tp_pp(name: str) -> int:
+    """Ranks of one model replica (TP x PP) in a layout."""
+    return LAYOUTS[name].get("tp", 1) * LAYOUTS[name].get("pp", 1)
 
 
 def main() -> int:
@@ -186,7 +226,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed (default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
     parser.add_argument("--world", type=int, default=2, help="ranks per parallel layout (default 2)")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), help="default: tp2 dp2_zero1 pp2")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=DEFAULT_LAYOUTS,
+        help=f"default: {' '.join(DEFAULT_LAYOUTS)} (tp2_pp2 and tp2_pp2_sp need --world 4)",
+    )
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -197,6 +242,11 @@ def main() -> int:
 
     layouts = list(args.layouts)
     notes = []
+    for name in layouts:
+        if name not in LAYOUTS:
+            parser.error(f"unknown layout {name}; choose from {', '.join(LAYOUTS)}")
+        if args.world % need_tp_pp(name):
+            parser.error(f"layout {name} needs a world divisible by {need_tp_pp(name)}; got --world {args.world}")
     if "pp2" in layouts:
         ok, why = pipeline_supported()
         if not ok:
@@ -255,11 +305,22 @@ def main() -> int:
             head = f"{name:<10} {tps:>9,.0f} {tps / base:>9.3f} {tps / base / args.world:>6.3f}" if first else " " * 37
             print(f"{head}   {key:<18} {got / 1e6:>11.2f} {want / 1e6:>9.2f} {got / want:>6.3f}")
             first = False
+        if "pp_activations" in entry["comm"]:
+            micro_batches = args.global_batch // (args.micro_batch * args.world // need_tp_pp(name))
+            entry["pp_activation_bytes_per_microbatch"] = (
+                entry["comm"]["pp_activations"]["measured_bytes"] / micro_batches
+            )
         result["layouts"][name] = entry
     print(
         "comm = payload bytes of the process-group calls, max over ranks, last step; theory in the module doc. "
         "Other traffic (world: logged-loss sync; mp: grad-norm) is in the JSON's comm_raw_rank0."
     )
+    if {"tp2_pp2", "tp2_pp2_sp"} <= set(result["layouts"]):
+        plain, sp = (result["layouts"][k]["pp_activation_bytes_per_microbatch"] for k in ("tp2_pp2", "tp2_pp2_sp"))
+        result["pp_sequence_shard"] = {"tp2_pp2": plain, "tp2_pp2_sp": sp, "ratio": sp / plain}
+        print(
+            f"PP activation bytes per micro-batch per rank: tp2_pp2 {plain:,.0f}, with SP {sp:,.0f} ({sp / plain:.3f})"
+        )
     for note in notes:
         print(note)
     if args.json:

@@ -26,7 +26,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mtnlg_lightning.parallel.pipeline import schedule_class, stage_ranks  # noqa: E402
+from mtnlg_lightning.parallel.pipeline import schedule_class, stages_held_by_rank  # noqa: E402
 
 HIDDEN = 16
 
@@ -78,7 +78,7 @@ def worker(rank, world, port, args, queue):
             seconds = args.forward_ms / 1000 / per_rank
             stages = [
                 PipelineStage(SimulatedStage(seconds, busy), s, num_stages, torch.device("cpu"))
-                for s in stage_ranks(schedule, world, per_rank)[rank]
+                for s in stages_held_by_rank(schedule, world, per_rank)[rank]
             ]
             loss_fn = lambda out, target: out.float().pow(2).mean()  # noqa: E731
             sched = schedule_class(schedule)(

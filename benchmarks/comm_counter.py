@@ -21,6 +21,8 @@ counts: dict[tuple[str, str], int] = defaultdict(int)  # (group kind, op) -> byt
 calls: dict[tuple[str, str], int] = defaultdict(int)
 _kinds: dict[int, str] = {}  # id(group) -> kind
 _kinds_by_ranks: dict[tuple[int, ...], str] = {}
+# One name per operation whatever the torch version calls it (torch >= 2.12 renamed the tensor collectives).
+_CANONICAL = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
 def _nbytes(x) -> int:
@@ -38,9 +40,11 @@ _PAYLOAD = {
     "broadcast": (0, ("tensor",)),
     "all_gather": (0, ("tensor_list",)),
     "all_gather_into_tensor": (0, ("output_tensor",)),
+    "all_gather_single": (0, ("output_tensor",)),
     "_all_gather_base": (0, ("output_tensor",)),
     "reduce_scatter": (1, ("input_list",)),
     "reduce_scatter_tensor": (1, ("input",)),
+    "reduce_scatter_single": (1, ("input",)),
     "_reduce_scatter_base": (1, ("input",)),
     "all_to_all_single": (1, ("input",)),
     "send": (0, ("tensor",)),
@@ -55,9 +59,11 @@ _GROUP_POSITION = {
     "broadcast": 2,
     "all_gather": 2,
     "all_gather_into_tensor": 2,
+    "all_gather_single": 2,
     "_all_gather_base": 2,
     "reduce_scatter": 3,
     "reduce_scatter_tensor": 3,
+    "reduce_scatter_single": 3,
     "_reduce_scatter_base": 3,
     "send": 2,
     "recv": 2,
@@ -119,7 +125,7 @@ def _wrap(name: str, fn):
                     payload = args[index]
                 position = _GROUP_POSITION.get(name)
                 group = kwargs.get("group", args[position] if position is not None and len(args) > position else None)
-                key = (group_kind(group), name.lstrip("_"))
+                key = (group_kind(group), _CANONICAL.get(name, name).lstrip("_"))
                 counts[key] += _nbytes(payload)
                 calls[key] += 1
             return fn(*args, **kwargs)

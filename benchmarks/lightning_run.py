@@ -37,13 +37,18 @@ class StepTimer(L.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def megatron_strategy(tp: int = 1, pp: int = 1, zero: int = 0):
+def megatron_strategy(tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False):
     from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
 
     # ZeRO-3 keeps no parameter whole ("persistent"): small models would otherwise stay unpartitioned.
     ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
     return MegatronDeepSpeedStrategy(
-        tensor_parallel=tp, pipeline_parallel=pp, zero_stage=zero, print_layout=False, deepspeed_config=ds
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        zero_stage=zero,
+        sequence_parallel=sp,
+        print_layout=False,
+        deepspeed_config=ds,
     )
 
 

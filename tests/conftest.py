@@ -28,3 +28,10 @@ def demo_data():
     from mtnlg_lightning.data.builtin_corpus import build_demo_data
 
     return build_demo_data(progress=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every multi-process test is also slow, so the fast lane is one marker: -m "not slow"."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)

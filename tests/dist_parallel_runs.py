@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_harness import ScaleLossAt, VetoStep, tiny_run  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
+from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tied_head_copy, tiny_run  # noqa: E402
 
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
@@ -39,14 +40,30 @@ PIPELINE_RUNS = {
     "pp2_dp2_zero1": (dict(pipeline_parallel=2, zero_stage=1), None),
     "pp2_dp2_zero2": (dict(pipeline_parallel=2, zero_stage=2), None),
     "tp2_pp2_dp2_zero1": (dict(tensor_parallel=2, pipeline_parallel=2, zero_stage=1), None),
+    "tp2_pp2_dp2_zero1_sp": (dict(tensor_parallel=2, pipeline_parallel=2, zero_stage=1, sequence_parallel=True), None),
     "pp2_rampup": (dict(pipeline_parallel=2), None),  # batch 2, 2, 4, ...: 1 micro-batch < 2 stages at first
 }
 RAMPUP = [2, 2, 12]
+# Runs whose torch.distributed traffic is counted per group (benchmarks/comm_counter.py) at their last step.
+COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}
+
+
+# Sequence parallelism: name -> (tensor_parallel, zero_stage, activation checkpointing mode, model overrides).
+DROPOUT = {"hidden_dropout": 0.1}
+SEQUENCE_PARALLEL_RUNS = {
+    "tp2_sp": (2, 0, None, None),
+    "tp2_sp_full_ac": (2, 0, "full", None),
+    "tp2_sp_dropout_full_ac": (2, 0, "full", DROPOUT),  # sliced dropout masks, redrawn by the recomputation
+    "tp4_sp": (4, 0, None, None),
+    "tp2_dp2_zero2_sp": (2, 2, None, None),
+    "tp2_dp2_zero3_sp": (2, 3, None, None),
+}
 
 
 def pipeline_run(name: str, world: int, out: Path):
     base = name.removesuffix("_ckpt").removesuffix("_resume")
     kwargs, overrides = PIPELINE_RUNS[base]
+    comm = CommPerStep(enabled=name in COUNTED_RUNS)
     kwargs = {"tensor_parallel": 1, "zero_stage": 0, **kwargs, "print_layout": False}
     common = dict(
         devices=world,
@@ -71,9 +88,9 @@ def pipeline_run(name: str, world: int, out: Path):
             **common,
         )
     else:
-        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, **common)
+        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, callbacks=[comm], **common)
     # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
-    return rec, trainer, {"tied_head": trainer.strategy.tied_head_copy()}
+    return rec, trainer, {"tied_head": tied_head_copy(trainer.strategy), **comm.result(trainer)}
 
 
 def run(name: str, out: Path, world: int) -> dict:
@@ -86,6 +103,21 @@ def run(name: str, out: Path, world: int) -> dict:
         zero = int(name[-1]) if "zero" in name else 0
         ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
         rec, trainer = tiny_run(strategy(tp, zero, deepspeed_config=ds), devices=world, max_steps=5)
+    elif name in SEQUENCE_PARALLEL_RUNS:
+        from mtnlg_lightning.callbacks import ActivationCheckpointing
+
+        tp, zero, recompute, overrides = SEQUENCE_PARALLEL_RUNS[name]
+        ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
+        comm = CommPerStep(enabled=name in COUNTED_RUNS)
+        callbacks = [comm] + ([ActivationCheckpointing(mode=recompute)] if recompute else [])
+        rec, trainer = tiny_run(
+            strategy(tp, zero, sequence_parallel=True, deepspeed_config=ds),
+            devices=world,
+            max_steps=5,
+            callbacks=callbacks,
+            model_overrides=overrides,
+        )
+        extra = comm.result(trainer)
     elif name.endswith("_ckpt") or name.endswith("_resume"):
         base = name.rsplit("_", 1)[0]  # e.g. tp2, tp2_dp2_zero1
         tp = 2 if base.startswith("tp2") else 1
@@ -99,12 +131,13 @@ def run(name: str, out: Path, world: int) -> dict:
             rec, trainer = tiny_run(
                 strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt", capture_steps=(6,)
             )
-    elif name == "pp2_spike_skip":  # the callbacks under the 3D strategy: every rank takes the same decision
+    elif name in ("pp2_spike_skip", "tp2_sp_spike_skip"):  # the callbacks under the 3D strategy: one decision
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(action="skip", window=5, warmup_steps=3)
+        layout = dict(pipeline_parallel=2) if name == "pp2_spike_skip" else dict(tp=2, sequence_parallel=True)
         rec, trainer = tiny_run(
-            strategy(pipeline_parallel=2),
+            strategy(**layout),
             devices=world,
             max_steps=8,
             micro_batch_size=2,
@@ -112,14 +145,15 @@ def run(name: str, out: Path, world: int) -> dict:
             callbacks=[ScaleLossAt(6 * 8), spikes],
         )
         extra = {"spike_steps": [s["step"] for s in spikes.spikes]}
-    elif name == "pp2_spike_rewind":  # restore the sharded checkpoint from before the spike, skip the data
+    elif name in ("pp2_spike_rewind", "dp2_zero1_spike_rewind"):  # restore the checkpoint before the spike
         from mtnlg_lightning.callbacks import LossSpikeDetection
 
         spikes = LossSpikeDetection(
-            action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / "rewinds.json")
+            action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / f"{name}_rewinds.json")
         )
+        layout = strategy(pipeline_parallel=2) if name.startswith("pp2") else strategy(1, 1)
         rec, trainer = tiny_run(
-            strategy(pipeline_parallel=2),
+            layout,
             devices=world,
             max_steps=10,
             micro_batch_size=2,
@@ -131,7 +165,7 @@ def run(name: str, out: Path, world: int) -> dict:
         extra = {
             "spike_steps": [s["step"] for s in spikes.spikes],
             "record": spikes.record,
-            "tied_head": trainer.strategy.tied_head_copy(),
+            "tied_head": tied_head_copy(trainer.strategy),
         }
     elif name == "pp2_activation_checkpointing":
         from mtnlg_lightning.callbacks import ActivationCheckpointing
@@ -147,6 +181,16 @@ def run(name: str, out: Path, world: int) -> dict:
         rec, trainer = tiny_run(
             strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3), callbacks=[VetoStep(2)]
         )
+    elif name == "roundtrip_pp2_dp2_zero2":  # load tp2 x dp2 ZeRO-1's step-3 checkpoint, save it again unchanged
+        rec, trainer = tiny_run(
+            strategy(pipeline_parallel=2, zero=2),
+            devices=world,
+            max_steps=3,
+            micro_batch_size=2,
+            capture_steps=(),
+            ckpt_path=ckpt_dir(out, "tp2_dp2_zero1") / "step=3.ckpt",
+        )
+        trainer.save_checkpoint(out / "roundtrip.ckpt")
     elif name == "zero1_memory":
         rec, trainer, extra = memory_run(world)
     else:
@@ -160,7 +204,7 @@ def memory_run(world: int):
     from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
     from mtnlg_lightning.parallel.zero import (
         ModelParallelUnit,
-        deepspeed_config,
+        build_deepspeed_config,
         initialize_engine,
         optimizer_state_bytes,
     )
@@ -191,7 +235,7 @@ def memory_run(world: int):
             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
         ]
     )
-    engine = initialize_engine(model, opt, deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
+    engine = initialize_engine(model, opt, build_deepspeed_config(1, 4, 1.0), ModelParallelUnit(groups))
     tokens = torch.randint(0, 4096, (4, 65))
     loss = module.loss_fn(engine(tokens[:, :-1]), tokens[:, 1:])
     engine.backward(loss)
@@ -205,6 +249,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     names = sys.argv[2:]
+    if COUNTED_RUNS.intersection(names):
+        from benchmarks import comm_counter
+
+        comm_counter.install()  # before DeepSpeed builds its communication backend
     for name in names:
         started = time.perf_counter()
         result = run(name, out, int(__import__("os").environ["WORLD_SIZE"]))

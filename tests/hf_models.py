@@ -59,7 +59,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     """The checkpoint of `mtnlg fit --config configs/tiny.yaml` for TINY_STEPS steps (cosine to the end) in one
     process, trained once per test session and shared by the test modules."""
     directory = tmp_path_factory.getbasetemp() / "tiny_checkpoint"
-    found = sorted(directory.rglob("*.ckpt"))
+    found = sorted(directory.rglob("*step=*.ckpt"))
     if found:
         return found[0]
     out = run_cli(
@@ -74,5 +74,5 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
         str(directory),
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    (checkpoint,) = sorted(directory.rglob("*.ckpt"))
+    (checkpoint,) = sorted(directory.rglob("*step=*.ckpt"))
     return checkpoint

@@ -6,12 +6,18 @@ so both sides build exactly the same config, data and seed.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.parallel.pipeline import PipelineChunks
+from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel, is_tensor_parallel
+from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
 
 SEED = 1234
 # Small enough that clipping triggers on every step of the tiny model (its grad norm is ~0.3 .. 2).
@@ -34,11 +40,54 @@ class Recorder(Callback):
         self.lrs.append(float(metrics["lr"]))
         if trainer.global_step in self.capture_steps:
             strategy = trainer.strategy
-            if hasattr(strategy, "full_state_dict"):
-                full = strategy.full_state_dict()
+            if isinstance(strategy, MegatronDeepSpeedStrategy):
+                full = full_state_dict(strategy)
             else:
                 full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
             self.params[trainer.global_step] = {k: v.cpu() for k, v in full.items()}
+
+
+@torch.no_grad()
+def full_state_dict(strategy: MegatronDeepSpeedStrategy) -> dict[str, torch.Tensor]:
+    """Every parameter at full size (ZeRO-3 partitions and TP shards gathered), on every rank."""
+    model = strategy.lightning_module.model
+    params = dict(model.named_parameters())
+    context = nullcontext()
+    if strategy.engine is not None and strategy.zero_stage == 3:
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(list(params.values()))
+    groups = strategy.groups
+    out = {}
+    with context:
+        for name, p in params.items():
+            value = p.detach().clone()
+            if is_tensor_parallel(p) and groups.tensor_parallel_size > 1:
+                value = gather_tensor_parallel(value, p.partition_dim, groups.tensor_parallel_group)
+            if isinstance(model, PipelineChunks):
+                name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)
+            out[name] = value
+    if strategy.pipeline_parallel > 1:  # every stage's parameters, on every rank
+        parts = [None] * strategy.pipeline_parallel
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=groups.pipeline_parallel_group)
+        out = {k: v.to(strategy.root_device) for part in parts for k, v in part.items()}
+    return out
+
+
+@torch.no_grad()
+def tied_head_copy(strategy: MegatronDeepSpeedStrategy) -> torch.Tensor | None:
+    """The last stage's copy of the word embedding (TP-gathered), on every rank; None without a cross-rank tie."""
+    tied = strategy.pipeline.tied if strategy.pipeline is not None else None
+    copy_ = None
+    if tied is not None and not tied.is_first:
+        copy_ = tied.weight.detach().clone()
+        if strategy.groups.tensor_parallel_size > 1:
+            copy_ = gather_tensor_parallel(copy_, 0, strategy.groups.tensor_parallel_group)
+        copy_ = copy_.cpu()
+    parts = [None] * strategy.world_size
+    dist.all_gather_object(parts, copy_)
+    found = [part for part in parts if part is not None]
+    return found[0].to(strategy.root_device) if found else None
 
 
 class VetoStep(Callback):
@@ -65,6 +114,40 @@ class ScaleLossAt(Callback):
         original, factor = self._original, self.factor
         poisoned = int(batch["consumed_samples"]) == self.consumed_samples
         pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if poisoned else original
+
+
+class CommPerStep(Callback):
+    """Bytes of every torch.distributed call of the next-to-last training step (the last one also gathers the
+    captured parameters), by group kind and op, max over ranks (`benchmarks/comm_counter.py`, installed by the
+    launch before DeepSpeed starts). Disabled: records nothing."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.last = enabled, {}
+
+    def on_train_start(self, trainer, pl_module):
+        if self.enabled:
+            from benchmarks import comm_counter
+
+            comm_counter.register_groups(trainer.strategy.groups)
+            comm_counter.reset()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.enabled:
+            from benchmarks import comm_counter
+
+            self.last = comm_counter.snapshot()  # the previous step, start to start
+            comm_counter.reset()
+
+    def result(self, trainer) -> dict:
+        """{"comm": {"tp/all_gather_into_tensor": max bytes over ranks, ...}} (empty when disabled)."""
+        if not self.enabled:
+            return {}
+        import torch.distributed as dist
+
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {k: v["bytes"] for k, v in self.last.items()})
+        keys = {k for rank in per_rank for k in rank}
+        return {"comm": {k: max(rank.get(k, 0) for rank in per_rank) for k in keys}}
 
 
 def tiny_run(
@@ -112,7 +195,7 @@ def tiny_run(
         precision="32-true",
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=checkpoint_dir is not None,
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in cbs),
         callbacks=cbs,
         use_distributed_sampler=False,
         deterministic=True,

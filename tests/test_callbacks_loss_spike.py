@@ -124,6 +124,7 @@ def test_detector_zscore_and_signal_selection():
 
 
 # ---------------------------------------------------------------- in a training run
+@pytest.mark.slow
 def test_log_detects_spike_at_the_right_step_without_false_positives(tmp_path):
     spikes = LossSpikeDetection(action="log", warmup_steps=5)
     trainer, module = fit(tmp_path, [spikes], max_steps=30, poison={20 * BATCH: 1e3})
@@ -162,6 +163,7 @@ def _identical(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
+@pytest.mark.slow
 def test_skip_leaves_params_and_optimizer_state_bit_identical_nan_included(tmp_path):
     nan_at, spike_at, normal_at = 2 * BATCH, 9 * BATCH, 10 * BATCH  # NaN inside the warm-up
     spikes = LossSpikeDetection(action="skip", warmup_steps=5)
@@ -182,6 +184,7 @@ def test_skip_leaves_params_and_optimizer_state_bit_identical_nan_included(tmp_p
     assert all(torch.isfinite(p).all() for p in module.model.parameters())
 
 
+@pytest.mark.slow
 def test_rewind_restores_and_skips_exactly_the_recorded_batches_also_after_restart(tmp_path):
     spike_step = 10
     poison = {spike_step * BATCH: 1e3}
@@ -222,6 +225,7 @@ def test_rewind_restores_and_skips_exactly_the_recorded_batches_also_after_resta
     assert _identical(final, module2.model.state_dict())
 
 
+@pytest.mark.slow
 def test_rewind_is_bounded(tmp_path):
     spikes = LossSpikeDetection(action="rewind", warmup_steps=3, max_rewinds=0)
     with pytest.raises(LossSpikeError, match="max_rewinds=0"):

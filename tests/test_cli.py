@@ -2,6 +2,7 @@
 
 import csv
 
+import pytest
 from conftest import ROOT, run_cli
 
 
@@ -10,6 +11,7 @@ def read_metrics(save_dir):
     return list(csv.DictReader(path.open()))
 
 
+@pytest.mark.slow
 def test_fit_tiny_logs_train_loss_every_step_to_csv_and_learns(tmp_path, demo_data):
     out = run_cli(
         "fit",
@@ -29,10 +31,12 @@ def test_fit_tiny_logs_train_loss_every_step_to_csv_and_learns(tmp_path, demo_da
     assert losses[-1] < losses[0]
     for key in ("lr", "grad_norm", "consumed_samples", "consumed_tokens", "tokens_per_sec", "tflops_per_device"):
         assert rows[-1][key], key
+    assert all(float(r["peak_memory_mib"]) > 50 for r in rows)  # MiB of a live process, every step
     assert float(rows[-1]["consumed_samples"]) == 64 and float(rows[-1]["consumed_tokens"]) == 64 * 64
     assert "train_loss" in out.stdout and "(first step) ->" in out.stdout
 
 
+@pytest.mark.slow
 def test_fit_help_and_print_config_are_standard_lightning_cli():
     out = run_cli("fit", "--help")
     assert out.returncode == 0 and "--model.preset" in out.stdout and "--data.datasets" in out.stdout
@@ -41,6 +45,7 @@ def test_fit_help_and_print_config_are_standard_lightning_cli():
     assert "preset: demo" in out.stdout and "builtin_corpus: python-docs" in out.stdout
 
 
+@pytest.mark.slow
 def test_unknown_preset_is_one_line_without_traceback():
     out = run_cli("fit", "--config", "configs/tiny.yaml", "--model.preset", "gpt5")
     assert out.returncode == 2
@@ -48,12 +53,14 @@ def test_unknown_preset_is_one_line_without_traceback():
     assert out.stderr.strip().splitlines()[-1].startswith("mtnlg: error: unknown model preset 'gpt5'")
 
 
+@pytest.mark.slow
 def test_seq_len_above_position_table_is_one_line(tmp_path):
     out = run_cli("fit", "--config", "configs/tiny.yaml", "--model.model_overrides", "{seq_len: 128}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "seq_len 128 is above the position table size 64" in out.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_missing_dataset_files_are_one_line(tmp_path):
     out = run_cli(
         "fit", "--config", "configs/tiny.yaml", "--data.builtin_corpus", "null", "--data.datasets", f"[{tmp_path}/nope]"
@@ -62,6 +69,7 @@ def test_missing_dataset_files_are_one_line(tmp_path):
     assert f"missing dataset file {tmp_path}/nope.idx" in out.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_demo_config_saves_a_checkpoint_and_an_offline_wandb_run(tmp_path, demo_data):
     out = run_cli(
         "fit",

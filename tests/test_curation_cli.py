@@ -15,7 +15,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def tool(name, *args, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k != "MTNLG_DEDUP_CRASH_AT"}
+    env = {k: v for k, v in os.environ.items() if k != "MTNLG_CURATION_CRASH_AT"}
     return subprocess.run(
         [sys.executable, str(TOOLS / name), *map(str, args)],
         capture_output=True,

@@ -6,15 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from mtnlg_lightning.curation.decontaminate import (
-    DecontamConfig,
-    TaskNgrams,
-    clean_text,
-    run_decontaminate,
-    split_text,
-    words_and_spans,
-)
+from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.jsonl import InputError
+from mtnlg_lightning.curation.ngrams import TaskNgrams, clean_text, split_text, words_and_spans
 from mtnlg_lightning.curation.synthetic import TextGenerator
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,7 +226,7 @@ def test_two_workers_identical(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     out1, _ = run_files(tmp_path / "a", trecs, [{"text": d} for d in docs])
-    out2, rep2 = run_files(tmp_path / "b", trecs, [{"text": d} for d in docs], workers=2, chunk_lines=7)
+    out2, rep2 = run_files(tmp_path / "b", trecs, [{"text": d} for d in docs], workers=2, shard_bytes=7000)
     assert out1 == out2 and rep2["settings"]["workers"] == 2
 
 
@@ -257,3 +251,22 @@ def test_bad_inputs_raise_one_line_errors(tmp_path):
         run_decontaminate(cfg)
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "report.json").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    from mtnlg_lightning.curation.stages import Faults, SimulatedCrash
+
+    tasks, docs = planted_corpus(seed=4, n_docs=40)
+    trecs = [{"task": "t", "text": t} for t in tasks]
+    (tmp_path / "a").mkdir()
+    ref, _ = run_files(tmp_path / "a", trecs, [{"text": d} for d in docs], shard_bytes=9000)
+    tp, ip = str(tmp_path / "a" / "tasks.jsonl"), str(tmp_path / "a" / "train.jsonl")
+    cfg = DecontamConfig([tp], ip, str(tmp_path / "b" / "clean.jsonl"), progress=False, shard_bytes=9000)
+    for point, resumed in (("clean:task2", ["count"]), ("publish:1", ["count", "clean"])):
+        with pytest.raises(SimulatedCrash):
+            run_decontaminate(cfg, Faults(crash_at=point, raise_instead=True))
+        assert not (tmp_path / "b" / "report.json").exists()  # never looks done
+        rep = run_decontaminate(cfg)
+        assert rep["resumed_stages"] == resumed
+        assert [json.loads(x) for x in (tmp_path / "b" / "clean.jsonl").read_text().splitlines()] == ref
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["clean.jsonl", "report.json"]  # work dir gone

@@ -6,11 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from mtnlg_lightning.curation import dedup as dedup_mod
 from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
 from mtnlg_lightning.curation.jsonl import InputError
 from mtnlg_lightning.curation.lsh import Banding
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
+from mtnlg_lightning.curation.stages import CRASH_ENV, Faults, SimulatedCrash
 from mtnlg_lightning.curation.synthetic import TextGenerator, make_near_dup_corpus
 
 W5 = ShingleSpec("word", 5)
@@ -192,8 +192,9 @@ def test_settings_validation(tmp_path):
 # Resume: a run killed at any point resumes finished stages, or starts clean; never looks complete early.
 
 
-class Killed(BaseException):
-    pass
+def killed_at(point):
+    """A run that dies at ``point`` (a stage name, ``<stage>:task<i>`` or ``publish:<i>``)."""
+    return Faults(crash_at=point, raise_instead=True)
 
 
 @pytest.fixture
@@ -211,7 +212,7 @@ def _outputs(d):
 @pytest.mark.parametrize(
     "point,resumed",
     [
-        ("signatures:shard2", []),
+        ("signatures:task2", []),
         ("signatures", ["signatures"]),
         ("buckets", ["signatures", "buckets"]),
         ("verify", ["signatures", "buckets", "verify"]),
@@ -219,25 +220,18 @@ def _outputs(d):
         ("publish:1", ["signatures", "buckets", "verify", "clusters", "filter"]),
     ],
 )
-def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus, monkeypatch, point, resumed):
+def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus, point, resumed):
     path, ref = corpus
     out = tmp_path / "out"
-
-    def crash(p):
-        if p == point:
-            raise Killed(p)
-
-    monkeypatch.setattr(dedup_mod, "_maybe_crash", crash)
     cfg = DedupConfig([path], str(out), progress=False, shard_bytes=64 << 10)
-    with pytest.raises(Killed):
-        run_dedup(cfg)
+    with pytest.raises(SimulatedCrash):
+        run_dedup(cfg, killed_at(point))
     assert not (out / "report.json").exists()  # never looks done
     if not point.startswith("publish"):
         assert not (out / "c.jsonl").exists() and not (out / "duplicates.jsonl").exists()
-    monkeypatch.setattr(dedup_mod, "_maybe_crash", lambda p: None)
     rep = run_dedup(cfg)
     assert rep["resumed_stages"] == resumed
-    if point == "signatures:shard2":
+    if point == "signatures:task2":
         assert rep["signature_shards"]["reused"] == 2 < rep["signature_shards"]["total"]  # finished shards kept
     assert _outputs(out) == _outputs(tmp_path / "ref")
     assert rep["totals"] == ref["totals"]
@@ -245,18 +239,11 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus, m
     assert again.get("already_complete") is True
 
 
-def test_changed_input_or_settings_start_clean(tmp_path, corpus, monkeypatch):
+def test_changed_input_or_settings_start_clean(tmp_path, corpus):
     path, _ = corpus
     out = tmp_path / "out"
-
-    def crash(p):
-        if p == "verify":
-            raise Killed(p)
-
-    monkeypatch.setattr(dedup_mod, "_maybe_crash", crash)
-    with pytest.raises(Killed):
-        run_dedup(DedupConfig([path], str(out), progress=False))
-    monkeypatch.setattr(dedup_mod, "_maybe_crash", lambda p: None)
+    with pytest.raises(SimulatedCrash):
+        run_dedup(DedupConfig([path], str(out), progress=False), killed_at("verify"))
     rep = run_dedup(DedupConfig([path], str(out), progress=False, threshold=0.9))
     assert rep["resumed_stages"] == []
     with open(path, "a") as f:
@@ -273,7 +260,7 @@ def test_real_kill_with_os_exit_then_resume(tmp_path, corpus):
     path, _ = corpus
     tool = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "dedup.py")
     out = tmp_path / "out"
-    env = {**os.environ, dedup_mod._CRASH_ENV: "verify"}
+    env = {**os.environ, CRASH_ENV: "verify"}
     p = subprocess.run([sys.executable, tool, path, "-o", str(out), "-q"], env=env, capture_output=True, text=True)
     assert p.returncode == 86 and not (out / "report.json").exists()
     assert (out / WORK_DIR_NAME / "buckets.done").exists()

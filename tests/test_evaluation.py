@@ -224,7 +224,7 @@ def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one
         "init_args": {"task": "lambada", "data": str(cloze), "tokenizer": tokenizer_path, "every_n_steps": 2},
     }
     extra = (f"--trainer.callbacks+={json.dumps(callback)}",)
-    fit_single_and_parallel(tmp_path, "configs/strategy/tp2_pp2_dp2.yaml", 8, 4, extra)
+    fit_single_and_parallel(tmp_path, "configs/strategy/tp2_pp2_dp2.yaml", 8, 4, both=extra)
 
     def logged(run):
         rows = csv.DictReader(next((tmp_path / run).rglob("metrics.csv")).open())

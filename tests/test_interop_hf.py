@@ -129,10 +129,14 @@ def test_generation_stops_at_the_position_limit_with_a_note(hf_dir, capsys):
     assert "[stopped at the position limit of 64]" in err
 
 
-def test_checkpoint_without_tokenizer_still_exports_the_model_and_says_so(tiny_checkpoint, tmp_path, capsys):
-    assert export_main([str(tiny_checkpoint), str(tmp_path / "out")]) == 0
+def test_source_without_tokenizer_still_exports_the_model_and_says_so(hf_dir, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(hf_dir, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert export_main([str(bare), str(tmp_path / "out")]) == 0
     assert "names no tokenizer" in capsys.readouterr().err
-    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.n_layer == 2
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.n_layer == 3
 
 
 def test_bad_sources_are_one_line(tmp_path, capsys):
@@ -169,7 +173,7 @@ def test_fit_init_from_trains_the_same_under_tp2_as_in_one_process(hf_dir, tmp_p
     preprocess_jsonl(str(corpus), str(hf_dir), str(tmp_path / "data"), progress=False)  # its tokenizer, as a dir
     data = ["--data.builtin_corpus", "null", "--data.datasets", f"[{tmp_path / 'data'}]"]
     reference, _, _ = fit_single_and_parallel(
-        tmp_path, "configs/strategy/tp2.yaml", 2, 5, ("--model.init_from", str(hf_dir), *data)
+        tmp_path, "configs/strategy/tp2.yaml", 2, 5, both=("--model.init_from", str(hf_dir), *data)
     )
     assert len(reference) == 5
 

@@ -2,7 +2,9 @@
 
 The tiny model, same config and seed, 5 steps with a gradient clip small enough to trigger on every step: per-step
 losses within relative 1e-5 of the single-process run and the gathered parameters equal at fp32 tolerance, for
-tp2; dp2 with ZeRO-1, ZeRO-2, ZeRO-3; tp2 x dp2 with ZeRO-1; tp4. Plus, from the same launches: checkpoint
+tp2; dp2 with ZeRO-1, ZeRO-2, ZeRO-3; tp2 x dp2 with ZeRO-1; tp4; sequence parallelism at tp2 (also with full
+activation checkpointing and with the loss-spike skip), tp4, tp2 x dp2 ZeRO-2/3, tp2 x pp2 x dp2 ZeRO-1, with its
+communication counted against theory. Plus, from the same launches: checkpoint
 resume in the same layout (6 steps == 3 + resume + 3), an update veto under ZeRO leaves params and optimizer
 untouched, and ZeRO-1's real per-rank optimizer state halves at dp=2.
 
@@ -44,9 +46,24 @@ WORLD2_RUNS = [
     "pp2_spike_skip",
     "pp2_activation_checkpointing",
     "pp2_spike_rewind",
+    "dp2_zero1_spike_rewind",
+    "tp2_sp",
+    "tp2_sp_full_ac",
+    "tp2_sp_dropout_full_ac",
+    "tp2_sp_spike_skip",
 ]
-WORLD4_RUNS = ["tp2_dp2_zero1_ckpt", "tp2_dp2_zero1_resume", "tp4", "pp2_dp2_zero1", "pp2_dp2_zero2"]
-WORLD8_RUNS = ["tp2_pp2_dp2_zero1"]
+WORLD4_RUNS = [
+    "tp2_dp2_zero1_ckpt",
+    "tp2_dp2_zero1_resume",
+    "roundtrip_pp2_dp2_zero2",
+    "tp4",
+    "pp2_dp2_zero1",
+    "pp2_dp2_zero2",
+    "tp4_sp",
+    "tp2_dp2_zero2_sp",
+    "tp2_dp2_zero3_sp",
+]
+WORLD8_RUNS = ["tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
@@ -63,7 +80,7 @@ def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}
+    return {"_dir": out, **{name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +136,11 @@ def test_reference_clips_on_every_step(reference):
         ("dp2_zero3", 2),
         ("tp2_dp2_zero1_ckpt", 4),
         ("tp4", 4),
+        ("tp2_sp", 2),  # sequence parallelism
+        ("tp2_sp_full_ac", 2),  # ... with every block recomputed in the backward pass
+        ("tp4_sp", 4),
+        ("tp2_dp2_zero2_sp", 4),
+        ("tp2_dp2_zero3_sp", 4),
     ],
 )
 def test_layout_trains_like_one_process(layout, world, reference, world2, world4):
@@ -162,6 +184,7 @@ PIPELINE_LAYOUTS = [  # (run, world, blocks): 1F1B, interleaved (2 virtual stage
     ("pp2_dp2_zero1", 4, 2),
     ("pp2_dp2_zero2", 4, 2),
     ("tp2_pp2_dp2_zero1", 8, 2),
+    ("tp2_pp2_dp2_zero1_sp", 8, 2),  # + sequence parallelism: the stage boundary carries the sequence shard
 ]
 
 
@@ -204,8 +227,9 @@ def test_pipeline_checkpoint_resume_continues_identically(world2):
     assert torch.equal(resumed["tied_head"], resumed["params"][6]["embed.wte.weight"])
 
 
-def test_loss_spike_skip_under_the_pipeline_is_one_decision_for_all_ranks(world2):
-    run = world2["pp2_spike_skip"]  # loss x 1e3 at step 6 (0-based); global_step 7 counts it
+@pytest.mark.parametrize("layout", ["pp2_spike_skip", "tp2_sp_spike_skip"])
+def test_loss_spike_skip_under_the_3d_strategy_is_one_decision_for_all_ranks(layout, world2):
+    run = world2[layout]  # loss x 1e3 at step 6 (0-based); global_step 7 counts it
     assert run["spike_steps"] == [6]
     assert max_param_diff(run["params"][7], run["params"][6]) == 0.0  # both stages kept their parameters
     assert max_param_diff(run["params"][8], run["params"][7]) > 0.0  # and train on afterwards
@@ -217,8 +241,9 @@ def test_activation_checkpointing_composes_with_the_pipeline(reference, world2):
     assert max_param_diff(run["params"][5], reference["params"][5]) <= PARAM_ATOL
 
 
-def test_loss_spike_rewind_under_the_pipeline_restores_the_sharded_checkpoint_and_skips_the_data(world2):
-    run = world2["pp2_spike_rewind"]  # loss x 1e3 at step 7; checkpoints at steps 3, 6, 9
+@pytest.mark.parametrize("name", ["pp2_spike_rewind", "dp2_zero1_spike_rewind"])
+def test_loss_spike_rewind_restores_the_sharded_checkpoint_and_skips_the_data(world2, name):
+    run = world2[name]  # loss x 1e3 at step 7; checkpoints at steps 3, 6, 9
     assert run["spike_steps"] == [7]
     (rewind,) = run["record"]["rewinds"]
     assert rewind["restored_step"] == 6 and rewind["checkpoint"].endswith("step=6.ckpt")
@@ -226,4 +251,59 @@ def test_loss_spike_rewind_under_the_pipeline_restores_the_sharded_checkpoint_an
     # Steps 0-7 (7 spiked), then the restored step-6 state skips 2 batches: global steps 8 and 9 train on.
     assert len(run["losses"]) == 10 and run["losses"][7] > 1000
     assert all(loss < 9 for loss in run["losses"][8:]), run["losses"]
-    assert torch.equal(run["tied_head"], run["params"][10]["embed.wte.weight"])
+    if name.startswith("pp2"):
+        assert torch.equal(run["tied_head"], run["params"][10]["embed.wte.weight"])
+
+
+def test_checkpoint_saved_in_one_layout_loaded_in_another_and_saved_again_is_tensor_for_tensor_equal(world4):
+    """Megatron's resharding test: tp2 x dp2 ZeRO-1 -> pp2 x dp2 ZeRO-2 -> saved again."""
+    from mtnlg_lightning.checkpoint.format import TensorReader, read_manifest, read_meta
+
+    first, second = world4["_dir"] / "tp2_dp2_zero1_ckpt" / "step=3.ckpt", world4["_dir"] / "roundtrip.ckpt"
+    a, b = read_manifest(first), read_manifest(second)
+    assert a["saved_by"]["tensor_parallel"] == 2 and b["saved_by"]["pipeline_parallel"] == 2
+    assert sorted(a["tensors"]) == sorted(b["tensors"]) and any(k.startswith("optim/") for k in a["tensors"])
+    reader_a, reader_b = TensorReader(first, a), TensorReader(second, b)
+    for key in a["tensors"]:
+        assert torch.equal(reader_a.read(key), reader_b.read(key)), key
+    assert read_meta(first)["optimizer"] == read_meta(second)["optimizer"]
+    assert (a["global_step"], a["consumed_samples"]) == (b["global_step"], b["consumed_samples"]) == (3, 24)
+
+
+# ---------------------------------------------------------------------------------------------- sequence parallelism
+def test_sequence_parallel_communication_counted_in_the_ranks_equals_theory(world2):
+    """tp2 + SP, one step (2 micro-batches of b=4; tiny: L=2, s=64, h=64), payload bytes per TP rank, fp32.
+
+    Per micro-batch and layer, 2 all-gathers + 2 reduce-scatters forward (each half of a TP all-reduce) and
+    2 reduce-scatters + 4 all-gathers backward (one re-gathers the saved input shard of each column-parallel
+    layer); the LM head gathers (1 forward, 1 + 1 reduce-scatter backward) and the scattered embedding gathers
+    its gradient (1). All-reduces: the word embedding (b*s*h), the loss (3 x b*s) and the LayerNorm and
+    row-parallel-bias gradients (6h per layer + 2h for the final norm)."""
+    comm = world2["tp2_sp"]["comm"]
+    micro_batches, b, s, h, layers = 2, 4, 64, 64, 2
+    bsh = 4 * b * s * h
+    assert comm["tp/all_gather_into_tensor"] == micro_batches * (6 * layers + 1 + 2) * bsh
+    assert comm["tp/reduce_scatter_tensor"] == micro_batches * (4 * layers + 1) * bsh
+    assert comm["tp/all_reduce"] == micro_batches * (bsh + 4 * 3 * b * s + 4 * (6 * layers + 2) * h)
+
+
+def test_pipeline_stage_boundary_carries_the_sequence_shard(world8):
+    """tp2 x pp2 x dp2: per step 2 micro-batches of [2, 64, 64] fp32 cross the stage boundary each way; with
+    sequence parallelism each TP rank sends and receives only its half of the sequence."""
+    plain, sp = world8["tp2_pp2_dp2_zero1"]["comm"], world8["tp2_pp2_dp2_zero1_sp"]["comm"]
+    activation = 2 * 2 * 64 * 64 * 4  # micro-batches x b x s x h x fp32
+    assert plain["pp/isend"] == plain["pp/irecv"] == activation
+    assert sp["pp/isend"] == sp["pp/irecv"] == activation // 2
+
+
+def test_sequence_parallel_dropout_and_its_recomputation_match_one_process(world2):
+    """hidden_dropout 0.1: each TP rank keeps its slice of a whole-sequence mask (independent masks per shard, as in
+    one process, bit-identical on CPU), and full activation checkpointing redraws the same masks."""
+    from dist_parallel_runs import DROPOUT
+
+    ref, _ = tiny_run(max_steps=5, model_overrides=DROPOUT)
+    plain, _ = tiny_run(max_steps=1, capture_steps=())
+    run = world2["tp2_sp_dropout_full_ac"]
+    assert abs(ref.losses[0] - plain.losses[0]) > 1e-3  # dropout is active
+    assert max_rel(run["losses"][:5], ref.losses[:5]) <= LOSS_RTOL
+    assert max_param_diff(run["params"][5], ref.params[5]) <= PARAM_ATOL

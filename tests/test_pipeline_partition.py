@@ -1,5 +1,6 @@
 """Pipeline stage partitioning, stage pruning and the MT-NLG 530B dry run (no processes, no memory)."""
 
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ from conftest import ROOT, run_cli
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import build_model
-from mtnlg_lightning.parallel.pipeline import build_stage, layers_per_stage, schedule_class, stage_ranks
+from mtnlg_lightning.parallel.pipeline import build_stage, layers_per_stage, schedule_class, stages_held_by_rank
 
 
 def test_mtnlg_105_layers_on_35_stages_is_3_per_stage():
@@ -32,8 +33,8 @@ def test_impossible_partitions_are_clear_errors():
 
 
 def test_stage_placement_is_looped_or_v_shaped():
-    assert stage_ranks("interleaved_1f1b", 2, 2) == [[0, 2], [1, 3]]
-    assert stage_ranks("zbv_zero_bubble", 2, 2) == [[0, 3], [1, 2]]
+    assert stages_held_by_rank("interleaved_1f1b", 2, 2) == [[0, 2], [1, 3]]
+    assert stages_held_by_rank("zbv_zero_bubble", 2, 2) == [[0, 3], [1, 2]]
     with pytest.raises(MTNLGError, match="unknown pipeline schedule 'dualpipe'"):
         schedule_class("dualpipe")
 
@@ -51,6 +52,7 @@ def test_stages_keep_their_blocks_under_global_names_and_the_last_stage_holds_a_
     assert torch.equal(last.lm_head.weight, embedding) and last.lm_head.weight.requires_grad
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools/dry_run.py"), "--config", str(ROOT / "configs/mtnlg_530b.yaml")],
@@ -64,8 +66,12 @@ def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
     assert "blocks per stage 3" in text and "529.6B parameters" in text
     assert "32 -> 1920 sequences" in text and "micro-batches per pipeline 2 -> 120" in text
     assert "-> fits" in text and "recompute: full" in text
+    # Memory per GPU with and without sequence parallelism (SP shards the stored activations over TP).
+    sp = re.search(r"without SP ([\d.]+) GB .* with SP ([\d.]+) GB", text)
+    assert sp and float(sp[2]) < float(sp[1])
 
 
+@pytest.mark.slow
 def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  strategy:\n    init_args: {tensor_parallel: 16}\n")
@@ -88,6 +94,7 @@ def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_530b_config_parses_through_the_cli():
     out = run_cli("fit", "--print_config", "--config", "configs/mtnlg_530b.yaml")
     assert out.returncode == 0, out.stderr[-2000:]

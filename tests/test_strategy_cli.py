@@ -1,6 +1,7 @@
 """The 3D strategy through the real `mtnlg` CLI: `--trainer.strategy configs/strategy/X.yaml`, as a user runs it."""
 
 import csv
+import json
 
 import pytest
 from conftest import run_cli
@@ -11,9 +12,11 @@ def train_rows(save_dir):
     return [r for r in csv.DictReader(path.open()) if r.get("train_loss")]
 
 
-def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: int, extra: tuple[str, ...] = ()):
-    """The same tiny config (plus `extra` arguments) through `mtnlg fit` on one process and on `devices` ranks with
-    `strategy_file`; returns (reference train rows, parallel train rows, parallel output)."""
+def fit_single_and_parallel(
+    tmp_path, strategy_file: str, devices: int, steps: int, *parallel_args: str, both: tuple[str, ...] = ()
+):
+    """The same tiny config (plus `both` arguments) through `mtnlg fit` on one process and on `devices` ranks with
+    `strategy_file` (and `parallel_args`); returns (reference train rows, parallel train rows, parallel output)."""
     common = [
         "fit",
         "--config",
@@ -22,7 +25,7 @@ def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: i
         str(steps),
         "--trainer.logger",
         "lightning.pytorch.loggers.CSVLogger",
-        *extra,
+        *both,
     ]
     single = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
@@ -34,6 +37,7 @@ def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: i
         strategy_file,
         "--trainer.devices",
         str(devices),
+        *parallel_args,
     )
     assert parallel.returncode == 0, parallel.stderr[-3000:]
     reference, rows = train_rows(tmp_path / "single"), train_rows(tmp_path / "parallel")
@@ -54,6 +58,7 @@ def test_tp2_zero1_on_4_ranks_logs_train_loss_once_per_step_matching_one_process
     assert all(float(r["grad_norm"]) > 1.0 for r in reference)  # tiny.yaml's grad_clip 1.0 triggers
 
 
+@pytest.mark.slow
 def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line():
     out = run_cli(
         "fit",
@@ -70,6 +75,7 @@ def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line(
     assert errors == ["mtnlg: error: world size 2 is not divisible by tensor_parallel 4 x pipeline_parallel 1 = 4"]
 
 
+@pytest.mark.slow
 def test_more_pipeline_stages_than_blocks_is_one_line():
     out = run_cli(
         "fit",
@@ -101,3 +107,40 @@ def test_tp2_pp2_dp2_on_8_ranks_trains_like_one_process_and_validates_through_th
 
     assert val(tmp_path / "parallel") == pytest.approx(val(tmp_path / "single"), rel=1e-5)  # forward-only pipeline
     assert len(val(tmp_path / "parallel")) == 1
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_tp2_x_pp2_under_the_pytorch_profiler_writes_a_trace_per_rank_and_logs_peak_memory(tmp_path):
+    pipeline = ("--trainer.strategy.init_args.pipeline_parallel", "2")
+    _, rows, output = fit_single_and_parallel(
+        tmp_path, "configs/strategy/tp2_sp.yaml", 4, 5, *pipeline, "--trainer.profiler", "pytorch"
+    )
+    assert "layout: world 4 = pp 2 x dp 1 x tp 2 on 1 node(s) of 4 rank(s)" in output
+    # Lightning names each trace by stage, local rank and action: fit-<rank>-[Strategy]...training_step...
+    traces = list((tmp_path / "parallel").rglob("*training_step*.pt.trace.json"))
+    assert sorted(int(path.name.split("-")[1]) for path in traces) == [0, 1, 2, 3], traces
+    for path in traces:
+        assert json.loads(path.read_text())["traceEvents"]  # a Chrome/Perfetto trace with events
+    peaks = [float(row["peak_memory_mib"]) for row in rows]
+    assert len(peaks) == 5 and all(50 < peak < 16_000 for peak in peaks), peaks  # MiB of a live process
+
+
+@pytest.mark.distributed
+def test_sequence_length_not_divisible_by_tensor_parallel_fails_at_start_up_with_one_line():
+    out = run_cli(
+        "fit",
+        "--config",
+        "configs/tiny.yaml",
+        "--trainer.strategy",
+        "configs/strategy/tp2_sp.yaml",
+        "--trainer.devices",
+        "2",
+        "--model.model_overrides",
+        "{seq_len: 63}",
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = {line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")}
+    assert errors == {
+        "mtnlg: error: sequence_parallel: seq_len 63 is not divisible by tensor_parallel 2; choose a seq_len "
+        "that is a multiple of 2 or set sequence_parallel: false"
+    }

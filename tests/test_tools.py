@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 from mtnlg_lightning.data.indexed import IndexedDataset
@@ -16,6 +17,7 @@ def tool(name, *args):
     )
 
 
+@pytest.mark.slow
 def test_train_tokenizer_then_preprocess_writes_documents_with_eod(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     docs = [f"Document number {i} talks about the weather and the sea, item {i * 7}." for i in range(200)]
@@ -52,6 +54,7 @@ def test_train_tokenizer_then_preprocess_writes_documents_with_eod(tmp_path):
     assert tokenizer.decode(dataset[17][:-1]) == docs[17] and dataset[17][-1] == tokenizer.eod_id
 
 
+@pytest.mark.slow
 def test_preprocess_reports_a_bad_line_with_its_number_and_writes_nothing(tmp_path):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text('{"text": "fine"}\n{"text": broken\n')
@@ -70,6 +73,7 @@ def test_preprocess_reports_a_bad_line_with_its_number_and_writes_nothing(tmp_pa
     assert not list(tmp_path.glob("o.*"))
 
 
+@pytest.mark.slow
 def test_tools_explain_every_flag_in_help():
     for name in ("preprocess_data.py", "train_tokenizer.py"):
         out = tool(name, "--help")

@@ -12,7 +12,7 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.dry_run import dry_run
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.planner import GPU_MEMORY_BYTES
+from mtnlg_lightning.gpus import gpu_names
 
 
 def main(argv=None) -> int:
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--gpu",
         default="a100-80g",
-        choices=sorted(GPU_MEMORY_BYTES),
+        choices=gpu_names(),
         help="GPU type for the memory check (default a100-80g, MT-NLG's DGX A100)",
     )
     parser.add_argument(

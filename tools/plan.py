@@ -1,78 +1,209 @@
 #!/usr/bin/env python
-"""Memory and throughput planner: does a (TP, PP, DP) layout fit, and how long is an iteration?
+"""Planner: does a (TP, PP, DP) layout fit, how long is an iteration, and why? Or: which layout is fastest?
 
-    python tools/plan.py --model mtnlg-530b --tp 8 --pp 35 --dp 16 --gpus-per-node 8 --gpu a100-80g \\
-        --global-batch 1920 --micro-batch 1 --recompute full
-    python tools/plan.py --model gpt3-175b --gpus 1024 --gpus-per-node 8 --gpu h100 --global-batch 1536 --search
+Check one layout (memory per GPU, time per iteration with its breakdown):
+    python tools/plan.py --model mtnlg-530b --tp 8 --pp 35 --dp 16 --gpu a100-80g --global-batch 1920 \\
+        --micro-batch 1 --recompute full --rampup 32 32 5859375
+Rank every layout of a cluster that fits, and explain the top ones; write the best as a strategy config:
+    python tools/plan.py --model gpt3-1.3b --gpus 16 --global-batch 512 --search --write-config best.yaml
+    mtnlg fit --config my_run.yaml --trainer.strategy best.yaml --model.micro_batch_size ... (printed)
+A model by its dimensions instead of a preset:
+    python tools/plan.py --layers 48 --hidden 6144 --heads 64 --seq 2048 --vocab 51200 --gpus 64 --search
+
+The time model (src/mtnlg_lightning/cost_model.py) is checked against published runs:
+python tools/validate_planner.py prints predicted vs published throughput.
 """
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.config import get_config
+from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
+from mtnlg_lightning.cost_model import IMPLEMENTATIONS
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.planner import GPU_MEMORY_BYTES, RECOMPUTE_MODES, format_plan, plan, search
+from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
+from mtnlg_lightning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
+
+DIMENSIONS = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_heads",
+    "seq": "seq_len",
+    "vocab": "vocab_size",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model (a preset, optionally with dimensions overridden)")
+    model.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default mtnlg-530b)")
+    for flag, field in DIMENSIONS.items():
+        model.add_argument(f"--{flag}", type=int, help=f"{field} (overrides the preset's)")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--gpu", default="a100-80g", help=f"GPU type: {', '.join(gpu_names())}")
+    hardware.add_argument("--gpu-spec", help="YAML file adding GPU types (fields of gpus.GPUSpec)")
+    hardware.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: the NVLink domain (default 8)")
+    hardware.add_argument("--gpus", type=int, help="cluster size for --search (default: tp x pp x dp)")
+    layout = parser.add_argument_group(
+        "layout (checked as given; with --search only the batch, precision and implementation apply, and tp x pp x dp "
+        "is the default --gpus)"
+    )
+    layout.add_argument("--tp", type=int, default=8, help="tensor-parallel size, inside a node (default 8)")
+    layout.add_argument("--pp", type=int, default=35, help="pipeline-parallel stages (default 35)")
+    layout.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    layout.add_argument("--virtual-stages", type=int, default=1, help="model chunks per GPU (interleaved 1F1B)")
+    layout.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    layout.add_argument("--global-batch", type=int, default=1920, help="sequences per iteration (default 1920)")
+    layout.add_argument("--recompute", default="full", choices=RECOMPUTE_MODES, help="activation recomputation")
+    layout.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (TP > 1)")
+    layout.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over DP")
+    layout.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
+    layout.add_argument(
+        "--rampup",
+        type=int,
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="batch ramp-up (as --model.rampup_batch_size) to time: its steps and hours",
+    )
+    layout.add_argument(
+        "--implementation",
+        default="mtnlg-lightning",
+        choices=sorted(IMPLEMENTATIONS),
+        help="training software whose fusions/overlaps to model (default: this trainer)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--search", action="store_true", help="rank every layout that fits, fastest first")
+    out.add_argument("--top", type=int, default=10, help="layouts listed by --search (default 10)")
+    out.add_argument("--explain", type=int, default=3, help="layouts whose time breakdown --search prints")
+    out.add_argument("--write-config", metavar="PATH", help="write the (best) layout as a strategy YAML")
+    out.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def model_config(args) -> ModelConfig:
+    overrides = {field: getattr(args, flag) for flag, field in DIMENSIONS.items() if getattr(args, flag) is not None}
+    if args.model is None and overrides:
+        missing = [f"--{flag}" for flag in ("layers", "hidden", "heads", "seq") if getattr(args, flag) is None]
+        if missing:
+            raise MTNLGError(f"a model by dimensions needs {', '.join(missing)} (or --model PRESET to start from)")
+        return ModelConfig(**overrides, name="custom")
+    preset = args.model or "mtnlg-530b"
+    if "seq_len" in overrides:
+        overrides.setdefault("max_position_embeddings", overrides["seq_len"])
+    return get_config(preset, **overrides)
+
+
+def strategy_yaml(p: Plan, gpus_per_node: int) -> str:
+    schedule = "interleaved_1f1b" if p.virtual_stages > 1 else "1f1b"
+    lines = [
+        f"# Written by tools/plan.py: {p.model} on {p.gpus} x {p.gpu}, global batch {p.global_batch}; predicted "
+        f"{p.iteration_seconds:.3g} s per iteration (MFU {p.mfu:.0%}), {p.total_gb:.1f} GB per GPU.",
+        f"#   mtnlg fit --config YOUR_RUN.yaml --trainer.strategy THIS_FILE --model.micro_batch_size {p.micro_batch} "
+        f"--model.global_batch_size {p.global_batch}",
+        "class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy",
+        "init_args:",
+        f"  tensor_parallel: {p.tp}",
+        f"  pipeline_parallel: {p.pp}",
+        f"  pipeline_schedule: {schedule}",
+        f"  virtual_pipeline_stages: {p.virtual_stages}",
+        f"  zero_stage: {p.zero_stage}",
+        f"  gpus_per_node: {gpus_per_node}",
+    ]
+    if p.sequence_parallel:
+        lines.append("  sequence_parallel: true")
+    return "\n".join(lines) + "\n"
+
+
+def write_config(path: str, p: Plan, gpus_per_node: int) -> None:
+    """Atomic: a temp file in the target folder, renamed over the target."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise MTNLGError(f"--write-config: folder {target.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(strategy_yaml(p, gpus_per_node))
+    os.replace(tmp, target)
+
+
+def usage_lines(path: str, p: Plan, gpus_per_node: int) -> list[str]:
+    lines = [
+        f"wrote {path}; train with:",
+        f"  mtnlg fit --config YOUR_RUN.yaml --trainer.strategy {path} --model.micro_batch_size {p.micro_batch} "
+        f"--model.global_batch_size {p.global_batch} --trainer.devices {min(p.gpus, gpus_per_node)} "
+        f"--trainer.num_nodes {max(1, p.gpus // gpus_per_node)}",
+    ]
+    if p.recompute != "none":
+        lines.append(
+            f"  with recompute: --trainer.callbacks+=callbacks/activation_checkpointing.yaml "
+            f"--trainer.callbacks.init_args.mode {p.recompute}"
+        )
+    return lines
+
+
+def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
+    print(
+        f"{len(plans)} layouts of {gpus} x {args.gpu} fit {name} (global batch {args.global_batch}); "
+        f"fastest {args.top}:"
+    )
+    print(
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mb':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
+        f"{'GB/GPU':>7} {'bubble':>7} {'s/iter':>8} {'TFLOP/s':>8} {'MFU':>6}"
+    )
+    for i, p in enumerate(plans[: args.top], start=1):
+        print(
+            f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.virtual_stages:>2} {p.micro_batch:>3} {p.recompute:>9} "
+            f"{'yes' if p.sequence_parallel else 'no':>3} {p.zero_stage:>4} {p.total_gb:>7.1f} {p.bubble:>7.1%} "
+            f"{p.iteration_seconds:>8.3f} {p.tflops_per_gpu:>8.1f} {p.mfu:>6.1%}"
+        )
+    if plans and args.explain:
+        print("why (time per iteration on the slowest pipeline stage):")
+        for i, p in enumerate(plans[: args.explain], start=1):
+            print(f"  #{i}: {format_breakdown(p)}")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="mtnlg-530b", help="model preset name (default: mtnlg-530b)")
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size (inside a node)")
-    parser.add_argument("--pp", type=int, default=35, help="pipeline-parallel stages")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--gpus", type=int, help="cluster size for --search (default: tp x pp x dp)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain)")
-    parser.add_argument("--gpu", default="a100-80g", choices=sorted(GPU_MEMORY_BYTES), help="GPU type (memory, peak)")
-    parser.add_argument("--global-batch", type=int, default=1920, help="sequences per iteration")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--recompute", default="full", choices=RECOMPUTE_MODES, help="activation recomputation")
-    parser.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over DP")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
-    parser.add_argument("--mfu", type=float, default=0.4, help="assumed efficiency of busy time (default 0.4)")
-    parser.add_argument("--search", action="store_true", help="rank every valid layout that fits, fastest first")
-    parser.add_argument("--top", type=int, default=10, help="layouts shown by --search")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        config = get_config(args.model)
+        config = model_config(args)
+        extra = load_gpu_specs(args.gpu_spec) if args.gpu_spec else None
+        gpu = get_gpu(args.gpu, extra)
         if args.search:
             gpus = args.gpus or args.tp * args.pp * args.dp
-            plans = search(config, gpus, args.gpus_per_node, args.gpu, args.global_batch, args.mfu, args.precision)
+            plans = search(
+                config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation
+            )
+            for p in plans:
+                p.gpu = args.gpu
+            if not plans:
+                raise MTNLGError(
+                    f"no layout of {gpus} x {args.gpu} fits {config.name} at global batch {args.global_batch} "
+                    f"(is the batch divisible by data-parallel sizes? is memory enough?)"
+                )
+            chosen = plans[0]
             if args.json:
                 print(json.dumps([p.as_dict() for p in plans[: args.top]], indent=1))
             else:
-                print(f"{len(plans)} layouts of {gpus} x {args.gpu} fit {args.model}; fastest {args.top}:")
-                print(
-                    f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'recompute':>9} {'zero':>4} {'GB/GPU':>7} "
-                    f"{'bubble':>7} {'s/iter':>8} {'TFLOP/s':>8}"
-                )
-                for p in plans[: args.top]:
-                    print(
-                        f"{p.tp:>3} {p.pp:>3} {p.dp:>5} {p.micro_batch:>3} {p.recompute:>9} {p.zero_stage:>4} "
-                        f"{p.total_gb:>7.1f} {p.bubble:>7.1%} {p.iteration_seconds:>8.2f} {p.tflops_per_gpu:>8.1f}"
-                    )
-            return 0 if plans else 1
-        result = plan(
-            config,
-            args.tp,
-            args.pp,
-            args.dp,
-            args.gpus_per_node,
-            args.gpu,
-            args.global_batch,
-            args.micro_batch,
-            args.recompute,
-            args.zero_stage,
-            args.mfu,
-            args.precision,
-        )
+                print_search(plans, args, gpus, config.name)
+        else:
+            chosen = plan(
+                config, args.tp, args.pp, args.dp, args.gpus_per_node, gpu, args.global_batch, args.micro_batch,
+                args.recompute, args.zero_stage, precision=args.precision, virtual_stages=args.virtual_stages,
+                sequence_parallel=args.sequence_parallel, implementation=args.implementation, rampup=args.rampup,
+            )  # fmt: skip
+            chosen.gpu = args.gpu
+            print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))
+        if args.write_config:
+            write_config(args.write_config, chosen, args.gpus_per_node)
+            if not args.json:
+                print("\n".join(usage_lines(args.write_config, chosen, args.gpus_per_node)))
     except MTNLGError as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(result.as_dict(), indent=1) if args.json else format_plan(result))
     return 0
 
 

@@ -13,7 +13,18 @@ from mtnlg_lightning.module import MTNLGModule
 
 
 class MTNLGCLI(LightningCLI):
-    pass
+    def before_instantiate_classes(self) -> None:
+        """`trainer.precision: null` picks the fastest correct precision for the machine: bf16-mixed on a GPU (as
+        MT-NLG trained), 32-true on a CPU, where bf16 autocast is slower than fp32 (~1.7x on the demo)."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config is not None and config.trainer.precision is None:
+            config.trainer.precision = default_precision()
+
+
+def default_precision() -> str:
+    import torch
+
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
 def _wandb_configured() -> bool:
@@ -29,7 +40,10 @@ def main(args: list[str] | None = None) -> None:
     try:
         MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
     except MTNLGError as error:
-        print(f"mtnlg: error: {error}", file=sys.stderr)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
+            print(f"mtnlg: error: {error}", file=sys.stderr)
         sys.exit(2)
     _destroy_process_group()
 

@@ -8,12 +8,12 @@ import yaml
 
 from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
 from mtnlg_lightning.parallel.tensor_parallel import parallelize
 from mtnlg_lightning.planner import format_plan, plan
-from mtnlg_lightning.schedules import BatchSizeSchedule
 
 STRATEGY = "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
 
@@ -101,19 +101,36 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
         if isinstance(c, dict) and c.get("class_path", "").endswith("ActivationCheckpointing")
     ]
     recompute = recompute or (modes[0] if modes and modes[0] in ("full", "selective") else "none")
-    estimate = plan(
-        model_config,
-        tp,
-        pp,
-        layout.data_parallel,
-        layout.ranks_per_node,
-        gpu,
-        batches.global_batch_size,
-        micro,
-        recompute,
-        int(strategy.get("zero_stage", 1)),
-        layers=counts if virtual == 1 else None,
-    )
+    sequence_parallel = bool(strategy.get("sequence_parallel", False))
+
+    def estimate_with(sp: bool):
+        return plan(
+            model_config,
+            tp,
+            pp,
+            layout.data_parallel,
+            layout.ranks_per_node,
+            gpu,
+            batches.global_batch_size,
+            micro,
+            recompute,
+            int(strategy.get("zero_stage", 1)),
+            layers=counts if virtual == 1 else None,
+            virtual_stages=virtual,
+            sequence_parallel=sp,
+        )
+
+    estimate = estimate_with(sequence_parallel)
+    # Sequence parallelism shards the LayerNorm/dropout/residual activations over TP (Korthikanti et al. 2022):
+    # show the memory per GPU both ways so the choice is visible.
+    sp_lines = []
+    if tp > 1 and model_config.seq_len % tp == 0:
+        without, with_sp = estimate_with(False), estimate_with(True)
+        sp_lines.append(
+            f"  sequence par. memory per GPU without SP {without.total_gb:,.1f} GB (activations "
+            f"{without.activation_gb:,.1f} GB), with SP {with_sp.total_gb:,.1f} GB (activations "
+            f"{with_sp.activation_gb:,.1f} GB); this config: SP {'on' if sequence_parallel else 'off'}"
+        )
 
     total_params = count_parameters(model_config)
     lines = [
@@ -133,5 +150,6 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
         f"{micro_first} -> {micro_full}"
         + ("  (fewer than the stages early in the ramp: run as GPipe order)" if micro_first < pp * virtual else ""),
         format_plan(estimate),
+        *sp_lines,
     ]
     return "\n".join(lines)

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.gpus import ALIASES, GPUS
 
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
-PEAK_BF16_FLOPS = {
-    "a100": 312e12,
-    "a100-40g": 312e12,
-    "a100-80g": 312e12,
-    "h100": 989e12,
-    "h100-sxm": 989e12,
-    "h100-pcie": 756e12,
-    "h200": 989e12,
+# Dense bf16 tensor-core peaks (FLOP/s) from the planner's GPU table (gpus.py), under its names and aliases.
+PEAK_BF16_FLOPS = {name: spec.peak_tflops * 1e12 for name, spec in GPUS.items()} | {
+    alias: GPUS[name].peak_tflops * 1e12 for alias, name in ALIASES.items()
 }
 
 

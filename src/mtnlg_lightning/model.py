@@ -29,8 +29,9 @@ class Attention(nn.Module):
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x.shape
-        qkv = self.qkv(x).view(B, S, -1, 3, self.head_dim)  # -1: heads held by this rank
+        qkv = self.qkv(x)
+        B, S, _ = qkv.shape  # from the projection: a sequence-parallel qkv receives a slice and gathers it
+        qkv = qkv.view(B, S, -1, 3, self.head_dim)  # -1: heads held by this rank
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [B, heads, S, head_dim]
         y = self.core(q, k, v, self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.model import build_model
-from mtnlg_lightning.schedules import BatchSizeSchedule, LRSchedule
+from mtnlg_lightning.peak_memory import StepPeakMemory
+from mtnlg_lightning.step_interfaces import GradientUpdater, ModelBuiltHook, PipelineExecutor, UpdateVeto
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -38,6 +40,7 @@ class MTNLGModule(L.LightningModule):
         eps: float = 1.0e-8,
         grad_clip: float | None = 1.0,
         peak_tflops: float | None = None,
+        preemption: bool = True,
         init_from: str | None = None,
     ):
         """
@@ -54,8 +57,13 @@ class MTNLGModule(L.LightningModule):
             betas, eps: AdamW (MT-NLG: beta2 = 0.95 for stability).
             grad_clip: global gradient-norm clipping (MT-NLG: 1.0); null disables.
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
+            preemption: on SIGTERM / SIGUSR1 every rank saves a checkpoint at the next step and stops cleanly
+                (`checkpoint.preemption.Preemption`); false leaves signals to Lightning.
             init_from: start from these weights (fresh optimizer): a Hugging Face GPT-2 directory or a project
                 checkpoint; the architecture comes from it (see mtnlg_lightning.interop.init_from).
+
+        Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
+        (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -82,6 +90,7 @@ class MTNLGModule(L.LightningModule):
         self._step_started: float | None = None
         self._first_loss: float | None = None
         self._peak_flops: float | None = None  # per-device peak FLOP/s for MFU, resolved once per fit
+        self._peak_memory: StepPeakMemory | None = None
         self._restart_train_data = False
 
     def configure_model(self) -> None:
@@ -91,22 +100,34 @@ class MTNLGModule(L.LightningModule):
                 from mtnlg_lightning.interop.init_from import load_init_weights
 
                 load_init_weights(self.model, self.hparams.init_from)
-            # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing):
-            # callbacks opt in by defining `on_model_built(trainer, module)`.
+            # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing).
             trainer = self._trainer
             for callback in trainer.callbacks if trainer is not None else []:
-                if hasattr(callback, "on_model_built"):
+                if isinstance(callback, ModelBuiltHook):
                     callback.on_model_built(trainer, self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
+    def configure_callbacks(self):
+        from mtnlg_lightning.checkpoint.preemption import Preemption
+
+        return [Preemption()] if self.hparams.preemption else []
+
+    def setup(self, stage: str) -> None:
+        # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
+        # (the 3D strategy writes it itself, sharded).
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
+
+        strategy = self.trainer.strategy
+        if type(strategy) in (SingleDeviceStrategy, DDPStrategy):
+            strategy.checkpoint_io = ModelSpaceCheckpointIO(self)
+
     # ---------------------------------------------------------------- optimisation recipe
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for param in self.model.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
+        decay, no_decay = decay_groups(self.model)
         groups = [
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -126,12 +147,15 @@ class MTNLGModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self._step_started is None:
             self._step_started = time.perf_counter()
+        if self._peak_memory is None:
+            self._peak_memory = StepPeakMemory(self.device)
+        self._peak_memory.reset()
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         tokens = batch["tokens"]
         consumed, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
         loss = self.forward_backward(tokens)
-        grad_norm = self.clip_and_step(optimizer, loss)
+        grad_norm = self.update(optimizer, loss)
         scheduler_step_samples = consumed + global_batch
         self.consumed_samples = scheduler_step_samples
         scheduler.step()
@@ -139,50 +163,37 @@ class MTNLGModule(L.LightningModule):
         return loss
 
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Accumulate gradients over this rank's micro-batches; return the mean loss (detached)."""
+        """Accumulate gradients over this rank's micro-batches; return their mean loss (detached)."""
         strategy = self.trainer.strategy
-        if hasattr(strategy, "forward_backward"):  # e.g. a pipeline schedule owns the micro-batch loop
-            return strategy.forward_backward(self, tokens)
+        if isinstance(strategy, PipelineExecutor) and strategy.is_pipelined:  # the schedule runs the micro-batches
+            return strategy.run_pipeline(tokens, self.micro_batch_size, self.loss_fn, train=True)
+        forward = strategy.forward_module if isinstance(strategy, GradientUpdater) else self.model
+        no_sync = getattr(strategy, "block_backward_sync", None)  # Lightning's DDP: reduce once, after the last
         chunks = tokens.split(self.micro_batch_size)
         total = torch.zeros((), device=tokens.device)
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-            no_sync = getattr(strategy, "block_backward_sync", None)
             with nullcontext() if last or no_sync is None else no_sync():
-                loss = self.loss_fn(self.model(chunk[:, :-1]), chunk[:, 1:])
+                loss = self.loss_fn(forward(chunk[:, :-1]), chunk[:, 1:])
                 self.manual_backward(loss / len(chunks))
             total += loss.detach()
         return total / len(chunks)
 
-    def clip_and_step(self, optimizer, loss: torch.Tensor) -> torch.Tensor:
-        """Clip by the global gradient norm, apply the update unless vetoed, return the pre-clip norm."""
+    def update(self, optimizer, loss: torch.Tensor) -> torch.Tensor:
+        """Reduce and clip the gradients, then apply the update unless a callback vetoes it; return the pre-clip
+        global gradient norm."""
         strategy = self.trainer.strategy
-        if hasattr(strategy, "clip_and_step"):  # engines that clip inside their step (DeepSpeed)
-            return strategy.clip_and_step(self, optimizer, loss)
-        max_norm = self.grad_clip if self.grad_clip else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if not self.should_skip_update(loss, grad_norm):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def should_skip_update(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-        """True when a callback vetoes this step's update (e.g. loss-spike `skip`): params and optimizer state
-        then stay exactly as they were. Callbacks opt in by defining `should_skip_update(trainer, module, loss,
-        grad_norm)`; every rank must return the same answer (callbacks reduce their signal across the world)."""
-        votes = [
-            cb.should_skip_update(self.trainer, self, loss, grad_norm)
-            for cb in self.trainer.callbacks
-            if hasattr(cb, "should_skip_update")
-        ]
+        updater = strategy if isinstance(strategy, GradientUpdater) else _LocalUpdater(self.model)
+        vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
+        grad_norm = updater.prepare_update(optimizer, self.grad_clip, undoable=bool(vetoers))
+        # Every vetoer is asked (each observes the step), every rank gets the same answers.
+        votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm) for cb in vetoers]
         if any(votes):
-            # A vetoed update still counts as a training step (as Megatron's skipped iterations): max_steps,
-            # checkpoint cadence and the data plan (consumed_samples(max_steps)) stay in step with the data.
-            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-            progress.increment_ready()
-            progress.increment_completed()
-            return True
-        return False
+            updater.discard_update(optimizer)
+            _count_vetoed_step(self.trainer)
+        else:
+            updater.commit_update(optimizer)
+        return grad_norm
 
     def restart_train_data(self) -> None:
         """Restart the train data stream at `consumed_samples` after a callback moved it (loss-spike rewind, recorded
@@ -213,6 +224,9 @@ class MTNLGModule(L.LightningModule):
         self.log("tflops_per_device", tflops)
         if self._peak_flops:
             self.log("mfu", tflops * 1e12 / self._peak_flops)
+        # The rank closest to running out decides whether a layout fits: max over ranks.
+        peak = torch.tensor(self._peak_memory.read_bytes() / 2**20, device=self.device)
+        self.log("peak_memory_mib", peak, sync_dist=True, reduce_fx="max")
 
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
@@ -232,13 +246,11 @@ class MTNLGModule(L.LightningModule):
 
     # ---------------------------------------------------------------- evaluation
     def _eval_loss(self, batch) -> torch.Tensor:
+        """Mean loss over the batch's micro-batches, forward only."""
         strategy = self.trainer.strategy
         tokens = batch["tokens"]
-        if hasattr(strategy, "forward_only"):  # e.g. a pipeline schedule runs the micro-batches
-            return strategy.forward_only(self, tokens)
-        return self.mean_micro_batch_loss(tokens)
-
-    def mean_micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(strategy, PipelineExecutor) and strategy.is_pipelined:
+            return strategy.run_pipeline(tokens, self.micro_batch_size, self.loss_fn, train=False)
         chunks = tokens.split(self.micro_batch_size)
         return torch.stack([self.loss_fn(self.model(c[:, :-1]), c[:, 1:]) for c in chunks]).mean()
 
@@ -255,3 +267,38 @@ class MTNLGModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.consumed_samples = checkpoint.get("consumed_samples", 0)
         self.configure_model()
+
+
+def decay_groups(model: torch.nn.Module) -> tuple[list, list]:
+    """AdamW's two groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return decay, no_decay
+
+
+class _LocalUpdater:
+    """The update on one process or under Lightning's own strategies (DDP has reduced the gradients already)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def prepare_update(self, optimizer, max_norm: float | None, undoable: bool) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+
+    def commit_update(self, optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def discard_update(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _count_vetoed_step(trainer) -> None:
+    """A vetoed update still counts as a training step (as Megatron's skipped iterations), so max_steps, the
+    checkpoint cadence and the data plan (consumed_samples(max_steps)) stay in step with the data. Lightning
+    counts optimizer steps only through `optimizer.step()`: this is the one place that counts one without it."""
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+    progress.increment_ready()
+    progress.increment_completed()

@@ -1,8 +1,9 @@
-"""Before launching: does a layout fit, and how fast should it be? Arithmetic only, nothing is allocated.
+"""Before launching: does a layout fit, how long is an iteration and why? Arithmetic only, nothing is allocated.
 
 Model-state bytes follow the ZeRO paper's mixed-precision Adam accounting (MT-NLG: ~20 bytes/parameter:
 bf16 weights 2 + bf16 grads 2 + fp32 grads 4 + fp32 master weights 4 + Adam moments 8); activation bytes
-follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models").
+follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), with and
+without sequence parallelism. Time comes from `cost_model.iteration_breakdown`.
 """
 
 from __future__ import annotations
@@ -11,19 +12,14 @@ import itertools
 from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.flops import PEAK_BF16_FLOPS, flops_per_iteration
+from mtnlg_lightning.flops import flops_per_iteration
+from mtnlg_lightning.gpus import GPUSpec, get_gpu
+from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 
-GPU_MEMORY_BYTES = {
-    "a100-40g": 40e9,
-    "a100-80g": 80e9,
-    "a100": 80e9,
-    "h100": 80e9,
-    "h100-sxm": 80e9,
-    "h100-pcie": 80e9,
-    "h200": 141e9,
-}
 RECOMPUTE_MODES = ("none", "selective", "full")
+MEMORY_BUDGET = 0.9  # of the GPU's memory: allocator fragmentation, NCCL buffers, CUDA context
 
 # Bytes per parameter of each model-state component, by precision.
 STATE_BYTES = {
@@ -62,15 +58,24 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "b
 
 
 def activation_bytes_per_layer(
-    config: ModelConfig, micro_batch: int, tp: int, recompute: str, seq_len: int | None = None
+    config: ModelConfig,
+    micro_batch: int,
+    tp: int,
+    recompute: str,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
 ) -> float:
-    """Stored activation bytes of one transformer layer for one micro-batch (bf16, no sequence parallel)."""
+    """Stored activation bytes of one transformer layer for one micro-batch (bf16), Korthikanti et al. 2022:
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t)) with TP + SP (t = 1: 34 + 5as/h);
+    selective recompute drops the 5as/h attention-score term; full recompute keeps only the layer input."""
     s, b, h, a = seq_len or config.seq_len, micro_batch, config.hidden_size, config.num_heads
+    sp = sequence_parallel and tp > 1
     if recompute == "full":
-        return 2 * s * b * h  # only the layer input is kept
+        return 2 * s * b * h / (tp if sp else 1)  # only the layer input is kept
+    kept = 34 / tp if sp else 10 + 24 / tp
     if recompute == "selective":
-        return s * b * h * (10 + 24 / tp)
-    return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        return s * b * h * kept
+    return s * b * h * (kept + 5 * a * s / (h * tp))
 
 
 def balanced_layers(num_layers: int, pp: int) -> list[int]:
@@ -81,6 +86,7 @@ def balanced_layers(num_layers: int, pp: int) -> list[int]:
 @dataclass
 class Plan:
     model: str
+    gpu: str
     tp: int
     pp: int
     dp: int
@@ -88,7 +94,9 @@ class Plan:
     micro_batch: int
     global_batch: int
     num_microbatches: int
+    virtual_stages: int
     recompute: str
+    sequence_parallel: bool
     zero_stage: int
     layers_per_stage: list[int]
     params_per_gpu: int
@@ -101,10 +109,33 @@ class Plan:
     bubble: float
     flops_per_iteration: float
     iteration_seconds: float
-    tflops_per_gpu: float
+    tflops_per_gpu: float  # model FLOPs (no recompute) per second per GPU
+    mfu: float
+    breakdown: dict
+    rampup_seconds: float | None = None
+    rampup_steps: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def layout_key(self) -> tuple[int, int, int]:
+        return self.tp, self.pp, self.dp
+
+
+def validate_layout(config: ModelConfig, tp: int, pp: int, dp: int, global_batch: int, micro_batch: int, virtual=1):
+    """Raise MTNLGError naming the numbers when a layout cannot run at all."""
+    if min(tp, pp, dp, micro_batch, virtual) < 1:
+        raise MTNLGError(f"tp {tp}, pp {pp}, dp {dp}, micro-batch {micro_batch}, virtual stages {virtual} must be >= 1")
+    if pp * virtual > config.num_layers:
+        raise MTNLGError(
+            f"pipeline_parallel {pp} x virtual stages {virtual} is more stages than the model's {config.num_layers}"
+            f" layers"
+        )
+    if config.num_heads % tp:
+        raise MTNLGError(f"num_heads {config.num_heads} is not divisible by tensor_parallel {tp}")
+    if global_batch % (micro_batch * dp):
+        raise MTNLGError(f"global batch {global_batch} is not divisible by micro_batch {micro_batch} x dp {dp}")
 
 
 def plan(
@@ -113,56 +144,79 @@ def plan(
     pp: int,
     dp: int,
     gpus_per_node: int,
-    gpu: str,
+    gpu: str | GPUSpec,
     global_batch: int,
     micro_batch: int = 1,
     recompute: str = "full",
     zero_stage: int = 1,
-    mfu: float = 0.4,
+    *,
     precision: str = "bf16",
     layers: list[int] | None = None,
+    virtual_stages: int = 1,
+    sequence_parallel: bool = False,
+    implementation: str | Implementation = "mtnlg-lightning",
+    rampup: tuple[int, int, int] | list[int] | None = None,
 ) -> Plan:
-    gpu = gpu.lower()
-    if gpu not in GPU_MEMORY_BYTES:
-        raise MTNLGError(f"unknown gpu {gpu!r}; choose one of: {', '.join(GPU_MEMORY_BYTES)}")
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
+    gpu_name = gpu if isinstance(gpu, str) else "custom"
+    impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     if recompute not in RECOMPUTE_MODES:
         raise MTNLGError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    if pp > config.num_layers:
-        raise MTNLGError(f"pipeline_parallel {pp} is more stages than the model's {config.num_layers} layers")
-    if config.num_heads % tp:
-        raise MTNLGError(f"num_heads {config.num_heads} is not divisible by tensor_parallel {tp}")
-    if global_batch % (micro_batch * dp):
-        raise MTNLGError(f"global batch {global_batch} is not divisible by micro_batch {micro_batch} x dp {dp}")
-    layers = layers or balanced_layers(config.num_layers, pp)
-    if len(layers) != pp or sum(layers) != config.num_layers:
-        raise MTNLGError(f"layers per stage {layers} must be {pp} counts summing to {config.num_layers}")
+    if sequence_parallel and config.seq_len % tp:
+        raise MTNLGError(f"sequence parallelism needs seq_len {config.seq_len} divisible by tensor_parallel {tp}")
+    validate_layout(config, tp, pp, dp, global_batch, micro_batch, virtual_stages)
+    if virtual_stages > 1 and layers:
+        raise MTNLGError("explicit layers per stage and virtual stages cannot be combined")
+    chunks = layers or balanced_layers(config.num_layers, pp * virtual_stages)
+    if len(chunks) != pp * virtual_stages or sum(chunks) != config.num_layers:
+        raise MTNLGError(f"layers per stage {chunks} must be {pp} counts summing to {config.num_layers}")
+    # Chunk j of an interleaved schedule lives on pipeline rank j % pp.
+    per_gpu = [sum(chunks[j] for j in range(i, len(chunks), pp)) for i in range(pp)]
     num_microbatches = global_batch // (micro_batch * dp)
-    stage_params = params_per_stage(config, tp, pp, layers)
-    # 1F1B: stage i keeps activations of min(pp - i, m) micro-batches in flight.
+    stage_params = params_per_stage(config, tp, pp, per_gpu)
+
+    # 1F1B: stage i keeps activations of min(pp - i, m) micro-batches in flight; interleaving adds (p-1)/(p·v).
     in_flight = [min(pp - i, num_microbatches) for i in range(pp)]
-    per_layer = activation_bytes_per_layer(config, micro_batch, tp, recompute)
-    s, _h = config.seq_len, config.hidden_size
+    interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1.0
+    per_layer = activation_bytes_per_layer(config, micro_batch, tp, recompute, sequence_parallel=sequence_parallel)
     # Working set while (re)computing one layer, plus fp32 logits of the last stage.
-    working = activation_bytes_per_layer(config, micro_batch, tp, "none") if recompute != "none" else 0
-    logits = 4 * s * micro_batch * config.padded_vocab_size(tp) / tp
+    working = (
+        activation_bytes_per_layer(config, micro_batch, tp, "none", sequence_parallel=sequence_parallel)
+        if recompute != "none"
+        else 0
+    )
+    logits = 4 * config.seq_len * micro_batch * config.padded_vocab_size(tp) / tp
     totals, activations, states = [], [], []
     for i in range(pp):
-        act = per_layer * layers[i] * in_flight[i] + working + (logits if i == pp - 1 else 0)
+        act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
         state = model_state_bytes(stage_params[i], dp, zero_stage, precision)
         activations.append(act)
         states.append(state)
         totals.append(act + state)
     worst = max(range(pp), key=lambda i: totals[i])
+
+    layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel)
+    breakdown = iteration_breakdown(config, spec, layout, global_batch, per_gpu, max(stage_params), gpus_per_node, impl)
     gpus = tp * pp * dp
-    flops = flops_per_iteration(config, global_batch, recompute=recompute == "full")
-    peak = PEAK_BF16_FLOPS.get(gpu, PEAK_BF16_FLOPS["a100"])
     model_flops = flops_per_iteration(config, global_batch)
-    bubble = (pp - 1) / (num_microbatches + pp - 1)
-    # `mfu` is the useful-work efficiency of the busy time; the bubble and recompute add time on top.
-    seconds = model_flops / (gpus * peak * mfu) / (1 - bubble) * (flops / model_flops)
-    memory = GPU_MEMORY_BYTES[gpu]
+    seconds = breakdown.total
+    rampup_seconds = rampup_steps = None
+    if rampup:
+        schedule = BatchSizeSchedule(global_batch, *rampup)
+        schedule.check_divisible(micro_batch, dp)
+        rampup_seconds, rampup_steps, consumed, cache = 0.0, 0, 0, {}
+        while consumed < schedule.rampup_samples:
+            batch = schedule.batch_size_at_samples(consumed)
+            if batch not in cache:
+                cache[batch] = iteration_breakdown(
+                    config, spec, layout, batch, per_gpu, max(stage_params), gpus_per_node, impl
+                ).total
+            rampup_seconds += cache[batch]
+            rampup_steps += 1
+            consumed += batch
     return Plan(
         model=config.name,
+        gpu=gpu_name,
         tp=tp,
         pp=pp,
         dp=dp,
@@ -170,20 +224,26 @@ def plan(
         micro_batch=micro_batch,
         global_batch=global_batch,
         num_microbatches=num_microbatches,
+        virtual_stages=virtual_stages,
         recompute=recompute,
+        sequence_parallel=sequence_parallel,
         zero_stage=zero_stage,
-        layers_per_stage=layers,
+        layers_per_stage=per_gpu,
         params_per_gpu=max(stage_params),
         model_state_gb=states[worst] / 1e9,
         activation_gb=activations[worst] / 1e9,
         total_gb=totals[worst] / 1e9,
-        gpu_memory_gb=memory / 1e9,
-        fits=totals[worst] <= 0.9 * memory,
+        gpu_memory_gb=spec.memory_gb,
+        fits=totals[worst] <= MEMORY_BUDGET * spec.memory_gb * 1e9,
         tp_within_node=tp <= gpus_per_node and gpus_per_node % tp == 0,
-        bubble=bubble,
-        flops_per_iteration=flops,
+        bubble=breakdown.bubble / seconds,
+        flops_per_iteration=flops_per_iteration(config, global_batch, recompute=recompute == "full"),
         iteration_seconds=seconds,
-        tflops_per_gpu=flops / seconds / gpus / 1e12,
+        tflops_per_gpu=model_flops / seconds / gpus / 1e12,
+        mfu=model_flops / seconds / gpus / (spec.peak_tflops * 1e12),
+        breakdown=breakdown.as_dict(),
+        rampup_seconds=rampup_seconds,
+        rampup_steps=rampup_steps,
     )
 
 
@@ -194,48 +254,103 @@ def tflops_from_time(
     return flops_per_iteration(config, global_batch, recompute=recompute) / seconds / gpus / 1e12
 
 
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 def search(
     config: ModelConfig,
     num_gpus: int,
     gpus_per_node: int,
-    gpu: str,
+    gpu: str | GPUSpec,
     global_batch: int,
-    mfu: float = 0.4,
     precision: str = "bf16",
+    implementation: str | Implementation = "mtnlg-lightning",
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+    recompute_modes: tuple[str, ...] | None = None,
 ) -> list[Plan]:
-    """Every valid (tp, pp, dp, micro batch, recompute, ZeRO) layout that fits, fastest first."""
+    """Every valid layout (tp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest first.
+
+    TP stays inside a node; ZeRO-3 is not combined with pipelining (as the strategy); interleaving needs the
+    micro-batch count to be a multiple of the stages (as Megatron's schedule)."""
+    impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
+    modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and config.num_heads % t == 0]
-    for tp, pp in itertools.product(tps, range(1, config.num_layers + 1)):
-        if num_gpus % (tp * pp):
-            continue
-        dp = num_gpus // (tp * pp)
-        for micro, recompute, zero in itertools.product((1, 2, 4), RECOMPUTE_MODES, (0, 1, 2)):
-            if global_batch % (micro * dp) or (zero == 2 and pp > 1):
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and gpus_per_node % t == 0 and config.num_heads % t == 0]
+    for tp in tps:
+        for pp in _divisors(num_gpus // tp) if num_gpus % tp == 0 else []:
+            dp = num_gpus // (tp * pp)
+            if pp > config.num_layers:
                 continue
-            candidate = plan(
-                config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero, mfu, precision
-            )
-            if candidate.fits and candidate.tp_within_node:
-                plans.append(candidate)
+            virtuals = [
+                v for v in range(1, impl.max_virtual_stages + 1) if v == 1 or (pp > 1 and pp * v <= config.num_layers)
+            ]
+            sps = (False, True) if tp > 1 and impl.sequence_parallel and config.seq_len % tp == 0 else (False,)
+            zeros = [z for z in impl.zero_stages if (dp > 1 or z == 0) and not (z == 3 and pp > 1)]
+            for micro, v, recompute, sp, zero in itertools.product(micro_batches, virtuals, modes, sps, zeros):
+                if global_batch % (micro * dp):
+                    continue
+                m = global_batch // (micro * dp)
+                if v > 1 and m % pp:
+                    continue
+                candidate = plan(
+                    config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero,
+                    precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl,
+                )  # fmt: skip
+                if candidate.fits:
+                    plans.append(candidate)
     return sorted(plans, key=lambda p: (p.iteration_seconds, p.total_gb))
+
+
+def best_per_layout(plans: list[Plan]) -> list[Plan]:
+    """The fastest plan of each (tp, pp, dp) decomposition, fastest first (plans must be sorted)."""
+    seen, best = set(), []
+    for p in plans:
+        if p.layout_key not in seen:
+            seen.add(p.layout_key)
+            best.append(p)
+    return best
+
+
+def format_breakdown(p: Plan) -> str:
+    b, total = p.breakdown, p.iteration_seconds
+    parts = [
+        ("compute", b["compute"] - b["recompute"]),
+        ("recompute", b["recompute"]),
+        ("TP comm", b["tp_comm"]),
+        ("PP comm", b["pp_comm"]),
+        ("bubble", b["bubble"]),
+        ("DP comm", b["dp_comm"]),
+        ("optimizer", b["optimizer"]),
+    ]
+    return ", ".join(f"{name} {seconds:.3g} s ({seconds / total:.0%})" for name, seconds in parts if seconds > 0)
 
 
 def format_plan(p: Plan) -> str:
     gb = lambda x: f"{x:,.1f} GB"  # noqa: E731
+    schedule = f"interleaved 1F1B, {p.virtual_stages} chunks per GPU" if p.virtual_stages > 1 else "1F1B"
     lines = [
-        f"model {p.model}: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.gpus} GPUs, micro-batch {p.micro_batch}, "
+        f"model {p.model} on {p.gpu}: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.gpus} GPUs, micro-batch {p.micro_batch}, "
         f"global batch {p.global_batch} ({p.num_microbatches} micro-batches per pipeline)",
-        f"  layers per stage     {p.layers_per_stage if len(set(p.layers_per_stage)) > 1 else p.layers_per_stage[0]}",
+        f"  layers per stage     {p.layers_per_stage if len(set(p.layers_per_stage)) > 1 else p.layers_per_stage[0]}"
+        f" ({schedule})",
         f"  params per GPU       {p.params_per_gpu / 1e9:,.3f} B (largest stage)",
         f"  model states         {gb(p.model_state_gb)} (ZeRO-{p.zero_stage})",
-        f"  activations          {gb(p.activation_gb)} (recompute: {p.recompute}, 1F1B in-flight micro-batches)",
+        f"  activations          {gb(p.activation_gb)} (recompute: {p.recompute}, sequence parallel: "
+        f"{'yes' if p.sequence_parallel else 'no'}, in-flight micro-batches of the fullest stage)",
         f"  total / GPU memory   {gb(p.total_gb)} / {gb(p.gpu_memory_gb)} -> {'fits' if p.fits else 'DOES NOT FIT'}"
-        f" (90% budget)",
+        f" ({MEMORY_BUDGET:.0%} budget)",
         f"  TP inside a node     {'yes' if p.tp_within_node else 'NO: TP all-reduces would cross nodes'}",
-        f"  pipeline bubble      {p.bubble:.1%} = (PP-1)/(m+PP-1)",
+        f"  pipeline bubble      {p.bubble:.1%} of the iteration",
         f"  FLOPs per iteration  {p.flops_per_iteration:.3e} ({'with' if p.recompute == 'full' else 'without'} "
         f"full-recompute FLOPs)",
-        f"  iteration time       {p.iteration_seconds:,.1f} s -> {p.tflops_per_gpu:,.0f} TFLOP/s per GPU",
+        f"  iteration time       {p.iteration_seconds:,.2f} s -> {p.tflops_per_gpu:,.0f} model TFLOP/s per GPU "
+        f"(MFU {p.mfu:.1%})",
+        f"  time breakdown       {format_breakdown(p)}",
     ]
+    if p.rampup_seconds is not None:
+        lines.append(
+            f"  batch ramp-up        {p.rampup_steps:,} steps in {p.rampup_seconds / 3600:,.1f} h "
+            f"({p.rampup_seconds / p.rampup_steps:,.2f} s per step on average)"
+        )
     return "\n".join(lines)

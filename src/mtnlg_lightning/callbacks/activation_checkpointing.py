@@ -1,27 +1,6 @@
 """Activation checkpointing (recomputation) for the GPT blocks: `full`, `selective`, `every_n` or `none`.
 
-Activation memory grows as O(layers x batch x seq x hidden) (plus O(heads x seq^2) for the attention scores of a
-kernel that materialises them); recomputing it in the backward pass is what lets 530B train at all. Modes:
-
-* ``full``: every transformer block runs under ``torch.utils.checkpoint``: only each block's input is kept,
-  everything inside is recomputed in the backward pass (~one extra forward, i.e. ~+33% compute).
-* ``selective``: only the attention core softmax(QK^T/sqrt(d))V (``Attention.core``) is recomputed, as Megatron's
-  selective recompute (Korthikanti et al. 2022): it frees the activations that grow with seq^2 for a few percent of
-  compute. With a fused (flash / memory-efficient) SDPA kernel the core keeps little (output + logsumexp), so the
-  saving is small there; it matters where the score matrix is materialised (math kernel, attention dropout).
-* ``every_n``: blocks 0, n, 2n, ... run under checkpoint (a memory/compute trade-off between ``none`` and ``full``).
-* ``none``: nothing is recomputed.
-
-How it is applied: the selected submodules keep their place, class and parameter names (state dicts, tensor-parallel
-swaps and pipeline deletions by name are unaffected); their ``forward`` is replaced on the instance by one that calls
-the class's forward under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Non-reentrant
-checkpointing stashes and restores the RNG state, so dropout masks are identical in the recomputation, and works
-with inputs that do not require grad. It only recomputes when autograd is recording (eval/no_grad runs plainly).
-
-When: before any strategy wraps the model. ``MTNLGModule.configure_model()`` builds the model and then calls
-``on_model_built(trainer, module)`` on every callback defining it (Lightning runs ``configure_model`` after the
-callbacks' ``setup`` and before ``strategy.setup``, which is where DDP/DeepSpeed/the 3D strategy wrap or shard the
-model). For a LightningModule that built its model earlier, ``setup`` applies it instead.
+Design notes: docs/callbacks.md (activation checkpointing).
 """
 
 from __future__ import annotations

@@ -1,37 +1,6 @@
 """Loss-spike detection with `log`, `skip` and `rewind` actions.
 
-Why: spikes happen at scale. MT-NLG lowered Adam's beta2 to 0.95 against them; PaLM restarted from a checkpoint ~100
-steps before a spike and skipped 200-500 batches; OLMo skips updates whose loss or grad norm is a large outlier.
-
-Signal: the step's loss and pre-clip gradient norm, reduced over the world (mean of the finite values, and "any rank
-non-finite"), so every rank holds the same numbers and takes the same decision. Each is compared with a rolling
-window of the previous accepted steps: robust z = (x - median) / max(1.4826 * MAD, min_relative_deviation * |median|)
-(or the mean/std z-score); a spike is z > threshold on an enabled signal, after `warmup_steps` observed steps.
-NaN/Inf in either signal is always a spike, warm-up or not. Spikes never enter the window.
-
-Cost: the statistics live on the device (a [window, 2] ring buffer, NaN for rejected steps, nanmedian); nothing is
-read back per step by `log` (flags are read in one batch every `log_every_n_steps`, when the logger reads its metrics
-anyway). `skip` and `rewind` must know before the optimizer step, so they read one flag per step (a single scalar,
-which the progress bar / logger read of train_loss would force anyway).
-
-Actions:
-  * ``log``: metric ``loss_spike`` (0/1) and ``loss_spike_z`` every step, a warning line, and with a WandbLogger a
-    wandb alert plus ``loss_spikes``/``last_loss_spike_step`` in the run summary.
-  * ``skip``: as log, and the optimizer update of the spiking step is vetoed (`MTNLGModule.should_skip_update`):
-    parameters and optimizer states stay bit-identical; data and the LR schedule move on; the step still counts.
-  * ``rewind``: as skip, then restore the newest checkpoint saved at least `rewind_lookback_steps` before the spike
-    (model, optimizer, LR scheduler, consumed_samples; via the strategy's own load_checkpoint, so sharded
-    checkpoints work) and skip the next `skip_batches` batches of data from there (always through the spike batch).
-    The skipped sample ranges are recorded in ``loss_spike_rewinds.json`` in the run directory (the checkpoint
-    directory by default); every run that finds the file honours it, so a restart from any checkpoint skips exactly
-    the recorded batches. After `max_rewinds` rewinds (counted over restarts), the next spike stops training with
-    LossSpikeError. Without a checkpoint from before the spike, the data is skipped from the current position.
-
-How the data skip works: the module's `consumed_samples` is the data position. When the position enters a recorded
-range [skip_from, skip_to) (at the start of a batch), it jumps to skip_to, the step counter advances by the batches
-skipped (so global_step keeps counting data steps and max_steps / the data plan stay valid), the LR schedule is
-re-evaluated at the new position, and `module.restart_train_data()` ends the epoch so the train dataloader is rebuilt
-from the new position.
+Design notes: docs/callbacks.md (loss spikes).
 """
 
 from __future__ import annotations
@@ -39,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -460,15 +428,15 @@ class LossSpikeDetection(Callback):
 
 
 def _checkpoint_step(path: Path) -> int | None:
-    match = re.search(r"step=(\d+)", path.name)
-    if match:
-        return int(match.group(1))
-    if path.is_file():  # e.g. last.ckpt: read the step from the file (memory-mapped, tensors not loaded)
-        try:
-            return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
-        except Exception:
-            return None
-    return None
+    """The step of a complete checkpoint (from its manifest; links and incomplete saves are not candidates)."""
+    from mtnlg_lightning.checkpoint.format import is_checkpoint, read_manifest
+
+    if path.is_symlink() or not is_checkpoint(path):
+        return None
+    try:
+        return int(read_manifest(path)["global_step"])
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is not a candidate
+        return None
 
 
 def _batches_between(schedule, start: int, end: int) -> int:

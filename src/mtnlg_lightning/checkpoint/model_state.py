@@ -48,12 +48,33 @@ def _read_lightning_file(path: Path) -> ModelState:
     return ModelState(config, model_space(weights, config), hparams, Path(tokenizer) if tokenizer else None)
 
 
-def read_model_state(path: str | Path) -> ModelState:
-    """Model-space weights of a checkpoint (a Lightning `.ckpt` file of a single-process run, or a checkpoint
-    folder of any layout); errors are one `MTNLGError` line."""
+def _read_folder(path: Path, master: bool) -> ModelState:
+    from mtnlg_lightning.checkpoint.format import TOKENIZER, TensorReader, read_manifest, read_meta, verify_files
+
+    manifest = read_manifest(path)
+    problem = verify_files(path, manifest)
+    if problem:
+        raise MTNLGError(problem)
+    config = ModelConfig(**manifest["model_config"])
+    reader = TensorReader(path, manifest)
+    weights = {}
+    for key in sorted(manifest["tensors"]):
+        if key.startswith("model/"):
+            name = key.removeprefix("model/")
+            source = f"master/{name}" if master and f"master/{name}" in reader else key
+            weights[name] = reader.read(source)
+    hparams = dict(read_meta(path).get("hyper_parameters") or {})
+    tokenizer = path / TOKENIZER if (path / TOKENIZER).is_file() else None
+    return ModelState(config, weights, hparams, tokenizer)
+
+
+def read_model_state(path: str | Path, master: bool = True) -> ModelState:
+    """Model-space weights of a checkpoint folder of any layout (checked against its manifest first), or of a
+    Lightning `.ckpt` file; `master`: the fp32 master weights where the checkpoint has them. Errors are one
+    `MTNLGError` line."""
     path = Path(path)
     if not path.exists():
         raise MTNLGError(f"checkpoint {path} does not exist")
     if path.is_file():
         return _read_lightning_file(path)
-    raise MTNLGError(f"{path} is not a checkpoint this version can read")
+    return _read_folder(path, master)

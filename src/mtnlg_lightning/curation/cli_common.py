@@ -65,3 +65,33 @@ class HelpFormatter:
                 return h
 
         return _Formatter(*args, **kwargs)
+
+
+def add_engine_args(p, what: str) -> None:
+    """--workers / --engine / --ray-address, the same for every curation CLI."""
+    from .engine import available_cores
+
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=available_cores(),
+        help=f"worker processes of the local engine for {what} (default: this machine's cores, here %(default)s)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="'local': this machine, --workers processes; 'ray': every stage as Ray tasks on a cluster (inputs and "
+        "the output directory must be on storage all nodes see); outputs are byte-identical either way",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="Ray cluster to join with --engine ray (default: $RAY_ADDRESS, else a local Ray started for the run)",
+    )
+
+
+def check_engine_args(args, parser) -> None:
+    if args.ray_address and args.engine != "ray":
+        parser.error("--ray-address is for --engine ray")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, int_at_least, positive_int, run_cli
+from .cli_common import HelpFormatter, add_engine_args, check_engine_args, int_at_least, positive_int, run_cli
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
@@ -79,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="task n-grams found in at least this many training documents are ignored (common phrases)",
     )
-    p.add_argument("--workers", type=positive_int, default=1, help="worker processes for both passes")
+    add_engine_args(p, "both passes")
+    p.add_argument(
+        "--shard-mb",
+        type=positive_int,
+        default=8,
+        help="largest training-file shard (MB) a task processes and a resumed run skips when finished; small "
+        "inputs get smaller shards (>= 1 MB), about 4 per CPU",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     return p
 
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.min_ngram > args.max_ngram:
         parser.error("--min-ngram must not exceed --max-ngram")
+    check_engine_args(args, parser)
     cfg = DecontamConfig(
         tasks=args.tasks,
         input=args.input,
@@ -103,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         max_splits=args.max_splits,
         frequent_threshold=args.frequent_threshold,
         workers=args.workers,
+        engine=args.engine,
+        ray_address=args.ray_address,
+        shard_bytes=args.shard_mb << 20,
         progress=not args.quiet,
     )
 

@@ -1,57 +1,32 @@
 """Fuzzy document deduplication: exact-duplicate removal, MinHash LSH with explicit banding, exact-Jaccard
 verification, union-find clusters, priority keep.
 
-The pipeline is a chain of restartable, file-based stages inside ``OUT/.dedup-work/``::
-
-    signatures  one .npz per input shard (byte range of a file): offsets, exact-dup keys, MinHash signatures
-    buckets     one .npy per LSH band: candidate pairs of documents sharing that band's bucket
-    verify      verified.npz: candidate pairs whose exact Jaccard >= threshold (a spanning forest of them)
-    clusters    clusters.npz: keeper of every document (connected components, priority keep)
-    filter      final/<input name>.jsonl + final/duplicates.jsonl, then published into OUT/ and report.json
-
-Every file is written atomically (temp + ``os.replace``) and every stage ends with a ``<stage>.done`` marker
-holding its statistics, so a killed run re-run with the same output directory resumes at the first unfinished
-stage (signature shards individually); a run with different inputs or settings starts clean.  ``report.json``
+This module owns a run: validation, resume-or-start-clean, the engine, publishing the outputs and the report.
+The stages and their tasks are in :mod:`.dedup_stages`; the runner (done markers, timing) in :mod:`.stages`.
+Every file is written atomically, so a killed run re-run with the same output directory resumes at the first
+unfinished stage (finished tasks kept); a run with different inputs or settings starts clean. ``report.json``
 is written last: an output directory without it is never a finished result.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from .jsonl import (
-    InputError,
-    atomic_write,
-    check_input_files,
-    dumps_line,
-    iter_lines,
-    line_starts_plan,
-    write_json_atomic,
-)
-from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding, band_keys, band_pairs, decode_pairs, pair_codes
+from .dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
+from .engine import make_engine
+from .jsonl import InputError, check_input_files, line_starts_plan, shard_size, write_json_atomic
+from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
 from .shingles import ShingleSpec
-from .signatures import Corpus, compute_shard, load_corpus, shard_name
-from .unionfind import UnionFind
-from .verify import DocStore, _close_store, _init_store, verify_chunk
+from .signatures import Shard, SignatureSettings
+from .stages import Faults, Progress, StageRunner
 
 WORK_DIR_NAME = ".dedup-work"
 STAGES = ("signatures", "buckets", "verify", "clusters", "filter")
 REPORT_NAME = "report.json"
-DUPLICATES_NAME = "duplicates.jsonl"
-FORMAT_VERSION = 1
-_CRASH_ENV = "MTNLG_DEDUP_CRASH_AT"  # testing hook: simulate a kill (os._exit) at a named point
-
-
-def _maybe_crash(point: str) -> None:
-    if os.environ.get(_CRASH_ENV) == point:
-        os._exit(86)
+FORMAT_VERSION = 2
 
 
 def hash_scheme_description(scheme: str, seed: int, num_perm: int) -> str:
@@ -82,6 +57,8 @@ class DedupConfig:
     keep_work: bool = False
     force: bool = False
     preset: str = "default"
+    engine: str = "local"  # "local" (this machine, `workers` processes) or "ray"
+    ray_address: str | None = None  # Ray cluster to join (else RAY_ADDRESS, else a local Ray for the run)
 
     @property
     def num_perm(self) -> int:
@@ -103,32 +80,18 @@ class DedupConfig:
         }
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The pipeline.
+class DedupJob:
+    """One dedup run over an output directory: decides resume / start clean / already complete, runs the
+    stages on an engine, publishes the outputs and writes the report last."""
 
-
-class _Progress:
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __call__(self, **kw):
-        from tqdm.auto import tqdm
-
-        return tqdm(disable=not self.enabled, dynamic_ncols=True, leave=False, **kw)
-
-
-class DedupRun:
-    def __init__(self, cfg: DedupConfig):
+    def __init__(self, cfg: DedupConfig, faults: Faults | None = None):
         self.cfg = cfg
+        self.faults = faults or Faults.from_env()
         self.out = cfg.output_dir
         self.work = os.path.join(self.out, WORK_DIR_NAME)
         self.names = [os.path.basename(p) for p in cfg.inputs]
         self.paths = [os.path.abspath(p) for p in cfg.inputs]
-        self.progress = _Progress(cfg.progress)
-        self.stage_stats: dict[str, dict] = {}
-        self.resumed: list[str] = []
         self.created_out = False
-        self.corpus: Corpus | None = None
 
     # -- setup / validation ------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -193,25 +156,7 @@ class DedupRun:
             if os.path.lexists(p):
                 os.unlink(p)
 
-    def _done_path(self, stage: str) -> str:
-        return os.path.join(self.work, f"{stage}.done")
-
-    def _is_done(self, stage: str) -> bool:
-        return os.path.exists(self._done_path(stage))
-
-    def _mark_done(self, stage: str, stats: dict) -> None:
-        write_json_atomic(self._done_path(stage), stats)
-        self.stage_stats[stage] = stats
-        _maybe_crash(stage)
-
-    def _load_done(self, stage: str) -> dict:
-        with open(self._done_path(stage)) as f:
-            stats = json.load(f)
-        self.stage_stats[stage] = stats
-        self.resumed.append(stage)
-        return stats
-
-    def prepare(self) -> dict | None:
+    def prepare(self, cpus: int = 1) -> dict | None:
         """Decide between 'already complete', 'resume' and 'start clean'. Returns the report if complete."""
         fp = self.fingerprint()
         self.fp = fp
@@ -238,24 +183,40 @@ class DedupRun:
             except (OSError, ValueError):
                 resume = False
             if resume:
-                self.plan = [tuple(x) for x in saved["plan"]]
+                plan = saved["plan"]
             else:
                 shutil.rmtree(self.work)
         # never leave an old report next to outputs that are being recomputed
         if os.path.exists(report_path):
             os.unlink(report_path)
-        if not (resume and self._is_done("filter")):
+        if not (resume and os.path.exists(os.path.join(self.work, "filter.done"))):
             self._remove_outputs()
         if not resume:
             os.makedirs(os.path.join(self.work, "sig"))
-            os.makedirs(os.path.join(self.work, "buckets"))
-            os.makedirs(os.path.join(self.work, "final"))
-            self.plan = []
+            plan = []
+            size = shard_size(sum(os.path.getsize(p) for p in self.paths), self.cfg.shard_bytes, cpus)
             for fi, p in enumerate(self.paths):
-                for si, (s, e) in enumerate(line_starts_plan(p, self.cfg.shard_bytes)):
-                    self.plan.append((fi, si, s, e))
-            write_json_atomic(work_cfg, {"fingerprint": fp, "plan": self.plan})
+                for si, (s, e) in enumerate(line_starts_plan(p, size)):
+                    plan.append((fi, si, s, e))
+            write_json_atomic(work_cfg, {"fingerprint": fp, "plan": plan})
+        self.shards = [Shard(fi, si, self.paths[fi], s, e) for fi, si, s, e in plan]
         return None
+
+    def context(self) -> DedupContext:
+        cfg = self.cfg
+        return DedupContext(
+            work=self.work,
+            inputs=tuple(self.paths),
+            names=tuple(self.names),
+            shards=tuple(self.shards),
+            file_rank=tuple(self.file_rank),
+            signature=SignatureSettings(cfg.text_key, str(cfg.shingle), cfg.num_perm, cfg.seed, cfg.scheme),
+            id_key=cfg.id_key,
+            banding=cfg.banding,
+            max_neighbors=cfg.max_neighbors,
+            threshold=cfg.threshold,
+            estimate_margin=cfg.estimate_margin,
+        )
 
     def cleanup_after_error(self) -> None:
         """Bad input: leave nothing behind (work dir, outputs, and the output dir if we created it)."""
@@ -267,318 +228,25 @@ class DedupRun:
             except OSError:
                 pass
 
-    # -- stages ------------------------------------------------------------------------------------------
-    def stage_signatures(self) -> None:
-        if self._is_done("signatures"):
-            self._load_done("signatures")
-            return
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        sig_dir = os.path.join(self.work, "sig")
-        todo = []
-        done_bytes = 0
-        for fi, si, s, e in self.plan:
-            out_file = os.path.join(sig_dir, shard_name(fi, si))
-            if os.path.exists(out_file):
-                done_bytes += e - s
-                continue
-            todo.append(
-                (self.paths[fi], s, e, out_file, cfg.text_key, str(cfg.shingle), cfg.num_perm, cfg.seed, cfg.scheme)
-            )
-        total_bytes = sum(e - s for _, _, s, e in self.plan)
-        bar = self.progress(total=total_bytes, initial=done_bytes, unit="B", unit_scale=True, desc="signatures")
-        workers = max(1, min(cfg.workers, len(todo)))
-        try:
-            if workers == 1:
-                for i, task in enumerate(todo):
-                    res = compute_shard(task)
-                    bar.update(task[2] - task[1])
-                    _maybe_crash(f"signatures:shard{i + 1}")
-                    del res
-            else:
-                with multiprocessing.Pool(workers) as pool:
-                    for task, _ in zip(todo, pool.imap(compute_shard, todo), strict=True):
-                        bar.update(task[2] - task[1])
-        finally:
-            bar.close()
-        self.corpus = load_corpus(sig_dir, self.plan, len(self.paths), self.file_rank)
-        counts = np.bincount(self.corpus.file_idx, minlength=len(self.paths))
-        for fi, c in enumerate(counts):
-            if c == 0:
-                raise InputError(f"{self.cfg.inputs[fi]}: empty input (no records)")
-        self._mark_done(
-            "signatures",
-            {
-                "seconds": time.perf_counter() - t0,
-                "docs": len(self.corpus),
-                "bytes": total_bytes,
-                "shards": len(self.plan),
-                "shards_resumed": len(self.plan) - len(todo),
-                "workers": workers,
-            },
-        )
-
-    def _corpus(self) -> Corpus:
-        if self.corpus is None:
-            self.corpus = load_corpus(os.path.join(self.work, "sig"), self.plan, len(self.paths), self.file_rank)
-        return self.corpus
-
-    def stage_buckets(self) -> None:
-        if self._is_done("buckets"):
-            self._load_done("buckets")
-            return
-        t0 = time.perf_counter()
-        c = self._corpus()
-        n = len(c)
-        members = np.flatnonzero((c.exact_rep == np.arange(n)) & (c.nsh > 0))
-        keys = band_keys(c.sigs[members], self.cfg.banding)
-        total = 0
-        bdir = os.path.join(self.work, "buckets")
-        for j in range(self.cfg.banding.bands):
-            path = os.path.join(bdir, f"band-{j:04d}.npy")
-            if os.path.exists(path):
-                continue
-            codes = pair_codes(band_pairs(keys[:, j], members, self.cfg.max_neighbors), n)
-            with atomic_write(path) as f:
-                np.save(f, codes)
-            total += len(codes)
-        self._mark_done(
-            "buckets",
-            {
-                "seconds": time.perf_counter() - t0,
-                "lsh_docs": int(len(members)),
-                "band_pairs": int(total),
-                "exact_duplicate_docs": int(np.count_nonzero(c.exact_rep != np.arange(n))),
-            },
-        )
-
-    def _store_args(self) -> tuple:
-        c = self._corpus()
-        return (self.paths, c.file_idx, c.offsets, c.lengths, self.cfg.text_key, str(self.cfg.shingle))
-
-    def stage_verify(self) -> None:
-        if self._is_done("verify"):
-            self._load_done("verify")
-            return
-        t0 = time.perf_counter()
-        c = self._corpus()
-        n = len(c)
-        bdir = os.path.join(self.work, "buckets")
-        codes = [np.load(os.path.join(bdir, f"band-{j:04d}.npy")) for j in range(self.cfg.banding.bands)]
-        pairs = decode_pairs(np.unique(np.concatenate(codes)), n)
-        del codes
-        n_candidates = len(pairs)
-        # cheap pre-rejection: a pair whose MinHash estimate is far below the threshold cannot plausibly reach it
-        # (for J >= threshold, P(estimate < threshold - margin) < 1e-4 at 256 permutations and margin 0.1)
-        est = (
-            np.concatenate(
-                [
-                    (c.sigs[pairs[s : s + 65536, 0]] == c.sigs[pairs[s : s + 65536, 1]]).mean(axis=1)
-                    for s in range(0, len(pairs), 65536)
-                ]
-            )
-            if len(pairs)
-            else np.empty(0)
-        )
-        if self.cfg.estimate_margin >= 0:  # a negative margin: verify every candidate exactly
-            pairs = pairs[est >= self.cfg.threshold - self.cfg.estimate_margin]
-        workers = self.cfg.workers if len(pairs) >= 20000 else 1
-        bar = self.progress(total=len(pairs), unit="pair", desc="verify")
-        edges, js, computed, skipped = [], [], 0, 0
-        try:
-            if workers <= 1:
-                _init_store(*self._store_args())
-                step = 50000
-                for s in range(0, len(pairs), step):
-                    e, j, cpt, skp = verify_chunk((pairs[s : s + step], self.cfg.threshold))
-                    edges.append(e), js.append(j)
-                    computed += cpt
-                    skipped += skp
-                    bar.update(min(step, len(pairs) - s))
-                _close_store()
-            else:
-                chunks = np.array_split(pairs, workers * 8)
-                with multiprocessing.Pool(workers, initializer=_init_store, initargs=self._store_args()) as pool:
-                    for ch, (e, j, cpt, skp) in zip(
-                        chunks, pool.imap(verify_chunk, [(ch, self.cfg.threshold) for ch in chunks]), strict=True
-                    ):
-                        edges.append(e), js.append(j)
-                        computed += cpt
-                        skipped += skp
-                        bar.update(len(ch))
-        finally:
-            bar.close()
-        e = np.concatenate(edges) if edges else np.empty((0, 2), np.int64)
-        j = np.concatenate(js) if js else np.empty(0)
-        est = (c.sigs[e[:, 0]] == c.sigs[e[:, 1]]).mean(axis=1) if len(e) else np.empty(0)
-        with atomic_write(os.path.join(self.work, "verified.npz")) as f:
-            np.savez(f, edges=e, exact=j, estimated=est)
-        self._mark_done(
-            "verify",
-            {
-                "seconds": time.perf_counter() - t0,
-                "candidate_pairs": int(n_candidates),
-                "rejected_by_estimate": int(n_candidates - len(pairs)),
-                "jaccard_computed": computed,
-                "skipped_already_connected": skipped,
-                "verified_pairs": int(len(e)),
-                "rejected_pairs": computed - int(len(e)),
-            },
-        )
-
-    def stage_clusters(self) -> None:
-        if self._is_done("clusters"):
-            self._load_done("clusters")
-            return
-        t0 = time.perf_counter()
-        c = self._corpus()
-        n = len(c)
-        with np.load(os.path.join(self.work, "verified.npz")) as z:
-            edges, edge_j = z["edges"], z["exact"]
-        known = {(a, b): j for (a, b), j in zip(edges.tolist(), edge_j.tolist(), strict=True)}
-        uf = UnionFind(n)
-        for a, b in edges.tolist():
-            uf.union(a, b)
-        for d in np.flatnonzero(c.exact_rep != np.arange(n)).tolist():
-            uf.union(d, int(c.exact_rep[d]))
-        roots = uf.roots()
-        best = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(best, roots, c.rank)
-        by_rank = np.empty(n, dtype=np.int64)
-        by_rank[c.rank] = np.arange(n)
-        keeper = by_rank[best[roots]]
-        removed = np.flatnonzero(keeper != np.arange(n))
-        kind_exact = c.exact_rep[removed] == c.exact_rep[keeper[removed]]
-        est = (c.sigs[removed] == c.sigs[keeper[removed]]).mean(axis=1) if len(removed) else np.empty(0)
-        exact_j = np.ones(len(removed))
-        near = np.flatnonzero(~kind_exact)
-        if len(near):
-            store = DocStore(*self._store_args())
-            try:
-                for i in near.tolist():
-                    a, b = int(c.exact_rep[removed[i]]), int(c.exact_rep[keeper[removed[i]]])
-                    j = known.get((min(a, b), max(a, b)))  # verified directly: reuse; else (transitive) compute
-                    exact_j[i] = j if j is not None else store.jaccard(int(removed[i]), int(keeper[removed[i]]))
-            finally:
-                store.close()
-        sizes = np.bincount(roots, minlength=n)
-        sizes = sizes[sizes >= 2]
-        with atomic_write(os.path.join(self.work, "clusters.npz")) as f:
-            np.savez(f, keeper=keeper, removed=removed, kind_exact=kind_exact, estimated=est, exact=exact_j)
-        hist: dict[str, int] = {}
-        for lo, hi in ((2, 2), (3, 3), (4, 7), (8, 15), (16, 63), (64, None)):
-            m = (sizes >= lo) & (sizes <= hi) if hi else sizes >= lo
-            if m.any():
-                hist[f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")] = int(m.sum())
-        self._mark_done(
-            "clusters",
-            {
-                "seconds": time.perf_counter() - t0,
-                "clusters": int(len(sizes)),
-                "docs_in_clusters": int(sizes.sum()),
-                "largest_cluster": int(sizes.max()) if len(sizes) else 0,
-                "size_histogram": hist,
-                "removed_exact": int(kind_exact.sum()),
-                "removed_near": int((~kind_exact).sum()),
-            },
-        )
-
-    def stage_filter(self) -> None:
-        if self._is_done("filter"):
-            self._load_done("filter")
-            return
-        t0 = time.perf_counter()
-        c = self._corpus()
-        n = len(c)
-        with np.load(os.path.join(self.work, "clusters.npz")) as z:
-            keeper, removed = z["keeper"], z["removed"]
-            kind_exact, est, exact_j = z["kind_exact"], z["estimated"], z["exact"]
-        keep = keeper == np.arange(n)
-        need_id = np.zeros(n, dtype=bool)
-        need_id[removed] = True
-        need_id[keeper[removed]] = True
-        ids: dict[int, object] = {}
-        final = os.path.join(self.work, "final")
-        per_file = []
-        bar = self.progress(total=n, unit="doc", desc="filter")
-        try:
-            starts = np.searchsorted(c.file_idx, np.arange(len(self.paths) + 1))
-            for fi, path in enumerate(self.paths):
-                lo, hi = int(starts[fi]), int(starts[fi + 1])
-                offs = c.offsets[lo:hi]
-                d = lo
-                kept = 0
-                with atomic_write(os.path.join(final, self.names[fi]), fsync=True) as out:
-                    for off, line in iter_lines(path):
-                        if d >= hi or off != offs[d - lo]:
-                            continue  # blank line
-                        if keep[d]:
-                            out.write(line if line.endswith(b"\n") else line + b"\n")
-                            kept += 1
-                        if need_id[d]:
-                            rec = json.loads(line)
-                            ids[d] = (
-                                rec[self.cfg.id_key]
-                                if self.cfg.id_key in rec
-                                else f"{self.names[fi]}:{int(c.lines[d])}"
-                            )
-                        d += 1
-                        bar.update(1)
-                per_file.append((hi - lo, kept))
-            with atomic_write(os.path.join(final, DUPLICATES_NAME), fsync=True) as out:
-                for i, d in enumerate(removed.tolist()):
-                    k = int(keeper[d])
-                    out.write(
-                        dumps_line(
-                            {
-                                "id": ids[d],
-                                "source": self.names[int(c.file_idx[d])],
-                                "line": int(c.lines[d]),
-                                "duplicate_of": ids[k],
-                                "duplicate_of_source": self.names[int(c.file_idx[k])],
-                                "duplicate_of_line": int(c.lines[k]),
-                                "kind": "exact" if kind_exact[i] else "near",
-                                "estimated_jaccard": round(float(est[i]), 4),
-                                "exact_jaccard": round(float(exact_j[i]), 4),
-                            }
-                        )
-                    )
-        finally:
-            bar.close()
-        rem_file = c.file_idx[removed]
-        inputs = []
-        for fi in range(len(self.paths)):
-            m = rem_file == fi
-            inputs.append(
-                {
-                    "file": self.cfg.inputs[fi],
-                    "docs_in": per_file[fi][0],
-                    "docs_out": per_file[fi][1],
-                    "exact_duplicates_removed": int(np.count_nonzero(kind_exact[m])),
-                    "near_duplicates_removed": int(np.count_nonzero(~kind_exact[m])),
-                }
-            )
-        self._mark_done("filter", {"seconds": time.perf_counter() - t0, "inputs": inputs})
-
-    def publish(self) -> dict:
+    def publish(self, runner: StageRunner) -> dict:
         final = os.path.join(self.work, "final")
         for i, name in enumerate(self.names + [DUPLICATES_NAME]):
             src = os.path.join(final, name)
             if os.path.exists(src):  # absent: already moved by an earlier, interrupted publish
                 os.replace(src, os.path.join(self.out, name))
-            _maybe_crash(f"publish:{i + 1}")
-        report = self.build_report()
+            self.faults.point(f"publish:{i + 1}")
+        report = self.build_report(runner)
         write_json_atomic(os.path.join(self.out, REPORT_NAME), report, fsync=True)
         if not self.cfg.keep_work:
             shutil.rmtree(self.work, ignore_errors=True)
         return report
 
-    def build_report(self) -> dict:
-        st = self.stage_stats
+    def build_report(self, runner: StageRunner) -> dict:
+        st = runner.stats
         timings = {s: round(st[s]["seconds"], 3) for s in STAGES}
         total = sum(st[s]["seconds"] for s in STAGES)
         docs = st["signatures"]["docs"]
-        inputs = st["filter"]["inputs"]
+        inputs = [{"file": f, **x} for f, x in zip(self.cfg.inputs, st["filter"]["inputs"], strict=True)]
         docs_out = sum(x["docs_out"] for x in inputs)
         return {
             "tool": "mtnlg-dedup",
@@ -589,6 +257,7 @@ class DedupRun:
                 "hash_scheme": hash_scheme_description(self.cfg.scheme, self.cfg.seed, self.cfg.num_perm),
                 "priority": self.fp["priority"],
                 "workers": self.cfg.workers,
+                "engine": self.cfg.engine,
             },
             "banding": {
                 "bands": self.cfg.banding.bands,
@@ -623,29 +292,30 @@ class DedupRun:
             "timings_s": timings,
             "total_s": round(total, 3),
             "docs_per_s": round(docs / total, 1) if total > 0 else None,
-            "resumed_stages": self.resumed,
+            "resumed_stages": runner.resumed,
         }
 
     def run(self) -> dict:
         self.validate()
-        done = self.prepare()
-        if done is not None:
-            return done
+        engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address)  # before touching OUT
         try:
-            self.stage_signatures()
-            self.stage_buckets()
-            self.stage_verify()
-            self.stage_clusters()
-            self.stage_filter()
-        except InputError:
-            self.cleanup_after_error()
-            raise
-        return self.publish()
+            done = self.prepare(engine.cpus)
+            if done is not None:
+                return done
+            runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.faults)
+            try:
+                runner.run(dedup_stages(self.context()))
+            except InputError:
+                self.cleanup_after_error()
+                raise
+        finally:
+            engine.close()
+        return self.publish(runner)
 
 
-def run_dedup(cfg: DedupConfig) -> dict:
+def run_dedup(cfg: DedupConfig, faults: Faults | None = None) -> dict:
     """Run (or resume) the whole pipeline; returns the report dict (also written to ``OUT/report.json``)."""
-    return DedupRun(cfg).run()
+    return DedupJob(cfg, faults).run()
 
 
 def format_summary(report: dict) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_common import HelpFormatter, positive_int, run_cli
+from .cli_common import HelpFormatter, add_engine_args, check_engine_args, positive_int, run_cli
 from .dedup import DedupConfig, format_summary, run_dedup
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
 from .minhash import SCHEMES
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "highest-priority input (unlisted inputs follow in command-line order); ties go to the "
         "first occurrence",
     )
-    p.add_argument("--workers", type=positive_int, default=1, help="worker processes for signatures and verification")
+    add_engine_args(p, "every stage")
     p.add_argument("--seed", type=int, default=1, help="seed of the MinHash permutations (datasketch MinHash seed)")
     p.add_argument(
         "--scheme",
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-mb",
         type=positive_int,
         default=16,
-        help="size of the input shards (MB) that signature workers process and that a resumed run skips",
+        help="largest input shard (MB) a signature task processes and a resumed run skips when finished; small "
+        "inputs get smaller shards (>= 1 MB), about 4 per CPU",
     )
     p.add_argument(
         "--force",
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DedupConfig:
+    check_engine_args(args, parser)
     if args.preset == "mtnlg":
         if args.num_bands is not None or args.rows_per_band is not None:
             parser.error("--preset mtnlg fixes 20 bands x 13 rows; do not combine it with --num-bands/--rows-per-band")
@@ -162,6 +164,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         seed=args.seed,
         priority=priority,
         workers=args.workers,
+        engine=args.engine,
+        ray_address=args.ray_address,
         shard_bytes=args.shard_mb << 20,
         max_neighbors=args.max_bucket_neighbors,
         estimate_margin=args.estimate_margin,

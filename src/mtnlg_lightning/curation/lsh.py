@@ -45,16 +45,20 @@ DEFAULT_BANDING = Banding(32, 8)
 MTNLG_BANDING = Banding(20, 13)
 
 
+def band_key(cols: np.ndarray, band: int) -> np.ndarray:
+    """64-bit key of every document for band number ``band``, from that band's ``r`` columns ``(n, r)``."""
+    cols = np.asarray(cols).astype(np.uint64)
+    k = np.full(cols.shape[0], (band * 0x632BE59BD9B4E019 + 1) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
+    for c in range(cols.shape[1]):
+        k = (k ^ cols[:, c]) * _BAND_MULT
+    return fmix64(k)
+
+
 def band_keys(sigs: np.ndarray, banding: Banding) -> np.ndarray:
     """64-bit key of every (document, band): a hash of the band's ``r`` uint32 values. Shape ``(n, bands)``."""
-    n = sigs.shape[0]
-    keys = np.empty((n, banding.bands), dtype=np.uint64)
+    keys = np.empty((sigs.shape[0], banding.bands), dtype=np.uint64)
     for j in range(banding.bands):
-        cols = sigs[:, j * banding.rows : (j + 1) * banding.rows].astype(np.uint64)
-        k = np.full(n, (j * 0x632BE59BD9B4E019 + 1) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
-        for c in range(banding.rows):
-            k = (k ^ cols[:, c]) * _BAND_MULT
-        keys[:, j] = fmix64(k)
+        keys[:, j] = band_key(sigs[:, j * banding.rows : (j + 1) * banding.rows], j)
     return keys
 
 

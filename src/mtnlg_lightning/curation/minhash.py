@@ -23,6 +23,7 @@ MAX_HASH32 = np.uint32(0xFFFFFFFF)
 _MERSENNE = np.uint64((1 << 61) - 1)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _ROWS_PER_CHUNK = 2048
+_BATCH_ROWS = 8192
 
 
 def fmix32(h: np.ndarray) -> np.ndarray:
@@ -88,6 +89,37 @@ class MinHasher:
             np.add(buf, self.b, out=buf)
             np.minimum(res, (_mod_mersenne61(buf) & _MASK32).min(axis=0), out=res)
         return res.astype(np.uint32)
+
+    def signatures(self, docs: list[np.ndarray]) -> np.ndarray:
+        """Signatures of several documents (``(len(docs), num_perm)`` uint32), equal to :meth:`signature` of each.
+
+        ``affine32`` documents are processed in batches of about ``_BATCH_ROWS`` hashes: one permutation matrix
+        of shape ``(num_perm, batch)`` and a segmented minimum per document, instead of one small product each.
+        """
+        out = np.full((len(docs), self.num_perm), MAX_HASH32, dtype=np.uint32)
+        if self.scheme != "affine32":
+            for i, h in enumerate(docs):
+                out[i] = self.signature(h)
+            return out
+        a, b = self.a[:, None], self.b[:, None]
+        lens = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        i = 0
+        while i < len(docs):
+            j, rows = i, 0
+            while j < len(docs) and (rows + lens[j] <= _BATCH_ROWS or j == i):
+                rows += int(lens[j])
+                j += 1
+            nonempty = np.flatnonzero(lens[i:j] > 0)
+            if rows > _BATCH_ROWS:  # one long document: the chunked single-document path bounds the memory
+                out[i] = self.signature(docs[i])
+            elif len(nonempty):
+                hv = fmix32(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))
+                perm = np.multiply(a, hv[None, :])
+                np.add(perm, b, out=perm)
+                starts = np.concatenate(([0], np.cumsum(lens[i:j])[:-1]))[nonempty]
+                out[i + nonempty] = np.minimum.reduceat(perm, starts, axis=1).T
+            i = j
+        return out
 
     def hashvalues(self, sig: np.ndarray) -> np.ndarray:
         """Signature in datasketch's storage dtype for this scheme (uint32 affine32, uint64 legacy)."""

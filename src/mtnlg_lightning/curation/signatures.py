@@ -1,8 +1,9 @@
-"""Stage 1 of dedup: MinHash signature shards, and loading them back as one :class:`Corpus`.
+"""Dedup's per-shard data: MinHash signature shards, the document table, random access to signatures.
 
-A shard is a byte range of one input file (aligned to line starts); its ``.npz`` holds, per record, the byte
-offset and length of the line, the line number within the shard, the shingle count, the 128-bit exact-duplicate
-key of the normalised text and the uint32 MinHash signature (``num_perm * 4`` bytes/doc).
+A shard is a byte range of one input file (aligned to line starts). Its task writes ``<shard>.sig.npy`` (uint32
+MinHash signatures, ``num_perm * 4`` bytes/doc, memory-mapped by later stages) and then ``<shard>.npz`` (per
+record: byte offset and length of the line, line number within the shard, shingle count, 128-bit exact-duplicate
+key of the normalised text); the ``.npz`` appearing last marks the shard finished.
 """
 
 from __future__ import annotations
@@ -19,94 +20,133 @@ from .shingles import ShingleSpec, combine, exact_key, tokens
 _MASK32 = np.uint64(0xFFFFFFFF)
 
 
-def shard_name(fi: int, si: int) -> str:
-    return f"f{fi:04d}-s{si:05d}.npz"
+@dataclass(frozen=True)
+class SignatureSettings:
+    text_key: str
+    shingle: str
+    num_perm: int
+    seed: int
+    scheme: str
 
 
-def compute_shard(args: tuple) -> dict:
-    """Read one byte range of one input file and write its signature shard. Runs in worker processes."""
-    path, start, end, out_file, text_key, spec_str, num_perm, seed, scheme = args
-    spec = ShingleSpec.parse(spec_str)
-    hasher = MinHasher(num_perm, seed, scheme)
-    offsets, lengths, lines, nsh, ex_hi, ex_lo, sigs = [], [], [], [], [], [], []
+@dataclass(frozen=True)
+class Shard:
+    file_idx: int
+    shard_idx: int
+    path: str
+    start: int
+    end: int
+
+    @property
+    def name(self) -> str:
+        return f"f{self.file_idx:04d}-s{self.shard_idx:05d}"
+
+
+def shard_meta_path(sig_dir: str, shard: Shard) -> str:
+    return os.path.join(sig_dir, shard.name + ".npz")
+
+
+def shard_sig_path(sig_dir: str, shard: Shard) -> str:
+    return os.path.join(sig_dir, shard.name + ".sig.npy")
+
+
+def compute_shard(settings: SignatureSettings, job: tuple[Shard, str]) -> int:
+    """Read one shard and write its signature files (skipped if already written). Returns its byte size."""
+    shard, sig_dir = job
+    meta_path = shard_meta_path(sig_dir, shard)
+    if os.path.exists(meta_path):
+        return shard.end - shard.start
+    spec = ShingleSpec.parse(settings.shingle)
+    hasher = MinHasher(settings.num_perm, settings.seed, settings.scheme)
+    offsets, lengths, lines, ex_hi, ex_lo, source = [], [], [], [], [], []
+    shingles: list[np.ndarray] = []  # 32-bit shingle hashes of each distinct normalised text of the shard
     seen: dict[tuple[int, int], int] = {}
-    nbytes = 0
     local = 0
-    for off, line in iter_lines(path, start, end):
+    for off, line in iter_lines(shard.path, shard.start, shard.end):
         local += 1
-        nbytes += len(line)
         if not line.strip():
             continue
         try:
-            _, text = parse_record(line, path, local, text_key)
+            _, text = parse_record(line, shard.path, local, settings.text_key)
         except InputError:
-            lineno = count_lines_before(path, start) + local
-            parse_record(line, path, lineno, text_key)  # re-raise with the file's line number
+            lineno = count_lines_before(shard.path, shard.start) + local
+            parse_record(line, shard.path, lineno, settings.text_key)  # re-raise with the file's line number
             raise
         norm, units = tokens(text, spec)
         key = exact_key(norm)
-        prev = seen.get(key)
-        if prev is None:
-            sh = combine(units, spec.n)
-            sig = hasher.signature((sh & _MASK32).astype(np.uint32))
-            seen[key] = len(sigs)
-            count = len(sh)
-        else:  # same normalised text as an earlier doc of this shard: same shingles, same signature
-            sig, count = sigs[prev], nsh[prev]
+        k = seen.get(key)
+        if k is None:  # same normalised text as an earlier doc of this shard: same shingles, same signature
+            k = seen[key] = len(shingles)
+            shingles.append((combine(units, spec.n) & _MASK32).astype(np.uint32))
         offsets.append(off)
         lengths.append(len(line))
         lines.append(local)
-        nsh.append(count)
         ex_hi.append(key[0])
         ex_lo.append(key[1])
-        sigs.append(sig)
-    arrays = {
-        "offsets": np.asarray(offsets, dtype=np.uint64),
-        "lengths": np.asarray(lengths, dtype=np.uint32),
-        "lines": np.asarray(lines, dtype=np.uint32),
-        "nsh": np.asarray(nsh, dtype=np.uint32),
-        "ex_hi": np.asarray(ex_hi, dtype=np.uint64),
-        "ex_lo": np.asarray(ex_lo, dtype=np.uint64),
-        "sigs": np.stack(sigs) if sigs else np.empty((0, num_perm), dtype=np.uint32),
-        "n_lines": np.asarray([local], dtype=np.int64),
-    }
-    with atomic_write(out_file) as f:
-        np.savez(f, **arrays)
-    return {"docs": len(offsets), "bytes": nbytes}
+        source.append(k)
+    source_idx = np.asarray(source, dtype=np.int64)
+    sigs = hasher.signatures(shingles)[source_idx] if shingles else np.empty((0, settings.num_perm), np.uint32)
+    nsh = np.fromiter(map(len, shingles), dtype=np.uint32, count=len(shingles))[source_idx]
+    with atomic_write(shard_sig_path(sig_dir, shard)) as f:
+        np.save(f, sigs)
+    with atomic_write(meta_path) as f:
+        np.savez(
+            f,
+            offsets=np.asarray(offsets, dtype=np.uint64),
+            lengths=np.asarray(lengths, dtype=np.uint32),
+            lines=np.asarray(lines, dtype=np.uint32),
+            nsh=nsh.astype(np.uint32),
+            ex_hi=np.asarray(ex_hi, dtype=np.uint64),
+            ex_lo=np.asarray(ex_lo, dtype=np.uint64),
+            n_lines=np.asarray([local], dtype=np.int64),
+        )
+    return shard.end - shard.start
 
 
 @dataclass
-class Corpus:
-    """Everything the later stages need about the documents, in global order (file order, then line)."""
+class DocTable:
+    """Per-document facts the later stages need, in global order (file order, then line); no signatures."""
 
     file_idx: np.ndarray
     offsets: np.ndarray
     lengths: np.ndarray
     lines: np.ndarray
     nsh: np.ndarray
-    ex_hi: np.ndarray
-    ex_lo: np.ndarray
-    sigs: np.ndarray
     rank: np.ndarray  # priority rank: lower is kept
     exact_rep: np.ndarray  # best-ranked document with the same normalised text
+    shard_starts: np.ndarray  # first document of every shard, plus the total
 
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def save(self, directory: str) -> None:
+        """One ``.npy`` per column, so that tasks memory-map only the columns they read."""
+        for k, v in self.__dict__.items():
+            with atomic_write(os.path.join(directory, k + ".npy")) as f:
+                np.save(f, v)
 
-def load_corpus(sig_dir: str, plan: list, n_files: int, file_rank: list[int]) -> Corpus:
-    parts: dict[str, list] = {
-        k: [] for k in ("file_idx", "offsets", "lengths", "lines", "nsh", "ex_hi", "ex_lo", "sigs")
-    }
+    @classmethod
+    def load(cls, directory: str) -> DocTable:
+        return cls(**{k: np.load(os.path.join(directory, k + ".npy"), mmap_mode="r") for k in cls.__annotations__})
+
+    def lsh_members(self) -> np.ndarray:
+        """Documents that go through LSH: exact-duplicate representatives with at least one shingle."""
+        return np.flatnonzero((self.exact_rep == np.arange(len(self))) & (self.nsh > 0))
+
+
+def build_doc_table(sig_dir: str, shards: list[Shard], n_files: int, file_rank: list[int]) -> DocTable:
+    parts: dict[str, list] = {k: [] for k in ("file_idx", "offsets", "lengths", "lines", "nsh", "ex_hi", "ex_lo")}
     line_base = [0] * n_files
-    for fi, si, _, _ in plan:
-        with np.load(os.path.join(sig_dir, shard_name(fi, si))) as z:
+    counts = []
+    for shard in shards:
+        with np.load(shard_meta_path(sig_dir, shard)) as z:
             n = len(z["offsets"])
-            parts["file_idx"].append(np.full(n, fi, dtype=np.int32))
-            for k in ("offsets", "lengths", "nsh", "ex_hi", "ex_lo", "sigs"):
+            counts.append(n)
+            parts["file_idx"].append(np.full(n, shard.file_idx, dtype=np.int32))
+            for k in ("offsets", "lengths", "nsh", "ex_hi", "ex_lo"):
                 parts[k].append(z[k])
-            parts["lines"].append(z["lines"].astype(np.int64) + line_base[fi])
-            line_base[fi] += int(z["n_lines"][0])
+            parts["lines"].append(z["lines"].astype(np.int64) + line_base[shard.file_idx])
+            line_base[shard.file_idx] += int(z["n_lines"][0])
     arr = {k: np.concatenate(v) for k, v in parts.items()}
     n = len(arr["offsets"])
     # priority rank: input priority first, then global order (ties by first occurrence)
@@ -124,4 +164,48 @@ def load_corpus(sig_dir: str, plan: list, n_files: int, file_rank: list[int]) ->
         first = np.flatnonzero(new_group)
         group_of = np.cumsum(new_group) - 1
         exact_rep[o] = o[first[group_of]]
-    return Corpus(rank=rank, exact_rep=exact_rep, **arr)
+    shard_starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    del arr["ex_hi"], arr["ex_lo"]
+    return DocTable(rank=rank, exact_rep=exact_rep, shard_starts=shard_starts, **arr)
+
+
+class SignatureReader:
+    """Signatures of any documents, read from the memory-mapped shard files (nothing loaded up front)."""
+
+    def __init__(self, sig_dir: str, shards: list[Shard], shard_starts: np.ndarray):
+        self.starts = shard_starts
+        self.maps = [np.load(shard_sig_path(sig_dir, s), mmap_mode="r") for s in shards]
+
+    def rows(self, docs: np.ndarray) -> np.ndarray:
+        docs = np.asarray(docs, dtype=np.int64)
+        if not self.maps:
+            return np.empty((0, 0), dtype=np.uint32)
+        out = np.empty((len(docs), self.maps[0].shape[1]), dtype=np.uint32)
+        shard = np.searchsorted(self.starts, docs, side="right") - 1
+        for s in np.unique(shard).tolist():
+            m = shard == s
+            out[m] = self.maps[s][docs[m] - self.starts[s]]
+        return out
+
+    def columns(self, lo: int, hi: int, docs: np.ndarray) -> np.ndarray:
+        """Columns ``lo:hi`` (one LSH band) of the signatures of ``docs`` (ascending)."""
+        docs = np.asarray(docs, dtype=np.int64)
+        out = np.empty((len(docs), hi - lo), dtype=np.uint32)
+        bounds = np.searchsorted(docs, self.starts)
+        for s, m in enumerate(self.maps):
+            a, b = int(bounds[s]), int(bounds[s + 1])
+            if b > a:
+                out[a:b] = m[docs[a:b] - self.starts[s], lo:hi]
+        return out
+
+
+def estimated_jaccard_pairs(reader: SignatureReader, pairs: np.ndarray, step: int = 65536) -> np.ndarray:
+    """MinHash estimate (fraction of equal signature entries) of every pair, in bounded memory."""
+    if not len(pairs):
+        return np.empty(0)
+    return np.concatenate(
+        [
+            (reader.rows(pairs[s : s + step, 0]) == reader.rows(pairs[s : s + step, 1])).mean(axis=1)
+            for s in range(0, len(pairs), step)
+        ]
+    )

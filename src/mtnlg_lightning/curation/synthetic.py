@@ -308,8 +308,11 @@ def evaluate_dedup(records: list[dict], workdir: str, **cfg_kwargs) -> dict:
     bdir = os.path.join(work, "buckets")
     codes = np.unique(np.concatenate([np.load(os.path.join(bdir, f)) for f in sorted(os.listdir(bdir))]))
     cand = {tuple(p) for p in decode_pairs(codes, n).tolist()}
-    with np.load(os.path.join(work, "verified.npz")) as z:
-        verified = z["edges"].tolist()
+    verified = []
+    vdir = os.path.join(work, "verify")
+    for f in sorted(os.listdir(vdir)):
+        with np.load(os.path.join(vdir, f)) as z:
+            verified += z["edges"].tolist()
     with np.load(os.path.join(work, "clusters.npz")) as z:
         keeper = z["keeper"]
     truth = ground_truth_pairs(records, cfg.shingle)

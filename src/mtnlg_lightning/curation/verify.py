@@ -1,4 +1,4 @@
-"""Exact-Jaccard verification of LSH candidate pairs (stage 3 of dedup).
+"""Exact-Jaccard verification of LSH candidate pairs (dedup's verify stage).
 
 Candidate documents are re-read by byte offset and re-shingled (LRU cache), so nothing but signatures has to
 be kept per document between stages.
@@ -51,31 +51,19 @@ class DocStore:
             f.close()
         self.handles.clear()
 
+    def __enter__(self) -> DocStore:
+        return self
 
-_STORE: DocStore | None = None
-
-
-def _init_store(*args) -> None:
-    global _STORE
-    _STORE = DocStore(*args)
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _close_store() -> None:
-    global _STORE
-    if _STORE is not None:
-        _STORE.close()
-        _STORE = None
-
-
-def verify_chunk(args: tuple) -> tuple[np.ndarray, np.ndarray, int, int]:
+def verify_pairs(store: DocStore, pairs: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Verify candidate pairs (sorted) by exact Jaccard, skipping pairs already connected by verified pairs.
 
     Returns (accepted edges (m, 2), their exact Jaccard, number of Jaccard computations, number skipped).
     Skipping cannot change the connected components, only saves work.
     """
-    pairs, threshold = args
-    store = _STORE
-    assert store is not None
     index: dict[int, int] = {}
     uf = UnionFind(0)
     edges, js = [], []
@@ -83,9 +71,7 @@ def verify_chunk(args: tuple) -> tuple[np.ndarray, np.ndarray, int, int]:
     for a, b in pairs.tolist():
         ia = index.setdefault(a, len(index))
         ib = index.setdefault(b, len(index))
-        while len(uf.parent) < len(index):
-            uf.parent.append(len(uf.parent))
-            uf.size.append(1)
+        uf.grow(len(index))
         if uf.find(ia) == uf.find(ib):
             skipped += 1
             continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import numpy as np
 import torch
@@ -28,15 +30,18 @@ class StepBatches(IterableDataset):
         self.start_samples, self.end_samples = start_samples, end_samples
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
-    def _steps(self):
-        consumed = self.start_samples
+    def _steps(self, start: int | None = None):
+        consumed = self.start_samples if start is None else start
         while consumed < self.end_samples:
             size = self.batch_size_at(consumed)
             yield consumed, size
             consumed += size
 
     def __len__(self) -> int:
-        return sum(1 for _ in self._steps())
+        """Steps of the whole split from its first sample, not from `start_samples`: a resumed run restores
+        Lightning's in-epoch batch count, and that count plus the steps left must add up to the epoch's length
+        (counted from the start, a resumed epoch would end early and the loader would replay its data)."""
+        return sum(1 for _ in self._steps(0))
 
     def __iter__(self):
         worker = get_worker_info()
@@ -64,6 +69,7 @@ class GPTDataModule(L.LightningDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         eval_samples: int | None = None,
+        tokenizer: str | None = None,
     ):
         """
         Args:
@@ -74,6 +80,9 @@ class GPTDataModule(L.LightningDataModule):
             seed: seed of document and sample shuffling (data order is independent of the layout).
             num_workers: DataLoader worker processes.
             eval_samples: validation/test samples per evaluation (default: one pass over the split, capped at 1024).
+            tokenizer: the tokenizer the datasets were made with (a tokenizer.json, or a directory holding one);
+                copied into every checkpoint so export, generation and evaluation find it (the built-in corpus
+                brings its own).
         """
         super().__init__()
         if builtin_corpus not in (None, "python-docs"):
@@ -86,7 +95,20 @@ class GPTDataModule(L.LightningDataModule):
         self.weights = list(weights) if weights is not None else [1.0] * len(self.prefixes)
         self.builtin_corpus, self.split, self.seed = builtin_corpus, split, seed
         self.num_workers, self.eval_samples = num_workers, eval_samples
+        self.tokenizer = tokenizer
         self.blends: dict[str, BlendedDataset] = {}
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json of the data, if known."""
+        if self.builtin_corpus:
+            from mtnlg_lightning.data.builtin_corpus import build_demo_data
+
+            return build_demo_data(progress=False)[1]
+        if self.tokenizer and os.path.isdir(self.tokenizer):
+            candidate = os.path.join(self.tokenizer, "tokenizer.json")
+            return candidate if os.path.isfile(candidate) else None
+        return self.tokenizer
 
     def prepare_data(self) -> None:
         if self.builtin_corpus:

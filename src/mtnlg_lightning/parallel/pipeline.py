@@ -65,13 +65,13 @@ def layers_per_stage(
     return counts
 
 
-def stage_ranks(schedule: str, pp_size: int, stages_per_rank: int) -> list[list[int]]:
+def stages_held_by_rank(schedule: str, pp_size: int, virtual_stages: int) -> list[list[int]]:
     """Stage indices held by each pipeline rank: looped (r, r+PP, ...) or V-shaped (r, 2PP-1-r)."""
     if schedule in V_SHAPED:
-        if stages_per_rank != 2:
-            raise MTNLGError(f"schedule {schedule} needs exactly 2 stages per rank, got {stages_per_rank}")
+        if virtual_stages != 2:
+            raise MTNLGError(f"schedule {schedule} needs exactly 2 stages per rank, got {virtual_stages}")
         return [[r, 2 * pp_size - 1 - r] for r in range(pp_size)]
-    return [[r + v * pp_size for v in range(stages_per_rank)] for r in range(pp_size)]
+    return [[r + v * pp_size for v in range(virtual_stages)] for r in range(pp_size)]
 
 
 def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> nn.Module:
@@ -156,27 +156,27 @@ def split_into_stages(
     pp_size: int,
     pp_rank: int,
     schedule: str,
-    stages_per_rank: int,
+    virtual_stages: int,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ):
     """This rank's stage models (pruned copies of `model`) and their global stage indices."""
     import copy
 
-    num_stages = pp_size * stages_per_rank
+    num_stages = pp_size * virtual_stages
     counts = layers_per_stage(model.config.num_layers, num_stages, first_stage_layers, last_stage_layers)
-    indices = stage_ranks(schedule, pp_size, stages_per_rank)[pp_rank]
+    indices = stages_held_by_rank(schedule, pp_size, virtual_stages)[pp_rank]
     models = [build_stage(model if len(indices) == 1 else copy.deepcopy(model), i, counts) for i in indices]
     retie_on_same_rank(models)
     return models, indices, counts
 
 
-def create_embedding_group(layout, schedule: str, stages_per_rank: int, rank: int):
+def create_embedding_group(layout, schedule: str, virtual_stages: int, rank: int):
     """Collectively create the {first stage, last stage} groups (one per (dp, tp)); return this rank's and the two
     ranks, or (None, None, None) when one rank holds both ends (V-shaped schedules) or there is no pipeline."""
     pp = layout.pipeline_parallel
-    placement = stage_ranks(schedule, pp, stages_per_rank)
-    last_stage = pp * stages_per_rank - 1
+    placement = stages_held_by_rank(schedule, pp, virtual_stages)
+    last_stage = pp * virtual_stages - 1
     first_pp = next(r for r, stages in enumerate(placement) if 0 in stages)
     last_pp = next(r for r, stages in enumerate(placement) if last_stage in stages)
     if pp == 1 or first_pp == last_pp:

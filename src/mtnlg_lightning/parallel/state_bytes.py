@@ -1,20 +1,6 @@
 """Per-rank model-state bytes read from the live objects: params, grads, fp32 master copy, Adam moments.
 
-What the planner predicts with arithmetic (`planner.model_state_bytes`), measured here on the running rank, so
-the two can be compared. Bytes are the extents of the tensors themselves, overlapping views counted once (a flat buffer
-shared by many parameter views counts once); communication buckets that gradient views point into are not
-model state and are not counted.
-
-Where each part lives:
-  - params: the model's parameters; under ZeRO-3 each parameter's `ds_tensor` partition (its full `.data` is
-    released between uses).
-  - fp32 master: the tensors the inner torch optimizer updates when they are not the model's own storages
-    (DeepSpeed ZeRO keeps an fp32 partition even for an fp32 model; plain DP updates the params in place).
-  - Adam moments: the inner optimizer's state tensors (exp_avg, exp_avg_sq).
-  - grads: read after the backward (full `.grad`s, or ZeRO-2/3 reduced partitions); what DeepSpeed holds at the
-    update (a transient flattened copy per parameter group) is reported apart as `grads_at_update`.
-    DeepSpeed's gradient holders are found by attribute name (every attribute naming "grad"), so a DeepSpeed
-    rename shows up as a grads figure of 0, not as a crash.
+Design notes: docs/memory_accounting.md.
 """
 
 from __future__ import annotations

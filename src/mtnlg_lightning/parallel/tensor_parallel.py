@@ -13,7 +13,9 @@ backward: one all-reduce per sublayer each way. Sharded parameters carry `tensor
 `partition_dim` (DeepSpeed counts them once per TP rank in the global grad norm; replicated ones only on TP rank 0).
 
 `parallelize(model, tp_group)` shards a built GPT from outside by copying the right slices of its weights, so a
-TP run starts from exactly the single-process initialisation.
+TP run starts from exactly the single-process initialisation. With `sequence_parallel=True` the same layers run
+Megatron's sequence parallelism (`sequence_parallel.py`): column-parallel layers all-gather a sequence-sharded
+input instead of f, row-parallel layers reduce-scatter instead of g.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from mtnlg_lightning.parallel.sequence_parallel import (
+    SequenceParallelDropout,
+    all_gather_linear,
+    mark_sequence_parallel,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_output_to_sequence,
+)
 
 
 # ---------------------------------------------------------------------------------------------- f and g
@@ -75,38 +85,54 @@ def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- layers
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T + b_local with W split along the output features (dim 0); output stays split."""
+    """y_local = x W_local^T + b_local with W split along the output features (dim 0); output stays split.
 
-    def __init__(self, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None, group):
+    sequence_parallel: x arrives as this rank's sequence slice and is all-gathered (whole sequence out)."""
+
+    def __init__(self, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None, group, sequence_parallel=False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=0)
         self.bias = _mark_sharded(nn.Parameter(bias_shard), partition_dim=0) if bias_shard is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> ColumnParallelLinear:
+    def from_linear(
+        cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False
+    ) -> ColumnParallelLinear:
         bias = _shard(linear.bias, 0, rank, size) if linear.bias is not None else None
-        return cls(_shard(linear.weight, 0, rank, size), bias, group)
+        return cls(_shard(linear.weight, 0, rank, size), bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return all_gather_linear(x, self.weight, self.bias, self.group)
         return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_ranks(x_local W_local^T) + b with W split along the input features (dim 1); bias replicated."""
+    """y = sum_ranks(x_local W_local^T) + b with W split along the input features (dim 1); bias replicated.
 
-    def __init__(self, weight_shard: torch.Tensor, bias: torch.Tensor | None, group):
+    sequence_parallel: the sum is reduce-scattered (this rank's sequence slice out) and the bias added to the slice,
+    so its gradient is summed over the TP group (`mark_sequence_parallel`)."""
+
+    def __init__(self, weight_shard: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel=False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=1)
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        if sequence_parallel and self.bias is not None:
+            mark_sequence_parallel(self.bias, group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int) -> RowParallelLinear:
-        return cls(_shard(linear.weight, 1, rank, size), linear.bias, group)
+    def from_linear(
+        cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False
+    ) -> RowParallelLinear:
+        return cls(_shard(linear.weight, 1, rank, size), linear.bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        reduce = (
+            reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else reduce_from_tensor_parallel_region
+        )
+        y = reduce(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -137,12 +163,14 @@ class VocabParallelLMHead(nn.Module):
     On a last pipeline stage without the embedding, `weight` is a plain tensor: the per-step copy of the first
     stage's shard that `pipeline.TiedEmbedding` fills (not a parameter: the optimizer sees the embedding once)."""
 
-    def __init__(self, weight: torch.Tensor, group):
+    def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = weight  # tied: the embedding's Parameter, or the pipeline copy
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # h is this rank's sequence slice: the loss needs every token
+            return all_gather_linear(h, self.weight, None, self.group)
         return F.linear(copy_to_tensor_parallel_region(h, self.group), self.weight)
 
 
@@ -198,31 +226,46 @@ class VocabParallelCrossEntropy:
 
 
 # ---------------------------------------------------------------------------------------------- parallelize
-def parallelize(model: nn.Module, group, rank: int, size: int) -> nn.Module:
+def parallelize(model: nn.Module, group, rank: int, size: int, sequence_parallel: bool = False) -> nn.Module:
     """Shard a built GPT across the TP `group` in place (Megatron's split) and return it.
 
     Attention: QKV column-parallel (the [heads, 3, head_dim] output layout makes contiguous shards whole heads),
     proj row-parallel. MLP: fc1 column, fc2 row. Word embedding vocab-parallel with the LM head tied to its shard.
     LayerNorms, position embeddings and row-parallel biases stay replicated. Parts a pipeline stage does not own
     (None) are skipped. size == 1 leaves the model untouched.
+
+    sequence_parallel: the embedding output is cut to this rank's sequence slice, blocks and the final norm run on
+    slices (the LayerNorm and row-parallel-bias gradients summed over TP; the blocks' dropout masks sliced from
+    whole-sequence ones), the LM head gathers the sequence.
     """
     if size == 1:
         return model
+    sp = sequence_parallel
     for block in model.blocks.values():
-        block.attn.qkv = ColumnParallelLinear.from_linear(block.attn.qkv, group, rank, size)
-        block.attn.proj = RowParallelLinear.from_linear(block.attn.proj, group, rank, size)
-        block.mlp.fc1 = ColumnParallelLinear.from_linear(block.mlp.fc1, group, rank, size)
-        block.mlp.fc2 = RowParallelLinear.from_linear(block.mlp.fc2, group, rank, size)
+        block.attn.qkv = ColumnParallelLinear.from_linear(block.attn.qkv, group, rank, size, sp)
+        block.attn.proj = RowParallelLinear.from_linear(block.attn.proj, group, rank, size, sp)
+        block.mlp.fc1 = ColumnParallelLinear.from_linear(block.mlp.fc1, group, rank, size, sp)
+        block.mlp.fc2 = RowParallelLinear.from_linear(block.mlp.fc2, group, rank, size, sp)
+        if sp:
+            for param in [*block.ln1.parameters(), *block.ln2.parameters()]:
+                mark_sequence_parallel(param, group)
+            if isinstance(block.dropout, nn.Dropout):
+                block.dropout = SequenceParallelDropout(block.dropout.p, group)
     embed = getattr(model, "embed", None)
     if embed is not None:
         embed.wte = VocabParallelEmbedding.from_embedding(embed.wte, group, rank, size)
+        if sp:
+            scatter_output_to_sequence(embed, group)
+    if sp and getattr(model, "norm", None) is not None:
+        for param in model.norm.parameters():
+            mark_sequence_parallel(param, group)
     head = getattr(model, "lm_head", None)
     if head is not None:
         if embed is not None:
-            model.lm_head = VocabParallelLMHead(embed.wte.weight, group)
+            model.lm_head = VocabParallelLMHead(embed.wte.weight, group, sp)
         else:  # last pipeline stage: shard the embedding copy like the embedding itself
             shard = _shard(head.weight, 0, rank, size).requires_grad_(head.weight.requires_grad)
-            model.lm_head = VocabParallelLMHead(shard, group)
+            model.lm_head = VocabParallelLMHead(shard, group, sp)
     return model
 
 

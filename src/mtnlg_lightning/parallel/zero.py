@@ -23,9 +23,21 @@ from mtnlg_lightning.config import deep_merge
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
-# Private DeepSpeed behaviour is relied on (unmanaged accumulation, optimizer internals for the update veto):
-# pyproject pins deepspeed>=0.19,<0.20 and tests/test_parallel_equivalence.py fails loudly if it changes.
-SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
+
+def supported_deepspeed() -> str:
+    """The DeepSpeed range of pyproject's `deepspeed` extra (read from the installed metadata: written once).
+    Private DeepSpeed behaviour is relied on (unmanaged accumulation, optimizer internals for the update veto),
+    so the range is pinned and the equivalence tests fail loudly if it changes."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        for requirement in requires("mtnlg-lightning") or []:
+            name, _, rest = requirement.partition(";")
+            if name.strip().startswith("deepspeed") and 'extra == "deepspeed"' in rest:
+                return name.strip().removeprefix("deepspeed")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        pass
+    return ""
 
 
 @dataclass
@@ -71,7 +83,7 @@ class ModelParallelUnit:
         return self.groups.layout.pipeline_parallel
 
 
-def deepspeed_config(
+def build_deepspeed_config(
     zero_stage: int,
     micro_batch_size: int,
     grad_clip: float | None,
@@ -116,9 +128,11 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         import deepspeed
     except ImportError as error:  # pragma: no cover - depends on the install
         raise MTNLGError("zero_stage >= 1 needs DeepSpeed: pip install 'mtnlg-lightning[deepspeed]'") from error
-    version = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
-    if not SUPPORTED_DEEPSPEED[0] <= version < SUPPORTED_DEEPSPEED[1]:
-        raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install deepspeed>=0.19,<0.20")
+    from packaging.specifiers import SpecifierSet
+
+    supported = supported_deepspeed()
+    if supported and deepspeed.__version__.split("+")[0] not in SpecifierSet(supported):
+        raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install 'deepspeed{supported}'")
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False
     )

@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Activation memory per transformer layer per rank: no parallelism, TP and TP + sequence parallelism at tp 2 and 4,
+measured beside Korthikanti et al. 2022's formulas.
+
+Measured: the bytes autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`) while each
+block runs forward, distinct storages counted once, parameters excluded: activation memory by definition, exact and
+noise-free on CPU. One torchrun launch of 4 ranks builds the same model on every rank and shards it with
+`parallelize` over the tp4 group and over two tp2 groups; max over ranks.
+
+Formulas (bytes per layer, 2-byte activations and 1-byte dropout masks, t = TP degree, a = heads):
+    none:     s*b*h*(34 + 5*a*s/h)
+    TP:       s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    TP + SP:  s*b*h*(34/t + 5*a*s/(h*t))
+The 5*a*s/h term (softmax scores, their dropout mask and output) is left out: scaled_dot_product_attention's
+fused kernels keep no s x s matrix. This run keeps fp32 activations (x2) and no dropout masks (dropout 0), so the
+absolute figures differ slightly by construction (TP: the two masks are part of the replicated 10; the attention
+here saves its output besides Q, K, V); the ratios between layouts are the comparison.
+
+    python benchmarks/bench_sequence_parallel_memory.py [--hidden 256 --heads 8 --seq 1024 --batch 2] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]  # (tensor_parallel, sequence_parallel)
+
+
+def formula_bytes(s: int, b: int, h: int, t: int, sp: bool) -> float:
+    """Korthikanti et al. per-layer activation bytes without the attention-score term (see the module doc)."""
+    if t == 1:
+        return s * b * h * 34
+    return s * b * h * (34 / t if sp else 10 + 24 / t)
+
+
+# ------------------------------------------------------------------ the ranks
+def saved_bytes_per_layer(model, tokens) -> list[int]:
+    """Bytes saved for backward while each block runs its forward (distinct storages, parameters excluded)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    head = getattr(model.lm_head, "weight", None)
+    if head is not None:
+        params.add(head.untyped_storage().data_ptr())
+    current: list[int | None] = [None]
+    seen: set[int] = set()
+    per_block = [0] * len(model.blocks)
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if current[0] is not None and key not in params and key not in seen:
+            seen.add(key)
+            per_block[current[0]] += storage.nbytes()
+        return t
+
+    def enter(i):
+        return lambda *_: current.__setitem__(0, i)
+
+    handles = []
+    for i, block in enumerate(model.blocks.values()):
+        handles.append(block.register_forward_pre_hook(enter(i)))
+        handles.append(block.register_forward_hook(lambda *_: current.__setitem__(0, None)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return per_block
+
+
+def worker(args) -> None:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.model import build_model
+    from mtnlg_lightning.parallel.tensor_parallel import parallelize
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = get_config(
+        "tiny",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        seq_len=args.seq,
+        max_position_embeddings=args.seq,
+        vocab_size=4096,
+    )
+    base = build_model(config)
+    tokens = torch.randint(0, 4096, (args.batch, args.seq))
+    tp2_groups = [dist.new_group(list(range(g, g + 2))) for g in range(0, world, 2)]
+    rows = []
+    for t, sp in LAYOUTS:
+        model = copy.deepcopy(base)
+        if t > 1:
+            group = dist.group.WORLD if t == world else tp2_groups[rank // 2]
+            parallelize(model, group, dist.get_rank(group), t, sequence_parallel=sp)
+        per_layer = max(saved_bytes_per_layer(model, tokens))
+        worst = [None] * world
+        dist.all_gather_object(worst, per_layer)
+        rows.append({"tp": t, "sp": sp, "measured_bytes": max(worst)})
+    if rank == 0:
+        Path(args.worker).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the parent
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length (activations grow with it)")
+    parser.add_argument("--batch", type=int, default=2, help="micro-batch size")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        forwarded = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--seq", args.seq]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=4",
+            __file__,
+            "--worker",
+            str(out),
+            *map(str, forwarded),
+            "--batch",
+            str(args.batch),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0:
+            raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        rows = json.loads(out.read_text())
+
+    s, b, h = args.seq, args.batch, args.hidden
+    none = next(r for r in rows if r["tp"] == 1)["measured_bytes"]
+    print(
+        f"activation memory per layer per rank (h {h}, heads {args.heads}, seq {s}, micro-batch {b}; fp32, "
+        f"max over ranks)\n{'layout':<10} {'measured MB':>11} {'formula MB (fp32)':>17} {'measured/none':>13} "
+        f"{'formula/none':>12}"
+    )
+    for r in rows:
+        name = "none" if r["tp"] == 1 else f"tp{r['tp']}" + ("+sp" if r["sp"] else "")
+        formula = 2 * formula_bytes(s, b, h, r["tp"], r["sp"])  # fp32: twice the formula's 2-byte activations
+        r.update(
+            layout=name,
+            formula_fp32_bytes=formula,
+            measured_vs_none=r["measured_bytes"] / none,
+            formula_vs_none=formula / (2 * formula_bytes(s, b, h, 1, False)),
+        )
+        print(
+            f"{name:<10} {r['measured_bytes'] / 1e6:>11.2f} {formula / 1e6:>17.2f} {r['measured_vs_none']:>13.3f} "
+            f"{r['formula_vs_none']:>12.3f}"
+        )
+    result = {"hidden": h, "heads": args.heads, "seq": s, "batch": b, "layers": args.layers, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Crash-safe publication: a checkpoint is written under a hidden staging name and renamed into place only after
+every rank's files and the manifest exist, so an interrupted save never damages or impersonates a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from mtnlg_lightning.checkpoint.format import MANIFEST, is_checkpoint, read_manifest
+
+STAGING_SUFFIX = ".incomplete"
+
+
+def staging_path(final: Path) -> Path:
+    return final.parent / f".{final.name}{STAGING_SUFFIX}"
+
+
+def prepare_staging(final: Path) -> Path:
+    """A fresh, empty staging folder for `final` (a leftover of an interrupted save is removed)."""
+    staging = staging_path(final)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Move a complete staging folder to its final name, replacing what was there (a file, a folder or a link)."""
+    if not (staging / MANIFEST).is_file():
+        raise RuntimeError(f"{staging} has no manifest: refusing to publish an incomplete checkpoint")
+    old = None
+    if final.is_symlink() or final.is_file():
+        final.unlink()
+    elif final.exists():
+        old = final.parent / f".{final.name}.replaced-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def newest_complete(directory: Path) -> Path | None:
+    """The complete checkpoint of the highest step in `directory` (links and staging folders are skipped;
+    between equal steps the newest by modification time)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    best, best_key = None, None
+    for path in directory.iterdir():
+        if path.name.startswith(".") or path.is_symlink() or not is_checkpoint(path):
+            continue
+        try:
+            step = int(read_manifest(path).get("global_step", -1))
+        except Exception:  # noqa: BLE001 - an unreadable manifest is not a candidate
+            continue
+        key = (step, (path / MANIFEST).stat().st_mtime)
+        if best_key is None or key > best_key:
+            best, best_key = path, key
+    return best

@@ -1,0 +1,87 @@
+"""The same format for Lightning's own strategies (one process, DDP): a `CheckpointIO` that writes the module's
+model-space pieces and reads any layout's checkpoint back into Lightning's checkpoint dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+from mtnlg_lightning.checkpoint.commit import prepare_staging, publish
+from mtnlg_lightning.checkpoint.format import TensorReader, copy_tokenizer, write_manifest, write_meta, write_pieces
+from mtnlg_lightning.checkpoint.model_space import model_slots
+from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
+from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta
+
+SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
+
+
+class ModelSpaceCheckpointIO(CheckpointIO):
+    """Installed by `MTNLGModule.setup` on Lightning's single-device and DDP strategies (rank 0 saves)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        module = self.module
+        path = Path(path)
+        staging = prepare_staging(path)
+        optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
+        slots = model_slots(module.model, module.config)
+        pieces = collect_pieces(slots, optimizer, None, lambda index, slot: True)
+        files = [write_pieces(staging, "rank-00000.safetensors", pieces)]
+        meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
+        meta["optimizer"] = optimizer_meta(optimizer) if optimizer is not None else None
+        files.append(write_meta(staging, meta))
+        files += [f for f in [copy_tokenizer(staging, tokenizer_of(module.trainer))] if f is not None]
+        write_manifest(staging, files, checkpoint_info(module, module.trainer, SINGLE_PROCESS))
+        publish(staging, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        path = Path(path)
+        if path.is_file():  # a plain Lightning checkpoint file
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        module = self.module
+        slots = model_slots(module.model, module.config)
+        manifest, meta = check_checkpoint(path, slots, module.config, rank=0, world=1)
+        reader = TensorReader(path, manifest)
+        state_dict, by_name = {}, {}
+        for slot in slots:
+            key = f"master/{slot.name}" if f"master/{slot.name}" in reader else f"model/{slot.name}"
+            local = torch.zeros(slot.param.shape, dtype=slot.param.dtype)
+            slot.fill(local, reader.read(key, slot.offsets, slot.shape, dtype=slot.param.dtype))
+            by_name[slot.name] = local
+        for name, _ in module.model.named_parameters(remove_duplicate=False):
+            state_dict[f"model.{name}"] = by_name[name if name in by_name else "embed.wte.weight"]
+        checkpoint = {**meta, "state_dict": state_dict}
+        optimizer = meta.get("optimizer")
+        if optimizer and optimizer.get("step") is not None:
+            checkpoint["optimizer_states"] = [_torch_optimizer_state(module, reader, slots, optimizer)]
+        return checkpoint
+
+    def remove_checkpoint(self, path) -> None:
+        TorchCheckpointIO().remove_checkpoint(path)
+
+
+def _torch_optimizer_state(module, reader: TensorReader, slots, optimizer: dict) -> dict:
+    """AdamW's `state_dict()` for the optimizer `configure_optimizers` builds (parameters numbered in its order)."""
+    from mtnlg_lightning.module import decay_groups
+
+    slot_of = {id(s.param): s for s in slots}
+    state, param_groups, index = {}, [], 0
+    for params, saved in zip(decay_groups(module.model), optimizer["param_groups"], strict=True):
+        ids = []
+        for param in params:
+            slot = slot_of[id(param)]
+            entry = {"step": torch.tensor(float(optimizer["step"]))}
+            for moment in MOMENTS:
+                local = torch.zeros(param.shape, dtype=torch.float32)
+                slot.fill(local, reader.read(f"optim/{slot.name}/{moment}", slot.offsets, slot.shape))
+                entry[moment] = local
+            state[index] = entry
+            ids.append(index)
+            index += 1
+        param_groups.append({**saved, "params": ids})
+    return {"state": state, "param_groups": param_groups}

@@ -1,0 +1,70 @@
+"""Where each local parameter sits in model space: the single-process name, the global (unpadded) shape and the
+box this rank's tensor covers, whatever the TP / PP layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mtnlg_lightning.config import ModelConfig
+
+VOCAB_PARAMS = ("embed.wte.weight", "lm_head.weight")  # rows = the vocabulary, padded in memory, not on disk
+
+
+@dataclass
+class Slot:
+    """One local parameter and its box in model space. `rows` is how many leading rows of the local tensor along
+    the partition dim are real (vocabulary padding beyond them is not stored and loads as zeros)."""
+
+    name: str
+    param: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]  # the stored part of the local tensor (<= its shape)
+    replicated_over_tp: bool
+
+    @property
+    def empty(self) -> bool:
+        return any(s == 0 for s in self.shape)
+
+    def stored(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a local tensor (the parameter or one of its optimizer states) that is stored."""
+        return tensor[tuple(slice(0, s) for s in self.shape)]
+
+    def fill(self, local: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy a box read from disk into a local tensor, zeroing the vocabulary padding."""
+        if tuple(value.shape) != tuple(local.shape):
+            local.zero_()
+        local[tuple(slice(0, s) for s in self.shape)].copy_(value)
+
+
+def global_name(name: str, chunked: bool) -> str:
+    """`PipelineChunks` prefixes each virtual stage's names with its index; block names are global already."""
+    return name.split(".", 1)[1] if chunked else name
+
+
+def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> list[Slot]:
+    """A slot per parameter of this rank's part of the model, in `named_parameters` order (the same on every
+    data-parallel replica of this part)."""
+    from mtnlg_lightning.parallel.pipeline import PipelineChunks
+
+    chunked = isinstance(model, PipelineChunks)
+    slots = []
+    for local_name, param in model.named_parameters():
+        name = global_name(local_name, chunked)
+        sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
+        shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitions the tensor itself
+        offsets = [0] * len(shape)
+        global_shape = list(shape)
+        stored = list(shape)
+        if sharded:
+            dim = param.partition_dim
+            offsets[dim] = tp_rank * shape[dim]
+            global_shape[dim] = shape[dim] * tp_size
+        if name in VOCAB_PARAMS:  # trim the padded vocabulary to the real one
+            global_shape[0] = config.vocab_size
+            stored[0] = max(0, min(shape[0], config.vocab_size - offsets[0]))
+        slots.append(Slot(name, param, tuple(global_shape), tuple(offsets), tuple(stored), not sharded))
+    return slots

@@ -1,0 +1,165 @@
+"""Save and load of the 3D strategy: every rank writes its own model-space pieces in parallel (each tensor once),
+rank 0 publishes the manifest last; any layout loads any checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from mtnlg_lightning.checkpoint.commit import prepare_staging, publish, staging_path
+from mtnlg_lightning.checkpoint.format import (
+    CheckpointError,
+    TensorReader,
+    copy_tokenizer,
+    read_manifest,
+    read_meta,
+    verify_files,
+    write_manifest,
+    write_meta,
+    write_pieces,
+)
+from mtnlg_lightning.checkpoint.model_space import Slot, model_slots
+from mtnlg_lightning.checkpoint.state_io import collect_pieces, optimizer_meta, restore_optimizer_meta, restore_pieces
+
+LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _first_error(errors: list[str | None]) -> str | None:
+    found = sorted(e for e in errors if e)
+    return found[0] if found else None
+
+
+def tokenizer_of(trainer) -> str | None:
+    datamodule = getattr(trainer, "datamodule", None)
+    return getattr(datamodule, "tokenizer_file", None)
+
+
+def checkpoint_info(module, trainer, layout: dict) -> dict:
+    return {
+        "global_step": int(trainer.global_step),
+        "consumed_samples": int(module.consumed_samples),
+        "model_config": dataclasses.asdict(module.config),
+        "saved_by": layout,
+    }
+
+
+def balanced_owners(slots: list[Slot], replicas: int) -> list[int]:
+    """Which data-parallel replica writes each parameter: largest first to the least loaded (the same answer on
+    every rank), so the replicas write about equal bytes in parallel."""
+    load = [0] * replicas
+    owner = [0] * len(slots)
+    for index in sorted(range(len(slots)), key=lambda i: (-slots[i].param.numel(), i)):
+        target = min(range(replicas), key=lambda r: (load[r], r))
+        owner[index] = target
+        load[target] += max(slots[index].param.numel(), int(getattr(slots[index].param, "ds_numel", 0)))
+    return owner
+
+
+def _pause_for_tests() -> None:
+    """Crash tests kill the job while files are being written; this widens that window (test-only variable)."""
+    seconds = float(os.environ.get("MTNLG_TEST_SAVE_PAUSE_S", "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
+    module, groups = strategy.lightning_module, strategy.groups
+    if strategy.is_global_zero:
+        prepare_staging(path)
+    strategy.barrier()
+    staging = staging_path(path)
+    slots = model_slots(module.model, module.config, groups.tensor_parallel_rank, groups.tensor_parallel_size)
+    owner = balanced_owners(slots, groups.data_parallel_size)
+    dp_rank, tp_rank = groups.data_parallel_rank, groups.tensor_parallel_rank
+
+    def writer_of(index: int, slot: Slot) -> bool:
+        # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only.
+        return owner[index] == dp_rank and (tp_rank == 0 or not slot.replicated_over_tp)
+
+    optimizer = strategy.optimizers[0] if strategy.optimizers else None
+    pieces = collect_pieces(slots, optimizer, strategy.engine, writer_of, groups.data_parallel_size, tp_rank)
+    written = write_pieces(staging, f"rank-{strategy.global_rank:05d}.safetensors", pieces)
+    _pause_for_tests()
+    files = _all_gather(written)
+    if strategy.is_global_zero:
+        meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
+        meta["optimizer"] = optimizer_meta(optimizer) if optimizer is not None else None
+        files.append(write_meta(staging, meta))
+        files += [f for f in [copy_tokenizer(staging, tokenizer_of(module.trainer))] if f is not None]
+        layout = strategy.layout
+        saved_by = {
+            "tensor_parallel": layout.tensor_parallel,
+            "pipeline_parallel": layout.pipeline_parallel,
+            "data_parallel": layout.data_parallel,
+            "zero_stage": strategy.zero_stage,
+        }
+        write_manifest(staging, files, checkpoint_info(module, strategy.lightning_module.trainer, saved_by))
+        publish(staging, path)
+    strategy.barrier()
+
+
+def check_checkpoint(path: Path, slots: list[Slot], config, rank: int, world: int) -> tuple[dict, dict]:
+    """Everything that can fail, before any state is touched, with the same one-line error on every rank:
+    a folder that is not a complete checkpoint, a missing / truncated / altered file (each rank checks a share),
+    a model of another shape (the first mismatching tensor by name)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as error:
+        manifest, problem = None, str(error)
+    else:
+        names = sorted(manifest["files"])
+        problem = verify_files(path, manifest, names[rank::world])
+        if problem is None:
+            problem = _shape_mismatch(manifest, slots, config)
+    problem = _first_error(_all_gather(problem))
+    if problem:
+        raise CheckpointError(problem)
+    return manifest, read_meta(path)
+
+
+def _shape_mismatch(manifest: dict, slots: list[Slot], config) -> str | None:
+    from mtnlg_lightning.model import build_model
+
+    tensors = manifest["tensors"]
+    expected = {name: tuple(p.shape) for name, p in build_model(config, "meta").named_parameters()}
+    expected["embed.wte.weight"] = (config.vocab_size, config.hidden_size)
+    stored = {k.removeprefix("model/"): tuple(v["shape"]) for k, v in tensors.items() if k.startswith("model/")}
+    for name in sorted(set(expected) | set(stored)):
+        if name not in stored:
+            return f"the checkpoint has no tensor {name}, which this model has (another model shape?)"
+        if name not in expected:
+            return f"the checkpoint has a tensor {name} that this model does not have (another model shape?)"
+        if stored[name] != expected[name]:
+            return (
+                f"tensor {name} is {list(stored[name])} in the checkpoint and {list(expected[name])} in this model "
+                f"(another model shape?)"
+            )
+    for slot in slots:  # the boxes this layout needs exist in the stored shapes
+        if tuple(tensors[f"model/{slot.name}"]["shape"]) != slot.global_shape:
+            return f"tensor {slot.name} does not fit this layout's shards"
+    return None
+
+
+def load_sharded(strategy, path: Path) -> dict[str, Any]:
+    module, groups = strategy.lightning_module, strategy.groups
+    slots = model_slots(module.model, module.config, groups.tensor_parallel_rank, groups.tensor_parallel_size)
+    manifest, meta = check_checkpoint(path, slots, module.config, strategy.global_rank, strategy.world_size)
+    optimizer = strategy.optimizers[0] if strategy.optimizers else None
+    optimizer_state = meta.get("optimizer") or {}
+    restore_pieces(TensorReader(path, manifest), slots, optimizer, strategy.engine, optimizer_state, groups)
+    if optimizer is not None and optimizer_state:
+        restore_optimizer_meta(optimizer, optimizer_state)
+    return meta

@@ -1,0 +1,252 @@
+"""Per-parameter training state (weights, fp32 master, Adam moments) between live objects and model-space pieces.
+
+Two owners of that state: a torch optimizer over the (sharded) model parameters, or a DeepSpeed ZeRO engine
+whose fp32 master and moments are flat partitions over the data-parallel group, reached per parameter through
+DeepSpeed's tensor-fragment API (`deepspeed.utils.safe_get_full_*` / `safe_set_full_*`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtnlg_lightning.checkpoint.format import CheckpointError, Piece, TensorReader
+from mtnlg_lightning.checkpoint.model_space import Slot
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW
+
+
+def _inner_optimizer(optimizer):
+    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _step_of(optimizer) -> float | None:
+    """The optimizer's update count (AdamW keeps one per parameter; they are all equal here)."""
+    inner = _inner_optimizer(optimizer)
+    for state in inner.state.values():
+        if "step" in state:
+            return float(state["step"])
+    return None
+
+
+def optimizer_meta(optimizer) -> dict:
+    """Hyper-parameters of each param group (lr, betas, weight decay ...) and the update count."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in _inner_optimizer(optimizer).param_groups]
+    return {"param_groups": groups, "step": _step_of(optimizer)}
+
+
+def restore_optimizer_meta(optimizer, meta: dict) -> None:
+    groups = _inner_optimizer(optimizer).param_groups
+    saved = meta["param_groups"]
+    if len(saved) != len(groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(groups)}")
+    for group, values in zip(groups, saved, strict=True):
+        for key, value in values.items():
+            if key in group:
+                group[key] = value
+
+
+def _fresh_adam_state(param: torch.Tensor, group: dict, step: float) -> dict:
+    """AdamW's state as torch creates it lazily at the first step (so a step right after loading finds it)."""
+    on_device = group.get("capturable") or group.get("fused")
+    dtype = torch.float32 if on_device else torch.get_default_dtype()
+    step_tensor = torch.tensor(step, dtype=dtype, device=param.device if on_device else "cpu")
+    return {
+        "step": step_tensor,
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ collect
+def collect_pieces(
+    slots: list[Slot], optimizer, engine, writer_of, data_parallel_size: int = 1, tp_rank: int = 0
+) -> list[Piece]:
+    """This rank's pieces. `writer_of(index, slot)` says whether this rank writes parameter `index` whole (one
+    data-parallel replica, and TP rank 0 for TP-replicated tensors). Under ZeRO-1/2 each rank writes the Adam-moment
+    fragments it owns as flat ranges, with no communication, where they are contiguous in model space; the other
+    moments (ZeRO-3, column-split shards) are gathered, a collective every data-parallel rank joins in order."""
+    initialized = engine is not None and _deepspeed_state_initialized(engine)
+    if initialized:
+        _link_fragments(engine.optimizer)
+    pieces = []
+    for index, slot in enumerate(slots):
+        writes = writer_of(index, slot) and not slot.empty
+        flat = initialized and data_parallel_size > 1 and _flat_in_model_space(slot)
+        for key, tensor in _full_local_states(slot, optimizer, engine, data_parallel_size, moments=not flat):
+            if writes and tensor is not None:
+                pieces.append(Piece(key, slot.stored(tensor).detach().cpu(), slot.offsets, slot.global_shape))
+        if flat and (tp_rank == 0 or not slot.replicated_over_tp):
+            pieces += _moment_fragments(slot)
+    return pieces
+
+
+def _flat_in_model_space(slot: Slot) -> bool:
+    """A ZeRO-1/2 fragment (a flat range of this rank's shard) is a flat range of the model-space tensor when the
+    shard is whole rows of it: TP-replicated, or split along the first dimension."""
+    param = slot.param
+    if hasattr(param, "ds_id") or not hasattr(param, "_hp_mapping"):
+        return False
+    return slot.replicated_over_tp or getattr(param, "partition_dim", 0) == 0
+
+
+def _moment_fragments(slot: Slot) -> list[Piece]:
+    mapping = slot.param._hp_mapping
+    if mapping is None:  # this rank's ZeRO partition holds none of this parameter
+        return []
+    row = slot.param[0].numel() if slot.param.dim() > 1 else 1
+    stored = slot.shape[0] * row  # vocabulary padding rows are not stored
+    start, count = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+    end = min(start + count, stored)
+    if end <= start:
+        return []
+    pieces = []
+    for moment in MOMENTS:
+        fragment = mapping.get_optim_state_fragment(moment)[: end - start]
+        key = f"optim/{slot.name}/{moment}"
+        pieces.append(Piece(key, fragment.detach().cpu().clone(), (), slot.global_shape, slot.offsets[0] * row + start))
+    return pieces
+
+
+def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, moments: bool = True):
+    """(key, this rank's full local tensor) for the weight, the master weight and the moments of one parameter."""
+    param = slot.param
+    if engine is None:
+        yield f"model/{slot.name}", param.data
+        state = _inner_optimizer(optimizer).state.get(param, {}) if optimizer is not None else {}
+        for moment in MOMENTS:
+            if moment in state:
+                yield f"optim/{slot.name}/{moment}", state[moment]
+        return
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero3 = hasattr(param, "ds_id")
+    if param.dtype == torch.float32 and not zero3:
+        yield f"model/{slot.name}", param.data  # ZeRO-1/2 keep every weight whole; fp32: equal to the master
+    else:
+        master = safe_get_full_fp32_param(param)  # collective over the data-parallel group
+        yield f"model/{slot.name}", master.to(param.dtype)
+        if param.dtype != torch.float32:
+            yield f"master/{slot.name}", master
+    if not moments:
+        return
+    initialized = _deepspeed_state_initialized(engine)
+    mapping = getattr(param, "_hp_mapping", None)
+    whole = data_parallel_size == 1 and mapping is not None and mapping.lp_fragment_address.numel == param.numel()
+    for moment in MOMENTS:
+        if not initialized:
+            yield f"optim/{slot.name}/{moment}", None
+        elif whole:  # one replica: this rank's fragment is the whole parameter, no collective needed
+            yield f"optim/{slot.name}/{moment}", mapping.get_optim_state_fragment(moment).view_as(param)
+        else:
+            yield f"optim/{slot.name}/{moment}", safe_get_full_optimizer_state(param, moment)
+
+
+def _deepspeed_state_initialized(engine) -> bool:
+    inner = _inner_optimizer(engine.optimizer)
+    return any("exp_avg" in s for s in inner.state.values())
+
+
+# ------------------------------------------------------------------------------------------------ restore
+def restore_pieces(reader: TensorReader, slots: list[Slot], optimizer, engine, meta: dict, groups=None) -> None:
+    """Load every slot's weight (and, with an optimizer, its master weight and moments) from the checkpoint."""
+    step = meta.get("step")
+    has_moments = step is not None and all(f"optim/{s.name}/exp_avg" in reader for s in slots if not s.empty)
+    if engine is None:
+        _restore_torch(reader, slots, optimizer, step, has_moments)
+    else:
+        _restore_deepspeed(reader, slots, engine, step, has_moments, groups)
+
+
+def _read_local(reader: TensorReader, key: str, slot: Slot, dtype: torch.dtype, device) -> torch.Tensor:
+    """This rank's full local tensor of `key` (its TP shard, padding rows zero), whatever layout wrote it."""
+    local = torch.zeros(tuple(getattr(slot.param, "ds_shape", slot.param.shape)), dtype=dtype)
+    if not slot.empty:
+        slot.fill(local, reader.read(key, slot.offsets, slot.shape, dtype=dtype))
+    return local.to(device)
+
+
+def _weight_key(reader: TensorReader, name: str, dtype: torch.dtype) -> str:
+    """The fp32 master where the checkpoint has one and the target keeps fp32; else the weights."""
+    master = f"master/{name}"
+    return master if dtype == torch.float32 and master in reader else f"model/{name}"
+
+
+@torch.no_grad()
+def _restore_torch(reader, slots, optimizer, step, has_moments) -> None:
+    inner = _inner_optimizer(optimizer) if optimizer is not None else None
+    group_of = {id(p): g for g in (inner.param_groups if inner else []) for p in g["params"]}
+    for slot in slots:
+        param = slot.param
+        key = _weight_key(reader, slot.name, param.dtype)
+        param.data.copy_(_read_local(reader, key, slot, param.dtype, param.device))
+        if inner is None or not has_moments:
+            continue
+        state = _fresh_adam_state(param, group_of[id(param)], step)
+        for moment in MOMENTS:
+            value = _read_local(reader, f"optim/{slot.name}/{moment}", slot, state[moment].dtype, param.device)
+            state[moment].copy_(value)
+        inner.state[param] = state
+
+
+@torch.no_grad()
+def _restore_deepspeed(reader, slots, engine, step, has_moments, groups) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    zero3 = any(hasattr(s.param, "ds_id") for s in slots)
+    masters = []
+    for slot in slots:
+        key = _weight_key(reader, slot.name, torch.float32)
+        masters.append(_read_local(reader, key, slot, torch.float32, engine.device))
+    if zero3:
+        _set_zero3_weights(slots, masters, groups)
+    else:
+        for slot, master in zip(slots, masters, strict=True):
+            slot.param.data.copy_(master.view_as(slot.param).to(slot.param.dtype))
+    for slot, master in zip(slots, masters, strict=True):
+        safe_set_full_fp32_param(slot.param, master)  # this rank's fragment of the fp32 partition
+    if not has_moments:
+        return
+    _ensure_deepspeed_state(engine, step)
+    for slot in slots:
+        for moment in MOMENTS:
+            value = _read_local(reader, f"optim/{slot.name}/{moment}", slot, torch.float32, engine.device)
+            safe_set_full_optimizer_state(slot.param, value, moment)
+
+
+def _set_zero3_weights(slots, masters, groups) -> None:
+    """ZeRO-3 partitions the parameters themselves: gather, assign the same full value on every data-parallel
+    rank, and let DeepSpeed re-partition from the group's first rank."""
+    import deepspeed
+
+    src = groups.layout.rank(groups.coord.pp, 0, groups.coord.tp) if groups is not None else 0
+    params = [s.param for s in slots]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=src):
+        for param, master in zip(params, masters, strict=True):
+            param.data.copy_(master.view_as(param.data).to(param.dtype))
+
+
+def _ensure_deepspeed_state(engine, step: float) -> None:
+    """Adam's moments exist only after the first step; create them (zeros, the saved step) so the per-parameter
+    setters have somewhere to write, and link DeepSpeed's fragments to them."""
+    optimizer = engine.optimizer
+    inner = _inner_optimizer(optimizer)
+    # ZeRO-3 swaps its fp32 sub-group partitions in and out of the inner param groups at each step: take them all.
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    flats = list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
+    for flat in flats:
+        state = inner.state.get(flat)
+        if not state or "exp_avg" not in state:
+            inner.state[flat] = _fresh_adam_state(flat, inner.param_groups[0], step)
+        else:
+            state["step"].fill_(step)
+    _link_fragments(optimizer)
+
+
+def _link_fragments(optimizer) -> None:
+    """ZeRO-1/2 give each parameter views into the moments of its flat partition only when asked (and may have
+    been asked before the moments existed): (re)link them."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()

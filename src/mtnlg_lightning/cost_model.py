@@ -1,0 +1,256 @@
+"""Time of one training iteration of a GPT layout, from the GPU's data sheet and a few fitted efficiencies.
+
+Per transformer layer and micro-batch, on one GPU (t = TP degree, b micro-batch, s sequence, h hidden, a heads):
+- GEMMs: 2·b·s·(4h² + 2h·f)/t FLOPs forward at an efficiency that falls as the per-GPU width h/t shrinks
+  (`GPUSpec.gemm_fraction`); backward is twice the forward.
+- attention core (QK^T, AV): 4·b·s²·h/t FLOPs forward at its own efficiency.
+- memory-bound kernels (LayerNorm, bias+dropout+residual, GeLU; softmax and dropout on the s x s scores when the
+  attention is not a fused flash kernel) as bytes over the HBM bandwidth. Sequence parallelism shards the
+  LayerNorm/dropout/residual part by t (Korthikanti et al. 2022).
+- recompute: `full` re-runs the forward, `selective` re-runs the attention core only.
+- TP communication: 2 all-reduces (or all-gather + reduce-scatter with SP, the same bytes) of b·s·h bf16 values
+  per pass, over NVLink; what the software overlaps with GEMMs is hidden (`Implementation.tp_overlap`).
+The last stage adds the LM head (3 logits GEMMs) and the cross-entropy; pipeline sends cross nodes when a stage
+fills whole nodes. The pipeline runs m micro-batches plus a bubble of (p-1)/v stage-times (1F1B, interleaved with
+v chunks per GPU). Data-parallel gradients are reduced over the inter-node network once per iteration (ZeRO-2/3
+as DeepSpeed runs them: per micro-batch), exposed unless overlapped with the last backward; the optimizer step
+is memory-bound (~32 bytes per local parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.gpus import GPUSpec
+
+BF16 = 2
+OPTIMIZER_BYTES_PER_PARAM = 32  # Adam on fp32 master: read+write master, m, v (24) + fp32 grad (4) + bf16 weight (2+)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """What the training software fuses and overlaps: which costs end up on the critical path."""
+
+    attention: str = "flash"  # "flash": fused kernel, no s x s tensor in HBM; "unfused": softmax/dropout through HBM
+    tp_overlap: str = "none"  # "none" | "backward" (input-grad all-reduce under the weight-grad GEMM) | "all"
+    dp_overlap: bool = False  # gradient reduction overlapped with the backward of the last micro-batch
+    grad_reduce_bytes: int = 4  # bytes per gradient element reduced over DP (fp32 accumulation: 4, fp16: 2)
+    # HBM bytes per local parameter and micro-batch to add a fresh gradient into the accumulated one (read new,
+    # read + write sum); 0 when the weight-gradient GEMM accumulates in place (Megatron's gradient-accumulation
+    # fusion). This trainer: fp32 parameters under autocast, autograd sums fp32 .grad: 4 + 4 + 4.
+    grad_accumulation_bytes: int = 12
+    scatter_gather: bool = False  # pipeline sends split across the TP ranks (1/t of the bytes per GPU)
+    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: bool = True  # whether SP is available
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    max_virtual_stages: int = 4
+
+
+IMPLEMENTATIONS = {
+    # This trainer: SDPA (flash kernels on GPU); TP collectives are not overlapped; pipeline sends are whole
+    # activations from every TP rank (sequence shards with SP); DeepSpeed ZeRO overlaps only in stage 2.
+    "mtnlg-lightning": Implementation(),
+    # Megatron-LM as in Narayanan et al. 2021: fused scale-mask-softmax (no flash), no TP/DP overlap, fp16
+    # gradients all-reduced, scatter/gather pipeline sends, full or no recompute, no ZeRO.
+    "megatron-2021": Implementation(
+        attention="unfused",
+        grad_reduce_bytes=2,
+        grad_accumulation_bytes=6,  # fp16 main_grad += fp16 grad in the DDP hook
+        scatter_gather=True,
+        recompute_modes=("none", "full"),
+        sequence_parallel=False,
+        zero_stages=(0,),
+    ),
+    # Megatron-DeepSpeed as MT-NLG ran it: bf16 with fp32 gradient reduction, ZeRO-1, DeepSpeed's pipeline engine
+    # (partitioned sends, no DP overlap), 1F1B only.
+    "megatron-deepspeed-2021": Implementation(
+        attention="unfused",
+        grad_reduce_bytes=4,
+        grad_accumulation_bytes=10,  # bf16 grads added into the fp32 accumulation after every micro-step
+        scatter_gather=True,
+        recompute_modes=("none", "full"),
+        sequence_parallel=False,
+        zero_stages=(0, 1),
+        max_virtual_stages=1,
+    ),
+    # Megatron-LM as in Korthikanti et al. 2022: adds SP and selective recompute; the input-gradient all-reduce
+    # overlaps the weight-gradient GEMM (their Table 4 note); no DP overlap.
+    "megatron-2022": Implementation(
+        attention="unfused",
+        tp_overlap="backward",
+        grad_reduce_bytes=4,
+        grad_accumulation_bytes=0,  # --gradient-accumulation-fusion
+        scatter_gather=True,
+        zero_stages=(0,),
+    ),
+    # Megatron-Core r0.8 (its H100 table): TE fused attention, --tp-comm-overlap, --overlap-grad-reduce and
+    # --overlap-param-gather with the distributed optimizer (ZeRO-1).
+    "megatron-core-0.8": Implementation(
+        attention="flash",
+        tp_overlap="all",
+        dp_overlap=True,
+        grad_reduce_bytes=4,
+        grad_accumulation_bytes=0,
+        scatter_gather=True,
+        zero_stages=(0, 1),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int = 1
+    virtual_stages: int = 1
+    zero_stage: int = 1
+    recompute: str = "full"
+    sequence_parallel: bool = False
+
+
+@dataclass
+class Breakdown:
+    """Seconds per iteration on the critical path. `compute` includes `recompute`; the rest are exposed."""
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
+    """Ring all-reduce: every rank moves 2(n-1)/n of the bytes over its link (`bandwidth` is bytes/s)."""
+    return 0.0 if ranks <= 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation, layout: Layout) -> dict:
+    """Forward, backward, recompute and TP-communication seconds of one layer for one micro-batch."""
+    t, b, s, h, a = layout.tp, layout.micro_batch, config.seq_len, config.hidden_size, config.num_heads
+    f = config.ffn_hidden_size
+    peak = gpu.peak_tflops * 1e12
+    hbm = gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency
+    tokens = b * s
+    gemm = 2 * tokens * (4 * h * h + 2 * h * f) / t / (peak * gpu.gemm_fraction(h / t))
+    attention = 4 * b * s * s * h / t / (peak * gpu.attention_efficiency)
+    # Elementwise bf16 traffic, in elements: LayerNorms + bias/dropout/residual (replicated over TP unless SP),
+    # bias+GeLU on the f-wide activation (sharded); unfused attention: scale/mask/softmax + dropout on the scores.
+    # 6 elements per token and hidden unit for the replicated part: what sequence parallelism saved in
+    # Korthikanti et al.'s Table 4 (22B, TP 8: 7.7 -> 7.2 ms forward per layer).
+    replicated = 6 * tokens * h / (t if layout.sequence_parallel else 1)
+    sharded = 2 * tokens * f / t
+    scores = 4.5 * b * a * s * s / t if impl.attention == "unfused" else 0.0
+    elementwise = (replicated + sharded) * BF16 / hbm
+    score_traffic = scores * BF16 / hbm
+    overhead = gpu.kernel_overhead_us * 1e-6
+    forward = gemm + attention + elementwise + score_traffic + overhead
+    backward = 2 * (gemm + attention + elementwise + score_traffic) + overhead
+    recompute = {"full": forward, "selective": attention + score_traffic, "none": 0.0}[layout.recompute]
+    # TP: 2 all-reduce-equivalents forward, 2 backward, 2 more when the full forward is recomputed.
+    one = _allreduce_seconds(tokens * h * BF16, t, gpu.nvlink_gbps * 1e9 * gpu.nvlink_efficiency)
+    fwd_comm, bwd_comm = 2 * one, 2 * one
+    if impl.tp_overlap == "all":
+        fwd_comm, bwd_comm = max(0.0, fwd_comm - gemm), max(0.0, bwd_comm - 2 * gemm)
+    elif impl.tp_overlap == "backward":
+        bwd_comm = max(0.0, bwd_comm - gemm)  # under the weight-gradient GEMMs
+    tp_comm = fwd_comm * (2 if layout.recompute == "full" else 1) + bwd_comm
+    return {"forward": forward, "backward": backward, "recompute": recompute, "tp_comm": tp_comm}
+
+
+def _head_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout) -> float:
+    """LM head on the last stage for one micro-batch: logits GEMM forward + 2 backward, fp32 cross-entropy."""
+    t, tokens, h = layout.tp, layout.micro_batch * config.seq_len, config.hidden_size
+    vocab = config.padded_vocab_size(t) / t
+    gemm = 3 * 2 * tokens * h * vocab / (gpu.peak_tflops * 1e12 * gpu.gemm_fraction(h))
+    cross_entropy = 6 * tokens * vocab * 4 / (gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency)
+    return gemm + cross_entropy
+
+
+def dp_bandwidth(gpu: GPUSpec, layout: Layout, gpus_per_node: int) -> float:
+    """Bus bandwidth (bytes/s) of a data-parallel collective. Ranks are laid out (pp, dp, tp) with TP innermost,
+    so a node holds gpus_per_node / tp members of each DP group; NCCL drives one NIC per member."""
+    members_per_node = max(1, gpus_per_node // layout.tp)
+    nvlink = gpu.nvlink_gbps * 1e9 * gpu.nvlink_efficiency
+    if layout.dp <= members_per_node:
+        return nvlink
+    return min(nvlink, members_per_node * gpu.network_gbps * 1e9 * gpu.network_efficiency)
+
+
+def iteration_breakdown(
+    config: ModelConfig,
+    gpu: GPUSpec,
+    layout: Layout,
+    global_batch: int,
+    layers_per_gpu: list[int],
+    params_per_gpu: int,
+    gpus_per_node: int = 8,
+    impl: Implementation | None = None,
+) -> Breakdown:
+    """Seconds of one iteration at `global_batch` sequences. `layers_per_gpu[i]`: blocks on pipeline rank i (all
+    its virtual chunks); `params_per_gpu`: parameters of the largest stage's TP shard (for DP and optimizer)."""
+    impl = impl or IMPLEMENTATIONS["mtnlg-lightning"]
+    p, v, d = layout.pp, layout.virtual_stages, layout.dp
+    m = global_batch // (layout.micro_batch * d)
+    layer = _layer_pass_seconds(config, gpu, impl, layout)
+    per_layer = layer["forward"] + layer["backward"] + layer["recompute"]
+    head = _head_seconds(config, gpu, layout)
+    hbm = gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency
+    accumulate = params_per_gpu * impl.grad_accumulation_bytes / hbm if m > 1 else 0.0
+    stage_compute = [n * per_layer + (head if i == p - 1 else 0.0) + accumulate for i, n in enumerate(layers_per_gpu)]
+    stage_tp = [n * layer["tp_comm"] for n in layers_per_gpu]
+    slowest = max(range(p), key=lambda i: stage_compute[i] + stage_tp[i])
+
+    # Pipeline sends: activations of one micro-batch, forward and backward, at each of the v chunk boundaries.
+    pp_comm = 0.0
+    if p > 1:
+        shard = layout.tp if (impl.scatter_gather or layout.sequence_parallel) else 1
+        nbytes = layout.micro_batch * config.seq_len * config.hidden_size * BF16 / shard
+        crosses_node = layout.tp * d >= gpus_per_node
+        bandwidth = (gpu.network_gbps * gpu.network_efficiency if crosses_node else gpu.nvlink_gbps) * 1e9
+        pp_comm = m * 2 * v * nbytes / bandwidth
+
+    busy = stage_compute[slowest] + stage_tp[slowest]
+    bubble = (p - 1) / v * busy if p > 1 else 0.0
+
+    # Data parallelism: gradients reduced (all-reduce, or reduce-scatter + parameter all-gather under ZeRO).
+    dp_comm = 0.0
+    if d > 1:
+        bandwidth = dp_bandwidth(gpu, layout, gpus_per_node)
+        grads = params_per_gpu * impl.grad_reduce_bytes
+        params = params_per_gpu * BF16
+        backward_window = layers_per_gpu[slowest] * layer["backward"] if impl.dp_overlap else 0.0
+        if layout.zero_stage <= 1:
+            once = _allreduce_seconds(grads, d, bandwidth)
+            if layout.zero_stage == 1:  # reduce-scatter grads + all-gather bf16 params: half of each all-reduce
+                once = 0.5 * once + 0.5 * _allreduce_seconds(params, d, bandwidth)
+            dp_comm = max(0.0, once - backward_window)
+        else:
+            # DeepSpeed reduces (ZeRO-2) and gathers (ZeRO-3: forward and backward) on every micro-batch.
+            per_micro = 0.5 * _allreduce_seconds(grads, d, bandwidth)
+            if layout.zero_stage == 3:
+                per_micro += _allreduce_seconds(params, d, bandwidth)
+            hidden = layers_per_gpu[slowest] * layer["backward"] if layout.zero_stage == 2 else 0.0
+            dp_comm = m * max(0.0, per_micro - hidden) + 0.5 * _allreduce_seconds(params, d, bandwidth)
+
+    shard = d if layout.zero_stage >= 1 else 1
+    optimizer = params_per_gpu / shard * OPTIMIZER_BYTES_PER_PARAM / hbm
+    return Breakdown(
+        compute=m * stage_compute[slowest],
+        recompute=m * layers_per_gpu[slowest] * layer["recompute"],
+        tp_comm=m * stage_tp[slowest],
+        pp_comm=pp_comm,
+        bubble=bubble,
+        dp_comm=dp_comm,
+        optimizer=optimizer,
+    )

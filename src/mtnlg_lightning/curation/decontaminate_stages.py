@@ -1,0 +1,195 @@
+"""Decontamination's two passes as stages over shards (line-aligned byte ranges) of the training file::
+
+    count   count/part-<i>.npz     per shard: documents containing each task n-gram, shard-local lines with a hit
+    clean   clean/part-<i>.jsonl   per shard: the cleaned records; clean/part-<i>.json: outcomes and hit list
+
+Between them the driver sums the counts (n-grams in >= frequent_threshold documents are ignored) and numbers
+lines and documents across shards. Tasks are ``task(ctx, item)`` functions, run by any engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from .jsonl import InputError, atomic_write, count_lines_before, iter_lines, parse_record
+from .ngrams import TaskNgrams, clean_text, words_of
+from .signatures import Shard
+from .stages import StageRunner
+
+
+@dataclass(frozen=True)
+class DecontamContext:
+    work: str
+    input: str
+    shards: tuple[Shard, ...]
+    index: TaskNgrams
+    text_key: str
+    id_key: str
+    window: int
+    min_piece: int
+    max_splits: int
+    frequent_threshold: int
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.work, *parts)
+
+
+def count_path(ctx: DecontamContext, i: int) -> str:
+    return ctx.path("count", f"part-{i:05d}.npz")
+
+
+def count_shard(ctx: DecontamContext, i: int) -> None:
+    """Pass 1 on shard ``i``: how many documents contain each task n-gram; which lines have any hit."""
+    path = count_path(ctx, i)
+    if os.path.exists(path):
+        return
+    shard = ctx.shards[i]
+    counts: Counter = Counter()
+    hit_lines: list[int] = []
+    docs = local = 0
+    for _, line in iter_lines(shard.path, shard.start, shard.end):
+        local += 1
+        if not line.strip():
+            continue
+        docs += 1
+        try:
+            _, text = parse_record(line, shard.path, local, ctx.text_key)
+        except InputError:
+            lineno = count_lines_before(shard.path, shard.start) + local
+            parse_record(line, shard.path, lineno, ctx.text_key)  # re-raise with the file's line number
+            raise
+        found = {gid for _, gid in ctx.index.hits(words_of(text))}
+        if found:
+            counts.update(found)
+            hit_lines.append(local)
+    with atomic_write(path) as f:
+        np.savez(
+            f,
+            gids=np.fromiter(counts.keys(), dtype=np.int64, count=len(counts)),
+            counts=np.fromiter(counts.values(), dtype=np.int64, count=len(counts)),
+            hit_lines=np.asarray(hit_lines, dtype=np.int64),
+            docs=np.asarray([docs], dtype=np.int64),
+            lines=np.asarray([local], dtype=np.int64),
+        )
+
+
+class CountStage:
+    name = "count"
+
+    def __init__(self, ctx: DecontamContext):
+        self.ctx = ctx
+
+    def run(self, runner: StageRunner) -> dict:
+        ctx = self.ctx
+        os.makedirs(ctx.path("count"), exist_ok=True)
+        sizes = [s.end - s.start for s in ctx.shards]
+        items = list(range(len(ctx.shards)))
+        for _ in runner.map(self.name, count_shard, items, ctx, total=sum(sizes), unit="B", size=sizes.__getitem__):
+            pass
+        freq = np.zeros(len(ctx.index), dtype=np.int64)
+        docs, lines = [], []
+        for i in items:
+            with np.load(count_path(ctx, i)) as z:
+                np.add.at(freq, z["gids"], z["counts"])
+                docs.append(int(z["docs"][0]))
+                lines.append(int(z["lines"][0]))
+        if sum(docs) == 0:
+            raise InputError(f"{ctx.input}: empty input (no records)")
+        with atomic_write(ctx.path("frequency.npy")) as f:
+            np.save(f, freq)
+        return {"docs": sum(docs), "bytes": sum(sizes), "docs_per_shard": docs, "lines_per_shard": lines}
+
+
+def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
+    """Pass 2 on shard ``i``: write the cleaned records; return outcome counts and the documents hit."""
+    i, first_line, first_doc = job
+    out_path, stats_path = ctx.path("clean", f"part-{i:05d}.jsonl"), ctx.path("clean", f"part-{i:05d}.json")
+    if os.path.exists(stats_path):
+        with open(stats_path) as f:
+            return json.load(f)
+    shard = ctx.shards[i]
+    active = np.load(ctx.path("frequency.npy")) < ctx.frequent_threshold  # n-grams that are not common phrases
+    with np.load(count_path(ctx, i)) as z:
+        hit_set = set((z["hit_lines"] + (first_line - 1)).tolist())
+    prefix = "-".join(ctx.index.task_names)
+    outcome: Counter = Counter()
+    hits: list[dict] = []
+    doc = first_doc
+    with atomic_write(out_path) as out:
+        for local, (_, line) in enumerate(iter_lines(shard.path, shard.start, shard.end), start=first_line):
+            if not line.strip():
+                continue
+            doc += 1
+            rec = json.loads(line)
+            text = rec[ctx.text_key]
+            if local in hit_set:
+                pieces, matched = clean_text(text, ctx.index, active, ctx.window, ctx.min_piece)
+            else:
+                pieces, matched = [text], []
+            if not matched:
+                outcome["clean"] += 1
+            elif len(pieces) > ctx.max_splits:
+                outcome["dropped_too_many_splits"] += 1
+            elif not pieces:
+                outcome["dropped_no_piece_left"] += 1
+            elif len(pieces) == 1:
+                outcome["trimmed"] += 1
+            else:
+                outcome["split"] += 1
+            if matched:
+                hits.append({"line": local, "id": rec.get(ctx.id_key), "ngrams": sorted(set(matched))})
+                outcome["matches"] += len(matched)
+            if len(pieces) > ctx.max_splits:
+                pieces = []
+            old = rec.get("split_id")
+            use_prefix = f"{old}-" if old is not None else ""
+            for k, piece in enumerate(pieces):
+                rec[ctx.text_key] = piece
+                rec["split_id"] = f"{use_prefix}{prefix}-{doc:010d}-{k:04d}"
+                out.write(json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n")
+            outcome["pieces_out"] += len(pieces)
+            outcome["chars_removed"] += len(text) - sum(len(p) for p in pieces)
+    stats = {"outcome": dict(outcome), "hits": hits, "docs": doc - first_doc}
+    with atomic_write(stats_path, "w") as f:
+        json.dump(stats, f)
+    return stats
+
+
+class CleanStage:
+    name = "clean"
+
+    def __init__(self, ctx: DecontamContext):
+        self.ctx = ctx
+
+    def run(self, runner: StageRunner) -> dict:
+        count = runner.stats["count"]
+        ctx = self.ctx
+        os.makedirs(ctx.path("clean"), exist_ok=True)
+        first_line = np.concatenate(([1], 1 + np.cumsum(count["lines_per_shard"])[:-1])).tolist()
+        first_doc = np.concatenate(([0], np.cumsum(count["docs_per_shard"])[:-1])).tolist()
+        jobs = list(zip(range(len(ctx.shards)), first_line, first_doc, strict=True))
+        outcome: Counter = Counter()
+        hits: list[dict] = []
+        docs_by_shard = count["docs_per_shard"]
+        for stats in runner.map(
+            self.name, clean_shard, jobs, ctx, total=count["docs"], unit="doc", size=lambda j: docs_by_shard[j[0]]
+        ):
+            outcome.update(stats["outcome"])
+            hits += stats["hits"]
+        with atomic_write(ctx.path("hits.json"), "w") as f:
+            json.dump(hits, f)
+        return {"outcome": dict(outcome), "hit_documents": len(hits)}
+
+
+def concatenate_parts(ctx: DecontamContext, output: str) -> None:
+    """The final output: every shard's cleaned records, in shard order (atomic, fsynced)."""
+    with atomic_write(output, fsync=True) as out:
+        for i in range(len(ctx.shards)):
+            with open(ctx.path("clean", f"part-{i:05d}.jsonl"), "rb") as f:
+                while chunk := f.read(1 << 22):
+                    out.write(chunk)

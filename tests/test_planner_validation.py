@@ -1,0 +1,58 @@
+"""The planner's cost model against published runs (validation/published_runs.yaml), one set of constants per GPU:
+every run's throughput predicted within +-15%, and searching each published configuration's model, GPU count and
+batch ranks the published layout in the top 3 or within 5% of the best predicted time."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from mtnlg_lightning.planner_validation import layout_rank, load_runs, predict, throughput_error
+
+SOURCES, RUNS = load_runs()
+BY_NAME = {run.name: run for run in RUNS}
+# Searches that rank a smaller-TP decomposition more than 5% ahead of the published TP 8 layout: the model says
+# TP 2-4 with interleaved pipelining avoids TP 8's all-reduces and narrow GEMMs at these widths (h/t = 1024,
+# 768, 1024); the authors ran TP 8. Kept visible here rather than tuned away.
+KNOWN_RANK_MISSES = {"narayanan2021-7.5b", "narayanan2021-18.4b", "narayanan2021-39.1b"}
+
+
+def test_the_data_holds_every_published_point_with_its_source():
+    counts = {source: sum(run.source == source for run in RUNS) for source in SOURCES}
+    assert counts == {"narayanan2021": 10, "mtnlg2022": 3, "korthikanti2022": 9, "megatron_core_h100": 9}
+    assert all("arXiv" in text or "README" in text for text in SOURCES.values())
+    mtnlg = [BY_NAME[f"mtnlg2022-{n}-nodes"] for n in (280, 350, 420)]
+    assert [run.gpus for run in mtnlg] == [2240, 2800, 3360] and [run.value for run in mtnlg] == [60.1, 50.2, 44.4]
+    assert BY_NAME["narayanan2021-1008b"].gpus == 3072 and BY_NAME["narayanan2021-1008b"].value == 163
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_predicted_throughput_is_within_15_percent_of_the_published(name):
+    run = BY_NAME[name]
+    assert abs(throughput_error(run, predict(run))) <= 0.15
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(run.name, marks=pytest.mark.xfail(strict=True, reason="see KNOWN_RANK_MISSES"))
+        if run.name in KNOWN_RANK_MISSES
+        else run.name
+        for run in RUNS
+        if run.source in ("narayanan2021", "mtnlg2022")
+    ],
+)
+def test_search_ranks_the_published_layout_in_the_top_3_or_within_5_percent_of_the_best(name):
+    rank, vs_best = layout_rank(BY_NAME[name])
+    assert rank is not None and (rank <= 3 or vs_best <= 1.05)
+
+
+def test_validate_planner_prints_the_readme_table():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools/validate_planner.py"), "--no-rank"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == len(RUNS) + 1  # the header and one row per run
+    assert f"{len(RUNS)} of {len(RUNS)} runs predicted within +-15%" in out.stdout

@@ -1,0 +1,40 @@
+"""Several ranks as threads of this process over torch's "threaded" process group (torch's own test utility), so
+the tensor-parallel autograd functions are tested in one process, in milliseconds, with real collectives."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+def run_ranks(world_size: int, fn) -> list:
+    """fn(rank) on `world_size` threads inside one threaded process group; returns the results by rank."""
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+    results, errors = [None] * world_size, []
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        _install_threaded_pg()
+        store = dist.HashStore()
+
+        def worker(rank: int) -> None:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            try:
+                results[rank] = fn(rank)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(error)
+            finally:
+                dist.destroy_process_group()
+
+        threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return results
