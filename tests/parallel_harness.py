@@ -6,8 +6,6 @@ so both sides build exactly the same config, data and seed.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -15,8 +13,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.module import MTNLGModule
-from mtnlg_lightning.parallel.pipeline import PipelineChunks
-from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel, is_tensor_parallel
+from mtnlg_lightning.parallel.gathered import full_state_dict
+from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
 
 SEED = 1234
@@ -45,33 +43,6 @@ class Recorder(Callback):
             else:
                 full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
             self.params[trainer.global_step] = {k: v.cpu() for k, v in full.items()}
-
-
-@torch.no_grad()
-def full_state_dict(strategy: MegatronDeepSpeedStrategy) -> dict[str, torch.Tensor]:
-    """Every parameter at full size (ZeRO-3 partitions and TP shards gathered), on every rank."""
-    model = strategy.lightning_module.model
-    params = dict(model.named_parameters())
-    context = nullcontext()
-    if strategy.engine is not None and strategy.zero_stage == 3:
-        import deepspeed
-
-        context = deepspeed.zero.GatheredParameters(list(params.values()))
-    groups = strategy.groups
-    out = {}
-    with context:
-        for name, p in params.items():
-            value = p.detach().clone()
-            if is_tensor_parallel(p) and groups.tensor_parallel_size > 1:
-                value = gather_tensor_parallel(value, p.partition_dim, groups.tensor_parallel_group)
-            if isinstance(model, PipelineChunks):
-                name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)
-            out[name] = value
-    if strategy.pipeline_parallel > 1:  # every stage's parameters, on every rank
-        parts = [None] * strategy.pipeline_parallel
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=groups.pipeline_parallel_group)
-        out = {k: v.to(strategy.root_device) for part in parts for k, v in part.items()}
-    return out
 
 
 @torch.no_grad()

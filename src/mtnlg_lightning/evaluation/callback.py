@@ -70,10 +70,13 @@ class DownstreamEval(L.Callback):
 
     @staticmethod
     def _full_weights(trainer, pl_module) -> dict[str, torch.Tensor]:
-        strategy = trainer.strategy
-        if hasattr(strategy, "full_state_dict"):
-            weights = strategy.full_state_dict()
-        else:
+        from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+
+        if isinstance(trainer.strategy, MegatronDeepSpeedStrategy):
+            from mtnlg_lightning.parallel.gathered import full_state_dict
+
+            weights = full_state_dict(trainer.strategy)
+        else:  # one process, or DDP: every rank holds the whole model
             weights = {k: v.detach() for k, v in pl_module.model.named_parameters()}
         return {k: v for k, v in weights.items() if k != "lm_head.weight"}
 

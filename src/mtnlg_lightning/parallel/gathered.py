@@ -1,0 +1,39 @@
+"""Every parameter at full size on every rank, whatever the layout: for evaluation during training and for tests."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from mtnlg_lightning.parallel.pipeline import PipelineChunks
+from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel, is_tensor_parallel
+
+
+@torch.no_grad()
+def full_state_dict(strategy) -> dict[str, torch.Tensor]:
+    """Single-process parameter names -> full tensors (ZeRO-3 partitions and TP shards gathered, every pipeline
+    stage's parameters), on every rank of a `MegatronDeepSpeedStrategy`. Collective: every rank must call it."""
+    model = strategy.lightning_module.model
+    params = dict(model.named_parameters())
+    context = nullcontext()
+    if strategy.engine is not None and strategy.zero_stage == 3:
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(list(params.values()))
+    groups = strategy.groups
+    out = {}
+    with context:
+        for name, p in params.items():
+            value = p.detach().clone()
+            if is_tensor_parallel(p) and groups.tensor_parallel_size > 1:
+                value = gather_tensor_parallel(value, p.partition_dim, groups.tensor_parallel_group)
+            if isinstance(model, PipelineChunks):
+                name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)
+            out[name] = value
+    if strategy.pipeline_parallel > 1:  # every stage's parameters, on every rank
+        parts = [None] * strategy.pipeline_parallel
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=groups.pipeline_parallel_group)
+        out = {k: v.to(strategy.root_device) for part in parts for k, v in part.items()}
+    return out
