@@ -55,10 +55,16 @@ def random_gpt2_dir(directory: Path, seed: int = 0) -> Path:
 TINY_STEPS = 4
 
 
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    """The checkpoint of `mtnlg fit --config configs/tiny.yaml` for TINY_STEPS steps (cosine to the end) in one
-    process, trained once per test session and shared by the test modules."""
-    directory = tmp_path_factory.getbasetemp() / "tiny_checkpoint"
+LAYOUTS = {
+    "single": [],
+    "tp2xpp2xdp2": ["--trainer.strategy", "configs/strategy/tp2_pp2_dp2.yaml", "--trainer.devices", "8"],
+}
+
+
+def tiny_checkpoint(tmp_path_factory, layout: str = "single") -> Path:
+    """The checkpoint of `mtnlg fit --config configs/tiny.yaml` for TINY_STEPS steps (cosine to the end), in one
+    process or on 8 ranks (tp2 x pp2 x dp2 ZeRO-1), trained once per test session and shared by the test modules."""
+    directory = tmp_path_factory.getbasetemp() / f"tiny_checkpoint_{layout}"
     found = sorted(directory.rglob("*step=*.ckpt"))
     if found:
         return found[0]
@@ -72,6 +78,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
         "true",
         "--trainer.default_root_dir",
         str(directory),
+        *LAYOUTS[layout],
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (checkpoint,) = sorted(directory.rglob("*step=*.ckpt"))

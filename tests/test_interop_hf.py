@@ -28,9 +28,10 @@ def hf_dir(tmp_path_factory):
     return random_gpt2_dir(tmp_path_factory.mktemp("hf"))
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    return trained_tiny_checkpoint(tmp_path_factory)
+@pytest.fixture(scope="module", params=["single", pytest.param("tp2xpp2xdp2", marks=pytest.mark.distributed)])
+def tiny_checkpoint(tmp_path_factory, request):
+    """A checkpoint of one process, and one of 8 ranks (tp2 x pp2 x dp2 ZeRO-1): both export alike."""
+    return trained_tiny_checkpoint(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
