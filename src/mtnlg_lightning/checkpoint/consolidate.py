@@ -17,13 +17,10 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False) -> dict
     safetensors file, atomically; the model config and training position go in its metadata."""
     from safetensors.torch import save_file
 
-    from mtnlg_lightning.checkpoint.format import TensorReader, read_manifest, verify_files
+    from mtnlg_lightning.checkpoint.format import open_verified
 
-    manifest = read_manifest(checkpoint)
-    problem = verify_files(checkpoint, manifest)
-    if problem:
-        raise MTNLGError(problem)
-    reader = TensorReader(checkpoint, manifest)
+    reader = open_verified(checkpoint)
+    manifest = reader.manifest
     keys = [k for k in sorted(manifest["tensors"]) if optimizer or k.startswith("model/")]
     tensors = {(k.removeprefix("model/") if not optimizer else k): reader.read(k) for k in keys}
     metadata = {

@@ -175,6 +175,15 @@ def verify_files(path: Path, manifest: dict, names: list[str] | None = None) -> 
     return None
 
 
+def open_verified(path: Path) -> TensorReader:
+    """A reader of a complete checkpoint whose every file matches its manifest (one-process use: tools, export)."""
+    manifest = read_manifest(path)
+    problem = verify_files(path, manifest)
+    if problem:
+        raise CheckpointError(problem)
+    return TensorReader(path, manifest)
+
+
 def read_meta(path: Path) -> dict:
     file = Path(path) / META
     try:

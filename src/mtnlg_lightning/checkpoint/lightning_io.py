@@ -13,7 +13,7 @@ from mtnlg_lightning.checkpoint.commit import prepare_staging, publish
 from mtnlg_lightning.checkpoint.format import TensorReader, copy_tokenizer, write_manifest, write_meta, write_pieces
 from mtnlg_lightning.checkpoint.model_space import model_slots
 from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
-from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta
+from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta, weight_key
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
 
@@ -49,7 +49,7 @@ class ModelSpaceCheckpointIO(CheckpointIO):
         reader = TensorReader(path, manifest)
         state_dict, by_name = {}, {}
         for slot in slots:
-            key = f"master/{slot.name}" if f"master/{slot.name}" in reader else f"model/{slot.name}"
+            key = weight_key(reader, slot.name, slot.param.dtype)
             local = torch.zeros(slot.param.shape, dtype=slot.param.dtype)
             slot.fill(local, reader.read(key, slot.offsets, slot.shape, dtype=slot.param.dtype))
             by_name[slot.name] = local

@@ -49,14 +49,11 @@ def _read_lightning_file(path: Path) -> ModelState:
 
 
 def _read_folder(path: Path, master: bool) -> ModelState:
-    from mtnlg_lightning.checkpoint.format import TOKENIZER, TensorReader, read_manifest, read_meta, verify_files
+    from mtnlg_lightning.checkpoint.format import TOKENIZER, open_verified, read_meta
 
-    manifest = read_manifest(path)
-    problem = verify_files(path, manifest)
-    if problem:
-        raise MTNLGError(problem)
+    reader = open_verified(path)
+    manifest = reader.manifest
     config = ModelConfig(**manifest["model_config"])
-    reader = TensorReader(path, manifest)
     weights = {}
     for key in sorted(manifest["tensors"]):
         if key.startswith("model/"):

@@ -167,7 +167,7 @@ def _read_local(reader: TensorReader, key: str, slot: Slot, dtype: torch.dtype, 
     return local.to(device)
 
 
-def _weight_key(reader: TensorReader, name: str, dtype: torch.dtype) -> str:
+def weight_key(reader: TensorReader, name: str, dtype: torch.dtype) -> str:
     """The fp32 master where the checkpoint has one and the target keeps fp32; else the weights."""
     master = f"master/{name}"
     return master if dtype == torch.float32 and master in reader else f"model/{name}"
@@ -179,7 +179,7 @@ def _restore_torch(reader, slots, optimizer, step, has_moments) -> None:
     group_of = {id(p): g for g in (inner.param_groups if inner else []) for p in g["params"]}
     for slot in slots:
         param = slot.param
-        key = _weight_key(reader, slot.name, param.dtype)
+        key = weight_key(reader, slot.name, param.dtype)
         param.data.copy_(_read_local(reader, key, slot, param.dtype, param.device))
         if inner is None or not has_moments:
             continue
@@ -197,7 +197,7 @@ def _restore_deepspeed(reader, slots, engine, step, has_moments, groups) -> None
     zero3 = any(hasattr(s.param, "ds_id") for s in slots)
     masters = []
     for slot in slots:
-        key = _weight_key(reader, slot.name, torch.float32)
+        key = weight_key(reader, slot.name, torch.float32)
         masters.append(_read_local(reader, key, slot, torch.float32, engine.device))
     if zero3:
         _set_zero3_weights(slots, masters, groups)
