@@ -1,0 +1,425 @@
+"""The end-to-end pipeline: raw text -> dedup -> decontaminate -> tokenize -> train -> evaluate -> export -> generate,
+with the paper's contamination argument as an experiment: the same model trained on the deduplicated corpus with
+the planted evaluation passages left in (A, "contaminated") and after decontamination (B, "decontaminated").
+
+Every stage is the real tool (see stages.py); this module only wires their files together, counts what flows
+between them and writes the report. What the numbers mean: docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mtnlg_lightning.data.indexed import IndexedDataset
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.pipeline.report import Check, write_report
+from mtnlg_lightning.pipeline.stages import REPO, StageRecord, run_tool
+
+RUNS = {"contaminated": "A", "decontaminated": "B"}
+EVAL_SETS = ("planted", "control")
+
+
+@dataclass
+class PipelineSettings:
+    out_dir: Path
+    smoke: bool = False  # the reduced run of the test suite: a smaller corpus, the tiny model, a few steps
+    steps: int | None = None  # training steps of each run (default: the config's, or 20 for --smoke)
+    corpus: CorpusSpec = field(default_factory=CorpusSpec)
+    vocab_size: int = 4096
+    config: Path = REPO / "configs" / "pipeline.yaml"
+    prompt: str = "The file is opened"
+    plot: bool = True
+
+    @classmethod
+    def for_run(cls, out_dir, smoke: bool = False, **overrides) -> PipelineSettings:
+        corpus = CorpusSpec.smoke() if smoke else CorpusSpec()
+        for key in ("plant_copies", "eval_passages", "seed"):
+            if overrides.get(key) is not None:
+                setattr(corpus, key, overrides.pop(key))
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        return cls(out_dir=Path(out_dir).resolve(), smoke=smoke, corpus=corpus, **overrides)
+
+
+class Pipeline:
+    def __init__(self, settings: PipelineSettings):
+        self.s = settings
+        self.out = settings.out_dir
+        self.cwd = Path.cwd()
+        self.records: list[StageRecord] = []
+        self.checks: list[Check] = []
+        self.experiment: dict = {}
+        self.generation: dict = {}
+
+    # --- plumbing ------------------------------------------------------------------------------------------
+    def stage(self, name: str, tool: str, *args: str) -> tuple[StageRecord, str]:
+        record = StageRecord(name, "")
+        stdout = run_tool(record, tool, [str(a) for a in args], self.out / "logs", len(self.records) + 1, self.cwd)
+        self.records.append(record)
+        return record, stdout
+
+    def done(self, record: StageRecord) -> None:
+        print(record.line(), flush=True)
+
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        self.checks.append(Check(name, bool(ok), detail))
+
+    # --- the stages ----------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        start = time.perf_counter()
+        self.build_corpus()
+        self.dedup()
+        self.decontaminate()
+        self.tokenize()
+        for run in RUNS:
+            self.train(run)
+        for run in RUNS:
+            for eval_set in EVAL_SETS:
+                self.evaluate(run, eval_set)
+        self.export_and_generate()
+        self.contamination_left()
+        report = {
+            "out_dir": str(self.out),
+            "smoke": self.s.smoke,
+            "settings": {"corpus": asdict(self.s.corpus), "steps": self.steps, "vocab_size": self.s.vocab_size},
+            "stages": [asdict(r) for r in self.records],
+            "experiment": self.experiment,
+            "generation": self.generation,
+            "checks": [asdict(c) for c in self.checks],
+            "ok": all(c.ok for c in self.checks),
+            "seconds_total": round(time.perf_counter() - start, 1),
+        }
+        write_report(self.out, report, plot=self.s.plot)
+        return report
+
+    def build_corpus(self) -> None:
+        record = StageRecord("corpus", "build_corpus (mtnlg_lightning.pipeline.corpus)")
+        t0 = time.perf_counter()
+        summary = build_corpus(self.out, self.s.corpus)
+        record.seconds = time.perf_counter() - t0
+        record.documents_out, record.bytes_out = summary["documents"], summary["bytes"]
+        record.details = {
+            **summary,
+            "summary": [
+                f"{summary['planted_passages']} planted x {self.s.corpus.plant_copies} copies "
+                f"({summary['edited_copies']} edited), {summary['exact_duplicates']} exact + "
+                f"{summary['near_duplicates']} near duplicates, {summary['control_passages']} control passages"
+            ],
+        }
+        self.records.append(record)
+        self.done(record)
+        self.check(
+            "corpus lines = documents built",
+            count_lines(self.out / "raw" / "web.jsonl") == summary["documents"],
+            f"{summary['documents']} documents",
+        )
+
+    def dedup(self) -> None:
+        raw, out = self.out / "raw" / "web.jsonl", self.out / "dedup"
+        record, _ = self.stage("dedup", "mtnlg-dedup", raw, "--output-dir", out, "--quiet")
+        totals = read_json(out / "report.json")["totals"]
+        kept, removed = count_lines(out / "web.jsonl"), count_lines(out / "duplicates.jsonl")
+        record.documents_in, record.documents_out = totals["docs_in"], totals["docs_out"]
+        record.bytes_in, record.bytes_out = text_bytes(raw), text_bytes(out / "web.jsonl")
+        record.details = {
+            "exact_removed": totals["exact_duplicates_removed"],
+            "near_removed": totals["near_duplicates_removed"],
+            "summary": [
+                f"removed {totals['exact_duplicates_removed']} exact + {totals['near_duplicates_removed']} near"
+            ],
+        }
+        self.done(record)
+        corpus = self.records[0]
+        self.check(
+            "dedup: documents in = corpus documents out",
+            record.documents_in == corpus.documents_out,
+            f"{record.documents_in} vs {corpus.documents_out}",
+        )
+        self.check(
+            "dedup: documents out = kept lines; in - out = duplicates.jsonl lines",
+            record.documents_out == kept and record.documents_in - record.documents_out == removed,
+            f"{record.documents_out} out, {kept} kept lines, {removed} duplicate lines",
+        )
+        truth = read_json(self.out / "raw" / "ground_truth.json")
+        kept_ids = {json.loads(line)["id"] for line in open(out / "web.jsonl", encoding="utf-8")}
+        pairs = [d for d in truth["duplicates"] if d["jaccard"] >= 0.8]
+        resolved = sum((d["id"] in kept_ids) != (d["of"] in kept_ids) for d in pairs)
+        record.details["planted_duplicate_recall"] = resolved / max(len(pairs), 1)
+        self.check(
+            "dedup: every planted duplicate pair (J >= 0.8) keeps exactly one document",
+            resolved == len(pairs),
+            f"{resolved}/{len(pairs)} pairs; {record.documents_in - record.documents_out - len(pairs)} other "
+            "documents removed as duplicates of the source text itself",
+        )
+        hosts = set(truth["plants"])
+        self.check(
+            "dedup: every document holding planted text is kept",
+            hosts <= kept_ids,
+            f"{len(hosts & kept_ids)}/{len(hosts)} host documents kept",
+        )
+
+    def decontaminate(self) -> None:
+        src, out = self.out / "dedup" / "web.jsonl", self.out / "decontaminate" / "web.jsonl"
+        tasks = self.out / "eval" / "evalset.jsonl"
+        record, _ = self.stage(
+            "decontaminate", "mtnlg-decontaminate", "--tasks", tasks, "--input", src, "--output", out, "--quiet"
+        )
+        rep = read_json(out.parent / "report.json")
+        docs = rep["documents"]
+        record.documents_in, record.documents_out = docs["in"], docs["records_out"]
+        record.bytes_in, record.bytes_out = text_bytes(src), text_bytes(out)
+        record.details = {
+            **{k: docs[k] for k in ("clean", "trimmed", "split", "dropped_too_many_splits", "dropped_no_piece_left")},
+            "matches_removed": docs["matches_removed"],
+            "chars_removed": docs["chars_removed"],
+            "frequent_ngrams_ignored": rep["frequent_ngrams"]["ignored"],
+            "summary": [f"{docs['matches_removed']} matches, {docs['chars_removed']:,} chars removed"],
+        }
+        self.done(record)
+        self.check(
+            "decontaminate: documents in = dedup documents out",
+            record.documents_in == self.by_name("dedup").documents_out,
+            f"{record.documents_in} vs {self.by_name('dedup').documents_out}",
+        )
+        self.check(
+            "decontaminate: records out = output lines",
+            record.documents_out == count_lines(out),
+            f"{record.documents_out} records",
+        )
+
+    def tokenize(self) -> None:
+        tok_dir = self.out / "tokenizer"
+        clean = self.out / "decontaminate" / "web.jsonl"
+        record, _ = self.stage(
+            "tokenizer", "train_tokenizer.py", "--input", clean, "--vocab-size", self.s.vocab_size, "--output", tok_dir
+        )
+        vocab = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
+        record.documents_in, record.bytes_in = count_lines(clean), text_bytes(clean)
+        record.details = {"vocab_size": len(vocab), "summary": [f"vocab {len(vocab):,} (trained on B's text)"]}
+        self.done(record)
+        self.tokenizer = tok_dir / "tokenizer.json"
+        sources = {"contaminated": self.out / "dedup" / "web.jsonl", "decontaminated": clean}
+        for run, source in sources.items():
+            prefix = self.out / "data" / run
+            record, _ = self.stage(
+                f"preprocess-{run}",
+                "preprocess_data.py",
+                "--input",
+                source,
+                "--tokenizer",
+                self.tokenizer,
+                "--output-prefix",
+                prefix,
+                "--no-progress",
+            )
+            dataset = IndexedDataset(prefix)
+            record.documents_in, record.bytes_in = count_lines(source), text_bytes(source)
+            record.documents_out, record.tokens = len(dataset), int(dataset.sizes.sum())
+            self.done(record)
+            upstream = "dedup" if run == "contaminated" else "decontaminate"
+            self.check(
+                f"preprocess {run}: documents = {upstream} documents out",
+                record.documents_out == record.documents_in == self.by_name(upstream).documents_out,
+                f"{record.documents_out} documents, {record.tokens:,} tokens",
+            )
+
+    def train(self, run: str) -> None:
+        run_dir = self.out / "train" / run
+        config = yaml.safe_load(self.s.config.read_text(encoding="utf-8"))
+        trainer = config["trainer"]
+        trainer["default_root_dir"] = str(run_dir)
+        trainer["logger"]["init_args"]["save_dir"] = str(run_dir)
+        for callback in trainer["callbacks"]:
+            if callback["class_path"].endswith("ModelCheckpoint"):
+                callback["init_args"]["dirpath"] = str(run_dir / "checkpoints")
+        config["data"]["datasets"] = [str(self.out / "data" / run)]
+        config["data"]["tokenizer"] = str(self.tokenizer)
+        if self.s.smoke:
+            trainer.update(max_steps=20, limit_val_batches=2)
+            config["model"].update(preset="tiny", micro_batch_size=4, global_batch_size=8, warmup_tokens=1024)
+        if self.s.steps is not None:
+            trainer["max_steps"] = self.s.steps
+        if self.s.smoke or self.s.steps is not None:  # cosine over the whole run, as the config's own numbers are
+            model = config["model"]
+            model["decay_tokens"] = trainer["max_steps"] * model["global_batch_size"] * self.seq_len(config)
+        self.steps = trainer["max_steps"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fit_config = run_dir / "fit.yaml"
+        fit_config.write_text(
+            "# written by the pipeline from configs/pipeline.yaml (paths and sizes of this run)\n"
+            + yaml.safe_dump(config, sort_keys=False),
+            encoding="utf-8",
+        )
+        record, _ = self.stage(f"train-{run}", "mtnlg", "fit", "--config", fit_config)
+        rows = read_metrics(run_dir / "metrics.csv")
+        curve = [(int(r["step"]) + 1, float(r["train_loss"])) for r in rows if r.get("train_loss")]
+        last = [r for r in rows if r.get("consumed_tokens")][-1]
+        val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+        gbs, seq = config["model"]["global_batch_size"], self.seq_len(config)
+        record.tokens = int(float(last["consumed_tokens"]))
+        source = self.by_name(f"preprocess-{run}")
+        record.documents_in = source.documents_out
+        record.details = {
+            "steps": len(curve),
+            "global_batch_size": gbs,
+            "seq_len": seq,
+            "first_loss": curve[0][1],
+            "final_loss": curve[-1][1],
+            "val_loss": val[-1] if val else None,
+            "epochs": record.tokens / max(source.tokens, 1),
+            "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+            "summary": [f"loss {curve[0][1]:.3f} -> {curve[-1][1]:.3f}", f"{record.tokens / source.tokens:.2f} epochs"],
+        }
+        self.experiment.setdefault(run, {})["loss_curve"] = curve
+        self.experiment[run]["train"] = {k: record.details[k] for k in ("final_loss", "val_loss", "epochs")}
+        self.done(record)
+        self.check(
+            f"train {run}: tokens trained = steps x global batch x seq_len",
+            len(curve) == self.steps and record.tokens == self.steps * gbs * seq,
+            f"{len(curve)} steps x {gbs} x {seq} = {self.steps * gbs * seq:,}; consumed_tokens {record.tokens:,}",
+        )
+
+    def evaluate(self, run: str, eval_set: str) -> None:
+        data = self.out / "eval" / f"{eval_set}.jsonl"
+        output = self.out / "eval" / f"{run}-{eval_set}.json"
+        checkpoint = self.by_name(f"train-{run}").details["checkpoint"]
+        record, _ = self.stage(
+            f"eval-{run}-{eval_set}",
+            "mtnlg-eval",
+            "--checkpoint",
+            checkpoint,
+            "--task",
+            "lambada",
+            "--data",
+            data,
+            "--output",
+            output,
+            "--no-progress",
+        )
+        metrics = read_json(output)["results"]["lambada"]["0"]
+        record.documents_in = count_lines(data)
+        record.details = {**metrics, "summary": [f"acc {metrics['acc']:.4f}  perplexity {metrics['perplexity']:.1f}"]}
+        self.experiment[run][eval_set] = {k: metrics[k] for k in ("acc", "perplexity", "examples")}
+        self.done(record)
+        self.check(
+            f"eval {run} {eval_set}: every passage scored",
+            metrics["examples"] == record.documents_in,
+            f"{metrics['examples']} of {record.documents_in}",
+        )
+        if run == "decontaminated" and eval_set == "control":
+            a, b = self.experiment["contaminated"], self.experiment["decontaminated"]
+            self.experiment["planted_gap"] = {
+                "acc_contaminated_minus_decontaminated": a["planted"]["acc"] - b["planted"]["acc"],
+                "perplexity_decontaminated_over_contaminated": b["planted"]["perplexity"] / a["planted"]["perplexity"],
+                "control_acc_difference": a["control"]["acc"] - b["control"]["acc"],
+                "control_perplexity_ratio": b["control"]["perplexity"] / a["control"]["perplexity"],
+            }
+
+    def export_and_generate(self) -> None:
+        checkpoint = self.by_name("train-decontaminated").details["checkpoint"]
+        hf_dir = self.out / "hf"
+        record, _ = self.stage("export-hf", "mtnlg-export-hf", checkpoint, hf_dir, "--overwrite")
+        config = read_json(hf_dir / "config.json")
+        record.bytes_out = sum(p.stat().st_size for p in hf_dir.iterdir())
+        record.details = {
+            "vocab_size": config["vocab_size"],
+            "n_layer": config["n_layer"],
+            "summary": [f"GPT-2 directory, vocab {config['vocab_size']}, {config['n_layer']} layers"],
+        }
+        self.done(record)
+        self.check(
+            "export: the directory's vocabulary is the tokenizer's",
+            config["vocab_size"] == self.by_name("tokenizer").details["vocab_size"],
+            f"{config['vocab_size']} rows",
+        )
+        record, stdout = self.stage(
+            "generate",
+            "mtnlg-generate",
+            "--checkpoint",
+            hf_dir,
+            "--prompt",
+            self.s.prompt,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "32",
+        )
+        text = stdout.removesuffix("\n")  # a small model may well continue with blank lines: they count
+        record.details = {"summary": [repr(text[:80] + ("..." if len(text) > 80 else ""))]}
+        self.generation = {"prompt": self.s.prompt, "text": text, "source": str(hf_dir)}
+        self.done(record)
+        wrote = text.startswith(self.s.prompt) and len(text) > len(self.s.prompt)
+        self.check("generate: a continuation was written", wrote, f"{len(text)} characters")
+
+    def contamination_left(self) -> None:
+        """Count, independently of the tools, the training documents of A and B that still hold a 13-gram of a
+        planted passage (A: all of them should; B: none)."""
+        truth = read_json(self.out / "raw" / "ground_truth.json")
+        planted = set().union(*(ngram_set(p) for p in truth["planted_passages"]))
+        counts = {}
+        for run, path in (("contaminated", "dedup/web.jsonl"), ("decontaminated", "decontaminate/web.jsonl")):
+            with open(self.out / path, encoding="utf-8") as f:
+                counts[run] = sum(bool(ngram_set(json.loads(line)["text"]) & planted) for line in f)
+            self.experiment[run]["documents_with_planted_text"] = counts[run]
+        self.check(
+            "contaminated corpus holds every planted host document",
+            counts["contaminated"] == len(truth["plants"]),
+            f"{counts['contaminated']} documents with planted 13-grams, {len(truth['plants'])} hosts planted",
+        )
+        self.check(
+            "decontaminated corpus holds no planted 13-gram",
+            counts["decontaminated"] == 0,
+            f"{counts['decontaminated']} documents",
+        )
+
+    # --- helpers -------------------------------------------------------------------------------------------
+    def by_name(self, name: str) -> StageRecord:
+        return next(r for r in self.records if r.name == name)
+
+    @staticmethod
+    def seq_len(config: dict) -> int:
+        from mtnlg_lightning.config import get_config
+
+        model = config["model"]
+        return get_config(model["preset"], **(model.get("model_overrides") or {})).seq_len
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def text_bytes(path: Path) -> int:
+    """UTF-8 bytes of the `text` fields of a JSONL file (what the next stage reads, without the JSON framing)."""
+    with open(path, encoding="utf-8") as f:
+        return sum(len(json.loads(line)["text"].encode("utf-8")) for line in f)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Lightning's CSVLogger rows, merged by step (a step's values may be spread over several rows)."""
+    by_step: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            merged = by_step.setdefault(step, {})
+            merged.update({k: v for k, v in row.items() if v not in ("", None)})
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise MTNLGError(f"{out_dir} is not empty: pass --overwrite to replace it, or name another directory")
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,127 @@
+"""The end-to-end pipeline (scripts/pipeline.sh -> tools/pipeline.py): the corpus it plants, and the reduced run of
+every real tool in order, whose report must reconcile its own counts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
+from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def smoke_corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    return out, build_corpus(out, CorpusSpec.smoke())
+
+
+def test_planted_passages_are_in_their_host_documents_and_control_passages_nowhere(smoke_corpus):
+    out, summary = smoke_corpus
+    docs = {d["id"]: d["text"] for d in read_jsonl(out / "raw" / "web.jsonl")}
+    truth = json.loads((out / "raw" / "ground_truth.json").read_text())
+    planted = [r["text"] for r in read_jsonl(out / "eval" / "planted.jsonl")]
+    control = [r["text"] for r in read_jsonl(out / "eval" / "control.jsonl")]
+    assert len(planted) == len(control) == 8 and summary["planted_copies"] == 8 * 4
+    assert truth["planted_passages"] == planted
+    for host, hits in truth["plants"].items():
+        for hit in hits:
+            passage = planted[hit["passage"]]
+            if hit["edited"]:  # the tail (with the cloze target) is intact; the opening is not
+                assert " ".join(passage.split()[-12:]) in docs[host]
+            else:
+                assert passage in docs[host]
+    corpus_ngrams = set().union(*(ngram_set(t) for t in docs.values()))
+    assert all(not ngram_set(c) & corpus_ngrams for c in control)
+    evalset = read_jsonl(out / "eval" / "evalset.jsonl")
+    assert [r["text"] for r in evalset] == planted + control
+
+
+def test_planted_duplicates_are_exact_copies_or_above_the_dedup_threshold(smoke_corpus):
+    out, summary = smoke_corpus
+    docs = {d["id"]: d["text"] for d in read_jsonl(out / "raw" / "web.jsonl")}
+    truth = json.loads((out / "raw" / "ground_truth.json").read_text())
+    assert summary["exact_duplicates"] == 8 and summary["near_duplicates"] == 8
+    spec = ShingleSpec("word", 5)
+    for dup in truth["duplicates"]:
+        assert dup["of"] not in truth["plants"]  # copies never multiply the planted text
+        jaccard = jaccard_strings(shingle_strings(docs[dup["id"]], spec), shingle_strings(docs[dup["of"]], spec))
+        assert jaccard == pytest.approx(dup["jaccard"], abs=1e-4)
+        assert (docs[dup["id"]] == docs[dup["of"]]) == (dup["kind"] == "exact")
+        assert jaccard > 0.8
+
+
+def test_a_non_empty_output_directory_is_refused_in_one_line(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "pipeline.py"), str(tmp_path), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--overwrite" in proc.stderr
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
+    out = tmp_path / "pipeline"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "pipeline.py"), str(out), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    names = [s["name"] for s in report["stages"]]
+    assert names == [
+        "corpus",
+        "dedup",
+        "decontaminate",
+        "tokenizer",
+        "preprocess-contaminated",
+        "preprocess-decontaminated",
+        "train-contaminated",
+        "train-decontaminated",
+        "eval-contaminated-planted",
+        "eval-contaminated-control",
+        "eval-decontaminated-planted",
+        "eval-decontaminated-control",
+        "export-hf",
+        "generate",
+    ]
+    # one summary line per stage on stdout, in that order
+    lines = [line.split()[0] for line in proc.stdout.splitlines() if line.split() and line.split()[0] in names]
+    assert lines == names
+    assert report["ok"] and all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 15
+    stages = {s["name"]: s for s in report["stages"]}
+    # documents out of one stage = documents into the next, re-read here from the files themselves
+    assert stages["dedup"]["documents_out"] == len(read_jsonl(out / "dedup" / "web.jsonl"))
+    assert stages["decontaminate"]["documents_in"] == stages["dedup"]["documents_out"]
+    assert stages["preprocess-decontaminated"]["documents_out"] == stages["decontaminate"]["documents_out"]
+    assert stages["preprocess-contaminated"]["documents_out"] == stages["dedup"]["documents_out"]
+    for run in ("contaminated", "decontaminated"):
+        train = stages[f"train-{run}"]
+        assert train["tokens"] == 20 * 8 * 64  # steps x global batch x seq_len of the tiny model
+        for eval_set in ("planted", "control"):
+            metrics = report["experiment"][run][eval_set]
+            assert 0.0 <= metrics["acc"] <= 1.0 and metrics["perplexity"] > 1.0 and metrics["examples"] == 8
+        assert len(report["experiment"][run]["loss_curve"]) == 20
+    assert report["experiment"]["decontaminated"]["documents_with_planted_text"] == 0
+    assert report["experiment"]["contaminated"]["documents_with_planted_text"] > 0
+    assert (out / "report.md").read_text().count("PASS") == len(report["checks"])
+    assert (out / "report.png").stat().st_size > 10_000
+    assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "gpt2"
+    assert report["generation"]["text"].startswith("The file is opened")

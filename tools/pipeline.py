@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""End to end as in the paper, offline: raw text -> dedup -> decontaminate -> tokenize -> train -> evaluate ->
+export -> generate, with the contamination experiment in miniature (docs/pipeline.md).
+
+    bash scripts/pipeline.sh [OUT_DIR]            # = python tools/pipeline.py [OUT_DIR] (default runs/pipeline)
+    python tools/pipeline.py /tmp/p --smoke       # the reduced run of the test suite (tiny model, ~1-2 min)
+
+Builds a web-like corpus of real English prose (the Python standard library's docstrings cut into pages, with
+planted exact and near duplicates and planted copies of half of an evaluation set's cloze passages), then runs
+mtnlg-dedup, mtnlg-decontaminate (the evaluation set as the task), tools/train_tokenizer.py,
+tools/preprocess_data.py (once per corpus), mtnlg fit twice (A: deduplicated, planted text left in;
+B: decontaminated; same model, seed and steps), mtnlg-eval on the planted and the control passages for both,
+mtnlg-export-hf of B and mtnlg-generate from the export. Each stage prints one line; every tool's output is in
+OUT_DIR/logs. Writes OUT_DIR/report.json, report.md and report.png; the report checks that the counts reconcile
+from stage to stage. Exit status: 0 all checks passed, 1 a check failed, 2 a stage failed or bad arguments.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+
+from mtnlg_lightning.errors import MTNLGError
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "out_dir", nargs="?", default="runs/pipeline", help="where every stage writes (default: %(default)s)"
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="the reduced run: 160 pages, 8+8 passages, tiny model, 20 steps"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps of each run (default: configs/pipeline.yaml's 400)"
+    )
+    p.add_argument(
+        "--plant-copies",
+        type=int,
+        default=None,
+        help="training documents each planted passage is copied into (default 6; keep it below "
+        "mtnlg-decontaminate's --frequent-threshold 10, or decontamination ignores its n-grams)",
+    )
+    p.add_argument("--eval-passages", type=int, default=None, help="cloze passages, half planted (default 128)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of the corpus: selection, planting, copies (default 1234)"
+    )
+    p.add_argument("--prompt", default="The file is opened", help="the prompt of the generation stage")
+    p.add_argument("--no-plot", action="store_true", help="skip report.png (needs matplotlib: the [plot] extra)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
+    args = p.parse_args(argv)
+    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
+
+    try:
+        settings = PipelineSettings.for_run(
+            args.out_dir,
+            smoke=args.smoke,
+            steps=args.steps,
+            plant_copies=args.plant_copies,
+            eval_passages=args.eval_passages,
+            seed=args.seed,
+            prompt=args.prompt,
+            plot=not args.no_plot,
+        )
+        prepare_out_dir(settings.out_dir, args.overwrite)
+        print(f"pipeline: writing {settings.out_dir} (tool output in {settings.out_dir / 'logs'})", flush=True)
+        report = Pipeline(settings).run()
+    except MTNLGError as error:
+        print(f"pipeline: error: {error}", file=sys.stderr)
+        return 2
+    out = Path(report["out_dir"])
+    failed = [c for c in report["checks"] if not c["ok"]]
+    passed = len(report["checks"]) - len(failed)
+    gap = report["experiment"]["planted_gap"]
+    print(
+        f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
+        f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
+        f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {out / 'report.md'}"
+    )
+    for check in failed:
+        print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
