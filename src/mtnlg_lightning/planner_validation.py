@@ -92,9 +92,11 @@ def predict(run: PublishedRun) -> Plan:
     }
     candidates = []
     for micro, v, recompute, sp in itertools.product(*options.values()):
-        m, layers = run.global_batch // (micro * fixed["dp"]), run.model.num_layers
-        if run.global_batch % (micro * fixed["dp"]) or (v > 1 and (m % fixed["pp"] or layers % (fixed["pp"] * v))):
+        m = run.global_batch // (micro * fixed["dp"])
+        if run.global_batch % (micro * fixed["dp"]) or (v > 1 and m % fixed["pp"]):
             continue
+        if not impl.runs_pipeline(run.model.num_layers, fixed["pp"], v):
+            continue  # e.g. Megatron-LM: no interleaving on 2 stages, layers split evenly over the chunks
         candidates.append(
             plan(
                 run.model,
