@@ -10,6 +10,7 @@ from conftest import ROOT
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.planner import plan
 from mtnlg_lightning.planner_validation import layout_rank, load_runs, predict, throughput_error
 
@@ -74,6 +75,20 @@ def test_tp_8_leads_the_papers_tp_versus_pp_experiment(batch):
 
     tp8, tp4, tp2 = best(8, 8), best(4, 16), best(2, 32)
     assert tp8 <= 1.01 * tp4 and tp8 < tp2
+
+
+def test_a_published_layout_its_software_cannot_run_is_reported(tmp_path):
+    """Megatron-LM splits layers evenly: 36 layers on 8 stages is no layout of its, whatever the micro-batch."""
+    runs = tmp_path / "runs.yaml"
+    runs.write_text(
+        "sources: {x: 'arXiv 0000.00000'}\nruns:\n  - {name: bad, source: x, gpu: a100-80g, implementation: "
+        "megatron-2021,\n     model: {num_layers: 36, hidden_size: 4096, num_heads: 32, seq_len: 2048, vocab_size: "
+        "51200},\n     layout: {tp: 8, pp: 8, dp: 1, micro_batch: null, virtual_stages: null, recompute: full, "
+        "zero_stage: 0},\n     global_batch: 64, published: {iteration_seconds: 10}}\n"
+    )
+    _, (run,) = load_runs(runs)
+    with pytest.raises(MTNLGError, match="tp 8 pp 8 dp 1 divides the batch or runs on megatron-2021 \\(36 layers\\)"):
+        predict(run)
 
 
 def test_validate_planner_prints_the_readme_table():

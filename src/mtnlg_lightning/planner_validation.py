@@ -114,6 +114,11 @@ def predict(run: PublishedRun) -> Plan:
                 implementation=impl,
             )  # fmt: skip
         )
+    if not candidates:
+        raise MTNLGError(
+            f"run {run.name}: no micro-batch / virtual-stage choice of tp {fixed['tp']} pp {fixed['pp']} dp "
+            f"{fixed['dp']} divides the batch or runs on {run.implementation} ({run.model.num_layers} layers)"
+        )
     fitting = [p for p in candidates if p.fits] or candidates
     return min(fitting, key=lambda p: p.iteration_seconds)
 
