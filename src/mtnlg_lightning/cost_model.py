@@ -258,8 +258,11 @@ def iteration_breakdown(
         pp_comm = m * 2 * v * send
         # The tied word embedding: its gradient is all-reduced between the first and the last stage every
         # iteration (Megatron's embedding group), V·h/t values per TP rank over that rank's own link.
+        # The first and last stage are (p-1)·t·d ranks apart: on different nodes once that spans a node.
         embedding = config.padded_vocab_size(layout.tp) * config.hidden_size / layout.tp * impl.grad_reduce_bytes
-        pp_comm += _allreduce_seconds(embedding, 2, bandwidth)
+        apart = (p - 1) * layout.tp * d >= gpus_per_node
+        link = (gpu.network_gbps * gpu.network_efficiency if apart else gpu.nvlink_gbps) * 1e9
+        pp_comm += _allreduce_seconds(embedding, 2, link)
 
     # Bubble: (p-1)/v stage-times of fill and drain (1F1B; interleaved with v chunks). Filling and draining also
     # cross the p-1 stage boundaries one after another, forward and backward: 2(p-1) sends on the critical path.
