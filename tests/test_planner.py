@@ -9,7 +9,8 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli
 
-from mtnlg_lightning.config import get_config
+from mtnlg_lightning.config import ModelConfig, get_config
+from mtnlg_lightning.cost_model import IMPLEMENTATIONS, _layer_gemm_shapes
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import GPUS, get_gpu, load_gpu_specs
 from mtnlg_lightning.planner import activation_bytes_per_layer, model_state_bytes, plan, search, tflops_from_time
@@ -84,14 +85,21 @@ def test_breakdown_adds_up_and_each_part_appears_only_where_its_parallelism_does
     assert 0.15 < b["recompute"] / b["compute"] <= 0.25
 
 
-def test_interleaving_shrinks_the_bubble_by_the_number_of_chunks():
+def test_interleaving_shrinks_the_bubble_by_the_number_of_chunks_and_multiplies_the_sends():
     config = get_config("gpt3-175b")
     one = plan(config, 8, 8, 1, 8, "a100-80g", 64, virtual_stages=1)
     three = plan(config, 8, 8, 1, 8, "a100-80g", 64, virtual_stages=3)
     busy = lambda p: (p.breakdown["compute"] + p.breakdown["tp_comm"]) / p.num_microbatches  # noqa: E731
-    assert one.breakdown["bubble"] == pytest.approx(7 * busy(one))
-    assert three.breakdown["bubble"] == pytest.approx(7 / 3 * busy(three))
-    assert three.breakdown["pp_comm"] == pytest.approx(3 * one.breakdown["pp_comm"])
+    # One stage-boundary send: a micro-batch's activations (this trainer sends them whole) over the NIC, as the
+    # stages (TP 8 each) are whole nodes. Fill and drain cross the 7 boundaries forward and backward in turn.
+    gpu = get_gpu("a100-80g")
+    send = 2048 * 12288 * 2 / (gpu.network_gbps * gpu.network_efficiency * 1e9)
+    assert one.breakdown["bubble"] == pytest.approx(7 * busy(one) + 2 * 7 * send)
+    assert three.breakdown["bubble"] == pytest.approx(7 / 3 * busy(three) + 2 * 7 * send)
+    # Steady state: 2 sends per micro-batch and chunk (Narayanan et al.: v times the traffic); the tied embedding's
+    # all-reduce between the first and last stage is the same in both.
+    assert three.breakdown["pp_comm"] - one.breakdown["pp_comm"] == pytest.approx(64 * 2 * 2 * send)
+    assert one.breakdown["pp_comm"] > 64 * 2 * send
 
 
 def test_smaller_tp_shards_run_below_peak_and_tp_costs_communication():
@@ -101,6 +109,33 @@ def test_smaller_tp_shards_run_below_peak_and_tp_costs_communication():
     tp1, tp8 = (plan(config, t, 1, 1, 8, "a100-80g", 16, recompute="none", zero_stage=0) for t in (1, 8))
     assert tp8.breakdown["tp_comm"] > 0 == tp1.breakdown["tp_comm"]
     assert tp8.iteration_seconds * 8 > tp1.iteration_seconds  # 8 GPUs on one model are less than 8x faster
+
+
+def test_gemm_efficiency_follows_each_gemms_own_narrowest_dimension():
+    config = ModelConfig(num_layers=40, hidden_size=6144, num_heads=48, seq_len=2048, vocab_size=51200, name="18b")
+    h, t = 6144, 8
+    # QKV and FC1 are column-parallel (N = 3h/t, 4h/t), the projection and FC2 row-parallel (K = h/t, 4h/t): only the
+    # projection, 1/12 of the layer's GEMM FLOPs, is as narrow as h/t.
+    assert [min(k, n) for k, n in _layer_gemm_shapes(config, t)] == [3 * h / t, h / t, 4 * h / t, 4 * h / t]
+    assert [min(k, n) for k, n in _layer_gemm_shapes(config, 1)] == [h] * 4
+    gpu = get_gpu("a100-80g")
+    flops = sum(k * n for k, n in _layer_gemm_shapes(config, t))
+    mean = flops / sum(k * n / gpu.gemm_fraction(min(2048, k, n)) for k, n in _layer_gemm_shapes(config, t))
+    assert gpu.gemm_fraction(h / t) < mean < gpu.gemm_fraction(2048)
+
+
+def test_megatron_searches_only_pipelines_megatron_can_run():
+    megatron, ours = IMPLEMENTATIONS["megatron-2021"], IMPLEMENTATIONS["mtnlg-lightning"]
+    assert not megatron.runs_pipeline(48, 2, 2)  # no interleaved schedule on 2 stages
+    assert not megatron.runs_pipeline(40, 4, 4)  # 40 layers are not 16 equal chunks
+    assert not megatron.runs_pipeline(36, 8, 1)  # nor 8 equal stages
+    assert megatron.runs_pipeline(40, 4, 2) and megatron.runs_pipeline(48, 2, 1) and megatron.runs_pipeline(40, 1, 1)
+    assert ours.runs_pipeline(40, 4, 4) and ours.runs_pipeline(36, 8, 1) and ours.runs_pipeline(48, 2, 2)
+    config = ModelConfig(num_layers=40, hidden_size=6144, num_heads=48, seq_len=2048, vocab_size=51200, name="18b")
+    runnable = lambda p: config.num_layers % (p.pp * p.virtual_stages) == 0 and (p.virtual_stages == 1 or p.pp > 2)  # noqa: E731
+    plans = search(config, 256, 8, "a100-80g", 1024, implementation="megatron-2021")
+    assert plans and all(runnable(p) for p in plans)
+    assert not all(runnable(p) for p in search(config, 256, 8, "a100-80g", 1024))  # this trainer splits unevenly
 
 
 def test_gpu_table_has_the_four_gpus_and_unknown_names_list_them(tmp_path):

@@ -1,8 +1,10 @@
 """Time of one training iteration of a GPT layout, from the GPU's data sheet and a few fitted efficiencies.
 
 Per transformer layer and micro-batch, on one GPU (t = TP degree, b micro-batch, s sequence, h hidden, a heads):
-- GEMMs: 2·b·s·(4h² + 2h·f)/t FLOPs forward at an efficiency that falls as the per-GPU width h/t shrinks
-  (`GPUSpec.gemm_fraction`); backward is twice the forward.
+- GEMMs: 2·b·s·(4h² + 2h·f)/t FLOPs forward, each of the four weight GEMMs at an efficiency that falls with its
+  own narrowest per-GPU dimension (`GPUSpec.gemm_fraction`): QKV and FC1 are column-parallel (N = 3h/t, f/t), the
+  attention projection and FC2 row-parallel (K = h/t, f/t), and M = b·s; so at TP t only the projection (1/12 of
+  the GEMM FLOPs) is as narrow as h/t. Backward is twice the forward (its GEMMs permute the same dimensions).
 - attention core (QK^T, AV): 4·b·s²·h/t FLOPs forward at its own efficiency.
 - memory-bound kernels (LayerNorm, bias+dropout+residual, GeLU; softmax and dropout on the s x s scores when the
   attention is not a fused flash kernel) as bytes over the HBM bandwidth. Sequence parallelism shards the
@@ -11,10 +13,14 @@ Per transformer layer and micro-batch, on one GPU (t = TP degree, b micro-batch,
 - TP communication: 2 all-reduces (or all-gather + reduce-scatter with SP, the same bytes) of b·s·h bf16 values
   per pass, over NVLink; what the software overlaps with GEMMs is hidden (`Implementation.tp_overlap`).
 The last stage adds the LM head (3 logits GEMMs) and the cross-entropy; pipeline sends cross nodes when a stage
-fills whole nodes. The pipeline runs m micro-batches plus a bubble of (p-1)/v stage-times (1F1B, interleaved with
-v chunks per GPU). Data-parallel gradients are reduced over the inter-node network once per iteration (ZeRO-2/3
-as DeepSpeed runs them: per micro-batch), exposed unless overlapped with the last backward; the optimizer step
-is memory-bound (~32 bytes per local parameter).
+fills whole nodes, 2v per micro-batch (interleaving multiplies the traffic by v: Narayanan et al. 2021, Section
+2.2.2), plus the all-reduce of the tied embedding's gradient between the first and last stage. The pipeline runs
+m micro-batches plus a bubble of (p-1)/v stage-times (1F1B, interleaved with v chunks per GPU) and the 2(p-1)
+sends that filling and draining it wait for. Which pipelines exist depends on the software
+(`Implementation.runs_pipeline`: Megatron-LM splits layers evenly and did not interleave 2 stages).
+Data-parallel gradients are reduced over the inter-node network once per iteration (ZeRO-2/3 as DeepSpeed runs
+them: per micro-batch), exposed unless overlapped with the last backward; the optimizer step is memory-bound
+(~32 bytes per local parameter).
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ class Implementation:
     sequence_parallel: bool = True  # whether SP is available
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_virtual_stages: int = 4
+    # Pipeline layouts the software accepts. Megatron-LM splits layers evenly: num_layers divisible by the stages
+    # (and by pp x v chunks when interleaved: --num-layers-per-virtual-pipeline-stage must divide num_layers / pp),
+    # and until its p2p overlap option (2023) refused the interleaved schedule on 2 stages ("pipeline-model-parallel
+    # size should be greater than 2 with interleaved schedule", megatron/arguments.py). This trainer and DeepSpeed's
+    # pipeline engine take uneven splits.
+    even_layer_split: bool = False
+    interleave_min_pp: int = 2
+
+    def runs_pipeline(self, num_layers: int, pp: int, virtual_stages: int) -> bool:
+        """Whether this software can run `pp` stages of `virtual_stages` chunks each on `num_layers` layers."""
+        if virtual_stages > 1 and (virtual_stages > self.max_virtual_stages or pp < self.interleave_min_pp):
+            return False
+        return pp * virtual_stages <= num_layers and not (self.even_layer_split and num_layers % (pp * virtual_stages))
 
 
 IMPLEMENTATIONS = {
@@ -61,6 +80,8 @@ IMPLEMENTATIONS = {
         recompute_modes=("none", "full"),
         sequence_parallel=False,
         zero_stages=(0,),
+        even_layer_split=True,
+        interleave_min_pp=3,
     ),
     # Megatron-DeepSpeed as MT-NLG ran it: bf16 with fp32 gradient reduction, ZeRO-1, DeepSpeed's pipeline engine
     # (partitioned sends, no DP overlap), 1F1B only.
@@ -83,6 +104,8 @@ IMPLEMENTATIONS = {
         grad_accumulation_bytes=0,  # --gradient-accumulation-fusion
         scatter_gather=True,
         zero_stages=(0,),
+        even_layer_split=True,
+        interleave_min_pp=3,
     ),
     # Megatron-Core r0.8 (its H100 table): TE fused attention, --tp-comm-overlap, --overlap-grad-reduce and
     # --overlap-param-gather with the distributed optimizer (ZeRO-1).
@@ -94,6 +117,7 @@ IMPLEMENTATIONS = {
         grad_accumulation_bytes=0,
         scatter_gather=True,
         zero_stages=(0, 1),
+        even_layer_split=True,
     ),
 }
 
@@ -135,6 +159,14 @@ def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
     return 0.0 if ranks <= 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
+def _layer_gemm_shapes(config: ModelConfig, t: int) -> list[tuple[float, float]]:
+    """(K, N) of the four weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens): QKV and FC1 are
+    column-parallel (N sharded), the attention projection and FC2 row-parallel (K sharded). The backward's
+    data- and weight-gradient GEMMs permute the same three dimensions."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    return [(h, 3 * h / t), (h / t, h), (h, f / t), (f / t, h)]
+
+
 def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation, layout: Layout) -> dict:
     """Forward, backward, recompute and TP-communication seconds of one layer for one micro-batch."""
     t, b, s, h, a = layout.tp, layout.micro_batch, config.seq_len, config.hidden_size, config.num_heads
@@ -142,7 +174,9 @@ def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation,
     peak = gpu.peak_tflops * 1e12
     hbm = gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency
     tokens = b * s
-    gemm = 2 * tokens * (4 * h * h + 2 * h * f) / t / (peak * gpu.gemm_fraction(h / t))
+    gemm = sum(
+        2 * tokens * k * n / (peak * gpu.gemm_fraction(min(tokens, k, n))) for k, n in _layer_gemm_shapes(config, t)
+    )
     attention = 4 * b * s * s * h / t / (peak * gpu.attention_efficiency)
     # Elementwise bf16 traffic, in elements: LayerNorms + bias/dropout/residual (replicated over TP unless SP),
     # bias+GeLU on the f-wide activation (sharded); unfused attention: scale/mask/softmax + dropout on the scores.
@@ -172,7 +206,7 @@ def _head_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout) -> float:
     """LM head on the last stage for one micro-batch: logits GEMM forward + 2 backward, fp32 cross-entropy."""
     t, tokens, h = layout.tp, layout.micro_batch * config.seq_len, config.hidden_size
     vocab = config.padded_vocab_size(t) / t
-    gemm = 3 * 2 * tokens * h * vocab / (gpu.peak_tflops * 1e12 * gpu.gemm_fraction(h))
+    gemm = 3 * 2 * tokens * h * vocab / (gpu.peak_tflops * 1e12 * gpu.gemm_fraction(min(tokens, h, vocab)))
     cross_entropy = 6 * tokens * vocab * 4 / (gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency)
     return gemm + cross_entropy
 
@@ -211,17 +245,29 @@ def iteration_breakdown(
     stage_tp = [n * layer["tp_comm"] for n in layers_per_gpu]
     slowest = max(range(p), key=lambda i: stage_compute[i] + stage_tp[i])
 
-    # Pipeline sends: activations of one micro-batch, forward and backward, at each of the v chunk boundaries.
-    pp_comm = 0.0
+    # Pipeline sends: activations of one micro-batch, forward and backward, at each of the v chunk boundaries
+    # (Narayanan et al. 2021, Section 2.2.2: interleaving multiplies this traffic by v). Megatron's sends are
+    # blocking (batched isend/irecv, then a wait), so each is on the critical path.
+    pp_comm = send = 0.0
     if p > 1:
         shard = layout.tp if (impl.scatter_gather or layout.sequence_parallel) else 1
         nbytes = layout.micro_batch * config.seq_len * config.hidden_size * BF16 / shard
         crosses_node = layout.tp * d >= gpus_per_node
         bandwidth = (gpu.network_gbps * gpu.network_efficiency if crosses_node else gpu.nvlink_gbps) * 1e9
-        pp_comm = m * 2 * v * nbytes / bandwidth
+        send = nbytes / bandwidth
+        pp_comm = m * 2 * v * send
+        # The tied word embedding: its gradient is all-reduced between the first and the last stage every
+        # iteration (Megatron's embedding group), V·h/t values per TP rank over that rank's own link.
+        # The first and last stage are (p-1)·t·d ranks apart: on different nodes once that spans a node.
+        embedding = config.padded_vocab_size(layout.tp) * config.hidden_size / layout.tp * impl.grad_reduce_bytes
+        apart = (p - 1) * layout.tp * d >= gpus_per_node
+        link = (gpu.network_gbps * gpu.network_efficiency if apart else gpu.nvlink_gbps) * 1e9
+        pp_comm += _allreduce_seconds(embedding, 2, link)
 
+    # Bubble: (p-1)/v stage-times of fill and drain (1F1B; interleaved with v chunks). Filling and draining also
+    # cross the p-1 stage boundaries one after another, forward and backward: 2(p-1) sends on the critical path.
     busy = stage_compute[slowest] + stage_tp[slowest]
-    bubble = (p - 1) / v * busy if p > 1 else 0.0
+    bubble = (p - 1) / v * busy + 2 * (p - 1) * send if p > 1 else 0.0
 
     # Data parallelism: gradients reduced (all-reduce, or reduce-scatter + parameter all-gather under ZeRO).
     dp_comm = 0.0

@@ -272,7 +272,8 @@ def search(
     """Every valid layout (tp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest first.
 
     TP stays inside a node; ZeRO-3 is not combined with pipelining (as the strategy); interleaving needs the
-    micro-batch count to be a multiple of the stages (as Megatron's schedule)."""
+    micro-batch count to be a multiple of the stages (as Megatron's schedule); pipelines the implementation cannot
+    run (`Implementation.runs_pipeline`: Megatron's even layer split, no interleaving on 2 stages) are skipped."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
@@ -283,7 +284,9 @@ def search(
             if pp > config.num_layers:
                 continue
             virtuals = [
-                v for v in range(1, impl.max_virtual_stages + 1) if v == 1 or (pp > 1 and pp * v <= config.num_layers)
+                v
+                for v in range(1, impl.max_virtual_stages + 1)
+                if (v == 1 or pp > 1) and impl.runs_pipeline(config.num_layers, pp, v)
             ]
             sps = (False, True) if tp > 1 and impl.sequence_parallel and config.seq_len % tp == 0 else (False,)
             zeros = [z for z in impl.zero_stages if (dp > 1 or z == 0) and not (z == 3 and pp > 1)]

@@ -92,9 +92,11 @@ def predict(run: PublishedRun) -> Plan:
     }
     candidates = []
     for micro, v, recompute, sp in itertools.product(*options.values()):
-        m, layers = run.global_batch // (micro * fixed["dp"]), run.model.num_layers
-        if run.global_batch % (micro * fixed["dp"]) or (v > 1 and (m % fixed["pp"] or layers % (fixed["pp"] * v))):
+        m = run.global_batch // (micro * fixed["dp"])
+        if run.global_batch % (micro * fixed["dp"]) or (v > 1 and m % fixed["pp"]):
             continue
+        if not impl.runs_pipeline(run.model.num_layers, fixed["pp"], v):
+            continue  # e.g. Megatron-LM: no interleaving on 2 stages, layers split evenly over the chunks
         candidates.append(
             plan(
                 run.model,
@@ -111,6 +113,11 @@ def predict(run: PublishedRun) -> Plan:
                 sequence_parallel=sp,
                 implementation=impl,
             )  # fmt: skip
+        )
+    if not candidates:
+        raise MTNLGError(
+            f"run {run.name}: no micro-batch / virtual-stage choice of tp {fixed['tp']} pp {fixed['pp']} dp "
+            f"{fixed['dp']} divides the batch or runs on {run.implementation} ({run.model.num_layers} layers)"
         )
     fitting = [p for p in candidates if p.fits] or candidates
     return min(fitting, key=lambda p: p.iteration_seconds)
