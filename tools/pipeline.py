@@ -21,6 +21,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401
 
+from mtnlg_lightning.curation.cli_common import int_at_least
 from mtnlg_lightning.errors import MTNLGError
 
 
@@ -33,16 +34,21 @@ def main(argv=None) -> int:
         "--smoke", action="store_true", help="the reduced run: 160 pages, 8+8 passages, tiny model, 20 steps"
     )
     p.add_argument(
-        "--steps", type=int, default=None, help="training steps of each run (default: configs/pipeline.yaml's 400)"
+        "--steps",
+        type=int_at_least(1),
+        default=None,
+        help="training steps of each run (default: configs/pipeline.yaml's 400)",
     )
     p.add_argument(
         "--plant-copies",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="training documents each planted passage is copied into (default 6; keep it below "
         "mtnlg-decontaminate's --frequent-threshold 10, or decontamination ignores its n-grams)",
     )
-    p.add_argument("--eval-passages", type=int, default=None, help="cloze passages, half planted (default 128)")
+    p.add_argument(
+        "--eval-passages", type=int_at_least(2), default=None, help="cloze passages, half planted (default 128)"
+    )
     p.add_argument(
         "--seed", type=int, default=None, help="seed of the corpus: selection, planting, copies (default 1234)"
     )

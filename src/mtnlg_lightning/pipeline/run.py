@@ -74,17 +74,16 @@ class Pipeline:
     # --- the stages ----------------------------------------------------------------------------------------
     def run(self) -> dict:
         start = time.perf_counter()
-        self.build_corpus()
-        self.dedup()
-        self.decontaminate()
-        self.tokenize()
-        for run in RUNS:
-            self.train(run)
-        for run in RUNS:
-            for eval_set in EVAL_SETS:
-                self.evaluate(run, eval_set)
-        self.export_and_generate()
-        self.contamination_left()
+        steps = [self.build_corpus, self.dedup, self.decontaminate, self.tokenize]
+        steps += [lambda run=run: self.train(run) for run in RUNS]
+        steps += [lambda r=r, e=e: self.evaluate(r, e) for r in RUNS for e in EVAL_SETS]
+        for step in [*steps, self.export_and_generate, self.contamination_left]:
+            try:
+                step()
+            except (OSError, KeyError, IndexError, json.JSONDecodeError) as error:
+                last = self.records[-1] if self.records else None
+                where = f"stage {last.name} (log: {last.log})" if last else "the corpus stage"
+                raise MTNLGError(f"the output of {where} could not be read: {error!r}") from error
         report = {
             "out_dir": str(self.out),
             "smoke": self.s.smoke,
