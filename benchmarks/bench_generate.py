@@ -6,6 +6,11 @@ same tensors through the Hugging Face import mapping), in the same dtype and num
 --new-tokens new tokens from the same random prompt, at batch 1 and 8 (the same prompt sampled 8 times). Rounds
 alternate the two; medians are compared. Also: our KV cache against re-running the whole prefix for every token.
 
+Ours runs as `mtnlg-generate` runs it (`load_model(..., for_generation=True)`: the weights in the generation layout).
+Transformers runs its normal fast path: `generate` with its default cache (DynamicCache), sdpa attention, inference
+mode, an explicit all-ones attention mask (else it may infer padding from a prompt token equal to the pad id), no
+end-of-text id (so no logits processor is needed to force exactly --new-tokens tokens: the lengths are asserted).
+
     python benchmarks/bench_generate.py [--layers 12 --hidden 768 --new-tokens 128 --batches 1 8 --repeats 3]
 """
 
@@ -23,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from mtnlg_lightning.generate import generate  # noqa: E402
+from mtnlg_lightning.generate import generate, use_generation_layout  # noqa: E402
 from mtnlg_lightning.interop.gpt2_mapping import from_hf, load_model_space  # noqa: E402
 from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
@@ -36,11 +41,12 @@ def build_pair(layers: int, hidden: int, heads: int, vocab: int, positions: int,
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads)
     theirs = GPT2LMHeadModel(config).eval()
+    theirs.generation_config.eos_token_id = None  # never stop early (ours is given no eos_id either)
     config.save_pretrained(tmp)  # our config comes from the file, as an import reads it
     ours_config = read_hf_config(tmp)
     ours = build_model(ours_config)
     load_model_space(ours, from_hf(theirs.state_dict(), ours_config))
-    return theirs.to(dtype), ours.to(dtype).eval()
+    return theirs.to(dtype), use_generation_layout(ours.to(dtype).eval())
 
 
 def timed(fn) -> float:
@@ -83,14 +89,19 @@ def main() -> int:
     def run_ours(batch, use_cache=True):
         out = generate(ours, prompt, n, temperature=0, num_samples=batch, use_cache=use_cache)
         assert all(len(t) == n for t in out.tokens)
+        return out.tokens
 
     def run_theirs(batch):
         ids = torch.tensor([prompt] * batch)
         with torch.inference_mode():
-            out = theirs.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            mask = torch.ones_like(ids)
+            out = theirs.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
         assert out.shape[1] == len(prompt) + n
+        return out[:, len(prompt) :].tolist()
 
-    run_ours(1), run_theirs(1)  # warm-up (allocator, kernels)
+    same = run_ours(1) == run_theirs(1)  # also the warm-up (allocator, kernels)
+    print(f"same greedy tokens as transformers (batch 1): {same}")
+    result["same_greedy_tokens"] = same
     for batch in args.batches:
         ours_s, theirs_s = [], []
         for _ in range(args.repeats):

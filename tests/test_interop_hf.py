@@ -13,7 +13,7 @@ from hf_models import tiny_checkpoint as trained_tiny_checkpoint
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.generate import generate, load_model
+from mtnlg_lightning.generate import Decoder, KVCache, generate, load_model, use_generation_layout
 from mtnlg_lightning.generate import main as generate_main
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import export_hf, read_hf_dir
@@ -96,7 +96,7 @@ def test_checkpoint_exports_to_a_directory_transformers_loads_offline_with_equal
 def test_greedy_generation_equals_transformers_generate_for_32_tokens(tiny_checkpoint, exported_tiny, capsys):
     ours_tok = Tokenizer(build_demo_data(progress=False)[1])
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported_tiny).eval()
-    model, _ = load_model(tiny_checkpoint)
+    model, _ = load_model(tiny_checkpoint, for_generation=True)  # as mtnlg-generate loads it
     for prompt in PROMPTS:
         ids = ours_tok.encode(prompt)
         theirs = hf_model.generate(
@@ -121,6 +121,24 @@ def test_kv_cache_and_recomputing_the_prefix_give_the_same_tokens(hf_dir):
                           use_cache=False)  # fmt: skip
     assert cached.tokens == recomputed.tokens
     assert len({tuple(t) for t in cached.tokens}) == 3  # the samples differ
+
+
+def test_generation_layout_and_the_decoder_compute_the_model_s_logits(hf_dir):
+    model, _ = load_model(hf_dir)
+    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = model(tokens)[..., :1000]
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        use_generation_layout(model)
+        after = model.state_dict()
+        assert all(torch.equal(after[name], tensor) for name, tensor in before.items())  # same values and shapes
+        assert model.lm_head.weight is model.embed.wte.weight  # still tied
+        assert model.blocks["0"].attn.qkv.weight.t().is_contiguous() and model.lm_head.weight.t().is_contiguous()
+        assert (model(tokens)[..., :1000] - reference).abs().max().item() <= 1e-5
+        decoder, cache = Decoder(model), KVCache(model, 2, 24)
+        logits = [decoder(tokens[:, :8], cache, 0)] + [decoder(tokens[:, t : t + 1], cache, t) for t in range(8, 24)]
+    assert logits[0].shape == (2, 1000)  # the tokenizer's vocabulary, not the 1024 padded rows
+    assert max((step - reference[:, 7 + i]).abs().max().item() for i, step in enumerate(logits)) <= 1e-4
 
 
 def test_generation_stops_at_the_position_limit_with_a_note(hf_dir, capsys):
