@@ -147,7 +147,8 @@ class Pipeline:
             f"{record.documents_out} out, {kept} kept lines, {removed} duplicate lines",
         )
         truth = read_json(self.out / "raw" / "ground_truth.json")
-        kept_ids = {json.loads(line)["id"] for line in open(out / "web.jsonl", encoding="utf-8")}
+        with open(out / "web.jsonl", encoding="utf-8") as f:
+            kept_ids = {json.loads(line)["id"] for line in f}
         pairs = [d for d in truth["duplicates"] if d["jaccard"] >= 0.8]
         resolved = sum((d["id"] in kept_ids) != (d["of"] in kept_ids) for d in pairs)
         record.details["planted_duplicate_recall"] = resolved / max(len(pairs), 1)
@@ -200,13 +201,12 @@ class Pipeline:
             "tokenizer", "train_tokenizer.py", "--input", clean, "--vocab-size", self.s.vocab_size, "--output", tok_dir
         )
         vocab = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
-        record.documents_in, record.bytes_in = count_lines(clean), text_bytes(clean)
+        record.documents_in, record.bytes_in = count_lines(clean), self.by_name("decontaminate").bytes_out
         record.details = {"vocab_size": len(vocab), "summary": [f"vocab {len(vocab):,} (trained on B's text)"]}
         self.done(record)
         self.tokenizer = tok_dir / "tokenizer.json"
-        sources = {"contaminated": self.out / "dedup" / "web.jsonl", "decontaminated": clean}
-        for run, source in sources.items():
-            prefix = self.out / "data" / run
+        for run, upstream in (("contaminated", "dedup"), ("decontaminated", "decontaminate")):
+            source, prefix = self.out / upstream / "web.jsonl", self.out / "data" / run
             record, _ = self.stage(
                 f"preprocess-{run}",
                 "preprocess_data.py",
@@ -219,10 +219,9 @@ class Pipeline:
                 "--no-progress",
             )
             dataset = IndexedDataset(prefix)
-            record.documents_in, record.bytes_in = count_lines(source), text_bytes(source)
+            record.documents_in, record.bytes_in = count_lines(source), self.by_name(upstream).bytes_out
             record.documents_out, record.tokens = len(dataset), int(dataset.sizes.sum())
             self.done(record)
-            upstream = "dedup" if run == "contaminated" else "decontaminate"
             self.check(
                 f"preprocess {run}: documents = {upstream} documents out",
                 record.documents_out == record.documents_in == self.by_name(upstream).documents_out,
