@@ -31,7 +31,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
-from mtnlg_lightning.curation.lsh import MTNLG_BANDING  # noqa: E402
+from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, MTNLG_BANDING  # noqa: E402
 from mtnlg_lightning.curation.shingles import normalize_words  # noqa: E402
 from mtnlg_lightning.curation.signatures import Shard, SignatureSettings, compute_shard  # noqa: E402
 from mtnlg_lightning.curation.synthetic import evaluate_dedup, make_near_dup_corpus  # noqa: E402
@@ -81,11 +81,12 @@ def cpu_seconds() -> float:
 
 
 def signatures_per_core(path: str, work: str) -> tuple[float, float]:
-    """The signature stage alone on the whole file as one shard: (docs/s wall, docs per CPU-s)."""
+    """The signature task alone on the whole file as one shard, with what it does in a run (MinHash signatures,
+    exact-duplicate keys, the LSH band keys of the default banding): (docs/s wall, docs per CPU-s)."""
     os.makedirs(work, exist_ok=True)
-    settings = SignatureSettings("text", "word:5", 256, 1, "affine32")
+    settings = SignatureSettings("text", "word:5", DEFAULT_BANDING.num_perm, 1, "affine32")
     t0, c0 = time.perf_counter(), time.process_time()
-    compute_shard(settings, (Shard(0, 0, path, 0, os.path.getsize(path)), work))
+    compute_shard(settings, (Shard(0, 0, path, 0, os.path.getsize(path)), work), DEFAULT_BANDING)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     with open(path, "rb") as f:
         n = sum(1 for line in f if line.strip())

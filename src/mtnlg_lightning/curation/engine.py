@@ -9,6 +9,7 @@ outputs independent of the engine and of the number of workers.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .jsonl import InputError
+from .mapcache import clear_maps
 
 Task = Callable[[Any, Any], Any]
 
@@ -67,6 +69,9 @@ class LocalEngine:
             return
         if self._pool is None or self._pool_shared is not shared:
             self.close()
+            # objects the driver has made so far go to a permanent generation, so that the garbage collector of
+            # the forked workers does not write to them (every such write copies a page shared with the driver)
+            gc.freeze()
             self._pool = multiprocessing.Pool(self.workers, initializer=_set_pool_shared, initargs=(shared,))
             self._pool_shared = shared
         try:
@@ -78,6 +83,7 @@ class LocalEngine:
             raise
 
     def close(self) -> None:
+        clear_maps()  # the maps this process opened (workers=1: every task ran here)
         if self._pool is not None:
             self._pool.close()  # workers exit on their own (terminate() would SIGTERM them)
             self._pool.join()
@@ -97,7 +103,10 @@ def _ray_call(fn: Task, shared_box: list, item: Any) -> Any:
     if key not in _ray_shared:
         _ray_shared.clear()
         _ray_shared[key] = ray.get(ref)
-    return fn(_ray_shared[key], item)
+    try:
+        return fn(_ray_shared[key], item)
+    finally:
+        clear_maps()  # a Ray worker outlives the run: keep no map of a work directory that will be removed
 
 
 class RayEngine:
