@@ -95,7 +95,8 @@ class LocalEngine:
 _ray_shared: dict[str, Any] = {}
 
 
-def _ray_call(fn: Task, shared_box: list, item: Any) -> Any:
+def _ray_call(fn: Task, shared_box: list, items: list) -> list:
+    """Run ``fn`` over a chunk of a stage's items in one Ray task (a Ray task costs milliseconds to schedule)."""
     import ray
 
     ref = shared_box[0]  # boxed, so that Ray hands over the reference instead of a fresh copy for every task
@@ -104,7 +105,7 @@ def _ray_call(fn: Task, shared_box: list, item: Any) -> Any:
         _ray_shared.clear()
         _ray_shared[key] = ray.get(ref)
     try:
-        return fn(_ray_shared[key], item)
+        return [fn(_ray_shared[key], item) for item in items]
     finally:
         clear_maps()  # a Ray worker outlives the run: keep no map of a work directory that will be removed
 
@@ -118,6 +119,7 @@ class RayEngine:
     """
 
     name = "ray"
+    TASKS_PER_CPU = 4
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None, max_retries: int = 3):
         try:
@@ -155,12 +157,15 @@ class RayEngine:
         if self._put is None or self._put[0] is not shared:
             self._put = (shared, ray.put(shared))
         shared_ref = self._put[1]
-        futures = [self._remote.remote(fn, [shared_ref], item) for item in items]
+        items = list(items)
+        # items in chunks, ~4 Ray tasks per CPU: which items share a task changes nothing in the files written
+        step = max(1, -(-len(items) // (self.TASKS_PER_CPU * max(1, self.cpus))))
+        futures = [self._remote.remote(fn, [shared_ref], items[i : i + step]) for i in range(0, len(items), step)]
         done = 0
         try:
             for f in futures:
                 try:
-                    yield ray.get(f)
+                    yield from ray.get(f)
                 except ray.exceptions.RayTaskError as err:
                     cause = getattr(err, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else err) from None
