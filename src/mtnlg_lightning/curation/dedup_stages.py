@@ -242,6 +242,14 @@ class VerifyStage:
         parts = runner.stats["buckets"]["verify_partitions"]
         bounds = np.linspace(0, n, parts + 1).round().astype(np.int64).tolist()
         jobs = [(p, bounds[p], bounds[p + 1]) for p in range(parts)]
+        # the partitions with the most band pairs first, so that the workers finish about together (each writes
+        # its own file; the totals are sums, whatever the order)
+        weight = np.zeros(parts, np.int64)
+        code_bounds = np.asarray(bounds, dtype=np.int64) * np.int64(n)
+        for band in range(ctx.banding.bands):
+            for bp in range(bucket_partitions(n)):
+                weight += np.diff(np.searchsorted(load_map(band_path(ctx, band, bp)), code_bounds))
+        jobs.sort(key=lambda job: -int(weight[job[0]]))
         totals = dict.fromkeys(
             ("candidate_pairs", "rejected_by_estimate", "jaccard_computed", "skipped_already_connected"), 0
         )
