@@ -9,7 +9,7 @@ import pytest
 from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
 from mtnlg_lightning.curation.jsonl import InputError
 from mtnlg_lightning.curation.lsh import Banding
-from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
+from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, normalize_words, shingle_strings
 from mtnlg_lightning.curation.stages import CRASH_ENV, Faults, SimulatedCrash
 from mtnlg_lightning.curation.synthetic import TextGenerator, make_near_dup_corpus
 
@@ -270,3 +270,50 @@ def test_real_kill_with_os_exit_then_resume(tmp_path, corpus):
     assert rep["resumed_stages"] == ["signatures", "buckets", "verify"]
     assert _outputs(out) == _outputs(tmp_path / "ref")
     assert np.all([not n.endswith(".tmp") for n in os.listdir(out)])
+
+
+def test_filter_in_many_shards_keeps_the_right_lines_and_names_every_duplicate(tmp_path):
+    """Kept records and duplicates.jsonl are assembled from one task per shard: tiny shards over two inputs,
+    blank lines, no final newline in one input, records without an id, keepers in other shards and files."""
+    recs = make_near_dup_corpus(160, seed=12, doc_chars=900, dup_fraction=0.4)
+    for r in recs[::7]:
+        r.pop("id")
+    files = {"a.jsonl": recs[:90], "b.jsonl": recs[90:] + recs[10:20]}  # b repeats 10 records of a exactly
+    lines_of = {}
+    for name, rs in files.items():
+        lines = []
+        for i, r in enumerate(rs):
+            lines.append(json.dumps(r))
+            if i % 13 == 4:
+                lines.append("  ")  # a blank line: not a record, still counted in line numbers
+        (tmp_path / name).write_text("\n".join(lines) + ("" if name == "a.jsonl" else "\n"))
+        lines_of[name] = lines
+    inputs = [str(tmp_path / n) for n in files]
+    reps = [
+        run_dedup(
+            DedupConfig(
+                inputs, str(tmp_path / f"o{w}"), progress=False, shard_bytes=8 << 10, priority=["b.jsonl"], workers=w
+            )
+        )
+        for w in (1, 2)
+    ]
+    assert reps[0]["signature_shards"]["total"] >= 12
+    out = tmp_path / "o1"
+    for name in ("a.jsonl", "b.jsonl", "duplicates.jsonl"):
+        assert (out / name).read_bytes() == (tmp_path / "o2" / name).read_bytes()
+    dups = read_jsonl(out / "duplicates.jsonl")
+    assert sum(d["kind"] == "exact" for d in dups) >= 10 and sum(d["kind"] == "near" for d in dups) >= 10
+    removed = {(d["source"], d["line"]) for d in dups}
+    for name, lines in lines_of.items():
+        want = "".join(ln + "\n" for i, ln in enumerate(lines, start=1) if ln.strip() and (name, i) not in removed)
+        assert (out / name).read_text() == want
+    for d in dups:
+        rec = json.loads(lines_of[d["source"]][d["line"] - 1])
+        kept = json.loads(lines_of[d["duplicate_of_source"]][d["duplicate_of_line"] - 1])
+        assert d["id"] == rec.get("id", f"{d['source']}:{d['line']}")
+        assert d["duplicate_of"] == kept.get("id", f"{d['duplicate_of_source']}:{d['duplicate_of_line']}")
+        assert (d["duplicate_of_source"], d["duplicate_of_line"]) not in removed
+        assert d["exact_jaccard"] == round(true_j(rec["text"], kept["text"]), 4)
+        same_text = normalize_words(rec["text"]) == normalize_words(kept["text"])
+        assert (d["kind"] == "exact") == same_text
+    assert reps[0]["inputs"][0]["docs_out"] + reps[0]["inputs"][1]["docs_out"] + len(dups) == 170

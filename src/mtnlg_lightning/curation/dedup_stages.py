@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .jsonl import InputError, atomic_write, dumps_line, iter_lines
-from .lsh import Banding, band_key, band_pairs, decode_pairs, pair_codes
+from .jsonl import InputError, atomic_write, dumps_line
+from .lsh import Banding, band_pairs, decode_pairs, pair_codes
+from .mapcache import load_map
 from .signatures import (
     DocTable,
     Shard,
@@ -29,6 +30,7 @@ from .signatures import (
     build_doc_table,
     compute_shard,
     estimated_jaccard_pairs,
+    shard_keys_path,
     shard_meta_path,
 )
 from .stages import StageRunner
@@ -37,6 +39,8 @@ from .verify import DocStore, verify_pairs
 
 DUPLICATES_NAME = "duplicates.jsonl"
 DOCS_PER_VERIFY_PARTITION = 50_000
+VERIFY_PARTITIONS_MIN = 8
+DOCS_PER_BUCKET_PARTITION = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class DedupContext:
 # signatures
 
 
+def signature_task(ctx: DedupContext, shard: Shard) -> int:
+    """One input shard: MinHash signatures, LSH band keys and per-document facts (see :func:`compute_shard`)."""
+    return compute_shard(ctx.signature, (shard, ctx.path("sig")), ctx.banding)
+
+
 class SignaturesStage:
     name = "signatures"
 
@@ -84,10 +93,11 @@ class SignaturesStage:
         sig_dir = ctx.path("sig")
         todo = [s for s in ctx.shards if not os.path.exists(shard_meta_path(sig_dir, s))]
         total = sum(s.end - s.start for s in ctx.shards)
-        jobs = [(s, sig_dir) for s in todo]
-        for _ in runner.map(
-            self.name, compute_shard, jobs, ctx.signature, total=total, unit="B", size=lambda j: j[0].end - j[0].start
-        ):
+        # the largest shards first (each file's last one is short): the stage ends with small tasks, so the
+        # workers finish together; results are not order-dependent (every task writes its own files)
+        todo.sort(key=lambda s: s.start - s.end)
+        size = lambda s: s.end - s.start  # noqa: E731
+        for _ in runner.map(self.name, signature_task, todo, ctx, total=total, unit="B", size=size):
             pass
         docs = build_doc_table(sig_dir, list(ctx.shards), len(ctx.inputs), list(ctx.file_rank))
         counts = np.bincount(docs.file_idx, minlength=len(ctx.inputs))
@@ -109,21 +119,45 @@ class SignaturesStage:
 # buckets
 
 
-def band_path(ctx: DedupContext, band: int) -> str:
-    return ctx.path("buckets", f"band-{band:04d}.npy")
+def band_path(ctx: DedupContext, band: int, part: int) -> str:
+    return ctx.path("buckets", f"band-{band:04d}-{part:04d}.npy")
 
 
-def bucket_band(ctx: DedupContext, band: int) -> int:
-    """Candidate pairs of one band (documents sharing the band's bucket), as sorted unique codes a * n + b."""
-    path = band_path(ctx, band)
+def bucket_partitions(n: int) -> int:
+    """Key-hash partitions per band: a fixed function of the corpus size (never of the engine or workers), so
+    that a bucket task holds at most ~``DOCS_PER_BUCKET_PARTITION`` keys and their pairs."""
+    return max(1, math.ceil(n / DOCS_PER_BUCKET_PARTITION))
+
+
+def verify_partitions(n: int) -> int:
+    return max(1, min(n // 16, max(VERIFY_PARTITIONS_MIN, math.ceil(n / DOCS_PER_VERIFY_PARTITION))))
+
+
+def bucket_band(ctx: DedupContext, job: tuple[int, int, int]) -> int:
+    """Candidate pairs of one band among the LSH documents whose band key is in hash partition ``part`` (a
+    bucket lies in one partition), as sorted unique codes a * n + b. Reads the band's row of every shard's key
+    file and the two document-table columns that say which documents go through LSH, shard by shard."""
+    band, part, parts = job
+    path = band_path(ctx, band, part)
     if os.path.exists(path):
-        return len(np.load(path, mmap_mode="r"))
+        return len(load_map(path))
     docs = ctx.docs()
-    members = docs.lsh_members()
-    r = ctx.banding.rows
-    cols = ctx.signatures(docs).columns(band * r, (band + 1) * r, members)
-    keys = band_key(cols, band)
-    codes = np.unique(pair_codes(band_pairs(keys, members, ctx.max_neighbors), len(docs)))
+    starts = np.asarray(docs.shard_starts).tolist()
+    keys, members = [], []
+    for s, shard in enumerate(ctx.shards):
+        a, b = starts[s], starts[s + 1]
+        if b == a:
+            continue
+        k = load_map(shard_keys_path(ctx.path("sig"), shard))[band]
+        ids = np.arange(a, b, dtype=np.int64)
+        m = (docs.exact_rep[a:b] == ids) & (docs.nsh[a:b] > 0)
+        if parts > 1:
+            m &= k % np.uint64(parts) == np.uint64(part)
+        keys.append(np.asarray(k[m]))
+        members.append(ids[m])
+    keys_a = np.concatenate(keys) if keys else np.empty(0, np.uint64)
+    members_a = np.concatenate(members) if members else np.empty(0, np.int64)
+    codes = np.unique(pair_codes(band_pairs(keys_a, members_a, ctx.max_neighbors), len(docs)))
     with atomic_write(path) as f:
         np.save(f, codes)
     return len(codes)
@@ -138,16 +172,19 @@ class BucketsStage:
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
         os.makedirs(ctx.path("buckets"), exist_ok=True)
-        total = sum(runner.map(self.name, bucket_band, list(range(ctx.banding.bands)), ctx, unit="band"))
+        n = runner.stats["signatures"]["docs"]
+        parts = bucket_partitions(n)
+        jobs = [(band, part, parts) for band in range(ctx.banding.bands) for part in range(parts)]
+        total = sum(runner.map(self.name, bucket_band, jobs, ctx, unit="band"))
         docs = ctx.docs()
-        n = len(docs)
         return {
             "lsh_docs": int(len(docs.lsh_members())),
             "band_pairs": int(total),
+            "bucket_partitions": parts,
             "exact_duplicate_docs": int(np.count_nonzero(np.asarray(docs.exact_rep) != np.arange(n))),
             # verification partitions: ranges of first documents; a fixed function of the corpus, not of the
             # engine or the workers, so every engine writes the same work files
-            "verify_partitions": max(1, min(n // 16, max(4, math.ceil(n / DOCS_PER_VERIFY_PARTITION)))),
+            "verify_partitions": verify_partitions(n),
         }
 
 
@@ -165,9 +202,10 @@ def verify_partition(ctx: DedupContext, job: tuple[int, int, int]) -> dict:
         n = len(docs)
         slices = []
         for band in range(ctx.banding.bands):
-            codes = np.load(band_path(ctx, band), mmap_mode="r")
-            a, b = np.searchsorted(codes, [lo * n, hi * n])
-            slices.append(np.asarray(codes[a:b]))
+            for bp in range(bucket_partitions(n)):
+                codes = load_map(band_path(ctx, band, bp))
+                a, b = np.searchsorted(codes, [lo * n, hi * n])
+                slices.append(np.asarray(codes[a:b]))
         pairs = decode_pairs(np.unique(np.concatenate(slices)), n)
         n_candidates = len(pairs)
         sigs = ctx.signatures(docs)
@@ -204,6 +242,14 @@ class VerifyStage:
         parts = runner.stats["buckets"]["verify_partitions"]
         bounds = np.linspace(0, n, parts + 1).round().astype(np.int64).tolist()
         jobs = [(p, bounds[p], bounds[p + 1]) for p in range(parts)]
+        # the partitions with the most band pairs first, so that the workers finish about together (each writes
+        # its own file; the totals are sums, whatever the order)
+        weight = np.zeros(parts, np.int64)
+        code_bounds = np.asarray(bounds, dtype=np.int64) * np.int64(n)
+        for band in range(ctx.banding.bands):
+            for bp in range(bucket_partitions(n)):
+                weight += np.diff(np.searchsorted(load_map(band_path(ctx, band, bp)), code_bounds))
+        jobs.sort(key=lambda job: -int(weight[job[0]]))
         totals = dict.fromkeys(
             ("candidate_pairs", "rejected_by_estimate", "jaccard_computed", "skipped_already_connected"), 0
         )
@@ -229,13 +275,18 @@ def verified_edges(ctx: DedupContext, parts: int) -> tuple[np.ndarray, np.ndarra
 # clusters
 
 
+def clusters_path(ctx: DedupContext, name: str) -> str:
+    return ctx.path("clusters", name + ".npy")
+
+
 def cluster_documents(ctx: DedupContext, parts: int) -> dict:
-    """Connected components of the verified pairs and the exact-duplicate groups; keeper = best rank."""
+    """Connected components of the verified pairs and the exact-duplicate groups; keeper = best rank. Writes the
+    keeper of every document and the verified pairs as sorted codes with their exact Jaccard (the filter tasks
+    look up the pairs they report)."""
     docs = ctx.docs()
     n = len(docs)
     rank, exact_rep = np.asarray(docs.rank), np.asarray(docs.exact_rep)
     edges, edge_j = verified_edges(ctx, parts)
-    known = {(a, b): j for (a, b), j in zip(edges.tolist(), edge_j.tolist(), strict=True)}
     dups = np.flatnonzero(exact_rep != np.arange(n))
     labels = components(n, np.concatenate([edges, np.stack([dups, exact_rep[dups]], axis=1)]))
     best = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
@@ -245,19 +296,14 @@ def cluster_documents(ctx: DedupContext, parts: int) -> dict:
     keeper = by_rank[best[labels]]
     removed = np.flatnonzero(keeper != np.arange(n))
     kind_exact = exact_rep[removed] == exact_rep[keeper[removed]]
-    est = estimated_jaccard_pairs(ctx.signatures(docs), np.stack([removed, keeper[removed]], axis=1))
-    exact_j = np.ones(len(removed))
-    near = np.flatnonzero(~kind_exact)
-    if len(near):
-        with ctx.store(docs) as store:
-            for i in near.tolist():
-                a, b = int(exact_rep[removed[i]]), int(exact_rep[keeper[removed[i]]])
-                j = known.get((min(a, b), max(a, b)))  # verified directly: reuse; else (transitive) compute
-                exact_j[i] = j if j is not None else store.jaccard(int(removed[i]), int(keeper[removed[i]]))
+    codes = pair_codes(edges, n)
+    order = np.argsort(codes, kind="stable")
     sizes = np.bincount(labels, minlength=n)
     sizes = sizes[sizes >= 2]
-    with atomic_write(ctx.path("clusters.npz")) as f:
-        np.savez(f, keeper=keeper, removed=removed, kind_exact=kind_exact, estimated=est, exact=exact_j)
+    os.makedirs(ctx.path("clusters"), exist_ok=True)
+    for name, arr in (("edge_codes", codes[order]), ("edge_jaccard", edge_j[order]), ("keeper", keeper)):
+        with atomic_write(clusters_path(ctx, name)) as f:  # keeper last: it marks the task finished
+            np.save(f, arr)
     hist: dict[str, int] = {}
     for lo, hi in ((2, 2), (3, 3), (4, 7), (8, 15), (16, 63), (64, None)):
         m = (sizes >= lo) & (sizes <= hi) if hi else sizes >= lo
@@ -281,7 +327,7 @@ class ClustersStage:
 
     def run(self, runner: StageRunner) -> dict:
         # one task (on Ray it runs on a worker, not in the driver): it needs the verified edges and ~50 bytes per
-        # document, never the signatures of every document
+        # document, never the signatures of every document; compiled connected components, no Python loop
         parts = runner.stats["verify"]["partitions"]
         (stats,) = runner.map(self.name, cluster_documents, [parts], self.ctx)
         return stats
@@ -291,40 +337,113 @@ class ClustersStage:
 # filter
 
 
-def filter_file(ctx: DedupContext, fi: int) -> tuple[int, int, dict[int, object]]:
-    """Write the kept records of input ``fi`` (unchanged bytes, same order) into final/; return (docs in, docs
-    kept, ids of this file's documents that duplicates.jsonl names)."""
+def _record_id(ctx: DedupContext, line: bytes, fi: int, lineno: int) -> object:
+    rec = json.loads(line)
+    return rec[ctx.id_key] if ctx.id_key in rec else f"{ctx.names[fi]}:{lineno}"
+
+
+def filter_shard(ctx: DedupContext, job: tuple[int, str, int]) -> tuple[int, int, int, bytes]:
+    """One signature shard's part of the filter: write its kept records (unchanged bytes, same order, a final
+    newline added where the input's last line had none) at byte ``out_offset`` of the output file being built,
+    and return (docs kept, exact and near duplicates removed, this shard's duplicates.jsonl lines). A line names
+    the removed document, its keeper (read by (file, offset) when it is in another shard), the MinHash estimate
+    and the exact Jaccard (the verified pair's, else computed from the two documents)."""
+    s, out_path, out_offset = job
+    shard = ctx.shards[s]
     docs = ctx.docs()
     n = len(docs)
-    with np.load(ctx.path("clusters.npz")) as z:
-        keeper, removed = z["keeper"], z["removed"]
-    file_idx = np.asarray(docs.file_idx)
-    lo, hi = np.searchsorted(file_idx, [fi, fi + 1]).tolist()
-    keep = keeper[lo:hi] == np.arange(lo, hi)
-    need_id = np.zeros(n, dtype=bool)
-    need_id[removed] = True
-    need_id[keeper[removed]] = True
-    need_id = need_id[lo:hi]
-    offs = np.asarray(docs.offsets[lo:hi])
-    lines = np.asarray(docs.lines[lo:hi])
-    ids: dict[int, object] = {}
-    d = 0
-    kept = 0
-    with atomic_write(ctx.path("final", ctx.names[fi]), fsync=True) as out:
-        for off, line in iter_lines(ctx.inputs[fi]):
-            if d >= hi - lo or off != offs[d]:
-                continue  # blank line
-            if keep[d]:
-                out.write(line if line.endswith(b"\n") else line + b"\n")
-                kept += 1
-            if need_id[d]:
-                rec = json.loads(line)
-                ids[lo + d] = rec[ctx.id_key] if ctx.id_key in rec else f"{ctx.names[fi]}:{int(lines[d])}"
-            d += 1
-    return hi - lo, kept, ids
+    lo, hi = (int(x) for x in docs.shard_starts[s : s + 2])
+    keeper = load_map(clusters_path(ctx, "keeper"))
+    ids = np.arange(lo, hi, dtype=np.int64)
+    kp = np.asarray(keeper[lo:hi])
+    keep = kp == ids
+    rel = (np.asarray(docs.offsets[lo:hi]) - shard.start).astype(np.int64)
+    lens = np.asarray(docs.lengths[lo:hi]).astype(np.int64)
+    with open(shard.path, "rb") as f:
+        f.seek(shard.start)
+        data = f.read(shard.end - shard.start)
+    kept = [data[o : o + ln] for o, ln in zip(rel[keep].tolist(), lens[keep].tolist(), strict=True)]
+    if kept and not kept[-1].endswith(b"\n"):
+        kept[-1] += b"\n"
+    if kept:
+        fd = os.open(out_path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"".join(kept), out_offset)
+        finally:
+            os.close(fd)
+    rm = np.flatnonzero(~keep)
+    if not len(rm):
+        return int(keep.sum()), 0, 0, b""
+    removed = ids[rm]
+    keepers = kp[rm]
+    exact_rep = docs.exact_rep
+    rep_r, rep_k = np.asarray(exact_rep[removed]), np.asarray(exact_rep[keepers])
+    kind_exact = rep_r == rep_k
+    est = estimated_jaccard_pairs(ctx.signatures(docs), np.stack([removed, keepers], axis=1))
+    exact_j = np.ones(len(removed))
+    near = np.flatnonzero(~kind_exact)
+    if len(near):
+        edge_codes = load_map(clusters_path(ctx, "edge_codes"))
+        edge_j = load_map(clusters_path(ctx, "edge_jaccard"))
+        q = np.minimum(rep_r[near], rep_k[near]) * np.int64(n) + np.maximum(rep_r[near], rep_k[near])
+        pos = np.minimum(np.searchsorted(edge_codes, q), max(len(edge_codes) - 1, 0))
+        found = (np.asarray(edge_codes[pos]) == q) if len(edge_codes) else np.zeros(len(q), bool)
+        exact_j[near[found]] = np.asarray(edge_j[pos[found]])
+        todo = near[~found]  # connected through a chain: compute it from the two documents
+        if len(todo):
+            with ctx.store(docs) as store:
+                for i in todo.tolist():
+                    exact_j[i] = store.jaccard(int(removed[i]), int(keepers[i]))
+    file_idx, lines, offsets, lengths = docs.file_idx, docs.lines, docs.offsets, docs.lengths
+    id_of: dict[int, object] = {}
+    handles: dict[int, object] = {}
+
+    def record_id(d: int) -> object:
+        got = id_of.get(d, id_of)
+        if got is not id_of:
+            return got
+        fi = int(file_idx[d])
+        if lo <= d < hi:
+            o = int(rel[d - lo])
+            line = data[o : o + int(lens[d - lo])]
+        else:
+            fh = handles.get(fi)
+            if fh is None:
+                fh = handles[fi] = open(ctx.inputs[fi], "rb")  # noqa: SIM115 - closed below
+            fh.seek(int(offsets[d]))
+            line = fh.read(int(lengths[d]))
+        got = id_of[d] = _record_id(ctx, line, fi, int(lines[d]))
+        return got
+
+    out = []
+    try:
+        for i, (d, k) in enumerate(zip(removed.tolist(), keepers.tolist(), strict=True)):
+            out.append(
+                dumps_line(
+                    {
+                        "id": record_id(d),
+                        "source": ctx.names[int(file_idx[d])],
+                        "line": int(lines[d]),
+                        "duplicate_of": record_id(k),
+                        "duplicate_of_source": ctx.names[int(file_idx[k])],
+                        "duplicate_of_line": int(lines[k]),
+                        "kind": "exact" if kind_exact[i] else "near",
+                        "estimated_jaccard": round(float(est[i]), 4),
+                        "exact_jaccard": round(float(exact_j[i]), 4),
+                    }
+                )
+            )
+    finally:
+        for fh in handles.values():
+            fh.close()
+    return int(keep.sum()), int(kind_exact.sum()), int((~kind_exact).sum()), b"".join(out)
 
 
 class FilterStage:
+    """Kept records and duplicates.jsonl, one task per signature shard (so also parallel for one input file):
+    the driver sizes every shard's kept bytes from the document table, creates each output at its final size,
+    the tasks write their ranges in place and return their duplicates.jsonl lines, in document order."""
+
     name = "filter"
 
     def __init__(self, ctx: DedupContext):
@@ -332,47 +451,58 @@ class FilterStage:
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
-        os.makedirs(ctx.path("final"), exist_ok=True)
-        ids: dict[int, object] = {}
-        per_file = []
-        for docs_in, kept, file_ids in runner.map(self.name, filter_file, list(range(len(ctx.inputs))), ctx):
-            per_file.append((docs_in, kept))
-            ids.update(file_ids)
+        final = ctx.path("final")
+        os.makedirs(final, exist_ok=True)
         docs = ctx.docs()
-        file_idx, lines = np.asarray(docs.file_idx), np.asarray(docs.lines)
-        with np.load(ctx.path("clusters.npz")) as z:
-            keeper, removed = z["keeper"], z["removed"]
-            kind_exact, est, exact_j = z["kind_exact"], z["estimated"], z["exact"]
+        n = len(docs)
+        keeper = load_map(clusters_path(ctx, "keeper"))
+        keep = np.asarray(keeper) == np.arange(n)
+        nbytes = np.where(keep, np.asarray(docs.lengths).astype(np.int64), 0)
+        end = np.asarray(docs.offsets).astype(np.int64) + np.asarray(docs.lengths)
+        file_idx = np.asarray(docs.file_idx)
+        for fi, path in enumerate(ctx.inputs):  # a last line without a newline gets one in the output
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    last = np.flatnonzero((file_idx == fi) & (end == size))
+                    nbytes[last] += keep[last]
+        starts = np.asarray(docs.shard_starts)
+        cum = np.concatenate(([0], np.cumsum(nbytes)))
+        shard_bytes = cum[starts[1:]] - cum[starts[:-1]]
+        partial = [os.path.join(final, f".{name}.partial") for name in ctx.names]
+        file_bytes = np.zeros(len(ctx.inputs), np.int64)
+        jobs = []
+        for s, shard in enumerate(ctx.shards):
+            jobs.append((s, partial[shard.file_idx], int(file_bytes[shard.file_idx])))
+            file_bytes[shard.file_idx] += shard_bytes[s]
+        for p, size in zip(partial, file_bytes.tolist(), strict=True):
+            with open(p, "wb") as f:
+                f.truncate(size)
+        per_file = np.zeros((len(ctx.inputs), 3), np.int64)  # kept, exact removed, near removed
         with atomic_write(ctx.path("final", DUPLICATES_NAME), fsync=True) as out:
-            for i, d in enumerate(removed.tolist()):
-                k = int(keeper[d])
-                out.write(
-                    dumps_line(
-                        {
-                            "id": ids[d],
-                            "source": ctx.names[int(file_idx[d])],
-                            "line": int(lines[d]),
-                            "duplicate_of": ids[k],
-                            "duplicate_of_source": ctx.names[int(file_idx[k])],
-                            "duplicate_of_line": int(lines[k]),
-                            "kind": "exact" if kind_exact[i] else "near",
-                            "estimated_jaccard": round(float(est[i]), 4),
-                            "exact_jaccard": round(float(exact_j[i]), 4),
-                        }
-                    )
-                )
-        rem_file = file_idx[removed]
-        inputs = []
-        for fi in range(len(ctx.inputs)):
-            m = rem_file == fi
-            inputs.append(
-                {
-                    "docs_in": per_file[fi][0],
-                    "docs_out": per_file[fi][1],
-                    "exact_duplicates_removed": int(np.count_nonzero(kind_exact[m])),
-                    "near_duplicates_removed": int(np.count_nonzero(~kind_exact[m])),
-                }
-            )
+            for (s, _, _), (kept, n_exact, n_near, lines) in zip(
+                jobs, runner.map(self.name, filter_shard, jobs, ctx), strict=True
+            ):
+                per_file[ctx.shards[s].file_idx] += (kept, n_exact, n_near)
+                out.write(lines)
+        for p, name in zip(partial, ctx.names, strict=True):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(p, os.path.join(final, name))
+        counts = np.bincount(file_idx, minlength=len(ctx.inputs))
+        inputs = [
+            {
+                "docs_in": int(counts[fi]),
+                "docs_out": int(per_file[fi, 0]),
+                "exact_duplicates_removed": int(per_file[fi, 1]),
+                "near_duplicates_removed": int(per_file[fi, 2]),
+            }
+            for fi in range(len(ctx.inputs))
+        ]
         return {"inputs": inputs}
 
 

@@ -9,6 +9,7 @@ outputs independent of the engine and of the number of workers.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .jsonl import InputError
+from .mapcache import clear_maps
 
 Task = Callable[[Any, Any], Any]
 
@@ -67,6 +69,9 @@ class LocalEngine:
             return
         if self._pool is None or self._pool_shared is not shared:
             self.close()
+            # objects the driver has made so far go to a permanent generation, so that the garbage collector of
+            # the forked workers does not write to them (every such write copies a page shared with the driver)
+            gc.freeze()
             self._pool = multiprocessing.Pool(self.workers, initializer=_set_pool_shared, initargs=(shared,))
             self._pool_shared = shared
         try:
@@ -78,6 +83,7 @@ class LocalEngine:
             raise
 
     def close(self) -> None:
+        clear_maps()  # the maps this process opened (workers=1: every task ran here)
         if self._pool is not None:
             self._pool.close()  # workers exit on their own (terminate() would SIGTERM them)
             self._pool.join()
@@ -89,7 +95,8 @@ class LocalEngine:
 _ray_shared: dict[str, Any] = {}
 
 
-def _ray_call(fn: Task, shared_box: list, item: Any) -> Any:
+def _ray_call(fn: Task, shared_box: list, items: list) -> list:
+    """Run ``fn`` over a chunk of a stage's items in one Ray task (a Ray task costs milliseconds to schedule)."""
     import ray
 
     ref = shared_box[0]  # boxed, so that Ray hands over the reference instead of a fresh copy for every task
@@ -97,7 +104,10 @@ def _ray_call(fn: Task, shared_box: list, item: Any) -> Any:
     if key not in _ray_shared:
         _ray_shared.clear()
         _ray_shared[key] = ray.get(ref)
-    return fn(_ray_shared[key], item)
+    try:
+        return [fn(_ray_shared[key], item) for item in items]
+    finally:
+        clear_maps()  # a Ray worker outlives the run: keep no map of a work directory that will be removed
 
 
 class RayEngine:
@@ -109,6 +119,7 @@ class RayEngine:
     """
 
     name = "ray"
+    TASKS_PER_CPU = 4
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None, max_retries: int = 3):
         try:
@@ -146,12 +157,15 @@ class RayEngine:
         if self._put is None or self._put[0] is not shared:
             self._put = (shared, ray.put(shared))
         shared_ref = self._put[1]
-        futures = [self._remote.remote(fn, [shared_ref], item) for item in items]
+        items = list(items)
+        # items in chunks, ~4 Ray tasks per CPU: which items share a task changes nothing in the files written
+        step = max(1, -(-len(items) // (self.TASKS_PER_CPU * max(1, self.cpus))))
+        futures = [self._remote.remote(fn, [shared_ref], items[i : i + step]) for i in range(0, len(items), step)]
         done = 0
         try:
             for f in futures:
                 try:
-                    yield ray.get(f)
+                    yield from ray.get(f)
                 except ray.exceptions.RayTaskError as err:
                     cause = getattr(err, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else err) from None

@@ -100,10 +100,10 @@ def line_starts_plan(path: str, target_bytes: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
-def shard_size(total_bytes: int, max_bytes: int, cpus: int, min_bytes: int = 1 << 20) -> int:
-    """Shard size for a run: at most ``max_bytes``, and small enough for ~4 tasks per CPU (load balance on small
-    inputs), but not below ``min_bytes`` unless ``max_bytes`` is (per-task overhead)."""
-    return min(max_bytes, max(min_bytes, total_bytes // (4 * max(1, cpus))))
+def shard_size(total_bytes: int, max_bytes: int, cpus: int, min_bytes: int = 1 << 20, per_cpu: int = 4) -> int:
+    """Shard size for a run: at most ``max_bytes``, and small enough for ~``per_cpu`` tasks per CPU (load balance
+    on small inputs), but not below ``min_bytes`` unless ``max_bytes`` is (per-task overhead)."""
+    return min(max_bytes, max(min_bytes, total_bytes // (per_cpu * max(1, cpus))))
 
 
 def count_lines_before(path: str, offset: int) -> int:

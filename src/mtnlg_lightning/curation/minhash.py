@@ -23,6 +23,10 @@ MAX_HASH32 = np.uint32(0xFFFFFFFF)
 _MERSENNE = np.uint64((1 << 61) - 1)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _ROWS_PER_CHUNK = 2048
+# shingle hashes per batched product (num_perm x 8,192 uint32: 8 MB), computed into one buffer allocated once per
+# hasher instead of a fresh array per batch. Measured on the 2-core development machine: with the buffer, two
+# processes computing signatures at the same time ran 6% slower each than one alone; a synthetic loop that
+# allocates a fresh 8 MB product each time ran ~50% slower each (the old code's pattern, not measured in isolation)
 _BATCH_ROWS = 8192
 
 
@@ -102,6 +106,9 @@ class MinHasher:
                 out[i] = self.signature(h)
             return out
         a, b = self.a[:, None], self.b[:, None]
+        batch = getattr(self, "_batch_buf", None)
+        if batch is None or batch.shape[1] != _BATCH_ROWS:
+            batch = self._batch_buf = np.empty((self.num_perm, _BATCH_ROWS), dtype=np.uint32)
         lens = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         i = 0
         while i < len(docs):
@@ -114,7 +121,8 @@ class MinHasher:
                 out[i] = self.signature(docs[i])
             elif len(nonempty):
                 hv = fmix32(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))
-                perm = np.multiply(a, hv[None, :])
+                perm = batch[:, :rows]  # preallocated: no fresh pages to fault in for every batch
+                np.multiply(a, hv[None, :], out=perm)
                 np.add(perm, b, out=perm)
                 starts = np.concatenate(([0], np.cumsum(lens[i:j])[:-1]))[nonempty]
                 out[i + nonempty] = np.minimum.reduceat(perm, starts, axis=1).T

@@ -1,9 +1,11 @@
 """Dedup's per-shard data: MinHash signature shards, the document table, random access to signatures.
 
 A shard is a byte range of one input file (aligned to line starts). Its task writes ``<shard>.sig.npy`` (uint32
-MinHash signatures, ``num_perm * 4`` bytes/doc, memory-mapped by later stages) and then ``<shard>.npz`` (per
-record: byte offset and length of the line, line number within the shard, shingle count, 128-bit exact-duplicate
-key of the normalised text); the ``.npz`` appearing last marks the shard finished.
+MinHash signatures, ``num_perm * 4`` bytes/doc, memory-mapped by later stages), ``<shard>.keys.npy`` when a
+banding is given (the 64-bit LSH key of every document for every band, ``(bands, docs)``, so that a bucket task
+reads one contiguous row per shard instead of its band's columns of every signature) and then ``<shard>.npz``
+(per record: byte offset and length of the line, line number within the shard, shingle count, 128-bit
+exact-duplicate key of the normalised text); the ``.npz`` appearing last marks the shard finished.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .jsonl import InputError, atomic_write, count_lines_before, iter_lines, parse_record
+from .lsh import Banding, band_key
+from .mapcache import load_map
 from .minhash import MinHasher
 from .shingles import ShingleSpec, combine, exact_key, tokens
 
@@ -50,8 +54,13 @@ def shard_sig_path(sig_dir: str, shard: Shard) -> str:
     return os.path.join(sig_dir, shard.name + ".sig.npy")
 
 
-def compute_shard(settings: SignatureSettings, job: tuple[Shard, str]) -> int:
-    """Read one shard and write its signature files (skipped if already written). Returns its byte size."""
+def shard_keys_path(sig_dir: str, shard: Shard) -> str:
+    return os.path.join(sig_dir, shard.name + ".keys.npy")
+
+
+def compute_shard(settings: SignatureSettings, job: tuple[Shard, str], banding: Banding | None = None) -> int:
+    """Read one shard and write its signature files, and its LSH band keys if ``banding`` is given (skipped if
+    already written). Returns its byte size."""
     shard, sig_dir = job
     meta_path = shard_meta_path(sig_dir, shard)
     if os.path.exists(meta_path):
@@ -89,6 +98,13 @@ def compute_shard(settings: SignatureSettings, job: tuple[Shard, str]) -> int:
     nsh = np.fromiter(map(len, shingles), dtype=np.uint32, count=len(shingles))[source_idx]
     with atomic_write(shard_sig_path(sig_dir, shard)) as f:
         np.save(f, sigs)
+    if banding is not None:
+        r = banding.rows
+        keys = np.empty((banding.bands, len(sigs)), dtype=np.uint64)
+        for j in range(banding.bands):
+            keys[j] = band_key(sigs[:, j * r : (j + 1) * r], j)
+        with atomic_write(shard_keys_path(sig_dir, shard)) as f:
+            np.save(f, keys)
     with atomic_write(meta_path) as f:
         np.savez(
             f,
@@ -127,7 +143,7 @@ class DocTable:
 
     @classmethod
     def load(cls, directory: str) -> DocTable:
-        return cls(**{k: np.load(os.path.join(directory, k + ".npy"), mmap_mode="r") for k in cls.__annotations__})
+        return cls(**{k: load_map(os.path.join(directory, k + ".npy")) for k in cls.__annotations__})
 
     def lsh_members(self) -> np.ndarray:
         """Documents that go through LSH: exact-duplicate representatives with at least one shingle."""
@@ -174,28 +190,38 @@ class SignatureReader:
 
     def __init__(self, sig_dir: str, shards: list[Shard], shard_starts: np.ndarray):
         self.starts = shard_starts
-        self.maps = [np.load(shard_sig_path(sig_dir, s), mmap_mode="r") for s in shards]
+        self.paths = [shard_sig_path(sig_dir, s) for s in shards]
+        self._maps: dict[int, np.ndarray] = {}
+
+    def map(self, s: int) -> np.ndarray:
+        m = self._maps.get(s)
+        if m is None:
+            m = self._maps[s] = load_map(self.paths[s])
+        return m
 
     def rows(self, docs: np.ndarray) -> np.ndarray:
         docs = np.asarray(docs, dtype=np.int64)
-        if not self.maps:
+        if not self.paths:
             return np.empty((0, 0), dtype=np.uint32)
-        out = np.empty((len(docs), self.maps[0].shape[1]), dtype=np.uint32)
         shard = np.searchsorted(self.starts, docs, side="right") - 1
+        out = None
         for s in np.unique(shard).tolist():
             m = shard == s
-            out[m] = self.maps[s][docs[m] - self.starts[s]]
-        return out
+            rows = self.map(s)[docs[m] - self.starts[s]]
+            if out is None:
+                out = np.empty((len(docs), rows.shape[1]), dtype=np.uint32)
+            out[m] = rows
+        return out if out is not None else np.empty((0, self.map(0).shape[1]), dtype=np.uint32)
 
     def columns(self, lo: int, hi: int, docs: np.ndarray) -> np.ndarray:
         """Columns ``lo:hi`` (one LSH band) of the signatures of ``docs`` (ascending)."""
         docs = np.asarray(docs, dtype=np.int64)
         out = np.empty((len(docs), hi - lo), dtype=np.uint32)
         bounds = np.searchsorted(docs, self.starts)
-        for s, m in enumerate(self.maps):
+        for s in range(len(self.paths)):
             a, b = int(bounds[s]), int(bounds[s + 1])
             if b > a:
-                out[a:b] = m[docs[a:b] - self.starts[s], lo:hi]
+                out[a:b] = self.map(s)[docs[a:b] - self.starts[s], lo:hi]
         return out
 
 

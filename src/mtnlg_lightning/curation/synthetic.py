@@ -313,8 +313,7 @@ def evaluate_dedup(records: list[dict], workdir: str, **cfg_kwargs) -> dict:
     for f in sorted(os.listdir(vdir)):
         with np.load(os.path.join(vdir, f)) as z:
             verified += z["edges"].tolist()
-    with np.load(os.path.join(work, "clusters.npz")) as z:
-        keeper = z["keeper"]
+    keeper = np.load(os.path.join(work, "clusters", "keeper.npy"))
     truth = ground_truth_pairs(records, cfg.shingle)
     spec = cfg.shingle
     # exact duplicates never enter LSH; they are represented by their first occurrence
