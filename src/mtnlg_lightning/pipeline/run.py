@@ -23,7 +23,7 @@ from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
 from mtnlg_lightning.pipeline.report import Check, write_report
 from mtnlg_lightning.pipeline.stages import REPO, StageRecord, run_tool
 
-RUNS = {"contaminated": "A", "decontaminated": "B"}
+RUNS = ("contaminated", "decontaminated")  # A and B of the experiment
 EVAL_SETS = ("planted", "control")
 
 
@@ -126,7 +126,7 @@ class Pipeline:
         totals = read_json(out / "report.json")["totals"]
         kept, removed = count_lines(out / "web.jsonl"), count_lines(out / "duplicates.jsonl")
         record.documents_in, record.documents_out = totals["docs_in"], totals["docs_out"]
-        record.bytes_in, record.bytes_out = text_bytes(raw), text_bytes(out / "web.jsonl")
+        record.bytes_in, record.bytes_out = self.by_name("corpus").bytes_out, text_bytes(out / "web.jsonl")
         record.details = {
             "exact_removed": totals["exact_duplicates_removed"],
             "near_removed": totals["near_duplicates_removed"],
@@ -174,7 +174,7 @@ class Pipeline:
         rep = read_json(out.parent / "report.json")
         docs = rep["documents"]
         record.documents_in, record.documents_out = docs["in"], docs["records_out"]
-        record.bytes_in, record.bytes_out = text_bytes(src), text_bytes(out)
+        record.bytes_in, record.bytes_out = self.by_name("dedup").bytes_out, text_bytes(out)
         record.details = {
             **{k: docs[k] for k in ("clean", "trimmed", "split", "dropped_too_many_splits", "dropped_no_piece_left")},
             "matches_removed": docs["matches_removed"],
