@@ -1,6 +1,7 @@
 """Decontamination semantics (Megatron-LM filter_ngrams.py) and exact agreement with a plain-Python oracle."""
 
 import json
+import pickle
 import re
 
 import numpy as np
@@ -110,6 +111,26 @@ def test_task_ngrams_13_grams_and_8_to_12_word_tasks_used_whole():
     assert [(p, idx.ngram_text(g)) for p, g in idx.hits(words)] == [(2, " ".join(f"w{i}" for i in range(1, 14)))]
     nine = "one two three four five six seven eight nine".split()
     assert idx.hits(nine) == [] and len(idx.hits(nine + ["ten"])) == 1
+
+
+def test_task_index_sent_to_another_process_matches_and_grows_the_same():
+    """What the Ray engine ships: a pickled index finds the same hits, names the same tasks, and still takes
+    more task text (its n-gram table and task sets are rebuilt from the compact form)."""
+    idx = TaskNgrams()
+    idx.add("lambada", " ".join(f"w{i}" for i in range(15)))
+    idx.add("squad", " ".join(f"w{i}" for i in range(2, 15)))  # shares one 13-gram with lambada
+    idx.add("squad", "One two three four five six seven eight nine ten")
+    idx.build()
+    copy = pickle.loads(pickle.dumps(idx))
+    words = ["x"] + [f"w{i}" for i in range(15)] + "one two three four five six seven eight nine ten".split()
+    assert copy.hits(words) == idx.hits(words) and len(idx.hits(words)) == 4
+    assert [copy.tasks_of(g) for _, g in copy.hits(words)] == [idx.tasks_of(g) for _, g in idx.hits(words)]
+    assert copy.tasks_of(idx.ids[tuple(f"w{i}" for i in range(2, 15))]) == ["lambada", "squad"]
+    for index in (idx, copy):
+        assert index.add("hans", " ".join(f"w{i}" for i in range(13))) == 1  # an existing 13-gram, a new task
+        index.build()
+    assert [copy.tasks_of(g) for _, g in copy.hits(words)] == [idx.tasks_of(g) for _, g in idx.hits(words)]
+    assert copy.tasks_of(idx.ids[tuple(f"w{i}" for i in range(13))]) == ["hans", "lambada"]
 
 
 def test_words_are_lowercased_w_runs_with_original_offsets():

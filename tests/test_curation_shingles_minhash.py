@@ -86,6 +86,21 @@ def test_minhash_equals_datasketch_update_batch(scheme):
         assert mh.to_lean(ours) == LeanMinHash(ref)
 
 
+def test_batched_signatures_equal_one_document_at_a_time_and_datasketch():
+    """The batched path (documents packed into ~8k-hash products, 32 permutations per block) gives every document
+    the signature it gets alone: 260 permutations (a partial last block), an empty document, one longer than a
+    batch, and batches that end mid-list."""
+    rng = np.random.default_rng(5)
+    lengths = [700, 0, 1, 9000, 3, 2500, 8192, 640, 5000, 0, 77]
+    docs = [rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32) for n in lengths]
+    mh = MinHasher(num_perm=260, seed=42)
+    batched = mh.signatures(docs)
+    assert batched.shape == (len(docs), 260)
+    for doc, sig in zip(docs, batched, strict=True):
+        assert np.array_equal(sig, mh.signature(doc))
+        assert np.array_equal(sig, mh.datasketch_minhash(doc).hashvalues)
+
+
 def test_minhash_equals_datasketch_fed_with_shingle_strings():
     """datasketch's own MinHash over the shingle *strings* (hashfunc = our shingle hash) gives our signature."""
     text = render(TextGenerator(seed=2).document(1200))

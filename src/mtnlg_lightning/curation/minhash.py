@@ -23,11 +23,13 @@ MAX_HASH32 = np.uint32(0xFFFFFFFF)
 _MERSENNE = np.uint64((1 << 61) - 1)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _ROWS_PER_CHUNK = 2048
-# shingle hashes per batched product (num_perm x 8,192 uint32: 8 MB), computed into one buffer allocated once per
-# hasher instead of a fresh array per batch. Measured on the 2-core development machine: with the buffer, two
-# processes computing signatures at the same time ran 6% slower each than one alone; a synthetic loop that
-# allocates a fresh 8 MB product each time ran ~50% slower each (the old code's pattern, not measured in isolation)
+# shingle hashes per batched product, computed 32 permutations at a time into one buffer allocated once per hasher:
+# 32 x 8,192 uint32 is 1 MB, which stays in a core's L2 cache through the multiply, the add and the segmented
+# minimum. Measured on the 2-core development machine (3,000 documents of 500-900 hashes, 256 permutations, 4
+# alternating rounds, medians): the whole (256 x 8,192) product at once (8 MB, through the shared L3) 8,115 docs/s;
+# blocks of 8, 16, 32 and 64 permutations 12,795, 13,805, 16,191 and 11,595 docs/s.
 _BATCH_ROWS = 8192
+_PERM_BLOCK = 32
 
 
 def fmix32(h: np.ndarray) -> np.ndarray:
@@ -97,18 +99,22 @@ class MinHasher:
     def signatures(self, docs: list[np.ndarray]) -> np.ndarray:
         """Signatures of several documents (``(len(docs), num_perm)`` uint32), equal to :meth:`signature` of each.
 
-        ``affine32`` documents are processed in batches of about ``_BATCH_ROWS`` hashes: one permutation matrix
-        of shape ``(num_perm, batch)`` and a segmented minimum per document, instead of one small product each.
+        ``affine32`` documents are processed in batches of about ``_BATCH_ROWS`` hashes: for each block of
+        ``_PERM_BLOCK`` permutations one ``(block, batch)`` product and a segmented minimum per document, instead
+        of one small product per document.
         """
         out = np.full((len(docs), self.num_perm), MAX_HASH32, dtype=np.uint32)
         if self.scheme != "affine32":
             for i, h in enumerate(docs):
                 out[i] = self.signature(h)
             return out
-        a, b = self.a[:, None], self.b[:, None]
         batch = getattr(self, "_batch_buf", None)
-        if batch is None or batch.shape[1] != _BATCH_ROWS:
-            batch = self._batch_buf = np.empty((self.num_perm, _BATCH_ROWS), dtype=np.uint32)
+        if batch is None:
+            batch = self._batch_buf = np.empty((min(_PERM_BLOCK, self.num_perm), _BATCH_ROWS), dtype=np.uint32)
+        blocks = [
+            (p, self.a[p : p + _PERM_BLOCK, None], self.b[p : p + _PERM_BLOCK, None])
+            for p in range(0, self.num_perm, _PERM_BLOCK)
+        ]
         lens = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         i = 0
         while i < len(docs):
@@ -120,12 +126,14 @@ class MinHasher:
             if rows > _BATCH_ROWS:  # one long document: the chunked single-document path bounds the memory
                 out[i] = self.signature(docs[i])
             elif len(nonempty):
-                hv = fmix32(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))
-                perm = batch[:, :rows]  # preallocated: no fresh pages to fault in for every batch
-                np.multiply(a, hv[None, :], out=perm)
-                np.add(perm, b, out=perm)
+                hv = fmix32(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))[None, :]
                 starts = np.concatenate(([0], np.cumsum(lens[i:j])[:-1]))[nonempty]
-                out[i + nonempty] = np.minimum.reduceat(perm, starts, axis=1).T
+                rows_out = i + nonempty
+                for p, a, b in blocks:
+                    perm = batch[: len(a), :rows]
+                    np.multiply(a, hv, out=perm)
+                    np.add(perm, b, out=perm)
+                    out[rows_out, p : p + len(a)] = np.minimum.reduceat(perm, starts, axis=1).T
             i = j
         return out
 

@@ -101,8 +101,8 @@ class TaskNgrams:
             if i is None:
                 i = self.ids[g] = len(self.ngrams)
                 self.ngrams.append(g)
-                self.task_sets.append(set())
-            self.task_sets[i].add(t)
+                self._sets().append(set())
+            self._sets()[i].add(t)
         self._built = False
         return len(grams)
 
@@ -138,6 +138,28 @@ class TaskNgrams:
 
     def __len__(self) -> int:
         return len(self.ngrams)
+
+    # -- shipping to other processes -----------------------------------------------------------------------
+    # The Ray engine pickles the index once per run and every worker unpickles it before its first task, both on
+    # the stage's critical path. ``ids`` holds the same tuples as ``ngrams`` and is rebuilt from it faster than
+    # it unpickles; the per-n-gram task sets travel as two flat arrays (CSR) and become sets only when needed.
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("ids", "task_sets")}
+        sets = self._sets()
+        state["_task_indptr"] = np.cumsum([0] + [len(t) for t in sets], dtype=np.int64)
+        state["_task_indices"] = np.fromiter(itertools.chain.from_iterable(sets), dtype=np.int32)
+        state["task_sets"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.ids = dict(zip(self.ngrams, range(len(self.ngrams)), strict=True))
+
+    def _sets(self) -> list[set[int]]:
+        if self.task_sets is None:
+            ptr, idx = self._task_indptr.tolist(), self._task_indices.tolist()
+            self.task_sets = [set(idx[ptr[i] : ptr[i + 1]]) for i in range(len(self.ngrams))]
+        return self.task_sets
 
     # -- matching ------------------------------------------------------------------------------------------
     def hits(self, words: list[str]) -> list[tuple[int, int]]:
@@ -178,7 +200,11 @@ class TaskNgrams:
         return " ".join(self.ngrams[gid])
 
     def tasks_of(self, gid: int) -> list[str]:
-        return sorted(self.task_names[t] for t in self.task_sets[gid])
+        if self.task_sets is None:  # unpickled: read the flat arrays rather than building every set
+            tasks = self._task_indices[self._task_indptr[gid] : self._task_indptr[gid + 1]].tolist()
+        else:
+            tasks = self.task_sets[gid]
+        return sorted(self.task_names[t] for t in tasks)
 
 
 def clean_text(
