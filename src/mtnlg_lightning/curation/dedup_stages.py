@@ -123,6 +123,11 @@ def band_path(ctx: DedupContext, band: int, part: int) -> str:
     return ctx.path("buckets", f"band-{band:04d}-{part:04d}.npy")
 
 
+def band_paths(ctx: DedupContext, n: int) -> list[str]:
+    """Every bucket task's file of candidate pair codes (each band split into its key-hash partitions)."""
+    return [band_path(ctx, band, part) for band in range(ctx.banding.bands) for part in range(bucket_partitions(n))]
+
+
 def bucket_partitions(n: int) -> int:
     """Key-hash partitions per band: a fixed function of the corpus size (never of the engine or workers), so
     that a bucket task holds at most ~``DOCS_PER_BUCKET_PARTITION`` keys and their pairs."""
@@ -145,16 +150,15 @@ def bucket_band(ctx: DedupContext, job: tuple[int, int, int]) -> int:
     starts = np.asarray(docs.shard_starts).tolist()
     keys, members = [], []
     for s, shard in enumerate(ctx.shards):
-        a, b = starts[s], starts[s + 1]
-        if b == a:
+        ids = docs.lsh_members(starts[s], starts[s + 1])
+        if not len(ids):
             continue
-        k = load_map(shard_keys_path(ctx.path("sig"), shard))[band]
-        ids = np.arange(a, b, dtype=np.int64)
-        m = (docs.exact_rep[a:b] == ids) & (docs.nsh[a:b] > 0)
+        k = np.asarray(load_map(shard_keys_path(ctx.path("sig"), shard))[band][ids - starts[s]])
         if parts > 1:
-            m &= k % np.uint64(parts) == np.uint64(part)
-        keys.append(np.asarray(k[m]))
-        members.append(ids[m])
+            m = k % np.uint64(parts) == np.uint64(part)
+            k, ids = k[m], ids[m]
+        keys.append(k)
+        members.append(ids)
     keys_a = np.concatenate(keys) if keys else np.empty(0, np.uint64)
     members_a = np.concatenate(members) if members else np.empty(0, np.int64)
     codes = np.unique(pair_codes(band_pairs(keys_a, members_a, ctx.max_neighbors), len(docs)))
@@ -201,11 +205,10 @@ def verify_partition(ctx: DedupContext, job: tuple[int, int, int]) -> dict:
         docs = ctx.docs()
         n = len(docs)
         slices = []
-        for band in range(ctx.banding.bands):
-            for bp in range(bucket_partitions(n)):
-                codes = load_map(band_path(ctx, band, bp))
-                a, b = np.searchsorted(codes, [lo * n, hi * n])
-                slices.append(np.asarray(codes[a:b]))
+        for band_file in band_paths(ctx, n):
+            codes = load_map(band_file)
+            a, b = np.searchsorted(codes, [lo * n, hi * n])
+            slices.append(np.asarray(codes[a:b]))
         pairs = decode_pairs(np.unique(np.concatenate(slices)), n)
         n_candidates = len(pairs)
         sigs = ctx.signatures(docs)
@@ -246,9 +249,8 @@ class VerifyStage:
         # its own file; the totals are sums, whatever the order)
         weight = np.zeros(parts, np.int64)
         code_bounds = np.asarray(bounds, dtype=np.int64) * np.int64(n)
-        for band in range(ctx.banding.bands):
-            for bp in range(bucket_partitions(n)):
-                weight += np.diff(np.searchsorted(load_map(band_path(ctx, band, bp)), code_bounds))
+        for band_file in band_paths(ctx, n):
+            weight += np.diff(np.searchsorted(load_map(band_file), code_bounds))
         jobs.sort(key=lambda job: -int(weight[job[0]]))
         totals = dict.fromkeys(
             ("candidate_pairs", "rejected_by_estimate", "jaccard_computed", "skipped_already_connected"), 0

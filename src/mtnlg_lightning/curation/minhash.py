@@ -58,6 +58,11 @@ class MinHasher:
             self.a = np.ascontiguousarray(a, dtype=np.uint32)
             self.b = np.ascontiguousarray(b, dtype=np.uint32)
             self._buf = np.empty((_ROWS_PER_CHUNK, num_perm), dtype=np.uint32)
+            self._batch_buf = np.empty((min(_PERM_BLOCK, num_perm), _BATCH_ROWS), dtype=np.uint32)
+            self._blocks = [
+                (p, self.a[p : p + _PERM_BLOCK, None], self.b[p : p + _PERM_BLOCK, None])
+                for p in range(0, num_perm, _PERM_BLOCK)
+            ]
         else:
             self.a = np.ascontiguousarray(a, dtype=np.uint64)
             self.b = np.ascontiguousarray(b, dtype=np.uint64)
@@ -108,13 +113,6 @@ class MinHasher:
             for i, h in enumerate(docs):
                 out[i] = self.signature(h)
             return out
-        batch = getattr(self, "_batch_buf", None)
-        if batch is None:
-            batch = self._batch_buf = np.empty((min(_PERM_BLOCK, self.num_perm), _BATCH_ROWS), dtype=np.uint32)
-        blocks = [
-            (p, self.a[p : p + _PERM_BLOCK, None], self.b[p : p + _PERM_BLOCK, None])
-            for p in range(0, self.num_perm, _PERM_BLOCK)
-        ]
         lens = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         i = 0
         while i < len(docs):
@@ -129,8 +127,8 @@ class MinHasher:
                 hv = fmix32(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))[None, :]
                 starts = np.concatenate(([0], np.cumsum(lens[i:j])[:-1]))[nonempty]
                 rows_out = i + nonempty
-                for p, a, b in blocks:
-                    perm = batch[: len(a), :rows]
+                for p, a, b in self._blocks:
+                    perm = self._batch_buf[: len(a), :rows]
                     np.multiply(a, hv, out=perm)
                     np.add(perm, b, out=perm)
                     out[rows_out, p : p + len(a)] = np.minimum.reduceat(perm, starts, axis=1).T

@@ -200,11 +200,7 @@ class TaskNgrams:
         return " ".join(self.ngrams[gid])
 
     def tasks_of(self, gid: int) -> list[str]:
-        if self.task_sets is None:  # unpickled: read the flat arrays rather than building every set
-            tasks = self._task_indices[self._task_indptr[gid] : self._task_indptr[gid + 1]].tolist()
-        else:
-            tasks = self.task_sets[gid]
-        return sorted(self.task_names[t] for t in tasks)
+        return sorted(self.task_names[t] for t in self._sets()[gid])
 
 
 def clean_text(

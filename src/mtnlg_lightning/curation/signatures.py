@@ -145,9 +145,12 @@ class DocTable:
     def load(cls, directory: str) -> DocTable:
         return cls(**{k: load_map(os.path.join(directory, k + ".npy")) for k in cls.__annotations__})
 
-    def lsh_members(self) -> np.ndarray:
-        """Documents that go through LSH: exact-duplicate representatives with at least one shingle."""
-        return np.flatnonzero((self.exact_rep == np.arange(len(self))) & (self.nsh > 0))
+    def lsh_members(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Documents in ``[lo, hi)`` that go through LSH: exact-duplicate representatives with at least one
+        shingle (a range reads only its part of the two columns)."""
+        hi = len(self) if hi is None else hi
+        ids = np.arange(lo, hi, dtype=np.int64)
+        return ids[(self.exact_rep[lo:hi] == ids) & (self.nsh[lo:hi] > 0)]
 
 
 def build_doc_table(sig_dir: str, shards: list[Shard], n_files: int, file_rank: list[int]) -> DocTable:
