@@ -15,9 +15,13 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+from mtnlg_lightning.corpora.formats import output_name
+from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
+from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
+
 from .dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
 from .engine import make_engine
-from .jsonl import InputError, check_input_files, line_starts_plan, shard_size, write_json_atomic
+from .jsonl import InputError, line_starts_plan, shard_size, write_json_atomic
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
 from .shingles import ShingleSpec
 from .signatures import Shard, SignatureSettings
@@ -26,7 +30,7 @@ from .stages import Faults, Progress, StageRunner
 WORK_DIR_NAME = ".dedup-work"
 STAGES = ("signatures", "buckets", "verify", "clusters", "filter")
 REPORT_NAME = "report.json"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def hash_scheme_description(scheme: str, seed: int, num_perm: int) -> str:
@@ -59,6 +63,8 @@ class DedupConfig:
     preset: str = "default"
     engine: str = "local"  # "local" (this machine, `workers` processes) or "ray"
     ray_address: str | None = None  # Ray cluster to join (else RAY_ADDRESS, else a local Ray for the run)
+    on_bad_record: str = "error"  # "error" or "skip" (counted by reason in the report)
+    output_compression: str | None = None  # None: each output as its input; "none", "gzip" or "zstd"
 
     @property
     def num_perm(self) -> int:
@@ -77,6 +83,8 @@ class DedupConfig:
             "seed": self.seed,
             "max_bucket_neighbors": self.max_neighbors,
             "estimate_margin": self.estimate_margin,
+            "on_bad_record": self.on_bad_record,
+            "output_compression": self.output_compression,
         }
 
 
@@ -89,8 +97,6 @@ class DedupJob:
         self.faults = faults or Faults.from_env()
         self.out = cfg.output_dir
         self.work = os.path.join(self.out, WORK_DIR_NAME)
-        self.names = [os.path.basename(p) for p in cfg.inputs]
-        self.paths = [os.path.abspath(p) for p in cfg.inputs]
         self.created_out = False
 
     # -- setup / validation ------------------------------------------------------------------------------
@@ -98,9 +104,14 @@ class DedupJob:
         cfg = self.cfg
         if not cfg.inputs:
             raise InputError("no input files given")
-        check_input_files(cfg.inputs)
+        BadRecordPolicy(cfg.on_bad_record)  # checks the name
+        self.files = resolve_inputs(cfg.inputs)
+        self.labels = [f.label for f in self.files]
+        self.paths = [f.path for f in self.files]
+        self.names = [f.name for f in self.files]  # in reports
+        self.out_names = [output_name(f.name, f.fmt, cfg.output_compression) for f in self.files]
         seen: dict[str, str] = {}
-        for p, name in zip(cfg.inputs, self.names, strict=True):
+        for p, name in zip(self.labels, self.out_names, strict=True):
             if name in seen:
                 raise InputError(
                     f"two inputs have the same file name {name!r} ({seen[name]}, {p}); outputs would collide"
@@ -109,7 +120,7 @@ class DedupJob:
                 raise InputError(f"{p}: input file name {name!r} collides with an output file name")
             seen[name] = p
         real_inputs = {os.path.realpath(p) for p in cfg.inputs}
-        for name in self.names:
+        for name in self.out_names:
             if os.path.realpath(os.path.join(self.out, name)) in real_inputs:
                 raise InputError(
                     f"output {os.path.join(self.out, name)} would overwrite an input; choose another --output-dir"
@@ -123,14 +134,14 @@ class DedupJob:
         for item in self.cfg.priority or []:
             matches = [
                 i
-                for i, p in enumerate(self.cfg.inputs)
+                for i, p in enumerate(self.labels)
                 if item == p or os.path.abspath(item) == self.paths[i] or item == self.names[i]
             ]
             if not matches:
                 raise InputError(f"--priority names {item!r}, which is not one of the inputs")
             if matches[0] not in order:
                 order.append(matches[0])
-        order += [i for i in range(len(self.cfg.inputs)) if i not in order]
+        order += [i for i in range(len(self.files)) if i not in order]
         rank = [0] * len(order)
         for r, i in enumerate(order):
             rank[i] = r
@@ -149,14 +160,14 @@ class DedupJob:
         }
 
     def output_files(self) -> list[str]:
-        return [os.path.join(self.out, n) for n in self.names] + [os.path.join(self.out, DUPLICATES_NAME)]
+        return [os.path.join(self.out, n) for n in self.out_names] + [os.path.join(self.out, DUPLICATES_NAME)]
 
     def _remove_outputs(self) -> None:
         for p in [os.path.join(self.out, REPORT_NAME)] + self.output_files():
             if os.path.lexists(p):
                 os.unlink(p)
 
-    def prepare(self, cpus: int = 1) -> dict | None:
+    def prepare(self, engine) -> dict | None:
         """Decide between 'already complete', 'resume' and 'start clean'. Returns the report if complete."""
         fp = self.fingerprint()
         self.fp = fp
@@ -191,28 +202,41 @@ class DedupJob:
             os.unlink(report_path)
         if not (resume and os.path.exists(os.path.join(self.work, "filter.done"))):
             self._remove_outputs()
+        # compressed, JSON-array and parquet inputs: a plain JSON-lines copy, line n = record n (text and id
+        # only for parquet: its output is the input's own rows)
+        columns = [self.cfg.text_key, self.cfg.id_key]
+        self.plain = plain_copies(self.files, os.path.join(self.work, "plain"), engine, columns)
         if not resume:
             os.makedirs(os.path.join(self.work, "sig"))
             plan = []
             # ~16 shards per CPU: the signature stage (most of the run) ends with every worker busy until
             # about the same time; a shard costs a few milliseconds of overhead
-            size = shard_size(sum(os.path.getsize(p) for p in self.paths), self.cfg.shard_bytes, cpus, per_cpu=16)
-            for fi, p in enumerate(self.paths):
+            total = sum(os.path.getsize(p) for p in self.plain)
+            size = shard_size(total, self.cfg.shard_bytes, engine.cpus, per_cpu=16)
+            for fi, p in enumerate(self.plain):
                 for si, (s, e) in enumerate(line_starts_plan(p, size)):
                     plan.append((fi, si, s, e))
             write_json_atomic(work_cfg, {"fingerprint": fp, "plan": plan})
-        self.shards = [Shard(fi, si, self.paths[fi], s, e) for fi, si, s, e in plan]
+        self.shards = [
+            Shard(fi, si, self.plain[fi], s, e, self.labels[fi], self.files[fi].fmt.kind) for fi, si, s, e in plan
+        ]
         return None
 
     def context(self) -> DedupContext:
         cfg = self.cfg
         return DedupContext(
             work=self.work,
-            inputs=tuple(self.paths),
+            inputs=tuple(self.plain),
             names=tuple(self.names),
+            out_names=tuple(self.out_names),
+            sources=tuple(self.paths),
+            formats=tuple(f.fmt for f in self.files),
+            output_compression=cfg.output_compression,
             shards=tuple(self.shards),
             file_rank=tuple(self.file_rank),
-            signature=SignatureSettings(cfg.text_key, str(cfg.shingle), cfg.num_perm, cfg.seed, cfg.scheme),
+            signature=SignatureSettings(
+                cfg.text_key, str(cfg.shingle), cfg.num_perm, cfg.seed, cfg.scheme, cfg.on_bad_record
+            ),
             id_key=cfg.id_key,
             banding=cfg.banding,
             max_neighbors=cfg.max_neighbors,
@@ -232,10 +256,12 @@ class DedupJob:
 
     def publish(self, runner: StageRunner) -> dict:
         final = os.path.join(self.work, "final")
-        for i, name in enumerate(self.names + [DUPLICATES_NAME]):
+        for i, name in enumerate(self.out_names + [DUPLICATES_NAME]):
             src = os.path.join(final, name)
             if os.path.exists(src):  # absent: already moved by an earlier, interrupted publish
-                os.replace(src, os.path.join(self.out, name))
+                dest = os.path.join(self.out, name)
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                os.replace(src, dest)
             self.faults.point(f"publish:{i + 1}")
         report = self.build_report(runner)
         write_json_atomic(os.path.join(self.out, REPORT_NAME), report, fsync=True)
@@ -248,7 +274,10 @@ class DedupJob:
         timings = {s: round(st[s]["seconds"], 3) for s in STAGES}
         total = sum(st[s]["seconds"] for s in STAGES)
         docs = st["signatures"]["docs"]
-        inputs = [{"file": f, **x} for f, x in zip(self.cfg.inputs, st["filter"]["inputs"], strict=True)]
+        inputs = [
+            {"file": f, "format": str(inp.fmt), "output": o, **x}
+            for f, inp, o, x in zip(self.labels, self.files, self.out_names, st["filter"]["inputs"], strict=True)
+        ]
         docs_out = sum(x["docs_out"] for x in inputs)
         return {
             "tool": "mtnlg-dedup",
@@ -274,7 +303,9 @@ class DedupJob:
                 "exact_duplicates_removed": st["clusters"]["removed_exact"],
                 "near_duplicates_removed": st["clusters"]["removed_near"],
                 "bytes_in": st["signatures"]["bytes"],
+                "bad_records_skipped": sum(st["signatures"]["bad_records"].values()),
             },
+            "bad_records": st["signatures"]["bad_records"],
             "clusters": {
                 k: st["clusters"][k] for k in ("clusters", "docs_in_clusters", "largest_cluster", "size_histogram")
             },
@@ -301,11 +332,11 @@ class DedupJob:
         self.validate()
         engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address)  # before touching OUT
         try:
-            done = self.prepare(engine.cpus)
-            if done is not None:
-                return done
             runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.faults)
             try:
+                done = self.prepare(engine)
+                if done is not None:
+                    return done
                 runner.run(dedup_stages(self.context()))
             except InputError:
                 self.cleanup_after_error()
@@ -332,6 +363,9 @@ def format_summary(report: dict) -> str:
         f"  shingle {s['shingle']}  scheme {s['scheme']}  seed {s['seed']}",
         "  P(cand)    " + "  ".join(f"J={j}: {v:.3f}" for j, v in b["candidate_probability"].items()),
     ]
+    bad = report.get("bad_records") or {}
+    if sum(bad.values()):
+        lines.append(f"  skipped    {format_bad(bad)} bad records")
     for x in report["inputs"]:
         lines.append(
             f"  {x['file']}: {x['docs_in']} in, {x['docs_out']} out"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, add_output_compression_arg
+
 from .cli_common import HelpFormatter, add_engine_args, check_engine_args, positive_int, run_cli
 from .dedup import DedupConfig, format_summary, run_dedup
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
@@ -35,15 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description=(
-            "Remove exact and near-duplicate documents from JSONL files (MT-NLG recipe): exact duplicates of the "
+            "Remove exact and near-duplicate documents from corpora (MT-NLG recipe): exact duplicates of the "
             "normalised text first, then MinHash LSH with explicit bands x rows, candidate pairs verified by exact "
             "Jaccard >= --threshold, clusters by union-find, one document kept per cluster. Writes OUT/<input "
-            "name> (kept records, unchanged, same order), OUT/duplicates.jsonl and OUT/report.json. Inputs are "
+            "name> (kept records, unchanged, same order, in the input's format; a folder's files keep their paths "
+            "below it), OUT/duplicates.jsonl and OUT/report.json. Inputs are "
             "never modified; a killed run re-run with the same arguments resumes."
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("inputs", nargs="+", metavar="IN.jsonl", help="input JSONL files, one JSON object per line")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUTS_HELP)
     p.add_argument(
         "--output-dir",
         "-o",
@@ -57,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="id",
         help="JSON key with a document id, used in duplicates.jsonl (absent: FILE:LINE is used)",
     )
+    add_bad_record_arg(p)
+    add_output_compression_arg(p)
     p.add_argument(
         "--threshold",
         type=_threshold,
@@ -173,6 +178,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         keep_work=args.keep_work,
         force=args.force,
         preset=args.preset,
+        on_bad_record=args.on_bad_record,
+        output_compression=args.output_compression,
     )
 
 

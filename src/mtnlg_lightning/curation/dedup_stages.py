@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtnlg_lightning.corpora.formats import Format
+from mtnlg_lightning.corpora.records import BAD_REASONS
+from mtnlg_lightning.corpora.writers import encode_jsonl, filter_parquet
+
 from .jsonl import InputError, atomic_write, dumps_line
 from .lsh import Banding, band_pairs, decode_pairs, pair_codes
 from .mapcache import load_map
@@ -48,8 +52,12 @@ class DedupContext:
     """What every task needs: the inputs, the settings and where the work files are. Small, sent once."""
 
     work: str
-    inputs: tuple[str, ...]  # absolute paths
-    names: tuple[str, ...]
+    inputs: tuple[str, ...]  # absolute paths of the plain JSON lines read (the inputs or their plain copies)
+    names: tuple[str, ...]  # input names (reports)
+    out_names: tuple[str, ...]  # output names, relative to the output directory
+    sources: tuple[str, ...]  # absolute paths of the inputs as given
+    formats: tuple[Format, ...]  # each input's format
+    output_compression: str | None  # None: as the input
     shards: tuple[Shard, ...]
     file_rank: tuple[int, ...]
     signature: SignatureSettings
@@ -103,7 +111,11 @@ class SignaturesStage:
         counts = np.bincount(docs.file_idx, minlength=len(ctx.inputs))
         for fi, c in enumerate(counts):
             if c == 0:
-                raise InputError(f"{ctx.inputs[fi]}: empty input (no records)")
+                raise InputError(f"{ctx.sources[fi]}: empty input (no records)")
+        bad = np.zeros(len(BAD_REASONS), np.int64)
+        for s in ctx.shards:
+            with np.load(shard_meta_path(sig_dir, s)) as z:
+                bad += z["bad"]
         os.makedirs(ctx.path("docs"), exist_ok=True)
         docs.save(ctx.path("docs"))
         return {
@@ -112,6 +124,7 @@ class SignaturesStage:
             "shards": len(ctx.shards),
             "shards_resumed": len(ctx.shards) - len(todo),
             "workers": runner.engine.cpus,
+            "bad_records": dict(zip(BAD_REASONS, bad.tolist(), strict=True)),
         }
 
 
@@ -441,6 +454,35 @@ def filter_shard(ctx: DedupContext, job: tuple[int, str, int]) -> tuple[int, int
     return int(keep.sum()), int(kind_exact.sum()), int((~kind_exact).sum()), b"".join(out)
 
 
+def publish_output(ctx: DedupContext, job: tuple[int, str]) -> None:
+    """Input ``fi``'s kept records (plain JSON lines at ``partial``) to ``final/<output name>`` in the input's
+    format: moved as they are for plain JSON lines, compressed or made a JSON array, or, for parquet, the
+    input's kept rows with its schema."""
+    fi, partial = job
+    dest = ctx.path("final", ctx.out_names[fi])
+    if not os.path.exists(partial):  # published by an earlier, interrupted run
+        return
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    fmt = ctx.formats[fi]
+    if fmt.kind == "parquet":
+        docs = ctx.docs()
+        kept = np.asarray(load_map(clusters_path(ctx, "keeper"))) == np.arange(len(docs))
+        keep = np.flatnonzero((np.asarray(docs.file_idx) == fi) & kept)
+        filter_parquet(ctx.sources[fi], dest, np.asarray(docs.lines)[keep].astype(np.int64) - 1)
+    else:
+        out = Format(fmt.kind, ctx.output_compression or fmt.compression)
+        if out.plain_jsonl:
+            fd = os.open(partial, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(partial, dest)
+            return
+        encode_jsonl(partial, dest, out)
+    os.unlink(partial)
+
+
 class FilterStage:
     """Kept records and duplicates.jsonl, one task per signature shard (so also parallel for one input file):
     the driver sizes every shard's kept bytes from the document table, creates each output at its final size,
@@ -472,7 +514,7 @@ class FilterStage:
         starts = np.asarray(docs.shard_starts)
         cum = np.concatenate(([0], np.cumsum(nbytes)))
         shard_bytes = cum[starts[1:]] - cum[starts[:-1]]
-        partial = [os.path.join(final, f".{name}.partial") for name in ctx.names]
+        partial = [os.path.join(final, f".f{fi:05d}.partial") for fi in range(len(ctx.inputs))]
         file_bytes = np.zeros(len(ctx.inputs), np.int64)
         jobs = []
         for s, shard in enumerate(ctx.shards):
@@ -488,13 +530,8 @@ class FilterStage:
             ):
                 per_file[ctx.shards[s].file_idx] += (kept, n_exact, n_near)
                 out.write(lines)
-        for p, name in zip(partial, ctx.names, strict=True):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(p, os.path.join(final, name))
+        for _ in runner.engine.map(publish_output, list(enumerate(partial)), ctx):
+            pass
         counts = np.bincount(file_idx, minlength=len(ctx.inputs))
         inputs = [
             {

@@ -24,11 +24,6 @@ class InputError(Exception):
     """
 
 
-def _one_line(msg: str, limit: int = 160) -> str:
-    msg = " ".join(str(msg).split())
-    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
-
-
 def check_input_files(paths: list[str]) -> None:
     """Fail early (before any output is written) on missing, unreadable or empty input files."""
     for path in paths:
@@ -43,20 +38,31 @@ def check_input_files(paths: list[str]) -> None:
 
 
 def parse_record(line: bytes | str, path: str, lineno: int, text_key: str) -> tuple[dict, str]:
-    """Parse one JSONL line and return ``(record, text)``; raise :class:`InputError` naming file:line."""
+    """Parse one JSONL line and return ``(record, text)``; raise :class:`InputError` naming file:line (the rules
+    of a good record are :mod:`mtnlg_lightning.corpora.records`')."""
+    from mtnlg_lightning.corpora.records import BadRecord, check_line
+
     try:
-        rec = json.loads(line)
-    except ValueError as err:  # json.JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        raise InputError(f"{path}:{lineno}: invalid JSON: {_one_line(err)}") from None
-    if not isinstance(rec, dict):
-        raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        return check_line(line, text_key)
+    except BadRecord as err:
+        raise InputError(f"{path}:{lineno}: {err}") from None
+
+
+def shard_bad_record(line: bytes, text_key: str, shard, local: int, policy: str, counts) -> str | None:
+    """The text of one line of a shard (a byte range of a plain file), or None for a bad record under
+    ``policy`` "skip" (counted in ``counts`` by reason); under "error" raise one line naming the input (as the
+    user named it) and the record's line, row or item number in the whole file."""
+    from mtnlg_lightning.corpora.records import SKIP_HINT, BadRecord, check_line, locate
+
     try:
-        text = rec[text_key]
-    except KeyError:
-        raise InputError(f"{path}:{lineno}: missing text key {text_key!r}") from None
-    if not isinstance(text, str):
-        raise InputError(f"{path}:{lineno}: text key {text_key!r} is {type(text).__name__}, expected a string")
-    return rec, text
+        return check_line(line, text_key)[1]
+    except BadRecord as err:
+        if policy == "skip":
+            counts[err.reason] += 1
+            return None
+        lineno = count_lines_before(shard.path, shard.start) + local
+        where = locate(shard.label or shard.path, shard.kind, lineno)
+        raise InputError(f"{where}: {err}{SKIP_HINT}") from None
 
 
 def iter_lines(path: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:

@@ -11,11 +11,14 @@ exact-duplicate key of the normalised text); the ``.npz`` appearing last marks t
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from .jsonl import InputError, atomic_write, count_lines_before, iter_lines, parse_record
+from mtnlg_lightning.corpora.records import BAD_REASONS
+
+from .jsonl import atomic_write, iter_lines, shard_bad_record
 from .lsh import Banding, band_key
 from .mapcache import load_map
 from .minhash import MinHasher
@@ -31,6 +34,7 @@ class SignatureSettings:
     num_perm: int
     seed: int
     scheme: str
+    on_bad_record: str = "error"  # "error": stop at the first bad record; "skip": count it by reason
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class Shard:
     path: str
     start: int
     end: int
+    label: str = ""  # the input as the user named it, for messages (``path`` may be a decompressed copy)
+    kind: str = "jsonl"  # the input's kind: line numbers are rows of a parquet file, items of a JSON array
 
     @property
     def name(self) -> str:
@@ -71,16 +77,14 @@ def compute_shard(settings: SignatureSettings, job: tuple[Shard, str], banding: 
     shingles: list[np.ndarray] = []  # 32-bit shingle hashes of each distinct normalised text of the shard
     seen: dict[tuple[int, int], int] = {}
     local = 0
+    bad = Counter()
     for off, line in iter_lines(shard.path, shard.start, shard.end):
         local += 1
         if not line.strip():
             continue
-        try:
-            _, text = parse_record(line, shard.path, local, settings.text_key)
-        except InputError:
-            lineno = count_lines_before(shard.path, shard.start) + local
-            parse_record(line, shard.path, lineno, settings.text_key)  # re-raise with the file's line number
-            raise
+        text = shard_bad_record(line, settings.text_key, shard, local, settings.on_bad_record, bad)
+        if text is None:
+            continue
         norm, units = tokens(text, spec)
         key = exact_key(norm)
         k = seen.get(key)
@@ -115,6 +119,7 @@ def compute_shard(settings: SignatureSettings, job: tuple[Shard, str], banding: 
             ex_hi=np.asarray(ex_hi, dtype=np.uint64),
             ex_lo=np.asarray(ex_lo, dtype=np.uint64),
             n_lines=np.asarray([local], dtype=np.int64),
+            bad=np.asarray([bad[r] for r in BAD_REASONS], dtype=np.int64),
         )
     return shard.end - shard.start
 

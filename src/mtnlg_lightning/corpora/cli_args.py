@@ -1,0 +1,32 @@
+"""The flags every data tool shares for its inputs and outputs, with the same words in every ``--help``."""
+
+from __future__ import annotations
+
+from .formats import COMPRESSIONS
+from .records import POLICIES
+
+INPUTS_HELP = (
+    "files, folders (searched recursively for *.jsonl, *.json, *.parquet, *.gz, *.zst) or globs, in any mix; JSON "
+    "lines plain, gzip or zstd (told from the bytes, not the name), JSON arrays of records, parquet"
+)
+
+
+def add_bad_record_arg(p) -> None:
+    p.add_argument(
+        "--on-bad-record",
+        choices=list(POLICIES),
+        default="error",
+        help="a record that is not a JSON object, not UTF-8, lacks the text field or has a non-string or empty "
+        "text: 'error' stops with one line naming its file and line; 'skip' leaves it out and counts it by reason "
+        "in the summary and the report",
+    )
+
+
+def add_output_compression_arg(p) -> None:
+    p.add_argument(
+        "--output-compression",
+        choices=list(COMPRESSIONS),
+        default=None,
+        help="compression of the JSON-lines outputs (default: each output as its input; a parquet input gives "
+        "parquet); a changed compression changes the output name's .gz/.zst suffix",
+    )

@@ -1,0 +1,82 @@
+"""Command-line inputs to files: paths, folders (searched recursively) and globs, in any mix.
+
+The order is deterministic: inputs in command-line order, the files of a folder or a glob sorted by path. A
+file named twice is read once. Every file gets a *name*, the path its output takes under an output directory:
+its base name for a file named directly, its path below the folder (or below the glob's fixed part), so that the
+shards of a tree (Dolma's ``documents/**``, FineWeb's ``data/CC-MAIN-*/000_00000.parquet``) keep their layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+from .formats import CorpusError
+
+# files a folder search picks up: the names data shards go by (a folder also holds READMEs, checksums, _SUCCESS)
+DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".gz", ".zst", ".zstd")
+_GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str  # as the user can find it (relative paths stay relative)
+    name: str  # output name, relative ('/' separated)
+
+
+def is_data_file(name: str) -> bool:
+    return not name.startswith((".", "_")) and (name.endswith(DATA_SUFFIXES) or ".jsonl." in name or ".json." in name)
+
+
+def _walk(root: str) -> list[str]:
+    found = []
+    for d, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        found += [os.path.join(d, f) for f in files if is_data_file(f)]
+    return sorted(found)
+
+
+def _glob_root(pattern: str) -> str:
+    parts = pattern.split(os.sep)
+    fixed = []
+    for p in parts[:-1]:
+        if any(c in p for c in _GLOB_CHARS):
+            break
+        fixed.append(p)
+    return os.sep.join(fixed) if fixed else "."
+
+
+def expand_inputs(specs: list[str]) -> list[InputFile]:
+    """Files of ``specs`` in a deterministic order; raises :class:`CorpusError` (one line) for a spec that
+    matches nothing."""
+    out: list[InputFile] = []
+    seen: set[str] = set()
+
+    def add(path: str, name: str) -> None:
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            out.append(InputFile(path, name.replace(os.sep, "/")))
+
+    for spec in specs:
+        if os.path.isdir(spec):
+            files = _walk(spec)
+            if not files:
+                raise CorpusError(f"{spec}: folder holds no data files (*.jsonl, *.json, *.parquet, *.gz, *.zst)")
+            for f in files:
+                add(f, os.path.relpath(f, spec))
+        elif os.path.exists(spec):
+            add(spec, os.path.basename(spec))
+        elif any(c in spec for c in _GLOB_CHARS):
+            files = sorted(f for f in glob.glob(spec, recursive=True) if os.path.isfile(f))
+            if not files:
+                raise CorpusError(f"{spec}: the pattern matches no file")
+            root = _glob_root(spec)
+            for f in files:
+                add(f, os.path.relpath(f, root))
+        else:
+            raise CorpusError(f"{spec}: no such file")
+    if not out:
+        raise CorpusError("no input files given")
+    return out
