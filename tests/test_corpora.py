@@ -1,0 +1,67 @@
+"""Every data tool reads every corpus layout (compression from the bytes, parquet, JSON arrays, folders, globs,
+mixes) and gives byte-identical results to the same records as plain JSON lines; bad records have a policy."""
+
+import json
+from pathlib import Path
+
+import pytest
+from corpus_layouts import LAYOUTS, decompressed, read_records, write_layout
+
+from mtnlg_lightning.corpora.formats import detect
+from mtnlg_lightning.curation import dedup_cli
+from mtnlg_lightning.curation.synthetic import make_near_dup_corpus
+
+
+@pytest.fixture(scope="module")
+def shards():
+    recs = [{"id": r["id"], "text": r["text"]} for r in make_near_dup_corpus(60, seed=3, doc_chars=600)]
+    return [recs[:35], recs[35:]]
+
+
+def _outputs(out: Path) -> list[Path]:
+    return sorted(p for p in out.rglob("*") if p.is_file() and p.name not in ("report.json", "duplicates.jsonl"))
+
+
+def _dups_by_position(out: Path, names: list[str]) -> list[dict]:
+    """duplicates.jsonl with source names replaced by the input's position (the names differ by layout)."""
+    rows = [json.loads(x) for x in (out / "duplicates.jsonl").read_text().splitlines()]
+    for r in rows:
+        for k in ("source", "duplicate_of_source"):
+            r[k] = names.index(r[k])
+        for k in ("id", "duplicate_of"):
+            if isinstance(r[k], str) and ":" in r[k]:
+                r[k] = r[k].split(":")[-1]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def dedup_reference(shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref")
+    inputs = write_layout("plain", root, shards)
+    assert dedup_cli.main([*inputs, "-o", str(root / "out"), "-q", "--workers", "1"]) == 0
+    report = json.loads((root / "out" / "report.json").read_text())
+    return root / "out", report
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dedup_reads_every_layout(layout, shards, dedup_reference, tmp_path):
+    ref_out, ref_report = dedup_reference
+    inputs = write_layout(layout, tmp_path, shards)
+    out = tmp_path / "out"
+    assert dedup_cli.main([*inputs, "-o", str(out), "-q", "--workers", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["docs_in"] == 60 and report["totals"] == ref_report["totals"]
+    names = [x["file"] for x in report["inputs"]]
+    assert _dups_by_position(out, [x["output"] for x in report["inputs"]]) == _dups_by_position(
+        ref_out, ["a.jsonl", "b.jsonl"]
+    )
+    outs = [out / x["output"] for x in report["inputs"]]
+    refs = [ref_out / "a.jsonl", ref_out / "b.jsonl"]
+    for inp, o, r in zip(names, outs, refs, strict=True):
+        fmt_in, fmt_out = detect(inp), detect(str(o))
+        assert fmt_out == fmt_in, (inp, o)  # the input's format and compression
+        if fmt_in.kind == "jsonl":
+            assert decompressed(o) == r.read_bytes()  # byte-identical kept records
+        else:
+            assert read_records(o) == read_records(r)
+    assert len(_outputs(out)) == 2
