@@ -5,9 +5,10 @@ from __future__ import annotations
 from .formats import COMPRESSIONS
 from .records import POLICIES
 
+FORMATS_HELP = "JSON lines plain, gzip or zstd (told from the bytes, not the name), JSON arrays of records, parquet"
 INPUTS_HELP = (
-    "files, folders (searched recursively for *.jsonl, *.json, *.parquet, *.gz, *.zst) or globs, in any mix; JSON "
-    "lines plain, gzip or zstd (told from the bytes, not the name), JSON arrays of records, parquet"
+    "files, folders (searched recursively for *.jsonl, *.json, *.parquet, *.gz, *.zst) or globs, in any mix; "
+    + FORMATS_HELP
 )
 
 

@@ -29,6 +29,16 @@ def is_data_file(name: str) -> bool:
     return not name.startswith((".", "_")) and (name.endswith(DATA_SUFFIXES) or ".jsonl." in name or ".json." in name)
 
 
+def stem(name: str) -> str:
+    """A file's base name without its data and compression suffixes (``lambada.jsonl.gz`` -> ``lambada``)."""
+    base = os.path.basename(name)
+    for suffix in (".gz", ".gzip", ".zst", ".zstd"):
+        base = base.removesuffix(suffix)
+    for suffix in (".jsonl", ".json", ".ndjson", ".parquet"):
+        base = base.removesuffix(suffix)
+    return base
+
+
 def _walk(root: str) -> list[str]:
     found = []
     for d, dirs, files in os.walk(root, followlinks=True):

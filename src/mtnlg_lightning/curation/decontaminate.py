@@ -16,15 +16,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
+from mtnlg_lightning.corpora.sources import expand_inputs
+from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
+
 from .decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
 from .engine import make_engine
-from .jsonl import InputError, check_input_files, line_starts_plan, shard_size, write_json_atomic
+from .jsonl import InputError, line_starts_plan, shard_size, write_json_atomic
 from .ngrams import load_tasks
 from .signatures import Shard
 from .stages import Faults, Progress, StageRunner
 
 HIT_LIST_LIMIT = 10000
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -46,6 +50,8 @@ class DecontamConfig:
     shard_bytes: int = 8 << 20
     engine: str = "local"  # "local" (this machine, `workers` processes) or "ray"
     ray_address: str | None = None  # Ray cluster to join (else RAY_ADDRESS, else a local Ray for the run)
+    on_bad_record: str = "error"  # "error" or "skip" (counted by reason in the report)
+    output_compression: str | None = None  # None: as the input; "none", "gzip" or "zstd"
 
     def report_path(self) -> str:
         return self.report or os.path.join(os.path.dirname(os.path.abspath(self.output)), "report.json")
@@ -65,6 +71,8 @@ class DecontamConfig:
                 "min_piece",
                 "max_splits",
                 "frequent_threshold",
+                "on_bad_record",
+                "output_compression",
             )
         }
 
@@ -84,20 +92,24 @@ class DecontamJob:
 
     def validate(self) -> None:
         cfg = self.cfg
-        check_input_files([cfg.input])
+        BadRecordPolicy(cfg.on_bad_record)  # checks the name
+        files = resolve_inputs([cfg.input])
+        if len(files) != 1:
+            raise InputError(f"--input {cfg.input} names {len(files)} files; decontaminate one file per run")
+        self.source = files[0]
         real = os.path.realpath
         if real(cfg.output) in {real(cfg.input), *map(real, cfg.tasks)}:
             raise InputError(f"--output {cfg.output} would overwrite an input file")
         if real(cfg.report_path()) in {real(cfg.input), real(cfg.output), *map(real, cfg.tasks)}:
             raise InputError(f"report path {cfg.report_path()} collides with an input or the output")
 
-    def prepare(self, cpus: int = 1) -> list[Shard]:
+    def prepare(self, engine) -> list[Shard]:
         """Resume a run with the same inputs and settings, else start clean. Returns the shards."""
         cfg = self.cfg
         fp = {
             "format": FORMAT_VERSION,
-            "input": _file_stat(cfg.input),
-            "tasks": [_file_stat(p) for p in cfg.tasks],
+            "input": _file_stat(self.source.path),
+            "tasks": [_file_stat(f.path) for f in expand_inputs(cfg.tasks)],
             **cfg.settings(),
         }
         saved_path = os.path.join(self.work, "config.json")
@@ -116,12 +128,15 @@ class DecontamJob:
                 self.created_dirs.append(d)
                 d = os.path.dirname(d)
             os.makedirs(self.work)
-            plan = line_starts_plan(cfg.input, shard_size(os.path.getsize(cfg.input), cfg.shard_bytes, cpus))
+        # a compressed, JSON-array or parquet input: a plain JSON-lines copy, line n = record n, every field
+        (path,) = plain_copies([self.source], os.path.join(self.work, "plain"), engine)
+        if plan is None:
+            plan = line_starts_plan(path, shard_size(os.path.getsize(path), cfg.shard_bytes, engine.cpus))
             write_json_atomic(saved_path, {"fingerprint": fp, "plan": plan})
         if os.path.exists(cfg.report_path()):  # never leave an old report next to an output being recomputed
             os.unlink(cfg.report_path())
-        path = os.path.abspath(cfg.input)
-        return [Shard(0, i, path, s, e) for i, (s, e) in enumerate(plan)]
+        kind = self.source.fmt.kind
+        return [Shard(0, i, path, s, e, cfg.input, kind) for i, (s, e) in enumerate(plan)]
 
     def cleanup_after_error(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
@@ -139,7 +154,11 @@ class DecontamJob:
         t_tasks = time.perf_counter() - t0
         engine = make_engine(cfg.engine, cfg.workers, cfg.ray_address)
         try:
-            shards = self.prepare(engine.cpus)
+            try:
+                shards = self.prepare(engine)
+            except InputError:
+                self.cleanup_after_error()
+                raise
             ctx = DecontamContext(
                 work=self.work,
                 input=cfg.input,
@@ -151,6 +170,7 @@ class DecontamJob:
                 min_piece=cfg.min_piece,
                 max_splits=cfg.max_splits,
                 frequent_threshold=cfg.frequent_threshold,
+                on_bad_record=cfg.on_bad_record,
             )
             runner = StageRunner(self.work, engine, Progress(cfg.progress), self.faults)
             try:
@@ -160,7 +180,7 @@ class DecontamJob:
                 raise
         finally:
             engine.close()
-        concatenate_parts(ctx, cfg.output)
+        concatenate_parts(ctx, cfg.output, self.source, cfg.output_compression)
         self.faults.point("publish:1")
         report = self.build_report(ctx, runner, t_tasks)
         write_json_atomic(cfg.report_path(), report, fsync=True)
@@ -227,6 +247,7 @@ class DecontamJob:
                 "split": outcome["split"],
                 "dropped_too_many_splits": outcome["dropped_too_many_splits"],
                 "dropped_no_piece_left": outcome["dropped_no_piece_left"],
+                "bad_records_skipped": sum(count["bad_records"].values()),
                 "matches_removed": outcome["matches"],
                 "chars_removed": outcome["chars_removed"],
             },
@@ -238,6 +259,8 @@ class DecontamJob:
                 "list": hit_list,
                 "list_truncated": len(hits) > len(hit_list),
             },
+            "bad_records": count["bad_records"],
+            "input_format": str(self.source.fmt),
             "bytes_in": size,
             "timings_s": {
                 "load_tasks": round(t_tasks, 3),
@@ -270,6 +293,8 @@ def format_summary(report: dict) -> str:
         f" {d['dropped_no_piece_left']} dropped (no piece > {s['min_piece']} chars)",
         f"  removed    {d['matches_removed']} matches, {d['chars_removed']} chars",
     ]
+    if d.get("bad_records_skipped"):
+        lines.append(f"  skipped    {format_bad(report['bad_records'])} bad records")
     per = report["hits"]["per_task"]
     if per:
         lines.append("  per task   " + ", ".join(f"{k}: {v['documents']} docs" for k, v in per.items()))

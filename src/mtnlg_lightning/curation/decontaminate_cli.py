@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.corpora.cli_args import FORMATS_HELP, add_bad_record_arg, add_output_compression_arg
+
 from .cli_common import HelpFormatter, add_engine_args, check_engine_args, int_at_least, positive_int, run_cli
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
@@ -18,11 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description=(
-            "Remove downstream-task text from training JSONL (MT-NLG / Megatron-LM filter_ngrams.py semantics): "
+            "Remove downstream-task text from training data (MT-NLG / Megatron-LM filter_ngrams.py semantics): "
             "13-word task n-grams (8-12 word task texts used whole) are searched in the lowercased \\w+ words of "
             "every document; n-grams found in >= --frequent-threshold documents are ignored as common phrases; each "
             "match is removed with --window characters on each side, extended to the nearest sentence end, and the "
-            "document is split there. Writes --output atomically and report.json beside it."
+            "document is split there. Writes --output atomically, in the input's format, and report.json beside it."
         ),
         formatter_class=HelpFormatter,
     )
@@ -31,9 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         metavar="TASKS.jsonl",
-        help='task files, one {"task": name, "text": ...} per line ("task" defaults to the file name)',
+        help='task files, folders or globs, records {"task": name, "text": ...} ("task" defaults to the file name '
+        "without suffixes); " + FORMATS_HELP,
     )
-    p.add_argument("--input", required=True, metavar="TRAIN.jsonl", help="training data, one JSON object per line")
+    p.add_argument(
+        "--input",
+        required=True,
+        metavar="TRAIN",
+        help="training data: one file (or a folder or glob naming one file); " + FORMATS_HELP,
+    )
+    add_bad_record_arg(p)
+    add_output_compression_arg(p)
     p.add_argument(
         "--output",
         required=True,
@@ -115,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         ray_address=args.ray_address,
         shard_bytes=args.shard_mb << 20,
         progress=not args.quiet,
+        on_bad_record=args.on_bad_record,
+        output_compression=args.output_compression,
     )
 
     def body() -> int:

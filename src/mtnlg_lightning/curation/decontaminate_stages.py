@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .jsonl import InputError, atomic_write, count_lines_before, iter_lines, parse_record
+from mtnlg_lightning.corpora.formats import Format
+from mtnlg_lightning.corpora.records import BAD_REASONS, BadRecord, check_line
+from mtnlg_lightning.corpora.staging import CorpusInput
+from mtnlg_lightning.corpora.writers import encode_jsonl, jsonl_to_parquet, parquet_codec
+
+from .jsonl import InputError, atomic_write, iter_lines, shard_bad_record
 from .ngrams import TaskNgrams, clean_text, words_of
 from .signatures import Shard
 from .stages import StageRunner
@@ -34,6 +39,7 @@ class DecontamContext:
     min_piece: int
     max_splits: int
     frequent_threshold: int
+    on_bad_record: str = "error"
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
@@ -51,18 +57,16 @@ def count_shard(ctx: DecontamContext, i: int) -> None:
     shard = ctx.shards[i]
     counts: Counter = Counter()
     hit_lines: list[int] = []
+    bad: Counter = Counter()
     docs = local = 0
     for _, line in iter_lines(shard.path, shard.start, shard.end):
         local += 1
         if not line.strip():
             continue
+        text = shard_bad_record(line, ctx.text_key, shard, local, ctx.on_bad_record, bad)
+        if text is None:
+            continue
         docs += 1
-        try:
-            _, text = parse_record(line, shard.path, local, ctx.text_key)
-        except InputError:
-            lineno = count_lines_before(shard.path, shard.start) + local
-            parse_record(line, shard.path, lineno, ctx.text_key)  # re-raise with the file's line number
-            raise
         found = {gid for _, gid in ctx.index.hits(words_of(text))}
         if found:
             counts.update(found)
@@ -75,6 +79,7 @@ def count_shard(ctx: DecontamContext, i: int) -> None:
             hit_lines=np.asarray(hit_lines, dtype=np.int64),
             docs=np.asarray([docs], dtype=np.int64),
             lines=np.asarray([local], dtype=np.int64),
+            bad=np.asarray([bad[r] for r in BAD_REASONS], dtype=np.int64),
         )
 
 
@@ -93,16 +98,24 @@ class CountStage:
             pass
         freq = np.zeros(len(ctx.index), dtype=np.int64)
         docs, lines = [], []
+        bad = np.zeros(len(BAD_REASONS), np.int64)
         for i in items:
             with np.load(count_path(ctx, i)) as z:
                 np.add.at(freq, z["gids"], z["counts"])
                 docs.append(int(z["docs"][0]))
                 lines.append(int(z["lines"][0]))
+                bad += z["bad"]
         if sum(docs) == 0:
             raise InputError(f"{ctx.input}: empty input (no records)")
         with atomic_write(ctx.path("frequency.npy")) as f:
             np.save(f, freq)
-        return {"docs": sum(docs), "bytes": sum(sizes), "docs_per_shard": docs, "lines_per_shard": lines}
+        return {
+            "docs": sum(docs),
+            "bytes": sum(sizes),
+            "docs_per_shard": docs,
+            "lines_per_shard": lines,
+            "bad_records": dict(zip(BAD_REASONS, bad.tolist(), strict=True)),
+        }
 
 
 def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
@@ -124,9 +137,11 @@ def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
         for local, (_, line) in enumerate(iter_lines(shard.path, shard.start, shard.end), start=first_line):
             if not line.strip():
                 continue
+            try:
+                rec, text = check_line(line, ctx.text_key)
+            except BadRecord:  # skipped (and counted) by the count pass
+                continue
             doc += 1
-            rec = json.loads(line)
-            text = rec[ctx.text_key]
             if local in hit_set:
                 pieces, matched = clean_text(text, ctx.index, active, ctx.window, ctx.min_piece)
             else:
@@ -186,10 +201,27 @@ class CleanStage:
         return {"outcome": dict(outcome), "hit_documents": len(hits)}
 
 
-def concatenate_parts(ctx: DecontamContext, output: str) -> None:
-    """The final output: every shard's cleaned records, in shard order (atomic, fsynced)."""
-    with atomic_write(output, fsync=True) as out:
+def concatenate_parts(ctx: DecontamContext, output: str, source: CorpusInput, compression: str | None) -> None:
+    """The final output: every shard's cleaned records, in shard order (atomic, fsynced), in the input's format
+    (``compression`` overrides a JSON-lines input's): a parquet input gives parquet with its schema (plus
+    ``split_id``) and codec."""
+    fmt = source.fmt
+    plain = output if fmt.kind == "jsonl" and (compression or fmt.compression) == "none" else ctx.path("cleaned.jsonl")
+    with atomic_write(plain, fsync=plain == output) as out:
         for i in range(len(ctx.shards)):
             with open(ctx.path("clean", f"part-{i:05d}.jsonl"), "rb") as f:
                 while chunk := f.read(1 << 22):
                     out.write(chunk)
+    if plain == output:
+        return
+    if fmt.kind == "parquet":
+        import pyarrow as pa
+
+        from mtnlg_lightning.corpora.readers import parquet_file
+
+        schema = parquet_file(source.path).schema_arrow
+        if "split_id" not in schema.names:
+            schema = schema.append(pa.field("split_id", pa.string()))
+        jsonl_to_parquet(plain, output, schema, parquet_codec(source.path))
+    else:
+        encode_jsonl(plain, output, Format(fmt.kind, compression or fmt.compression))

@@ -7,14 +7,13 @@ Semantics and the deliberate differences from Megatron's script: docs/curation.m
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from collections import Counter
 
 import numpy as np
 import xxhash
 
-from .jsonl import InputError, check_input_files, iter_lines, parse_record
+from .jsonl import InputError
 
 WORD_RE = re.compile(r"\w+")
 SENTENCE_END = ".!?"
@@ -233,20 +232,19 @@ def clean_text(
 
 
 def load_tasks(paths: list[str], max_ngram: int = 13, min_ngram: int = 8) -> TaskNgrams:
-    check_input_files(paths)
+    """Task texts from files, folders or globs in any corpus format (:mod:`mtnlg_lightning.corpora`); a
+    record's ``task`` defaults to its file's name without the format suffixes."""
+    from mtnlg_lightning.corpora.readers import iter_records
+    from mtnlg_lightning.corpora.sources import expand_inputs, stem
+
     index = TaskNgrams(max_ngram, min_ngram)
-    for path in paths:
-        default = os.path.splitext(os.path.basename(path))[0]
+    for file in expand_inputs(paths):
         n = 0
-        for lineno, (_, line) in enumerate(iter_lines(path), start=1):
-            if not line.strip():
-                continue
-            rec, text = parse_record(line, path, lineno, "text")
-            task = rec.get("task", default)
-            index.add(str(task), text)
+        for rec in iter_records([file], "text", "task"):
+            index.add(str(rec.data.get("task", stem(file.name))), rec.text)
             n += 1
         if n == 0:
-            raise InputError(f"{path}: empty input (no task records)")
+            raise InputError(f"{file.path}: empty input (no task records)")
     if not len(index):
         raise InputError(f"no task n-grams: every task text has fewer than --min-ngram={min_ngram} words")
     index.build()
