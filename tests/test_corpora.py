@@ -65,3 +65,37 @@ def test_dedup_reads_every_layout(layout, shards, dedup_reference, tmp_path):
         else:
             assert read_records(o) == read_records(r)
     assert len(_outputs(out)) == 2
+
+
+@pytest.fixture(scope="module")
+def decontam_data(tmp_path_factory):
+    from mtnlg_lightning.curation.synthetic import make_tasks_and_training
+
+    tasks, train = make_tasks_and_training(4, 40, seed=5, doc_chars=800, plant_fraction=0.3)
+    root = tmp_path_factory.mktemp("decon")
+    task_file = write_layout("gzip", root / "tasks", [tasks, tasks[:1]])[0]  # tasks read through the same layer
+    ref = write_layout("plain", root / "ref", [train, train[:1]])[0]
+    return train, task_file, _decontaminate(root / "ref", ref, task_file)
+
+
+def _decontaminate(root: Path, inp: str, task_file: str, *extra: str) -> tuple[Path, dict]:
+    from mtnlg_lightning.curation import decontaminate_cli
+
+    out = root / "out" / ("clean" + "".join(Path(inp).suffixes))
+    args = ["--tasks", task_file, "--input", inp, "--output", str(out), "-q", "--workers", "1", *extra]
+    assert decontaminate_cli.main(args) == 0
+    return out, json.loads((out.parent / "report.json").read_text())
+
+
+@pytest.mark.parametrize("layout", ["gzip", "zstd", "misleading", "parquet", "json_array"])
+def test_decontaminate_reads_every_format(layout, decontam_data, tmp_path):
+    train, task_file, (ref_out, ref_report) = decontam_data
+    inp = write_layout(layout, tmp_path, [train, train[:1]])[0]
+    out, report = _decontaminate(tmp_path, inp, task_file)
+    assert report["documents"] == ref_report["documents"] and report["documents"]["split"] > 0
+    assert report["hits"]["list"] == ref_report["hits"]["list"]
+    assert detect(str(out)) == detect(inp)  # the input's format and compression
+    if detect(inp).kind == "jsonl":
+        assert decompressed(out) == ref_out.read_bytes()
+    else:
+        assert read_records(out) == read_records(ref_out)

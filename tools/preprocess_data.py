@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Tokenize a JSONL corpus into a Megatron indexed dataset (PREFIX.bin + PREFIX.idx), EOD after each document.
+"""Tokenize corpora into a Megatron indexed dataset (PREFIX.bin + PREFIX.idx), EOD after each document; or merge
+several PREFIX.bin/.idx pairs into one (--merge).
 
-python tools/preprocess_data.py --input corpus.jsonl --tokenizer tok/tokenizer.json --output-prefix data/corpus
+python tools/preprocess_data.py --input pile/train/ --tokenizer tok/ --output-prefix data/pile --workers 16
+python tools/preprocess_data.py --merge data/part1 data/part2 --output-prefix data/all
 """
 
 import argparse
@@ -9,31 +11,64 @@ import sys
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.data.preprocess import preprocess_jsonl
+from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
 from mtnlg_lightning.errors import MTNLGError
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, help="JSONL file, one document per line")
-    parser.add_argument("--json-key", default="text", help="field of each JSON record holding the text (default: text)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--input", nargs="+", help=INPUTS_HELP)
+    what.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="PREFIX",
+        help="merge these datasets (PREFIX.bin/.idx, same token dtype) into --output-prefix, documents in this order",
+    )
+    parser.add_argument(
+        "--text-key",
+        "--json-key",
+        dest="json_key",
+        default="text",
+        help="field of each record holding the text (default: text)",
+    )
     parser.add_argument(
         "--tokenizer",
-        required=True,
-        help="tokenizer.json, or a directory with tokenizer.json or vocab.json + merges.txt",
+        help="tokenizer.json, or a directory with tokenizer.json or vocab.json + merges.txt (needed with --input)",
     )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (atomically)")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizer processes; work is split by file and by 64 MB line-aligned ranges of plain JSON-lines files, "
+        "and the output is the same bytes for any number (default: 1)",
+    )
+    add_bad_record_arg(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
+    if args.input and not args.tokenizer:
+        parser.error("--input needs --tokenizer")
     try:
-        summary = preprocess_jsonl(
+        if args.merge:
+            from mtnlg_lightning.data.merge import merge_datasets
+
+            docs, tokens = merge_datasets(args.merge, args.output_prefix)
+            print(
+                f"merged {len(args.merge)} datasets into {args.output_prefix}.bin/.idx: {docs:,} documents, "
+                f"{tokens:,} tokens"
+            )
+            return 0
+        from mtnlg_lightning.data.preprocess import preprocess
+
+        summary = preprocess(
             args.input,
             args.tokenizer,
             args.output_prefix,
             args.json_key,
             max(1, args.workers),
             progress=not args.no_progress,
+            on_bad_record=args.on_bad_record,
         )
     except MTNLGError as error:
         print(f"preprocess_data: error: {error}", file=sys.stderr)

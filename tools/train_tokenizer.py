@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a GPT-2-style byte-level BPE tokenizer (with <|endoftext|>) on JSONL text; writes tokenizer.json.
+"""Train a GPT-2-style byte-level BPE tokenizer (with <|endoftext|>) on corpus text; writes tokenizer.json.
 
 python tools/train_tokenizer.py --input corpus.jsonl --vocab-size 50257 --output tok/
 """
@@ -10,6 +10,8 @@ import time
 
 import _bootstrap  # noqa: F401
 
+from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
+from mtnlg_lightning.corpora.records import format_bad
 from mtnlg_lightning.data.preprocess import read_texts
 from mtnlg_lightning.data.tokenizer import train_bpe
 from mtnlg_lightning.errors import MTNLGError
@@ -17,26 +19,30 @@ from mtnlg_lightning.errors import MTNLGError
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, nargs="+", help="JSONL file(s), one document per line")
-    parser.add_argument("--json-key", default="text", help="field holding the text (default: text)")
+    parser.add_argument("--input", required=True, nargs="+", help=INPUTS_HELP)
+    parser.add_argument(
+        "--text-key", "--json-key", dest="json_key", default="text", help="field holding the text (default: text)"
+    )
     parser.add_argument(
         "--vocab-size", type=int, default=50257, help="vocabulary size incl. <|endoftext|> (GPT-2: 50257)"
     )
     parser.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge (default: 2)")
     parser.add_argument("--output", required=True, help="output tokenizer.json path, or a directory to hold it")
+    add_bad_record_arg(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        texts = [t for path in args.input for chunk, _ in read_texts(path, args.json_key) for t in chunk]
+        texts, bad = read_texts(args.input, args.json_key, args.on_bad_record)
         if not texts:
             raise MTNLGError("the input holds no documents")
         tokenizer = train_bpe(texts, args.vocab_size, args.output, args.min_frequency)
     except MTNLGError as error:
         print(f"train_tokenizer: error: {error}", file=sys.stderr)
         return 2
+    skipped = f"; skipped {format_bad(bad)} bad records" if sum(bad.values()) else ""
     print(
         f"trained a {tokenizer.vocab_size}-token byte-level BPE on {len(texts):,} documents "
-        f"in {time.perf_counter() - start:.1f} s -> {args.output}"
+        f"in {time.perf_counter() - start:.1f} s -> {args.output}{skipped}"
     )
     return 0
 

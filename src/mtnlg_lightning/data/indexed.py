@@ -50,6 +50,14 @@ class IndexedDatasetWriter:
         self._bin.write(array.tobytes(order="C"))
         self._sizes.append(array.size)
 
+    def append_raw(self, dataset: IndexedDataset) -> None:
+        """Every document of ``dataset`` (same dtype) appended, its tokens copied as bytes in blocks."""
+        tokens = dataset.tokens
+        block = 1 << 24
+        for start in range(0, len(tokens), block):
+            self._bin.write(np.asarray(tokens[start : start + block]).tobytes(order="C"))
+        self._sizes.extend(dataset.sizes.tolist())
+
     def finalize(self) -> None:
         self._bin.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
