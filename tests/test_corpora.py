@@ -99,3 +99,81 @@ def test_decontaminate_reads_every_format(layout, decontam_data, tmp_path):
         assert decompressed(out) == ref_out.read_bytes()
     else:
         assert read_records(out) == read_records(ref_out)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(shards, tmp_path_factory):
+    from mtnlg_lightning.data.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("tok")
+    train_bpe([r["text"] for s in shards for r in s], 400, d)
+    return d
+
+
+def _tool(name):
+    import importlib.util
+    import sys
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    path = tools / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def preprocess_reference(shards, tokenizer_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pre_ref")
+    inputs = write_layout("plain", root, shards)
+    prefix = root / "ref"
+    args = ["--input", *inputs, "--tokenizer", str(tokenizer_dir), "--output-prefix", str(prefix), "--no-progress"]
+    assert _tool("preprocess_data")(args) == 0
+    return prefix
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_preprocess_and_tokenizer_read_every_layout(layout, shards, tokenizer_dir, preprocess_reference, tmp_path):
+    inputs = write_layout(layout, tmp_path, shards)
+    prefix = tmp_path / "out"
+    args = ["--input", *inputs, "--tokenizer", str(tokenizer_dir), "--output-prefix", str(prefix), "--no-progress"]
+    assert _tool("preprocess_data")(args) == 0
+    for suffix in (".bin", ".idx"):
+        got = (tmp_path / f"out{suffix}").read_bytes()
+        assert got == preprocess_reference.with_suffix(suffix).read_bytes(), suffix
+    if layout in ("plain", "mix"):  # the tokenizer trainer reads the same texts
+        tok = tmp_path / "tok"
+        assert _tool("train_tokenizer")(["--input", *inputs, "--vocab-size", "400", "--output", str(tok)]) == 0
+        assert (tok / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
+
+
+def test_preprocess_splits_work_by_file_and_byte_range_and_merges_to_the_same_bytes(
+    shards, tokenizer_dir, preprocess_reference, tmp_path
+):
+    from mtnlg_lightning.data.merge import merge_datasets
+    from mtnlg_lightning.data.preprocess import plan_read_tasks, preprocess
+
+    inputs = write_layout("mix", tmp_path / "mix", shards)  # a parquet file and a zstd file: one task each
+    plain = write_layout("plain", tmp_path / "plain", shards)  # plain files: split into ~4 KB ranges
+    assert len(plan_read_tasks(plain, range_bytes=4096)) > 4
+    for i, ins in enumerate((inputs, plain)):
+        summary = preprocess(
+            ins, str(tokenizer_dir), str(tmp_path / f"w{i}"), workers=2, progress=False, range_bytes=4096
+        )
+        assert summary.documents == 60
+        for suffix in (".bin", ".idx"):
+            assert (tmp_path / f"w{i}{suffix}").read_bytes() == preprocess_reference.with_suffix(suffix).read_bytes()
+    # two halves merged (Megatron merge_datasets) give the whole
+    a, b = (write_layout("plain", tmp_path / f"half{i}", [s, s[:1]])[0] for i, s in enumerate(shards))
+    for name, inp in (("a", a), ("b", b)):
+        preprocess([inp], str(tokenizer_dir), str(tmp_path / name), progress=False)
+    args = ["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output-prefix", str(tmp_path / "merged")]
+    assert _tool("preprocess_data")(args) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"merged{suffix}").read_bytes() == preprocess_reference.with_suffix(suffix).read_bytes()
+    assert merge_datasets([str(tmp_path / "a")], str(tmp_path / "one")) == (
+        35,
+        len(__import__("numpy").fromfile(tmp_path / "a.bin", dtype="uint16")),
+    )

@@ -48,10 +48,13 @@ class Format:
 
 def need(module: str, path: str, what: str):
     """Import an optional package of the ``corpora`` extra, or fail with one line naming the extra."""
+    import importlib
+
     try:
-        return __import__(module)
+        return importlib.import_module(module)
     except ImportError:
-        raise CorpusError(f"{path}: reading {what} needs the '{module}' package: {EXTRA_HINT}") from None
+        package = module.split(".")[0]
+        raise CorpusError(f"{path}: reading {what} needs the '{package}' package: {EXTRA_HINT}") from None
 
 
 def open_read(path: str, compression: str) -> IO[bytes]:
@@ -80,7 +83,7 @@ def detect(path: str) -> Format:
     if not head:
         raise CorpusError(f"{path}: empty input (no records)")
     if head == PARQUET_MAGIC:
-        need("pyarrow", path, "parquet")
+        need("pyarrow.parquet", path, "parquet")
         return Format("parquet")
     compression = "gzip" if head[:2] == GZIP_MAGIC else "zstd" if head == ZSTD_MAGIC else "none"
     try:

@@ -21,7 +21,7 @@ _BLOCK = 1 << 20
 
 
 def parquet_file(path: str):
-    pq = need("pyarrow", path, "parquet").parquet
+    pq = need("pyarrow.parquet", path, "parquet")
     try:
         return pq.ParquetFile(path)
     except Exception as err:  # pyarrow.ArrowInvalid: not a parquet file after all, or truncated

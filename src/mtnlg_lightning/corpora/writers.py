@@ -52,7 +52,7 @@ def filter_parquet(src: str, dest: str, keep_rows: np.ndarray, fsync: bool = Tru
     """The rows of ``src`` whose 0-based index is in ``keep_rows`` (sorted), same schema and codec, to ``dest``
     atomically; one record batch in memory at a time. Returns the rows written."""
     pa = need("pyarrow", src, "parquet")
-    pq = pa.parquet
+    pq = need("pyarrow.parquet", src, "parquet")
     pf = parquet_file(src)
     keep_rows = np.asarray(keep_rows, dtype=np.int64)
     written = 0
@@ -80,7 +80,7 @@ def jsonl_to_parquet(plain: str, dest: str, schema, codec: str = "snappy", batch
     import json
 
     pa = need("pyarrow", plain, "parquet")
-    pq = pa.parquet
+    pq = need("pyarrow.parquet", plain, "parquet")
     written = 0
     with atomic_write(dest, "wb", fsync=True) as raw, open(plain, "rb") as src:
         writer = pq.ParquetWriter(raw, schema, compression=codec)
