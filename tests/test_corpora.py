@@ -2,6 +2,7 @@
 mixes) and gives byte-identical results to the same records as plain JSON lines; bad records have a policy."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,82 @@ def test_preprocess_splits_work_by_file_and_byte_range_and_merges_to_the_same_by
         35,
         len(__import__("numpy").fromfile(tmp_path / "a.bin", dtype="uint16")),
     )
+
+
+BAD_LINES = [
+    (b'{"id": "m", "text": broken\n', "malformed_json"),
+    (b'{"id": "u", "text": "caf\xe9 latte"}\n', "non_utf8"),
+    (b'{"id": "f", "body": "no text field here"}\n', "missing_field"),
+    (b'{"id": "n", "text": 42}\n', "non_string_text"),
+    (b'{"id": "e", "text": ""}\n', "empty_text"),
+    (b'["an", "array"]\n', "malformed_json"),
+]
+
+
+def _bad_corpus(tmp_path, shards) -> tuple[Path, int]:
+    """A zstd JSON-lines file: good records with every kind of bad record between them; first bad line 3."""
+    import zstandard
+
+    good = [json.dumps(r).encode() + b"\n" for r in shards[0]]
+    lines = good[:2] + [b for b, _ in BAD_LINES] + good[2:]
+    path = tmp_path / "bad.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines)))
+    return path, len(good)
+
+
+EXPECTED_BAD = {"malformed_json": 2, "non_utf8": 1, "missing_field": 1, "non_string_text": 1, "empty_text": 1}
+
+
+@pytest.mark.parametrize("tool", ["dedup", "decontaminate", "preprocess_data", "train_tokenizer"])
+def test_bad_records_skip_counts_each_kind_and_error_names_file_and_line(tool, shards, tokenizer_dir, tmp_path, capsys):
+    from mtnlg_lightning.curation import decontaminate_cli
+
+    path, n_good = _bad_corpus(tmp_path, shards)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"task": "t", "text": "one two three four five six seven eight nine ten"}) + "\n")
+    out = tmp_path / "out"
+
+    def run(policy: str) -> int:
+        flag = ["--on-bad-record", policy]
+        if tool == "dedup":
+            return dedup_cli.main([str(path), "-o", str(out), "-q", *flag])
+        if tool == "decontaminate":
+            args = ["--tasks", str(tasks), "--input", str(path), "--output", str(out / "clean.jsonl.zst"), "-q"]
+            return decontaminate_cli.main(args + flag)
+        if tool == "preprocess_data":
+            args = ["--input", str(path), "--tokenizer", str(tokenizer_dir), "--output-prefix", str(out / "d")]
+            return _tool(tool)(args + ["--no-progress", *flag])
+        return _tool(tool)(["--input", str(path), "--vocab-size", "300", "--output", str(out / "tok"), *flag])
+
+    capsys.readouterr()
+    assert run("error") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"error: {path}:3: invalid JSON" in err[0], err
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]  # nothing written
+    assert run("skip") == 0
+    printed = capsys.readouterr().out
+    assert (
+        "skipped 6 bad records (malformed json 2, non utf8 1, missing field 1, non string text 1, empty text 1)"
+        in printed
+    )
+    if tool in ("dedup", "decontaminate"):
+        report = json.loads((out / "report.json").read_text())
+        assert report["bad_records"] == EXPECTED_BAD
+        docs = report["totals"]["docs_in"] if tool == "dedup" else report["documents"]["in"]
+        assert docs == n_good
+
+
+@pytest.mark.parametrize("layout, module", [("zstd", "zstandard"), ("parquet", "pyarrow")])
+def test_missing_corpora_extra_is_one_line_before_any_work(layout, module, shards, tmp_path, monkeypatch, capsys):
+    inputs = write_layout(layout, tmp_path, shards)
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    out = tmp_path / "out"
+    assert dedup_cli.main([*inputs, "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"mtnlg-dedup: error: {inputs[0]}: reading {'zstd' if layout == 'zstd' else 'parquet'} needs the "
+        f"'{module}' package: pip install 'mtnlg-lightning[corpora]'"
+    ]
+    assert not out.exists()

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     except MTNLGError as error:
         print(f"train_tokenizer: error: {error}", file=sys.stderr)
         return 2
-    skipped = f"; skipped {format_bad(bad)} bad records" if sum(bad.values()) else ""
+    skipped = f"; {format_bad(bad)}" if sum(bad.values()) else ""
     print(
         f"trained a {tokenizer.vocab_size}-token byte-level BPE on {len(texts):,} documents "
         f"in {time.perf_counter() - start:.1f} s -> {args.output}{skipped}"

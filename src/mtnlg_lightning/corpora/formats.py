@@ -89,9 +89,9 @@ def detect(path: str) -> Format:
     try:
         with open_read(path, compression) as f:
             start = f.read(4096).lstrip()
-    except (OSError, EOFError) as err:  # a truncated or corrupt compressed file
-        raise CorpusError(f"{path}: cannot decompress ({compression}): {' '.join(str(err).split())}") from None
-    except Exception as err:  # zstandard.ZstdError
+    except CorpusError:
+        raise
+    except Exception as err:  # a truncated or corrupt file: OSError, EOFError, zstandard.ZstdError
         raise CorpusError(f"{path}: cannot decompress ({compression}): {' '.join(str(err).split())}") from None
     if not start:
         raise CorpusError(f"{path}: empty input (no records)")

@@ -97,10 +97,10 @@ class BadRecordPolicy:
 
 
 def format_bad(counts: dict[str, int]) -> str:
+    """``skipped N bad records (malformed json 2, empty text 1)``, the same words in every tool's summary."""
     total = sum(counts.values())
-    if not total:
-        return "0"
-    return f"{total} (" + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items() if v) + ")"
+    kinds = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items() if v)
+    return f"skipped {total} bad records" + (f" ({kinds})" if kinds else "")
 
 
 @dataclass

@@ -294,7 +294,7 @@ def format_summary(report: dict) -> str:
         f"  removed    {d['matches_removed']} matches, {d['chars_removed']} chars",
     ]
     if d.get("bad_records_skipped"):
-        lines.append(f"  skipped    {format_bad(report['bad_records'])} bad records")
+        lines.append(f"  bad        {format_bad(report['bad_records'])}")
     per = report["hits"]["per_task"]
     if per:
         lines.append("  per task   " + ", ".join(f"{k}: {v['documents']} docs" for k, v in per.items()))

@@ -365,7 +365,7 @@ def format_summary(report: dict) -> str:
     ]
     bad = report.get("bad_records") or {}
     if sum(bad.values()):
-        lines.append(f"  skipped    {format_bad(bad)} bad records")
+        lines.append(f"  bad        {format_bad(bad)}")
     for x in report["inputs"]:
         lines.append(
             f"  {x['file']}: {x['docs_in']} in, {x['docs_out']} out"

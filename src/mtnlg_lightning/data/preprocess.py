@@ -148,7 +148,7 @@ class PreprocessSummary:
             f"{self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s, {rate:.2f} MB/s"
         )
         if sum(self.bad_records.values()):
-            text += f"; skipped {format_bad(self.bad_records)} bad records"
+            text += f"; {format_bad(self.bad_records)}"
         return text
 
 
