@@ -257,3 +257,13 @@ def test_missing_corpora_extra_is_one_line_before_any_work(layout, module, shard
         f"'{module}' package: pip install 'mtnlg-lightning[corpora]'"
     ]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eval_data_reads_every_layout(layout, shards, tmp_path):
+    from mtnlg_lightning.evaluation.data import read_documents, read_records
+
+    inputs = write_layout(layout, tmp_path, shards)
+    expected = shards[0] + shards[1] if len(inputs) == 1 else shards[0]  # a folder or glob names both files
+    assert read_documents(inputs[0]) == [r["text"] for r in expected]
+    assert read_records(inputs[0], ("text",)) == expected

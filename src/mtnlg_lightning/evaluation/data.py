@@ -1,9 +1,9 @@
-"""Task files: JSON lines checked as they are read (a malformed line is one error naming file:line)."""
+"""Task files: records in any corpus format checked as they are read (a malformed one is one error naming
+file:line)."""
 
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError
@@ -30,23 +30,31 @@ def read_tsv(path: Path, fields: tuple[str, ...]) -> list[dict]:
 
 
 def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
+    """Records of a file, folder or glob in any corpus format (JSON lines plain/gzip/zstd, JSON arrays, parquet;
+    :mod:`mtnlg_lightning.corpora`), each with non-empty string ``fields``."""
+    from mtnlg_lightning.corpora.formats import detect
+    from mtnlg_lightning.corpora.readers import iter_raw
+    from mtnlg_lightning.corpora.records import BadRecord, locate, parse_line
+    from mtnlg_lightning.corpora.sources import expand_inputs
+
+    if not Path(path).exists() and not any(c in str(path) for c in "*?["):
         raise MTNLGError(f"{path} does not exist")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    for file in expand_inputs([str(path)]):
+        fmt = detect(file.path)
+        for number, item in iter_raw(file.path, fmt):
+            where = locate(file.path, fmt.kind, number)
             try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise MTNLGError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+                record = parse_line(item) if isinstance(item, bytes) else item
+            except BadRecord as exc:
+                detail = str(exc).removeprefix("invalid JSON: ")
+                wording = f"not valid JSON ({detail})" if exc.reason == "malformed_json" else detail
+                raise MTNLGError(f"{where}: {wording}") from None
             if not isinstance(record, dict):
-                raise MTNLGError(f"{path}:{number}: expected a JSON object")
+                raise MTNLGError(f"{where}: expected a JSON object")
             missing = [k for k in fields if not isinstance(record.get(k), str) or not record[k].strip()]
             if missing:
-                raise MTNLGError(f"{path}:{number}: missing or empty text field(s) {', '.join(missing)}")
+                raise MTNLGError(f"{where}: missing or empty text field(s) {', '.join(missing)}")
             records.append(record)
     if not records:
         raise MTNLGError(f"{path} holds no records")
@@ -54,12 +62,15 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
 
 
 def read_documents(path: str | Path) -> list[str]:
-    """Documents for perplexity: the `text` of each line of a .jsonl file, or a whole text file as one document."""
+    """Documents for perplexity: the `text` of every record of a corpus (file, folder or glob in any format of
+    :mod:`mtnlg_lightning.corpora`), or a whole text file (`.txt`, or any name without a data suffix) as one
+    document."""
+    from mtnlg_lightning.corpora.formats import detect
+    from mtnlg_lightning.corpora.sources import is_data_file
+
     path = Path(path)
-    if path.suffix == ".jsonl":
+    if not path.is_file() or is_data_file(path.name) or (path.stat().st_size and not detect(str(path)).plain_jsonl):
         return [r["text"] for r in read_jsonl(path, ("text",))]
-    if not path.is_file():
-        raise MTNLGError(f"{path} does not exist")
     text = path.read_text(encoding="utf-8")
     if not text.strip():
         raise MTNLGError(f"{path} is empty")
