@@ -43,8 +43,10 @@ BATCH = 256
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(tokenizer_path: str) -> None:
+def _init_worker(tokenizer_path: str, single_thread: bool = False) -> None:
     global _worker_tokenizer
+    if single_thread:  # one of several worker processes: the cores are shared out by process, not by thread
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer(tokenizer_path)
 
 
@@ -187,7 +189,7 @@ def preprocess(
             parts_dir = tempfile.mkdtemp(prefix=".preprocess-parts-", dir=out_dir)
             parts = [os.path.join(parts_dir, f"{i:06d}") for i in range(len(tasks))]
             jobs = [(t, json_key, on_bad_record, part, dtype) for t, part in zip(tasks, parts, strict=True)]
-            with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path,)) as pool:
+            with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, True)) as pool:
                 for task, part, (d, t, bad) in zip(tasks, parts, pool.imap(_encode_part, jobs), strict=True):
                     writer.append_raw(IndexedDataset(part))  # parts in task order: the same bytes as one worker
                     for suffix in (".bin", ".idx"):

@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Reader-layer benchmark: dedup and preprocessing throughput on .jsonl.zst and parquet vs plain .jsonl, the
+tokenizing tool vs the tokenizers library's own batch encoding, and peak memory on a corpus of gigabytes.
+
+    python benchmarks/bench_readers.py                       # 6,000 docs (~22 MB) per format, 3 rounds
+    python benchmarks/bench_readers.py --big-gb 1 --docs 0   # only the large-corpus memory runs
+
+Prints, all measured in this run on the same records (~3.6 KB English-like documents, 30% near duplicates):
+  1. mtnlg-dedup (1 worker) on plain .jsonl, .jsonl.zst and parquet (row groups of 1,000): docs per CPU-second
+     (this process and its children: a shared machine's other load does not count), medians of the rounds, and
+     the ratios zst/plain and parquet/plain (target >= 0.9); outputs checked to hold the same records.
+  2. tools/preprocess_data.py's work (preprocess(), 1 worker) on the three formats: tokens per CPU-second, same
+     ratios; and against the ceiling: the tokenizers library's encode_batch on the same texts already in memory
+     (tokens per CPU-second of the encode alone; the ratio is the share of the ceiling the whole tool reaches).
+  3. --big-gb N: a corpus of N GB (.jsonl.zst, written in a stream, never held in memory) through tools/dedup.py
+     and tools/preprocess_data.py as subprocesses; peak RSS of each (ru_maxrss of the child), beside the peak RSS
+     of the same runs on a corpus a quarter the size: bounded memory means the two are about equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+# one thread per tokenizer: figures per core, the tool and the library's encode_batch alike (rayon's idle threads
+# spin, and their CPU time would be counted against whichever side calls with smaller batches)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    import mtnlg_lightning.corpora  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import zstandard  # noqa: E402
+
+from mtnlg_lightning.corpora.formats import detect  # noqa: E402
+from mtnlg_lightning.corpora.readers import iter_raw  # noqa: E402
+from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
+from mtnlg_lightning.curation.synthetic import make_near_dup_corpus  # noqa: E402
+from mtnlg_lightning.data.preprocess import preprocess  # noqa: E402
+from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
+
+FORMATS = ("jsonl", "jsonl.zst", "parquet")
+
+
+def cpu_seconds() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def write_formats(records: list[dict], base: str) -> dict[str, str]:
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    paths = {f: f"{base}.{f}" for f in FORMATS}
+    with open(paths["jsonl"], "wb") as f:
+        f.write(data)
+    with open(paths["jsonl.zst"], "wb") as f:
+        f.write(zstandard.ZstdCompressor(level=3).compress(data))
+    pq.write_table(pa.Table.from_pylist(records), paths["parquet"], row_group_size=1000)
+    return paths
+
+
+def records_of(path: str) -> list:
+    return [json.loads(x) if isinstance(x, bytes) else x for _, x in iter_raw(path, detect(path))]
+
+
+def median(xs: list[float]) -> float:
+    return float(np.median(xs))
+
+
+def bench_dedup(paths: dict[str, str], n: int, tmp: str, rounds: int) -> dict:
+    rates: dict[str, list[float]] = {f: [] for f in FORMATS}
+    outs = {}
+    for r in range(rounds):
+        for f, path in paths.items():  # interleaved rounds: load changes on a shared machine hit every format
+            out = os.path.join(tmp, f"dedup-{f}")
+            c0 = cpu_seconds()
+            rep = run_dedup(DedupConfig([path], out, workers=1, progress=False, force=True))
+            rates[f].append(n / (cpu_seconds() - c0))
+            outs[f] = os.path.join(out, rep["inputs"][0]["output"])
+            print(f"  round {r + 1} dedup {f:10}: {rates[f][-1]:8.0f} docs/CPU-s  stages {rep['timings_s']}")
+    same = all(records_of(outs[f]) == records_of(outs["jsonl"]) for f in FORMATS)
+    med = {f: median(v) for f, v in rates.items()}
+    return {
+        "docs_per_cpu_s": med,
+        "zst_vs_plain": med["jsonl.zst"] / med["jsonl"],
+        "parquet_vs_plain": med["parquet"] / med["jsonl"],
+        "outputs_same_records": same,
+    }
+
+
+def bench_preprocess(paths: dict[str, str], tok_dir: str, tmp: str, rounds: int) -> dict:
+    rates: dict[str, list[float]] = {f: [] for f in FORMATS}
+    ceiling: list[float] = []
+    texts = [r["text"] for r in records_of(paths["jsonl"])]
+    tok = Tokenizer(tok_dir)
+    outputs = {}
+    for r in range(rounds):
+        for f, path in paths.items():
+            prefix = os.path.join(tmp, f"pre-{f}")
+            c0 = cpu_seconds()
+            s = preprocess([path], tok_dir, prefix, progress=False)
+            rates[f].append(s.tokens / (cpu_seconds() - c0))
+            outputs[f] = open(prefix + ".bin", "rb").read()
+            print(f"  round {r + 1} preprocess {f:10}: {rates[f][-1]:10.0f} tokens/CPU-s")
+        c0 = cpu_seconds()
+        encoded = tok._tok.encode_batch(texts, add_special_tokens=False)
+        tokens = sum(len(e.ids) for e in encoded) + len(texts)  # + EOD, as the tool counts them
+        ceiling.append(tokens / (cpu_seconds() - c0))
+        print(f"  round {r + 1} tokenizers encode_batch (in memory): {ceiling[-1]:10.0f} tokens/CPU-s")
+    med = {f: median(v) for f, v in rates.items()}
+    return {
+        "tokens_per_cpu_s": med,
+        "zst_vs_plain": med["jsonl.zst"] / med["jsonl"],
+        "parquet_vs_plain": med["parquet"] / med["jsonl"],
+        "ceiling_tokens_per_cpu_s": median(ceiling),
+        "plain_vs_ceiling": med["jsonl"] / median(ceiling),
+        "outputs_identical": all(outputs[f] == outputs["jsonl"] for f in FORMATS),
+    }
+
+
+def write_big(path: str, gigabytes: float, seed: int) -> tuple[int, int]:
+    """A .jsonl.zst of about ``gigabytes`` GB of JSON lines, made of blocks of 2,000 generated documents with
+    fresh ids (duplicates across blocks are real exact duplicates: dedup has work to do), streamed to disk."""
+    target = int(gigabytes * 1e9)
+    block = make_near_dup_corpus(2000, seed=seed, doc_chars=3600)
+    written = docs = 0
+    with open(path, "wb") as raw, zstandard.ZstdCompressor(level=3).stream_writer(raw) as out:
+        rep = 0
+        while written < target:
+            rng = np.random.default_rng(rep)
+            for r in block:
+                # a word swapped per copy: most copies are near, not exact, duplicates of the block's documents
+                words = r["text"].split(" ")
+                i = int(rng.integers(len(words)))
+                words[i] = f"w{rep}"
+                line = (json.dumps({"id": f"{rep}-{r['id']}", "text": " ".join(words)}) + "\n").encode()
+                out.write(line)
+                written += len(line)
+                docs += 1
+            rep += 1
+    return written, docs
+
+
+def child_run(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak RSS (MB) of a tool run as a subprocess."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, rusage = os.wait4(p.pid, 0)[1:]
+    out, err = p.communicate()
+    wall = time.perf_counter() - t0
+    if p.returncode not in (0, None):
+        print(err)
+        raise SystemExit(1)
+    return wall, rusage.ru_utime + rusage.ru_stime, rusage.ru_maxrss / 1024
+
+
+def bench_big(gigabytes: float, tok_dir: str, tmp: str) -> dict:
+    result = {}
+    for label, gb in (("quarter", gigabytes / 4), ("full", gigabytes)):
+        path = os.path.join(tmp, f"big-{label}.jsonl.zst")
+        t0 = time.perf_counter()
+        nbytes, docs = write_big(path, gb, seed=7)
+        print(
+            f"  {label}: {nbytes / 1e9:.2f} GB of JSON lines, {docs} docs ({os.path.getsize(path) / 1e9:.2f} GB"
+            f" zstd), generated in {time.perf_counter() - t0:.0f} s"
+        )
+        dedup = [sys.executable, os.path.join(ROOT, "tools", "dedup.py"), path, "-o", os.path.join(tmp, f"bo-{label}")]
+        wall, cpu, rss = child_run([*dedup, "-q", "--workers", "1", "--force"])
+        print(
+            f"  {label} dedup     : {wall:7.0f} s wall, {cpu:7.0f} CPU-s, {docs / cpu:6.0f} docs/CPU-s, peak RSS"
+            f" {rss:6.0f} MB"
+        )
+        pre = [
+            sys.executable,
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            path,
+            "--tokenizer",
+            tok_dir,
+            "--output-prefix",
+            os.path.join(tmp, f"bp-{label}"),
+            "--no-progress",
+        ]
+        pwall, pcpu, prss = child_run(pre)
+        print(
+            f"  {label} preprocess: {pwall:7.0f} s wall, {pcpu:7.0f} CPU-s, {nbytes / 1e6 / pcpu:6.2f} MB/CPU-s,"
+            f" peak RSS {prss:6.0f} MB"
+        )
+        result[label] = {
+            "json_bytes": nbytes,
+            "docs": docs,
+            "dedup_peak_rss_mb": rss,
+            "dedup_cpu_s": cpu,
+            "preprocess_peak_rss_mb": prss,
+            "preprocess_cpu_s": pcpu,
+        }
+        for p in (path,):
+            os.unlink(p)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=6000, help="documents of the format comparison (0: skip it)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are compared")
+    ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained for the preprocessing runs")
+    ap.add_argument("--big-gb", type=float, default=0.0, help="size of the large-corpus memory runs (0: skip)")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench_readers_")
+    print(f"# bench_readers (cpu cores visible: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, work {tmp})")
+    sample = make_near_dup_corpus(2000, seed=11, doc_chars=3600)
+    tok_dir = os.path.join(tmp, "tok")
+    train_bpe([r["text"] for r in sample], args.vocab, tok_dir)
+    figures: dict = {"vocab": args.vocab}
+    if args.docs:
+        records = [{"id": r["id"], "text": r["text"]} for r in make_near_dup_corpus(args.docs, seed=1, doc_chars=3600)]
+        paths = write_formats(records, os.path.join(tmp, "corpus"))
+        sizes = {f: os.path.getsize(p) / 1e6 for f, p in paths.items()}
+        print(f"\n## corpus: {args.docs} docs; " + ", ".join(f"{f} {mb:.1f} MB" for f, mb in sizes.items()))
+        print("\n## 1. dedup, 1 worker")
+        d = bench_dedup(paths, args.docs, tmp, args.rounds)
+        print("dedup docs/CPU-s (medians): " + ", ".join(f"{f} {v:.0f}" for f, v in d["docs_per_cpu_s"].items()))
+        print(
+            f"dedup zst/plain {d['zst_vs_plain']:.3f}, parquet/plain {d['parquet_vs_plain']:.3f} (target >= 0.9);"
+            f" same records out: {d['outputs_same_records']}"
+        )
+        print("\n## 2. preprocessing, 1 worker")
+        p = bench_preprocess(paths, tok_dir, tmp, args.rounds)
+        print(
+            "preprocess tokens/CPU-s (medians): " + ", ".join(f"{f} {v:.0f}" for f, v in p["tokens_per_cpu_s"].items())
+        )
+        print(
+            f"preprocess zst/plain {p['zst_vs_plain']:.3f}, parquet/plain {p['parquet_vs_plain']:.3f} (target >= 0.9);"
+            f" identical .bin: {p['outputs_identical']}"
+        )
+        print(
+            f"preprocess plain vs tokenizers encode_batch in memory ({p['ceiling_tokens_per_cpu_s']:.0f} tokens/CPU-s):"
+            f" {p['plain_vs_ceiling']:.3f}"
+        )
+        figures.update(docs=args.docs, sizes_mb=sizes, dedup=d, preprocess=p)
+    if args.big_gb:
+        print(f"\n## 3. large corpus, {args.big_gb} GB of JSON lines as .jsonl.zst, and a quarter of it")
+        figures["big"] = bench_big(args.big_gb, tok_dir, tmp)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
