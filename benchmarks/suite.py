@@ -301,6 +301,34 @@ def eval_rows(d):
     ]
 
 
+def readers_rows(d):
+    rows = []
+    names = {"zst": ("jsonl.zst", ".jsonl.zst"), "parquet": ("parquet", "parquet")}
+    for tool, unit, key in (("dedup", "docs", "docs_per_cpu_s"), ("preprocess", "tokens", "tokens_per_cpu_s")):
+        r = d[tool]
+        for short, (fmt, label) in names.items():
+            rows.append(
+                (
+                    f"readers: {tool} {unit}/CPU-s, {label} vs plain .jsonl",
+                    r[key][fmt],
+                    r[key]["jsonl"],
+                    r[f"{short}_vs_plain"],
+                    ">= 0.9",
+                )
+            )
+    p = d["preprocess"]
+    rows.append(
+        (
+            "readers: preprocess_data tokens/CPU-s vs tokenizers encode_batch of the texts in memory",
+            p["tokens_per_cpu_s"]["jsonl"],
+            p["ceiling_tokens_per_cpu_s"],
+            p["plain_vs_ceiling"],
+            "1.0 = the ceiling",
+        )
+    )
+    return rows
+
+
 SUITE = [
     Benchmark(
         "overhead",
@@ -347,6 +375,7 @@ SUITE = [
     Benchmark(
         "dedup", "bench_dedup.py", ["--docs", "1500", "--scale-docs", "0", "--accuracy-docs", "1000"], dedup_rows
     ),
+    Benchmark("readers", "bench_readers.py", ["--docs", "2000", "--rounds", "3", "--vocab", "4096"], readers_rows),
     Benchmark("decontaminate", "bench_decontaminate.py", ["--ngrams", "20000", "--docs", "2000"], decontaminate_rows),
     Benchmark("checkpoint", "bench_checkpoint.py", ["--ranks", "1", "2", "4"], checkpoint_rows),
     # one thread: on the shared 2-core machine two threads per op stall whenever another process runs
