@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,8 +129,9 @@ def bench_preprocess(paths: dict[str, str], tok_dir: str, tmp: str, rounds: int)
 
 
 def write_big(path: str, gigabytes: float, seed: int) -> tuple[int, int]:
-    """A .jsonl.zst of about ``gigabytes`` GB of JSON lines, made of blocks of 2,000 generated documents with
-    fresh ids (duplicates across blocks are real exact duplicates: dedup has work to do), streamed to disk."""
+    """A .jsonl.zst of about ``gigabytes`` GB of JSON lines, streamed to disk (never held in memory): a block of
+    2,000 generated documents (30% near duplicates), then copies of it with every document's words shuffled (new
+    shingles: unique documents with the same word statistics) and fresh ids."""
     target = int(gigabytes * 1e9)
     block = make_near_dup_corpus(2000, seed=seed, doc_chars=3600)
     written = docs = 0
@@ -138,11 +140,11 @@ def write_big(path: str, gigabytes: float, seed: int) -> tuple[int, int]:
         while written < target:
             rng = np.random.default_rng(rep)
             for r in block:
-                # a word swapped per copy: most copies are near, not exact, duplicates of the block's documents
-                words = r["text"].split(" ")
-                i = int(rng.integers(len(words)))
-                words[i] = f"w{rep}"
-                line = (json.dumps({"id": f"{rep}-{r['id']}", "text": " ".join(words)}) + "\n").encode()
+                text = r["text"]
+                if rep:
+                    words = text.split(" ")
+                    text = " ".join([words[i] for i in rng.permutation(len(words))])
+                line = (json.dumps({"id": f"{rep}-{r['id']}", "text": text}) + "\n").encode()
                 out.write(line)
                 written += len(line)
                 docs += 1
@@ -150,15 +152,16 @@ def write_big(path: str, gigabytes: float, seed: int) -> tuple[int, int]:
     return written, docs
 
 
-def child_run(cmd: list[str]) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds and peak RSS (MB) of a tool run as a subprocess."""
+def child_run(cmd: list[str], log: str) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak RSS (MB) of a tool run as a subprocess (output to ``log``)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, rusage = os.wait4(p.pid, 0)[1:]
-    out, err = p.communicate()
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        _, status, rusage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
-    if p.returncode not in (0, None):
-        print(err)
+    if p.returncode != 0:
+        print(open(log).read())
         raise SystemExit(1)
     return wall, rusage.ru_utime + rusage.ru_stime, rusage.ru_maxrss / 1024
 
@@ -174,7 +177,7 @@ def bench_big(gigabytes: float, tok_dir: str, tmp: str) -> dict:
             f" zstd), generated in {time.perf_counter() - t0:.0f} s"
         )
         dedup = [sys.executable, os.path.join(ROOT, "tools", "dedup.py"), path, "-o", os.path.join(tmp, f"bo-{label}")]
-        wall, cpu, rss = child_run([*dedup, "-q", "--workers", "1", "--force"])
+        wall, cpu, rss = child_run([*dedup, "-q", "--workers", "1", "--force"], os.path.join(tmp, f"dedup-{label}.log"))
         print(
             f"  {label} dedup     : {wall:7.0f} s wall, {cpu:7.0f} CPU-s, {docs / cpu:6.0f} docs/CPU-s, peak RSS"
             f" {rss:6.0f} MB"
@@ -190,7 +193,7 @@ def bench_big(gigabytes: float, tok_dir: str, tmp: str) -> dict:
             os.path.join(tmp, f"bp-{label}"),
             "--no-progress",
         ]
-        pwall, pcpu, prss = child_run(pre)
+        pwall, pcpu, prss = child_run(pre, os.path.join(tmp, f"preprocess-{label}.log"))
         print(
             f"  {label} preprocess: {pwall:7.0f} s wall, {pcpu:7.0f} CPU-s, {nbytes / 1e6 / pcpu:6.2f} MB/CPU-s,"
             f" peak RSS {prss:6.0f} MB"
@@ -203,8 +206,10 @@ def bench_big(gigabytes: float, tok_dir: str, tmp: str) -> dict:
             "preprocess_peak_rss_mb": prss,
             "preprocess_cpu_s": pcpu,
         }
-        for p in (path,):
-            os.unlink(p)
+        os.unlink(path)  # disk: the next run's corpus is 4x the size
+        shutil.rmtree(os.path.join(tmp, f"bo-{label}"), ignore_errors=True)
+        for suffix in (".bin", ".idx"):
+            os.unlink(os.path.join(tmp, f"bp-{label}{suffix}"))
     return result
 
 
