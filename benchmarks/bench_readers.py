@@ -12,9 +12,10 @@ Prints, all measured in this run on the same records (~3.6 KB English-like docum
   2. tools/preprocess_data.py's work (preprocess(), 1 worker) on the three formats: tokens per CPU-second, same
      ratios; and against the ceiling: the tokenizers library's encode_batch on the same texts already in memory
      (tokens per CPU-second of the encode alone; the ratio is the share of the ceiling the whole tool reaches).
-  3. --big-gb N: a corpus of N GB (.jsonl.zst, written in a stream, never held in memory) through tools/dedup.py
-     and tools/preprocess_data.py as subprocesses; peak RSS of each (ru_maxrss of the child), beside the peak RSS
-     of the same runs on a corpus a quarter the size: bounded memory means the two are about equal.
+  3. --big-gb N [--big-preprocess-gb M]: a corpus of N GB of JSON lines (.jsonl.zst, written in a stream, never
+     held in memory) through tools/dedup.py (1 worker), one of M GB through tools/preprocess_data.py (2 workers),
+     as subprocesses; peak RSS of each (ru_maxrss of the child and its workers), beside the same runs on a quarter
+     of the size: bounded memory means the two are about equal.
 """
 
 from __future__ import annotations
@@ -128,88 +129,111 @@ def bench_preprocess(paths: dict[str, str], tok_dir: str, tmp: str, rounds: int)
     }
 
 
-def write_big(path: str, gigabytes: float, seed: int) -> tuple[int, int]:
-    """A .jsonl.zst of about ``gigabytes`` GB of JSON lines, streamed to disk (never held in memory): a block of
-    2,000 generated documents (30% near duplicates), then copies of it with every document's words shuffled (new
-    shingles: unique documents with the same word statistics) and fresh ids."""
-    target = int(gigabytes * 1e9)
+def write_big(targets: dict[str, float], seed: int) -> dict[str, tuple[int, int]]:
+    """Corpora of ``targets[path]`` GB of JSON lines as .jsonl.zst, each a prefix of one stream written once (never
+    held in memory): a block of 2,000 generated documents (30% near duplicates), then copies of it with every
+    document's words shuffled (new shingles: unique documents with the same word statistics) and fresh ids.
+    Returns (JSON bytes, documents) of each."""
     block = make_near_dup_corpus(2000, seed=seed, doc_chars=3600)
-    written = docs = 0
-    with open(path, "wb") as raw, zstandard.ZstdCompressor(level=3).stream_writer(raw) as out:
-        rep = 0
-        while written < target:
-            rng = np.random.default_rng(rep)
-            for r in block:
-                text = r["text"]
-                if rep:
-                    words = text.split(" ")
-                    text = " ".join([words[i] for i in rng.permutation(len(words))])
-                line = (json.dumps({"id": f"{rep}-{r['id']}", "text": text}) + "\n").encode()
-                out.write(line)
-                written += len(line)
-                docs += 1
-            rep += 1
-    return written, docs
+    sizes = {p: [int(gb * 1e9), 0, 0] for p, gb in targets.items()}  # target, bytes, docs
+    raws = {p: open(p, "wb") for p in targets}
+    outs = {p: zstandard.ZstdCompressor(level=3).stream_writer(raws[p]) for p in targets}
+    rep = 0
+    while any(b < t for t, b, _ in sizes.values()):
+        rng = np.random.default_rng(rep)
+        for r in block:
+            text = r["text"]
+            if rep:
+                words = text.split(" ")
+                text = " ".join([words[i] for i in rng.permutation(len(words))])
+            line = (json.dumps({"id": f"{rep}-{r['id']}", "text": text}) + "\n").encode()
+            for p, size in sizes.items():
+                if size[1] < size[0]:
+                    outs[p].write(line)
+                    size[1] += len(line)
+                    size[2] += 1
+        rep += 1
+    for p in targets:
+        outs[p].close()  # closes the file too
+    return {p: (b, d) for p, (_, b, d) in sizes.items()}
 
 
 def child_run(cmd: list[str], log: str) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds and peak RSS (MB) of a tool run as a subprocess (output to ``log``)."""
+    """Wall seconds, CPU seconds and peak RSS (MB) of a tool run as a subprocess (output to ``log``). The peak is
+    the largest sum of the RSS of the tool and its worker processes, sampled every 50 ms: ``ru_maxrss`` of a
+    child would start at this (larger) process's RSS, which Linux carries over fork and exec."""
+    import psutil
+
     t0 = time.perf_counter()
+    peak = 0
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        _, status, rusage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
+        proc = psutil.Process(p.pid)
+        while p.poll() is None:
+            try:
+                tree = [proc, *proc.children(recursive=True)]
+                peak = max(peak, sum(x.memory_info().rss for x in tree))
+            except psutil.Error:  # a process of the tree ended between listing and reading it
+                pass
+            time.sleep(0.05)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         print(open(log).read())
         raise SystemExit(1)
-    return wall, rusage.ru_utime + rusage.ru_stime, rusage.ru_maxrss / 1024
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = ru.ru_utime + ru.ru_stime - child_run.cpu_so_far
+    child_run.cpu_so_far += cpu
+    return wall, cpu, peak / 2**20
 
 
-def bench_big(gigabytes: float, tok_dir: str, tmp: str) -> dict:
+child_run.cpu_so_far = 0.0
+
+
+def bench_big(dedup_gb: float, preprocess_gb: float, tok_dir: str, tmp: str) -> dict:
+    """Peak RSS of dedup on ``dedup_gb`` and a quarter of it, and of preprocessing (2 workers) on
+    ``preprocess_gb`` and a quarter of it (all prefixes of one generated stream)."""
+    gb = {
+        "dedup-quarter": dedup_gb / 4,
+        "dedup-full": dedup_gb,
+        "pre-quarter": preprocess_gb / 4,
+        "pre-full": preprocess_gb,
+    }
+    paths = {k: os.path.join(tmp, f"{k}.jsonl.zst") for k in gb}
+    t0 = time.perf_counter()
+    made = write_big({paths[k]: v for k, v in gb.items()}, seed=7)
+    print(f"  generated in {time.perf_counter() - t0:.0f} s")
     result = {}
-    for label, gb in (("quarter", gigabytes / 4), ("full", gigabytes)):
-        path = os.path.join(tmp, f"big-{label}.jsonl.zst")
-        t0 = time.perf_counter()
-        nbytes, docs = write_big(path, gb, seed=7)
+    for k, path in paths.items():
+        nbytes, docs = made[path]
+        out = os.path.join(tmp, f"out-{k}")
+        if k.startswith("dedup"):
+            cmd = [sys.executable, os.path.join(ROOT, "tools", "dedup.py"), path, "-o", out, "-q", "--workers", "1"]
+        else:
+            cmd = [
+                sys.executable,
+                os.path.join(ROOT, "tools", "preprocess_data.py"),
+                "--input",
+                path,
+                "--tokenizer",
+                tok_dir,
+                "--output-prefix",
+                out,
+                "--no-progress",
+                "--workers",
+                "2",
+            ]
+        wall, cpu, rss = child_run(cmd, os.path.join(tmp, f"{k}.log"))
+        rate = f"{docs / cpu:6.0f} docs/CPU-s" if k.startswith("dedup") else f"{nbytes / 1e6 / cpu:6.2f} MB/CPU-s"
         print(
-            f"  {label}: {nbytes / 1e9:.2f} GB of JSON lines, {docs} docs ({os.path.getsize(path) / 1e9:.2f} GB"
-            f" zstd), generated in {time.perf_counter() - t0:.0f} s"
+            f"  {k:13}: {nbytes / 1e9:5.2f} GB JSON ({os.path.getsize(path) / 1e9:.2f} GB zstd), {docs} docs:"
+            f" {wall:6.0f} s wall, {cpu:6.0f} CPU-s, {rate}, peak RSS {rss:5.0f} MB"
         )
-        dedup = [sys.executable, os.path.join(ROOT, "tools", "dedup.py"), path, "-o", os.path.join(tmp, f"bo-{label}")]
-        wall, cpu, rss = child_run([*dedup, "-q", "--workers", "1", "--force"], os.path.join(tmp, f"dedup-{label}.log"))
-        print(
-            f"  {label} dedup     : {wall:7.0f} s wall, {cpu:7.0f} CPU-s, {docs / cpu:6.0f} docs/CPU-s, peak RSS"
-            f" {rss:6.0f} MB"
-        )
-        pre = [
-            sys.executable,
-            os.path.join(ROOT, "tools", "preprocess_data.py"),
-            "--input",
-            path,
-            "--tokenizer",
-            tok_dir,
-            "--output-prefix",
-            os.path.join(tmp, f"bp-{label}"),
-            "--no-progress",
-        ]
-        pwall, pcpu, prss = child_run(pre, os.path.join(tmp, f"preprocess-{label}.log"))
-        print(
-            f"  {label} preprocess: {pwall:7.0f} s wall, {pcpu:7.0f} CPU-s, {nbytes / 1e6 / pcpu:6.2f} MB/CPU-s,"
-            f" peak RSS {prss:6.0f} MB"
-        )
-        result[label] = {
-            "json_bytes": nbytes,
-            "docs": docs,
-            "dedup_peak_rss_mb": rss,
-            "dedup_cpu_s": cpu,
-            "preprocess_peak_rss_mb": prss,
-            "preprocess_cpu_s": pcpu,
-        }
-        os.unlink(path)  # disk: the next run's corpus is 4x the size
-        shutil.rmtree(os.path.join(tmp, f"bo-{label}"), ignore_errors=True)
+        result[k] = {"json_bytes": nbytes, "docs": docs, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss}
+        os.unlink(path)
+        shutil.rmtree(out, ignore_errors=True)
         for suffix in (".bin", ".idx"):
-            os.unlink(os.path.join(tmp, f"bp-{label}{suffix}"))
+            if os.path.exists(out + suffix):
+                os.unlink(out + suffix)
     return result
 
 
@@ -218,7 +242,10 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=6000, help="documents of the format comparison (0: skip it)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are compared")
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained for the preprocessing runs")
-    ap.add_argument("--big-gb", type=float, default=0.0, help="size of the large-corpus memory runs (0: skip)")
+    ap.add_argument("--big-gb", type=float, default=0.0, help="size of the large-corpus dedup run (0: skip)")
+    ap.add_argument(
+        "--big-preprocess-gb", type=float, default=None, help="size of the preprocessing run (default: --big-gb)"
+    )
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_readers_")
@@ -254,8 +281,9 @@ def main() -> None:
         )
         figures.update(docs=args.docs, sizes_mb=sizes, dedup=d, preprocess=p)
     if args.big_gb:
-        print(f"\n## 3. large corpus, {args.big_gb} GB of JSON lines as .jsonl.zst, and a quarter of it")
-        figures["big"] = bench_big(args.big_gb, tok_dir, tmp)
+        pre_gb = args.big_preprocess_gb or args.big_gb
+        print(f"\n## 3. large corpora as .jsonl.zst: dedup {args.big_gb} GB, preprocessing {pre_gb} GB, and quarters")
+        figures["big"] = bench_big(args.big_gb, pre_gb, tok_dir, tmp)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
