@@ -125,17 +125,3 @@ def iter_records(
                 continue
             rid = rec.get(id_key) if id_key else None
             yield Record(text, rid if rid is not None else f"{file.name}:{n}", file.name, n, rec)
-
-
-def iter_texts(
-    files: Iterable[InputFile], text_key: str, policy: BadRecordPolicy, batch: int = 256
-) -> Iterator[tuple[list[str], int]]:
-    """Texts in batches of ``batch`` with the number of records read for them (bad ones included)."""
-    texts: list[str] = []
-    for rec in iter_records(files, text_key, None, policy):
-        texts.append(rec.text)
-        if len(texts) == batch:
-            yield texts, len(texts)
-            texts = []
-    if texts:
-        yield texts, len(texts)
