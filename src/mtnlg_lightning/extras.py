@@ -21,6 +21,8 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "eval": ("lm_eval", "transformers"),
     "ray": ("ray",),
     "plot": ("matplotlib",),
+    "crawl": ("warcio", "justext", "pycld2", "lxml_html_clean", "sklearn"),
+    "trafilatura": ("trafilatura",),
 }
 
 
