@@ -208,7 +208,7 @@ def extract_part(settings: ExtractSettings, item: Part) -> dict:
 
 # --- a run -------------------------------------------------------------------------------------------------------
 
-WARC_SUFFIXES = (".warc.wet.gz", ".warc.gz", ".wet.gz", ".arc.gz", ".warc", ".wet", ".gz")
+WARC_SUFFIXES = (".warc.wet.gz", ".warc.wet", ".warc.gz", ".wet.gz", ".arc.gz", ".warc", ".wet", ".gz")
 
 
 def shard_name(path: str) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 _DOCSTRING = re.compile(r'^[ \t]*[rRuU]?"""(.*?)"""', re.DOTALL | re.MULTILINE)
 
 
-def _prose_paragraphs(docstring: str, min_words: int) -> list[str]:
+def _prose_paragraphs(docstring: str, min_words: int, min_chars: int) -> list[str]:
     out = []
     for para in re.split(r"\n\s*\n", docstring):
         lines = [line.strip() for line in para.strip().splitlines()]
@@ -37,15 +37,20 @@ def _prose_paragraphs(docstring: str, min_words: int) -> list[str]:
         if any(line.endswith("::") for line in lines):  # the paragraph introduces a code block
             continue
         words = " ".join(lines).split()
-        if len(words) < min_words or sum(w.strip(".,;:()'\"`").isalpha() for w in words) < 0.8 * len(words):
+        if (
+            len(words) < min_words
+            or len(" ".join(words)) < min_chars
+            or sum(w.strip(".,;:()'\"`").isalpha() for w in words) < 0.8 * len(words)
+        ):
             continue
         out.append(" ".join(words))
     return out
 
 
-def english_paragraphs(count: int, min_words: int = 35) -> list[tuple[str, str]]:
+def english_paragraphs(count: int, min_words: int = 35, min_chars: int = 200) -> list[tuple[str, str]]:
     """The first ``count`` prose paragraphs (module name, paragraph) of the standard library's docstrings, in
-    file order; paragraphs repeated across modules are taken once."""
+    file order; paragraphs repeated across modules are taken once. Article-length paragraphs by default: jusText
+    keeps a page only when one of its paragraphs reaches 200 characters (its length_high)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     seen: set[str] = set()
     out: list[tuple[str, str]] = []
@@ -55,7 +60,7 @@ def english_paragraphs(count: int, min_words: int = 35) -> list[tuple[str, str]]
         except (UnicodeDecodeError, OSError):
             continue
         for m in _DOCSTRING.finditer(source):
-            for para in _prose_paragraphs(m.group(1), min_words):
+            for para in _prose_paragraphs(m.group(1), min_words, min_chars):
                 if para not in seen:
                     seen.add(para)
                     out.append((path.stem, para))
@@ -330,7 +335,7 @@ def junk_text(kind: str, rng: np.random.Generator) -> str:
         line = f"Click here to {rng.choice(['win', 'claim', 'get'])} your free {rng.choice(_PRODUCTS)} now!!!"
         return "\n".join([line] * int(rng.integers(15, 40)))
     if kind == "lorem_ipsum":
-        return " ".join(rng.choice(_LOREM, size=int(rng.integers(80, 200)))).capitalize() + "."
+        return "Lorem ipsum dolor sit amet, " + " ".join(rng.choice(_LOREM, size=int(rng.integers(80, 200)))) + "."
     if kind == "price_list":
         return "\n".join(
             f"{rng.choice(_PRODUCTS)} {rng.choice(_PRODUCTS)} #{rng.integers(1000, 9999)} ... ${rng.integers(1, 99)}.99"

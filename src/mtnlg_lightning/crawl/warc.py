@@ -83,13 +83,18 @@ def iter_records(path: str) -> Iterator[tuple[int, object]]:
                 except StopIteration:
                     return
                 except Exception as err:  # warcio raises several types for a corrupt member or header
-                    failed_at = base + archive.offset  # where the failing record starts
-                    yield number, BrokenRecord(failed_at, "unreadable_record", type(err).__name__)
-                    number += 1
-                    resume = next_record_start(f, failed_at + 1, gzipped)
-                    if resume is None:
-                        return
-                    base = resume
+                    broken = BrokenRecord(base + archive.offset, "unreadable_record", type(err).__name__)
+                    break
+                if record.rec_type is None or record.rec_headers.get_header("Content-Length") is None:
+                    # a header warcio half-parsed: its length is unknown, so whatever follows is suspect
+                    offset = base + archive.get_record_offset()
+                    broken = BrokenRecord(offset, "unreadable_record", "no WARC-Type or Content-Length")
                     break
                 yield number, record
                 number += 1
+            yield number, broken
+            number += 1
+            resume = next_record_start(f, broken.offset + 1, gzipped)
+            if resume is None:
+                return
+            base = resume
