@@ -370,6 +370,7 @@ class CrawlSpec:
     paragraphs_per_page: tuple[int, int] = (3, 6)  # English pages: uniform in [lo, hi]
     junk_pages: int = 12
     seed: int = 0
+    broken_records: bool = True  # False: a clean file (for readers that stop at the first corrupt record)
 
 
 def _http_response(writer, url: str, body: bytes, headers: list[tuple[str, str]], status: str = "200 OK"):
@@ -422,15 +423,16 @@ def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> lis
     events += [("junk", JUNK_KINDS[i % len(JUNK_KINDS)]) for i in range(spec.junk_pages)]
     events += [("not_html", kind) for kind in ("image/jpeg", "application/pdf", "application/json", "text/css")]
     events += [("not_2xx", status) for status in ("301 Moved Permanently", "404 Not Found")]
-    events += [
-        ("broken", reason)
-        for reason in ("bad_http_headers", "content_decoding", "undecodable", "empty_payload", "unreadable_record")
-    ]
+    if spec.broken_records:
+        events += [
+            ("broken", reason)
+            for reason in ("bad_http_headers", "content_decoding", "undecodable", "empty_payload", "unreadable_record")
+        ]
     order = rng.permutation(len(events))
     writer.write_record(writer.create_warcinfo_record(Path(path).name, {"software": "mtnlg synthetic crawl"}))
     for n, i in enumerate(order):
         kind, what = events[i]
-        url = f"https://site{n % 17}.example/{kind}/{n}"
+        url = f"https://site{n % 17}.example/{spec.seed}/{kind}/{n}"
         if kind == "page":
             lang, title, body = what
             html, boilerplate = page_html(lang, title, body, rng)
