@@ -109,6 +109,16 @@ def test_output_is_the_same_bytes_for_any_worker_count_via_python_m(crawl, tmp_p
     assert report["outcomes"]["language_not_kept"] == sum(d["language"] not in ("en", "de") for d in crawl["docs"])
 
 
+@pytest.mark.distributed  # a Ray instance: GCS, raylet and worker processes (~50 s on 2 busy cores)
+@pytest.mark.slow
+def test_the_ray_engine_writes_the_same_bytes(crawl, tmp_path):
+    pytest.importorskip("ray")
+    assert extract_cli.main([str(crawl["warc"]), "-o", str(tmp_path / "ray"), "--engine", "ray", "-q"]) == 0
+    assert (tmp_path / "ray" / "crawl.jsonl").read_bytes() == (crawl["root"] / "out" / "crawl.jsonl").read_bytes()
+    report = json.loads((tmp_path / "ray" / "extract_report.json").read_text())
+    assert report["engine"] == "ray" and report["outcomes"] == crawl["report"]["outcomes"]
+
+
 def test_plain_warc_wet_records_and_a_corrupt_stretch_in_the_middle(tmp_path):
     from warcio.warcwriter import WARCWriter
 

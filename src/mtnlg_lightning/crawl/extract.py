@@ -276,7 +276,8 @@ def run_extract(
     runner = make_engine(engine, workers, ray_address)
     files: dict[str, dict] = {}
     try:
-        parts = parts_per_file(len(inputs), runner.cpus)
+        cpus = runner.cpus  # asked before close(): a Ray started for the run is gone after it
+        parts = parts_per_file(len(inputs), cpus)
         items = [Part(path, k, parts) for path in inputs for k in range(parts)]
         pending: list[dict] = []
         bar = tqdm(total=len(items), desc="extract", unit="part", disable=not progress)
@@ -323,7 +324,7 @@ def run_extract(
             "min_chars": settings.min_chars,
         },
         "engine": engine,
-        "workers": runner.cpus,
+        "workers": cpus,
         "seconds": round(time.perf_counter() - t0, 3),
         "files": files,
     }
