@@ -246,10 +246,14 @@ def check_inputs(paths: list[str]) -> None:
         seen[name] = path
 
 
+MAX_PARTS_PER_FILE = 8
+
+
 def parts_per_file(files: int, cpus: int) -> int:
-    """Split each file into enough parts for ~2 tasks per CPU (a part re-reads the file but extracts only its own
-    records; reading is a small fraction of extracting)."""
-    return max(1, -(-2 * cpus // files)) if cpus > 1 else 1
+    """Split each file into enough parts for ~2 tasks per CPU, at most MAX_PARTS_PER_FILE: a part inflates and
+    parses the whole file but extracts only its own records; reading is ~3% of extracting (benchmarks/bench_crawl.py),
+    so 8 parts cost ~25% more CPU than one. A crawl of many files runs one part per file."""
+    return min(MAX_PARTS_PER_FILE, max(1, -(-2 * cpus // files))) if cpus > 1 else 1
 
 
 def run_extract(

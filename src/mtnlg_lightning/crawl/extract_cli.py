@@ -10,6 +10,7 @@ from mtnlg_lightning.curation.cli_common import (
     HelpFormatter,
     add_engine_args,
     check_engine_args,
+    positive_int,
     run_cli,
 )
 from mtnlg_lightning.errors import MTNLGError
@@ -66,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--min-chars",
-        type=int,
+        type=positive_int,
         default=1,
         help="drop (as no_text) a page whose extracted text has fewer characters",
     )
-    add_engine_args(p, "extraction (each input is split by record number into ~2 tasks per worker)")
+    add_engine_args(p, "extraction (one input is split by record number into up to 8 tasks, ~2 per worker)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
 
