@@ -98,6 +98,9 @@ def main() -> int:
     )
     prep = [py, str(tools / "preprocess_data.py"), "--input", "corpus.jsonl", "--tokenizer", "tok"]
     run([*prep, "--output-prefix", "data/corpus", "--no-progress"], work)
+    quality = str(BIN / "mtnlg-quality")  # the heuristic rules need only the core install
+    run([quality, "annotate", "corpus.jsonl", "-o", "annotated", "-q"], work)
+    run([quality, "filter", "annotated/corpus.jsonl", "-o", "kept", "--heuristics", "-q"], work)
 
     # every entry point explains itself
     for entry in distribution("mtnlg-lightning").entry_points:
@@ -117,6 +120,9 @@ def main() -> int:
     zero1 = ["--trainer.strategy", str(ROOT / "configs/strategy/zero1.yaml")]
     check_extra_message([mtnlg, "fit", "--config", str(ROOT / "configs/tiny.yaml"), *zero1], work, "deepspeed")
     check_extra_message([py, str(tools / "pipeline.py"), "pipeline_out", "--smoke"], work, "hf")
+    check_extra_message([str(BIN / "mtnlg-extract"), "crawl.warc.gz", "-o", "crawl_out"], work, "crawl")
+    train = [quality, "train", "--positive", "corpus.jsonl", "--negative", "corpus.jsonl", "--model", "m.npz"]
+    check_extra_message(train, work, "crawl")
     print(f"core install: every core command ran and every optional command named its extra ({work})")
     return 0
 
