@@ -7,7 +7,8 @@ side on the same WARC file in one run, with extraction accuracy against the plan
 
 Stages (each in this process, CPU time by time.process_time):
   read       WARC records to decoded HTML: our reader (warcio + resync) vs datatrove's WarcReader
-  extract    HTML to text: ours with jusText (+ pyCLD2 on the HTML for the stop-word list), ours with trafilatura,
+  extract    HTML to text (+ C4's policy-line rule, as mtnlg-extract does by default): ours with jusText (+ pyCLD2
+             on the HTML for the stop-word list), ours with trafilatura,
              datatrove's Trafilatura extractor (its extract(), without the per-document sandbox process)
   language   pyCLD2 on the extracted text (datatrove's LanguageFilter needs a fastText model download: noted, not run)
   filters    our Gopher/C4 rules (one measuring pass, every rule) vs datatrove's GopherQuality, GopherRepetition and
@@ -37,6 +38,7 @@ from mtnlg_lightning.crawl.classifier import train  # noqa: E402
 from mtnlg_lightning.crawl.extract import (  # noqa: E402
     ExtractSettings,
     decode_html,
+    drop_policy_lines,
     html_to_text,
     identify_language,
     run_extract,
@@ -138,11 +140,14 @@ def main() -> None:
             out = []
             for url, html in html_pages:
                 _, _, name = identify_language(html, html=True)
-                out.append({"url": url, "text": html_to_text(html, "justext", name)})
+                out.append({"url": url, "text": drop_policy_lines(html_to_text(html, "justext", name))[0]})
             return out
 
         def trafilatura_ours():
-            return [{"url": url, "text": html_to_text(html, "trafilatura", "")} for url, html in html_pages]
+            return [
+                {"url": url, "text": drop_policy_lines(html_to_text(html, "trafilatura", ""))[0]}
+                for url, html in html_pages
+            ]
 
         def datatrove_trafilatura():
             from datatrove.pipeline.extractors import Trafilatura

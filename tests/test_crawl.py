@@ -72,6 +72,17 @@ def test_extraction_keeps_body_drops_boilerplate_and_names_the_language(crawl):
         assert len(doc["language"]) == 2 and 0.0 <= doc["language_score"] <= 1.0
 
 
+def test_c4_policy_lines_take_the_cookie_consent_jusText_keeps(crawl, tmp_path):
+    """Half the English pages carry a long consent banner that reads like prose: jusText keeps it; C4's line rule
+    (on by default) removes it, and only it."""
+    assert crawl["report"]["policy_lines_removed"] > 0
+    assert extract_cli.main([str(crawl["warc"]), "-o", str(tmp_path), "--keep-policy-lines", "-q"]) == 0
+    kept = score_extraction(crawl["truth"], read_jsonl(tmp_path / "crawl.jsonl"))
+    assert kept["boilerplate_words_left"] > 0.10 and kept["body_words_kept"] == pytest.approx(
+        score_extraction(crawl["truth"], crawl["docs"])["body_words_kept"]
+    )
+
+
 def test_every_bad_record_is_counted_by_its_reason(crawl):
     report, truth = crawl["report"], crawl["truth"]
     expected = Counter(t["reason"] for t in truth if t["kind"] not in ("page", "junk"))

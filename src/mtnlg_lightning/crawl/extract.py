@@ -33,6 +33,7 @@ class ExtractSettings:
     extractor: str = "justext"
     languages: tuple[str, ...] = ()  # keep only these ISO 639-1 codes; empty: keep every language
     min_chars: int = 1  # a page whose extracted text is shorter is dropped as no_text
+    policy_lines: bool = False  # keep lines C4 removes (cookie and privacy notices, "enable JavaScript")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,23 @@ def _stoplist(cld2_name: str) -> frozenset[str]:
 
 
 # --- HTML to text ------------------------------------------------------------------------------------------------
+
+# C4's line rule (Raffel et al. 2020; tensorflow-datasets c4_utils): lines naming a site policy or asking for
+# JavaScript are boilerplate wherever they appear. jusText keeps a long cookie-consent paragraph (it reads like
+# prose: long, full of stop words), so this runs after either extractor. English phrases only.
+POLICY_SUBSTRINGS = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+
+
+def drop_policy_lines(text: str) -> tuple[str, int]:
+    """(text without C4's policy and JavaScript lines, how many were removed)"""
+    kept, removed = [], 0
+    for line in text.split("\n"):
+        low = line.lower()
+        if "javascript" in low or any(s in low for s in POLICY_SUBSTRINGS):
+            removed += 1
+        else:
+            kept.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(kept)), removed
 
 
 def html_to_text(html: str, extractor: str, cld2_name: str) -> str:
@@ -121,57 +139,60 @@ def _mime(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, str]:
-    """(document, "ok") or (None, reason the record gave no document)."""
+def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, str, int]:
+    """(document, "ok", policy lines removed) or (None, reason the record gave no document, 0)."""
     rec_type = record.rec_type
     if rec_type in NON_PAGE_TYPES:
-        return None, f"skipped_{rec_type}"
+        return None, f"skipped_{rec_type}", 0
     headers = record.rec_headers
     is_wet = rec_type == "conversion"
     if rec_type == "response":
         http = record.http_headers
         if http is None or not str(http.protocol).upper().startswith("HTTP/"):
-            return None, "bad_http_headers"
+            return None, "bad_http_headers", 0
         status = http.get_statuscode()
         if not str(status).startswith("2"):
-            return None, "http_status_not_2xx"
+            return None, "http_status_not_2xx", 0
         content_type = http.get_header("Content-Type") or ""
     else:
         content_type = headers.get_header("Content-Type") or ""
     mime = _mime(content_type)
     if not is_wet and mime not in HTML_TYPES:
-        return None, "not_html"
+        return None, "not_html", 0
     try:
         payload = record.content_stream().read()  # undoes Content-Encoding (gzip, deflate, br)
     except Exception:  # a body that says gzip and is not: zlib, brotli or EOF errors
-        return None, "content_decoding"
+        return None, "content_decoding", 0
     if not payload.strip():
-        return None, "empty_payload"
+        return None, "empty_payload", 0
     encoding = (record.http_headers.get_header("Content-Encoding") or "") if record.http_headers else ""
     if encoding.strip().lower() in ("gzip", "x-gzip") and payload[:2] == b"\x1f\x8b":
-        return None, "content_decoding"  # warcio hands back the raw bytes when they do not decompress
+        return None, "content_decoding", 0  # warcio hands back the raw bytes when they do not decompress
 
     if is_wet:
         try:
             text = payload.decode("utf-8")
         except UnicodeDecodeError:
-            return None, "undecodable"
+            return None, "undecodable", 0
     else:
         html = decode_html(payload, content_type)
         if html is None:
-            return None, "undecodable"
+            return None, "undecodable", 0
         # the page's language first, from the HTML, to give jusText the right stop-word list
         _, _, cld2_name = identify_language(html, html=True)
         try:
             text = html_to_text(html, settings.extractor, cld2_name)
         except Exception:  # lxml ParserError and friends on markup too broken to parse
-            return None, "html_parse_error"
+            return None, "html_parse_error", 0
+    removed = 0
+    if not settings.policy_lines:
+        text, removed = drop_policy_lines(text)
     text = _BAD_CHARS.sub("", text).strip()
     if len(text) < max(1, settings.min_chars):
-        return None, "no_text"
+        return None, "no_text", 0
     language, score, _ = identify_language(text)
     if settings.languages and language not in settings.languages:
-        return None, "language_not_kept"
+        return None, "language_not_kept", 0
     doc = {
         "id": headers.get_header("WARC-Record-ID") or "",
         "url": headers.get_header("WARC-Target-URI") or "",
@@ -180,7 +201,7 @@ def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, 
         "language": language,
         "language_score": round(score, 4),
     }
-    return doc, "ok"
+    return doc, "ok", removed
 
 
 def extract_part(settings: ExtractSettings, item: Part) -> dict:
@@ -189,6 +210,7 @@ def extract_part(settings: ExtractSettings, item: Part) -> dict:
     lines: list[tuple[int, bytes]] = []
     outcomes: Counter = Counter()
     languages: Counter = Counter()
+    policy_lines = 0
     for number, record in iter_records(item.path):
         if number % item.parts != item.part:
             continue
@@ -196,14 +218,21 @@ def extract_part(settings: ExtractSettings, item: Part) -> dict:
             outcomes[record.reason] += 1
             continue
         try:
-            doc, outcome = record_to_document(record, settings)
+            doc, outcome, removed = record_to_document(record, settings)
         except Exception as err:  # never fatal: whatever a record does, the file goes on
-            doc, outcome = None, f"error:{type(err).__name__}"
+            doc, outcome, removed = None, f"error:{type(err).__name__}", 0
         outcomes[outcome] += 1
         if doc is not None:
+            policy_lines += removed
             lines.append((number, dumps_line(doc)))
             languages[doc["language"]] += 1
-    return {"path": item.path, "lines": lines, "outcomes": dict(outcomes), "languages": dict(languages)}
+    return {
+        "path": item.path,
+        "lines": lines,
+        "outcomes": dict(outcomes),
+        "languages": dict(languages),
+        "policy_lines_removed": policy_lines,
+    }
 
 
 # --- a run -------------------------------------------------------------------------------------------------------
@@ -306,6 +335,7 @@ def run_extract(
                 "documents": outcomes.get("ok", 0),
                 "outcomes": dict(sorted(outcomes.items())),
                 "languages": dict(languages.most_common()),
+                "policy_lines_removed": sum(r["policy_lines_removed"] for r in pending),
             }
             pending = []
         bar.close()
@@ -322,10 +352,12 @@ def run_extract(
         "documents": total_outcomes.get("ok", 0),
         "outcomes": dict(sorted(total_outcomes.items())),
         "languages": dict(total_languages.most_common()),
+        "policy_lines_removed": sum(f["policy_lines_removed"] for f in files.values()),
         "settings": {
             "extractor": settings.extractor,
             "languages": list(settings.languages),
             "min_chars": settings.min_chars,
+            "policy_lines": settings.policy_lines,
         },
         "engine": engine,
         "workers": cpus,
@@ -349,5 +381,6 @@ def format_summary(report: dict) -> str:
         f"  dropped    {sum(dropped.values())}"
         + (": " + ", ".join(f"{k} {v}" for k, v in dropped.items()) if dropped else ""),
         f"  languages  {langs}",
+        f"  lines      {report['policy_lines_removed']} cookie/privacy/JavaScript lines removed (C4's rule)",
     ]
     return "\n".join(lines)

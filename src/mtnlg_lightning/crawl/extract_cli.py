@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="drop (as no_text) a page whose extracted text has fewer characters",
     )
+    p.add_argument(
+        "--keep-policy-lines",
+        action="store_true",
+        help="keep the lines C4 removes after extraction (naming a cookie policy, privacy policy or terms of use, "
+        "or asking for JavaScript; English phrases); removed by default and counted in the report",
+    )
     add_engine_args(p, "extraction (one input is split by record number into up to 8 tasks, ~2 per worker)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
@@ -89,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     except MTNLGError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    settings = ExtractSettings(extractor=args.extractor, languages=args.languages, min_chars=args.min_chars)
+    settings = ExtractSettings(
+        extractor=args.extractor,
+        languages=args.languages,
+        min_chars=args.min_chars,
+        policy_lines=args.keep_policy_lines,
+    )
 
     def body() -> int:
         report = run_extract(

@@ -176,6 +176,11 @@ FOREIGN_PARAGRAPHS: dict[str, list[str]] = {
 _BOILERPLATE: dict[str, dict] = {
     "en": {
         "cookie": "We use cookies to improve your experience. Accept all | Manage preferences",
+        # the consent text most sites show: long and full of stop words, so jusText takes it for prose
+        "cookie_long": "We and our partners use cookies and similar technologies to store and access information on "
+        "your device, to measure the audience of this site and to personalise the content and the ads that you "
+        "see. You can accept all of them, reject them or choose which ones we may use at any time in the privacy "
+        "settings. Accept all | Reject all | Manage preferences",
         "nav": ["Home", "News", "Docs", "Blog", "Forum", "About us", "Contact"],
         "footer": [
             "Copyright 2024 Example Media Ltd. All rights reserved.",
@@ -275,7 +280,9 @@ def _escape(text: str) -> str:
 
 def page_html(lang: str, title: str, body: list[str], rng: np.random.Generator) -> tuple[str, str]:
     """(HTML of a page, its boilerplate as plain text): the body paragraphs inside a typical site template."""
-    b = _BOILERPLATE[lang]
+    b = dict(_BOILERPLATE[lang])
+    if "cookie_long" in b and rng.random() < 0.5:
+        b["cookie"] = b["cookie_long"]
     date = f"2024-{rng.integers(1, 13):02d}-{rng.integers(1, 29):02d}"
     nav = "".join(f'<li><a href="/{i}">{_escape(x)}</a></li>' for i, x in enumerate(b["nav"]))
     links = [b["links"][i] for i in rng.permutation(len(b["links"]))]
