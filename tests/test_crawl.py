@@ -83,6 +83,14 @@ def test_c4_policy_lines_take_the_cookie_consent_jusText_keeps(crawl, tmp_path):
     )
 
 
+def test_trafilatura_extractor_meets_the_same_targets(crawl, tmp_path):
+    pytest.importorskip("trafilatura")
+    assert extract_cli.main([str(crawl["warc"]), "-o", str(tmp_path), "--extractor", "trafilatura", "-q"]) == 0
+    score = score_extraction(crawl["truth"], read_jsonl(tmp_path / "crawl.jsonl"))
+    assert score["missing"] == [] and score["language_accuracy"] >= 0.95
+    assert score["body_words_kept"] >= 0.90 and score["boilerplate_words_left"] <= 0.10
+
+
 def test_every_bad_record_is_counted_by_its_reason(crawl):
     report, truth = crawl["report"], crawl["truth"]
     expected = Counter(t["reason"] for t in truth if t["kind"] not in ("page", "junk"))

@@ -204,9 +204,10 @@ def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, 
     return doc, "ok", removed
 
 
-def extract_part(settings: ExtractSettings, item: Part) -> dict:
+def extract_part(settings: ExtractSettings, item: Part, on_record=None) -> dict:
     """One task: the records of ``item.path`` whose number is in part ``item.part`` of ``item.parts``.
-    Returns the output lines with their record numbers and the counts by outcome."""
+    Returns the output lines with their record numbers and the counts by outcome. ``on_record()`` is called after
+    each record handled (a progress bar, when the task runs in the driver)."""
     lines: list[tuple[int, bytes]] = []
     outcomes: Counter = Counter()
     languages: Counter = Counter()
@@ -214,6 +215,8 @@ def extract_part(settings: ExtractSettings, item: Part) -> dict:
     for number, record in iter_records(item.path):
         if number % item.parts != item.part:
             continue
+        if on_record is not None:
+            on_record()
         if isinstance(record, BrokenRecord):
             outcomes[record.reason] += 1
             continue
@@ -313,9 +316,17 @@ def run_extract(
         parts = parts_per_file(len(inputs), cpus)
         items = [Part(path, k, parts) for path in inputs for k in range(parts)]
         pending: list[dict] = []
-        bar = tqdm(total=len(items), desc="extract", unit="part", disable=not progress)
-        for result in runner.map(extract_part, items, settings):
-            bar.update(1)
+        per_part = not (cpus == 1 and runner.name == "local")
+        if not per_part:
+            # one process: the parts run here, one after the other, so the bar can count records as they go
+            bar = tqdm(desc="extract", unit=" records", disable=not progress)
+            results = (extract_part(settings, item, lambda: bar.update(1)) for item in items)
+        else:
+            bar = tqdm(total=len(items), desc="extract", unit="part", disable=not progress)
+            results = runner.map(extract_part, items, settings)
+        for result in results:
+            if per_part:
+                bar.update(1)
             pending.append(result)
             if len(pending) < parts:
                 continue
