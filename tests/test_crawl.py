@@ -138,6 +138,15 @@ def test_the_ray_engine_writes_the_same_bytes(crawl, tmp_path):
     assert report["engine"] == "ray" and report["outcomes"] == crawl["report"]["outcomes"]
 
 
+def test_the_synthetic_crawl_is_the_same_bytes_for_a_seed(tmp_path):
+    spec = CrawlSpec(english_pages=5, pages_per_language=1, junk_pages=2, seed=7)
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        write_synthetic_warc(tmp_path / run / "c.warc.gz", spec)
+    for name in ("c.warc.gz", "c.warc.gz.truth.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
 def test_plain_warc_wet_records_and_a_corrupt_stretch_in_the_middle(tmp_path):
     from warcio.warcwriter import WARCWriter
 

@@ -380,11 +380,21 @@ class CrawlSpec:
     broken_records: bool = True  # False: a clean file (for readers that stop at the first corrupt record)
 
 
+CRAWL_DATE = "2024-05-01T00:00:00Z"  # every record's WARC-Date: the same bytes on every run for a seed
+
+
+def _record_id(url: str) -> str:
+    return f"<urn:uuid:00000000-0000-4000-8000-{zlib.crc32(url.encode()):012d}>"
+
+
 def _http_response(writer, url: str, body: bytes, headers: list[tuple[str, str]], status: str = "200 OK"):
     from warcio.statusandheaders import StatusAndHeaders
 
     http = StatusAndHeaders(status, headers + [("Content-Length", str(len(body)))], protocol="HTTP/1.1")
-    record = writer.create_warc_record(url, "response", payload=io.BytesIO(body), http_headers=http)
+    warc_headers = {"WARC-Date": CRAWL_DATE, "WARC-Record-ID": _record_id(url)}
+    record = writer.create_warc_record(
+        url, "response", payload=io.BytesIO(body), http_headers=http, warc_headers_dict=warc_headers
+    )
     writer.write_record(record)
 
 
@@ -392,8 +402,7 @@ def _raw_record(url: str, block: bytes) -> bytes:
     """A response record written by hand, for blocks warcio's writer refuses (a garbled HTTP header)."""
     head = (
         "WARC/1.0\r\nWARC-Type: response\r\n"
-        f"WARC-Target-URI: {url}\r\nWARC-Date: 2024-05-01T00:00:00Z\r\n"
-        f"WARC-Record-ID: <urn:uuid:00000000-0000-4000-8000-{zlib.crc32(url.encode()):012d}>\r\n"
+        f"WARC-Target-URI: {url}\r\nWARC-Date: {CRAWL_DATE}\r\nWARC-Record-ID: {_record_id(url)}\r\n"
         f"Content-Type: application/http; msgtype=response\r\nContent-Length: {len(block)}\r\n\r\n"
     ).encode()
     return head + block + b"\r\n\r\n"
@@ -436,7 +445,10 @@ def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> lis
             for reason in ("bad_http_headers", "content_decoding", "undecodable", "empty_payload", "unreadable_record")
         ]
     order = rng.permutation(len(events))
-    writer.write_record(writer.create_warcinfo_record(Path(path).name, {"software": "mtnlg synthetic crawl"}))
+    info = writer.create_warcinfo_record(Path(path).name, {"software": "mtnlg synthetic crawl"})
+    info.rec_headers.replace_header("WARC-Date", CRAWL_DATE)
+    info.rec_headers.replace_header("WARC-Record-ID", _record_id(f"warcinfo:{spec.seed}"))
+    writer.write_record(info)
     for n, i in enumerate(order):
         kind, what = events[i]
         url = f"https://site{n % 17}.example/{spec.seed}/{kind}/{n}"
@@ -479,7 +491,8 @@ def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> lis
 def _write_broken(writer, buf: io.BytesIO, url: str, reason: str) -> None:
     html = b"<html><body><p>This page is broken in transit and must be counted, not extracted.</p></body></html>"
     if reason == "bad_http_headers":
-        buf.write(gzip.compress(_raw_record(url, b"GARBLED STATUS LINE\r\nno headers here\r\n\r\n" + html)))
+        garbled = _raw_record(url, b"GARBLED STATUS LINE\r\nno headers here\r\n\r\n" + html)
+        buf.write(gzip.compress(garbled, mtime=0))
     elif reason == "content_decoding":  # says gzip, is not
         _http_response(
             writer,
@@ -497,7 +510,7 @@ def _write_broken(writer, buf: io.BytesIO, url: str, reason: str) -> None:
     elif reason == "empty_payload":
         _http_response(writer, url, b"", [("Content-Type", "text/html")])
     elif reason == "unreadable_record":  # a gzip member whose bytes are corrupt
-        member = bytearray(gzip.compress(_raw_record(url, b"HTTP/1.1 200 OK\r\n\r\n" + html)))
+        member = bytearray(gzip.compress(_raw_record(url, b"HTTP/1.1 200 OK\r\n\r\n" + html), mtime=0))
         member[12:40] = b"\x00" * 28
         buf.write(bytes(member))
     else:
