@@ -329,6 +329,13 @@ def test_quality_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         quality_cli.main(["annotate", str(bad), "-o", str(tmp_path / "o"), "--set", "word_count.nope=3"])
     assert exit_info.value.code == 2
+    assert "unknown threshold 'word_count.nope'" in capsys.readouterr().err
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "a document that was never scored"}])
+    assert quality_cli.main(["annotate", good, "-o", str(tmp_path), "-q"]) == 2  # would replace its input
+    assert quality_cli.main(["filter", good, "-o", str(tmp_path / "f"), "--threshold", "0.5", "-q"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert "replace the input" in errors[0] and "mtnlg-quality score" in errors[1]
+    assert not (tmp_path / "f" / "good.jsonl").exists()
 
 
 def test_tools_wrappers_run_from_a_checkout():
