@@ -9,15 +9,31 @@ from lightning.pytorch.cli import LightningCLI
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.module import MTNLGModule
 
 
 class MTNLGCLI(LightningCLI):
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
+        if config is not None:
+            check_strategy_extras(config.trainer.strategy)
+
     def before_instantiate_classes(self) -> None:
         """`trainer.precision: null` picks the fastest correct precision for the machine (`default_precision`)."""
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.trainer.precision is None:
             config.trainer.precision = default_precision()
+
+
+def check_strategy_extras(strategy) -> None:
+    """A ZeRO stage needs DeepSpeed: say so right after parsing, before the seed line, data or processes."""
+    class_path = getattr(strategy, "class_path", None) or ""
+    if class_path.endswith("MegatronDeepSpeedStrategy"):
+        zero_stage = (getattr(strategy, "init_args", None) or {}).get("zero_stage", 1)
+        if isinstance(zero_stage, int) and zero_stage >= 1:
+            require_extra("deepspeed", f"zero_stage {zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
 
 
 def default_precision() -> str:

@@ -35,6 +35,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
 from mtnlg_lightning.parallel.parallelize import ParallelGPT, PipelineSettings, parallelize_gpt
@@ -151,6 +152,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         # Here rather than in __init__: the CLI's argument parser would bury the message in its own report.
         if self.zero_stage not in (0, 1, 2, 3):
             raise MTNLGError(f"zero_stage {self.zero_stage} is not one of 0 (plain DP), 1, 2, 3")
+        if self.zero_stage >= 1:  # before any process is launched or data is built
+            require_extra("deepspeed", f"zero_stage {self.zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
         schedule_class(self.pipeline_schedule)  # unknown names fail here with the list of known ones
         multi = self.pipeline_schedule in MULTI_STAGE
         if multi != (self.virtual_pipeline_stages > 1):

@@ -14,12 +14,12 @@ from typing import IO
 
 from mtnlg_lightning.curation.jsonl import InputError
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import install_hint
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PARQUET_MAGIC = b"PAR1"
 COMPRESSIONS = ("none", "gzip", "zstd")
-EXTRA_HINT = "pip install 'mtnlg-lightning[corpora]'"
 # fast levels: the tools stream at the speed of their own work (zstd 3 took 0.4 s and gzip 6 1.8 s of CPU per
 # 23 MB where dedup spends ~3.5 s on the same documents; levels 1 take 0.1 s and ~0.6 s for a few % more bytes)
 GZIP_LEVEL = 1
@@ -55,7 +55,7 @@ def need(module: str, path: str, what: str):
         return importlib.import_module(module)
     except ImportError:
         package = module.split(".")[0]
-        raise CorpusError(f"{path}: reading {what} needs the '{package}' package: {EXTRA_HINT}") from None
+        raise CorpusError(f"{path}: reading {what} needs the '{package}' package: {install_hint('corpora')}") from None
 
 
 def open_read(path: str, compression: str) -> IO[bytes]:

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.extras import require_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         from mtnlg_lightning.interop.hf import export_hf, read_source
 
         state = read_source(args.checkpoint)

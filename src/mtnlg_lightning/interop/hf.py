@@ -18,6 +18,7 @@ from mtnlg_lightning.checkpoint import ModelState, read_model_state
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.interop.gpt2_mapping import from_hf, to_hf
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP
@@ -25,10 +26,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MTNLGError("Hugging Face interop needs transformers: pip install 'mtnlg-lightning[hf]'") from None
+    require_extra("hf", "Hugging Face export")
+    import transformers
+
     return transformers
 
 
