@@ -53,8 +53,9 @@ def plain_copies(inputs: list[CorpusInput], work_dir: str, engine, columns: list
         if not os.path.exists(dest):
             jobs.append((inp.path, inp.fmt, dest, columns))
     jobs.sort(key=lambda j: -os.path.getsize(j[0]))  # the largest first: the workers finish together
-    for _ in engine.map(_stage_task, jobs):
-        pass
+    if jobs:  # none: no engine call at all (on Ray even an empty stage costs a task)
+        for _ in engine.map(_stage_task, jobs):
+            pass
     return paths
 
 
