@@ -205,6 +205,10 @@ class TensorReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.manifest["tensors"][key]["shape"])
 
+    def close(self) -> None:
+        """Unmap the files read so far: pages touched through a mapping count as this process's memory."""
+        self._open.clear()
+
     def _file(self, name: str):
         if name not in self._open:
             from safetensors import safe_open
