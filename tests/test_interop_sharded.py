@@ -174,6 +174,17 @@ def test_a_bad_index_is_one_line_before_any_weight_is_read(sharded_export, tmp_p
         MTNLGModule(preset="tiny", init_from=str(broken))
 
 
+def test_shards_linked_from_elsewhere_read_as_the_hub_cache_links_them(sharded_export, tmp_path):
+    """The Hub's cache holds a snapshot of links to blobs: a linked shard is still a file of the directory."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snapshot").mkdir()
+    for file in sharded_export.iterdir():
+        (tmp_path / "blobs" / file.name).write_bytes(file.read_bytes())
+        (tmp_path / "snapshot" / file.name).symlink_to(f"../blobs/{file.name}")
+    linked, original = ShardedTensors(tmp_path / "snapshot"), ShardedTensors(sharded_export)
+    assert linked.names == original.names and all(torch.equal(linked.read(n), original.read(n)) for n in linked.names)
+
+
 MEMORY_PROBE = """
 import re, sys
 from mtnlg_lightning.interop.export_cli import main

@@ -122,7 +122,7 @@ def _read_hf_weights(path: Path, config: ModelConfig) -> Mapping[str, torch.Tens
     if (path / "model.safetensors").is_file() or (path / f"model.safetensors{INDEX_SUFFIX}").is_file():
         return HFWeights(path, config)
     if (path / "pytorch_model.bin").is_file():  # files from elsewhere never run code: tensors only
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         return {k: v.float() for k, v in from_hf(state, config).items()}
     raise MTNLGError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 

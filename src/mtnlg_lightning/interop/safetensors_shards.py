@@ -194,12 +194,12 @@ class ShardedTensors:
                 raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise MTNLGError(f"{index} is not a readable safetensors index ({type(exc).__name__}: {exc})") from None
-        root = self.directory.resolve()
         found: dict[str, dict[str, tuple[int, ...]]] = {}
         for tensor, shard in sorted(weight_map.items()):
-            path = (self.directory / str(shard)).resolve()
-            if path.parent != root:
+            # A plain file name, checked as written (not resolved: the Hub's cache links shards to its blobs).
+            if not isinstance(shard, str) or shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
                 raise MTNLGError(f"{index}: shard {shard!r} of {tensor} is not a file inside {self.directory}")
+            path = self.directory / shard
             if shard not in found:
                 if not path.is_file():
                     raise MTNLGError(f"{index} names shard {shard}, which is missing from {self.directory}")
