@@ -22,7 +22,13 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_sha
     model config and training position go in the files' metadata. Streamed: each tensor is read from the
     checkpoint's pieces and written a slice of rows at a time. Atomic per file: staged, then renamed, index last."""
     from mtnlg_lightning.checkpoint.format import open_verified
-    from mtnlg_lightning.interop.safetensors_shards import TensorSpec, parse_size, write_safetensors, write_sharded
+    from mtnlg_lightning.interop.safetensors_shards import (
+        TensorSpec,
+        parse_size,
+        tensor_progress,
+        write_safetensors,
+        write_sharded,
+    )
 
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     reader = open_verified(checkpoint)
@@ -53,13 +59,14 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_sha
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    progress = tensor_progress(len(specs), f"writing {output.name}")
     try:
         if shard_bytes is None:
-            write_safetensors(staging / output.name, specs, metadata)
+            write_safetensors(staging / output.name, specs, metadata, progress)
             files = [output.name]
         else:
-            files = write_sharded(staging, specs, shard_bytes, output.name.removesuffix(".safetensors"), metadata)
-            files = files["files"]
+            stem = output.name.removesuffix(".safetensors")
+            files = write_sharded(staging, specs, shard_bytes, stem, metadata, progress)["files"]
         for name in files:  # the index, when there is one, comes last: it names only shards already in place
             os.replace(staging / name, output.parent / name)
     finally:

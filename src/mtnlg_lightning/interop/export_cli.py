@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from mtnlg_lightning.interop.hf import export_hf, read_source
+        from mtnlg_lightning.interop.safetensors_shards import parse_size
 
+        parse_size(args.max_shard_size)  # a bad size is one line before the checkpoint is read
         state = read_source(args.checkpoint)
         summary = export_hf(
             state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size

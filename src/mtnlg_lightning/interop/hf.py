@@ -28,6 +28,7 @@ from mtnlg_lightning.interop.safetensors_shards import (
     ShardedTensors,
     TensorSpec,
     parse_size,
+    tensor_progress,
     write_sharded,
 )
 
@@ -204,7 +205,7 @@ def export_hf(
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         hf_config.save_pretrained(tmp)
-        written = write_sharded(tmp, specs, shard_bytes, progress=_progress(len(specs), f"writing {output.name}"))
+        written = write_sharded(tmp, specs, shard_bytes, progress=tensor_progress(len(specs), f"writing {output.name}"))
         transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(tmp)
         if tok is not None:
             tok.save(tmp / "tokenizer.json")
@@ -252,16 +253,6 @@ def hf_tensor_specs(weights: LazyWeights, config: ModelConfig, vocab: int, dtype
             shape = (vocab, *shape[1:])
         specs.append(TensorSpec(pair.theirs, pair.hf_shape(shape), dtype, rows_of(pair, shape)))
     return specs
-
-
-def _progress(total: int, desc: str):
-    """A per-tensor progress bar on a terminal (stderr), nothing otherwise."""
-    import sys
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False)
-    return lambda spec: bar.update(1)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

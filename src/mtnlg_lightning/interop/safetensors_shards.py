@@ -170,6 +170,16 @@ def write_sharded(
     return {"files": files, "shards": len(shards), "bytes": total, "tensors": len(specs)}
 
 
+def tensor_progress(total: int, desc: str):
+    """A per-tensor progress callback: a bar on a terminal (stderr), nothing otherwise."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False)
+    return lambda spec: bar.update(1)
+
+
 # --------------------------------------------------------------------------------------------------- reading
 class ShardedTensors:
     """The tensors of a Hugging Face weights directory (`model.safetensors`, or shards with an index), opened
