@@ -31,7 +31,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch.distributed.constants import default_pg_timeout
 
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.errors import MTNLGError
@@ -47,6 +46,8 @@ from mtnlg_lightning.parallel.zero import (
     engine_backward,
     initialize_engine,
 )
+from mtnlg_lightning.resilience.restart import process_group_store
+from mtnlg_lightning.resilience.watchdog import startup_collective_timeout
 
 _META_FILE = "meta.pt"
 
@@ -69,7 +70,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         deepspeed_config: dict | None = None,
         print_layout: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
     ) -> None:
         """
         Args:
@@ -90,6 +91,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             deepspeed_config: extra DeepSpeed config merged over the generated one (e.g. ZeRO bucket sizes).
             print_layout: rank 0 prints the rank -> node / (pp, dp, tp) / groups table at start-up.
             process_group_backend: default nccl on CUDA, gloo on CPU.
+            timeout: collective timeout of the process groups; default: the hang watchdog's limits
+                (`resilience/watchdog.py`: the startup limit at init, the step limit after the first step).
         """
         super().__init__()
         self.tensor_parallel, self.pipeline_parallel, self.zero_stage = tensor_parallel, pipeline_parallel, zero_stage
@@ -193,7 +196,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.layout = self._build_layout()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        timeout = self._timeout or startup_collective_timeout()
+        # A fresh key namespace per torchrun attempt: restarts never read a dead peer's address.
+        kwargs: dict[str, Any] = {"timeout": timeout, **process_group_store(timeout)}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)

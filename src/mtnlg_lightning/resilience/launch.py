@@ -1,0 +1,86 @@
+"""`python -m mtnlg_lightning.resilience.launch`: torchrun (same arguments) with restarts that only retry what a
+restart can fix, and an exit status that says what happened (`exit_codes.py`).
+
+    python -m mtnlg_lightning.resilience.launch --nnodes 1 --nproc-per-node 8 --max-restarts 3 \\
+        -m mtnlg_lightning.cli fit --config ... --ckpt_path last
+
+Differences from plain torchrun, whose agent restarts the group on any worker failure and exits 1 on every failure:
+- a configuration error (exit 2) or a preemption (exit 75) of any worker ends the run at once with that code;
+  no restart is spent on it (each node's agent decides alike, since every rank fails alike);
+- the run exits with the most telling worker code (config error > preempted > hang > crash), 0 when finished;
+- a failed group is stopped with SIGKILL at once: a stopped or stuck rank ignores torchrun's SIGTERM for its 30 s
+  grace period, and the surviving ranks have lost a peer, so they cannot save anything anyway;
+- SIGTERM and SIGUSR1 sent to the launcher reach the workers (torchrun would kill them on SIGTERM and die of an
+  unhandled SIGUSR1), so `checkpoint.preemption.Preemption` saves and the run exits 75;
+- the restarted workers learn why (`MTNLG_RESTART_CAUSE`), which they log in their "restart k: resumed" line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from mtnlg_lightning.resilience.exit_codes import NOT_RETRIED, ExitCode, describe, run_exit_code
+from mtnlg_lightning.resilience.restart import RESTART_CAUSE_ENV
+
+FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
+log = logging.getLogger("mtnlg.launch")
+
+
+class ResilientAgent(LocalElasticAgent):
+    """torchrun's local agent with the restart policy above."""
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed():
+            rank_of = {w.local_rank: w.global_rank for w in worker_group.workers}
+            causes = [f"rank {rank_of.get(r, r)} {describe(f.exitcode)}" for r, f in sorted(result.failures.items())]
+            os.environ[RESTART_CAUSE_ENV] = "; ".join(causes)  # the next workers inherit the agent's environment
+            code = run_exit_code([f.exitcode for f in result.failures.values()])
+            if code in NOT_RETRIED and self._remaining_restarts > 0:
+                print(f"mtnlg launch: {describe(code)}: not restarting ({'; '.join(causes)})", file=sys.stderr)
+                self._remaining_restarts = 0
+        return result
+
+    def _stop_workers(self, worker_group) -> None:
+        self._shutdown(signal.SIGKILL, timeout=10)
+
+    def _start_workers(self, worker_group):
+        started = super()._start_workers(worker_group)
+        # torchrun installs its own handlers when the workers start: forward ours instead, from then on.
+        for name in FORWARDED_SIGNALS:
+            signal.signal(getattr(signal, name), self._forward)
+        return started
+
+    def _forward(self, signum, frame) -> None:
+        context = self._pcontext
+        for pid in context.pids().values() if context is not None else []:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if not hasattr(launcher_api, "LocalElasticAgent"):
+        raise SystemExit("mtnlg launch: error: this torch builds torchrun's agent elsewhere; use plain torchrun")
+    launcher_api.LocalElasticAgent = ResilientAgent  # the one name torchrun's launch_agent builds its agent from
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as error:
+        code = run_exit_code([f.exitcode for f in error.failures.values()])
+        print(f"mtnlg launch: run ended: {describe(int(code))}", file=sys.stderr)
+        sys.exit(int(code))
+    sys.exit(int(ExitCode.FINISHED))
+
+
+if __name__ == "__main__":
+    main()
