@@ -20,7 +20,7 @@ from mtnlg_lightning.resilience.exit_codes import ExitCode, describe, run_exit_c
 from mtnlg_lightning.resilience.watchdog import resolve_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_layouts import LOSS_RTOL, losses  # noqa: E402
+from test_checkpoint_layouts import losses  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
@@ -78,10 +78,8 @@ def test_a_stopped_rank_is_caught_and_the_restart_resumes_from_the_newest_checkp
     """2-rank ZeRO-1 under `--max-restarts 1`, one rank slowed (straggler line) then SIGSTOPped mid-run: its peer's
     watchdog dumps the stacks and exits 124 within the step limit + a few seconds; the group restarts, meets again,
     resumes by itself from the newest complete checkpoint of Lightning's own ModelCheckpoint, writes no second copy
-    of a step, says why it restarted and ends with the losses of an uninterrupted run."""
-    from parallel_harness import tiny_run
-
-    steps, step_limit, ckpt, probe = 12, 5.0, tmp_path / "ckpt", tmp_path / "probe"
+    of a step, says why it restarted and redoes the steps after the checkpoint exactly as they were."""
+    steps, step_limit, ckpt, probe = 10, 5.0, tmp_path / "ckpt", tmp_path / "probe"
     args = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(steps)]
     args += ["--trainer.strategy", "configs/strategy/zero1.yaml", "--trainer.devices", "2"]
     args += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)]
@@ -89,7 +87,7 @@ def test_a_stopped_rank_is_caught_and_the_restart_resumes_from_the_newest_checkp
     args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath"]
     args += [str(ckpt), "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1"]
     args += ["--trainer.callbacks+=resilience_probe.Probe", "--trainer.callbacks.dir", str(probe)]
-    args += ["--trainer.callbacks.slow_rank", "1", "--trainer.callbacks.slow_s", "0.4"]
+    args += ["--trainer.callbacks.slow_rank", "1", "--trainer.callbacks.slow_s", "0.3"]
     args += ["--model.straggler_every_n_steps", "2"]
     env = {"MTNLG_STEP_TIMEOUT": str(step_limit), "MTNLG_SAVE_TIMEOUT": "30"}
     job = launch(args, tmp_path / "log", max_restarts=1, env=env)
@@ -117,11 +115,12 @@ def test_a_stopped_rank_is_caught_and_the_restart_resumes_from_the_newest_checkp
     assert resumed >= 4 and resumed in saved and resumed == max(s for s in saved if s <= resumed)
     assert not [p.name for p in ckpt.iterdir() if "-v" in p.name]  # no second copy of a step
     assert re.search(rf"straggler: rank 1 on {re.escape(socket.gethostname())} took", log), log[-3000:]
-    reference, _ = tiny_run(max_steps=steps, capture_steps=())
-    run = losses(tmp_path)
-    assert sorted(run) == list(range(steps))
-    for step, loss in run.items():
-        assert loss == pytest.approx(reference.losses[step], rel=LOSS_RTOL), (step, run, reference.losses)
+    attempts = [losses(path.parent) for path in sorted((tmp_path / "lightning_logs").glob("version_*/metrics.csv"))]
+    assert len(attempts) == 2 and sorted(attempts[1]) == list(range(resumed, steps))
+    overlap = sorted(set(attempts[0]) & set(attempts[1]))
+    assert overlap and overlap[0] == resumed  # the steps after the checkpoint were redone, none before it
+    assert all(attempts[1][s] == attempts[0][s] for s in overlap)  # and redone exactly as before the fault
+    assert max(attempts[0]) + 1 - resumed <= 2  # no more recomputation than the save interval
 
 
 @pytest.mark.distributed

@@ -8,8 +8,8 @@ Differences from plain torchrun, whose agent restarts the group on any worker fa
 - a configuration error (exit 2) or a preemption (exit 75) of any worker ends the run at once with that code;
   no restart is spent on it (each node's agent decides alike, since every rank fails alike);
 - the run exits with the most telling worker code (config error > preempted > hang > crash), 0 when finished;
-- a failed group is stopped with SIGKILL at once: a stopped or stuck rank ignores torchrun's SIGTERM for its 30 s
-  grace period, and the surviving ranks have lost a peer, so they cannot save anything anyway;
+- the rest of a crashed or hung group is stopped with SIGKILL at once: a stopped or stuck rank ignores torchrun's
+  SIGTERM for its 30 s grace period, and the surviving ranks have lost a peer, so they cannot save anything anyway;
 - SIGTERM and SIGUSR1 sent to the launcher reach the workers (torchrun would kill them on SIGTERM and die of an
   unhandled SIGUSR1), so `checkpoint.preemption.Preemption` saves and the run exits 75;
 - the restarted workers learn why (`MTNLG_RESTART_CAUSE`), which they log in their "restart k: resumed" line.
@@ -35,6 +35,7 @@ class ResilientAgent(LocalElasticAgent):
     """torchrun's local agent with the restart policy above."""
 
     def _monitor_workers(self, worker_group):
+        self._kill_peers_of_a_failed_worker()
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             rank_of = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -46,8 +47,18 @@ class ResilientAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
         return result
 
-    def _stop_workers(self, worker_group) -> None:
-        self._shutdown(signal.SIGKILL, timeout=10)
+    def _kill_peers_of_a_failed_worker(self) -> None:
+        """torchrun stops the rest of a failed group with SIGTERM and waits 30 s before SIGKILL; a stopped or stuck
+        rank ignores SIGTERM, and the others have lost a peer, so they cannot save anything: kill them now. (A
+        configuration error or a preemption is a clean end on every rank: those ranks are left to finish.)"""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        processes = [handler.proc for handler in handlers.values()]
+        codes = [p.poll() for p in processes]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed and run_exit_code(failed) not in NOT_RETRIED:
+            for process, code in zip(processes, codes, strict=True):
+                if code is None:
+                    process.kill()
 
     def _start_workers(self, worker_group):
         started = super()._start_workers(worker_group)

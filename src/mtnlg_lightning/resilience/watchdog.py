@@ -70,15 +70,18 @@ def set_collective_timeout(seconds: float) -> None:
             pass  # a group this rank is not part of, or a backend without settable timeouts
 
 
+LIBRARIES = ("torch.", "deepspeed", "lightning")
+
+
 def waiting_collective(thread_id: int) -> str | None:
-    """The torch.distributed call a thread is blocked in, and where it was called from, if any."""
+    """The torch.distributed call a thread is blocked in, and the first frame outside the libraries that led to it."""
     frame = sys._current_frames().get(thread_id)
     collective, caller = None, None
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if collective is None and module == "torch.distributed.distributed_c10d":
             collective = frame.f_code.co_name
-        elif collective is not None and not module.startswith("torch.") and caller is None:
+        elif collective is not None and caller is None and not module.startswith(LIBRARIES):
             caller = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     if collective is None:
