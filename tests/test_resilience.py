@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT
 
 from mtnlg_lightning.errors import MTNLGError
@@ -132,3 +133,39 @@ def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted(tmp
     log = (tmp_path / "log").read_text()
     assert log.count("mtnlg: error: zero_stage 7 is not one of") == 1, log[-3000:]  # one attempt, one line
     assert "not restarting" in log and "will restart worker group" not in log, log[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ background saves
+@pytest.mark.slow
+def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, monkeypatch):
+    """ZeRO-1, one rank: the background save returns before its (held) write, every weight, master weight and
+    Adam moment is then changed in place, as the next steps would; the published checkpoint still holds the saved
+    step's state, bit for bit as a synchronous save of it."""
+    from parallel_harness import tiny_run
+    from safetensors.torch import load_file
+
+    from mtnlg_lightning.checkpoint.format import is_checkpoint
+    from mtnlg_lightning.checkpoint.state_io import _inner_optimizer
+    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+
+    strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False, async_save=True)
+    _, trainer = tiny_run(strategy=strategy, max_steps=2, capture_steps=())
+    saver, strategy.background_saver = strategy.background_saver, None
+    trainer.save_checkpoint(tmp_path / "sync.ckpt")
+    strategy.background_saver = saver
+    monkeypatch.setenv("MTNLG_TEST_SAVE_PAUSE_S", "3")  # the writer holds 3 s before writing
+    started = time.monotonic()
+    trainer.save_checkpoint(tmp_path / "background.ckpt")
+    stall = time.monotonic() - started
+    inner = _inner_optimizer(strategy.engine.optimizer)
+    live = [*trainer.lightning_module.model.parameters(), *(p for g in inner.param_groups for p in g["params"])]
+    live += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+    with torch.no_grad():
+        for tensor in live:
+            tensor.add_(1.0)
+    assert saver.in_flight and not is_checkpoint(tmp_path / "background.ckpt")  # not published before written
+    saver.wait()
+    assert stall < 3.0 and is_checkpoint(tmp_path / "background.ckpt")
+    sync, background = (load_file(tmp_path / n / "rank-00000.safetensors") for n in ("sync.ckpt", "background.ckpt"))
+    assert sorted(sync) == sorted(background) and any(k.startswith("optim/") for k in sync)
+    assert all(torch.equal(sync[k], background[k]) for k in sync)
