@@ -23,8 +23,6 @@ from mtnlg_lightning.resilience.watchdog import resolve_limits
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_layouts import losses  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
-
 
 def test_the_run_exit_code_is_the_most_telling_worker_code():
     assert run_exit_code([0, 0]) == ExitCode.FINISHED
@@ -47,7 +45,7 @@ def test_environment_variables_override_the_configured_limits(monkeypatch):
 def launch(args: list[str], log: Path, max_restarts: int, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone", "--nproc-per-node", "2"]
     command += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "-m", "mtnlg_lightning.cli", *args]
-    pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # benchmarks.fault_probe
     full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": pythonpath, **(env or {})}
     handle = open(log, "w")  # noqa: SIM115
     return subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=handle, stderr=subprocess.STDOUT)
@@ -87,7 +85,7 @@ def test_a_stopped_rank_is_caught_and_the_restart_resumes_from_the_newest_checkp
     args += ["--trainer.enable_checkpointing", "true", "--ckpt_path", "last"]
     args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath"]
     args += [str(ckpt), "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1"]
-    args += ["--trainer.callbacks+=resilience_probe.Probe", "--trainer.callbacks.dir", str(probe)]
+    args += ["--trainer.callbacks+=benchmarks.fault_probe.Probe", "--trainer.callbacks.dir", str(probe)]
     args += ["--trainer.callbacks.slow_rank", "1", "--trainer.callbacks.slow_s", "0.3"]
     args += ["--model.straggler_every_n_steps", "2"]
     env = {"MTNLG_STEP_TIMEOUT": str(step_limit), "MTNLG_SAVE_TIMEOUT": "30"}

@@ -1,5 +1,6 @@
-"""A callback the resilience tests add to `mtnlg fit` from the command line: each rank records its pid and its
-finished steps (so a test knows whom to stop, and when), and one rank can be slowed before every step."""
+"""A callback the fault drill (`benchmarks/fault_drill.py`) and `tests/test_resilience.py` add to `mtnlg fit` from
+the command line: each rank records its pid and its finished steps (so a drill knows whom to stop, and when), and
+one rank can be slowed before every step (a straggler)."""
 
 import os
 import time
