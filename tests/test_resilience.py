@@ -41,6 +41,41 @@ def test_environment_variables_override_the_configured_limits(monkeypatch):
         resolve_limits({"save": 900})
 
 
+def complete_checkpoint(path: Path, step: int) -> Path:
+    from mtnlg_lightning.checkpoint.commit import prepare_staging, publish
+    from mtnlg_lightning.checkpoint.format import Piece, write_manifest, write_pieces
+
+    staging = prepare_staging(path)
+    written = write_pieces(staging, "rank-00000.safetensors", [Piece("w", torch.ones(2), (0,), (2,))])
+    write_manifest(staging, [written], {"global_step": step})
+    publish(staging, path)
+    return path
+
+
+def test_last_is_the_newest_complete_checkpoint_of_every_folder_and_a_restart_needs_no_path(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from mtnlg_lightning.checkpoint.commit import prepare_staging
+    from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    user, root = tmp_path / "user", tmp_path / "root"
+    old = complete_checkpoint(user / "epoch=0-step=2.ckpt", 2)
+    complete_checkpoint(root / "checkpoints" / "step=4.ckpt", 4)  # a preemption save, outside the callback's folder
+    prepare_staging(user / "epoch=0-step=6.ckpt").joinpath("rank-00000.safetensors").write_bytes(b"half")  # killed
+    callback = SimpleNamespace(dirpath=str(user))
+    trainer = SimpleNamespace(checkpoint_callbacks=[callback], default_root_dir=str(root), loggers=[])
+    newest = str(root / "checkpoints" / "step=4.ckpt")
+    assert resolve_ckpt_path(trainer, "last") == newest
+    assert resolve_ckpt_path(trainer, None) is None and resolve_ckpt_path(trainer, str(old)) == str(old)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt resumes by itself
+    assert resolve_ckpt_path(trainer, None) == newest
+    assert resolve_ckpt_path(trainer, str(old)) == newest  # not the first attempt's starting point again
+    later = complete_checkpoint(tmp_path / "elsewhere" / "step=9.ckpt", 9)
+    assert resolve_ckpt_path(trainer, str(later)) == str(later)
+
+
 # ------------------------------------------------------------------------------------------------ under the launcher
 def launch(args: list[str], log: Path, max_restarts: int, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone", "--nproc-per-node", "2"]

@@ -48,7 +48,7 @@ from mtnlg_lightning.parallel.zero import (
     initialize_engine,
 )
 from mtnlg_lightning.resilience.restart import process_group_store
-from mtnlg_lightning.resilience.watchdog import startup_collective_timeout
+from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
 
 _META_FILE = "meta.pt"
 
@@ -210,7 +210,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.groups = ProcessGroups.create(self.layout, backend=backend)
         if self.async_save:  # its own group: the writer thread's collectives never meet the training's
-            self.background_saver = BackgroundSaver(dist.new_group(backend="gloo", timeout=timeout))
+            group = dist.new_group(backend="gloo", timeout=save_collective_timeout())
+            keep_own_timeout(group)  # it waits for the slowest rank's write, while the steps have shorter limits
+            self.background_saver = BackgroundSaver(group)
         if self.print_layout:
             rank_zero_info(self.layout.table())
 

@@ -75,7 +75,7 @@ def newest_checkpoint(directories: list[Path]) -> Path | None:
         path = newest_complete(directory)
         if path is None:
             continue
-        key = (int(read_manifest(path).get("global_step", -1)), (path / "manifest.json").stat().st_mtime)
+        key = (_step_of(path), (path / "manifest.json").stat().st_mtime)
         if best_key is None or key > best_key:
             best, best_key = path, key
     return best
@@ -83,19 +83,33 @@ def newest_checkpoint(directories: list[Path]) -> Path | None:
 
 def resolve_ckpt_path(trainer, ckpt_path: str | None) -> str | None:
     """`last` (and, on a restart, no path at all) becomes the newest complete checkpoint of the run, or None to
-    start fresh. Lightning's own `last` takes the newest `last*.ckpt` by time, with no completeness check, from the
-    callbacks' folders only."""
-    if ckpt_path != "last" and not (ckpt_path is None and restart_count() > 0):
+    start fresh. On a restart, an explicit path (where the first attempt started from) gives way to a newer
+    checkpoint the run has written since. Lightning's own `last` takes the newest `last*.ckpt` by time, with no
+    completeness check, from the callbacks' folders only."""
+    restarted = restart_count() > 0
+    if ckpt_path not in (None, "last") and not restarted:
         return ckpt_path
+    if ckpt_path is None and not restarted:
+        return None
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     dirs = checkpoint_dirs(trainer)
     newest = newest_checkpoint(dirs)
+    if ckpt_path not in (None, "last"):
+        if newest is None or _step_of(newest) <= _step_of(Path(ckpt_path)):
+            return ckpt_path
     if newest is None:
         rank_zero_info(f"ckpt_path=last: no complete checkpoint in {', '.join(map(str, dirs))}; starting from scratch")
         return None
     rank_zero_info(f"ckpt_path=last: resuming from {newest}")
     return str(newest)
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(read_manifest(path).get("global_step", -1))
+    except Exception:  # noqa: BLE001 - not this format (a plain Lightning file): the load reports it
+        return -1
 
 
 def report_restart(trainer) -> None:

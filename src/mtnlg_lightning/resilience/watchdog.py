@@ -56,6 +56,19 @@ def startup_collective_timeout() -> timedelta:
     return timedelta(seconds=resolve_limits({"startup": DEFAULT_LIMITS["startup"]})["startup"] + COLLECTIVE_MARGIN_S)
 
 
+_KEEP_TIMEOUT: set[int] = set()  # ids of groups with a timeout of their own (the background checkpoint writer's)
+
+
+def keep_own_timeout(group) -> None:
+    """Leave `group`'s timeout alone when the phases change (the background writer's collectives overlap steps)."""
+    _KEEP_TIMEOUT.add(id(group))
+
+
+def save_collective_timeout() -> timedelta:
+    """The timeout of the background checkpoint writer's group: the save limit."""
+    return timedelta(seconds=resolve_limits({"save": DEFAULT_LIMITS["save"]})["save"] + COLLECTIVE_MARGIN_S)
+
+
 def set_collective_timeout(seconds: float) -> None:
     """Every process group of this rank (the strategy's, DeepSpeed's) times out its collectives after `seconds`."""
     import torch.distributed as dist
@@ -64,6 +77,8 @@ def set_collective_timeout(seconds: float) -> None:
     if not dist.is_initialized():
         return
     for group in list(_world.pg_map):
+        if id(group) in _KEEP_TIMEOUT:
+            continue
         try:
             _set_pg_timeout(timedelta(seconds=seconds), group)
         except (ValueError, RuntimeError, AssertionError):
