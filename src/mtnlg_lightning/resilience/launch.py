@@ -34,12 +34,16 @@ log = logging.getLogger("mtnlg.launch")
 class ResilientAgent(LocalElasticAgent):
     """torchrun's local agent with the restart policy above."""
 
+    _failed_first: dict[int, int] = {}  # local rank -> exit code of the workers that failed by themselves
+
     def _monitor_workers(self, worker_group):
         self._kill_peers_of_a_failed_worker()
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             rank_of = {w.local_rank: w.global_rank for w in worker_group.workers}
-            causes = [f"rank {rank_of.get(r, r)} {describe(f.exitcode)}" for r, f in sorted(result.failures.items())]
+            own = self._failed_first or {r: f.exitcode for r, f in result.failures.items()}
+            causes = [f"rank {rank_of.get(r, r)} {describe(code)}" for r, code in sorted(own.items())]
+            self._failed_first = {}
             os.environ[RESTART_CAUSE_ENV] = "; ".join(causes)  # the next workers inherit the agent's environment
             code = run_exit_code([f.exitcode for f in result.failures.values()])
             if code in NOT_RETRIED and self._remaining_restarts > 0:
@@ -52,13 +56,13 @@ class ResilientAgent(LocalElasticAgent):
         rank ignores SIGTERM, and the others have lost a peer, so they cannot save anything: kill them now. (A
         configuration error or a preemption is a clean end on every rank: those ranks are left to finish.)"""
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        processes = [handler.proc for handler in handlers.values()]
-        codes = [p.poll() for p in processes]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed and run_exit_code(failed) not in NOT_RETRIED:
-            for process, code in zip(processes, codes, strict=True):
+        codes = {rank: handler.proc.poll() for rank, handler in handlers.items()}
+        failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
+        if failed and run_exit_code(list(failed.values())) not in NOT_RETRIED:
+            self._failed_first = failed  # the cause, told apart from the ranks killed here
+            for rank, code in codes.items():
                 if code is None:
-                    process.kill()
+                    handlers[rank].proc.kill()
 
     def _start_workers(self, worker_group):
         started = super()._start_workers(worker_group)
