@@ -131,6 +131,7 @@ def _new_attempt_stepped(probe: Path, ranks: int, old: dict[int, int]) -> bool:
 
 def run(args, work: Path, faults: list[str], rng: random.Random) -> tuple[int, list[dict], Path]:
     save_dir, ckpt, probe, log = work / "logs", work / "ckpt", work / "probe", work / "log"
+    work.mkdir(parents=True, exist_ok=True)
     env = {"MTNLG_STEP_TIMEOUT": str(args.step_timeout), "MTNLG_SAVE_TIMEOUT": str(3 * args.step_timeout)}
     env["MTNLG_TEST_SAVE_PAUSE_S"] = "1.5" if faults else "0"  # holds each write open: a window for a kill
     job = start(fit_command(args, save_dir, ckpt, probe, restarts=len(faults)), log, env)
