@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     if not hasattr(launcher_api, "LocalElasticAgent"):
         raise SystemExit("mtnlg launch: error: this torch builds torchrun's agent elsewhere; use plain torchrun")
     launcher_api.LocalElasticAgent = ResilientAgent  # the one name torchrun's launch_agent builds its agent from
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip() + "\n\nThe arguments are torchrun's:\n", flush=True)
     try:
-        run(parse_args(argv))
+        run(parse_args(arguments))
     except ChildFailedError as error:
         code = run_exit_code([f.exitcode for f in error.failures.values()])
         print(f"mtnlg launch: run ended: {describe(int(code))}", file=sys.stderr)
