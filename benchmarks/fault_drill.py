@@ -104,7 +104,7 @@ def inject(args, job, probe: Path, ckpt: Path, fault: str, rng: random.Random) -
         wait_for(lambda: staging.exists() and staging.stat().st_mtime >= reached - 1, 600, f"save {target}", job)
         time.sleep(rng.uniform(0.05, 0.4))  # inside the held write (MTNLG_TEST_SAVE_PAUSE_S)
     else:
-        later = step + rng.randint(1, args.every)
+        later = step + args.every + rng.randint(1, args.every)  # past a save of this attempt: something to resume
         wait_for(lambda: progress(probe, args.ranks)[1] >= later, 600, f"step {later}", job)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the next step
     pid = pids[victim]
