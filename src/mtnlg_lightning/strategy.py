@@ -93,8 +93,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             deepspeed_config: extra DeepSpeed config merged over the generated one (e.g. ZeRO bucket sizes).
             print_layout: rank 0 prints the rank -> node / (pp, dp, tp) / groups table at start-up.
             process_group_backend: default nccl on CUDA, gloo on CPU.
-            timeout: collective timeout of the process groups; default: the hang watchdog's limits
-                (`resilience/watchdog.py`: the startup limit at init, the step limit after the first step).
+            timeout: collective timeout of the process groups at initialisation; default: the hang watchdog's
+                startup limit. While fitting, `resilience.watchdog.HangWatchdog` sets it to the limit of each phase
+                (+30 s): the step limit after the first step, the save and eval limits for those.
             async_save: checkpoints are copied to host memory at the save and written in the background while
                 training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
         """
