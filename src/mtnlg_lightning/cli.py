@@ -11,6 +11,7 @@ from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.resilience.exit_codes import ExitCode
 
 
 class MTNLGCLI(LightningCLI):
@@ -25,6 +26,14 @@ class MTNLGCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.trainer.precision is None:
             config.trainer.precision = default_precision()
+
+    def before_fit(self) -> None:
+        """`--ckpt_path last` (and, on a restart, no `--ckpt_path`) resumes from the newest complete checkpoint in any
+        of the run's checkpoint folders (`resilience/restart.py`)."""
+        from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+
+        config = self.config_init[self.subcommand]
+        config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
 
 
 def check_strategy_extras(strategy) -> None:
@@ -70,14 +79,16 @@ def main(args: list[str] | None = None) -> None:
     if "WANDB_MODE" not in os.environ and not _wandb_configured():
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
     try:
-        MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
+        cli = MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
     except MTNLGError as error:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
         if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
             print(f"mtnlg: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(ExitCode.CONFIG_ERROR)
     _destroy_process_group()
+    if any(getattr(cb, "stopped_at", None) is not None for cb in cli.trainer.callbacks):
+        sys.exit(ExitCode.PREEMPTED)  # saved and stopped on a signal: requeue me (resilience/exit_codes.py)
 
 
 def _destroy_process_group() -> None:
