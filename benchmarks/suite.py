@@ -315,6 +315,60 @@ def eval_rows(d):
     ]
 
 
+def crawl_rows(d):
+    ex, fl = d["extract"], d["filters"]
+    rows = [
+        (
+            "crawl: read docs per CPU-s (records to decoded HTML), ours (warcio + resync) vs datatrove WarcReader",
+            d["read"]["ours_docs_per_cpu_s"],
+            d["read"].get("datatrove_docs_per_cpu_s"),
+            _ratio(d["read"]["ours_docs_per_cpu_s"], d["read"].get("datatrove_docs_per_cpu_s", 0)),
+            ">= 1",
+        )
+    ]
+    peer = ex.get("datatrove_trafilatura", {})
+    for name in ("ours_justext", "ours_trafilatura"):
+        if name in ex:
+            e = ex[name]
+            rows.append(
+                (
+                    f"crawl: extract docs per CPU-s, {name} vs datatrove Trafilatura ({d['html_kb_per_page']:.1f} KB "
+                    f"pages; body kept {e['body_words_kept']:.3f} vs {peer.get('body_words_kept', float('nan')):.3f}, "
+                    f"boilerplate left {e['boilerplate_words_left']:.3f})",
+                    e["docs_per_cpu_s"],
+                    peer.get("docs_per_cpu_s"),
+                    _ratio(e["docs_per_cpu_s"], peer.get("docs_per_cpu_s", 0)),
+                    "body >= 0.9, boilerplate <= 0.1",
+                )
+            )
+    rows.append(
+        ("crawl: language id (pyCLD2) docs per CPU-s", d["language"]["ours_cld2_docs_per_cpu_s"], None, None, "-")
+    )
+    rows.append(
+        (
+            "crawl: heuristic filters docs per CPU-s, ours (12 Gopher/C4 rules) vs datatrove Gopher x2 + C4",
+            fl["ours_all_rules_docs_per_cpu_s"],
+            fl.get("datatrove_all_three_docs_per_cpu_s"),
+            _ratio(fl["ours_all_rules_docs_per_cpu_s"], fl.get("datatrove_all_three_docs_per_cpu_s", 0)),
+            ">= 1",
+        )
+    )
+    rows.append(
+        ("crawl: quality classifier scoring docs per CPU-s", d["classifier"]["ours_docs_per_cpu_s"], None, None, "-")
+    )
+    rows.append(
+        (
+            "crawl: mtnlg-extract end to end records per CPU-s",
+            d["end_to_end"]["ours_records_per_cpu_s"],
+            None,
+            None,
+            "-",
+        )
+    )
+    rows += [(f"crawl: {note}", None, None, None, "") for note in d.get("notes", [])]
+    return rows
+
+
 SUITE = [
     Benchmark(
         "overhead",
@@ -369,4 +423,5 @@ SUITE = [
     ),
     Benchmark("eval", "bench_eval.py", ["--repeats", "2"], eval_rows),
     Benchmark("export", "bench_export.py", ["--layers", "8", "--max-shard-size", "50MB"], export_rows),
+    Benchmark("crawl", "bench_crawl.py", ["--copies", "1", "--english-pages", "100"], crawl_rows),
 ]

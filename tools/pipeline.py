@@ -23,6 +23,7 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.curation.cli_common import int_at_least
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 
 
 def main(argv=None) -> int:
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 
     try:
+        require_extra("hf", "the pipeline's export stage (mtnlg-export-hf)")  # before any stage runs
+        if not args.no_plot:
+            require_extra("plot", "report.png (or pass --no-plot)")
         settings = PipelineSettings.for_run(
             args.out_dir,
             smoke=args.smoke,

@@ -9,15 +9,40 @@ from lightning.pytorch.cli import LightningCLI
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.resilience.exit_codes import ExitCode
 
 
 class MTNLGCLI(LightningCLI):
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
+        if config is not None:
+            check_strategy_extras(config.trainer.strategy)
+
     def before_instantiate_classes(self) -> None:
         """`trainer.precision: null` picks the fastest correct precision for the machine (`default_precision`)."""
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.trainer.precision is None:
             config.trainer.precision = default_precision()
+
+    def before_fit(self) -> None:
+        """`--ckpt_path last` (and, on a restart, no `--ckpt_path`) resumes from the newest complete checkpoint in any
+        of the run's checkpoint folders (`resilience/restart.py`)."""
+        from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+
+        config = self.config_init[self.subcommand]
+        config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
+
+
+def check_strategy_extras(strategy) -> None:
+    """A ZeRO stage needs DeepSpeed: say so right after parsing, before the seed line, data or processes."""
+    class_path = getattr(strategy, "class_path", None) or ""
+    if class_path.endswith("MegatronDeepSpeedStrategy"):
+        zero_stage = (getattr(strategy, "init_args", None) or {}).get("zero_stage", 1)
+        if isinstance(zero_stage, int) and zero_stage >= 1:
+            require_extra("deepspeed", f"zero_stage {zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
 
 
 def default_precision() -> str:
@@ -54,14 +79,16 @@ def main(args: list[str] | None = None) -> None:
     if "WANDB_MODE" not in os.environ and not _wandb_configured():
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
     try:
-        MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
+        cli = MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
     except MTNLGError as error:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
         if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
             print(f"mtnlg: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(ExitCode.CONFIG_ERROR)
     _destroy_process_group()
+    if any(getattr(cb, "stopped_at", None) is not None for cb in cli.trainer.callbacks):
+        sys.exit(ExitCode.PREEMPTED)  # saved and stopped on a signal: requeue me (resilience/exit_codes.py)
 
 
 def _destroy_process_group() -> None:

@@ -41,6 +41,8 @@ class MTNLGModule(L.LightningModule):
         grad_clip: float | None = 1.0,
         peak_tflops: float | None = None,
         preemption: bool = True,
+        watchdog: bool = True,
+        straggler_every_n_steps: int = 50,
         init_from: str | None = None,
     ):
         """
@@ -59,6 +61,10 @@ class MTNLGModule(L.LightningModule):
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
             preemption: on SIGTERM / SIGUSR1 every rank saves a checkpoint at the next step and stops cleanly
                 (`checkpoint.preemption.Preemption`); false leaves signals to Lightning.
+            watchdog: end a rank that stops progressing, with a stack dump and exit code 124
+                (`resilience.watchdog.HangWatchdog`; add that callback yourself to change its limits).
+            straggler_every_n_steps: log the slowest rank's step time every N steps and name a rank slower than
+                1.5x the median (`resilience.stragglers.StragglerMonitor`); 0 disables.
             init_from: start from these weights (fresh optimizer): a Hugging Face GPT-2 directory or a project
                 checkpoint; the architecture comes from it (see mtnlg_lightning.interop.init_from).
 
@@ -111,8 +117,18 @@ class MTNLGModule(L.LightningModule):
 
     def configure_callbacks(self):
         from mtnlg_lightning.checkpoint.preemption import Preemption
+        from mtnlg_lightning.resilience.stragglers import StragglerMonitor
+        from mtnlg_lightning.resilience.watchdog import HangWatchdog
 
-        return [Preemption()] if self.hparams.preemption else []
+        # A callback the user configured in `trainer.callbacks` is kept (Lightning would replace it by type).
+        present = self._trainer.callbacks if self._trainer is not None else []
+        defaults = [Preemption()] if self.hparams.preemption else []
+        if self.hparams.watchdog and not any(isinstance(cb, HangWatchdog) for cb in present):
+            defaults.append(HangWatchdog())
+        every = self.hparams.straggler_every_n_steps
+        if every and not any(isinstance(cb, StragglerMonitor) for cb in present):
+            defaults.append(StragglerMonitor(every))
+        return defaults
 
     def setup(self, stage: str) -> None:
         # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
@@ -227,6 +243,11 @@ class MTNLGModule(L.LightningModule):
         # The rank closest to running out decides whether a layout fits: max over ranks.
         peak = torch.tensor(self._peak_memory.read_bytes() / 2**20, device=self.device)
         self.log("peak_memory_mib", peak, sync_dist=True, reduce_fx="max")
+
+    def on_train_start(self) -> None:
+        from mtnlg_lightning.resilience.restart import report_restart
+
+        report_restart(self.trainer)
 
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None

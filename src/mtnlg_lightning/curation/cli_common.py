@@ -95,3 +95,9 @@ def add_engine_args(p, what: str) -> None:
 def check_engine_args(args, parser) -> None:
     if args.ray_address and args.engine != "ray":
         parser.error("--ray-address is for --engine ray")
+    if args.engine == "ray":  # before any input is read: one line naming the extra
+        from mtnlg_lightning.extras import install_hint, missing_modules
+
+        if missing_modules("ray"):
+            print(f"{parser.prog}: error: --engine ray needs Ray: {install_hint('ray')}", file=sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT)

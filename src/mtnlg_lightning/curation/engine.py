@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from mtnlg_lightning.extras import install_hint
+
 from .jsonl import InputError
 from .mapcache import clear_maps
 
@@ -126,7 +128,7 @@ class RayEngine:
         try:
             import ray
         except ImportError:
-            raise InputError("--engine ray needs Ray: pip install 'mtnlg-lightning[ray]'") from None
+            raise InputError(f"--engine ray needs Ray: {install_hint('ray')}") from None
         self.ray = ray
         self.started_here = False
         if not ray.is_initialized():

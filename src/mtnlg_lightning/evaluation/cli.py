@@ -19,6 +19,7 @@ from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.data import read_documents, read_records
 from mtnlg_lightning.evaluation.scoring import Scorer
+from mtnlg_lightning.extras import require_extra
 
 FIELDS = {"lambada": ("text",), "hans": ("sentence1", "sentence2", "gold_label")}
 
@@ -71,6 +72,7 @@ def evaluate_task(scorer, tokenizer, args) -> dict:
 
 def check_args(args) -> None:
     if args.harness_tasks:
+        require_extra("eval", "--harness-tasks")  # before the model is loaded
         return
     if args.task not in tasks.TASKS:
         known = ", ".join(tasks.TASKS)

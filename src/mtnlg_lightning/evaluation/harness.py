@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.generate import generate
 
 
 def _lm_base():
-    try:
-        from lm_eval.api.model import LM
-    except ImportError:
-        raise MTNLGError("the harness adapter needs lm-eval: pip install 'mtnlg-lightning[eval]'") from None
+    require_extra("eval", "the harness adapter")
+    from lm_eval.api.model import LM
+
     return LM
 
 

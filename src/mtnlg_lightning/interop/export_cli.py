@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.extras import require_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         from mtnlg_lightning.interop.hf import export_hf, read_source
         from mtnlg_lightning.interop.safetensors_shards import parse_size
 

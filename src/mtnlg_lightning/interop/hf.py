@@ -21,6 +21,7 @@ from mtnlg_lightning.checkpoint.model_state import LazyWeights, as_lazy
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.interop.gpt2_mapping import CONSTANT_BUFFERS, TensorPair, from_hf, tensor_pairs
 from mtnlg_lightning.interop.safetensors_shards import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -37,10 +38,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MTNLGError("Hugging Face interop needs transformers: pip install 'mtnlg-lightning[hf]'") from None
+    require_extra("hf", "Hugging Face export")
+    import transformers
+
     return transformers
 
 

@@ -21,6 +21,7 @@ import torch
 
 from mtnlg_lightning.config import deep_merge
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
 
@@ -124,10 +125,8 @@ def build_deepspeed_config(
 
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, mpu: ModelParallelUnit):
     """`deepspeed.initialize` on this rank's model shard with the module's optimizer; returns the engine."""
-    try:
-        import deepspeed
-    except ImportError as error:  # pragma: no cover - depends on the install
-        raise MTNLGError("zero_stage >= 1 needs DeepSpeed: pip install 'mtnlg-lightning[deepspeed]'") from error
+    require_extra("deepspeed", "zero_stage >= 1")
+    import deepspeed
     from packaging.specifiers import SpecifierSet
 
     supported = supported_deepspeed()

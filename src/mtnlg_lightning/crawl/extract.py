@@ -1,0 +1,397 @@
+"""WARC/WET records to JSON lines of text: HTML to text (jusText, the NeMo-Curator default, or trafilatura), language
+identification (pyCLD2, whose model ships inside the package), every failure counted by reason and never fatal.
+
+One task reads one file and handles the records whose number falls in its part (``number % parts == part``);
+the driver merges the parts of a file by record number, so a file's shard is the same bytes whatever the number
+of workers or the engine.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from mtnlg_lightning.curation.jsonl import dumps_line
+
+from .warc import BrokenRecord, iter_records
+
+EXTRACTORS = ("justext", "trafilatura")
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+# Records that are not pages and are passed over without being counted as failures.
+NON_PAGE_TYPES = ("warcinfo", "request", "metadata", "revisit")
+UNKNOWN_LANGUAGE = "un"
+# C0 controls other than tab/newline/CR, and lone surrogates: CLD2 refuses them, JSON consumers choke on some
+_BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+_CHARSET = re.compile(rb"""<meta[^>]+charset=["']?([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    extractor: str = "justext"
+    languages: tuple[str, ...] = ()  # keep only these ISO 639-1 codes; empty: keep every language
+    min_chars: int = 1  # a page whose extracted text is shorter is dropped as no_text
+    policy_lines: bool = False  # keep lines C4 removes (cookie and privacy notices, "enable JavaScript")
+
+
+@dataclass(frozen=True)
+class Part:
+    path: str
+    part: int
+    parts: int
+
+
+# --- language identification -------------------------------------------------------------------------------------
+
+
+def identify_language(text: str, html: bool = False) -> tuple[str, float, str]:
+    """(ISO 639-1 code, score in [0, 1], CLD2 language name) of the text's main language; ``un`` when CLD2
+    cannot tell. The score is the share of the text CLD2 gives the language, zero when it calls it unreliable."""
+    import pycld2
+
+    try:
+        reliable, _, details = pycld2.detect(_BAD_CHARS.sub(" ", text), isPlainText=not html)
+    except pycld2.error:
+        return UNKNOWN_LANGUAGE, 0.0, "Unknown"
+    name, code, percent, _ = details[0]
+    code = code.split("-")[0]  # zh-Hant -> zh; CLD2 codes are ISO 639-1 where one exists
+    if code in ("un", "xx", "xxx"):
+        return UNKNOWN_LANGUAGE, 0.0, "Unknown"
+    return code, (percent / 100.0 if reliable else 0.0), name
+
+
+@functools.cache
+def _stoplist(cld2_name: str) -> frozenset[str]:
+    """jusText's stop-word list for a CLD2 language name; empty (jusText's language-independent mode, length and
+    link density only) when jusText has none."""
+    import justext
+
+    wanted = cld2_name.replace(" ", "_").lower()
+    for name in justext.get_stoplists():
+        if name.lower() == wanted:
+            return justext.get_stoplist(name)
+    return frozenset()
+
+
+# --- HTML to text ------------------------------------------------------------------------------------------------
+
+# C4's line rule (Raffel et al. 2020; tensorflow-datasets c4_utils): lines naming a site policy or asking for
+# JavaScript are boilerplate wherever they appear. jusText keeps a long cookie-consent paragraph (it reads like
+# prose: long, full of stop words), so this runs after either extractor. English phrases only.
+POLICY_SUBSTRINGS = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+
+
+def drop_policy_lines(text: str) -> tuple[str, int]:
+    """(text without C4's policy and JavaScript lines, how many were removed)"""
+    kept, removed = [], 0
+    for line in text.split("\n"):
+        low = line.lower()
+        if "javascript" in low or any(s in low for s in POLICY_SUBSTRINGS):
+            removed += 1
+        else:
+            kept.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(kept)), removed
+
+
+def html_to_text(html: str, extractor: str, cld2_name: str) -> str:
+    if extractor == "trafilatura":
+        import trafilatura
+
+        return trafilatura.extract(html, include_comments=False, include_tables=False) or ""
+    import justext
+
+    stoplist = _stoplist(cld2_name)
+    # empty stop-word list: no stop-word density can be asked for (jusText's language-independent mode)
+    kwargs = {} if stoplist else {"stopwords_low": 0.0, "stopwords_high": 0.0}
+    paragraphs = justext.justext(html, stoplist, **kwargs)
+    return "\n\n".join(p.text for p in paragraphs if not p.is_boilerplate)
+
+
+def decode_html(payload: bytes, content_type: str) -> str | None:
+    """Text of an HTML payload: the charset of the Content-Type header, else of a <meta> tag, else UTF-8; None when
+    the bytes do not decode in it (a page in an unknown encoding is dropped, not guessed into mojibake)."""
+    charsets = []
+    m = re.search(r"charset=([A-Za-z0-9_.:-]+)", content_type, re.IGNORECASE)
+    if m:
+        charsets.append(m.group(1))
+    m = _CHARSET.search(payload[:4096])
+    if m:
+        charsets.append(m.group(1).decode("ascii"))
+    charsets.append("utf-8")
+    for charset in charsets:
+        try:
+            codecs.lookup(charset)
+        except LookupError:
+            continue
+        try:
+            return payload.decode(charset)
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
+# --- one record --------------------------------------------------------------------------------------------------
+
+
+def _mime(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, str, int]:
+    """(document, "ok", policy lines removed) or (None, reason the record gave no document, 0)."""
+    rec_type = record.rec_type
+    if rec_type in NON_PAGE_TYPES:
+        return None, f"skipped_{rec_type}", 0
+    headers = record.rec_headers
+    is_wet = rec_type == "conversion"
+    if rec_type == "response":
+        http = record.http_headers
+        if http is None or not str(http.protocol).upper().startswith("HTTP/"):
+            return None, "bad_http_headers", 0
+        status = http.get_statuscode()
+        if not str(status).startswith("2"):
+            return None, "http_status_not_2xx", 0
+        content_type = http.get_header("Content-Type") or ""
+    else:
+        content_type = headers.get_header("Content-Type") or ""
+    mime = _mime(content_type)
+    if not is_wet and mime not in HTML_TYPES:
+        return None, "not_html", 0
+    try:
+        payload = record.content_stream().read()  # undoes Content-Encoding (gzip, deflate, br)
+    except Exception:  # a body that says gzip and is not: zlib, brotli or EOF errors
+        return None, "content_decoding", 0
+    if not payload.strip():
+        return None, "empty_payload", 0
+    encoding = (record.http_headers.get_header("Content-Encoding") or "") if record.http_headers else ""
+    if encoding.strip().lower() in ("gzip", "x-gzip") and payload[:2] == b"\x1f\x8b":
+        return None, "content_decoding", 0  # warcio hands back the raw bytes when they do not decompress
+
+    if is_wet:
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "undecodable", 0
+    else:
+        html = decode_html(payload, content_type)
+        if html is None:
+            return None, "undecodable", 0
+        # the page's language first, from the HTML, to give jusText the right stop-word list
+        _, _, cld2_name = identify_language(html, html=True)
+        try:
+            text = html_to_text(html, settings.extractor, cld2_name)
+        except Exception:  # lxml ParserError and friends on markup too broken to parse
+            return None, "html_parse_error", 0
+    removed = 0
+    if not settings.policy_lines:
+        text, removed = drop_policy_lines(text)
+    text = _BAD_CHARS.sub("", text).strip()
+    if len(text) < max(1, settings.min_chars):
+        return None, "no_text", 0
+    language, score, _ = identify_language(text)
+    if settings.languages and language not in settings.languages:
+        return None, "language_not_kept", 0
+    doc = {
+        "id": headers.get_header("WARC-Record-ID") or "",
+        "url": headers.get_header("WARC-Target-URI") or "",
+        "date": headers.get_header("WARC-Date") or "",
+        "text": text,
+        "language": language,
+        "language_score": round(score, 4),
+    }
+    return doc, "ok", removed
+
+
+def extract_part(settings: ExtractSettings, item: Part, on_record=None) -> dict:
+    """One task: the records of ``item.path`` whose number is in part ``item.part`` of ``item.parts``.
+    Returns the output lines with their record numbers and the counts by outcome. ``on_record()`` is called after
+    each record handled (a progress bar, when the task runs in the driver)."""
+    lines: list[tuple[int, bytes]] = []
+    outcomes: Counter = Counter()
+    languages: Counter = Counter()
+    policy_lines = 0
+    for number, record in iter_records(item.path):
+        if number % item.parts != item.part:
+            continue
+        if on_record is not None:
+            on_record()
+        if isinstance(record, BrokenRecord):
+            outcomes[record.reason] += 1
+            continue
+        try:
+            doc, outcome, removed = record_to_document(record, settings)
+        except Exception as err:  # never fatal: whatever a record does, the file goes on
+            doc, outcome, removed = None, f"error:{type(err).__name__}", 0
+        outcomes[outcome] += 1
+        if doc is not None:
+            policy_lines += removed
+            lines.append((number, dumps_line(doc)))
+            languages[doc["language"]] += 1
+    return {
+        "path": item.path,
+        "lines": lines,
+        "outcomes": dict(outcomes),
+        "languages": dict(languages),
+        "policy_lines_removed": policy_lines,
+    }
+
+
+# --- a run -------------------------------------------------------------------------------------------------------
+
+WARC_SUFFIXES = (".warc.wet.gz", ".warc.wet", ".warc.gz", ".wet.gz", ".arc.gz", ".warc", ".wet", ".gz")
+
+
+def shard_name(path: str) -> str:
+    """OUT/<input name without its WARC suffixes>.jsonl"""
+    import os
+
+    name = os.path.basename(path)
+    for suffix in WARC_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return name + ".jsonl"
+
+
+def check_inputs(paths: list[str]) -> None:
+    import os
+
+    from mtnlg_lightning.curation.jsonl import InputError
+
+    seen: dict[str, str] = {}
+    for path in paths:
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: no such file" if not os.path.exists(path) else f"{path}: not a file")
+        if not os.access(path, os.R_OK):
+            raise InputError(f"{path}: not readable")
+        with open(path, "rb") as f:
+            head = f.read(512)
+        if not head:
+            raise InputError(f"{path}: empty input (no records)")
+        if not (head.startswith(b"\x1f\x8b") or head.startswith(b"WARC/")):
+            raise InputError(f"{path}: not a WARC/WET file (expected 'WARC/' or gzip at the start)")
+        name = shard_name(path)
+        if name in seen:
+            raise InputError(f"{path} and {seen[name]} would both write {name}; rename one")
+        seen[name] = path
+
+
+MAX_PARTS_PER_FILE = 8
+
+
+def parts_per_file(files: int, cpus: int) -> int:
+    """Split each file into enough parts for ~2 tasks per CPU, at most MAX_PARTS_PER_FILE: a part inflates and
+    parses the whole file but extracts only its own records; reading is ~3% of extracting (benchmarks/bench_crawl.py),
+    so 8 parts cost ~25% more CPU than one. A crawl of many files runs one part per file."""
+    return min(MAX_PARTS_PER_FILE, max(1, -(-2 * cpus // files))) if cpus > 1 else 1
+
+
+def run_extract(
+    inputs: list[str],
+    output_dir: str,
+    settings: ExtractSettings,
+    workers: int = 1,
+    engine: str = "local",
+    ray_address: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Extract every input into OUT/<name>.jsonl and write OUT/extract_report.json; returns the report."""
+    import os
+    import time
+
+    from tqdm import tqdm
+
+    from mtnlg_lightning.curation.engine import make_engine
+    from mtnlg_lightning.curation.jsonl import atomic_write, write_json_atomic
+
+    check_inputs(inputs)
+    os.makedirs(output_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    runner = make_engine(engine, workers, ray_address)
+    files: dict[str, dict] = {}
+    try:
+        cpus = runner.cpus  # asked before close(): a Ray started for the run is gone after it
+        parts = parts_per_file(len(inputs), cpus)
+        items = [Part(path, k, parts) for path in inputs for k in range(parts)]
+        pending: list[dict] = []
+        per_part = not (cpus == 1 and runner.name == "local")
+        if not per_part:
+            # one process: the parts run here, one after the other, so the bar can count records as they go
+            bar = tqdm(desc="extract", unit=" records", disable=not progress)
+            results = (extract_part(settings, item, lambda: bar.update(1)) for item in items)
+        else:
+            bar = tqdm(total=len(items), desc="extract", unit="part", disable=not progress)
+            results = runner.map(extract_part, items, settings)
+        for result in results:
+            if per_part:
+                bar.update(1)
+            pending.append(result)
+            if len(pending) < parts:
+                continue
+            path = pending[0]["path"]
+            lines = sorted((line for r in pending for line in r["lines"]), key=lambda x: x[0])
+            with atomic_write(os.path.join(output_dir, shard_name(path)), "wb", fsync=True) as f:
+                for _, line in lines:
+                    f.write(line)
+            outcomes: Counter = Counter()
+            languages: Counter = Counter()
+            for r in pending:
+                outcomes.update(r["outcomes"])
+                languages.update(r["languages"])
+            files[path] = {
+                "output": shard_name(path),
+                "records": sum(outcomes.values()),
+                "documents": outcomes.get("ok", 0),
+                "outcomes": dict(sorted(outcomes.items())),
+                "languages": dict(languages.most_common()),
+                "policy_lines_removed": sum(r["policy_lines_removed"] for r in pending),
+            }
+            pending = []
+        bar.close()
+    finally:
+        runner.close()
+    total_outcomes: Counter = Counter()
+    total_languages: Counter = Counter()
+    for f in files.values():
+        total_outcomes.update(f["outcomes"])
+        total_languages.update(f["languages"])
+    report = {
+        "inputs": len(inputs),
+        "records": sum(total_outcomes.values()),
+        "documents": total_outcomes.get("ok", 0),
+        "outcomes": dict(sorted(total_outcomes.items())),
+        "languages": dict(total_languages.most_common()),
+        "policy_lines_removed": sum(f["policy_lines_removed"] for f in files.values()),
+        "settings": {
+            "extractor": settings.extractor,
+            "languages": list(settings.languages),
+            "min_chars": settings.min_chars,
+            "policy_lines": settings.policy_lines,
+        },
+        "engine": engine,
+        "workers": cpus,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "files": files,
+    }
+    write_json_atomic(os.path.join(output_dir, "extract_report.json"), report, fsync=True)
+    return report
+
+
+def format_summary(report: dict) -> str:
+    outcomes = report["outcomes"]
+    dropped = {k: v for k, v in outcomes.items() if k != "ok" and not k.startswith("skipped_")}
+    skipped = sum(v for k, v in outcomes.items() if k.startswith("skipped_"))
+    langs = ", ".join(f"{k} {v}" for k, v in list(report["languages"].items())[:8]) or "-"
+    lines = [
+        f"mtnlg-extract: {report['inputs']} file(s), {report['records']} records in {report['seconds']:.1f} s "
+        f"({report['engine']}, {report['workers']} worker(s))",
+        f"  documents  {report['documents']} written",
+        f"  skipped    {skipped} non-page records (warcinfo, request, metadata, revisit)",
+        f"  dropped    {sum(dropped.values())}"
+        + (": " + ", ".join(f"{k} {v}" for k, v in dropped.items()) if dropped else ""),
+        f"  languages  {langs}",
+        f"  lines      {report['policy_lines_removed']} cookie/privacy/JavaScript lines removed (C4's rule)",
+    ]
+    return "\n".join(lines)
