@@ -41,8 +41,10 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise MTNLGError(f"{path / 'config.json'} is not readable JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise MTNLGError(f"{path / 'config.json'} is not a JSON object")
     model_type = cfg.get("model_type")
     if model_type != "gpt2":
         raise MTNLGError(f"{path} holds a {model_type!r} model; only GPT-2-architecture models (gpt2) can be imported")
@@ -55,6 +57,7 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         problems.append("an untied LM head")
     if problems:
         raise MTNLGError(f"{path}: GPT-2 variant with {', '.join(problems)} cannot be imported")
+    _check_hf_keys(path, cfg)
     n_positions = cfg.get("n_positions", 1024)
     return ModelConfig(
         num_layers=cfg["n_layer"],
@@ -71,6 +74,45 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     )
 
 
+HF_REQUIRED = ("n_layer", "n_embd", "n_head", "vocab_size")
+HF_OPTIONAL_INTS = ("n_positions", "n_inner")
+HF_RATES = ("resid_pdrop", "attn_pdrop", "embd_pdrop")
+
+
+def _check_hf_keys(path: Path, cfg: dict) -> None:
+    """The keys the import reads, by type and range: a missing or wrong one is one line naming it."""
+    where = path / "config.json"
+    for key in HF_REQUIRED + HF_OPTIONAL_INTS:
+        value = cfg.get(key)
+        if key in HF_REQUIRED and key not in cfg:
+            raise MTNLGError(f"{where} has no {key!r} (a GPT-2 config needs {', '.join(HF_REQUIRED)})")
+        if (key in HF_REQUIRED or value is not None) and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        ):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected an integer >= 1")
+    for key in (*HF_RATES, "layer_norm_epsilon"):
+        value = cfg.get(key, 0.0)
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected a number in [0, 1)")
+
+
+def _shard_names(path: Path, index: Path) -> list[str]:
+    """The shard files of a sharded safetensors index, each a plain name inside the directory."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, RecursionError, AttributeError) as exc:
+        raise MTNLGError(f"{index} is not a readable index ({type(exc).__name__})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MTNLGError(f"{index} has no weight_map of tensor names to shard files")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not shard or shard in (".", "..") or any(c in shard for c in "/\\\0"):
+            raise MTNLGError(f"{index} names the shard {shard!r}, which is not a plain file name inside {path}")
+        if not (path / shard).is_file():
+            raise MTNLGError(f"{index} names the shard {shard}, which is not in {path}")
+    return shards
+
+
 def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -78,7 +120,7 @@ def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        shards = _shard_names(path, index)
         return {k: v for shard in shards for k, v in load_file(path / shard).items()}
     if (path / "pytorch_model.bin").is_file():  # files from elsewhere never run code: tensors only
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -96,8 +138,18 @@ def read_hf_dir(path: str | Path) -> ModelState:
     except Exception as exc:  # noqa: BLE001 - a corrupt weights file is one line for the user
         raise MTNLGError(f"cannot read the weights in {path} ({type(exc).__name__}: {exc})") from None
     weights = {k: v.float() for k, v in from_hf(tensors, config).items()}
+    _check_hf_shapes(path, weights, config)
     has_tokenizer = (path / "tokenizer.json").is_file() or (path / "vocab.json").is_file()
     return ModelState(config, weights, {"init_from": str(path)}, path if has_tokenizer else None)
+
+
+def _check_hf_shapes(path: Path, weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Every tensor has the shape config.json implies (checked before the weights go into a model)."""
+    from mtnlg_lightning.checkpoint.validate import expected_shapes
+
+    for name, shape in expected_shapes(config, len(weights)).items():
+        if name in weights and tuple(weights[name].shape) != shape:
+            raise MTNLGError(f"{path}: {name} is {list(weights[name].shape)}, config.json implies {list(shape)}")
 
 
 def read_source(path: str | Path) -> ModelState:
