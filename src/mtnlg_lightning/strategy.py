@@ -15,7 +15,6 @@ SLURM (Lightning's cluster environments).
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -399,4 +398,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath) -> None:
         self.barrier()
         if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+            from mtnlg_lightning.checkpoint.commit import remove_checkpoint
+
+            remove_checkpoint(filepath)

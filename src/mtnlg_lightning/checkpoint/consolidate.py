@@ -18,7 +18,11 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False) -> dict
     from safetensors.torch import save_file
 
     from mtnlg_lightning.checkpoint.format import open_verified
+    from mtnlg_lightning.outputs import check_output, discard, staging_file
 
+    check_output(output, [checkpoint], replaces_dir=False)  # never a file of the checkpoint itself
+    if output.is_dir():
+        raise MTNLGError(f"{output} is a directory; name the output file, e.g. {output / 'model.safetensors'}")
     reader = open_verified(checkpoint)
     manifest = reader.manifest
     keys = [k for k in sorted(manifest["tensors"]) if optimizer or k.startswith("model/")]
@@ -29,10 +33,13 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False) -> dict
         "global_step": str(manifest.get("global_step")),
         "consumed_samples": str(manifest.get("consumed_samples")),
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temp = output.with_name(f".{output.name}.tmp")
-    save_file(tensors, str(temp), metadata=metadata)
-    os.replace(temp, output)
+    temp = staging_file(output)
+    try:
+        save_file(tensors, temp, metadata=metadata)
+        os.replace(temp, output)
+    except BaseException:
+        discard(temp)
+        raise
     return {
         "tensors": len(tensors),
         "bytes": output.stat().st_size,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from mtnlg_lightning.checkpoint.commit import prepare_staging, publish
+from mtnlg_lightning.checkpoint.commit import prepare_staging, publish, remove_checkpoint
 from mtnlg_lightning.checkpoint.format import TensorReader, copy_tokenizer, write_manifest, write_meta, write_pieces
 from mtnlg_lightning.checkpoint.model_space import model_slots
 from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
@@ -62,7 +62,7 @@ class ModelSpaceCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path) -> None:
-        TorchCheckpointIO().remove_checkpoint(path)
+        remove_checkpoint(path)
 
 
 def _torch_optimizer_state(module, reader: TensorReader, slots, optimizer: dict) -> dict:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.evaluation import tasks
@@ -92,11 +90,10 @@ def table(results: dict) -> str:
 
 
 def write_json(path: str, payload: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    from mtnlg_lightning.outputs import atomic_write
+
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(payload, indent=1) + "\n")
 
 
 def run(args) -> dict:

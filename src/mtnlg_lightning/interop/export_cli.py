@@ -36,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from mtnlg_lightning.interop.hf import export_hf, read_source
+        from mtnlg_lightning.outputs import check_output
 
+        # OUT is replaced whole: never the checkpoint, its folder or a parent of it, the tokenizer's, ., ~ or /.
+        check_output(args.output_dir, [args.checkpoint, args.tokenizer], replaces_dir=True)
         state = read_source(args.checkpoint)
+        check_output(args.output_dir, [state.tokenizer], replaces_dir=True)
         summary = export_hf(state, args.output_dir, args.dtype, args.tokenizer, args.overwrite)
     except MTNLGError as error:
         print(f"mtnlg-export-hf: error: {one_line(error)}", file=sys.stderr)

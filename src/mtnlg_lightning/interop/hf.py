@@ -7,9 +7,6 @@ A directory holds `config.json` (`model_type: gpt2`), `model.safetensors` (or sh
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +16,7 @@ from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.gpt2_mapping import from_hf, to_hf
+from mtnlg_lightning.outputs import staged_dir
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -210,9 +208,7 @@ def export_hf(
         architectures=["GPT2LMHeadModel"],
         dtype=str(DTYPES[dtype]).removeprefix("torch."),
     )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    with staged_dir(output) as tmp:  # the previous output stays until this one is complete
         hf_config.save_pretrained(tmp)
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(tmp)
@@ -226,10 +222,6 @@ def export_hf(
                 model_max_length=config.max_position_embeddings,
             )
             fast.save_pretrained(tmp)
-        _replace_dir(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "output": str(output),
         "parameters": sum(t.numel() for t in tensors.values()),
@@ -237,14 +229,3 @@ def export_hf(
         "dtype": dtype,
         "tokenizer": str(tokenizer) if tokenizer else None,
     }
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move `new` to `target`; an existing target is moved aside first and removed only after the swap."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
