@@ -26,7 +26,9 @@ from mtnlg_lightning.errors import MTNLGError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pipeline.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "out_dir", nargs="?", default="runs/pipeline", help="where every stage writes (default: %(default)s)"
     )

@@ -157,3 +157,14 @@ def check_output(target: str | os.PathLike, inputs: Iterable[str | os.PathLike |
         for what, folder in protected.items():
             if _inside(folder, out):
                 raise MTNLGError(f"refusing to replace {target}: it is or contains {what} ({folder})")
+
+
+def check_input_file(path: str | os.PathLike) -> None:
+    """A file a tool reads: it exists, is a file (not a folder) and is not empty -- one line each."""
+    path = Path(path)
+    if not path.exists():
+        raise MTNLGError(f"{path} does not exist")
+    if not path.is_file():
+        raise MTNLGError(f"{path} is a directory, expected a file")
+    if path.stat().st_size == 0:
+        raise MTNLGError(f"{path} is empty")

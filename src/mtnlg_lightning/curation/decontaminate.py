@@ -85,6 +85,9 @@ class DecontamJob:
     def validate(self) -> None:
         cfg = self.cfg
         check_input_files([cfg.input])
+        for path in (cfg.output, cfg.report_path()):
+            if os.path.isdir(path):
+                raise InputError(f"{path} is a directory, expected a file to write")
         guard_output(cfg.output, [cfg.input, *cfg.tasks])  # an output file is never an input file
         guard_output(cfg.report_path(), [cfg.input, cfg.output, *cfg.tasks])
 

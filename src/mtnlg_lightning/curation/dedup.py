@@ -108,6 +108,8 @@ class DedupJob:
             if name in (DUPLICATES_NAME, REPORT_NAME):
                 raise InputError(f"{p}: input file name {name!r} collides with an output file name")
             seen[name] = p
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise InputError(f"--output-dir {self.out} is a file, expected a directory")
         for output in self.output_files() + [os.path.join(self.out, REPORT_NAME)]:
             guard_output(output, cfg.inputs)  # an output file is never an input file
         if not 0.0 < cfg.threshold <= 1.0:

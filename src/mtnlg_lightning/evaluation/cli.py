@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -68,6 +69,14 @@ def evaluate_task(scorer, tokenizer, args) -> dict:
 
 
 def check_args(args) -> None:
+    if args.limit is not None and args.limit < 1 or args.stride is not None and args.stride < 1:
+        raise MTNLGError("--limit and --stride must be at least 1")
+    if args.output:
+        from mtnlg_lightning.outputs import check_output
+
+        check_output(args.output, [args.checkpoint, args.data, args.fewshot_data, args.tokenizer], replaces_dir=False)
+        if os.path.isdir(args.output):
+            raise MTNLGError(f"--output {args.output} is a directory; name a JSON file")
     if args.harness_tasks:
         return
     if args.task not in tasks.TASKS:
@@ -75,6 +84,11 @@ def check_args(args) -> None:
         raise MTNLGError(f"unknown task {args.task!r}; the known tasks are {known} (or use --harness-tasks)")
     if not args.data:
         raise MTNLGError(f"--task {args.task} needs --data FILE")
+    from mtnlg_lightning.outputs import check_input_file
+
+    for path in (args.data, args.fewshot_data):  # before the model loads
+        if path:
+            check_input_file(path)
     if any(k < 0 for k in args.shots) or args.batch_size < 1:
         raise MTNLGError("--shots must be >= 0 and --batch-size >= 1")
 
