@@ -28,6 +28,7 @@ from mtnlg_lightning.checkpoint.validate import (
     config_mismatch,
     config_of,
     is_int,
+    pieces_by_file,
 )
 from mtnlg_lightning.errors import MTNLGError, one_line
 
@@ -172,6 +173,7 @@ def read_manifest(path: Path) -> dict:
 def verify_files(path: Path, manifest: dict, names: list[str] | None = None) -> str | None:
     """The first problem among `names` (default: every file of the manifest), or None: a missing file, a size
     that differs (truncated or grown), or a checksum that differs (altered)."""
+    placed = pieces_by_file(manifest)
     for name in sorted(names if names is not None else manifest["files"]):
         expected = manifest["files"][name]
         file = Path(path) / name
@@ -184,7 +186,7 @@ def verify_files(path: Path, manifest: dict, names: list[str] | None = None) -> 
             return f"checkpoint file {file} has {size} bytes, the manifest says {expected['size']} (truncated?)"
         if file_digest(file) != expected["xxh64"]:
             return f"checkpoint file {file} does not match its checksum in the manifest (altered or corrupt)"
-        problem = check_pieces_in_file(path, manifest, name)  # the header agrees with the manifest's pieces
+        problem = check_pieces_in_file(path, name, placed.get(name, []))  # the header agrees with the pieces
         if problem:
             return problem
     return None

@@ -305,14 +305,18 @@ def safetensors_header(file: Path, size: int) -> dict:
     return header
 
 
-def check_pieces_in_file(path: Path, manifest: dict, name: str) -> str | None:
-    """Every piece the manifest places in file `name` is there, with the manifest's dtype and the piece's shape."""
-    wanted = [
-        (key, entry["dtype"], piece)
-        for key, entry in manifest["tensors"].items()
-        for piece in entry["pieces"]
-        if piece["file"] == name
-    ]
+def pieces_by_file(manifest: dict) -> dict[str, list[tuple[str, str, dict]]]:
+    """file name -> [(tensor key, dtype, piece)] of the pieces the manifest places in it."""
+    out: dict[str, list] = {}
+    for key, entry in manifest["tensors"].items():
+        for piece in entry["pieces"]:
+            out.setdefault(piece["file"], []).append((key, entry["dtype"], piece))
+    return out
+
+
+def check_pieces_in_file(path: Path, name: str, wanted: list[tuple[str, str, dict]]) -> str | None:
+    """Every piece placed in file `name` (`wanted`, from `pieces_by_file`) is there, with the manifest's dtype and
+    the piece's shape, and the file holds nothing else."""
     if not wanted:
         return None
     file = Path(path) / name
