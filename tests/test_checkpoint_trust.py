@@ -118,6 +118,12 @@ def test_a_config_claiming_more_layers_than_the_manifest_holds_is_refused_before
     refused(ckpt, "1000000000 layers")
 
 
+def test_a_config_too_large_to_build_even_on_the_meta_device_is_one_line(ckpt):
+    """Found by the fuzzer (seed 1, case 9560): a position table of 2**62 rows overflows torch's size check."""
+    edit_manifest(ckpt, lambda m: m["model_config"].update(seq_len=2**62))
+    refused(ckpt, "cannot be built")
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

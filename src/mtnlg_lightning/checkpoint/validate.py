@@ -15,7 +15,7 @@ import struct
 import warnings
 from pathlib import Path
 
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import MTNLGError, one_line
 
 # The dtypes a checkpoint stores (manifest name -> safetensors name, bytes per element).
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
@@ -228,7 +228,11 @@ def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
 
     if config.num_layers > tensor_count:
         raise _error(f"model_config says {config.num_layers} layers but the manifest has {tensor_count} tensors")
-    expected = {name: tuple(p.shape) for name, p in build_model(config, "meta").named_parameters()}
+    try:  # meta tensors allocate nothing, but torch still refuses sizes past 2**63 bytes
+        model = build_model(config, "meta")
+    except (RuntimeError, OverflowError, ValueError) as error:
+        raise _error(f"model_config describes a model that cannot be built ({one_line(error)})") from None
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     expected["embed.wte.weight"] = (config.vocab_size, config.hidden_size)
     return expected
 
