@@ -18,9 +18,7 @@ python tools/validate_planner.py prints predicted vs published throughput.
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -141,10 +139,10 @@ def write_config(path: str, p: Plan, gpus_per_node: int) -> None:
     target = Path(path)
     if not target.parent.is_dir():
         raise MTNLGError(f"--write-config: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    from mtnlg_lightning.outputs import atomic_write
+
+    with atomic_write(target, "w") as f:
         f.write(strategy_yaml(p, gpus_per_node))
-    os.replace(tmp, target)
 
 
 def usage_lines(path: str, p: Plan, gpus_per_node: int) -> list[str]:

@@ -9,12 +9,16 @@ import sys
 
 import _bootstrap  # noqa: F401
 
+from mtnlg_lightning.curation.cli_common import int_at_least
 from mtnlg_lightning.data.preprocess import preprocess_jsonl
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import check_input_file, check_output
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="preprocess_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--input", required=True, help="JSONL file, one document per line")
     parser.add_argument("--json-key", default="text", help="field of each JSON record holding the text (default: text)")
     parser.add_argument(
@@ -23,16 +27,19 @@ def main(argv=None) -> int:
         help="tokenizer.json, or a directory with tokenizer.json or vocab.json + merges.txt",
     )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (atomically)")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    parser.add_argument("--workers", type=int_at_least(1), default=1, help="tokenizer processes (default: 1)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     try:
+        check_input_file(args.input)
+        for suffix in (".bin", ".idx"):  # never over the input or the tokenizer
+            check_output(args.output_prefix + suffix, [args.input, args.tokenizer], replaces_dir=False)
         summary = preprocess_jsonl(
             args.input,
             args.tokenizer,
             args.output_prefix,
             args.json_key,
-            max(1, args.workers),
+            args.workers,
             progress=not args.no_progress,
         )
     except MTNLGError as error:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mtnlg_lightning.config import get_config
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.model import build_model
@@ -82,10 +83,12 @@ class MTNLGModule(L.LightningModule):
             self.hparams["model_overrides"] = {k: v for k, v in resolved.items() if k != "name"}
         else:
             self.config = get_config(preset, **(model_overrides or {}))
+        if micro_batch_size < 1:
+            raise MTNLGError(f"model.micro_batch_size must be at least 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         ramp = rampup_batch_size or [None, None, 0]
         if len(ramp) != 3:
-            raise ValueError("rampup_batch_size takes [start, increment, ramp_samples]")
+            raise MTNLGError("rampup_batch_size takes [start, increment, ramp_samples]")
         self.batch_schedule = BatchSizeSchedule(global_batch_size, *ramp)
         self.lr_schedule = LRSchedule(lr, min_lr, warmup_tokens, decay_tokens)
         self.grad_clip = grad_clip

@@ -15,7 +15,6 @@ SLURM (Lightning's cluster environments).
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
+from mtnlg_lightning.checkpoint.commit import remove_checkpoint
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
@@ -422,11 +422,11 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath) -> None:
         if self.background_saver is not None:  # keep-last-k: remove the older one only after the newer is published
             if self.is_global_zero:
-                self.background_saver.after_publish(lambda: shutil.rmtree(filepath, ignore_errors=True))
+                self.background_saver.after_publish(lambda: remove_checkpoint(filepath))
             return
         self.barrier()
         if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+            remove_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         if self.background_saver is not None:

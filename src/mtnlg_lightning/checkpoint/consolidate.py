@@ -29,8 +29,12 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_sha
         write_safetensors,
         write_sharded,
     )
+    from mtnlg_lightning.outputs import check_output
 
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    check_output(output, [checkpoint], replaces_dir=False)  # never a file of the checkpoint itself
+    if output.is_dir():
+        raise MTNLGError(f"{output} is a directory; name the output file, e.g. {output / 'model.safetensors'}")
     reader = open_verified(checkpoint)
     manifest = reader.manifest
 

@@ -127,14 +127,15 @@ def _read_lightning_file(path: Path) -> ModelState:
 
 
 def _read_folder(path: Path, master: bool) -> ModelState:
-    from mtnlg_lightning.checkpoint.format import TOKENIZER, open_verified, read_meta
+    from mtnlg_lightning.checkpoint.format import MANIFEST, listed_tokenizer, open_verified, read_meta
+    from mtnlg_lightning.checkpoint.validate import config_of
 
-    reader = open_verified(path)
+    reader = open_verified(path)  # every file listed, hashed, tiled and of the shapes of its model_config
     manifest = reader.manifest
-    config = ModelConfig(**manifest["model_config"])
+    config = config_of(manifest, f"{path}/{MANIFEST}")
     weights = CheckpointWeights(reader, master)
-    hparams = dict(read_meta(path).get("hyper_parameters") or {})
-    tokenizer = path / TOKENIZER if (path / TOKENIZER).is_file() else None
+    hparams = dict(read_meta(path, manifest).get("hyper_parameters") or {})
+    tokenizer = listed_tokenizer(path, manifest)
     return ModelState(config, weights, hparams, tokenizer)
 
 

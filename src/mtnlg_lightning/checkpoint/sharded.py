@@ -27,6 +27,7 @@ from mtnlg_lightning.checkpoint.format import (
 )
 from mtnlg_lightning.checkpoint.model_space import Slot, model_slots
 from mtnlg_lightning.checkpoint.state_io import collect_pieces, optimizer_meta, restore_optimizer_meta, restore_pieces
+from mtnlg_lightning.checkpoint.validate import config_mismatch
 
 LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
@@ -156,26 +157,14 @@ def check_checkpoint(path: Path, slots: list[Slot], config, rank: int, world: in
     problem = _first_error(_all_gather(problem))
     if problem:
         raise CheckpointError(problem)
-    return manifest, read_meta(path)
+    return manifest, read_meta(path, manifest)
 
 
 def _shape_mismatch(manifest: dict, slots: list[Slot], config) -> str | None:
-    from mtnlg_lightning.model import build_model
-
+    problem = config_mismatch(manifest, config)
+    if problem:
+        return problem
     tensors = manifest["tensors"]
-    expected = {name: tuple(p.shape) for name, p in build_model(config, "meta").named_parameters()}
-    expected["embed.wte.weight"] = (config.vocab_size, config.hidden_size)
-    stored = {k.removeprefix("model/"): tuple(v["shape"]) for k, v in tensors.items() if k.startswith("model/")}
-    for name in sorted(set(expected) | set(stored)):
-        if name not in stored:
-            return f"the checkpoint has no tensor {name}, which this model has (another model shape?)"
-        if name not in expected:
-            return f"the checkpoint has a tensor {name} that this model does not have (another model shape?)"
-        if stored[name] != expected[name]:
-            return (
-                f"tensor {name} is {list(stored[name])} in the checkpoint and {list(expected[name])} in this model "
-                f"(another model shape?)"
-            )
     for slot in slots:  # the boxes this layout needs exist in the stored shapes
         if tuple(tensors[f"model/{slot.name}"]["shape"]) != slot.global_shape:
             return f"tensor {slot.name} does not fit this layout's shards"

@@ -18,7 +18,7 @@ import numpy as np
 
 from .decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
 from .engine import make_engine
-from .jsonl import InputError, check_input_files, line_starts_plan, shard_size, write_json_atomic
+from .jsonl import InputError, check_input_files, guard_output, line_starts_plan, shard_size, write_json_atomic
 from .ngrams import load_tasks
 from .signatures import Shard
 from .stages import Faults, Progress, StageRunner
@@ -85,11 +85,11 @@ class DecontamJob:
     def validate(self) -> None:
         cfg = self.cfg
         check_input_files([cfg.input])
-        real = os.path.realpath
-        if real(cfg.output) in {real(cfg.input), *map(real, cfg.tasks)}:
-            raise InputError(f"--output {cfg.output} would overwrite an input file")
-        if real(cfg.report_path()) in {real(cfg.input), real(cfg.output), *map(real, cfg.tasks)}:
-            raise InputError(f"report path {cfg.report_path()} collides with an input or the output")
+        for path in (cfg.output, cfg.report_path()):
+            if os.path.isdir(path):
+                raise InputError(f"{path} is a directory, expected a file to write")
+        guard_output(cfg.output, [cfg.input, *cfg.tasks])  # an output file is never an input file
+        guard_output(cfg.report_path(), [cfg.input, cfg.output, *cfg.tasks])
 
     def prepare(self, cpus: int = 1) -> list[Shard]:
         """Resume a run with the same inputs and settings, else start clean. Returns the shards."""
@@ -118,8 +118,6 @@ class DecontamJob:
             os.makedirs(self.work)
             plan = line_starts_plan(cfg.input, shard_size(os.path.getsize(cfg.input), cfg.shard_bytes, cpus))
             write_json_atomic(saved_path, {"fingerprint": fp, "plan": plan})
-        if os.path.exists(cfg.report_path()):  # never leave an old report next to an output being recomputed
-            os.unlink(cfg.report_path())
         path = os.path.abspath(cfg.input)
         return [Shard(0, i, path, s, e) for i, (s, e) in enumerate(plan)]
 
@@ -160,6 +158,8 @@ class DecontamJob:
                 raise
         finally:
             engine.close()
+        if os.path.exists(cfg.report_path()):  # replaced last: the old one never describes the new output
+            os.unlink(cfg.report_path())
         concatenate_parts(ctx, cfg.output)
         self.faults.point("publish:1")
         report = self.build_report(ctx, runner, t_tasks)

@@ -7,6 +7,7 @@ The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrai
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mtnlg_lightning.errors import MTNLGError, one_line
@@ -47,9 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         from mtnlg_lightning.interop.hf import export_hf, read_source
         from mtnlg_lightning.interop.safetensors_shards import parse_size
+        from mtnlg_lightning.outputs import check_output
 
         parse_size(args.max_shard_size)  # a bad size is one line before the checkpoint is read
+        # OUT is replaced whole: never the checkpoint, its folder or a parent of it, the tokenizer's, ., ~ or /.
+        check_output(args.output_dir, [args.checkpoint, args.tokenizer], replaces_dir=True)
+        if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+            raise MTNLGError(f"{args.output_dir} is a file; name a directory to write the model in")
         state = read_source(args.checkpoint)
+        check_output(args.output_dir, [state.tokenizer], replaces_dir=True)
         summary = export_hf(
             state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size
         )

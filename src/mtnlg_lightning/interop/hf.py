@@ -8,9 +8,6 @@ the weights move one tensor (or one slice of rows) at a time: memory holds a few
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,6 +29,7 @@ from mtnlg_lightning.interop.safetensors_shards import (
     tensor_progress,
     write_sharded,
 )
+from mtnlg_lightning.outputs import staged_dir
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,8 +51,10 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise MTNLGError(f"{path / 'config.json'} is not readable JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise MTNLGError(f"{path / 'config.json'} is not a JSON object")
     model_type = cfg.get("model_type")
     if model_type != "gpt2":
         raise MTNLGError(f"{path} holds a {model_type!r} model; only GPT-2-architecture models (gpt2) can be imported")
@@ -67,6 +67,7 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         problems.append("an untied LM head")
     if problems:
         raise MTNLGError(f"{path}: GPT-2 variant with {', '.join(problems)} cannot be imported")
+    _check_hf_keys(path, cfg)
     n_positions = cfg.get("n_positions", 1024)
     return ModelConfig(
         num_layers=cfg["n_layer"],
@@ -81,6 +82,28 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         layernorm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         name=cfg.get("_name_or_path") or path.name,
     )
+
+
+HF_REQUIRED = ("n_layer", "n_embd", "n_head", "vocab_size")
+HF_OPTIONAL_INTS = ("n_positions", "n_inner")
+HF_RATES = ("resid_pdrop", "attn_pdrop", "embd_pdrop")
+
+
+def _check_hf_keys(path: Path, cfg: dict) -> None:
+    """The keys the import reads, by type and range: a missing or wrong one is one line naming it."""
+    where = path / "config.json"
+    for key in HF_REQUIRED + HF_OPTIONAL_INTS:
+        value = cfg.get(key)
+        if key in HF_REQUIRED and key not in cfg:
+            raise MTNLGError(f"{where} has no {key!r} (a GPT-2 config needs {', '.join(HF_REQUIRED)})")
+        if (key in HF_REQUIRED or value is not None) and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        ):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected an integer >= 1")
+    for key in (*HF_RATES, "layer_norm_epsilon"):
+        value = cfg.get(key, 0.0)
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected a number in [0, 1)")
 
 
 class HFWeights(LazyWeights):
@@ -138,8 +161,22 @@ def read_hf_dir(path: str | Path) -> ModelState:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt weights file is one line for the user
         raise MTNLGError(f"cannot read the weights in {path} ({type(exc).__name__}: {exc})") from None
+    _check_hf_shapes(path, weights, config)
     has_tokenizer = (path / "tokenizer.json").is_file() or (path / "vocab.json").is_file()
     return ModelState(config, weights, {"init_from": str(path)}, path if has_tokenizer else None)
+
+
+def _check_hf_shapes(path: Path, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+    """Every tensor has the shape config.json implies (checked before the weights go into a model)."""
+    from mtnlg_lightning.checkpoint.validate import expected_shapes
+
+    names = set(weights)  # iterating a lazy mapping reads no tensor; `in` on it would
+    for name, shape in expected_shapes(config, len(names)).items():
+        if name not in names:
+            continue
+        found = weights.shape(name) if isinstance(weights, LazyWeights) else tuple(weights[name].shape)
+        if tuple(found) != shape:
+            raise MTNLGError(f"{path}: {name} is {list(found)}, config.json implies {list(shape)}")
 
 
 def read_source(path: str | Path) -> ModelState:
@@ -201,9 +238,7 @@ def export_hf(
         architectures=["GPT2LMHeadModel"],
         dtype=str(DTYPES[dtype]).removeprefix("torch."),
     )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    with staged_dir(output) as tmp:  # the previous output stays until this one is complete
         hf_config.save_pretrained(tmp)
         written = write_sharded(tmp, specs, shard_bytes, progress=tensor_progress(len(specs), f"writing {output.name}"))
         transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(tmp)
@@ -217,10 +252,6 @@ def export_hf(
                 model_max_length=config.max_position_embeddings,
             )
             fast.save_pretrained(tmp)
-        _replace_dir(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "output": str(output),
         "parameters": sum(spec.nbytes // spec.dtype.itemsize for spec in specs),
@@ -253,14 +284,3 @@ def hf_tensor_specs(weights: LazyWeights, config: ModelConfig, vocab: int, dtype
             shape = (vocab, *shape[1:])
         specs.append(TensorSpec(pair.theirs, pair.hf_shape(shape), dtype, rows_of(pair, shape)))
     return specs
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move `new` to `target`; an existing target is moved aside first and removed only after the swap."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
