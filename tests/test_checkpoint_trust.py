@@ -252,7 +252,7 @@ def test_hf_shard_names_are_confined_to_the_directory(hf_dir, tmp_path):
     shutil.move(hf_dir / "model.safetensors", tmp_path / "elsewhere.safetensors")
     index = {"metadata": {}, "weight_map": {"wte.weight": "../elsewhere.safetensors"}}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(MTNLGError, match="not a plain file name"):
+    with pytest.raises(MTNLGError, match=r"shard .*\.\./elsewhere.safetensors.* not a file inside"):
         read_hf_dir(hf_dir)
 
 
