@@ -6,6 +6,8 @@ torch.load of the same state (weights + Adam moments) in one process, measured i
 Each rank count is one torchrun launch of this script in `--worker` mode: one training step of the preset
 (sequence cut to 128 tokens: the state's size depends on the parameters only) under the 3D strategy with ZeRO-1
 over all ranks, then `trainer.save_checkpoint` and the strategy's `load_checkpoint`, timed between barriers.
+With `--stall-rounds N` (default 3) each launch also times how long a save stops training, synchronous against
+background (`async_save: true`), N saves each, alternating (medians).
 Model-state bytes = fp32 weights + two fp32 Adam moments = 12 bytes per parameter (the format stores no padding
 and the tied head once); "bytes on disk" is every file of the checkpoint.
 """
@@ -57,7 +59,39 @@ def _trainer(preset: str, devices: int, strategy):
     return trainer, module
 
 
-def worker(preset: str, out: Path, result: Path) -> None:
+def training_stalls(trainer, strategy, out: Path, rounds: int = 3) -> dict:
+    """How long a save stops training, synchronous vs background (`async_save`), `rounds` times each, alternating:
+    the time until `save_checkpoint` returns on the slowest rank (the barrier after it), and for the background save
+    also the time until its write is published."""
+    import statistics
+
+    import torch.distributed as dist
+
+    from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
+
+    background = BackgroundSaver(dist.new_group(backend="gloo"))
+    sync_s, async_s, publish_s = [], [], []
+    for index in range(rounds):
+        for mode, times in (("sync", sync_s), ("async", async_s)):
+            strategy.background_saver = background if mode == "async" else None
+            dist.barrier()
+            started = time.perf_counter()
+            trainer.save_checkpoint(out / f"{mode}-{index}")
+            dist.barrier()
+            times.append(time.perf_counter() - started)
+            if mode == "async":
+                background.wait()
+                dist.barrier()
+                publish_s.append(time.perf_counter() - started)
+    strategy.background_saver = None
+    return {
+        "stall_sync_s": statistics.median(sync_s),
+        "stall_async_s": statistics.median(async_s),
+        "async_publish_s": statistics.median(publish_s),
+    }
+
+
+def worker(preset: str, out: Path, result: Path, stall_rounds: int = 0) -> None:
     import torch.distributed as dist
 
     from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
@@ -80,6 +114,7 @@ def worker(preset: str, out: Path, result: Path) -> None:
     strategy.load_checkpoint(path)
     dist.barrier()
     load_s = time.perf_counter() - started
+    stalls = training_stalls(trainer, strategy, out) if stall_rounds else {}
     if dist.get_rank() == 0:
         disk = sum(f.stat().st_size for f in path.iterdir())
         result.write_text(
@@ -92,6 +127,7 @@ def worker(preset: str, out: Path, result: Path) -> None:
                     "bytes_on_disk": disk,
                     "bytes_per_rank": rank_bytes,
                     "model_state_bytes": 12 * params,
+                    **stalls,
                 }
             )
         )
@@ -121,12 +157,18 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt3-125m", help="model preset (the largest that fits: gpt3-125m)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="rank counts to measure")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--stall-rounds",
+        type=int,
+        default=3,
+        help="saves per mode for the training stall of a synchronous vs a background (async_save) save; 0 skips",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.preset, args.out, args.result)
+        worker(args.preset, args.out, args.result, args.stall_rounds)
         return
     work = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
     try:
@@ -138,6 +180,7 @@ def main() -> None:
             out.mkdir()
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
             cmd += [__file__, "--worker", "--preset", args.preset, "--out", str(out), "--result", str(out / "r.json")]
+            cmd += ["--stall-rounds", str(args.stall_rounds)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             subprocess.run(cmd, check=True, env=env, cwd=HERE.parent, stdout=subprocess.DEVNULL)
             run = json.loads((out / "r.json").read_text())
@@ -152,6 +195,12 @@ def main() -> None:
                 f"bandwidth), load {run['load_s']:.2f} s, {run['bytes_on_disk']:,} B on disk "
                 f"({run['disk_vs_model_state']:.3f}x model state), per rank {run['bytes_per_rank']}"
             )
+            if "stall_sync_s" in run:
+                print(
+                    f"  training stall per save: synchronous {run['stall_sync_s']:.2f} s, background "
+                    f"{run['stall_async_s']:.2f} s ({run['stall_async_s'] / run['stall_sync_s']:.2f}x; published "
+                    f"after {run['async_publish_s']:.2f} s)"
+                )
             shutil.rmtree(out)
         result = {"preset": args.preset, "torch": baseline, "runs": runs}
         if args.json:

@@ -263,6 +263,20 @@ def checkpoint_rows(d):
     return rows
 
 
+def export_rows(d):
+    return [
+        (
+            f"export: peak RSS MB over importing torch + transformers, streamed into {d['shards_written']} shards vs "
+            f"the whole model read first ({d['parameters'] / 1e6:.0f}M parameters, {d['max_shard_size_mb']:.0f} MB "
+            f"shards)",
+            d["stream_over_baseline_mb"],
+            d["whole_over_baseline_mb"],
+            _ratio(d["stream_over_baseline_mb"], d["whole_over_baseline_mb"]),
+            f"ours <= 3 shards ({3 * d['max_shard_size_mb']:.0f} MB)",
+        )
+    ]
+
+
 def generate_rows(d):
     rows = [
         (
@@ -437,5 +451,6 @@ SUITE = [
         "generate", "bench_generate.py", ["--batches", "1", "8", "--repeats", "1", "--threads", "1"], generate_rows
     ),
     Benchmark("eval", "bench_eval.py", ["--repeats", "2"], eval_rows),
+    Benchmark("export", "bench_export.py", ["--layers", "8", "--max-shard-size", "50MB"], export_rows),
     Benchmark("crawl", "bench_crawl.py", ["--copies", "1", "--english-pages", "100"], crawl_rows),
 ]

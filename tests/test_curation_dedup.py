@@ -180,7 +180,7 @@ def test_settings_validation(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"text": "a b c d e f"}])
     with pytest.raises(InputError, match="not one of the inputs"):
         run(tmp_path, [path], priority=["other.jsonl"])
-    with pytest.raises(InputError, match="would overwrite an input"):
+    with pytest.raises(InputError, match="is the input"):
         run_dedup(DedupConfig([path], str(tmp_path), progress=False))
     os.makedirs(tmp_path / "sub")
     path2 = write_jsonl(tmp_path / "sub" / "x.jsonl", [{"text": "a b c d e f"}])

@@ -69,6 +69,9 @@ def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
     # Memory per GPU with and without sequence parallelism (SP shards the stored activations over TP).
     sp = re.search(r"without SP ([\d.]+) GB .* with SP ([\d.]+) GB", text)
     assert sp and float(sp[2]) < float(sp[1])
+    # And how many GPUs evaluating the model takes (tests/test_inference_plan.py checks the figures).
+    assert "to evaluate or generate with mtnlg-530b (bf16 weights, KV cache of 1 x 2048 tokens)" in text
+    assert re.search(r"\n  a100-80g   tp8 x pp2 = 16 GPUs: .*\n(.*\n)*  h200       tp1 x pp9 = 9 GPUs", text)
 
 
 @pytest.mark.slow

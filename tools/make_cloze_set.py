@@ -10,7 +10,6 @@ trainer splits them), so the demo model never trained on them. Evaluate with
 
 import argparse
 import json
-import os
 import sys
 
 import _bootstrap  # noqa: F401
@@ -33,12 +32,11 @@ def main(argv=None) -> int:
         docs = [json.loads(line)["text"] for line in f]
     _, (valid_start, _), (_, test_end) = split_ranges(len(docs), args.split)
     passages = cloze_passages(docs[valid_start:test_end], args.count, args.min_words, args.max_words)
-    tmp = args.output + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as f:
+    from mtnlg_lightning.outputs import atomic_write
+
+    with atomic_write(args.output, "w") as f:
         for passage in passages:
             f.write(json.dumps({"text": passage}) + "\n")
-    os.replace(tmp, args.output)
     print(f"wrote {len(passages)} passages from {test_end - valid_start} held-out documents to {args.output}")
     return 0
 

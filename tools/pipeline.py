@@ -27,7 +27,9 @@ from mtnlg_lightning.extras import require_extra
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pipeline.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "out_dir", nargs="?", default="runs/pipeline", help="where every stage writes (default: %(default)s)"
     )
@@ -55,7 +57,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--prompt", default="The file is opened", help="the prompt of the generation stage")
     p.add_argument("--no-plot", action="store_true", help="skip report.png (needs matplotlib: the [plot] extra)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR if it is not empty (the previous one is kept aside until the run succeeds; refused "
+        "for ., ~, / and folders holding an input)",
+    )
     args = p.parse_args(argv)
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 
@@ -75,7 +82,10 @@ def main(argv=None) -> int:
         )
         prepare_out_dir(settings.out_dir, args.overwrite)
         print(f"pipeline: writing {settings.out_dir} (tool output in {settings.out_dir / 'logs'})", flush=True)
-        report = Pipeline(settings).run()
+        from mtnlg_lightning.outputs import kept_until_done
+
+        with kept_until_done(settings.out_dir):  # a failed run puts the previous OUT_DIR back
+            report = Pipeline(settings).run()
     except MTNLGError as error:
         print(f"pipeline: error: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ Rank every layout of a cluster that fits, and explain the top ones; write the be
     mtnlg fit --config my_run.yaml --trainer.strategy best.yaml --model.micro_batch_size ... (printed)
 A model by its dimensions instead of a preset:
     python tools/plan.py --layers 48 --hidden 6144 --heads 64 --seq 2048 --vocab 51200 --gpus 64 --search
+How many GPUs to evaluate or generate with a model (weights + KV cache of a batch; smallest TP x PP per GPU kind):
+    python tools/plan.py --inference --model mtnlg-530b --gpu a100-80g,h200 --batch 1 --length 2048
 
 The time model (src/mtnlg_lightning/cost_model.py) is checked against published runs:
 python tools/validate_planner.py prints predicted vs published throughput.
@@ -16,9 +18,7 @@ python tools/validate_planner.py prints predicted vs published throughput.
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, field in DIMENSIONS.items():
         model.add_argument(f"--{flag}", type=int, help=f"{field} (overrides the preset's)")
     hardware = parser.add_argument_group("hardware")
-    hardware.add_argument("--gpu", default="a100-80g", help=f"GPU type: {', '.join(gpu_names())}")
+    hardware.add_argument(
+        "--gpu",
+        default=None,
+        help=f"GPU type: {', '.join(gpu_names())} (default a100-80g; with --inference a comma-separated list, "
+        f"default every kind)",
+    )
     hardware.add_argument("--gpu-spec", help="YAML file adding GPU types (fields of gpus.GPUSpec)")
     hardware.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: the NVLink domain (default 8)")
     hardware.add_argument("--gpus", type=int, help="cluster size for --search (default: tp x pp x dp)")
@@ -76,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(IMPLEMENTATIONS),
         help="training software whose fusions/overlaps to model (default: this trainer)",
     )
+    infer = parser.add_argument_group("inference: how many GPUs to evaluate or generate with the model")
+    infer.add_argument(
+        "--inference",
+        action="store_true",
+        help="print the smallest TP x PP per GPU kind that holds the weights, the KV cache of --batch x --length "
+        "tokens and the working set (no training state); the training layout flags are ignored",
+    )
+    infer.add_argument("--batch", type=int, default=1, help="sequences evaluated or generated at once (default 1)")
+    infer.add_argument("--length", type=int, help="tokens per sequence, prompt + generated (default: seq_len)")
+    infer.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="weights and KV cache dtype")
     out = parser.add_argument_group("output")
     out.add_argument("--search", action="store_true", help="rank every layout that fits, fastest first")
     out.add_argument("--top", type=int, default=10, help="layouts listed by --search (default 10)")
@@ -124,10 +139,10 @@ def write_config(path: str, p: Plan, gpus_per_node: int) -> None:
     target = Path(path)
     if not target.parent.is_dir():
         raise MTNLGError(f"--write-config: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    from mtnlg_lightning.outputs import atomic_write
+
+    with atomic_write(target, "w") as f:
         f.write(strategy_yaml(p, gpus_per_node))
-    os.replace(tmp, target)
 
 
 def usage_lines(path: str, p: Plan, gpus_per_node: int) -> list[str]:
@@ -166,11 +181,34 @@ def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
             print(f"  #{i}: {format_breakdown(p)}")
 
 
+def print_inference(args, config: ModelConfig, extra) -> None:
+    from mtnlg_lightning.gpus import GPUS
+    from mtnlg_lightning.inference_plan import inference_report, smallest_layouts
+
+    names = args.gpu.split(",") if args.gpu else sorted({**GPUS, **(extra or {})})
+    specs = {name: get_gpu(name, extra) for name in names}  # every name checked before any output
+    if args.json:
+        found = {
+            name: [
+                {**p.as_dict(), "gpu": name}
+                for p in smallest_layouts(config, spec, args.batch, args.length, args.dtype, args.gpus_per_node)
+            ]
+            for name, spec in specs.items()
+        }
+        print(json.dumps(found, indent=1))
+    else:
+        print(inference_report(config, names, args.batch, args.length, args.dtype, args.gpus_per_node, extra))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = model_config(args)
         extra = load_gpu_specs(args.gpu_spec) if args.gpu_spec else None
+        if args.inference:
+            print_inference(args, config, extra)
+            return 0
+        args.gpu = args.gpu or "a100-80g"
         gpu = get_gpu(args.gpu, extra)
         if args.search:
             gpus = args.gpus or args.tp * args.pp * args.dp

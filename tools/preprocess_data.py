@@ -12,11 +12,15 @@ import sys
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
+from mtnlg_lightning.curation.cli_common import int_at_least
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import check_output
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="preprocess_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", nargs="+", help=INPUTS_HELP)
     what.add_argument(
@@ -39,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (atomically)")
     parser.add_argument(
         "--workers",
-        type=int,
+        type=int_at_least(1),
         default=1,
         help="tokenizer processes; work is split by file and by 64 MB line-aligned ranges of plain JSON-lines files, "
         "and the output is the same bytes for any number (default: 1)",
@@ -53,20 +57,27 @@ def main(argv=None) -> int:
         if args.merge:
             from mtnlg_lightning.data.merge import merge_datasets
 
+            for suffix in (".bin", ".idx"):  # never over a dataset being merged
+                sources = [p + s for p in args.merge for s in (".bin", ".idx")]
+                check_output(args.output_prefix + suffix, sources, replaces_dir=False)
             docs, tokens = merge_datasets(args.merge, args.output_prefix)
             print(
                 f"merged {len(args.merge)} datasets into {args.output_prefix}.bin/.idx: {docs:,} documents, "
                 f"{tokens:,} tokens"
             )
             return 0
+        from mtnlg_lightning.corpora.sources import expand_inputs
         from mtnlg_lightning.data.preprocess import preprocess
 
+        inputs = [f.path for f in expand_inputs(args.input)]
+        for suffix in (".bin", ".idx"):  # never over an input or the tokenizer
+            check_output(args.output_prefix + suffix, [*inputs, args.tokenizer], replaces_dir=False)
         summary = preprocess(
             args.input,
             args.tokenizer,
             args.output_prefix,
             args.json_key,
-            max(1, args.workers),
+            args.workers,
             progress=not args.no_progress,
             on_bad_record=args.on_bad_record,
         )

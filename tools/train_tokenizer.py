@@ -12,26 +12,35 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
 from mtnlg_lightning.corpora.records import format_bad
+from mtnlg_lightning.corpora.sources import expand_inputs
+from mtnlg_lightning.curation.cli_common import int_at_least
 from mtnlg_lightning.data.preprocess import read_texts
 from mtnlg_lightning.data.tokenizer import train_bpe
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import check_output
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="train_tokenizer.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--input", required=True, nargs="+", help=INPUTS_HELP)
     parser.add_argument(
         "--text-key", "--json-key", dest="json_key", default="text", help="field holding the text (default: text)"
     )
     parser.add_argument(
-        "--vocab-size", type=int, default=50257, help="vocabulary size incl. <|endoftext|> (GPT-2: 50257)"
+        "--vocab-size", type=int_at_least(2), default=50257, help="vocabulary size incl. <|endoftext|> (GPT-2: 50257)"
     )
-    parser.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge (default: 2)")
+    parser.add_argument(
+        "--min-frequency", type=int_at_least(1), default=2, help="minimum pair count for a merge (default: 2)"
+    )
     parser.add_argument("--output", required=True, help="output tokenizer.json path, or a directory to hold it")
     add_bad_record_arg(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        for file in expand_inputs(args.input):
+            check_output(args.output, [file.path], replaces_dir=False)
         texts, bad = read_texts(args.input, args.json_key, args.on_bad_record)
         if not texts:
             raise MTNLGError("the input holds no documents")

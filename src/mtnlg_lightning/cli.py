@@ -5,12 +5,26 @@ from __future__ import annotations
 import os
 import sys
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.resilience.exit_codes import ExitCode
+
+
+class OneLineParser(LightningArgumentParser):
+    """A bad flag or config file is one `mtnlg: error:` line (jsonargparse prints the whole usage, ~70 lines)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        text = " ".join(str(message).split())
+        text = text if len(text) <= 400 else text[:397] + "..."
+        print(f"mtnlg: error: {text} (mtnlg SUBCOMMAND --help lists the options)", file=sys.stderr)
+        sys.exit(2)
 
 
 class MTNLGCLI(LightningCLI):
@@ -21,10 +35,30 @@ class MTNLGCLI(LightningCLI):
             check_strategy_extras(config.trainer.strategy)
 
     def before_instantiate_classes(self) -> None:
-        """`trainer.precision: null` picks the fastest correct precision for the machine (`default_precision`)."""
+        """`trainer.precision: null` picks the fastest correct precision for the machine (`default_precision`);
+        an accelerator this machine does not have is one line before anything is built."""
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.trainer.precision is None:
             config.trainer.precision = default_precision()
+        if config is not None:
+            check_accelerator(config.trainer.accelerator)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads a `ckpt_path` file's hyper-parameters before anything else: an unreadable one is one
+        line (a checkpoint folder of this format is read, and checked, by the strategy later)."""
+        try:
+            super()._parse_ckpt_path()
+        except Exception as error:  # noqa: BLE001 - torch.load's errors differ by how the file is broken
+            path = self.config[self.config.subcommand].get("ckpt_path")
+            raise MTNLGError(f"ckpt_path {path} is not a readable checkpoint ({type(error).__name__})") from None
+
+    def before_fit(self) -> None:
+        """`--ckpt_path last` (and, on a restart, no `--ckpt_path`) resumes from the newest complete checkpoint in any
+        of the run's checkpoint folders (`resilience/restart.py`)."""
+        from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+
+        config = self.config_init[self.subcommand]
+        config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
 
 
 def check_strategy_extras(strategy) -> None:
@@ -34,6 +68,26 @@ def check_strategy_extras(strategy) -> None:
         zero_stage = (getattr(strategy, "init_args", None) or {}).get("zero_stage", 1)
         if isinstance(zero_stage, int) and zero_stage >= 1:
             require_extra("deepspeed", f"zero_stage {zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
+
+
+def check_accelerator(accelerator) -> None:
+    if not isinstance(accelerator, str) or accelerator == "auto":
+        return
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    names = ["cuda", "mps"] if accelerator == "gpu" else [accelerator]
+    known = list(AcceleratorRegistry.keys())
+    if not all(name in known for name in names):
+        raise MTNLGError(f"unknown trainer.accelerator {accelerator!r}; choose auto, gpu or one of {', '.join(known)}")
+
+    def available(name: str) -> bool:
+        try:
+            return bool(AcceleratorRegistry[name]["accelerator"].is_available())
+        except Exception:  # noqa: BLE001 - a missing backend package means: not available here
+            return False
+
+    if not any(available(name) for name in names):
+        raise MTNLGError(f"trainer.accelerator {accelerator}: no such device on this machine (use cpu or auto)")
 
 
 def default_precision() -> str:
@@ -70,14 +124,24 @@ def main(args: list[str] | None = None) -> None:
     if "WANDB_MODE" not in os.environ and not _wandb_configured():
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
     try:
-        MTNLGCLI(MTNLGModule, GPTDataModule, save_config_kwargs={"overwrite": True}, args=args)
-    except MTNLGError as error:
+        cli = MTNLGCLI(
+            MTNLGModule,
+            GPTDataModule,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            parser_class=OneLineParser,
+        )
+    except (MTNLGError, MisconfigurationException, UnicodeDecodeError) as error:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+        if isinstance(error, UnicodeDecodeError):  # a config file in another encoding
+            error = MTNLGError(f"a config file is not UTF-8 text ({error.reason} at byte {error.start})")
         if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
-            print(f"mtnlg: error: {error}", file=sys.stderr)
-        sys.exit(2)
+            print(f"mtnlg: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(ExitCode.CONFIG_ERROR)
     _destroy_process_group()
+    if any(getattr(cb, "stopped_at", None) is not None for cb in cli.trainer.callbacks):
+        sys.exit(ExitCode.PREEMPTED)  # saved and stopped on a signal: requeue me (resilience/exit_codes.py)
 
 
 def _destroy_process_group() -> None:

@@ -151,5 +151,16 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
         + ("  (fewer than the stages early in the ramp: run as GPipe order)" if micro_first < pp * virtual else ""),
         format_plan(estimate),
         *sp_lines,
+        _inference_lines(model_config, gpu, micro, layout.ranks_per_node),
     ]
     return "\n".join(lines)
+
+
+def _inference_lines(model_config, gpu: str, micro: int, gpus_per_node: int) -> str:
+    """After training: how many GPUs evaluating this model takes, on this config's GPU first, then the others."""
+    from mtnlg_lightning.gpus import ALIASES, GPUS
+    from mtnlg_lightning.inference_plan import inference_report
+
+    chosen = ALIASES.get(gpu.lower(), gpu.lower())
+    kinds = [chosen] + sorted(name for name in GPUS if name != chosen)
+    return inference_report(model_config, kinds, micro, None, "bf16", gpus_per_node)

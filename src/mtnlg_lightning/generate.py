@@ -26,7 +26,22 @@ EOS, LENGTH, POSITIONS = "<|endoftext|>", "max-new-tokens", "position limit"
 
 # ------------------------------------------------------------------------------------------- the model
 def pick_device(device: str = "auto") -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    """`auto` (the GPU when there is one), or the device asked for if this machine has it (else one line)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MTNLGError(f"unknown --device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if chosen.type == "cpu":
+        return chosen
+    backend = getattr(torch, chosen.type, None)
+    if backend is None or not getattr(backend, "is_available", lambda: False)():
+        raise MTNLGError(f"--device {device}: no {chosen.type} device is available on this machine (use cpu or auto)")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if chosen.index is not None and chosen.index >= count:
+        raise MTNLGError(f"--device {device}: this machine has {count} {chosen.type} device(s)")
+    return chosen
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -266,13 +281,39 @@ def resolve_tokenizer(state, override: str | None):
     return Tokenizer(path)
 
 
-def run(args) -> None:
+def check_sampling(args) -> None:
+    """Every numeric flag in range, before the model loads (one line each)."""
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise MTNLGError("--max-new-tokens and --num-samples must be at least 1")
+    if not 0 <= args.temperature < float("inf"):
+        raise MTNLGError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise MTNLGError(f"--top-k must be at least 1 (or left out), got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise MTNLGError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def read_prompts(prompt: str) -> list[str]:
+    """The prompt, or with '-' the non-empty lines of stdin (UTF-8; anything else is one line)."""
+    if prompt != "-":
+        return [prompt]
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise MTNLGError(f"stdin is not UTF-8 text (byte {error.start} is {data[error.start]:#04x})") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise MTNLGError("--prompt -: stdin holds no prompt (one a line)")
+    return prompts
+
+
+def run(args) -> None:
+    check_sampling(args)
+    prompts = read_prompts(args.prompt)
     device = pick_device(args.device)
     model, state = load_model(args.checkpoint, device, pick_dtype(args.dtype, device), for_generation=True)
     tokenizer = resolve_tokenizer(state, args.tokenizer)
-    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if args.prompt == "-" else [args.prompt]
     made, seconds = 0, 0.0
     for n, prompt in enumerate(prompts):
         stream = TextStream(tokenizer) if args.num_samples == 1 else None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mtnlg_lightning.config import get_config
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.model import build_model
@@ -41,6 +42,8 @@ class MTNLGModule(L.LightningModule):
         grad_clip: float | None = 1.0,
         peak_tflops: float | None = None,
         preemption: bool = True,
+        watchdog: bool = True,
+        straggler_every_n_steps: int = 50,
         init_from: str | None = None,
     ):
         """
@@ -59,6 +62,10 @@ class MTNLGModule(L.LightningModule):
             peak_tflops: per-device peak for MFU; default from the GPU name (A100/H100/H200 bf16).
             preemption: on SIGTERM / SIGUSR1 every rank saves a checkpoint at the next step and stops cleanly
                 (`checkpoint.preemption.Preemption`); false leaves signals to Lightning.
+            watchdog: end a rank that stops progressing, with a stack dump and exit code 124
+                (`resilience.watchdog.HangWatchdog`; add that callback yourself to change its limits).
+            straggler_every_n_steps: log the slowest rank's step time every N steps and name a rank slower than
+                1.5x the median (`resilience.stragglers.StragglerMonitor`); 0 disables.
             init_from: start from these weights (fresh optimizer): a Hugging Face GPT-2 directory or a project
                 checkpoint; the architecture comes from it (see mtnlg_lightning.interop.init_from).
 
@@ -76,10 +83,12 @@ class MTNLGModule(L.LightningModule):
             self.hparams["model_overrides"] = {k: v for k, v in resolved.items() if k != "name"}
         else:
             self.config = get_config(preset, **(model_overrides or {}))
+        if micro_batch_size < 1:
+            raise MTNLGError(f"model.micro_batch_size must be at least 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         ramp = rampup_batch_size or [None, None, 0]
         if len(ramp) != 3:
-            raise ValueError("rampup_batch_size takes [start, increment, ramp_samples]")
+            raise MTNLGError("rampup_batch_size takes [start, increment, ramp_samples]")
         self.batch_schedule = BatchSizeSchedule(global_batch_size, *ramp)
         self.lr_schedule = LRSchedule(lr, min_lr, warmup_tokens, decay_tokens)
         self.grad_clip = grad_clip
@@ -111,8 +120,18 @@ class MTNLGModule(L.LightningModule):
 
     def configure_callbacks(self):
         from mtnlg_lightning.checkpoint.preemption import Preemption
+        from mtnlg_lightning.resilience.stragglers import StragglerMonitor
+        from mtnlg_lightning.resilience.watchdog import HangWatchdog
 
-        return [Preemption()] if self.hparams.preemption else []
+        # A callback the user configured in `trainer.callbacks` is kept (Lightning would replace it by type).
+        present = self._trainer.callbacks if self._trainer is not None else []
+        defaults = [Preemption()] if self.hparams.preemption else []
+        if self.hparams.watchdog and not any(isinstance(cb, HangWatchdog) for cb in present):
+            defaults.append(HangWatchdog())
+        every = self.hparams.straggler_every_n_steps
+        if every and not any(isinstance(cb, StragglerMonitor) for cb in present):
+            defaults.append(StragglerMonitor(every))
+        return defaults
 
     def setup(self, stage: str) -> None:
         # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
@@ -227,6 +246,11 @@ class MTNLGModule(L.LightningModule):
         # The rank closest to running out decides whether a layout fits: max over ranks.
         peak = torch.tensor(self._peak_memory.read_bytes() / 2**20, device=self.device)
         self.log("peak_memory_mib", peak, sync_dist=True, reduce_fx="max")
+
+    def on_train_start(self) -> None:
+        from mtnlg_lightning.resilience.restart import report_restart
+
+        report_restart(self.trainer)
 
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None

@@ -15,7 +15,6 @@ SLURM (Lightning's cluster environments).
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,9 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch.distributed.constants import default_pg_timeout
 
+from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
+from mtnlg_lightning.checkpoint.commit import remove_checkpoint
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
@@ -48,6 +48,8 @@ from mtnlg_lightning.parallel.zero import (
     engine_backward,
     initialize_engine,
 )
+from mtnlg_lightning.resilience.restart import process_group_store
+from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
 
 _META_FILE = "meta.pt"
 
@@ -70,7 +72,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         deepspeed_config: dict | None = None,
         print_layout: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
+        async_save: bool = False,
     ) -> None:
         """
         Args:
@@ -91,6 +94,11 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             deepspeed_config: extra DeepSpeed config merged over the generated one (e.g. ZeRO bucket sizes).
             print_layout: rank 0 prints the rank -> node / (pp, dp, tp) / groups table at start-up.
             process_group_backend: default nccl on CUDA, gloo on CPU.
+            timeout: collective timeout of the process groups at initialisation; default: the hang watchdog's
+                startup limit. While fitting, `resilience.watchdog.HangWatchdog` sets it to the limit of each phase
+                (+30 s): the step limit after the first step, the save and eval limits for those.
+            async_save: checkpoints are copied to host memory at the save and written in the background while
+                training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
         """
         super().__init__()
         self.tensor_parallel, self.pipeline_parallel, self.zero_stage = tensor_parallel, pipeline_parallel, zero_stage
@@ -105,6 +113,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.print_layout = print_layout
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.async_save = async_save
+        self.background_saver: BackgroundSaver | None = None
         self.layout: ParallelLayout | None = None
         self.groups: ProcessGroups | None = None
         self.engine = None  # the DeepSpeed engine when zero_stage >= 1
@@ -196,11 +206,17 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.layout = self._build_layout()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        timeout = self._timeout or startup_collective_timeout()
+        # A fresh key namespace per torchrun attempt: restarts never read a dead peer's address.
+        kwargs: dict[str, Any] = {"timeout": timeout, **process_group_store(timeout)}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.groups = ProcessGroups.create(self.layout, backend=backend)
+        if self.async_save:  # its own group: the writer thread's collectives never meet the training's
+            group = dist.new_group(backend="gloo", timeout=save_collective_timeout())
+            keep_own_timeout(group)  # it waits for the slowest rank's write, while the steps have shorter limits
+            self.background_saver = BackgroundSaver(group)
         if self.print_layout:
             rank_zero_info(self.layout.table())
 
@@ -304,6 +320,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         return _sync_ddp(tensor, group, reduce_op=reduce_op)
 
     def teardown(self) -> None:
+        if self.background_saver is not None:
+            self.background_saver.wait()  # the last save is published before fit returns
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -391,15 +409,25 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """The layout-independent format (checkpoint/format.py): every rank writes its pieces, the manifest last."""
-        save_sharded(self, checkpoint, Path(self.broadcast(str(filepath))))
+        save_sharded(self, checkpoint, Path(self.broadcast(str(filepath))), self.background_saver)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Any checkpoint of this format, whatever layout or ZeRO stage wrote it."""
+        if self.background_saver is not None:
+            self.background_saver.wait()
         state = load_sharded(self, Path(self.broadcast(str(checkpoint_path))))
         self._sync_tied_embedding()
         return state
 
     def remove_checkpoint(self, filepath) -> None:
+        if self.background_saver is not None:  # keep-last-k: remove the older one only after the newer is published
+            if self.is_global_zero:
+                self.background_saver.after_publish(lambda: remove_checkpoint(filepath))
+            return
         self.barrier()
         if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+            remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.background_saver is not None:
+            self.background_saver.abandon()  # the peers may be gone: never wait on the writer's collectives

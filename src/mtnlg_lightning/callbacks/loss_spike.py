@@ -310,12 +310,10 @@ class LossSpikeDetection(Callback):
         return None
 
     def _write_record_file(self, record: dict) -> None:
-        path = self._record_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        from mtnlg_lightning.outputs import atomic_write
+
+        with atomic_write(self._record_path, "w") as f:
             json.dump(record, f, indent=1)
-        os.replace(tmp, path)
 
     def _skip_ranges(self) -> list[tuple[int, int]]:
         return [(r["skip_from"], r["skip_to"]) for r in self.record["rewinds"]]

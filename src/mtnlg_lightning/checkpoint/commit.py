@@ -72,3 +72,19 @@ def newest_complete(directory: Path) -> Path | None:
         if best_key is None or key > best_key:
             best, best_key = path, key
     return best
+
+
+def remove_checkpoint(path) -> None:
+    """Lightning's removal of an earlier top-k / last checkpoint: only a checkpoint (a folder with a manifest, a
+    `.ckpt` file) or a link is removed; anything else at that path is left, with a warning, never deleted."""
+    import warnings
+
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_dir() and is_checkpoint(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.is_file() and path.suffix == ".ckpt":
+        path.unlink()
+    elif path.exists():
+        warnings.warn(f"not removing {path}: it is not a checkpoint", stacklevel=2)

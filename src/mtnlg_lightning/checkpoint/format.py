@@ -21,7 +21,16 @@ from pathlib import Path
 import torch
 import xxhash
 
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.checkpoint.validate import (
+    check_manifest,
+    check_meta,
+    check_pieces_in_file,
+    config_mismatch,
+    config_of,
+    is_int,
+    pieces_by_file,
+)
+from mtnlg_lightning.errors import MTNLGError, one_line
 
 FORMAT_NAME = "mtnlg-checkpoint"
 FORMAT_VERSION = 1
@@ -149,29 +158,37 @@ def read_manifest(path: Path) -> dict:
             f"{path} is not a complete checkpoint: no {MANIFEST} (a save that did not finish, or not a checkpoint)"
         )
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path / MANIFEST} is unreadable: {error}") from None
-    if manifest.get("format") != FORMAT_NAME:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"{path / MANIFEST} is unreadable: {type(error).__name__}: {one_line(error)}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path} is not a {FORMAT_NAME} checkpoint")
-    if manifest.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format version {manifest['version']}; this version reads {FORMAT_VERSION}")
+    version = manifest.get("version", 0)
+    if is_int(version) and version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {version}; this version reads {FORMAT_VERSION}")
+    check_manifest(path, manifest)  # types, file names, every tensor tiled exactly once
     return manifest
 
 
 def verify_files(path: Path, manifest: dict, names: list[str] | None = None) -> str | None:
     """The first problem among `names` (default: every file of the manifest), or None: a missing file, a size
     that differs (truncated or grown), or a checksum that differs (altered)."""
+    placed = pieces_by_file(manifest)
     for name in sorted(names if names is not None else manifest["files"]):
         expected = manifest["files"][name]
         file = Path(path) / name
+        if file.is_symlink():  # never written by a save: it could lead anywhere
+            return f"checkpoint file {file} is a symbolic link (a checkpoint holds its files itself)"
         if not file.is_file():
-            return f"checkpoint file {file} is missing"
+            return f"checkpoint file {file} is missing" if not file.exists() else f"{file} is not a regular file"
         size = file.stat().st_size
         if size != expected["size"]:
             return f"checkpoint file {file} has {size} bytes, the manifest says {expected['size']} (truncated?)"
         if file_digest(file) != expected["xxh64"]:
             return f"checkpoint file {file} does not match its checksum in the manifest (altered or corrupt)"
+        problem = check_pieces_in_file(path, name, placed.get(name, []))  # the header agrees with the pieces
+        if problem:
+            return problem
     return None
 
 
@@ -179,17 +196,29 @@ def open_verified(path: Path) -> TensorReader:
     """A reader of a complete checkpoint whose every file matches its manifest (one-process use: tools, export)."""
     manifest = read_manifest(path)
     problem = verify_files(path, manifest)
+    if problem is None:  # the tensors are those of the model the manifest describes
+        problem = config_mismatch(manifest, config_of(manifest, f"{path}/{MANIFEST}"), "its model_config")
     if problem:
         raise CheckpointError(problem)
     return TensorReader(path, manifest)
 
 
-def read_meta(path: Path) -> dict:
+def read_meta(path: Path, manifest: dict | None = None) -> dict:
+    """meta.pt, tensors and plain types only (weights_only); with `manifest`, only if it lists (and so hashes) it.
+    Lightning's checkpoint paths in it are confined to the folder holding the checkpoint (`check_meta`)."""
     file = Path(path) / META
+    if manifest is not None and META not in manifest["files"]:
+        raise CheckpointError(f"{path}: the manifest does not list {META}")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        meta = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - one line for any unreadable file
-        raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+        raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {one_line(error)}") from None
+    return check_meta(Path(path), meta)
+
+
+def listed_tokenizer(path: Path, manifest: dict) -> Path | None:
+    """The checkpoint's tokenizer, only if the manifest lists (and so hashes) it."""
+    return Path(path) / TOKENIZER if TOKENIZER in manifest["files"] else None
 
 
 class TensorReader:
@@ -205,11 +234,18 @@ class TensorReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.manifest["tensors"][key]["shape"])
 
+    def close(self) -> None:
+        """Unmap the files read so far: pages touched through a mapping count as this process's memory."""
+        self._open.clear()
+
     def _file(self, name: str):
         if name not in self._open:
             from safetensors import safe_open
 
-            self._open[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
+            try:
+                self._open[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
+            except Exception as error:  # noqa: BLE001 - a file changed since it was verified: one line
+                raise CheckpointError(f"{self.path / name} is unreadable: {one_line(error)}") from None
         return self._open[name]
 
     def read(self, key: str, offsets=None, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:

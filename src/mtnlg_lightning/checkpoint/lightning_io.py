@@ -9,8 +9,15 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from mtnlg_lightning.checkpoint.commit import prepare_staging, publish
-from mtnlg_lightning.checkpoint.format import TensorReader, copy_tokenizer, write_manifest, write_meta, write_pieces
+from mtnlg_lightning.checkpoint.commit import prepare_staging, publish, remove_checkpoint
+from mtnlg_lightning.checkpoint.format import (
+    CheckpointError,
+    TensorReader,
+    copy_tokenizer,
+    write_manifest,
+    write_meta,
+    write_pieces,
+)
 from mtnlg_lightning.checkpoint.model_space import model_slots
 from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
 from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta, weight_key
@@ -41,8 +48,11 @@ class ModelSpaceCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         path = Path(path)
-        if path.is_file():  # a plain Lightning checkpoint file
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if path.is_file():  # a plain Lightning checkpoint file (tensors and plain types only)
+            try:
+                return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=True)
+            except Exception as error:  # noqa: BLE001 - not a checkpoint: one line
+                raise CheckpointError(f"{path} is not a readable checkpoint file ({type(error).__name__})") from None
         module = self.module
         slots = model_slots(module.model, module.config)
         manifest, meta = check_checkpoint(path, slots, module.config, rank=0, world=1)
@@ -62,7 +72,7 @@ class ModelSpaceCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path) -> None:
-        TorchCheckpointIO().remove_checkpoint(path)
+        remove_checkpoint(path)
 
 
 def _torch_optimizer_state(module, reader: TensorReader, slots, optimizer: dict) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,15 +17,92 @@ class ModelState:
     """A model as a checkpoint holds it.
 
     weights: single-process parameter names of `GPT` (`embed.wte.weight`, `blocks.0.attn.qkv.weight`, ...), the
-        tied `lm_head.weight` left out, the word embedding trimmed to `config.vocab_size` rows (no padding).
+        tied `lm_head.weight` left out, the word embedding trimmed to `config.vocab_size` rows (no padding). A
+        mapping: a dict, or `LazyWeights` reading each tensor from disk when it is looked up (big models).
     hparams: the `MTNLGModule` init arguments (preset, model_overrides, recipe).
     tokenizer: the tokenizer file or directory saved with the run, if any.
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     hparams: dict
     tokenizer: Path | None = None
+
+
+class LazyWeights(Mapping):
+    """Model-space weights read from disk one tensor at a time when looked up, never all at once: iterating and
+    `shape` touch no tensor data; `read_box` reads part of a tensor (exporting one bigger than memory allows)."""
+
+    def __init__(self):
+        self._last: tuple[str, torch.Tensor] | None = None  # `read_box` slices of one tensor read it once
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self[name].shape)
+
+    def read_box(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box [offsets, offsets + shape) of a tensor; here by slicing the whole tensor (kept for the next
+        box of the same tensor). Sources that can read boxes directly override this."""
+        if self._last is None or self._last[0] != name:
+            self._last = None  # let the previous tensor go before reading the next
+            self._last = (name, self[name])
+        return self._last[1][tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))]
+
+
+class DictWeights(LazyWeights):
+    """Weights already in memory, seen through the `LazyWeights` interface."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.weights = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def as_lazy(weights: Mapping[str, torch.Tensor]) -> LazyWeights:
+    return weights if isinstance(weights, LazyWeights) else DictWeights(weights)
+
+
+class CheckpointWeights(LazyWeights):
+    """The model-space weights of a checkpoint folder, read piece by piece from its safetensors files (the fp32
+    master copy where the checkpoint has one and `master`). Each read unmaps the files it touched, so the pages
+    read stay in the page cache and out of this process's resident memory."""
+
+    def __init__(self, reader, master: bool = True):
+        super().__init__()
+        self.reader = reader
+        self._keys = {}
+        for key in sorted(reader.manifest["tensors"]):
+            if key.startswith("model/"):
+                name = key.removeprefix("model/")
+                self._keys[name] = f"master/{name}" if master and f"master/{name}" in reader else key
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read_box(name, None, None)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.shape(self._keys[name])
+
+    def read_box(self, name: str, offsets, shape) -> torch.Tensor:
+        key = self._keys.get(name)
+        if key is None:
+            raise KeyError(name)
+        try:
+            return self.reader.read(key, offsets, shape)
+        finally:
+            self.reader.close()
 
 
 def model_space(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -49,19 +127,15 @@ def _read_lightning_file(path: Path) -> ModelState:
 
 
 def _read_folder(path: Path, master: bool) -> ModelState:
-    from mtnlg_lightning.checkpoint.format import TOKENIZER, open_verified, read_meta
+    from mtnlg_lightning.checkpoint.format import MANIFEST, listed_tokenizer, open_verified, read_meta
+    from mtnlg_lightning.checkpoint.validate import config_of
 
-    reader = open_verified(path)
+    reader = open_verified(path)  # every file listed, hashed, tiled and of the shapes of its model_config
     manifest = reader.manifest
-    config = ModelConfig(**manifest["model_config"])
-    weights = {}
-    for key in sorted(manifest["tensors"]):
-        if key.startswith("model/"):
-            name = key.removeprefix("model/")
-            source = f"master/{name}" if master and f"master/{name}" in reader else key
-            weights[name] = reader.read(source)
-    hparams = dict(read_meta(path).get("hyper_parameters") or {})
-    tokenizer = path / TOKENIZER if (path / TOKENIZER).is_file() else None
+    config = config_of(manifest, f"{path}/{MANIFEST}")
+    weights = CheckpointWeights(reader, master)
+    hparams = dict(read_meta(path, manifest).get("hyper_parameters") or {})
+    tokenizer = listed_tokenizer(path, manifest)
     return ModelState(config, weights, hparams, tokenizer)
 
 

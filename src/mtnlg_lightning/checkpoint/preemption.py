@@ -1,5 +1,6 @@
 """Preemption: SIGTERM or SIGUSR1 (SLURM's `--signal`) to any rank makes every rank save a complete checkpoint at
-the next step boundary and stop cleanly; a job restarted with `--ckpt_path last` continues from it.
+the next step boundary and stop cleanly with exit status 75 (`resilience/exit_codes.py`); a job restarted with
+`--ckpt_path last` continues from it.
 
 The signal handler only records the signal (no collective, no I/O inside a handler, as Megatron's
 `--exit-signal-handler`); the ranks agree on it after each step with one all-reduce of a flag.
@@ -29,6 +30,7 @@ class Preemption(Callback):
         self.signals = tuple(getattr(signal, name) for name in signals if hasattr(signal, name))
         self.requeue = requeue
         self.received: int | None = None
+        self.stopped_at: int | None = None  # the step it saved and stopped at; `mtnlg` then exits 75 (preempted)
         self._previous: dict[int, object] = {}
 
     def _record(self, signum, frame) -> None:
@@ -56,6 +58,7 @@ class Preemption(Callback):
         if not (is_checkpoint(path) and read_manifest(path).get("global_step") == trainer.global_step):
             trainer.save_checkpoint(path)
         trainer.should_stop = True
+        self.stopped_at = trainer.global_step
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
         rank_zero_info(f"preemption ({name}): saved {path} at step {trainer.global_step}; stopping")
         if self.requeue and self.received == getattr(signal, "SIGUSR1", None) and "SLURM_JOB_ID" in os.environ:

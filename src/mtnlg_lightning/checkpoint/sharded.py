@@ -3,6 +3,7 @@ rank 0 publishes the manifest last; any layout loads any checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -16,6 +17,7 @@ from mtnlg_lightning.checkpoint.format import (
     CheckpointError,
     TensorReader,
     copy_tokenizer,
+    is_checkpoint,
     read_manifest,
     read_meta,
     verify_files,
@@ -25,15 +27,16 @@ from mtnlg_lightning.checkpoint.format import (
 )
 from mtnlg_lightning.checkpoint.model_space import Slot, model_slots
 from mtnlg_lightning.checkpoint.state_io import collect_pieces, optimizer_meta, restore_optimizer_meta, restore_pieces
+from mtnlg_lightning.checkpoint.validate import config_mismatch
 
 LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
 
-def _all_gather(obj) -> list:
+def _all_gather(obj, group=None) -> list:
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -75,8 +78,15 @@ def _pause_for_tests() -> None:
         time.sleep(seconds)
 
 
-def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
+def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> None:
+    """Every rank writes its pieces, rank 0 the manifest last and publishes. With `background` (a
+    `BackgroundSaver`), the pieces are copied to host memory here and written, gathered and published by its writer
+    thread over its own process group, while training goes on."""
     module, groups = strategy.lightning_module, strategy.groups
+    if background is not None:
+        background.wait()  # at most one save in flight
+        if is_checkpoint(path) and read_manifest(path).get("global_step") == module.trainer.global_step:
+            return  # this step was just published by the save in flight (e.g. a preemption save after a periodic one)
     if strategy.is_global_zero:
         prepare_staging(path)
     strategy.barrier()
@@ -90,15 +100,14 @@ def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
         return owner[index] == dp_rank and (tp_rank == 0 or not slot.replicated_over_tp)
 
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
-    pieces = collect_pieces(slots, optimizer, strategy.engine, writer_of, groups.data_parallel_size, tp_rank)
-    written = write_pieces(staging, f"rank-{strategy.global_rank:05d}.safetensors", pieces)
-    _pause_for_tests()
-    files = _all_gather(written)
-    if strategy.is_global_zero:
+    snapshot = background is not None  # training goes on: the pieces must not alias live tensors
+    pieces = collect_pieces(
+        slots, optimizer, strategy.engine, writer_of, groups.data_parallel_size, tp_rank, snapshot=snapshot
+    )
+    header = None
+    if strategy.is_global_zero:  # everything rank 0 publishes, taken now (the writer runs after later steps)
         meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
-        meta["optimizer"] = optimizer_meta(optimizer) if optimizer is not None else None
-        files.append(write_meta(staging, meta))
-        files += [f for f in [copy_tokenizer(staging, tokenizer_of(module.trainer))] if f is not None]
+        meta["optimizer"] = copy.deepcopy(optimizer_meta(optimizer)) if optimizer is not None else None
         layout = strategy.layout
         saved_by = {
             "tensor_parallel": layout.tensor_parallel,
@@ -106,9 +115,30 @@ def save_sharded(strategy, checkpoint: dict, path: Path) -> None:
             "data_parallel": layout.data_parallel,
             "zero_stage": strategy.zero_stage,
         }
-        write_manifest(staging, files, checkpoint_info(module, strategy.lightning_module.trainer, saved_by))
+        info = checkpoint_info(module, module.trainer, saved_by)
+        header = (meta, info, tokenizer_of(module.trainer))
+    name = f"rank-{strategy.global_rank:05d}.safetensors"
+    if background is None:
+        _write_and_publish(staging, path, name, pieces, header, group=None)
+        strategy.barrier()
+    else:
+        background.submit(lambda: _write_and_publish(staging, path, name, pieces, header, background.group))
+
+
+def _write_and_publish(staging: Path, path: Path, name: str, pieces, header, group) -> None:
+    if group is not None:
+        _pause_for_tests()  # a slow background write: training goes on meanwhile
+    written = write_pieces(staging, name, pieces)
+    _pause_for_tests()
+    files = _all_gather(written, group)
+    if header is not None:
+        meta, info, tokenizer = header
+        files.append(write_meta(staging, meta))
+        files += [f for f in [copy_tokenizer(staging, tokenizer)] if f is not None]
+        write_manifest(staging, files, info)
         publish(staging, path)
-    strategy.barrier()
+    if group is not None:
+        dist.barrier(group=group)  # every rank knows the save is published before the next one starts
 
 
 def check_checkpoint(path: Path, slots: list[Slot], config, rank: int, world: int) -> tuple[dict, dict]:
@@ -127,26 +157,14 @@ def check_checkpoint(path: Path, slots: list[Slot], config, rank: int, world: in
     problem = _first_error(_all_gather(problem))
     if problem:
         raise CheckpointError(problem)
-    return manifest, read_meta(path)
+    return manifest, read_meta(path, manifest)
 
 
 def _shape_mismatch(manifest: dict, slots: list[Slot], config) -> str | None:
-    from mtnlg_lightning.model import build_model
-
+    problem = config_mismatch(manifest, config)
+    if problem:
+        return problem
     tensors = manifest["tensors"]
-    expected = {name: tuple(p.shape) for name, p in build_model(config, "meta").named_parameters()}
-    expected["embed.wte.weight"] = (config.vocab_size, config.hidden_size)
-    stored = {k.removeprefix("model/"): tuple(v["shape"]) for k, v in tensors.items() if k.startswith("model/")}
-    for name in sorted(set(expected) | set(stored)):
-        if name not in stored:
-            return f"the checkpoint has no tensor {name}, which this model has (another model shape?)"
-        if name not in expected:
-            return f"the checkpoint has a tensor {name} that this model does not have (another model shape?)"
-        if stored[name] != expected[name]:
-            return (
-                f"tensor {name} is {list(stored[name])} in the checkpoint and {list(expected[name])} in this model "
-                f"(another model shape?)"
-            )
     for slot in slots:  # the boxes this layout needs exist in the stored shapes
         if tuple(tensors[f"model/{slot.name}"]["shape"]) != slot.global_shape:
             return f"tensor {slot.name} does not fit this layout's shards"

@@ -61,12 +61,14 @@ def _fresh_adam_state(param: torch.Tensor, group: dict, step: float) -> dict:
 
 # ------------------------------------------------------------------------------------------------ collect
 def collect_pieces(
-    slots: list[Slot], optimizer, engine, writer_of, data_parallel_size: int = 1, tp_rank: int = 0
+    slots: list[Slot], optimizer, engine, writer_of, data_parallel_size: int = 1, tp_rank: int = 0, snapshot=False
 ) -> list[Piece]:
     """This rank's pieces. `writer_of(index, slot)` says whether this rank writes parameter `index` whole (one
     data-parallel replica, and TP rank 0 for TP-replicated tensors). Under ZeRO-1/2 each rank writes the Adam-moment
     fragments it owns as flat ranges, with no communication, where they are contiguous in model space; the other
-    moments (ZeRO-3, column-split shards) are gathered, a collective every data-parallel rank joins in order."""
+    moments (ZeRO-3, column-split shards) are gathered, a collective every data-parallel rank joins in order.
+    `snapshot`: every piece is a copy in host memory (a CPU tensor's `.cpu()` is the tensor itself), for a write
+    that happens while training goes on."""
     initialized = engine is not None and _deepspeed_state_initialized(engine)
     if initialized:
         _link_fragments(engine.optimizer)
@@ -76,7 +78,8 @@ def collect_pieces(
         flat = initialized and data_parallel_size > 1 and _flat_in_model_space(slot)
         for key, tensor in _full_local_states(slot, optimizer, engine, data_parallel_size, moments=not flat):
             if writes and tensor is not None:
-                pieces.append(Piece(key, slot.stored(tensor).detach().cpu(), slot.offsets, slot.global_shape))
+                host = slot.stored(tensor).detach().to("cpu", copy=snapshot)
+                pieces.append(Piece(key, host, slot.offsets, slot.global_shape))
         if flat and (tp_rank == 0 or not slot.replicated_over_tp):
             pieces += _moment_fragments(slot)
     return pieces

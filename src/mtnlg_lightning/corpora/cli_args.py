@@ -17,6 +17,7 @@ def add_bad_record_arg(p) -> None:
         "--on-bad-record",
         choices=list(POLICIES),
         default="error",
+        metavar="POLICY",
         help="a record that is not a JSON object, not UTF-8, lacks the text field or has a non-string or empty "
         "text: 'error' stops with one line naming its file and line; 'skip' leaves it out and counts it by reason "
         "in the summary and the report",

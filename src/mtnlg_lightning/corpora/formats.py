@@ -78,11 +78,11 @@ def detect(path: str) -> Format:
     except IsADirectoryError:
         raise CorpusError(f"{path}: is a directory, expected a data file") from None
     except FileNotFoundError:
-        raise CorpusError(f"{path}: no such file") from None
+        raise CorpusError(f"{path}: no such file (it does not exist)") from None
     except OSError as err:
         raise CorpusError(f"{path}: cannot read: {err.strerror or err}") from None
     if not head:
-        raise CorpusError(f"{path}: empty input (no records)")
+        raise CorpusError(f"{path}: empty input: the file is empty")
     if head == PARQUET_MAGIC:
         need("pyarrow.parquet", path, "parquet")
         return Format("parquet")

@@ -55,7 +55,7 @@ def _json_array(path: str, compression: str) -> Iterator[tuple[int, object]]:
             try:
                 buf = buf[pos:] + utf8.decode(block, final=eof)
             except UnicodeDecodeError:
-                raise CorpusError(f"{locate(path, 'json', n + 1)}: not valid UTF-8") from None
+                raise CorpusError(f"{locate(path, 'json', n + 1)}: not UTF-8") from None
             pos = 0
             return True
 

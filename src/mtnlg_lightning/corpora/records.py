@@ -37,7 +37,7 @@ def parse_line(line: bytes | str) -> dict:
         try:
             line = line.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise BadRecord("non_utf8", f"not valid UTF-8 (byte {err.start})") from None
+            raise BadRecord("non_utf8", f"not UTF-8 (invalid byte at {err.start})") from None
     try:
         rec = json.loads(line)
     except ValueError as err:

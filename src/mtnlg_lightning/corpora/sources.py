@@ -73,7 +73,8 @@ def expand_inputs(specs: list[str]) -> list[InputFile]:
         if os.path.isdir(spec):
             files = _walk(spec)
             if not files:
-                raise CorpusError(f"{spec}: folder holds no data files (*.jsonl, *.json, *.parquet, *.gz, *.zst)")
+                kinds = "*.jsonl, *.json, *.parquet, *.gz, *.zst"
+                raise CorpusError(f"{spec}: is a directory with no data files ({kinds})")
             for f in files:
                 add(f, os.path.relpath(f, spec))
         elif os.path.exists(spec):
@@ -86,7 +87,7 @@ def expand_inputs(specs: list[str]) -> list[InputFile]:
             for f in files:
                 add(f, os.path.relpath(f, root))
         else:
-            raise CorpusError(f"{spec}: no such file")
+            raise CorpusError(f"{spec}: no such file (it does not exist)")
     if not out:
         raise CorpusError("no input files given")
     return out

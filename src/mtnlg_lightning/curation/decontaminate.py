@@ -22,7 +22,7 @@ from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
 
 from .decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
 from .engine import make_engine
-from .jsonl import InputError, line_starts_plan, shard_size, write_json_atomic
+from .jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from .ngrams import load_tasks
 from .signatures import Shard
 from .stages import Faults, Progress, StageRunner
@@ -97,11 +97,11 @@ class DecontamJob:
         if len(files) != 1:
             raise InputError(f"--input {cfg.input} names {len(files)} files; decontaminate one file per run")
         self.source = files[0]
-        real = os.path.realpath
-        if real(cfg.output) in {real(cfg.input), *map(real, cfg.tasks)}:
-            raise InputError(f"--output {cfg.output} would overwrite an input file")
-        if real(cfg.report_path()) in {real(cfg.input), real(cfg.output), *map(real, cfg.tasks)}:
-            raise InputError(f"report path {cfg.report_path()} collides with an input or the output")
+        for path in (cfg.output, cfg.report_path()):
+            if os.path.isdir(path):
+                raise InputError(f"{path} is a directory, expected a file to write")
+        guard_output(cfg.output, [self.source.path, *cfg.tasks])  # an output file is never an input file
+        guard_output(cfg.report_path(), [self.source.path, cfg.output, *cfg.tasks])
 
     def prepare(self, engine) -> list[Shard]:
         """Resume a run with the same inputs and settings, else start clean. Returns the shards."""
@@ -133,8 +133,6 @@ class DecontamJob:
         if plan is None:
             plan = line_starts_plan(path, shard_size(os.path.getsize(path), cfg.shard_bytes, engine.cpus))
             write_json_atomic(saved_path, {"fingerprint": fp, "plan": plan})
-        if os.path.exists(cfg.report_path()):  # never leave an old report next to an output being recomputed
-            os.unlink(cfg.report_path())
         kind = self.source.fmt.kind
         return [Shard(0, i, path, s, e, cfg.input, kind) for i, (s, e) in enumerate(plan)]
 
@@ -180,6 +178,8 @@ class DecontamJob:
                 raise
         finally:
             engine.close()
+        if os.path.exists(cfg.report_path()):  # replaced last: the old one never describes the new output
+            os.unlink(cfg.report_path())
         concatenate_parts(ctx, cfg.output, self.source, cfg.output_compression)
         self.faults.point("publish:1")
         report = self.build_report(ctx, runner, t_tasks)

@@ -21,7 +21,7 @@ from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
 
 from .dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
 from .engine import make_engine
-from .jsonl import InputError, line_starts_plan, shard_size, write_json_atomic
+from .jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
 from .shingles import ShingleSpec
 from .signatures import Shard, SignatureSettings
@@ -119,12 +119,10 @@ class DedupJob:
             if name in (DUPLICATES_NAME, REPORT_NAME):
                 raise InputError(f"{p}: input file name {name!r} collides with an output file name")
             seen[name] = p
-        real_inputs = {os.path.realpath(p) for p in cfg.inputs}
-        for name in self.out_names:
-            if os.path.realpath(os.path.join(self.out, name)) in real_inputs:
-                raise InputError(
-                    f"output {os.path.join(self.out, name)} would overwrite an input; choose another --output-dir"
-                )
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise InputError(f"--output-dir {self.out} is a file, expected a directory")
+        for output in self.output_files() + [os.path.join(self.out, REPORT_NAME)]:
+            guard_output(output, self.paths)  # an output file is never an input file
         if not 0.0 < cfg.threshold <= 1.0:
             raise InputError(f"--threshold must be in (0, 1], got {cfg.threshold}")
         self.file_rank = self._file_rank()
@@ -162,11 +160,6 @@ class DedupJob:
     def output_files(self) -> list[str]:
         return [os.path.join(self.out, n) for n in self.out_names] + [os.path.join(self.out, DUPLICATES_NAME)]
 
-    def _remove_outputs(self) -> None:
-        for p in [os.path.join(self.out, REPORT_NAME)] + self.output_files():
-            if os.path.lexists(p):
-                os.unlink(p)
-
     def prepare(self, engine) -> dict | None:
         """Decide between 'already complete', 'resume' and 'start clean'. Returns the report if complete."""
         fp = self.fingerprint()
@@ -197,13 +190,10 @@ class DedupJob:
                 plan = saved["plan"]
             else:
                 shutil.rmtree(self.work)
-        # never leave an old report next to outputs that are being recomputed
-        if os.path.exists(report_path):
-            os.unlink(report_path)
-        if not (resume and os.path.exists(os.path.join(self.work, "filter.done"))):
-            self._remove_outputs()
-        # compressed, JSON-array and parquet inputs: a plain JSON-lines copy, line n = record n (text and id
-        # only for parquet: its output is the input's own rows)
+        # The previous outputs and report stay as they were until `publish` replaces them (a run that fails on
+        # bad input, or is killed, loses nothing); the work folder marks the run as not complete meanwhile.
+        # Compressed, JSON-array and parquet inputs: a plain JSON-lines copy, line n = record n (text and id
+        # only for parquet: its output is the input's own rows).
         columns = [self.cfg.text_key, self.cfg.id_key]
         self.plain = plain_copies(self.files, os.path.join(self.work, "plain"), engine, columns)
         if not resume:
@@ -245,9 +235,9 @@ class DedupJob:
         )
 
     def cleanup_after_error(self) -> None:
-        """Bad input: leave nothing behind (work dir, outputs, and the output dir if we created it)."""
+        """Bad input: leave nothing of this run behind (its work folder, the output folder if it made it); the
+        previous outputs, if any, are untouched."""
         shutil.rmtree(self.work, ignore_errors=True)
-        self._remove_outputs()
         if self.created_out:
             try:
                 os.rmdir(self.out)
@@ -256,6 +246,9 @@ class DedupJob:
 
     def publish(self, runner: StageRunner) -> dict:
         final = os.path.join(self.work, "final")
+        report_path = os.path.join(self.out, REPORT_NAME)
+        if os.path.exists(report_path):  # the old report must not describe a mix of old and new outputs
+            os.unlink(report_path)
         for i, name in enumerate(self.out_names + [DUPLICATES_NAME]):
             src = os.path.join(final, name)
             if os.path.exists(src):  # absent: already moved by an earlier, interrupted publish

@@ -9,12 +9,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
+
+from mtnlg_lightning import outputs
+from mtnlg_lightning.errors import MTNLGError
 
 
 class InputError(Exception):
@@ -126,35 +127,16 @@ def count_lines_before(path: str, offset: int) -> int:
     return n
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+# One atomic_write for every tool (mtnlg_lightning.outputs); the curation modules import it from here.
+atomic_write = outputs.atomic_write
 
 
-@contextlib.contextmanager
-def atomic_write(path: str, mode: str = "wb", fsync: bool = False) -> Iterator[IO[Any]]:
-    """Write ``path`` atomically: temp file in the same directory, ``os.replace`` (optionally fsync first).
-
-    On any exception the temp file is removed and ``path`` is left untouched.  ``os.replace`` alone makes the
-    file appear complete-or-absent to readers and across a killed process; ``fsync=True`` adds durability
-    across a machine crash (used for final outputs).
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+def guard_output(path: str, inputs: list[str]) -> None:
+    """`outputs.check_output` for an output file, as the curation tools' `InputError`."""
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the output ordinary permissions
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        outputs.check_output(path, inputs, replaces_dir=False)
+    except MTNLGError as error:
+        raise InputError(str(error)) from None
 
 
 def write_json_atomic(path: str, obj: Any, fsync: bool = False) -> None:

@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from mtnlg_lightning.outputs import atomic_write
+
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 DEMO_VOCAB_SIZE = 4096
 
@@ -58,11 +60,9 @@ def build_demo_data(progress: bool = True) -> tuple[str, str]:
     directory.mkdir(parents=True, exist_ok=True)
     documents = list(stdlib_documents())
     corpus = directory / "python_docs.jsonl"
-    tmp = corpus.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(corpus, "w") as f:
         for doc in documents:
             f.write(json.dumps(doc) + "\n")
-    os.replace(tmp, corpus)
     train_bpe((d["text"] for d in documents), DEMO_VOCAB_SIZE, tokenizer_path)
     summary = preprocess_jsonl(str(corpus), str(tokenizer_path), str(prefix), progress=progress)
     (directory / "DONE").write_text(str(summary) + "\n")

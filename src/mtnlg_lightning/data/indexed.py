@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import struct
-from pathlib import Path
 
 import numpy as np
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import staging_file
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -40,8 +40,8 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        self._tmp_bin = self.prefix + ".bin.tmp"
-        Path(self._tmp_bin).parent.mkdir(parents=True, exist_ok=True)
+        self._tmp_bin = staging_file(self.prefix + ".bin")
+        self._tmp_idx = staging_file(self.prefix + ".idx")
         self._bin = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
 
@@ -65,7 +65,7 @@ class IndexedDatasetWriter:
         if len(sizes) > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
-        tmp_idx = self.prefix + ".idx.tmp"
+        tmp_idx = self._tmp_idx
         with open(tmp_idx, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
@@ -80,7 +80,7 @@ class IndexedDatasetWriter:
 
     def abort(self) -> None:
         self._bin.close()
-        for path in (self._tmp_bin, self.prefix + ".idx.tmp"):
+        for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)
 

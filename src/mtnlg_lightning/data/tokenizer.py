@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import discard, staging_file
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -80,8 +81,11 @@ def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: 
     output = Path(output)
     if output.suffix != ".json":
         output = output / "tokenizer.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_suffix(".json.tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, output)
+    tmp = staging_file(output)
+    try:
+        tok.save(tmp)
+        os.replace(tmp, output)
+    except BaseException:
+        discard(tmp)
+        raise
     return Tokenizer(output)

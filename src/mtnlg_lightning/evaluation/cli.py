@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.evaluation import tasks
@@ -71,6 +70,14 @@ def evaluate_task(scorer, tokenizer, args) -> dict:
 
 
 def check_args(args) -> None:
+    if args.limit is not None and args.limit < 1 or args.stride is not None and args.stride < 1:
+        raise MTNLGError("--limit and --stride must be at least 1")
+    if args.output:
+        from mtnlg_lightning.outputs import check_output
+
+        check_output(args.output, [args.checkpoint, args.data, args.fewshot_data, args.tokenizer], replaces_dir=False)
+        if os.path.isdir(args.output):
+            raise MTNLGError(f"--output {args.output} is a directory; name a JSON file")
     if args.harness_tasks:
         require_extra("eval", "--harness-tasks")  # before the model is loaded
         return
@@ -79,6 +86,11 @@ def check_args(args) -> None:
         raise MTNLGError(f"unknown task {args.task!r}; the known tasks are {known} (or use --harness-tasks)")
     if not args.data:
         raise MTNLGError(f"--task {args.task} needs --data FILE")
+    from mtnlg_lightning.outputs import check_input_file
+
+    for path in (args.data, args.fewshot_data):  # before the model loads
+        if path:
+            check_input_file(path)
     if any(k < 0 for k in args.shots) or args.batch_size < 1:
         raise MTNLGError("--shots must be >= 0 and --batch-size >= 1")
 
@@ -94,11 +106,10 @@ def table(results: dict) -> str:
 
 
 def write_json(path: str, payload: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    from mtnlg_lightning.outputs import atomic_write
+
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(payload, indent=1) + "\n")
 
 
 def run(args) -> dict:

@@ -7,14 +7,18 @@ import csv
 from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import check_input_file
 
 
 def read_records(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
     """JSON lines, or a tab-separated file with a header row (`.txt`/`.tsv`, as HANS ships its data)."""
     path = Path(path)
-    if path.suffix in (".txt", ".tsv") and path.is_file():
-        return read_tsv(path, fields)
-    return read_jsonl(path, fields)
+    if not path.is_dir() and not any(c in str(path) for c in "*?["):  # a folder or glob: the corpus reader's
+        check_input_file(path)
+    try:
+        return read_tsv(path, fields) if path.suffix in (".txt", ".tsv") else read_jsonl(path, fields)
+    except UnicodeDecodeError as error:
+        raise MTNLGError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def read_tsv(path: Path, fields: tuple[str, ...]) -> list[dict]:
@@ -71,7 +75,11 @@ def read_documents(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file() or is_data_file(path.name) or (path.stat().st_size and not detect(str(path)).plain_jsonl):
         return [r["text"] for r in read_jsonl(path, ("text",))]
-    text = path.read_text(encoding="utf-8")
+    check_input_file(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise MTNLGError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     if not text.strip():
         raise MTNLGError(f"{path} is empty")
     return [text]

@@ -7,6 +7,7 @@ The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrai
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mtnlg_lightning.errors import MTNLGError, one_line
@@ -17,8 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-export-hf",
         description="Export a checkpoint (any layout) to a Hugging Face GPT-2 directory: config.json, "
-        "model.safetensors (vocabulary trimmed to the tokenizer's, LM head tied), tokenizer files and "
-        "generation_config.json (<|endoftext|> as bos/eos). Written to a temporary directory, then renamed.",
+        "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
+        "(vocabulary trimmed to the tokenizer's, LM head tied), tokenizer files and generation_config.json "
+        "(<|endoftext|> as bos/eos). The weights are read and written a slice at a time (memory: a few shards, "
+        "whatever the model size), to a temporary directory, then renamed.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="a project checkpoint (a .ckpt file or checkpoint folder)")
@@ -29,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokenizer.json or directory to ship with the model (default: the one the checkpoint names)",
     )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest weights file, as Hugging Face's save_pretrained: bytes or a size (100MB, 5GB, 2GiB); one "
+        "model.safetensors when the model fits one shard, a tensor larger than this gets a shard of its own",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     return p
 
@@ -38,15 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         from mtnlg_lightning.interop.hf import export_hf, read_source
+        from mtnlg_lightning.interop.safetensors_shards import parse_size
+        from mtnlg_lightning.outputs import check_output
 
+        parse_size(args.max_shard_size)  # a bad size is one line before the checkpoint is read
+        # OUT is replaced whole: never the checkpoint, its folder or a parent of it, the tokenizer's, ., ~ or /.
+        check_output(args.output_dir, [args.checkpoint, args.tokenizer], replaces_dir=True)
+        if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+            raise MTNLGError(f"{args.output_dir} is a file; name a directory to write the model in")
         state = read_source(args.checkpoint)
-        summary = export_hf(state, args.output_dir, args.dtype, args.tokenizer, args.overwrite)
+        check_output(args.output_dir, [state.tokenizer], replaces_dir=True)
+        summary = export_hf(
+            state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size
+        )
     except MTNLGError as error:
         print(f"mtnlg-export-hf: error: {one_line(error)}", file=sys.stderr)
         return 2
     print(
         f"wrote {summary['output']}: GPT-2, {state.config.num_layers} layers, hidden {state.config.hidden_size}, "
-        f"{summary['parameters']:,} parameters in {summary['dtype']}, vocabulary {summary['vocab_size']}"
+        f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
+        f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
     )
     if summary["tokenizer"] is None:
         print(

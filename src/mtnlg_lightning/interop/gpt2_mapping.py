@@ -9,6 +9,9 @@ The project's GPT is GPT-2's architecture; only names and layouts differ:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 from mtnlg_lightning.config import ModelConfig
@@ -46,20 +49,53 @@ def name_pairs(num_layers: int):
             yield f"blocks.{i}.{ours}", f"h.{i}.{theirs}", linear
 
 
-def to_hf(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Model-space weights -> GPT-2 state dict (`transformer.*`, tied `lm_head` omitted as `save_pretrained` does)."""
-    out = {}
-    for ours, theirs, linear in name_pairs(config.num_layers):
+@dataclass(frozen=True)
+class TensorPair:
+    """One tensor on both sides: our model-space name, GPT-2's (under `transformer.`), and how to convert."""
+
+    ours: str
+    theirs: str
+    linear_weight: bool  # stored transposed by GPT-2's Conv1D
+    qkv: bool  # rows (ours) / columns (theirs) in a different head order
+
+    def to_hf(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        if self.qkv:
+            t = _qkv_to_hf(t, heads)
+        return (t.t() if self.linear_weight else t).contiguous()
+
+    def from_hf(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        if self.linear_weight:
+            t = t.t()
+        return (_qkv_from_hf(t, heads) if self.qkv else t).contiguous()
+
+    def hf_shape(self, ours_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(reversed(ours_shape)) if self.linear_weight else tuple(ours_shape)
+
+
+def tensor_pairs(num_layers: int) -> list[TensorPair]:
+    """Every weight tensor of a GPT of `num_layers` layers (the tied head excluded), in GPT-2's order."""
+    pairs = []
+    for ours, theirs, linear in name_pairs(num_layers):
         for kind in ("weight", "bias"):
-            if ours.startswith("embed") and kind == "bias":
-                continue
-            t = weights[f"{ours}.{kind}"]
-            if ours.endswith("attn.qkv"):
-                t = _qkv_to_hf(t, config.num_heads)
-            if linear and kind == "weight":
-                t = t.t()
-            out[f"transformer.{theirs}.{kind}"] = t.contiguous()
-    return out
+            if not (ours.startswith("embed") and kind == "bias"):
+                pairs.append(
+                    TensorPair(
+                        f"{ours}.{kind}",
+                        f"transformer.{theirs}.{kind}",
+                        linear and kind == "weight",
+                        ours.endswith("attn.qkv"),
+                    )
+                )
+    return pairs
+
+
+def to_hf(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Model-space weights -> GPT-2 state dict (`transformer.*`, tied `lm_head` omitted as `save_pretrained` does)."""
+    return {p.theirs: p.to_hf(weights[p.ours], config.num_heads) for p in tensor_pairs(config.num_layers)}
+
+
+# GPT-2 files may carry the causal-mask buffers (`attn.bias`, `attn.masked_bias`): constants, not weights.
+CONSTANT_BUFFERS = ("attn.bias", "attn.masked_bias")
 
 
 def from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -69,30 +105,22 @@ def from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, to
     if head is not None and not torch.equal(head, state.get("wte.weight", head)):
         raise MTNLGError("the source's lm_head is not tied to its word embedding; this GPT ties them")
     out = {}
-    for ours, theirs, linear in name_pairs(config.num_layers):
-        for kind in ("weight", "bias"):
-            if ours.startswith("embed") and kind == "bias":
-                continue
-            key = f"{theirs}.{kind}"
-            if key not in state:
-                raise MTNLGError(f"the source has no tensor {key!r} (not a GPT-2 model of {config.num_layers} layers?)")
-            t = state.pop(key)
-            if linear and kind == "weight":
-                t = t.t()
-            if ours.endswith("attn.qkv"):
-                t = _qkv_from_hf(t, config.num_heads)
-            out[f"{ours}.{kind}"] = t.contiguous()
-    # GPT-2 files may carry the causal-mask buffers (`attn.bias`, `attn.masked_bias`): constants, not weights.
-    leftover = sorted(k for k in state if not k.endswith(("attn.bias", "attn.masked_bias")))
+    for pair in tensor_pairs(config.num_layers):
+        key = pair.theirs.removeprefix("transformer.")
+        if key not in state:
+            raise MTNLGError(f"the source has no tensor {key!r} (not a GPT-2 model of {config.num_layers} layers?)")
+        out[pair.ours] = pair.from_hf(state.pop(key), config.num_heads)
+    leftover = sorted(k for k in state if not k.endswith(CONSTANT_BUFFERS))
     if leftover:
         raise MTNLGError(f"the source has tensors this GPT does not use: {', '.join(leftover[:5])}")
     return out
 
 
 @torch.no_grad()
-def load_model_space(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+def load_model_space(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy model-space weights into a full single-process `GPT` (before any strategy shards it). The word
-    embedding rows past the source's vocabulary (padding for the layout) are zeroed: no token maps to them."""
+    embedding rows past the source's vocabulary (padding for the layout) are zeroed: no token maps to them.
+    `weights` may be lazy (`LazyWeights`): each tensor is read when its parameter is filled, then let go."""
     params = {k: p for k, p in model.named_parameters() if k != "lm_head.weight"}
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or unexpected:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -416,8 +415,15 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an OUT_DIR that is not empty (without --overwrite), or whose replacement would delete what it must
+    not (an input: the built-in corpus cache; ., ~, /). Nothing is removed here: `tools/pipeline.py` runs in
+    `outputs.kept_until_done`, so the previous result goes only when the new run has finished."""
+    from mtnlg_lightning.data.builtin_corpus import cache_root
+    from mtnlg_lightning.outputs import check_output
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MTNLGError(f"{out_dir} is a file; name a directory for the pipeline's outputs")
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
             raise MTNLGError(f"{out_dir} is not empty: pass --overwrite to replace it, or name another directory")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+        check_output(out_dir, [cache_root()], replaces_dir=True)

@@ -1,0 +1,170 @@
+"""How every tool writes: into a staging path, swapped in only when the whole result is complete; never over one
+of its inputs, and `--overwrite` never over a folder that holds (or is) an input, the current or home directory
+or the file-system root. Files and folders follow the user's umask.
+
+As rsync and git: the previous result stays as it was until the new one is complete, so a failed run (bad input,
+a crash, Ctrl-C) loses nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from mtnlg_lightning.errors import MTNLGError
+
+
+def umask() -> int:
+    """The process umask, read without changing it where Linux shows it (no window for another thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    return 0o777 & ~umask()
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb", fsync: bool = False) -> Iterator[IO[Any]]:
+    """Write `path` atomically: a temp file in the same directory, `os.replace`d over it when the block ends
+    without an error (with `fsync`, flushed to disk first). On any error the temp file is removed and `path` is
+    left as it was. The file gets the permissions an ordinary `open` would (mkstemp's are 0600)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        os.chmod(tmp, file_mode())
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def staging_file(path: str | os.PathLike) -> str:
+    """A fresh temp name next to `path` for writers that need a file name (safetensors, tokenizers), with
+    ordinary permissions; pair it with `os.replace(temp, path)` or `discard`."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    os.chmod(tmp, file_mode())
+    return tmp
+
+
+def discard(path: str | os.PathLike) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def staged_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """A fresh hidden folder next to `target` to write the whole result in; when the block ends without an error
+    it replaces `target` (the previous one is moved aside and removed only after the swap); on an error it is
+    removed and `target` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
+    try:
+        os.chmod(staging, dir_mode())  # mkdtemp creates 0700
+        yield staging
+        replace_dir(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Move `new` to `target`; an existing target is moved aside first and removed only after the swap."""
+    old = None
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def kept_until_done(target: str | os.PathLike) -> Iterator[Path]:
+    """For a long run whose files must live at their final path while it runs (configs name them): the previous
+    `target` is moved aside, a fresh `target` is yielded; when the block ends without an error the previous one is
+    removed, on an error (or Ctrl-C) the partial result is removed and the previous one put back."""
+    target = Path(target)
+    aside = None
+    if target.exists() and any(target.iterdir()):
+        aside = target.with_name(f".{target.name}.previous-{os.getpid()}")
+        os.replace(target, aside)
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        yield target
+    except BaseException:
+        if aside is not None:
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(aside, target)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ the guard
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or path.is_relative_to(folder)
+
+
+def check_output(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], replaces_dir: bool) -> None:
+    """Refuse, with one line, an output that would destroy what it must not: an output that is an input, lies
+    inside an input folder or contains an input; and, where the output replaces a whole folder (`replaces_dir`,
+    e.g. `--overwrite`), one that is or contains the current directory, the home directory or the root."""
+    out = Path(target).expanduser().resolve()
+    for given in inputs:
+        if given is None or str(given) == "":
+            continue
+        source = Path(given).expanduser().resolve()
+        if out == source:
+            raise MTNLGError(f"the output {target} is the input {given}; name another output")
+        if _inside(out, source) and source.is_dir():
+            raise MTNLGError(f"the output {target} lies inside the input {given}; name an output outside it")
+        if replaces_dir and _inside(source, out):
+            raise MTNLGError(f"the output {target} contains the input {given}; replacing it would delete that input")
+    if replaces_dir:
+        protected = {"the file-system root": Path(out.anchor), "the current directory": Path.cwd().resolve()}
+        with contextlib.suppress(RuntimeError, KeyError):
+            protected["the home directory"] = Path.home().resolve()
+        for what, folder in protected.items():
+            if _inside(folder, out):
+                raise MTNLGError(f"refusing to replace {target}: it is or contains {what} ({folder})")
+
+
+def check_input_file(path: str | os.PathLike) -> None:
+    """A file a tool reads: it exists, is a file (not a folder) and is not empty -- one line each."""
+    path = Path(path)
+    if not path.exists():
+        raise MTNLGError(f"{path} does not exist")
+    if not path.is_file():
+        raise MTNLGError(f"{path} is a directory, expected a file")
+    if path.stat().st_size == 0:
+        raise MTNLGError(f"{path} is empty")

@@ -1,0 +1,266 @@
+"""The bad-input table of every CLI: missing, empty, directory-instead-of-file, file-instead-of-directory,
+non-UTF-8, numeric flags out of range, unknown or unavailable --device -- each one `PROG: error:` line (argparse's
+usage line may precede it) and its exit code, never a traceback. The tools' `main()` run in-process (a subprocess
+costs seconds each). Record-content rows of the data tools (malformed JSON, missing or non-string text field, a
+huge single line) are tested with their reader (issue 27), not here."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root: benchmarks
+# Imported here, outside any test's captured stderr: Lightning binds its log handler to sys.stderr on import.
+import mtnlg_lightning.cli  # noqa: E402, F401
+from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
+
+
+def _tool(name: str):
+    """tools/NAME.py's main (they import `_bootstrap` from their own folder)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _main(tool: str):
+    if tool == "mtnlg":
+        from mtnlg_lightning.cli import main
+    elif tool == "mtnlg-dedup":
+        from mtnlg_lightning.curation.dedup_cli import main
+    elif tool == "mtnlg-decontaminate":
+        from mtnlg_lightning.curation.decontaminate_cli import main
+    elif tool == "mtnlg-eval":
+        from mtnlg_lightning.evaluation.cli import main
+    elif tool == "mtnlg-generate":
+        from mtnlg_lightning.generate import main
+    elif tool == "mtnlg-export-hf":
+        from mtnlg_lightning.interop.export_cli import main
+    elif tool == "consolidate_checkpoint.py":
+        from mtnlg_lightning.checkpoint.consolidate import main
+    else:
+        main = _tool(tool.removesuffix(".py"))
+    return main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Every kind of bad path, plus good ones to pair them with."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty.jsonl").write_bytes(b"")
+    (root / "adir").mkdir()
+    (root / "emptydir").mkdir()
+    (root / "plain.txt").write_text("just a file\n")
+    (root / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9 cr\xe8me"}\n')
+    (root / "good.jsonl").write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(4)))
+    (root / "tasks.jsonl").write_text(json.dumps({"task": "t", "text": "one two three four five six seven eight"}))
+    make_checkpoint(root / "ckpt", root / "outside.safetensors")
+    words = ["<|endoftext|>", "[UNK]", "a", "b", "c", "caf", "the"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "nonempty").mkdir()
+    (root / "nonempty" / "keep.txt").write_text("mine")
+    return root
+
+
+GEN = ["--checkpoint", "{ckpt}", "--tokenizer", "{tok}", "--device", "cpu"]
+EVAL = ["--checkpoint", "{ckpt}", "--tokenizer", "{tok}", "--task", "lambada", "--device", "cpu"]
+FIT = ["fit", "--config", "{tiny}", "--trainer.default_root_dir", "{out}"]
+# (tool, arguments, stdin, exit code, what the error line says)
+ROWS = [
+    # mtnlg
+    ("mtnlg", ["fit", "--config", "{missing}"], None, 2, "File does not exist"),
+    ("mtnlg", ["fit", "--config", "{adir}"], None, 2, "Path is not a file"),
+    ("mtnlg", ["fit", "--config", "{latin1}"], None, 2, "not UTF-8"),
+    ("mtnlg", [*FIT, "--trainer.accelerator", "quantum"], None, 2, "unknown trainer.accelerator"),
+    ("mtnlg", [*FIT, "--trainer.accelerator", "tpu"], None, 2, "no such device"),
+    ("mtnlg", [*FIT, "--trainer.max_steps", "-5"], None, 2, "max_steps"),
+    ("mtnlg", [*FIT, "--model.micro_batch_size", "0"], None, 2, "micro_batch_size"),
+    ("mtnlg", [*FIT, "--ckpt_path", "{plain}"], None, 2, "not a readable checkpoint"),
+    ("mtnlg", [*FIT, "--ckpt_path", "{emptydir}"], None, 2, "no manifest.json"),
+    ("mtnlg", [*FIT, "--data.builtin_corpus", "null", "--data.datasets", "[{missing}]"], None, 2, "missing dataset"),
+    # mtnlg-dedup
+    ("mtnlg-dedup", ["{missing}", "-o", "{out}"], None, 2, "no such file"),
+    ("mtnlg-dedup", ["{empty}", "-o", "{out}"], None, 2, "empty input"),
+    ("mtnlg-dedup", ["{adir}", "-o", "{out}"], None, 2, "is a directory"),
+    ("mtnlg-dedup", ["{good}", "-o", "{plain}"], None, 2, "is a file, expected a directory"),
+    ("mtnlg-dedup", ["{good}", "-o", "{out}", "--threshold", "1.5"], None, 2, "threshold"),
+    ("mtnlg-dedup", ["{good}", "-o", "{out}", "--workers", "0"], None, 2, "positive integer"),
+    # mtnlg-decontaminate
+    (
+        "mtnlg-decontaminate",
+        ["--tasks", "{tasks}", "--input", "{missing}", "--output", "{out}/c.jsonl"],
+        None,
+        2,
+        "no such file",
+    ),
+    (
+        "mtnlg-decontaminate",
+        ["--tasks", "{tasks}", "--input", "{adir}", "--output", "{out}/c.jsonl"],
+        None,
+        2,
+        "is a directory",
+    ),
+    ("mtnlg-decontaminate", ["--tasks", "{empty}", "--input", "{good}", "--output", "{out}/c.jsonl"], None, 2, "empty"),
+    (
+        "mtnlg-decontaminate",
+        ["--tasks", "{tasks}", "--input", "{good}", "--output", "{adir}"],
+        None,
+        2,
+        "is a directory",
+    ),
+    ("mtnlg-decontaminate", ["--tasks", "{tasks}", "--input", "{good}", "--output", "{good}"], None, 2, "is the input"),
+    (
+        "mtnlg-decontaminate",
+        ["--tasks", "{tasks}", "--input", "{good}", "--output", "{out}/c", "--max-ngram", "0"],
+        None,
+        2,
+        "positive",
+    ),
+    # mtnlg-eval
+    ("mtnlg-eval", ["--checkpoint", "{missing}", "--task", "lambada", "--data", "{good}"], None, 2, "does not exist"),
+    ("mtnlg-eval", ["--checkpoint", "{emptydir}", "--task", "lambada", "--data", "{good}"], None, 2, "no manifest"),
+    (
+        "mtnlg-eval",
+        ["--checkpoint", "{plain}", "--task", "lambada", "--data", "{good}"],
+        None,
+        2,
+        "not a readable checkpoint",
+    ),
+    ("mtnlg-eval", [*EVAL, "--data", "{missing}"], None, 2, "does not exist"),
+    ("mtnlg-eval", [*EVAL, "--data", "{adir}"], None, 2, "is a directory"),
+    ("mtnlg-eval", [*EVAL, "--data", "{empty}"], None, 2, "is empty"),
+    ("mtnlg-eval", [*EVAL, "--data", "{latin1}"], None, 2, "not UTF-8"),
+    ("mtnlg-eval", [*EVAL, "--data", "{good}", "--batch-size", "0"], None, 2, "--batch-size"),
+    ("mtnlg-eval", [*EVAL, "--data", "{good}", "--limit", "0"], None, 2, "--limit"),
+    ("mtnlg-eval", [*EVAL, "--data", "{good}", "--output", "{good}"], None, 2, "is the input"),
+    ("mtnlg-eval", [*EVAL, "--data", "{good}", "--output", "{adir}"], None, 2, "is a directory"),
+    ("mtnlg-eval", [*EVAL[:-1], "quantum", "--data", "{good}"], None, 2, "unknown --device"),
+    ("mtnlg-eval", [*EVAL[:-1], "cuda:99", "--data", "{good}"], None, 2, "cuda"),
+    # mtnlg-generate
+    ("mtnlg-generate", [*GEN, "--prompt", "a", "--top-k", "-1"], None, 2, "--top-k"),
+    ("mtnlg-generate", [*GEN, "--prompt", "a", "--top-p", "0"], None, 2, "--top-p"),
+    ("mtnlg-generate", [*GEN, "--prompt", "a", "--top-p", "1.5"], None, 2, "--top-p"),
+    ("mtnlg-generate", [*GEN, "--prompt", "a", "--temperature", "-1"], None, 2, "--temperature"),
+    ("mtnlg-generate", [*GEN, "--prompt", "a", "--max-new-tokens", "0"], None, 2, "--max-new-tokens"),
+    ("mtnlg-generate", [*GEN, "--prompt", "-"], b"caf\xe9\n", 2, "stdin is not UTF-8"),
+    ("mtnlg-generate", [*GEN, "--prompt", "-"], b"\n\n", 2, "no prompt"),
+    ("mtnlg-generate", [*GEN[:-1], "bogus", "--prompt", "a"], None, 2, "unknown --device"),
+    ("mtnlg-generate", ["--checkpoint", "{missing}", "--prompt", "a", "--device", "cpu"], None, 2, "does not exist"),
+    ("mtnlg-generate", ["--checkpoint", "{plain}", "--prompt", "a", "--device", "cpu"], None, 2, "not a readable"),
+    # mtnlg-export-hf
+    ("mtnlg-export-hf", ["{missing}", "{out}"], None, 2, "does not exist"),
+    ("mtnlg-export-hf", ["{emptydir}", "{out}"], None, 2, "no manifest"),
+    ("mtnlg-export-hf", ["{ckpt}", "{plain}"], None, 2, "is a file"),
+    ("mtnlg-export-hf", ["{ckpt}", "{ckpt}", "--overwrite"], None, 2, "is the input"),
+    ("mtnlg-export-hf", ["{ckpt}", "{out}", "--dtype", "fp8"], None, 2, "invalid choice"),
+    # tools/preprocess_data.py
+    (
+        "preprocess_data.py",
+        ["--input", "{missing}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d"],
+        None,
+        2,
+        "does not exist",
+    ),
+    (
+        "preprocess_data.py",
+        ["--input", "{adir}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d"],
+        None,
+        2,
+        "is a directory",
+    ),
+    (
+        "preprocess_data.py",
+        ["--input", "{empty}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d"],
+        None,
+        2,
+        "is empty",
+    ),
+    (
+        "preprocess_data.py",
+        ["--input", "{good}", "--tokenizer", "{missing}", "--output-prefix", "{out}/d"],
+        None,
+        2,
+        "no tokenizer",
+    ),
+    (
+        "preprocess_data.py",
+        ["--input", "{good}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d", "--workers", "0"],
+        None,
+        2,
+        "positive",
+    ),
+    # tools/train_tokenizer.py
+    ("train_tokenizer.py", ["--input", "{missing}", "--output", "{out}/t.json"], None, 2, "does not exist"),
+    ("train_tokenizer.py", ["--input", "{adir}", "--output", "{out}/t.json"], None, 2, "is a directory"),
+    ("train_tokenizer.py", ["--input", "{empty}", "--output", "{out}/t.json"], None, 2, "is empty"),
+    ("train_tokenizer.py", ["--input", "{good}", "--output", "{good}"], None, 2, "is the input"),
+    (
+        "train_tokenizer.py",
+        ["--input", "{good}", "--output", "{out}/t.json", "--vocab-size", "0"],
+        None,
+        2,
+        "integer >= 2",
+    ),
+    # tools/consolidate_checkpoint.py
+    ("consolidate_checkpoint.py", ["{missing}", "{out}/m.safetensors"], None, 2, "does not exist"),
+    ("consolidate_checkpoint.py", ["{emptydir}", "{out}/m.safetensors"], None, 2, "no manifest"),
+    ("consolidate_checkpoint.py", ["{plain}", "{out}/m.safetensors"], None, 2, "not a checkpoint folder"),
+    ("consolidate_checkpoint.py", ["{ckpt}", "{adir}"], None, 2, "is a directory"),
+    ("consolidate_checkpoint.py", ["{ckpt}", "{ckpt}/meta.pt"], None, 2, "lies inside the input"),
+    # tools/pipeline.py
+    ("pipeline.py", ["{plain}"], None, 2, "is a file"),
+    ("pipeline.py", ["{nonempty}"], None, 2, "not empty"),
+    ("pipeline.py", [".", "--overwrite"], None, 2, "current directory"),
+    ("pipeline.py", ["{out}", "--steps", "0"], None, 2, "positive integer"),
+]
+
+
+def fill(argument: str, files: Path, out: Path) -> str:
+    names = {
+        "missing": files / "missing.jsonl",
+        "empty": files / "empty.jsonl",
+        "adir": files / "adir",
+        "emptydir": files / "emptydir",
+        "plain": files / "plain.txt",
+        "latin1": files / "latin1.jsonl",
+        "good": files / "good.jsonl",
+        "tasks": files / "tasks.jsonl",
+        "ckpt": files / "ckpt",
+        "tok": files / "tokenizer.json",
+        "nonempty": files / "nonempty",
+        "out": out,
+        "tiny": ROOT / "configs" / "tiny.yaml",
+    }
+    return argument.format(**{k: str(v) for k, v in names.items()})
+
+
+@pytest.mark.parametrize("tool, arguments, stdin, code, says", ROWS, ids=[f"{r[0]}-{i}" for i, r in enumerate(ROWS)])
+def test_bad_input_is_one_line_and_an_exit_code(
+    files, tmp_path, monkeypatch, capsys, tool, arguments, stdin, code, says
+):
+    monkeypatch.chdir(files / "nonempty")  # `.` is a non-empty folder that must survive
+    argv = [fill(a, files, tmp_path / "out") for a in arguments]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin or b""), encoding="utf-8"))
+    try:
+        got = _main(tool)(argv)
+    except SystemExit as exit_:
+        got = exit_.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error" in line.lower()]  # (info lines, argparse usage aside)
+    prog = tool.removesuffix(".py")
+    assert len(lines) == 1 and re.match(rf"({re.escape(prog)}|{re.escape(tool)}): error: ", lines[0]), err
+    assert says in lines[0] and got == code, (got, lines[0])
+    assert (files / "nonempty" / "keep.txt").read_text() == "mine"
