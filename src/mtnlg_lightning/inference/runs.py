@@ -157,9 +157,20 @@ def evaluate(model, plan_: Plan, args, tokenizer_path) -> dict:
     else:
         scorer = PipelineScorer(model, args.batch_size, args.micro_batch_size, progress=not args.no_progress)
         results = {args.task: cli.evaluate_task(scorer, tokenizer, args)}
+    seconds = time.perf_counter() - started
     settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     settings["layout"] = plan_.layout.describe(plan_.world_size)
-    return {"results": results, "settings": settings, "seconds": time.perf_counter() - started}
+    return {"results": results, "settings": settings, "seconds": seconds, "stage_busy_fraction": busy_by_rank(model)}
+
+
+def busy_by_rank(model) -> list[float]:
+    """Per rank, the fraction of its forward passes' time spent computing its stages (the rest: waiting for a
+    previous stage's activations or TP peers): how well the pipeline is kept fed."""
+    import torch.distributed as dist
+
+    times = [None] * dist.get_world_size()
+    dist.all_gather_object(times, (model.times.busy, model.times.wall))
+    return [round(busy / wall, 4) if wall else 0.0 for busy, wall in times]
 
 
 # ------------------------------------------------------------------------------------------- mtnlg-generate
