@@ -114,7 +114,12 @@ def run_harness(model, tokenizer, tasks: list[str], include_path: str | None = N
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path)
+    manager = None
+    if include_path:  # local tasks only: skip indexing the thousands of built-in task files (tens of seconds)
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if any(t not in manager.all_tasks for t in tasks):
+            manager = None
+    manager = manager or TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise MTNLGError(f"unknown harness task(s) {', '.join(unknown)} (add --include-path DIR for local tasks)")
