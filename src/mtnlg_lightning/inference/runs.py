@@ -179,9 +179,9 @@ def run_generate(args, argv: list[str]) -> int:
         if args.max_new_tokens < 1 or args.num_samples < 1:
             raise MTNLGError("--max-new-tokens and --num-samples must be at least 1")
         plan_ = plan(args.checkpoint, args.strategy, args.devices)
-        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if args.prompt == "-" else [args.prompt]
+        prompts = read_prompts(args.prompt)
         if needs_launch(plan_.world_size):
-            return launch_local("mtnlg_lightning.generate", _with_prompts(argv, prompts), plan_.world_size)
+            return launch_local("mtnlg_lightning.generate", argv, plan_.world_size)
         model, tokenizer_path = load(plan_, args.device, args.dtype)
         generate_and_print(model, args, prompts, tokenizer_path)
     except MTNLGError as error:
@@ -191,20 +191,22 @@ def run_generate(args, argv: list[str]) -> int:
     return 0
 
 
-def _with_prompts(argv: list[str], prompts: list[str]) -> list[str]:
-    """Ranks cannot share the launcher's stdin: `--prompt -` becomes one `--prompt` per line read."""
-    if "-" not in prompts:
-        return argv
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == "--prompt" and i + 1 < len(argv) and argv[i + 1] == "-":
-            skip = True
-            continue
-        out.append(arg)
-    return out + [x for p in prompts for x in ("--prompt", p)]
+PROMPTS_ENV = "MTNLG_GENERATE_PROMPTS"
+
+
+def read_prompts(prompt: str) -> list[str]:
+    """The prompts: `--prompt TEXT`, or one a line from stdin (`-`); ranks started by `--devices` cannot share the
+    launcher's stdin, so it hands them the lines it read (as JSON in an environment variable)."""
+    import json
+    import os
+
+    if prompt != "-":
+        return [prompt]
+    if PROMPTS_ENV in os.environ:
+        return json.loads(os.environ[PROMPTS_ENV])
+    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    os.environ[PROMPTS_ENV] = json.dumps(prompts)
+    return prompts
 
 
 def generate_and_print(model, args, prompts: list[str], tokenizer_path) -> None:
