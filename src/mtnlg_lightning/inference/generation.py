@@ -37,6 +37,8 @@ def generate_batch(
     from mtnlg_lightning.generate import EOS, LENGTH, POSITIONS, Generation, sample
 
     limit, vocab = model.config.max_position_embeddings, model.config.vocab_size
+    if model.sequence_parallel:
+        raise MTNLGError("decoding cuts no sequence over TP: load the model without sequence_parallel to generate")
     for prompt in prompts:
         if not prompt:
             raise MTNLGError("the prompt is empty (it needs at least one token)")

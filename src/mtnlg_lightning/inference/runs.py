@@ -58,8 +58,9 @@ def plan(checkpoint: str, strategy: str | None, devices: int | None) -> Plan:
     return Plan(path, manifest, config, layout, grid, world)
 
 
-def load(plan_: Plan, device_arg: str, dtype_arg: str):
-    """(ShardedModel, tokenizer path or None) on this rank, after joining the world."""
+def load(plan_: Plan, device_arg: str, dtype_arg: str, decoding: bool = False):
+    """(ShardedModel, tokenizer path or None) on this rank, after joining the world. `decoding`: without sequence
+    parallelism (a decoding step's one position cannot be cut over TP; the weights are the same)."""
     import torch.distributed as dist
 
     from mtnlg_lightning.checkpoint.format import TOKENIZER
@@ -79,7 +80,7 @@ def load(plan_: Plan, device_arg: str, dtype_arg: str):
         device,
         pick_dtype(dtype_arg, device),
         plan_.layout.pipeline,
-        plan_.layout.sequence_parallel,
+        plan_.layout.sequence_parallel and not decoding,
     )
     tokenizer = plan_.path / TOKENIZER
     return model, (tokenizer if tokenizer.is_file() else None)
@@ -182,7 +183,7 @@ def run_generate(args, argv: list[str]) -> int:
         prompts = read_prompts(args.prompt)
         if needs_launch(plan_.world_size):
             return launch_local("mtnlg_lightning.generate", argv, plan_.world_size)
-        model, tokenizer_path = load(plan_, args.device, args.dtype)
+        model, tokenizer_path = load(plan_, args.device, args.dtype, decoding=True)
         generate_and_print(model, args, prompts, tokenizer_path)
     except MTNLGError as error:
         return _fail("mtnlg-generate", error)
