@@ -82,6 +82,7 @@ def assert_same_results(ours: dict, reference: dict, where: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(1800)  # two checkpoints x five evaluations and generation in one launch, on a busy machine
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_evaluation_and_generation_equal_one_process(layout, checkpoints, inputs, references, tmp_path):
     strategy, devices = LAYOUTS[layout]
