@@ -79,7 +79,7 @@ LAYOUT_DEVICES = {"tp2": 2, "pp2": 2, "tp2_pp2_dp2": 8, "tp4": 4}
 
 def save_checkpoint_folder(model_dir: Path, out: Path) -> Path:
     """The Hugging Face model as a project checkpoint folder (one file of model-space pieces, a manifest)."""
-    from mtnlg_lightning.checkpoint.format import Piece, write_manifest, write_pieces
+    from mtnlg_lightning.checkpoint.format import Piece, write_manifest, write_meta, write_pieces
     from mtnlg_lightning.interop.hf import read_source
 
     state = read_source(model_dir)
@@ -87,7 +87,7 @@ def save_checkpoint_folder(model_dir: Path, out: Path) -> Path:
     pieces = [Piece(f"model/{k}", v, (0,) * v.dim(), tuple(v.shape)) for k, v in state.weights.items()]
     written = write_pieces(out, "rank-00000.safetensors", pieces)
     (out / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
-    write_manifest(out, [written], {"model_config": vars(state.config)})
+    write_manifest(out, [written, write_meta(out, {"hyper_parameters": {}})], {"model_config": vars(state.config)})
     return out
 
 
@@ -101,8 +101,10 @@ def layout_run(checkpoint: Path, data: Path, out: Path, batch_size: int, layout:
         argv += ["--strategy", str(ROOT / "configs" / "strategy" / f"{layout}.yaml")]
         argv += ["--devices", str(LAYOUT_DEVICES[layout])]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
-    subprocess.run([sys.executable, "-m", "mtnlg_lightning.evaluation.cli", *argv], check=True, env=env,
-                   capture_output=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "mtnlg_lightning.evaluation.cli", *argv], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    if run.returncode:
+        raise SystemExit(f"bench_eval: mtnlg-eval {layout or 'single'} failed: {run.stderr.strip()[-2000:]}")
     return json.loads(out.read_text())
 
 
