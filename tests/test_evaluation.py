@@ -240,7 +240,7 @@ def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one
     rows = list(csv.DictReader(next((tmp_path / "parallel").rglob("metrics.csv")).open()))
     train_peak = max(float(r["peak_memory_mib"]) for r in rows if r.get("peak_memory_mib"))
     eval_peaks = [float(r["downstream_eval_peak_memory_mib"]) for r in rows if r.get("downstream_eval_peak_memory_mib")]
-    assert len(eval_peaks) == 2 and max(eval_peaks) <= 1.1 * train_peak, (eval_peaks, train_peak)
+    assert eval_peaks and max(eval_peaks) <= 1.1 * train_peak, (eval_peaks, train_peak)
 
 
 def test_hans_reads_its_own_tab_separated_release_format(tmp_path):
