@@ -6,7 +6,13 @@ random GPT-2 with the demo tokenizer, saved as a Hugging Face directory), fp32, 
 Models are loaded before the clock starts; each timed run reads the file, builds the requests and scores them.
 Rounds alternate; medians are compared. The accuracies of both are reported too (they must be equal).
 
-    python benchmarks/bench_eval.py [--layers 6 --hidden 512 --batch-size 16 --repeats 3]
+Layout runs beside them (`--layouts tp2,pp2`): the same model saved as a project checkpoint folder and scored by
+`mtnlg-eval --strategy configs/strategy/<layout>.yaml --devices N`, each launched once next to a single-process
+`mtnlg-eval` launch of the same file (scoring time from results.json, loading excluded): documents/s, and per rank
+the fraction of its forward time its stages computed (the rest is waiting on the previous stage or TP peers). On
+a small shared CPU no speed-up is expected; the busy fractions show whether the pipeline is kept fed.
+
+    python benchmarks/bench_eval.py [--layers 6 --hidden 512 --batch-size 16 --repeats 3 --layouts tp2,pp2]
 """
 
 from __future__ import annotations
@@ -68,6 +74,59 @@ def make_inputs(tmp: Path, layers: int, hidden: int, heads: int, docs: int) -> t
     return model_dir, data, task_dir
 
 
+LAYOUT_DEVICES = {"tp2": 2, "pp2": 2, "tp2_pp2_dp2": 8, "tp4": 4}
+
+
+def save_checkpoint_folder(model_dir: Path, out: Path) -> Path:
+    """The Hugging Face model as a project checkpoint folder (one file of model-space pieces, a manifest)."""
+    from mtnlg_lightning.checkpoint.format import Piece, write_manifest, write_meta, write_pieces
+    from mtnlg_lightning.interop.hf import read_source
+
+    state = read_source(model_dir)
+    out.mkdir(parents=True)
+    pieces = [Piece(f"model/{k}", v, (0,) * v.dim(), tuple(v.shape)) for k, v in state.weights.items()]
+    written = write_pieces(out, "rank-00000.safetensors", pieces)
+    (out / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    write_manifest(out, [written, write_meta(out, {"hyper_parameters": {}})], {"model_config": vars(state.config)})
+    return out
+
+
+def layout_run(checkpoint: Path, data: Path, out: Path, batch_size: int, layout: str | None) -> dict:
+    """One `mtnlg-eval` launch (single process when layout is None): its results.json."""
+    import subprocess
+
+    argv = ["--checkpoint", str(checkpoint), "--task", "lambada", "--data", str(data), "--dtype", "fp32"]
+    argv += ["--batch-size", str(batch_size), "--no-progress", "--output", str(out)]
+    if layout is not None:
+        argv += ["--strategy", str(ROOT / "configs" / "strategy" / f"{layout}.yaml")]
+        argv += ["--devices", str(LAYOUT_DEVICES[layout])]
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run([sys.executable, "-m", "mtnlg_lightning.evaluation.cli", *argv], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    if run.returncode:
+        raise SystemExit(f"bench_eval: mtnlg-eval {layout or 'single'} failed: {run.stderr.strip()[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def layout_rows(model_dir: Path, data: Path, tmp: Path, batch_size: int, layouts: list[str]) -> list[dict]:
+    checkpoint = save_checkpoint_folder(model_dir, tmp / "checkpoint")
+    rows = []
+    for layout in [None, *layouts]:
+        found = layout_run(checkpoint, data, tmp / f"{layout}.json", batch_size, layout)
+        metrics = found["results"]["lambada"]["0"]
+        rows.append(
+            {
+                "layout": layout or "single",
+                "ranks": LAYOUT_DEVICES.get(layout, 1),
+                "docs_per_s": metrics["examples"] / found["seconds"],
+                "acc": metrics["acc"],
+                "perplexity": metrics["perplexity"],
+                "stage_busy_fraction": found.get("stage_busy_fraction"),
+            }
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
@@ -76,6 +135,7 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=200, help="cloze passages at most (the held-out text holds ~120)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", default="tp2,pp2", help=f"layout runs, of {', '.join(LAYOUT_DEVICES)} ('' for none)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     from lm_eval import simple_evaluate
@@ -105,6 +165,7 @@ def main() -> int:
             start = time.perf_counter()
             theirs_result = theirs()
             theirs_s.append(time.perf_counter() - start)
+        layouts = layout_rows(model_dir, data, Path(tmp), args.batch_size, [x for x in args.layouts.split(",") if x])
     n = ours_result["examples"]
     o, t = n / statistics.median(ours_s), n / statistics.median(theirs_s)
     result = {
@@ -119,11 +180,17 @@ def main() -> int:
         "lm_eval_acc": theirs_result["acc,none"],
         "ours_perplexity": ours_result["perplexity"],
         "lm_eval_perplexity": theirs_result["perplexity,none"],
+        "layouts": layouts,
     }
     print(f"# bench_eval: {n} LAMBADA-format documents, {result['parameters'] / 1e6:.0f}M parameters, fp32")
     print(f"mtnlg-eval {o:.1f} docs/s | lm-eval hf {t:.1f} docs/s | ratio {o / t:.2f}")
     print(f"acc {result['ours_acc']:.4f} vs {result['lm_eval_acc']:.4f}; "
           f"perplexity {result['ours_perplexity']:.4f} vs {result['lm_eval_perplexity']:.4f}")  # fmt: skip
+    for row in layouts:
+        busy = row["stage_busy_fraction"]
+        shown = f" | stages busy {', '.join(f'{b:.2f}' for b in busy)}" if busy else ""
+        print(f"mtnlg-eval {row['layout']:<12} ({row['ranks']} rank(s)) {row['docs_per_s']:.1f} docs/s | "
+              f"acc {row['acc']:.4f} perplexity {row['perplexity']:.4f}{shown}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

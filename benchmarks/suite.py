@@ -312,6 +312,16 @@ def eval_rows(d):
             d["ratio"],
             ">= 1.0",
         )
+    ] + [
+        (
+            f"eval in layout {row['layout']} ({row['ranks']} ranks) vs one process, LAMBADA docs/s (stages busy "
+            f"{', '.join(f'{b:.2f}' for b in row['stage_busy_fraction'])}; no speed-up expected on a small CPU)",
+            row["docs_per_s"],
+            d["layouts"][0]["docs_per_s"],
+            row["docs_per_s"] / d["layouts"][0]["docs_per_s"],
+            "-",
+        )
+        for row in d.get("layouts", [])[1:]
     ]
 
 

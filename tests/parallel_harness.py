@@ -9,11 +9,11 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.distributed as dist
+from gathered_weights import full_state_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.module import MTNLGModule
-from mtnlg_lightning.parallel.gathered import full_state_dict
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
 

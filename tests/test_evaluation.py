@@ -212,7 +212,7 @@ def test_bad_input_is_one_line(checkpoint, tokenizer_path, tmp_path, capsys):
 
 
 @pytest.mark.distributed
-def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one_process(
+def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one_process_within_its_memory(
     cloze, tokenizer_path, tmp_path
 ):
     import csv
@@ -235,6 +235,12 @@ def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one
     assert len({round(p, 3) for _, _, p in single}) == 2  # two evaluations: after optimizer steps 2 and 4
     assert [(s, a) for s, a, _ in parallel] == [(s, a) for s, a, _ in single]
     assert [p for _, _, p in parallel] == pytest.approx([p for _, _, p in single], rel=1e-5)
+    # Scored in the layout (no rank gathers the model): the evaluation's peak memory (max over ranks) stays within
+    # the training steps' peak.
+    rows = list(csv.DictReader(next((tmp_path / "parallel").rglob("metrics.csv")).open()))
+    train_peak = max(float(r["peak_memory_mib"]) for r in rows if r.get("peak_memory_mib"))
+    eval_peaks = [float(r["downstream_eval_peak_memory_mib"]) for r in rows if r.get("downstream_eval_peak_memory_mib")]
+    assert eval_peaks and max(eval_peaks) <= 1.1 * train_peak, (eval_peaks, train_peak)
 
 
 def test_hans_reads_its_own_tab_separated_release_format(tmp_path):

@@ -269,6 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or directory, if the checkpoint names none")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="auto: bf16 on GPU")
+    p.add_argument(
+        "--strategy",
+        help="generate in a layout: a strategy YAML of `mtnlg fit` (TP, PP, schedule; DP = devices / (TP x PP)); "
+        "all prompts (and samples) decode as one batch per replica, seeded once; output when all are done",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="local ranks to start (as `mtnlg fit --trainer.devices N`); under torchrun/srun, the launcher's world",
+    )
     return p
 
 
@@ -348,7 +359,12 @@ def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.strategy or args.devices:
+        from mtnlg_lightning.inference.runs import run_generate
+
+        return run_generate(args, argv)
     try:
         run(args)
     except MTNLGError as error:

@@ -4,6 +4,10 @@ Shapes: B batch, S sequence, H hidden, V padded vocabulary. The module keeps no 
 tensor parallelism swaps its Linear/Embedding layers for sharded ones (their `out_features` shrink and the
 attention infers its local head count), pipeline parallelism deletes the parts a stage does not own
 (`embed`, blocks, `norm`, `lm_head` may be None/absent), as torchtitan does.
+
+Decoding passes a `KVCache` to `GPT.forward` (nanoGPT / litgpt style): the same blocks then write their keys and
+values at the cache's position and attend over everything cached, so the single-process model, a tensor-parallel
+shard (local heads) and a pipeline stage (its own blocks) all decode with this one forward.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ class Attention(nn.Module):
         # Swappable so activation checkpointing can recompute just the attention core (Megatron's selective).
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         B, S, _ = qkv.shape  # from the projection: a sequence-parallel qkv receives a slice and gathers it
         qkv = qkv.view(B, S, -1, 3, self.head_dim)  # -1: heads held by this rank
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [B, heads, S, head_dim]
-        y = self.core(q, k, v, self.dropout if self.training else 0.0)
+        if cache is None:
+            y = self.core(q, k, v, self.dropout if self.training else 0.0)
+        else:  # decoding: one new position attends to every cached one; a prefill (start 0) is causal
+            k, v = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1)
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -65,8 +73,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x), cache))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
@@ -77,8 +85,8 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         return self.dropout(self.wte(tokens) + self.wpe(positions))
 
 
@@ -111,14 +119,54 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V]."""
-        h = self.embed(tokens) if self.embed is not None else tokens
-        for block in self.blocks.values():
-            h = block(h)
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
+        With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached."""
+        start = cache.start if cache is not None else 0
+        h = (self.embed(tokens, start) if start else self.embed(tokens)) if self.embed is not None else tokens
+        for name, block in self.blocks.items():
+            h = block(h, cache.layer(name)) if cache is not None else block(h)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
+
+
+class KVCache:
+    """Keys and values of a model's (or a pipeline stage's) blocks for up to `length` positions, allocated at a
+    block's first use with the shape its attention produces (local heads under tensor parallelism). The caller
+    sets `start`, the position of the next tokens, before each forward."""
+
+    def __init__(self, length: int):
+        self.length, self.start = length, 0
+        self.keys: dict[str, torch.Tensor] = {}
+        self.values: dict[str, torch.Tensor] = {}
+
+    def layer(self, name: str) -> LayerCache:
+        return LayerCache(self, name)
+
+
+class LayerCache:
+    """One block's view of a `KVCache`."""
+
+    def __init__(self, cache: KVCache, name: str):
+        self.cache, self.name = cache, name
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, heads, S, hd] at positions start..start+S; return every cached position up to there."""
+        c = self.cache
+        start, end = c.start, c.start + k.shape[2]
+        if k.shape[2] > 1 and start:
+            raise ValueError("several new positions at once only from position 0 (the prefill)")
+        if end > c.length:
+            raise ValueError(f"position {end} is beyond the cache's {c.length}")
+        if self.name not in c.keys:
+            shape = (k.shape[0], k.shape[1], c.length, k.shape[3])
+            c.keys[self.name] = k.new_empty(shape)
+            c.values[self.name] = v.new_empty(shape)
+        keys, values = c.keys[self.name], c.values[self.name]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
 
 def build_model(config: ModelConfig, device: str | torch.device | None = None) -> GPT:

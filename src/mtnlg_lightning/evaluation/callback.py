@@ -5,8 +5,14 @@
         - class_path: mtnlg_lightning.evaluation.callback.DownstreamEval
           init_args: {task: lambada, data: data/demo_cloze.jsonl, tokenizer: TOKENIZER, every_n_steps: 100}
 
-Under any layout the full weights are gathered (TP shards, pipeline stages, ZeRO-3 partitions), rank 0 scores the
-task with a plain single-process GPT, and broadcasts the numbers, so every rank logs the same values.
+Under `MegatronDeepSpeedStrategy` the task is scored in the training layout, on the live stage models, through the
+same pipeline path as `mtnlg-eval --strategy` (`inference.scoring.PipelineScorer`: items dealt over the
+data-parallel replicas, micro-batches through the stages, log-likelihoods vocab-parallel): no rank holds more than
+its training share of the weights, and every rank gets the same numbers. In one process or under DDP (every rank
+holds the whole model) rank 0 scores the model itself and broadcasts the numbers.
+
+Logged besides the task metrics: `downstream_eval_peak_memory_mib`, the evaluation's peak memory of the fullest
+rank (the same reading as the step's `peak_memory_mib`, `peak_memory.StepPeakMemory`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class DownstreamEval(L.Callback):
         self.every_n_steps, self.shots, self.fewshot_data = every_n_steps, list(shots or [0]), fewshot_data
         self.limit, self.batch_size, self.seed = limit, batch_size, seed
         self.last: dict[str, float] = {}
+        self.peak_memory_bytes = 0  # this rank's peak memory during the last evaluation
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         from mtnlg_lightning.data.tokenizer import Tokenizer
@@ -58,38 +65,61 @@ class DownstreamEval(L.Callback):
         self.tokenizer = Tokenizer(self.tokenizer_path)  # bad paths fail at start-up, not at the first evaluation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from mtnlg_lightning.peak_memory import StepPeakMemory
+        from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+
         step = trainer.global_step
         if step % self.every_n_steps and step != trainer.max_steps:
             return
-        weights = self._full_weights(trainer, pl_module)  # collective: every rank takes part
-        metrics = self._evaluate(pl_module, weights) if trainer.is_global_zero else None
-        metrics = trainer.strategy.broadcast(metrics, src=0)
+        peak = StepPeakMemory(pl_module.device)
+        peak.reset()
+        if isinstance(trainer.strategy, MegatronDeepSpeedStrategy):
+            metrics = self._evaluate_in_layout(trainer.strategy)  # collective: every rank takes part
+        else:  # one process, or DDP: every rank holds the whole model
+            metrics = (
+                self._evaluate(Scorer(pl_module.model, self.batch_size), pl_module) if trainer.is_global_zero else None
+            )
+            metrics = trainer.strategy.broadcast(metrics, src=0)
+        self.peak_memory_bytes = peak.read_bytes()
         self.last = metrics
         for name, value in metrics.items():
             pl_module.log(name, value, rank_zero_only=False)
+        mib = torch.tensor(self.peak_memory_bytes / 2**20, device=pl_module.device)
+        pl_module.log("downstream_eval_peak_memory_mib", mib, sync_dist=True, reduce_fx="max")
 
-    @staticmethod
-    def _full_weights(trainer, pl_module) -> dict[str, torch.Tensor]:
-        from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    def _evaluate_in_layout(self, strategy) -> dict[str, float]:
+        from contextlib import nullcontext
 
-        if isinstance(trainer.strategy, MegatronDeepSpeedStrategy):
-            from mtnlg_lightning.parallel.gathered import full_state_dict
+        from mtnlg_lightning.inference.engine import ShardedModel
+        from mtnlg_lightning.inference.scoring import PipelineScorer
 
-            weights = full_state_dict(trainer.strategy)
-        else:  # one process, or DDP: every rank holds the whole model
-            weights = {k: v.detach() for k, v in pl_module.model.named_parameters()}
-        return {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        model = ShardedModel.from_strategy(strategy)
+        context = nullcontext()
+        if strategy.engine is not None and strategy.zero_stage == 3:  # TP only: gather this rank's ZeRO-3 shard
+            import deepspeed
+
+            params = [p for m in model.modules() for p in m.parameters()]
+            context = deepspeed.zero.GatheredParameters(params)
+        return self._evaluate(PipelineScorer(model, self.batch_size), *model.modules(), context=context)
 
     @torch.no_grad()
-    def _evaluate(self, pl_module, weights) -> dict[str, float]:
-        from mtnlg_lightning.evaluation.data import read_records
-        from mtnlg_lightning.interop.gpt2_mapping import load_model_space
-        from mtnlg_lightning.model import build_model
+    def _evaluate(self, scorer, *modules, context=None) -> dict[str, float]:
+        """The task's metrics with `modules` in eval mode (dropout off), their training mode restored after."""
+        from contextlib import nullcontext
 
-        model = build_model(pl_module.config)
-        load_model_space(model, {k: v.float().cpu() for k, v in weights.items()})
-        model = model.to(pl_module.device).eval()
-        scorer = Scorer(model, self.batch_size)
+        modes = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+        try:
+            with context or nullcontext():
+                return self._score(scorer)
+        finally:
+            for m, mode in zip(modules, modes, strict=True):
+                m.train(mode)
+
+    def _score(self, scorer) -> dict[str, float]:
+        from mtnlg_lightning.evaluation.data import read_records
+
         if self.task == "perplexity":
             from mtnlg_lightning.evaluation.data import read_documents
 

@@ -4,6 +4,7 @@ mtnlg-eval --checkpoint CKPT --task lambada --data lambada.jsonl --shots 0 1 15 
 mtnlg-eval --checkpoint CKPT --task hans --data hans.jsonl --shots 0 4 16
 mtnlg-eval --checkpoint CKPT --task perplexity --data valid.txt --stride 512
 mtnlg-eval --checkpoint CKPT --harness-tasks lambada_openai,hellaswag [--include-path DIR]
+mtnlg-eval --checkpoint CKPT --strategy configs/strategy/tp2_pp2_dp2.yaml --devices 8 --task lambada ...
 """
 
 from __future__ import annotations
@@ -49,6 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="auto: bf16 on GPU")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument(
+        "--strategy",
+        help="evaluate in a layout: a strategy YAML of `mtnlg fit` (configs/strategy/*.yaml: TP, PP, schedule, "
+        "sequence parallelism; DP = devices / (TP x PP); ZeRO settings do not apply). Each rank reads only its "
+        "slice of the checkpoint folder",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="local ranks to start (as `mtnlg fit --trainer.devices N`); under torchrun/srun, the launcher's world",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="with --strategy: sequences per micro-batch through the pipeline (default: batch size / PP)",
+    )
     return p
 
 
@@ -139,7 +158,12 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.strategy or args.devices:
+        from mtnlg_lightning.inference.runs import run_eval
+
+        return run_eval(args, argv)
     try:
         run(args)
     except MTNLGError as error:

@@ -4,6 +4,10 @@
 
 Scores follow the harness' HF backend rules (see `scoring`), so they agree with `lm_eval --model hf` on the
 exported model.
+
+In a layout (`model` an `inference.engine.ShardedModel`) the adapter's `rank` / `world_size` are the data-parallel
+ones: the evaluator deals the requests over the replicas and gathers on the data-parallel group, and all TP / PP
+ranks of a replica score each request together through the pipeline (`inference.scoring.PipelineScorer`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,39 @@ class _Adapter:
 
     def __init__(self, model, tokenizer, batch_size: int = 16, max_gen_toks: int = 256):
         super().__init__()
-        self.scorer = Scorer(model, batch_size, progress=True)
         self.model, self.tokenizer, self.max_gen_toks = model, tokenizer, max_gen_toks
+        self.layout = getattr(model, "layout", None)  # set on a ShardedModel: the run has a layout
+        if self.layout is None:
+            self.scorer = Scorer(model, batch_size, progress=True)
+        else:
+            from mtnlg_lightning.inference.scoring import PipelineScorer
+
+            self.scorer = PipelineScorer(model, batch_size, split_over_dp=False, progress=True)
+            self._rank, self._world_size = model.groups.coord.dp, self.layout.data_parallel
+            self._device = model.device
+            self.dp_group = model.groups.data_parallel_group
+
+    # The evaluator's collectives run over the data-parallel group (unused with one replica).
+    def all_gather(self, tensor):
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.dp_group)
+        return torch.stack(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        import torch.distributed as dist
+
+        parts = [None] * self._world_size
+        dist.all_gather_object(parts, obj, group=self.dp_group)
+        return parts if self._rank == dst else None
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self._world_size > 1:
+            dist.barrier(group=self.dp_group)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         prepared = []
@@ -55,7 +90,12 @@ class _Adapter:
             until = [until] if isinstance(until, str) else list(until)
             new = kwargs.get("max_gen_toks", self.max_gen_toks)
             ids = self.tokenizer.encode(context)[-max(1, limit - new) :] or [self.tokenizer.eod_id]
-            made = generate(self.model, ids, new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
+            if self.layout is None:
+                made = generate(self.model, ids, new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
+            else:  # every rank of the replica decodes it together
+                from mtnlg_lightning.inference.generation import generate_batch
+
+                made = generate_batch(self.model, [ids], new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
             text = self.tokenizer.decode(made)
             cut = min((text.find(s) for s in until if s and s in text), default=len(text))
             out.append(text[:cut])
@@ -69,16 +109,24 @@ def harness_lm(model, tokenizer, batch_size: int = 16):
 
 def run_harness(model, tokenizer, tasks: list[str], include_path: str | None = None, batch_size: int = 16, **kw):
     """`lm_eval.simple_evaluate` on our model; returns {task: {metric: value}} (the harness' `,none` filter
-    suffix dropped)."""
+    suffix dropped); None on data-parallel ranks other than 0 of a layout."""
     lm = harness_lm(model, tokenizer, batch_size)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path)
+    manager = None
+    if include_path:  # local tasks only: skip indexing the thousands of built-in task files (tens of seconds)
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if any(t not in manager.all_tasks for t in tasks):
+            manager = None
+    manager = manager or TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise MTNLGError(f"unknown harness task(s) {', '.join(unknown)} (add --include-path DIR for local tasks)")
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **kw)["results"]
+    evaluated = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **kw)
+    if evaluated is None:  # a data-parallel rank other than 0: the evaluator gathered its results to rank 0
+        return None
+    results = evaluated["results"]
     return {
         task: {k.split(",")[0]: v for k, v in metrics.items() if k != "alias" and "_stderr" not in k}
         for task, metrics in results.items()

@@ -1,4 +1,5 @@
-"""Every parameter at full size on every rank, whatever the layout: for evaluation during training and for tests."""
+"""Every parameter at full size on every rank, whatever the layout: for the equivalence tests only (evaluation during
+training scores in the layout, `inference.scoring`; gathering 530B onto every rank would need 1 TB each)."""
 
 from __future__ import annotations
 

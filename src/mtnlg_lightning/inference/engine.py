@@ -1,0 +1,241 @@
+"""This rank's part of a model in a layout, and the forward pass of micro-batches through the pipeline stages.
+
+Built either from a checkpoint (`ShardedModel.load`: the single-process model is built on the meta device, cut by
+the training code's `parallelize_gpt`, then every parameter is read as its own box of the checkpoint's tensors;
+no rank allocates or reads more than its share) or from a training strategy's live stage models
+(`ShardedModel.from_strategy`, for `DownstreamEval`).
+
+Stages run forward only. A rank takes its (stage, micro-batch) tasks in lexicographic order, receives a stage's
+input from the rank holding the previous stage (same data- and tensor-parallel coordinates) and sends its output
+on without waiting (`isend`), so stage s works on micro-batch m + 1 while stage s + 1 works on m. That order
+cannot deadlock for any placement of stages on ranks (looped or V-shaped): the smallest unfinished task always has
+its input ready. Every rank of a replica knows every micro-batch's shape (they read the same requests), so
+activations travel without shape messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtnlg_lightning.checkpoint.model_space import VOCAB_PARAMS, model_slots
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.parallel.layout import ProcessGroups
+from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
+
+
+@dataclass
+class StageTimes:
+    """Seconds this rank spent computing stages vs. the wall time of the forward passes (pipeline feeding)."""
+
+    busy: float = 0.0
+    wall: float = 0.0
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy / self.wall if self.wall else 0.0
+
+
+class ShardedModel:
+    """This rank's stage models (TP-sharded, global stage indices) and how to run micro-batches through them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        groups: ProcessGroups,
+        stages: list[tuple[int, nn.Module]],
+        num_stages: int,
+        placement: list[list[int]],
+        device: torch.device,
+        sequence_parallel: bool = False,
+    ):
+        self.config, self.groups, self.device = config, groups, device
+        self.stages, self.num_stages, self.sequence_parallel = stages, num_stages, sequence_parallel
+        self.holder = {s: r for r, held in enumerate(placement) for s in held}  # stage -> pipeline rank
+        self.times = StageTimes()
+        self.dtype = next(stages[0][1].parameters()).dtype
+
+    # ------------------------------------------------------------------ coordinates
+    @property
+    def layout(self):
+        return self.groups.layout
+
+    @property
+    def tp_group(self):
+        return self.groups.tensor_parallel_group if self.layout.tensor_parallel > 1 else None
+
+    @property
+    def is_first(self) -> bool:
+        return any(s == 0 for s, _ in self.stages)
+
+    @property
+    def is_last(self) -> bool:
+        return any(s == self.num_stages - 1 for s, _ in self.stages)
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank holding `stage` in this rank's replica and TP position."""
+        c = self.groups.coord
+        return self.layout.rank(self.holder[stage], c.dp, c.tp)
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.stage_rank(self.num_stages - 1)
+
+    def modules(self):
+        return [m for _, m in self.stages]
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def load(cls, reader, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel):
+        """This rank's shard of the checkpoint behind `reader` (a `checkpoint.format.TensorReader`)."""
+        from mtnlg_lightning.model import GPT
+        from mtnlg_lightning.parallel.parallelize import parallelize_gpt
+
+        with torch.device("meta"):
+            model = GPT(config)
+        parallel = parallelize_gpt(model, groups, torch.device(device), pipeline, sequence_parallel)
+        if parallel.pipeline is not None:
+            indices, modules = parallel.pipeline.stage_indices, parallel.pipeline.stage_models
+        else:
+            indices, modules = [0], [parallel.model]
+        tp_rank, tp_size = groups.tensor_parallel_rank, groups.tensor_parallel_size
+        for module in modules:
+            _materialize(module, reader, config, tp_rank, tp_size, device, dtype)
+            module.eval()
+        num_stages = groups.layout.pipeline_parallel * pipeline.virtual_stages
+        placement = stages_held_by_rank(pipeline.schedule, groups.layout.pipeline_parallel, pipeline.virtual_stages)
+        return cls(
+            config, groups, list(zip(indices, modules, strict=True)), num_stages, placement, device, sequence_parallel
+        )
+
+    @classmethod
+    def from_strategy(cls, strategy) -> ShardedModel:
+        """The live stage models of a `MegatronDeepSpeedStrategy` (weights as trained so far)."""
+        runner = strategy.pipeline
+        if runner is not None:
+            stages = list(zip(runner.stage_indices, runner.stage_models, strict=True))
+            num_stages = runner.num_stages
+        else:
+            stages, num_stages = [(0, strategy.lightning_module.model)], 1
+        settings = strategy.pipeline_settings
+        placement = stages_held_by_rank(settings.schedule, strategy.pipeline_parallel, settings.virtual_stages)
+        return cls(
+            strategy.lightning_module.config,
+            strategy.groups,
+            stages,
+            num_stages,
+            placement,
+            strategy.root_device,
+            strategy.sequence_parallel,
+        )
+
+    # ------------------------------------------------------------------ running
+    def padded_width(self, width: int) -> int:
+        """Sequence parallelism cuts the sequence over TP: widths are rounded up to a multiple of TP."""
+        tp = self.layout.tensor_parallel
+        return -(-width // tp) * tp if self.sequence_parallel else width
+
+    @torch.no_grad()
+    def forward(
+        self,
+        micro_batches: list[torch.Tensor | tuple[int, int]],
+        on_output: Callable[[int, torch.Tensor], None],
+        caches: list | None = None,
+    ) -> None:
+        """Run micro-batches through the pipeline. `micro_batches[m]` is the token tensor [b, S] on the first
+        stage's ranks and its (b, S) shape elsewhere; `on_output(m, logits)` is called on the last stage's ranks
+        with this rank's vocabulary slice [b, S, V/TP]. `caches[m]`: the micro-batch's KV cache (decoding)."""
+        started = time.perf_counter()
+        pending, local = [], {}
+        hidden, tp = self.config.hidden_size, self.layout.tensor_parallel
+        for stage, module in sorted(self.stages, key=lambda sm: sm[0]):
+            for m, batch in enumerate(micro_batches):
+                if stage == 0:
+                    x = batch.to(self.device)
+                elif self.holder[stage - 1] == self.groups.coord.pp:
+                    x = local.pop((stage - 1, m))
+                else:
+                    b, width = batch.shape if isinstance(batch, torch.Tensor) else batch
+                    width = width // tp if self.sequence_parallel else width
+                    x = torch.empty(b, width, hidden, dtype=self.dtype, device=self.device)
+                    dist.recv(x, src=self.stage_rank(stage - 1))
+                busy = time.perf_counter()
+                out = module(x, caches[m]) if caches is not None else module(x)
+                self.times.busy += time.perf_counter() - busy
+                if stage == self.num_stages - 1:
+                    on_output(m, out)
+                elif self.holder[stage + 1] == self.groups.coord.pp:
+                    local[(stage, m)] = out
+                else:
+                    out = out.contiguous()
+                    pending.append((dist.isend(out, dst=self.stage_rank(stage + 1)), out))
+        for work, _ in pending:
+            work.wait()
+        self.times.wall += time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _materialize(module: nn.Module, reader, config: ModelConfig, tp_rank: int, tp_size: int, device, dtype) -> None:
+    """Allocate a meta stage model on `device` and fill every parameter with its box of the checkpoint."""
+    slots = model_slots(module, config, tp_rank, tp_size)  # read while the TP attributes are on the meta tensors
+    head = getattr(module, "lm_head", None)
+    head_weight = None  # a last stage's own copy of the tied embedding: a plain tensor, not a parameter
+    if head is not None and not any(head.weight is s.param for s in slots):
+        head_weight = head.weight
+    tied = head is not None and getattr(module, "embed", None) is not None
+    marks = {
+        s.name: (getattr(s.param, "tensor_model_parallel", None), getattr(s.param, "partition_dim", None))
+        for s in slots
+    }
+    module.to_empty(device=device)
+    module.to(dtype)
+    params = dict(module.named_parameters())
+    for slot in slots:
+        param = params[slot.name]
+        sharded, dim = marks[slot.name]
+        if sharded is not None:
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = sharded, dim, 1
+        name = "embed.wte.weight" if slot.name == "lm_head.weight" else slot.name  # re-tied on a V-shaped rank
+        value = reader.read(f"model/{name}", slot.offsets, slot.shape, dtype=dtype)
+        with torch.no_grad():
+            slot.fill(param.data, value.to(device))
+    if tied:  # to_empty gave the head its own tensor: share the embedding's again, as the model does
+        module.lm_head.weight = module.embed.wte.weight
+    elif head_weight is not None:
+        rows = head_weight.shape[0]
+        start = tp_rank * rows
+        stored = max(0, min(rows, config.vocab_size - start))
+        weight = torch.zeros(head_weight.shape, dtype=dtype, device=device)
+        weight[:stored] = reader.read("model/embed.wte.weight", (start, 0), (stored, config.hidden_size), dtype)
+        module.lm_head.weight = weight
+
+
+def check_checkpoint_shapes(manifest: dict, config: ModelConfig, path: Path) -> None:
+    """The checkpoint's tensors are the model its config describes: every parameter present with its shape."""
+    from mtnlg_lightning.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    expected = {}
+    for slot in model_slots(model, config):
+        expected[slot.name] = list(slot.global_shape)
+    stored = {k.removeprefix("model/"): v["shape"] for k, v in manifest["tensors"].items() if k.startswith("model/")}
+    for name, shape in expected.items():
+        if name not in stored:
+            raise MTNLGError(f"checkpoint {path} holds no {name}: it is not a model of its own model_config")
+        if list(stored[name]) != shape:
+            raise MTNLGError(
+                f"checkpoint {path}: {name} has shape {list(stored[name])}, but its model_config "
+                f"(layers {config.num_layers}, hidden {config.hidden_size}, heads {config.num_heads}, vocabulary "
+                f"{config.vocab_size}) needs {shape}: a checkpoint of another model shape"
+            )
+    extra = sorted(set(stored) - set(expected) - set(VOCAB_PARAMS))
+    if extra:
+        raise MTNLGError(f"checkpoint {path} holds {extra[0]}, which its model_config has no place for")
