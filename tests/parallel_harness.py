@@ -24,12 +24,17 @@ CAPTURE_STEP = 5
 
 
 class Recorder(Callback):
-    """Per-step train_loss / grad_norm / lr as logged (synced over ranks) and the gathered parameters at steps."""
+    """Per-step train_loss / grad_norm / lr as logged (synced over ranks) and the gathered parameters at steps
+    (step 0: the initial ones), in fp32: under bf16 ZeRO the master weights, which the updates act on."""
 
     def __init__(self, capture_steps=(CAPTURE_STEP,)):
         self.capture_steps = set(capture_steps)
         self.losses, self.grad_norms, self.lrs = [], [], []
         self.params: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_step in self.capture_steps:  # step 0: the initial parameters
+            self._capture(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         metrics = trainer.callback_metrics
@@ -37,12 +42,15 @@ class Recorder(Callback):
         self.grad_norms.append(float(metrics["grad_norm"]))
         self.lrs.append(float(metrics["lr"]))
         if trainer.global_step in self.capture_steps:
-            strategy = trainer.strategy
-            if isinstance(strategy, MegatronDeepSpeedStrategy):
-                full = full_state_dict(strategy)
-            else:
-                full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
-            self.params[trainer.global_step] = {k: v.cpu() for k, v in full.items()}
+            self._capture(trainer, pl_module)
+
+    def _capture(self, trainer, pl_module):
+        strategy = trainer.strategy
+        if isinstance(strategy, MegatronDeepSpeedStrategy):
+            full = full_state_dict(strategy, master=True)  # fp32 master weights under bf16
+        else:
+            full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
+        self.params[trainer.global_step] = {k: v.float().cpu() for k, v in full.items()}
 
 
 @torch.no_grad()
@@ -134,9 +142,11 @@ def tiny_run(
     micro_batch_size=4,
     model_overrides=None,
     rampup_batch_size=None,
+    precision="32-true",
 ) -> tuple[Recorder, L.Trainer]:
     """`micro_batch_size` changes only how the global batch of 8 is cut (the loss and gradients are the same
-    mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}."""
+    mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}. `precision`:
+    Lightning's, e.g. "bf16-mixed" (autocast; under ZeRO DeepSpeed keeps bf16 weights and fp32 master weights)."""
     L.seed_everything(SEED, verbose=False)
     module = MTNLGModule(
         preset="tiny",
@@ -163,7 +173,7 @@ def tiny_run(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        precision="32-true",
+        precision=precision,
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in cbs),
