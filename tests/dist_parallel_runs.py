@@ -48,6 +48,11 @@ PIPELINE_RUNS = {
 }
 RAMPUP = [2, 2, 12]
 BF16 = "bf16_"  # run-name prefix: the same run in bf16-mixed precision
+COMPILED = "compiled_"  # run-name prefix: the same run with every block torch.compile'd (`model.compile: true`)
+# aot_eager: Dynamo's capture and AOTAutograd's joint forward/backward graph, where composition with the layouts
+# can break, without inductor's C++ code generation (minutes per rank on this 2-core machine; its numerics are
+# checked in one process by test_compiled_blocks_with_inductor_train_like_eager, marked slow).
+COMPILE_BACKEND = "aot_eager"
 # Runs whose torch.distributed traffic is counted per group (benchmarks/comm_counter.py) at their last step.
 COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}
 
@@ -123,7 +128,10 @@ def run(name: str, out: Path, world: int) -> dict:
     precision = "bf16-mixed" if name.startswith(BF16) else "32-true"
     if name.startswith(BF16):
         name, out = name.removeprefix(BF16), out / "bf16"  # its checkpoints apart from the fp32 runs' of that name
-    train = partial(tiny_run, precision=precision)
+    backend = COMPILE_BACKEND if name.startswith(COMPILED) else None
+    if name.startswith(COMPILED):
+        name, out = name.removeprefix(COMPILED), out / "compiled"
+    train = partial(tiny_run, precision=precision, compile_backend=backend)
     extra = {}
     # name -> (strategy, run kwargs). "*_ckpt" runs 6 steps saving at step 3; "*_resume" resumes from it.
     if name.removesuffix("_ckpt").removesuffix("_resume") in PIPELINE_RUNS:
@@ -240,7 +248,24 @@ def run(name: str, out: Path, world: int) -> dict:
         rec, trainer, extra = memory_run(world)
     else:
         raise SystemExit(f"unknown run {name}")
+    if backend is not None:
+        extra["compiled"] = compiled_summary(trainer)
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params, **extra}
+
+
+def compiled_summary(trainer) -> dict:
+    """How many of this rank's blocks run compiled, and what Dynamo captured (graphs, graph breaks)."""
+    from torch._dynamo.utils import counters
+
+    from mtnlg_lightning.model import Block
+
+    blocks = [m for m in trainer.lightning_module.model.modules() if isinstance(m, Block)]
+    return {
+        "blocks": len(blocks),
+        "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def memory_run(world: int):

@@ -143,10 +143,12 @@ def tiny_run(
     model_overrides=None,
     rampup_batch_size=None,
     precision="32-true",
+    compile_backend=None,
 ) -> tuple[Recorder, L.Trainer]:
     """`micro_batch_size` changes only how the global batch of 8 is cut (the loss and gradients are the same
     mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}. `precision`:
-    Lightning's, e.g. "bf16-mixed" (autocast; under ZeRO DeepSpeed keeps bf16 weights and fp32 master weights)."""
+    Lightning's, e.g. "bf16-mixed" (autocast; under ZeRO DeepSpeed keeps bf16 weights and fp32 master weights).
+    `compile_backend`: compile each block with this torch.compile backend (`model.compile: true`)."""
     L.seed_everything(SEED, verbose=False)
     module = MTNLGModule(
         preset="tiny",
@@ -159,6 +161,8 @@ def tiny_run(
         warmup_tokens=1024,
         decay_tokens=10240,
         grad_clip=grad_clip,
+        compile=compile_backend is not None,
+        compile_backend=compile_backend or "inductor",
     )
     data = GPTDataModule(builtin_corpus="python-docs", seed=SEED)
     recorder = Recorder(capture_steps)

@@ -121,6 +121,23 @@ class GPT(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """torch.compile every transformer block, one by one (as torchtitan does): the blocks are identical, so one
+    compiled graph serves them all, and whatever wraps or shards a block's layers afterwards is traced as it is
+    at its first call (compilation is lazy): tensor/sequence parallelism, pipeline pruning, activation
+    checkpointing. Returns the number of blocks compiled. `backend`: inductor (generated kernels: the speed),
+    aot_eager (traced forward and backward, no code generation: checks composition quickly), eager."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend {backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)
+
+
 def build_model(config: ModelConfig, device: str | torch.device | None = None) -> GPT:
     """Build on `device`; on "meta" nothing is allocated (used to size the 530B model)."""
     with torch.device(device or "cpu"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
-from mtnlg_lightning.model import build_model
+from mtnlg_lightning.model import build_model, compile_blocks
 from mtnlg_lightning.peak_memory import StepPeakMemory
 from mtnlg_lightning.step_interfaces import GradientUpdater, ModelBuiltHook, PipelineExecutor, UpdateVeto
 
@@ -42,6 +42,8 @@ class MTNLGModule(L.LightningModule):
         peak_tflops: float | None = None,
         preemption: bool = True,
         init_from: str | None = None,
+        compile: bool = False,
+        compile_backend: str = "inductor",
     ):
         """
         Args:
@@ -105,6 +107,8 @@ class MTNLGModule(L.LightningModule):
             for callback in trainer.callbacks if trainer is not None else []:
                 if isinstance(callback, ModelBuiltHook):
                     callback.on_model_built(trainer, self)
+            if self.hparams.get("compile"):  # lazy: the strategy's sharding happens before the first call
+                compile_blocks(self.model, self.hparams.get("compile_backend", "inductor"))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
