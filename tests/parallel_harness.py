@@ -6,6 +6,8 @@ so both sides build exactly the same config, data and seed.
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -21,6 +23,8 @@ SEED = 1234
 # Small enough that clipping triggers on every step of the tiny model (its grad norm is ~0.3 .. 2).
 GRAD_CLIP = 0.05
 CAPTURE_STEP = 5
+# The suite runs on CPU (gloo); scripts/gpu_check.sh runs the same checks with MTNLG_TEST_ACCELERATOR=gpu (NCCL).
+ACCELERATOR = os.environ.get("MTNLG_TEST_ACCELERATOR", "cpu")
 
 
 class Recorder(Callback):
@@ -174,7 +178,7 @@ def tiny_run(
             )
         )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=devices,
         strategy=strategy,
         precision=precision,
