@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the equivalence harness the suite use
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5  # fp32, as tests/test_parallel_equivalence.py
 BF16_LOSS_RTOL = 1e-3  # bf16 vs fp32 losses over 5 steps (the suite's bf16 section argues it)
 DIST_RUNS = ["tp2", "pp2_1f1b", "dp2_zero1", "bf16_dp2_zero2"]
+STAGES = ("equivalence", "training", "generation", "evaluation")
 
 
 def environment() -> dict:
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="every stage at tiny sizes on CPU (no CUDA needed)")
     p.add_argument("--output", default="gpu_check.json", help="the JSON of results (written atomically)")
     p.add_argument("--steps", type=int, default=25, help="training steps per variant (the first 5 are warm-up)")
-    p.add_argument("--stages", nargs="+", default=["equivalence", "training", "generation", "evaluation"])
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES, help="stages to run, in this order")
     args = p.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the equivalence stage
@@ -246,9 +247,6 @@ def main(argv: list[str] | None = None) -> int:
             "evaluation": (evaluation, args.dry_run, tmp),
         }
         for name in args.stages:
-            if name not in stages:
-                print(f"gpu_check: error: unknown stage {name!r}; choose from {', '.join(stages)}", file=sys.stderr)
-                return 2
             run_stage(results, name, *stages[name])
     ok = all(results[name].get("ok") for name in args.stages)
     results["ok"] = ok
