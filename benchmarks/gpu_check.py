@@ -128,7 +128,7 @@ def training(dry_run: bool, steps: int, tmp: Path) -> dict:
 
     if dry_run:
         size = ["--model.preset", "tiny", "--trainer.accelerator", "cpu", "--model.compile_backend", "aot_eager"]
-        steps = 3
+        steps = 2
     else:
         size = ["--model.preset", "gpt3-1.3b", "--model.model_overrides", "{seq_len: 2048}"]
         size += ["--trainer.accelerator", "gpu", "--model.micro_batch_size", "8", "--model.global_batch_size", "16"]
