@@ -341,7 +341,7 @@ def test_sequence_parallel_dropout_and_its_recomputation_match_one_process(world
 # single-process bf16 runs that differ only in how the batch of 8 is cut (micro-batches of 4 vs 2: another order
 # of every gradient sum) end 5 Adam steps apart by 9e-3 of the distance the parameters travelled (both
 # numerics), their losses by <= 4e-5 and their gradient norms by <= 5e-4 (relative). The layouts measured against
-# their reference: update error 9e-3 .. 1.4e-2, losses <= 1.6e-4, grad norms <= 1.5e-3. The tolerances take 3x
+# their reference: update error 9.5e-3 .. 1.5e-2, losses <= 1.6e-4, grad norms <= 2e-3. The tolerances take 3x
 # the reordering spread for the parameters and stay below what an error does: a lost tied-embedding gradient moved
 # the loss by 1e-2 at step 2, a stage clipped by its own norm is off by a factor (see the fp32 notes above), and
 # the other numerics (bf16 weights vs fp32 weights under autocast, both correct) differ by 4.9e-2 in the update,
