@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.errors import MTNLGError
 
 
 class Attention(nn.Module):
@@ -131,7 +132,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     checkpointing. Returns the number of blocks compiled. `backend`: inductor (generated kernels: the speed),
     aot_eager (traced forward and backward, no code generation: checks composition quickly), eager."""
     if backend not in COMPILE_BACKENDS:
-        raise ValueError(f"compile backend {backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
+        raise MTNLGError(f"model.compile_backend {backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(backend=backend)

@@ -136,8 +136,8 @@ class TiedEmbedding:
     def reduce_grad(self, add_to_embedding_grad) -> None:
         """After the backward: the head's gradient is sent to stage 0 and added by `add_to_embedding_grad(grad)`.
 
-        Sent in fp32 whatever the weight's dtype: under bf16 DeepSpeed may accumulate the head's gradient in fp32
-        (so the two ends cannot infer one dtype from the weight), and the sum belongs in the master precision."""
+        Sent in fp32 whatever the weights' dtype: both ends agree on it without asking (under bf16 the head's
+        gradient may be bf16 or fp32 depending on the optimizer), and the sum is kept in the masters' precision."""
         if self.is_first:
             grad = torch.empty_like(self.weight, dtype=torch.float32)
             dist.broadcast(grad, src=self.last_rank, group=self.group)
