@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="tp2,pp2", help=f"layout runs, of {', '.join(LAYOUT_DEVICES)} ('' for none)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (both sides)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="both sides' weights")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     from lm_eval import simple_evaluate
@@ -144,9 +146,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, task_dir = make_inputs(Path(tmp), args.layers, args.hidden, args.heads, args.docs)
-        ours_model, state = load_model(model_dir)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        ours_model, state = load_model(model_dir, args.device, dtype)
         tokenizer = Tokenizer(model_dir)
-        theirs_model = HFLM(pretrained=str(model_dir), dtype="float32", batch_size=args.batch_size, device="cpu")
+        theirs_model = HFLM(
+            pretrained=str(model_dir), dtype=str(dtype)[6:], batch_size=args.batch_size, device=args.device
+        )
         manager = TaskManager(include_path=str(task_dir), verbosity="ERROR")
 
         def ours():
@@ -172,6 +177,8 @@ def main() -> int:
         "documents": n,
         "parameters": sum(p.numel() for p in ours_model.parameters()),
         "batch_size": args.batch_size,
+        "device": args.device,
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "ours_docs_per_s": o,
         "lm_eval_hf_docs_per_s": t,
@@ -182,7 +189,7 @@ def main() -> int:
         "lm_eval_perplexity": theirs_result["perplexity,none"],
         "layouts": layouts,
     }
-    print(f"# bench_eval: {n} LAMBADA-format documents, {result['parameters'] / 1e6:.0f}M parameters, fp32")
+    print(f"# bench_eval: {n} LAMBADA-format documents, {result['parameters'] / 1e6:.0f}M parameters, {args.dtype}")
     print(f"mtnlg-eval {o:.1f} docs/s | lm-eval hf {t:.1f} docs/s | ratio {o / t:.2f}")
     print(f"acc {result['ours_acc']:.4f} vs {result['lm_eval_acc']:.4f}; "
           f"perplexity {result['ours_perplexity']:.4f} vs {result['lm_eval_perplexity']:.4f}")  # fmt: skip

@@ -34,7 +34,9 @@ from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
 
 
-def build_pair(layers: int, hidden: int, heads: int, vocab: int, positions: int, dtype: torch.dtype, tmp: Path):
+def build_pair(
+    layers: int, hidden: int, heads: int, vocab: int, positions: int, dtype: torch.dtype, tmp: Path, device="cpu"
+):
     """A random transformers GPT-2 and our GPT holding the same weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -46,12 +48,14 @@ def build_pair(layers: int, hidden: int, heads: int, vocab: int, positions: int,
     ours_config = read_hf_config(tmp)
     ours = build_model(ours_config)
     load_model_space(ours, from_hf(theirs.state_dict(), ours_config))
-    return theirs.to(dtype), use_generation_layout(ours.to(dtype).eval())
+    return theirs.to(device, dtype), use_generation_layout(ours.to(device, dtype).eval())
 
 
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -67,6 +71,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per setting (medians compared)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (both sides)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     if args.threads:
@@ -76,14 +81,21 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         theirs, ours = build_pair(
-            args.layers, args.hidden, args.heads, args.vocab, args.prompt_tokens + args.new_tokens, dtype, Path(tmp)
+            args.layers,
+            args.hidden,
+            args.heads,
+            args.vocab,
+            args.prompt_tokens + args.new_tokens,
+            dtype,
+            Path(tmp),
+            args.device,
         )
     params = sum(p.numel() for p in theirs.parameters())
     prompt = torch.randint(0, args.vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     n = args.new_tokens
     threads = torch.get_num_threads()
     print(f"# bench_generate: {params / 1e6:.0f}M parameters, {args.dtype}, {threads} threads, {n} new tokens")
-    result = {"parameters": params, "dtype": args.dtype, "threads": threads, "new_tokens": n}
+    result = {"parameters": params, "dtype": args.dtype, "threads": threads, "new_tokens": n, "device": args.device}
     result["batches"] = {}
 
     def run_ours(batch, use_cache=True):
@@ -92,7 +104,7 @@ def main() -> int:
         return out.tokens
 
     def run_theirs(batch):
-        ids = torch.tensor([prompt] * batch)
+        ids = torch.tensor([prompt] * batch, device=args.device)
         with torch.inference_mode():
             mask = torch.ones_like(ids)
             out = theirs.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)

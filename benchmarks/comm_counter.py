@@ -107,7 +107,9 @@ def _wrap(name: str, fn):
     index, keywords = _PAYLOAD.get(name, (None, ()))
 
     def counted(*args, **kwargs):
-        if getattr(_state, "depth", 0):
+        # Inside torch.compile'd code Dynamo traces this wrapper: the bookkeeping would be a side effect in the
+        # graph (it breaks the capture under activation checkpointing). Compiled regions are not counted.
+        if getattr(_state, "depth", 0) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         _state.depth = 1
         try:

@@ -1,129 +1,263 @@
 #!/usr/bin/env python
-"""GPU check in one command: ~30 steps of `mtnlg fit` on a ~1.3B-parameter model, bf16, flash SDPA, fused AdamW.
+"""The GPU acceptance run in one command (scripts/gpu_check.sh): correctness on CUDA, then speed, into one JSON.
 
-    python benchmarks/gpu_check.py            # on one NVIDIA GPU: gpt3-1.3b, seq 2048, prints tokens/s, TFLOP/s, MFU
-    python benchmarks/gpu_check.py --cpu-smoke   # no GPU: the tiny model for a few steps (CI runs this)
+    bash scripts/gpu_check.sh                      # one or more NVIDIA GPUs: ~10 minutes, writes gpu_check.json
+    python benchmarks/gpu_check.py --dry-run       # every stage at tiny sizes on CPU (the test suite runs this)
 
-Exits non-zero on any error. Without a GPU and without --cpu-smoke it fails (a GPU check that silently ran on CPU
-would be misleading).
+Stages, each timed and recorded (a failing stage is recorded with its error; the exit status is 1 if any failed):
+  environment   versions, GPU name and count, bf16 support.
+  equivalence   one device: the tiny model's 5 fp32 steps with compiled blocks (inductor) equal eager within 1e-5
+                (losses) / 2e-5 (parameters), TF32 off; bf16-mixed within 1e-3 of fp32 losses. With 2+ GPUs also
+                tp2, pp2 and dp2 ZeRO-1 (+ bf16 dp2 ZeRO-2) under torchrun with NCCL against the same reference
+                (tests/dist_parallel_runs.py with MTNLG_TEST_ACCELERATOR=gpu).
+  training      `mtnlg fit` of gpt3-1.3b (seq 2048) in bf16-mixed: eager and compiled blocks, without and with full
+                activation checkpointing: median tokens/s, TFLOP/s and MFU per GPU of the steps after warm-up, peak
+                memory.
+  generation    benchmarks/bench_generate.py on the GPU: our KV-cache decoding vs transformers' generate, bf16.
+  evaluation    benchmarks/bench_eval.py on the GPU: mtnlg-eval vs lm-evaluation-harness' HF backend (LAMBADA
+                format), with the accuracies of both.
+--dry-run: the same stages on CPU with the tiny model, a few steps, the aot_eager backend (no C++ compilation),
+2 gloo ranks for the distributed part: it proves the script runs end to end, not any speed.
 """
+
+from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # the equivalence harness the suite uses (parallel_harness.py)
+
+LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5  # fp32, as tests/test_parallel_equivalence.py
+BF16_LOSS_RTOL = 1e-3  # bf16 vs fp32 losses over 5 steps (the suite's bf16 section argues it)
+DIST_RUNS = ["tp2", "pp2_1f1b", "dp2_zero1", "bf16_dp2_zero2"]
+STAGES = ("equivalence", "training", "generation", "evaluation")
 
 
-def environment() -> str:
+def environment() -> dict:
     import lightning
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (
-        f"python {platform.python_version()} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
-        f"lightning {lightning.__version__} | GPU {gpu} | flash SDPA "
-        f"{torch.backends.cuda.flash_sdp_enabled() if torch.cuda.is_available() else 'n/a'}"
-    )
+    cuda = torch.cuda.is_available()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "bf16": bool(cuda and torch.cuda.is_bf16_supported()),
+    }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu-smoke", action="store_true", help="run the tiny model on CPU (no GPU needed)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    parser.add_argument("--preset", default="gpt3-1.3b", help="model preset on GPU (default gpt3-1.3b)")
-    parser.add_argument("--micro-batch", type=int, default=8, help="micro-batch size on GPU (default 8)")
-    parser.add_argument("--global-batch", type=int, default=16, help="global batch on GPU (default 16)")
-    args = parser.parse_args()
+def max_rel(a, b) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
+
+def max_param_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def equivalence(dry_run: bool, gpus: int, tmp: Path) -> dict:
+    import torch
+    from parallel_harness import tiny_run
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here (TF32 would be a 1e-3 difference)
+    torch.backends.cudnn.allow_tf32 = False
+    backend = "aot_eager" if dry_run else "inductor"
+    ref, _ = tiny_run(max_steps=5)
+    compiled, _ = tiny_run(max_steps=5, compile_backend=backend)
+    bf16, _ = tiny_run(max_steps=5, precision="bf16-mixed")
+    out = {
+        "compile_backend": backend,
+        "compiled_loss_rel": max_rel(compiled.losses, ref.losses),
+        "compiled_param_diff": max_param_diff(compiled.params[5], ref.params[5]),
+        "bf16_loss_rel": max_rel(bf16.losses, ref.losses),
+    }
+    checks = [
+        out["compiled_loss_rel"] <= LOSS_RTOL,
+        out["compiled_param_diff"] <= PARAM_ATOL,
+        out["bf16_loss_rel"] <= BF16_LOSS_RTOL,
+    ]
+    if gpus >= 2 or dry_run:  # dry run: the same launch on 2 CPU ranks (gloo), one layout
+        runs = ["tp2"] if dry_run else DIST_RUNS
+        out["distributed"] = distributed(runs, ref, tmp / "dist", accelerator="cpu" if dry_run else "gpu")
+        checks += [r["ok"] for r in out["distributed"].values()]
+    else:
+        out["distributed"] = "skipped: one GPU (NCCL layouts need 2)"
+    out["ok"] = all(checks)
+    return out
+
+
+def distributed(runs: list[str], ref, out: Path, accelerator: str) -> dict:
+    import torch
+
+    env = {**os.environ, "MTNLG_TEST_ACCELERATOR": accelerator, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "tests" / "dist_parallel_runs.py"), str(out), *runs]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"torchrun failed: {proc.stderr[-2000:]}")
+    results = {}
+    for name in runs:
+        run = torch.load(out / f"{name}.pt", weights_only=False)
+        loss_rel = max_rel(run["losses"][:5], ref.losses[:5])
+        param = max_param_diff(run["params"][5], ref.params[5]) if not name.startswith("bf16") else None
+        ok = loss_rel <= (BF16_LOSS_RTOL if name.startswith("bf16") else LOSS_RTOL)
+        ok = ok and (param is None or param <= PARAM_ATOL)
+        results[name] = {"loss_rel": loss_rel, "param_diff": param, "ok": ok}
+    return results
+
+
+def training(dry_run: bool, steps: int, tmp: Path) -> dict:
+    """`mtnlg fit` of the model in bf16-mixed, eager / compiled x no / full activation checkpointing."""
     import torch
 
     from mtnlg_lightning.cli import main as mtnlg
 
-    print(environment(), flush=True)
-    if not torch.cuda.is_available() and not args.cpu_smoke:
-        print("gpu_check: error: no CUDA GPU visible (use --cpu-smoke for the CPU smoke test)", file=sys.stderr)
-        return 2
-    if args.cpu_smoke:
-        steps, overrides = min(args.steps, 6), ["--model.preset", "tiny", "--trainer.accelerator", "cpu"]
+    if dry_run:
+        size = ["--model.preset", "tiny", "--trainer.accelerator", "cpu", "--model.compile_backend", "aot_eager"]
+        steps = 2
     else:
-        steps = args.steps
-        overrides = [
-            "--model.preset",
-            args.preset,
-            "--model.model_overrides",
-            "{seq_len: 2048}",
-            "--trainer.accelerator",
-            "gpu",
-            "--trainer.precision",
-            "bf16-mixed",
-            "--model.micro_batch_size",
-            str(args.micro_batch),
-            "--model.global_batch_size",
-            str(args.global_batch),
-            "--model.warmup_tokens",
-            "0",
-        ]
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        argv = [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "tiny.yaml"),
-            *overrides,
-            "--trainer.max_steps",
-            str(steps),
-            "--trainer.limit_val_batches",
-            "0",
-            "--trainer.deterministic",
-            "false",
-            "--trainer.default_root_dir",
-            tmp,
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.logger",
-            "lightning.pytorch.loggers.CSVLogger",
-            "--trainer.logger.save_dir",
-            tmp,
-        ]
-        try:
-            mtnlg(argv)
-        except SystemExit as exit_:
-            if exit_.code:
-                return int(exit_.code)
-        wall = time.perf_counter() - start
-        (metrics,) = list(Path(tmp).rglob("metrics.csv"))
-        rows = [r for r in csv.DictReader(metrics.open()) if r.get("tokens_per_sec")]
-    if len(rows) != steps:
-        print(f"gpu_check: error: expected {steps} logged steps, got {len(rows)}", file=sys.stderr)
-        return 1
-    steady = rows[min(5, len(rows) - 1) :]  # skip warm-up steps (allocator, kernel selection)
-    tokens = statistics.median(float(r["tokens_per_sec"]) for r in steady)
-    tflops = statistics.median(float(r["tflops_per_device"]) for r in steady)
-    mfu = [float(r["mfu"]) for r in steady if r.get("mfu")]
-    losses = [float(r["train_loss"]) for r in rows]
-    if not all(map(lambda x: x == x and abs(x) != float("inf"), losses)):
-        print("gpu_check: error: non-finite loss", file=sys.stderr)
-        return 1
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    print(
-        f"steps {steps} | loss {losses[0]:.3f} -> {losses[-1]:.3f} | median tokens/s {tokens:,.0f} | "
-        f"TFLOP/s per GPU {tflops:.1f} | MFU {statistics.median(mfu):.1%}"
-        if mfu
-        else f"steps {steps} | loss {losses[0]:.3f} -> {losses[-1]:.3f} | median tokens/s {tokens:,.0f} | "
-        f"TFLOP/s {tflops:.3f} | MFU n/a (unknown peak)"
-    )
-    print(f"peak GPU memory {peak_mem:.1f} GiB | wall time {wall:.0f} s (including start-up)")
-    return 0
+        size = ["--model.preset", "gpt3-1.3b", "--model.model_overrides", "{seq_len: 2048}"]
+        size += ["--trainer.accelerator", "gpu", "--model.micro_batch_size", "8", "--model.global_batch_size", "16"]
+    results = {}
+    for compiled in (False, True):
+        for recompute in ("none", "full"):
+            name = f"{'compiled' if compiled else 'eager'}_ac_{recompute}"
+            directory = tmp / name
+            argv = ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), *size]
+            argv += ["--trainer.precision", "bf16-mixed", "--trainer.max_steps", str(steps)]
+            argv += ["--model.warmup_tokens", "0", "--model.compile", str(compiled).lower()]
+            argv += ["--trainer.limit_val_batches", "0", "--trainer.deterministic", "false"]
+            argv += ["--trainer.default_root_dir", str(directory), "--trainer.enable_progress_bar", "false"]
+            argv += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir"]
+            argv += [str(directory)]
+            if recompute != "none":
+                argv += ["--trainer.callbacks+=mtnlg_lightning.callbacks.ActivationCheckpointing"]
+                argv += ["--trainer.callbacks.mode", recompute]
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            try:
+                mtnlg(argv)
+            except SystemExit as exit_:
+                if exit_.code:
+                    raise RuntimeError(f"mtnlg fit ({name}) exited with {exit_.code}") from None
+            wall = time.perf_counter() - started
+            (metrics,) = list(directory.rglob("metrics.csv"))
+            rows = [r for r in csv.DictReader(metrics.open()) if r.get("tokens_per_sec")]
+            steady = rows[min(5, len(rows) - 1) :]  # warm-up steps (compilation, allocator, kernel selection) out
+            losses = [float(r["train_loss"]) for r in rows]
+            mfu = [float(r["mfu"]) for r in steady if r.get("mfu")]
+            results[name] = {
+                "steps": len(rows),
+                "tokens_per_s": statistics.median(float(r["tokens_per_sec"]) for r in steady),
+                "tflops_per_gpu": statistics.median(float(r["tflops_per_device"]) for r in steady),
+                "mfu": statistics.median(mfu) if mfu else None,
+                "first_loss": losses[0],
+                "last_loss": losses[-1],
+                "finite": all(x == x and abs(x) != float("inf") for x in losses),
+                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+                "wall_s": wall,
+            }
+            print(f"[gpu_check] training {name}: {results[name]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    eager = results["eager_ac_none"]["tokens_per_s"]
+    for r in results.values():
+        r["speedup_vs_eager"] = r["tokens_per_s"] / eager
+    results["ok"] = all(r["finite"] and r["steps"] == steps for r in results.values() if isinstance(r, dict))
+    return results
+
+
+def script(name: str, args: list[str], tmp: Path) -> dict:
+    """A benchmark script's JSON (they compare against transformers / lm-eval themselves, side by side)."""
+    path = tmp / f"{name}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / name), *args, "--json", str(path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"{name} failed: {proc.stderr[-2000:]}")
+    return {**json.loads(path.read_text()), "ok": True}
+
+
+def generation(dry_run: bool, tmp: Path) -> dict:
+    if dry_run:
+        args = ["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "512", "--new-tokens", "8"]
+        args += ["--batches", "1", "--repeats", "1", "--device", "cpu"]
+    else:  # gpt3-1.3b-sized GPT-2 (24 layers, hidden 2048), bf16
+        args = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--new-tokens", "128"]
+        args += ["--batches", "1", "8", "32", "--repeats", "3", "--device", "cuda", "--dtype", "bf16"]
+    return script("bench_generate.py", args, tmp)
+
+
+def evaluation(dry_run: bool, tmp: Path) -> dict:
+    if dry_run:
+        args = ["--layers", "2", "--hidden", "64", "--heads", "2", "--docs", "8", "--repeats", "1", "--device", "cpu"]
+    else:
+        args = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--batch-size", "32", "--device", "cuda"]
+        args += ["--dtype", "bf16"]
+    return script("bench_eval.py", args, tmp)
+
+
+def run_stage(results: dict, name: str, fn, *args) -> None:
+    started = time.perf_counter()
+    print(f"[gpu_check] {name} ...", flush=True)
+    try:
+        results[name] = fn(*args)
+    except Exception as error:  # recorded, and the next stage still runs: one JSON says what worked
+        results[name] = {"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    results[name]["seconds"] = time.perf_counter() - started
+    print(f"[gpu_check] {name}: {'ok' if results[name].get('ok') else 'FAILED'} "
+          f"({results[name]['seconds']:.0f} s)", flush=True)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="every stage at tiny sizes on CPU (no CUDA needed)")
+    p.add_argument("--output", default="gpu_check.json", help="the JSON of results (written atomically)")
+    p.add_argument("--steps", type=int, default=25, help="training steps per variant (the first 5 are warm-up)")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES, help="stages to run, in this order")
+    args = p.parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the equivalence stage
+    import torch
+
+    env = environment()
+    print(f"[gpu_check] {env}", flush=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: error: no CUDA GPU visible (--dry-run runs every stage on CPU)", file=sys.stderr)
+        return 2
+    results = {"environment": env, "dry_run": args.dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        stages = {
+            "equivalence": (equivalence, args.dry_run, env["gpus"], tmp),
+            "training": (training, args.dry_run, args.steps, tmp),
+            "generation": (generation, args.dry_run, tmp),
+            "evaluation": (evaluation, args.dry_run, tmp),
+        }
+        for name in args.stages:
+            run_stage(results, name, *stages[name])
+    ok = all(results[name].get("ok") for name in args.stages)
+    results["ok"] = ok
+    output = Path(args.output)
+    temporary = output.with_name(output.name + ".tmp")
+    temporary.write_text(json.dumps(results, indent=1, default=str))
+    temporary.replace(output)
+    summary = ", ".join(f"{name} {'ok' if results[name].get('ok') else 'FAILED'}" for name in args.stages)
+    print(f"gpu_check: {summary}; results in {output}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("WANDB_MODE", "offline")
     sys.exit(main())

@@ -104,6 +104,20 @@ def pipeline_rows(d):
     return out
 
 
+def compile_rows(d):
+    eager = d["eager"]
+    return [
+        (
+            f"compile: {name} step s vs eager ({d['preset']}, {d['device']}; first step {c['first_step_s']:.0f} s)",
+            c["step_s"],
+            eager["step_s"],
+            _ratio(c["step_s"], eager["step_s"]),
+            "< 1 (GPU: 10-30% faster)",
+        )
+        for name, c in d["compiled"].items()
+    ]
+
+
 def activation_rows(d):
     base = next((r for r in d if r["mode"] == "none"), d[0])
     out = []
@@ -444,6 +458,8 @@ SUITE = [
         ["--layers", "4", "--seq", "512", "--steps", "2"],
         activation_rows,
     ),
+    # the demo preset: big enough that the blocks dominate the step; inductor's first compile is minutes here
+    Benchmark("compile", "bench_compile.py", ["--preset", "demo", "--batch", "4", "--steps", "4"], compile_rows),
     Benchmark(
         "sequence_parallel_memory",
         "bench_sequence_parallel_memory.py",

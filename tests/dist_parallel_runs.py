@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
@@ -35,6 +37,7 @@ def ckpt_dir(out: Path, name: str) -> Path:
 # micro-batches per step (the global batch stays 8).
 PIPELINE_RUNS = {
     "pp2_1f1b": (dict(pipeline_parallel=2), None),
+    "pp2_zero1": (dict(pipeline_parallel=2, zero_stage=1), None),
     "pp2_interleaved": (dict(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b"), {"num_layers": 4}),
     "pp2_5blocks_zero1": (dict(pipeline_parallel=2, zero_stage=1), {"num_layers": 5}),
     "pp2_dp2_zero1": (dict(pipeline_parallel=2, zero_stage=1), None),
@@ -44,6 +47,12 @@ PIPELINE_RUNS = {
     "pp2_rampup": (dict(pipeline_parallel=2), None),  # batch 2, 2, 4, ...: 1 micro-batch < 2 stages at first
 }
 RAMPUP = [2, 2, 12]
+BF16 = "bf16_"  # run-name prefix: the same run in bf16-mixed precision
+COMPILED = "compiled_"  # run-name prefix: the same run with every block torch.compile'd (`model.compile: true`)
+# aot_eager: Dynamo's capture and AOTAutograd's joint forward/backward graph, where composition with the layouts
+# can break, without inductor's C++ code generation (minutes per rank on this 2-core machine; its numerics are
+# checked in one process by test_compiled_blocks_with_inductor_train_like_eager, marked slow).
+COMPILE_BACKEND = "aot_eager"
 # Runs whose torch.distributed traffic is counted per group (benchmarks/comm_counter.py) at their last step.
 COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}
 
@@ -60,7 +69,7 @@ SEQUENCE_PARALLEL_RUNS = {
 }
 
 
-def pipeline_run(name: str, world: int, out: Path):
+def pipeline_run(name: str, world: int, out: Path, train=tiny_run):
     base = name.removesuffix("_ckpt").removesuffix("_resume")
     kwargs, overrides = PIPELINE_RUNS[base]
     comm = CommPerStep(enabled=name in COUNTED_RUNS)
@@ -72,15 +81,15 @@ def pipeline_run(name: str, world: int, out: Path):
         rampup_batch_size=RAMPUP if base == "pp2_rampup" else None,
     )
     if name.endswith("_ckpt"):
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             MegatronDeepSpeedStrategy(**kwargs),
             max_steps=6,
             checkpoint_dir=ckpt_dir(out, base),
-            capture_steps=(5, 6),
+            capture_steps=(0, 5, 6),
             **common,
         )
     elif name.endswith("_resume"):
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             MegatronDeepSpeedStrategy(**kwargs),
             max_steps=6,
             capture_steps=(6,),
@@ -88,21 +97,65 @@ def pipeline_run(name: str, world: int, out: Path):
             **common,
         )
     else:
-        rec, trainer = tiny_run(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, callbacks=[comm], **common)
+        rec, trainer = train(MegatronDeepSpeedStrategy(**kwargs), max_steps=5, callbacks=[comm], **common)
     # The last stage's LM-head copy of the word embedding, after the last step (None when one rank holds both).
     return rec, trainer, {"tied_head": tied_head_copy(trainer.strategy), **comm.result(trainer)}
 
 
+def layout_of(name: str) -> tuple[dict, int]:
+    """Strategy kwargs and micro-batch size of a layout named like tp2_zero1, pp2_zero1, dp2_zero3 (dp follows)."""
+    kwargs = {"tensor_parallel": 1, "pipeline_parallel": 1, "zero_stage": 0}
+    keys = {"tp": "tensor_parallel", "pp": "pipeline_parallel", "zero": "zero_stage"}
+    for part in name.split("_"):
+        key = part.rstrip("0123456789")
+        if key in keys:
+            kwargs[keys[key]] = int(part[len(key) :])
+    return kwargs, 2 if kwargs["pipeline_parallel"] > 1 else 4  # pipelines need several micro-batches
+
+
+class SaveOnTrainStart(Callback):
+    """Saves the state just restored from a checkpoint, before any step: the layout-to-layout round trip."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
 def run(name: str, out: Path, world: int) -> dict:
+    """`bf16_NAME` is run NAME in bf16-mixed precision (under ZeRO: bf16 weights, fp32 master weights)."""
+    precision = "bf16-mixed" if name.startswith(BF16) else "32-true"
+    if name.startswith(BF16):
+        name, out = name.removeprefix(BF16), out / "bf16"  # its checkpoints apart from the fp32 runs' of that name
+    backend = COMPILE_BACKEND if name.startswith(COMPILED) else None
+    if name.startswith(COMPILED):
+        name, out = name.removeprefix(COMPILED), out / "compiled"
+    train = partial(tiny_run, precision=precision, compile_backend=backend)
     extra = {}
     # name -> (strategy, run kwargs). "*_ckpt" runs 6 steps saving at step 3; "*_resume" resumes from it.
     if name.removesuffix("_ckpt").removesuffix("_resume") in PIPELINE_RUNS:
-        rec, trainer, extra = pipeline_run(name, world, out)
-    elif name in ("tp2", "tp4", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
-        tp = {"tp2": 2, "tp4": 4}.get(name, 1)
+        rec, trainer, extra = pipeline_run(name, world, out, train)
+    elif "_from_" in name:  # e.g. pp2_zero1_from_tp2_zero1: resume the step-3 checkpoint of another layout
+        target, source = name.split("_from_")
+        kwargs, micro_batch_size = layout_of(target)
+        rec, trainer = train(
+            MegatronDeepSpeedStrategy(**kwargs, print_layout=False),
+            devices=world,
+            max_steps=6,
+            micro_batch_size=micro_batch_size,
+            capture_steps=(6,),
+            ckpt_path=ckpt_dir(out, source) / "step=3.ckpt",
+            callbacks=[SaveOnTrainStart(out / f"{name}_resaved.ckpt")],
+        )
+    elif name in ("zero1", "zero1_mb2"):  # one process under ZeRO-1: the numerics of the ZeRO layouts, alone
+        micro_batch_size = 2 if name.endswith("_mb2") else 4  # another order of the same sums
+        rec, trainer = train(strategy(1, 1), devices=world, micro_batch_size=micro_batch_size, capture_steps=(0, 5))
+    elif name in ("tp2", "tp4", "tp2_zero1", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
+        tp = int(name[2]) if name.startswith("tp") else 1
         zero = int(name[-1]) if "zero" in name else 0
         ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
-        rec, trainer = tiny_run(strategy(tp, zero, deepspeed_config=ds), devices=world, max_steps=5)
+        rec, trainer = train(strategy(tp, zero, deepspeed_config=ds), devices=world, max_steps=5)
     elif name in SEQUENCE_PARALLEL_RUNS:
         from mtnlg_lightning.callbacks import ActivationCheckpointing
 
@@ -110,7 +163,7 @@ def run(name: str, out: Path, world: int) -> dict:
         ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None
         comm = CommPerStep(enabled=name in COUNTED_RUNS)
         callbacks = [comm] + ([ActivationCheckpointing(mode=recompute)] if recompute else [])
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             strategy(tp, zero, sequence_parallel=True, deepspeed_config=ds),
             devices=world,
             max_steps=5,
@@ -124,11 +177,11 @@ def run(name: str, out: Path, world: int) -> dict:
         zero = int(base[-1]) if "zero" in base else 0
         directory = ckpt_dir(out, base)
         if name.endswith("_ckpt"):
-            rec, trainer = tiny_run(
-                strategy(tp, zero), devices=world, max_steps=6, checkpoint_dir=directory, capture_steps=(5, 6)
+            rec, trainer = train(
+                strategy(tp, zero), devices=world, max_steps=6, checkpoint_dir=directory, capture_steps=(0, 5, 6)
             )
         else:
-            rec, trainer = tiny_run(
+            rec, trainer = train(
                 strategy(tp, zero), devices=world, max_steps=6, ckpt_path=directory / "step=3.ckpt", capture_steps=(6,)
             )
     elif name in ("pp2_spike_skip", "tp2_sp_spike_skip"):  # the callbacks under the 3D strategy: one decision
@@ -136,7 +189,7 @@ def run(name: str, out: Path, world: int) -> dict:
 
         spikes = LossSpikeDetection(action="skip", window=5, warmup_steps=3)
         layout = dict(pipeline_parallel=2) if name == "pp2_spike_skip" else dict(tp=2, sequence_parallel=True)
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             strategy(**layout),
             devices=world,
             max_steps=8,
@@ -152,7 +205,7 @@ def run(name: str, out: Path, world: int) -> dict:
             action="rewind", window=5, warmup_steps=3, skip_batches=2, record_file=str(out / f"{name}_rewinds.json")
         )
         layout = strategy(pipeline_parallel=2) if name.startswith("pp2") else strategy(1, 1)
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             layout,
             devices=world,
             max_steps=10,
@@ -170,7 +223,7 @@ def run(name: str, out: Path, world: int) -> dict:
     elif name == "pp2_activation_checkpointing":
         from mtnlg_lightning.callbacks import ActivationCheckpointing
 
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             strategy(pipeline_parallel=2),
             devices=world,
             max_steps=5,
@@ -178,11 +231,11 @@ def run(name: str, out: Path, world: int) -> dict:
             callbacks=[ActivationCheckpointing(mode="full")],
         )
     elif name == "dp2_zero1_veto":
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             strategy(1, 1), devices=world, max_steps=3, capture_steps=(1, 2, 3), callbacks=[VetoStep(2)]
         )
     elif name == "roundtrip_pp2_dp2_zero2":  # load tp2 x dp2 ZeRO-1's step-3 checkpoint, save it again unchanged
-        rec, trainer = tiny_run(
+        rec, trainer = train(
             strategy(pipeline_parallel=2, zero=2),
             devices=world,
             max_steps=3,
@@ -195,7 +248,24 @@ def run(name: str, out: Path, world: int) -> dict:
         rec, trainer, extra = memory_run(world)
     else:
         raise SystemExit(f"unknown run {name}")
+    if backend is not None:
+        extra["compiled"] = compiled_summary(trainer)
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params, **extra}
+
+
+def compiled_summary(trainer) -> dict:
+    """How many of this rank's blocks run compiled, and what Dynamo captured (graphs, graph breaks)."""
+    from torch._dynamo.utils import counters
+
+    from mtnlg_lightning.model import Block
+
+    blocks = [m for m in trainer.lightning_module.model.modules() if isinstance(m, Block)]
+    return {
+        "blocks": len(blocks),
+        "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def memory_run(world: int):

@@ -13,9 +13,10 @@ from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel, is_
 
 
 @torch.no_grad()
-def full_state_dict(strategy) -> dict[str, torch.Tensor]:
+def full_state_dict(strategy, master: bool = False) -> dict[str, torch.Tensor]:
     """Single-process parameter names -> full tensors (ZeRO-3 partitions and TP shards gathered, every pipeline
-    stage's parameters), on every rank of a `MegatronDeepSpeedStrategy`. Collective: every rank must call it."""
+    stage's parameters), on every rank of a `MegatronDeepSpeedStrategy`. Collective: every rank must call it.
+    `master`: DeepSpeed's fp32 master weights where the engine keeps bf16/fp16 weights (the values it updates)."""
     model = strategy.lightning_module.model
     params = dict(model.named_parameters())
     context = nullcontext()
@@ -27,7 +28,8 @@ def full_state_dict(strategy) -> dict[str, torch.Tensor]:
     out = {}
     with context:
         for name, p in params.items():
-            value = p.detach().clone()
+            value = _master(p) if master and strategy.engine is not None and p.dtype != torch.float32 else p.detach()
+            value = value.clone()
             if is_tensor_parallel(p) and groups.tensor_parallel_size > 1:
                 value = gather_tensor_parallel(value, p.partition_dim, groups.tensor_parallel_group)
             if isinstance(model, PipelineChunks):
@@ -38,3 +40,10 @@ def full_state_dict(strategy) -> dict[str, torch.Tensor]:
         dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=groups.pipeline_parallel_group)
         out = {k: v.to(strategy.root_device) for part in parts for k, v in part.items()}
     return out
+
+
+def _master(param: torch.Tensor) -> torch.Tensor:
+    """This rank's (TP-local) parameter in fp32 from DeepSpeed's master partitions (collective over data-parallel)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param)

@@ -6,6 +6,8 @@ so both sides build exactly the same config, data and seed.
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -21,15 +23,22 @@ SEED = 1234
 # Small enough that clipping triggers on every step of the tiny model (its grad norm is ~0.3 .. 2).
 GRAD_CLIP = 0.05
 CAPTURE_STEP = 5
+# The suite runs on CPU (gloo); scripts/gpu_check.sh runs the same checks with MTNLG_TEST_ACCELERATOR=gpu (NCCL).
+ACCELERATOR = os.environ.get("MTNLG_TEST_ACCELERATOR", "cpu")
 
 
 class Recorder(Callback):
-    """Per-step train_loss / grad_norm / lr as logged (synced over ranks) and the gathered parameters at steps."""
+    """Per-step train_loss / grad_norm / lr as logged (synced over ranks) and the gathered parameters at steps
+    (step 0: the initial ones), in fp32: under bf16 ZeRO the master weights, which the updates act on."""
 
     def __init__(self, capture_steps=(CAPTURE_STEP,)):
         self.capture_steps = set(capture_steps)
         self.losses, self.grad_norms, self.lrs = [], [], []
         self.params: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_step in self.capture_steps:  # step 0: the initial parameters
+            self._capture(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         metrics = trainer.callback_metrics
@@ -37,12 +46,15 @@ class Recorder(Callback):
         self.grad_norms.append(float(metrics["grad_norm"]))
         self.lrs.append(float(metrics["lr"]))
         if trainer.global_step in self.capture_steps:
-            strategy = trainer.strategy
-            if isinstance(strategy, MegatronDeepSpeedStrategy):
-                full = full_state_dict(strategy)
-            else:
-                full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
-            self.params[trainer.global_step] = {k: v.cpu() for k, v in full.items()}
+            self._capture(trainer, pl_module)
+
+    def _capture(self, trainer, pl_module):
+        strategy = trainer.strategy
+        if isinstance(strategy, MegatronDeepSpeedStrategy):
+            full = full_state_dict(strategy, master=True)  # fp32 master weights under bf16
+        else:
+            full = {k: v.detach().clone() for k, v in pl_module.model.named_parameters()}
+        self.params[trainer.global_step] = {k: v.float().cpu() for k, v in full.items()}
 
 
 @torch.no_grad()
@@ -134,9 +146,13 @@ def tiny_run(
     micro_batch_size=4,
     model_overrides=None,
     rampup_batch_size=None,
+    precision="32-true",
+    compile_backend=None,
 ) -> tuple[Recorder, L.Trainer]:
     """`micro_batch_size` changes only how the global batch of 8 is cut (the loss and gradients are the same
-    mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}."""
+    mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}. `precision`:
+    Lightning's, e.g. "bf16-mixed" (autocast; under ZeRO DeepSpeed keeps bf16 weights and fp32 master weights).
+    `compile_backend`: compile each block with this torch.compile backend (`model.compile: true`)."""
     L.seed_everything(SEED, verbose=False)
     module = MTNLGModule(
         preset="tiny",
@@ -149,6 +165,8 @@ def tiny_run(
         warmup_tokens=1024,
         decay_tokens=10240,
         grad_clip=grad_clip,
+        compile=compile_backend is not None,
+        compile_backend=compile_backend or "inductor",
     )
     data = GPTDataModule(builtin_corpus="python-docs", seed=SEED)
     recorder = Recorder(capture_steps)
@@ -160,10 +178,10 @@ def tiny_run(
             )
         )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=devices,
         strategy=strategy,
-        precision="32-true",
+        precision=precision,
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in cbs),

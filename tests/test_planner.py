@@ -248,16 +248,3 @@ def test_write_config_output_trains_through_mtnlg_fit(tmp_path):
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "layout: world 2 = pp 1 x dp 1 x tp 2" in fit.stdout + fit.stderr
     assert list(tmp_path.rglob("metrics.csv"))
-
-
-@pytest.mark.slow
-def test_gpu_check_cpu_smoke_mode_runs_the_training_machinery():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--cpu-smoke"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"WANDB_MODE": "offline", **__import__("os").environ},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "torch 2" in out.stdout and "median tokens/s" in out.stdout

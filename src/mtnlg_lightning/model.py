@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.errors import MTNLGError
 
 
 class Attention(nn.Module):
@@ -167,6 +168,23 @@ class LayerCache:
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         return keys[:, :, :end], values[:, :, :end]
+
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """torch.compile every transformer block, one by one (as torchtitan does): the blocks are identical, so one
+    compiled graph serves them all, and whatever wraps or shards a block's layers afterwards is traced as it is
+    at its first call (compilation is lazy): tensor/sequence parallelism, pipeline pruning, activation
+    checkpointing. Returns the number of blocks compiled. `backend`: inductor (generated kernels: the speed),
+    aot_eager (traced forward and backward, no code generation: checks composition quickly), eager."""
+    if backend not in COMPILE_BACKENDS:
+        raise MTNLGError(f"model.compile_backend {backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)
 
 
 def build_model(config: ModelConfig, device: str | torch.device | None = None) -> GPT:

@@ -15,7 +15,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
-from mtnlg_lightning.model import build_model
+from mtnlg_lightning.model import build_model, compile_blocks
 from mtnlg_lightning.peak_memory import StepPeakMemory
 from mtnlg_lightning.step_interfaces import GradientUpdater, ModelBuiltHook, PipelineExecutor, UpdateVeto
 
@@ -45,6 +45,8 @@ class MTNLGModule(L.LightningModule):
         watchdog: bool = True,
         straggler_every_n_steps: int = 50,
         init_from: str | None = None,
+        compile: bool = False,
+        compile_backend: str = "inductor",
     ):
         """
         Args:
@@ -114,6 +116,8 @@ class MTNLGModule(L.LightningModule):
             for callback in trainer.callbacks if trainer is not None else []:
                 if isinstance(callback, ModelBuiltHook):
                     callback.on_model_built(trainer, self)
+            if self.hparams.get("compile"):  # lazy: the strategy's sharding happens before the first call
+                compile_blocks(self.model, self.hparams.get("compile_backend", "inductor"))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

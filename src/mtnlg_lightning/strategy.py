@@ -47,6 +47,7 @@ from mtnlg_lightning.parallel.zero import (
     build_deepspeed_config,
     engine_backward,
     initialize_engine,
+    takes_gradients_in_hooks,
 )
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
@@ -271,6 +272,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                     module.model, self.optimizers[0], config, ModelParallelUnit(self.groups)
                 )
                 self.optimizers = [self.engine.optimizer]
+                if self.pipeline is not None and self.pipeline.tied is not None:
+                    self.pipeline.tied.match_dtype(next(module.model.parameters()).dtype)
             if self.pipeline is not None and self.zero_stage == 2:
                 self.pipeline.backward_context = lambda: engine_backward(self.engine)
         self.setup_precision_plugin()
@@ -288,7 +291,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def _add_to_embedding_grad(self, grad: torch.Tensor) -> None:
         """The last stage's LM-head gradient joins the word embedding's (before the DP reduction and clipping)."""
         weight = self.pipeline.tied.weight
-        if self.engine is not None and self.zero_stage == 2:  # ZeRO-2 takes gradients in its backward hooks
+        if self.engine is not None and takes_gradients_in_hooks(self.engine):  # ZeRO-2, bf16 ZeRO-1
             with engine_backward(self.engine):
                 torch.autograd.backward((weight * grad).sum())
         elif weight.grad is None:

@@ -119,6 +119,12 @@ class TiedEmbedding:
         self.group, self.first_rank, self.last_rank = group, first_rank, last_rank
         self.weight, self.is_first = weight, is_first
 
+    def match_dtype(self, dtype: torch.dtype) -> None:
+        """The head copy takes the dtype the engine gave the stage's parameters (bf16 under DeepSpeed bf16): it is
+        a plain tensor, which the engine's conversion skips, and both ends of the broadcast need one dtype."""
+        if not self.is_first and self.weight.dtype != dtype:
+            self.weight.data = self.weight.data.to(dtype)
+
     def broadcast_weight(self) -> None:
         """After each update: the head copy receives the updated embedding."""
         with torch.no_grad():
@@ -128,14 +134,17 @@ class TiedEmbedding:
             self.weight.grad = None
 
     def reduce_grad(self, add_to_embedding_grad) -> None:
-        """After the backward: the head's gradient is sent to stage 0 and added by `add_to_embedding_grad(grad)`."""
+        """After the backward: the head's gradient is sent to stage 0 and added by `add_to_embedding_grad(grad)`.
+
+        Sent in fp32 whatever the weights' dtype: both ends agree on it without asking (under bf16 the head's
+        gradient may be bf16 or fp32 depending on the optimizer), and the sum is kept in the masters' precision."""
         if self.is_first:
-            grad = torch.empty_like(self.weight)
+            grad = torch.empty_like(self.weight, dtype=torch.float32)
             dist.broadcast(grad, src=self.last_rank, group=self.group)
             add_to_embedding_grad(grad)
         else:
             grad = self.weight.grad if self.weight.grad is not None else torch.zeros_like(self.weight)
-            dist.broadcast(grad.contiguous(), src=self.last_rank, group=self.group)
+            dist.broadcast(grad.float().contiguous(), src=self.last_rank, group=self.group)
 
 
 def schedule_class(name: str):

@@ -153,6 +153,15 @@ def engine_backward(engine):
         engine._running_engine_backward = False
 
 
+def takes_gradients_in_hooks(engine) -> bool:
+    """Whether the engine moves each gradient out of `p.grad` from backward hooks, so a gradient added later must
+    go through autograd: ZeRO-2 (into its partitions) and bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer with
+    `immediate_grad_update`, into its fp32 accumulation buffers)."""
+    return bool(
+        engine.zero_optimization_partition_gradients() or getattr(engine.optimizer, "immediate_grad_update", False)
+    )
+
+
 def base_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside a ZeRO wrapper (it holds the fp32 partitions and their Adam moments)."""
     while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
