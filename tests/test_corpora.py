@@ -267,3 +267,37 @@ def test_eval_data_reads_every_layout(layout, shards, tmp_path):
     expected = shards[0] + shards[1] if len(inputs) == 1 else shards[0]  # a folder or glob names both files
     assert read_documents(inputs[0]) == [r["text"] for r in expected]
     assert read_records(inputs[0], ("text",)) == expected
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip", "zstd"])
+def test_a_huge_single_line_is_read_whole_and_a_huge_broken_one_is_one_named_bad_record(compression, tmp_path):
+    """No fixed parse block: a 24 MB record on one line comes back whole, in every compression; a 24 MB line
+    that is not JSON is one bad record naming its file and line, not a traceback or a silent truncation."""
+    import gzip
+
+    from mtnlg_lightning.corpora import BadRecordPolicy, CorpusError, expand_inputs
+    from mtnlg_lightning.corpora.readers import iter_records
+
+    if compression == "zstd":
+        zstandard = pytest.importorskip("zstandard")
+    huge = "word " * (24 << 18)  # 24 MiB of text in one record
+    data = json.dumps({"id": "small", "text": "a short one"}) + "\n" + json.dumps({"id": "huge", "text": huge}) + "\n"
+    broken = data + '{"id": "cut", "text": "' + "x" * (24 << 20) + "\n"  # the closing quote and brace are missing
+    for name, content in (("ok.jsonl", data), ("broken.jsonl", broken)):
+        raw = content.encode("utf-8")
+        if compression == "gzip":
+            raw = gzip.compress(raw, compresslevel=1)
+        elif compression == "zstd":
+            raw = zstandard.ZstdCompressor(level=1).compress(raw)
+        (tmp_path / name).write_bytes(raw)
+    records = list(iter_records(expand_inputs([str(tmp_path / "ok.jsonl")])))
+    assert [r.id for r in records] == ["small", "huge"] and records[1].text == huge
+    with pytest.raises(CorpusError, match=r"broken\.jsonl.*3") as caught:
+        list(iter_records(expand_inputs([str(tmp_path / "broken.jsonl")])))
+    assert len(str(caught.value).splitlines()) == 1 and len(str(caught.value)) < 1000
+    policy = BadRecordPolicy("skip")
+    assert [r.id for r in iter_records(expand_inputs([str(tmp_path / "broken.jsonl")]), policy=policy)] == [
+        "small",
+        "huge",
+    ]
+    assert policy.summary()["malformed_json"] == 1
