@@ -185,10 +185,12 @@ def init_distributed(device_arg: str) -> torch.device:
             device = torch.device(f"cuda:{local}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" not in os.environ:  # one plain process: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:  # one plain process: a world of one in memory, leaving no port and no RANK/WORLD_SIZE behind
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         _OWNED.append(True)  # this module started the world, so it ends it (`finish`)
     return device
 

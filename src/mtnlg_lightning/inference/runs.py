@@ -182,7 +182,7 @@ def run_generate(args, argv: list[str]) -> int:
         plan_ = plan(args.checkpoint, args.strategy, args.devices)
         prompts = read_prompts(args.prompt)
         if needs_launch(plan_.world_size):
-            return launch_local("mtnlg_lightning.generate", argv, plan_.world_size)
+            return _launch_with_prompts("mtnlg_lightning.generate", argv, plan_.world_size, prompts, args.prompt)
         model, tokenizer_path = load(plan_, args.device, args.dtype, decoding=True)
         generate_and_print(model, args, prompts, tokenizer_path)
     except MTNLGError as error:
@@ -205,9 +205,21 @@ def read_prompts(prompt: str) -> list[str]:
         return [prompt]
     if PROMPTS_ENV in os.environ:
         return json.loads(os.environ[PROMPTS_ENV])
-    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+
+
+def _launch_with_prompts(module: str, argv: list[str], world_size: int, prompts: list[str], prompt: str) -> int:
+    """The ranks inherit the prompts read from stdin (set only for the launch: nothing stays in this process)."""
+    import json
+    import os
+
+    if prompt != "-":
+        return launch_local(module, argv, world_size)
     os.environ[PROMPTS_ENV] = json.dumps(prompts)
-    return prompts
+    try:
+        return launch_local(module, argv, world_size)
+    finally:
+        os.environ.pop(PROMPTS_ENV, None)
 
 
 def generate_and_print(model, args, prompts: list[str], tokenizer_path) -> None:
