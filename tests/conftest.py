@@ -9,9 +9,16 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+# Set in this process by in-process Trainers with a process group (Lightning writes MASTER_PORT etc. into os.environ
+# and keeps the store listening on that port): a command launched afterwards must not inherit them, as a user's
+# fresh shell would not, or its ranks try to listen on the port this process still holds (EADDRINUSE).
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
 def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:
-    """Run a console entry point as a user would (`mtnlg ...`), capturing output."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    """Run a console entry point as a user would (`mtnlg ...`) from a fresh shell, capturing output."""
+    inherited = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
+    full_env = {**inherited, "WANDB_MODE": "offline", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "mtnlg_lightning.cli", *args],
         cwd=cwd or ROOT,
@@ -20,6 +27,22 @@ def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.Completed
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_or_rendezvous_leaks_between_tests():
+    """Each test starts as the suite did: no default process group, no rendezvous variables."""
+    before = {key: os.environ.get(key) for key in RENDEZVOUS_VARIABLES}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # frees the store's port
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")
