@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
 export WANDB_MODE=offline
-exec "${PYTHON:-python3}" -m pytest -q -ra "$@"
+exec "${PYTHON:-python3}" -m pytest -q -ra --durations=25 "$@"
