@@ -11,7 +11,17 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-from mtnlg_lightning.curation.jsonl import InputError, atomic_write, dumps_line, write_json_atomic
+import numpy as np
+from tqdm import tqdm
+
+from mtnlg_lightning.curation.jsonl import (
+    InputError,
+    atomic_write,
+    check_input_files,
+    dumps_line,
+    iter_records,
+    write_json_atomic,
+)
 
 from . import heuristics
 from .classifier import QualityModel, keep_pareto, train
@@ -24,14 +34,10 @@ SCORE_KEY = "quality_score"
 def read_documents(path: str, text_key: str = "text") -> Iterator[tuple[int, dict, str]]:
     """``(line number, record, text)`` of every document of a JSON lines file, validated (one-line errors naming
     file:line). The one place mtnlg-quality reads its inputs."""
-    from mtnlg_lightning.curation.jsonl import iter_records
-
     yield from iter_records(path, text_key)
 
 
 def check_io(inputs: list[str], output_dir: str | None) -> None:
-    from mtnlg_lightning.curation.jsonl import check_input_files
-
     check_input_files(inputs)
     if output_dir is None:
         return
@@ -46,8 +52,6 @@ def check_io(inputs: list[str], output_dir: str | None) -> None:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress)
 
 
@@ -134,8 +138,6 @@ def train_model(
 ) -> dict:
     """Train on the positive (curated) and negative (raw crawl) documents; measure on a held-out share of each
     (chosen by ``seed``) before the final fit on everything; save the model."""
-    import numpy as np
-
     check_io(positive + negative, None)
     t0 = time.perf_counter()
     pos, neg = _texts(positive, text_key), _texts(negative, text_key)

@@ -7,8 +7,10 @@ import sys
 
 from mtnlg_lightning.curation.cli_common import EXIT_BAD_INPUT, HelpFormatter, positive_int, run_cli
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 
-from .heuristics import RULES
+from . import quality
+from .heuristics import RULES, rule_settings
 
 PROG = "mtnlg-quality"
 
@@ -176,8 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _rule_settings(args, parser):
-    from .heuristics import rule_settings
-
     try:
         return rule_settings(dict(args.overrides), set(args.disable))
     except ValueError as err:
@@ -201,16 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("filter needs at least one of --threshold, --pareto, --heuristics")
     if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
         try:
-            from mtnlg_lightning.extras import require_extra
-
             require_extra("crawl", f"{PROG} {args.command}")
         except MTNLGError as err:
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
 
     def body() -> int:
-        from . import quality
-
         progress = not getattr(args, "quiet", False)
         if args.command == "annotate":
             r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)

@@ -18,6 +18,7 @@ import json
 import re
 import sysconfig
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -388,7 +389,7 @@ def _record_id(url: str) -> str:
 
 
 def _http_response(writer, url: str, body: bytes, headers: list[tuple[str, str]], status: str = "200 OK"):
-    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.statusandheaders import StatusAndHeaders  # optional extra [crawl]: imported on use
 
     http = StatusAndHeaders(status, headers + [("Content-Length", str(len(body)))], protocol="HTTP/1.1")
     warc_headers = {"WARC-Date": CRAWL_DATE, "WARC-Record-ID": _record_id(url)}
@@ -413,7 +414,7 @@ def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> lis
 
     Truth ``kind``: ``page`` (a good page: ``language``, ``body`` paragraphs, ``boilerplate`` text), ``junk``,
     ``not_html``, ``not_2xx``, ``broken`` (with the ``reason`` the extractor should count)."""
-    from warcio.warcwriter import WARCWriter
+    from warcio.warcwriter import WARCWriter  # optional extra [crawl]: imported on use
 
     rng = np.random.default_rng(spec.seed)
     lo, hi = spec.paragraphs_per_page
@@ -530,8 +531,6 @@ def score_extraction(truth: list[dict], documents: list[dict]) -> dict:
     """Compare extracted documents (by url) with the planted pages: pages found, body words kept, boilerplate words
     left (words of the page's boilerplate that are neither body nor title words: a page's heading is kept by design
     and is neither), language accuracy."""
-    from collections import Counter
-
     by_url = {d["url"]: d for d in documents}
     pages = [t for t in truth if t["kind"] == "page"]
     found = body_total = body_kept = boiler_total = boiler_left = right_language = 0

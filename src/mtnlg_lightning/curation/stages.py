@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from tqdm.auto import tqdm
+
 from .jsonl import write_json_atomic
 
 CRASH_ENV = "MTNLG_CURATION_CRASH_AT"  # testing hook: simulate a killed run (os._exit) at a named point
@@ -68,8 +70,6 @@ class Progress:
         self.enabled = enabled
 
     def __call__(self, **kw):
-        from tqdm.auto import tqdm
-
         return tqdm(disable=not self.enabled, dynamic_ncols=True, leave=False, **kw)
 
 
