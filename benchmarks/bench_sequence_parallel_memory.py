@@ -5,7 +5,7 @@ measured beside Korthikanti et al. 2022's formulas.
 Measured: the bytes autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`) while each
 block runs forward, distinct storages counted once, parameters excluded: activation memory by definition, exact and
 noise-free on CPU. One torchrun launch of 4 ranks builds the same model on every rank and shards it with
-`parallelize` over the tp4 group and over two tp2 groups; max over ranks.
+`apply_tensor_parallel` over the tp4 group and over two tp2 groups; max over ranks.
 
 Formulas (bytes per layer, 2-byte activations and 1-byte dropout masks, t = TP degree, a = heads):
     none:     s*b*h*(34 + 5*a*s/h)
@@ -85,7 +85,7 @@ def worker(args) -> None:
 
     from mtnlg_lightning.config import get_config
     from mtnlg_lightning.model import build_model
-    from mtnlg_lightning.parallel.tensor_parallel import parallelize
+    from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,7 +107,7 @@ def worker(args) -> None:
         model = copy.deepcopy(base)
         if t > 1:
             group = dist.group.WORLD if t == world else tp2_groups[rank // 2]
-            parallelize(model, group, dist.get_rank(group), t, sequence_parallel=sp)
+            apply_tensor_parallel(model, group, dist.get_rank(group), t, sequence_parallel=sp)
         per_layer = max(saved_bytes_per_layer(model, tokens))
         worst = [None] * world
         dist.all_gather_object(worst, per_layer)

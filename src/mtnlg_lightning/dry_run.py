@@ -15,7 +15,7 @@ from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
-from mtnlg_lightning.parallel.tensor_parallel import parallelize
+from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mtnlg_lightning.planner import format_plan, plan
 
 STRATEGY = "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
@@ -52,7 +52,7 @@ def _stage_parameters(model_config, pp: int, pp_rank: int, schedule: str, virtua
         full, pp, pp_rank, schedule, virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
     )
     for stage in stage_models:
-        parallelize(stage, None, 0, tp)
+        apply_tensor_parallel(stage, None, 0, tp)
     return sum(p.numel() for stage in stage_models for p in stage.parameters())
 
 
