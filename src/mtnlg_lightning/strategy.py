@@ -52,8 +52,6 @@ from mtnlg_lightning.parallel.zero import (
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
 
-_META_FILE = "meta.pt"
-
 
 class MegatronDeepSpeedStrategy(ParallelStrategy):
     strategy_name = "megatron_deepspeed"

@@ -37,15 +37,6 @@ class UnionFind:
         self.size[ra] += self.size[rb]
         return True
 
-    def roots(self) -> np.ndarray:
-        """Root of every element, vectorised (pointer jumping)."""
-        parent = np.asarray(self.parent, dtype=np.int64)
-        while True:
-            nxt = parent[parent]
-            if np.array_equal(nxt, parent):
-                return parent
-            parent = nxt
-
 
 def components(n: int, edges: np.ndarray) -> np.ndarray:
     """Connected-component label (0..k-1) of each of ``n`` elements given an (m, 2) edge array, in compiled code
