@@ -22,7 +22,16 @@ PENDING_ELSEWHERE = {
 }
 
 # Names of the test hooks and reference paths that live in tests/ (not in the package).
-TEST_HOOKS = ("datasketch_minhash", "datasketch_candidate_pairs", "to_lean", "optimizer_state_bytes")
+TEST_HOOKS = (
+    "Faults",
+    "SimulatedCrash",
+    "KillWorkerOnce",
+    "CRASH_ENV",
+    "datasketch_minhash",
+    "datasketch_candidate_pairs",
+    "to_lean",
+    "optimizer_state_bytes",
+)
 
 
 def module_files() -> dict[str, Path]:
