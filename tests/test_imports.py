@@ -31,7 +31,10 @@ TEST_HOOKS = (
     "datasketch_candidate_pairs",
     "to_lean",
     "optimizer_state_bytes",
+    "_pause_for_tests",
 )
+# Environment variables only tests set: the product reads none of them.
+TEST_VARIABLES = ("MTNLG_TEST_", "MTNLG_CURATION_CRASH_AT")
 
 
 def module_files() -> dict[str, Path]:
