@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 
 def _trainer(preset: str, devices: int, strategy):
     import lightning as L
+    from lightning_run import quiet_trainer
 
     from mtnlg_lightning.data.datamodule import GPTDataModule
     from mtnlg_lightning.module import MTNLGModule
@@ -41,20 +42,7 @@ def _trainer(preset: str, devices: int, strategy):
         global_batch_size=devices,
         preemption=False,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true", max_steps=1)
     trainer.fit(module, GPTDataModule(builtin_corpus="python-docs"))
     return trainer, module
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root: the tests share the benchmarks' helpers (benchmarks/)
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
