@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from local_ranks import run_on_ranks
 
 HERE = Path(__file__).resolve().parent
 
@@ -166,11 +166,9 @@ def main() -> None:
         for ranks in args.ranks:
             out = work / f"r{ranks}"
             out.mkdir()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-            cmd += [__file__, "--worker", "--preset", args.preset, "--out", str(out), "--result", str(out / "r.json")]
-            cmd += ["--stall-rounds", str(args.stall_rounds)]
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            subprocess.run(cmd, check=True, env=env, cwd=HERE.parent, stdout=subprocess.DEVNULL)
+            worker_args = ["--worker", "--preset", args.preset, "--out", out, "--result", out / "r.json"]
+            worker_args += ["--stall-rounds", args.stall_rounds]
+            run_on_ranks(ranks, __file__, *worker_args, check=True, cwd=HERE.parent)
             run = json.loads((out / "r.json").read_text())
             run["save_bandwidth_vs_torch_save"] = (run["model_state_bytes"] / run["save_s"]) / (
                 baseline["bytes"] / baseline["save_s"]

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -120,6 +118,9 @@ def worker(args) -> None:
 
 # ------------------------------------------------------------------ the parent
 def main() -> int:
+    # a script's sibling; tests/test_planner_activation_memory.py imports this module for its worker's measurement
+    from local_ranks import run_on_ranks
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
@@ -136,20 +137,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         forwarded = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--seq", args.seq]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=4",
-            __file__,
-            "--worker",
-            str(out),
-            *map(str, forwarded),
-            "--batch",
-            str(args.batch),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run_on_ranks(4, __file__, "--worker", out, *forwarded, "--batch", args.batch)
         if proc.returncode != 0:
             raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         rows = json.loads(out.read_text())

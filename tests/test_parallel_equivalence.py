@@ -14,14 +14,13 @@ Launches are expensive here (2 CPU cores), so all layouts of one world size shar
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
+
+from benchmarks.local_ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
@@ -83,18 +82,7 @@ WORLD1_RUNS = ["bf16_zero1", "bf16_zero1_mb2"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        str(HERE / "dist_parallel_runs.py"),
-        str(out),
-        *runs,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE.parent)
+    proc = run_on_ranks(world, HERE / "dist_parallel_runs.py", out, *runs, timeout=900, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"_dir": out, **{name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}}
 
