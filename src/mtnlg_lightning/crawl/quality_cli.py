@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtnlg_lightning.curation.cli_common import EXIT_BAD_INPUT, HelpFormatter, positive_int, run_cli
+from mtnlg_lightning.curation.cli_common import (
+    EXIT_BAD_INPUT,
+    HelpFormatter,
+    add_output_dir_arg,
+    add_text_key_arg,
+    positive_int,
+    run_cli,
+)
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 
@@ -57,14 +64,10 @@ def _rules_epilog() -> str:
 
 def _add_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="IN.jsonl", help="JSON lines files, one document per line")
-    p.add_argument(
-        "--output-dir",
-        "-o",
-        required=True,
-        metavar="OUT",
-        help="directory for OUT/<input name> (written atomically; must not be the inputs' directory) and the report",
+    add_output_dir_arg(
+        p, "directory for OUT/<input name> (written atomically; must not be the inputs' directory) and the report"
     )
-    p.add_argument("--text-key", default="text", help="JSON key holding the document text")
+    add_text_key_arg(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--positive", nargs="+", required=True, metavar="POS.jsonl", help="curated (good) documents")
     t.add_argument("--negative", nargs="+", required=True, metavar="NEG.jsonl", help="raw crawl (bad) documents")
     t.add_argument("--model", required=True, metavar="MODEL.npz", help="where to save the model (atomically)")
-    t.add_argument("--text-key", default="text", help="JSON key holding the document text")
+    add_text_key_arg(t)
     t.add_argument(
         "--holdout",
         type=_fraction,

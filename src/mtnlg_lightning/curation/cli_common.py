@@ -67,6 +67,16 @@ class HelpFormatter:
         return _Formatter(*args, **kwargs)
 
 
+def add_output_dir_arg(p, help: str) -> None:
+    """-o/--output-dir OUT, required: the folder a data tool writes its outputs and report into."""
+    p.add_argument("--output-dir", "-o", required=True, metavar="OUT", help=help)
+
+
+def add_text_key_arg(p) -> None:
+    """--text-key: the JSON key holding each record's text, the same for every data tool."""
+    p.add_argument("--text-key", default="text", help="JSON key holding the document text")
+
+
 def add_engine_args(p, what: str) -> None:
     """--workers / --engine / --ray-address, the same for every curation CLI."""
     p.add_argument(
