@@ -93,24 +93,20 @@ def reference():
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return launch(2, WORLD2_RUNS, tmp_path_factory.mktemp("world2"))
+def launched(world: int, runs: list[str]):
+    """A module fixture `world<N>`: one launch of `runs` on `world` ranks, shared by the tests that read it."""
+
+    @pytest.fixture(scope="module", name=f"world{world}")
+    def fixture(tmp_path_factory):
+        return launch(world, runs, tmp_path_factory.mktemp(f"world{world}"))
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return launch(4, WORLD4_RUNS, tmp_path_factory.mktemp("world4"))
-
-
-@pytest.fixture(scope="module")
-def world8(tmp_path_factory):
-    return launch(8, WORLD8_RUNS, tmp_path_factory.mktemp("world8"))
-
-
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    return launch(1, WORLD1_RUNS, tmp_path_factory.mktemp("world1"))
+world1 = launched(1, WORLD1_RUNS)
+world2 = launched(2, WORLD2_RUNS)
+world4 = launched(4, WORLD4_RUNS)
+world8 = launched(8, WORLD8_RUNS)
 
 
 @pytest.fixture(scope="module")
