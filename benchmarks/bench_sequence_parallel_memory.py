@@ -120,12 +120,10 @@ def worker(args) -> None:
 def main() -> int:
     # a script's sibling; tests/test_planner_activation_memory.py imports this module for its worker's measurement
     from local_ranks import run_on_ranks
+    from model_shape import add_model_shape_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length (activations grow with it)")
+    add_model_shape_args(parser, layers=2, hidden=256, heads=8, seq=1024)
     parser.add_argument("--batch", type=int, default=2, help="micro-batch size")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
