@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from model_shape import add_model_shape_args
+
 MODES = ("none", "selective", "every_n", "full")
 
 
@@ -117,11 +119,7 @@ def child(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
+    add_model_shape_args(parser, layers=8, hidden=256, heads=4, vocab=4096, seq=1024)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--every-n", dest="every_n", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per mode (after the measured one)")

@@ -18,17 +18,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from local_ranks import run_on_ranks
 
 HERE = Path(__file__).resolve().parent
 
 
 def _trainer(preset: str, devices: int, strategy):
     import lightning as L
+    from lightning_run import quiet_trainer
 
     from mtnlg_lightning.data.datamodule import GPTDataModule
     from mtnlg_lightning.module import MTNLGModule
@@ -41,20 +42,7 @@ def _trainer(preset: str, devices: int, strategy):
         global_batch_size=devices,
         preemption=False,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true", max_steps=1)
     trainer.fit(module, GPTDataModule(builtin_corpus="python-docs"))
     return trainer, module
 
@@ -178,11 +166,9 @@ def main() -> None:
         for ranks in args.ranks:
             out = work / f"r{ranks}"
             out.mkdir()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-            cmd += [__file__, "--worker", "--preset", args.preset, "--out", str(out), "--result", str(out / "r.json")]
-            cmd += ["--stall-rounds", str(args.stall_rounds)]
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            subprocess.run(cmd, check=True, env=env, cwd=HERE.parent, stdout=subprocess.DEVNULL)
+            worker_args = ["--worker", "--preset", args.preset, "--out", out, "--result", out / "r.json"]
+            worker_args += ["--stall-rounds", args.stall_rounds]
+            run_on_ranks(ranks, __file__, *worker_args, check=True, cwd=HERE.parent)
             run = json.loads((out / "r.json").read_text())
             run["save_bandwidth_vs_torch_save"] = (run["model_state_bytes"] / run["save_s"]) / (
                 baseline["bytes"] / baseline["save_s"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from model_shape import add_model_shape_args  # noqa: E402
 
 PROBE = """
 import re, sys
@@ -93,10 +94,7 @@ def peak_rss(mode: str, *args: str) -> tuple[int, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=24, help="transformer layers (default 24)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
-    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary (default 50257)")
+    add_model_shape_args(parser, layers=24, hidden=1024, heads=16, vocab=50257)
     parser.add_argument("--max-shard-size", default="100MB", help="shard size of the export (default 100MB)")
     parser.add_argument("--skip-whole", action="store_true", help="do not run the whole-model export for contrast")
     parser.add_argument("--json", help="also write the figures to this JSON file")

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+from local_ranks import run_on_ranks  # noqa: E402
 
 MB = 1e6
 
@@ -59,21 +59,7 @@ def worker(out: Path, preset: str, stages: list[int]) -> None:
 def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={dp}",
-            __file__,
-            "--worker",
-            str(out),
-            "--preset",
-            preset,
-            "--zero",
-            *map(str, stages),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run_on_ranks(dp, __file__, "--worker", out, "--preset", preset, "--zero", *stages)
         if proc.returncode != 0:
             raise SystemExit(f"dp={dp} launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())

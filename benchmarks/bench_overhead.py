@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning_run import quiet_trainer  # noqa: E402
 
 from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
@@ -56,20 +57,8 @@ def module_kwargs(args):
 def run_lightning(args) -> list[float]:
     L.seed_everything(1234, verbose=False)
     timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="auto",
-        devices=1,
-        precision="32-true",
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        log_every_n_steps=1,
-        callbacks=[timer],
+    trainer = quiet_trainer(
+        accelerator="auto", devices=1, precision="32-true", max_steps=args.steps, log_every_n_steps=1, callbacks=[timer]
     )
     trainer.fit(MTNLGModule(**module_kwargs(args)), GPTDataModule(builtin_corpus="python-docs"))
     return [b - a for a, b in pairwise(timer.times)]

@@ -41,6 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+from local_ranks import run_on_ranks  # noqa: E402
 
 LAYOUTS = {
     "tp2": dict(tp=2),
@@ -130,22 +131,9 @@ def run_round(args, layouts: list[str], world: int, out: Path) -> list[dict]:
     ]
     if world == 1:
         cmd = [sys.executable, __file__, *common, "--threads", "1", "--layouts", "single"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={world}",
-            __file__,
-            *common,
-            "--threads",
-            "1",
-            "--layouts",
-            *layouts,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = run_on_ranks(world, __file__, *common, "--threads", "1", "--layouts", *layouts)
     if proc.returncode != 0:
         raise SystemExit(f"launch failed ({' '.join(layouts)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())

@@ -5,7 +5,7 @@ measured beside Korthikanti et al. 2022's formulas.
 Measured: the bytes autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`) while each
 block runs forward, distinct storages counted once, parameters excluded: activation memory by definition, exact and
 noise-free on CPU. One torchrun launch of 4 ranks builds the same model on every rank and shards it with
-`parallelize` over the tp4 group and over two tp2 groups; max over ranks.
+`apply_tensor_parallel` over the tp4 group and over two tp2 groups; max over ranks.
 
 Formulas (bytes per layer, 2-byte activations and 1-byte dropout masks, t = TP degree, a = heads):
     none:     s*b*h*(34 + 5*a*s/h)
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,7 +83,7 @@ def worker(args) -> None:
 
     from mtnlg_lightning.config import get_config
     from mtnlg_lightning.model import build_model
-    from mtnlg_lightning.parallel.tensor_parallel import parallelize
+    from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,7 +105,7 @@ def worker(args) -> None:
         model = copy.deepcopy(base)
         if t > 1:
             group = dist.group.WORLD if t == world else tp2_groups[rank // 2]
-            parallelize(model, group, dist.get_rank(group), t, sequence_parallel=sp)
+            apply_tensor_parallel(model, group, dist.get_rank(group), t, sequence_parallel=sp)
         per_layer = max(saved_bytes_per_layer(model, tokens))
         worst = [None] * world
         dist.all_gather_object(worst, per_layer)
@@ -120,11 +118,12 @@ def worker(args) -> None:
 
 # ------------------------------------------------------------------ the parent
 def main() -> int:
+    # a script's sibling; tests/test_planner_activation_memory.py imports this module for its worker's measurement
+    from local_ranks import run_on_ranks
+    from model_shape import add_model_shape_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length (activations grow with it)")
+    add_model_shape_args(parser, layers=2, hidden=256, heads=8, seq=1024)
     parser.add_argument("--batch", type=int, default=2, help="micro-batch size")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -136,20 +135,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         forwarded = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--seq", args.seq]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=4",
-            __file__,
-            "--worker",
-            str(out),
-            *map(str, forwarded),
-            "--batch",
-            str(args.batch),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run_on_ranks(4, __file__, "--worker", out, *forwarded, "--batch", args.batch)
         if proc.returncode != 0:
             raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         rows = json.loads(out.read_text())

@@ -33,10 +33,11 @@ LOSS_RTOL = 1e-5
 FAULTS = ("kill", "kill", "kill-during-save", "stop")
 
 
-def fit_command(args, save_dir: Path, ckpt: Path, probe: Path, restarts: int) -> list[str]:
+def fit_command(args, save_dir: Path, ckpt: Path, probe: Path, restarts: int, hold_s: float) -> list[str]:
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone"]
     command += ["--nproc-per-node", str(args.ranks), "--max-restarts", str(restarts), "--monitor-interval", "0.2"]
-    command += ["-m", "mtnlg_lightning.cli", "fit", "--config", "configs/tiny.yaml"]
+    # `mtnlg` with each checkpoint write held open `hold_s` seconds: a kill's window (the hold is test code)
+    command += [str(ROOT / "tests" / "slow_checkpoint_writes.py"), str(hold_s), "fit", "--config", "configs/tiny.yaml"]
     command += ["--trainer.max_steps", str(args.steps), "--trainer.devices", str(args.ranks)]
     command += ["--trainer.strategy", f"configs/strategy/{args.strategy}.yaml"]
     if args.async_save:
@@ -102,7 +103,7 @@ def inject(args, job, probe: Path, ckpt: Path, fault: str, rng: random.Random) -
         wait_for(lambda: progress(probe, args.ranks)[1] >= target, 600, f"step {target}", job)
         reached = time.time()
         wait_for(lambda: staging.exists() and staging.stat().st_mtime >= reached - 1, 600, f"save {target}", job)
-        time.sleep(rng.uniform(0.05, 0.4))  # inside the held write (MTNLG_TEST_SAVE_PAUSE_S)
+        time.sleep(rng.uniform(0.05, 0.4))  # inside the held write (--hold-s)
     else:
         later = step + args.every + rng.randint(1, args.every)  # past a save of this attempt: something to resume
         wait_for(lambda: progress(probe, args.ranks)[1] >= later, 600, f"step {later}", job)
@@ -136,8 +137,8 @@ def run(args, work: Path, faults: list[str], rng: random.Random) -> tuple[int, l
     save_dir, ckpt, probe, log = work / "logs", work / "ckpt", work / "probe", work / "log"
     work.mkdir(parents=True, exist_ok=True)
     env = {"MTNLG_STEP_TIMEOUT": str(args.step_timeout), "MTNLG_SAVE_TIMEOUT": str(3 * args.step_timeout)}
-    env["MTNLG_TEST_SAVE_PAUSE_S"] = str(args.hold_s) if faults else "0"  # holds each write open: a kill's window
-    job = start(fit_command(args, save_dir, ckpt, probe, restarts=len(faults)), log, env)
+    hold_s = args.hold_s if faults else 0.0
+    job = start(fit_command(args, save_dir, ckpt, probe, restarts=len(faults), hold_s=hold_s), log, env)
     records = []
     try:
         for fault in faults:

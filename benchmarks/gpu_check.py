@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # the equivalence harness the suite uses (parallel_harness.py)
+from local_ranks import run_on_ranks  # noqa: E402
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5  # fp32, as tests/test_parallel_equivalence.py
 BF16_LOSS_RTOL = 1e-3  # bf16 vs fp32 losses over 5 steps (the suite's bf16 section argues it)
@@ -103,10 +104,8 @@ def equivalence(dry_run: bool, gpus: int, tmp: Path) -> dict:
 def distributed(runs: list[str], ref, out: Path, accelerator: str) -> dict:
     import torch
 
-    env = {**os.environ, "MTNLG_TEST_ACCELERATOR": accelerator, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(ROOT / "tests" / "dist_parallel_runs.py"), str(out), *runs]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {"MTNLG_TEST_ACCELERATOR": accelerator}
+    proc = run_on_ranks(2, ROOT / "tests" / "dist_parallel_runs.py", out, *runs, env=env, cwd=ROOT, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"torchrun failed: {proc.stderr[-2000:]}")
     results = {}

@@ -21,6 +21,25 @@ from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
 from mtnlg_lightning.module import MTNLGModule  # noqa: E402
 
 SEED = 1234
+# The tiny recipe of the tests and benchmarks: a learning rate that moves the tiny model visibly within a few
+# steps, its warmup and decay in tokens.
+TINY_RECIPE = {"preset": "tiny", "lr": 1e-3, "min_lr": 1e-4, "warmup_tokens": 1024, "decay_tokens": 10240}
+
+
+def quiet_trainer(**settings) -> L.Trainer:
+    """A Trainer for a measured or tested run: no logger, progress bar, model summary or validation, no
+    checkpoints unless asked, and the datamodule's own data-parallel split (Lightning's sampler would re-split it).
+    `settings` are the run's own (devices, strategy, steps, callbacks, ...) and win over these."""
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "use_distributed_sampler": False,
+    }
+    return L.Trainer(**{**quiet, **settings})
 
 
 class StepTimer(L.Callback):
@@ -72,19 +91,12 @@ def fit(
         decay_tokens=10**9,
         grad_clip=1.0,
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         precision="32-true",
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
         callbacks=list(callbacks),
     )
     trainer.fit(module, GPTDataModule(builtin_corpus="python-docs", seed=SEED))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
 from parallel_harness import tiny_run  # noqa: E402
 
 from mtnlg_lightning.parallel.state_bytes import StateBytesProbe  # noqa: E402

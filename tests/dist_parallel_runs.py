@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
 from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tied_head_copy, tiny_run  # noqa: E402
 
+from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
@@ -268,6 +269,20 @@ def compiled_summary(trainer) -> dict:
     }
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes this rank holds for the optimizer: fp32 master params it updates + their state (Adam moments)."""
+    inner = base_optimizer(optimizer)
+    seen, total = set(), 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            tensors = [param] + [t for t in inner.state.get(param, {}).values() if torch.is_tensor(t)]
+            for t in tensors:
+                if id(t) not in seen and t.dim() > 0:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
 def memory_run(world: int):
     """Per-rank bytes of the real ZeRO-1 optimizer state at dp=world (a trained engine) and at dp=1 (the same
     model and optimizer under a ZeRO-1 engine whose data-parallel group is this rank alone)."""
@@ -276,7 +291,6 @@ def memory_run(world: int):
         ModelParallelUnit,
         build_deepspeed_config,
         initialize_engine,
-        optimizer_state_bytes,
     )
 
     rec, trainer = tiny_run(strategy(1, 1), devices=world, max_steps=1, capture_steps=())

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from gathered_weights import full_state_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.module import MTNLGModule
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
@@ -155,15 +156,11 @@ def tiny_run(
     `compile_backend`: compile each block with this torch.compile backend (`model.compile: true`)."""
     L.seed_everything(SEED, verbose=False)
     module = MTNLGModule(
-        preset="tiny",
+        **TINY_RECIPE,
         model_overrides=model_overrides,
         micro_batch_size=micro_batch_size,
         global_batch_size=8,
         rampup_batch_size=rampup_batch_size,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_tokens=1024,
-        decay_tokens=10240,
         grad_clip=grad_clip,
         compile=compile_backend is not None,
         compile_backend=compile_backend or "inductor",
@@ -177,21 +174,15 @@ def tiny_run(
                 dirpath=checkpoint_dir, every_n_train_steps=checkpoint_every, save_top_k=-1, filename="{step}"
             )
         )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=ACCELERATOR,
         devices=devices,
         strategy=strategy,
         precision=precision,
         max_steps=max_steps,
-        logger=False,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in cbs),
         callbacks=cbs,
-        use_distributed_sampler=False,
         deterministic=True,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return recorder, trainer

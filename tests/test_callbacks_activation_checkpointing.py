@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.callbacks import ActivationCheckpointing, apply_activation_checkpointing, checkpointed_modules
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule
@@ -104,29 +105,9 @@ class Inspect(Callback):
 
 def _fit(callbacks):
     L.seed_everything(1234, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        deterministic=True,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(accelerator="cpu", devices=1, max_steps=2, deterministic=True, callbacks=callbacks)
     module = MTNLGModule(
-        preset="tiny",
-        model_overrides={"hidden_dropout": 0.1},
-        micro_batch_size=4,
-        global_batch_size=8,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_tokens=1024,
-        decay_tokens=10240,
+        **TINY_RECIPE, model_overrides={"hidden_dropout": 0.1}, micro_batch_size=4, global_batch_size=8
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

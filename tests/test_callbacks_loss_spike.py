@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.callbacks import LossSpikeDetection, LossSpikeError, SpikeDetector
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.module import MTNLGModule, cross_entropy
@@ -23,16 +24,7 @@ class PoisonedModule(MTNLGModule):
     """The tiny recipe; the loss of the batches starting at the given consumed_samples is scaled (or NaN)."""
 
     def __init__(self, poison: dict[int, float] | None = None):
-        super().__init__(
-            preset="tiny",
-            micro_batch_size=4,
-            global_batch_size=BATCH,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_tokens=1024,
-            decay_tokens=10240,
-            grad_clip=1.0,
-        )
+        super().__init__(**TINY_RECIPE, micro_batch_size=4, global_batch_size=BATCH, grad_clip=1.0)
         self.poison = dict(poison or {})
         self.factor = None
         self.loss_fn = self._loss
@@ -66,17 +58,11 @@ def fit(tmp_path, callbacks, max_steps, poison=None, ckpt_path=None, checkpoint_
                 dirpath=tmp_path / "checkpoints", filename="{step}", save_top_k=-1, every_n_train_steps=checkpoint_every
             )
         )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
-        logger=False,
         enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
         deterministic=True,
         default_root_dir=tmp_path,
         callbacks=callbacks,

@@ -99,12 +99,13 @@ def test_resume_in_another_layout_continues_the_single_process_losses(
 
 
 # ------------------------------------------------------------------------------------------------ crashes
-def start(args, env=None) -> subprocess.Popen:
-    """A job in its own process group (as a scheduler sees it), output to files."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+def start(args, save_pause_s: float) -> subprocess.Popen:
+    """A job in its own process group (as a scheduler sees it), output to files; each checkpoint file it writes
+    stays unpublished `save_pause_s` seconds longer (tests/slow_checkpoint_writes.py)."""
+    full_env = {**os.environ, "WANDB_MODE": "offline"}
     log = open(args[args.index("--trainer.logger.save_dir") + 1] + ".log", "w")  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "mtnlg_lightning.cli", *args],
+        [sys.executable, str(Path(__file__).parent / "slow_checkpoint_writes.py"), str(save_pause_s), *args],
         cwd=ROOT,
         env=full_env,
         stdout=log,
@@ -129,7 +130,7 @@ def child_ranks(pid: int) -> list[int]:
 def test_kill_9_of_the_job_during_a_save_resumes_from_the_previous_complete_checkpoint(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
-    job = start(args, env={"MTNLG_TEST_SAVE_PAUSE_S": "3"})  # each save holds its files open for 3 s
+    job = start(args, save_pause_s=3)  # each save holds its files open for 3 s
     wait_for(lambda: (ckpt / ".step=4.ckpt.incomplete").exists(), what="the save of step 4 to start")
     time.sleep(0.5)
     os.killpg(job.pid, signal.SIGKILL)
@@ -144,7 +145,7 @@ def test_kill_9_of_the_job_during_a_save_resumes_from_the_previous_complete_chec
 def test_kill_9_of_one_rank_ends_the_job_within_60_s_and_it_resumes(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
-    job = start(args, env={"MTNLG_TEST_SAVE_PAUSE_S": "1"})
+    job = start(args, save_pause_s=1)
     wait_for(lambda: (ckpt / "step=4.ckpt" / "manifest.json").exists(), what="the checkpoint of step 4")
     (rank1,) = child_ranks(job.pid)
     os.kill(rank1, signal.SIGKILL)
@@ -161,7 +162,7 @@ def test_kill_9_of_one_rank_ends_the_job_within_60_s_and_it_resumes(tmp_path, re
 def test_sigterm_saves_on_every_rank_at_the_same_step_and_the_restart_matches(tmp_path, reference, target):
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
-    job = start(args, env={"MTNLG_TEST_SAVE_PAUSE_S": "1"})
+    job = start(args, save_pause_s=1)
     wait_for(lambda: (ckpt / "step=2.ckpt" / "manifest.json").exists(), what="the checkpoint of step 2")
     pid = job.pid if target == "launcher" else child_ranks(job.pid)[0]
     os.kill(pid, signal.SIGTERM)

@@ -275,7 +275,7 @@ def test_bad_inputs_raise_one_line_errors(tmp_path):
 
 
 def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
-    from mtnlg_lightning.curation.stages import Faults, SimulatedCrash
+    from curation_faults import Faults, SimulatedCrash
 
     tasks, docs = planted_corpus(seed=4, n_docs=40)
     trecs = [{"task": "t", "text": t} for t in tasks]

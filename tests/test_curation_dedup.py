@@ -5,12 +5,12 @@ import os
 
 import numpy as np
 import pytest
+from curation_faults import CRASH_ENV, Faults, SimulatedCrash
 
 from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
 from mtnlg_lightning.curation.jsonl import InputError
 from mtnlg_lightning.curation.lsh import Banding
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, normalize_words, shingle_strings
-from mtnlg_lightning.curation.stages import CRASH_ENV, Faults, SimulatedCrash
 from mtnlg_lightning.curation.synthetic import TextGenerator, make_near_dup_corpus
 
 W5 = ShingleSpec("word", 5)
@@ -261,7 +261,8 @@ def test_real_kill_with_os_exit_then_resume(tmp_path, corpus):
     tool = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "dedup.py")
     out = tmp_path / "out"
     env = {**os.environ, CRASH_ENV: "verify"}
-    p = subprocess.run([sys.executable, tool, path, "-o", str(out), "-q"], env=env, capture_output=True, text=True)
+    killed = [sys.executable, os.path.join(os.path.dirname(__file__), "curation_faults.py"), "dedup"]  # mtnlg-dedup
+    p = subprocess.run([*killed, path, "-o", str(out), "-q"], env=env, capture_output=True, text=True)
     assert p.returncode == 86 and not (out / "report.json").exists()
     assert (out / WORK_DIR_NAME / "buckets.done").exists()
     p = subprocess.run([sys.executable, tool, path, "-o", str(out), "-q"], capture_output=True, text=True)

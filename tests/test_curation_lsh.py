@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from datasketch_reference import datasketch_candidate_pairs, to_lean
 
 from mtnlg_lightning.curation.lsh import (
     DEFAULT_BANDING,
@@ -11,7 +12,6 @@ from mtnlg_lightning.curation.lsh import (
     band_pairs,
     candidate_pairs,
     candidate_probability,
-    datasketch_candidate_pairs,
 )
 from mtnlg_lightning.curation.minhash import MinHasher
 
@@ -85,5 +85,5 @@ def test_candidates_equal_datasketch_minhashlsh_with_same_params():
         docs.append(t)
     sigs = np.stack([mh.signature(d) for d in docs])
     ours = {tuple(p) for p in candidate_pairs(sigs, np.arange(len(docs)), banding).tolist()}
-    ref = datasketch_candidate_pairs([mh.to_lean(s) for s in sigs], banding)
+    ref = datasketch_candidate_pairs([to_lean(mh, s) for s in sigs], banding)
     assert ours == ref and len(ref) > 5

@@ -7,14 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import curation_faults
 import pytest
+from curation_faults import Faults, SimulatedCrash
 
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup
-from mtnlg_lightning.curation.stages import Faults, SimulatedCrash
 from mtnlg_lightning.curation.synthetic import make_near_dup_corpus, make_tasks_and_training
 
 ray = pytest.importorskip("ray")
+# Ray workers do not have tests/ on their path: the fault hooks travel to them by value.
+ray.cloudpickle.register_pickle_by_value(curation_faults)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a Ray cluster: GCS, raylet and worker processes
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 

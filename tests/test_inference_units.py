@@ -11,7 +11,7 @@ from threaded_group import run_ranks
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.inference.scoring import vocab_parallel_token_scores
 from mtnlg_lightning.model import KVCache, build_model
-from mtnlg_lightning.parallel.tensor_parallel import parallelize
+from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def test_vocab_parallel_scores_equal_log_softmax_over_the_real_vocabulary_and_never_score_padding():
@@ -69,7 +69,7 @@ def test_forward_with_a_kv_cache_equals_the_full_forward_in_one_process_and_on_t
 
         import torch.distributed as dist
 
-        model = parallelize(copy.deepcopy(reference), dist.group.WORLD, rank, 2)
+        model = apply_tensor_parallel(copy.deepcopy(reference), dist.group.WORLD, rank, 2)
         with torch.no_grad():
             return decode(model, tokens, 5)
 

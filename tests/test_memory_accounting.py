@@ -7,14 +7,12 @@ params, grads, fp32 master and Adam moments (`StateBytesProbe`). The planner's f
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.planner import model_state_bytes
 
 pytestmark = pytest.mark.distributed
@@ -25,22 +23,7 @@ DP = 2
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory") / "state_bytes.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={DP}",
-        str(HERE / "dist_memory_runs.py"),
-        str(out),
-        "0",
-        "1",
-        "2",
-        "3",
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    proc = run_on_ranks(DP, HERE / "dist_memory_runs.py", out, 0, 1, 2, 3, timeout=900, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

@@ -14,14 +14,13 @@ Launches are expensive here (2 CPU cores), so all layouts of one world size shar
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
+
+from benchmarks.local_ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
@@ -83,18 +82,7 @@ WORLD1_RUNS = ["bf16_zero1", "bf16_zero1_mb2"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        str(HERE / "dist_parallel_runs.py"),
-        str(out),
-        *runs,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE.parent)
+    proc = run_on_ranks(world, HERE / "dist_parallel_runs.py", out, *runs, timeout=900, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"_dir": out, **{name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}}
 
@@ -105,24 +93,20 @@ def reference():
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return launch(2, WORLD2_RUNS, tmp_path_factory.mktemp("world2"))
+def launched(world: int, runs: list[str]):
+    """A module fixture `world<N>`: one launch of `runs` on `world` ranks, shared by the tests that read it."""
+
+    @pytest.fixture(scope="module", name=f"world{world}")
+    def fixture(tmp_path_factory):
+        return launch(world, runs, tmp_path_factory.mktemp(f"world{world}"))
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return launch(4, WORLD4_RUNS, tmp_path_factory.mktemp("world4"))
-
-
-@pytest.fixture(scope="module")
-def world8(tmp_path_factory):
-    return launch(8, WORLD8_RUNS, tmp_path_factory.mktemp("world8"))
-
-
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    return launch(1, WORLD1_RUNS, tmp_path_factory.mktemp("world1"))
+world1 = launched(1, WORLD1_RUNS)
+world2 = launched(2, WORLD2_RUNS)
+world4 = launched(4, WORLD4_RUNS)
+world8 = launched(8, WORLD8_RUNS)
 
 
 @pytest.fixture(scope="module")

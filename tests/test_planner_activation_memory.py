@@ -12,7 +12,7 @@ from threaded_group import run_ranks
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.model import build_model
-from mtnlg_lightning.parallel.tensor_parallel import parallelize
+from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mtnlg_lightning.planner import activation_bytes_per_layer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
@@ -30,7 +30,9 @@ def measured(tp: int, sequence_parallel: bool) -> int:
         return max(saved_bytes_per_layer(base, tokens))
 
     def rank_fn(rank):
-        model = parallelize(copy.deepcopy(base), dist.group.WORLD, rank, tp, sequence_parallel=sequence_parallel)
+        model = apply_tensor_parallel(
+            copy.deepcopy(base), dist.group.WORLD, rank, tp, sequence_parallel=sequence_parallel
+        )
         return max(saved_bytes_per_layer(model, tokens))
 
     return max(run_ranks(tp, rank_fn))

@@ -176,7 +176,9 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
     step's state, bit for bit as a synchronous save of it."""
     from parallel_harness import tiny_run
     from safetensors.torch import load_file
+    from slow_checkpoint_writes import slowed
 
+    from mtnlg_lightning.checkpoint import format as checkpoint_format
     from mtnlg_lightning.checkpoint.format import is_checkpoint
     from mtnlg_lightning.checkpoint.state_io import _inner_optimizer
     from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
@@ -186,7 +188,9 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
     saver, strategy.background_saver = strategy.background_saver, None
     trainer.save_checkpoint(tmp_path / "sync.ckpt")
     strategy.background_saver = saver
-    monkeypatch.setenv("MTNLG_TEST_SAVE_PAUSE_S", "3")  # the writer holds 3 s before writing
+    monkeypatch.setattr(
+        checkpoint_format, "save_file", slowed(checkpoint_format.save_file, 3)
+    )  # the writer holds 3 s before writing
     started = time.monotonic()
     trainer.save_checkpoint(tmp_path / "background.ckpt")
     stall = time.monotonic() - started

@@ -49,9 +49,9 @@ def test_sequence_parallel_gpt_matches_one_process_in_loss_and_every_gradient():
     from mtnlg_lightning.config import get_config
     from mtnlg_lightning.model import build_model
     from mtnlg_lightning.parallel.tensor_parallel import (
+        apply_tensor_parallel,
         gather_tensor_parallel,
         is_tensor_parallel,
-        parallelize,
         vocab_parallel_cross_entropy,
     )
 
@@ -63,7 +63,7 @@ def test_sequence_parallel_gpt_matches_one_process_in_loss_and_every_gradient():
 
     def rank_fn(rank):
         group = dist.group.WORLD
-        model = parallelize(copy.deepcopy(reference), group, rank, 2, sequence_parallel=True)
+        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, 2, sequence_parallel=True)
         model.zero_grad()
         loss = vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], group)
         loss.backward()

@@ -58,38 +58,24 @@ def test_tp2_zero1_on_4_ranks_logs_train_loss_once_per_step_matching_one_process
     assert all(float(r["grad_norm"]) > 1.0 for r in reference)  # tiny.yaml's grad_clip 1.0 triggers
 
 
+def start_up_errors(strategy: str, devices: int, *more_args: str) -> list[str]:
+    """`mtnlg fit` of the tiny config under `strategy` on `devices` ranks, which must stop at start-up with exit
+    status 2 and no traceback: its `mtnlg: error:` lines."""
+    args = ["--config", "configs/tiny.yaml", "--trainer.strategy", strategy, "--trainer.devices", str(devices)]
+    out = run_cli("fit", *args, *more_args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    return [line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")]
+
+
 @pytest.mark.slow
 def test_layout_that_does_not_fit_the_devices_fails_before_launch_with_one_line():
-    out = run_cli(
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.strategy",
-        "configs/strategy/tp4.yaml",
-        "--trainer.devices",
-        "2",
-    )
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")]
+    errors = start_up_errors("configs/strategy/tp4.yaml", 2)
     assert errors == ["mtnlg: error: world size 2 is not divisible by tensor_parallel 4 x pipeline_parallel 1 = 4"]
 
 
 @pytest.mark.slow
 def test_more_pipeline_stages_than_blocks_is_one_line():
-    out = run_cli(
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.strategy",
-        "configs/strategy/pp2.yaml",
-        "--trainer.strategy.init_args.pipeline_parallel",
-        "3",
-        "--trainer.devices",
-        "3",
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    errors = {line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")}
+    errors = set(start_up_errors("configs/strategy/pp2.yaml", 3, "--trainer.strategy.init_args.pipeline_parallel", "3"))
     assert errors == {"mtnlg: error: num_layers 2 is fewer than pipeline_parallel 3 stages"}
 
 
@@ -127,19 +113,7 @@ def test_sequence_parallel_tp2_x_pp2_under_the_pytorch_profiler_writes_a_trace_p
 
 @pytest.mark.distributed
 def test_sequence_length_not_divisible_by_tensor_parallel_fails_at_start_up_with_one_line():
-    out = run_cli(
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.strategy",
-        "configs/strategy/tp2_sp.yaml",
-        "--trainer.devices",
-        "2",
-        "--model.model_overrides",
-        "{seq_len: 63}",
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    errors = {line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")}
+    errors = set(start_up_errors("configs/strategy/tp2_sp.yaml", 2, "--model.model_overrides", "{seq_len: 63}"))
     assert errors == {
         "mtnlg: error: sequence_parallel: seq_len 63 is not divisible by tensor_parallel 2; choose a seq_len "
         "that is a multiple of 2 or set sequence_parallel: false"

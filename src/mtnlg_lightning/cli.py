@@ -5,14 +5,19 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.module import MTNLGModule
 from mtnlg_lightning.resilience.exit_codes import ExitCode
+from mtnlg_lightning.resilience.restart import resolve_ckpt_path
 
 
 class OneLineParser(LightningArgumentParser):
@@ -55,8 +60,6 @@ class MTNLGCLI(LightningCLI):
     def before_fit(self) -> None:
         """`--ckpt_path last` (and, on a restart, no `--ckpt_path`) resumes from the newest complete checkpoint in any
         of the run's checkpoint folders (`resilience/restart.py`)."""
-        from mtnlg_lightning.resilience.restart import resolve_ckpt_path
-
         config = self.config_init[self.subcommand]
         config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
 
@@ -73,8 +76,6 @@ def check_strategy_extras(strategy) -> None:
 def check_accelerator(accelerator) -> None:
     if not isinstance(accelerator, str) or accelerator == "auto":
         return
-    from lightning.pytorch.accelerators import AcceleratorRegistry
-
     names = ["cuda", "mps"] if accelerator == "gpu" else [accelerator]
     known = list(AcceleratorRegistry.keys())
     if not all(name in known for name in names):
@@ -94,8 +95,6 @@ def default_precision() -> str:
     """bf16-mixed on a GPU with bf16 (as MT-NLG trained); on a CPU, bf16 autocast only where the CPU has native
     bf16 arithmetic (x86 AVX512-BF16 / AMX, Arm BF16): elsewhere it emulates bf16 and fp32 is the faster one
     (measured on the demo: bf16 ~1.7x slower without those instructions, ~1.2x faster with AVX512-BF16)."""
-    import torch
-
     if torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
     return "bf16-mixed" if _cpu_has_native_bf16() else "32-true"
@@ -132,8 +131,6 @@ def main(args: list[str] | None = None) -> None:
             parser_class=OneLineParser,
         )
     except (MTNLGError, MisconfigurationException, UnicodeDecodeError) as error:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
         if isinstance(error, UnicodeDecodeError):  # a config file in another encoding
             error = MTNLGError(f"a config file is not UTF-8 text ({error.reason} at byte {error.start})")
         if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
@@ -146,8 +143,6 @@ def main(args: list[str] | None = None) -> None:
 
 def _destroy_process_group() -> None:
     """Leave no communication threads to the interpreter's exit (they can abort an otherwise finished run)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

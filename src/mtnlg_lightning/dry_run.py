@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import yaml
 
 from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.gpus import ALIASES, GPUS
+from mtnlg_lightning.inference_plan import inference_report
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
-from mtnlg_lightning.parallel.tensor_parallel import parallelize
+from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mtnlg_lightning.planner import format_plan, plan
 
 STRATEGY = "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
@@ -37,8 +40,6 @@ def _init_args(section, name: str) -> dict:
 
 
 def _check_keys(args: dict, cls, where: str) -> None:
-    import inspect
-
     known = set(inspect.signature(cls.__init__).parameters) - {"self"}
     unknown = sorted(set(args) - known)
     if unknown:
@@ -51,7 +52,7 @@ def _stage_parameters(model_config, pp: int, pp_rank: int, schedule: str, virtua
         full, pp, pp_rank, schedule, virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
     )
     for stage in stage_models:
-        parallelize(stage, None, 0, tp)
+        apply_tensor_parallel(stage, None, 0, tp)
     return sum(p.numel() for stage in stage_models for p in stage.parameters())
 
 
@@ -59,6 +60,7 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
     config = load_configs(config_paths)
     trainer, model_args = config.get("trainer") or {}, config.get("model") or {}
     strategy = _init_args(trainer.get("strategy"), str(trainer.get("strategy")))
+    # The module and the strategy import Lightning (seconds): a config that fails to load is reported first.
     from mtnlg_lightning.module import MTNLGModule
     from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
 
@@ -158,9 +160,6 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
 
 def _inference_lines(model_config, gpu: str, micro: int, gpus_per_node: int) -> str:
     """After training: how many GPUs evaluating this model takes, on this config's GPU first, then the others."""
-    from mtnlg_lightning.gpus import ALIASES, GPUS
-    from mtnlg_lightning.inference_plan import inference_report
-
     chosen = ALIASES.get(gpu.lower(), gpu.lower())
     kinds = [chosen] + sorted(name for name in GPUS if name != chosen)
     return inference_report(model_config, kinds, micro, None, "bf16", gpus_per_node)

@@ -38,7 +38,7 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
-from mtnlg_lightning.parallel.parallelize import ParallelGPT, PipelineSettings, parallelize_gpt
+from mtnlg_lightning.parallel.parallelize import ParallelGPT, PipelineParallelSettings, parallelize_gpt
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, layers_per_stage, schedule_class
 from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
 from mtnlg_lightning.parallel.zero import (
@@ -51,8 +51,6 @@ from mtnlg_lightning.parallel.zero import (
 )
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
-
-_META_FILE = "meta.pt"
 
 
 class MegatronDeepSpeedStrategy(ParallelStrategy):
@@ -283,8 +281,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         return self.parallel.pipeline if self.parallel is not None else None
 
     @property
-    def pipeline_settings(self) -> PipelineSettings:
-        return PipelineSettings(
+    def pipeline_settings(self) -> PipelineParallelSettings:
+        return PipelineParallelSettings(
             self.pipeline_schedule, self.virtual_pipeline_stages, self.first_stage_layers, self.last_stage_layers
         )
 

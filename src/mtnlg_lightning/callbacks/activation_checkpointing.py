@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.model import Block
 
 Mode = Literal["full", "selective", "every_n", "none"]
 MODES = ("full", "selective", "every_n", "none")
@@ -50,8 +51,6 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
         return [blocks[k] for k in sorted(blocks.keys(), key=int)]
     if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         return list(blocks)
-    from mtnlg_lightning.model import Block
-
     return [m for m in model.modules() if isinstance(m, Block)]
 
 

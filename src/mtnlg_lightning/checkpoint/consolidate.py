@@ -13,7 +13,16 @@ from pathlib import Path
 
 import torch
 
+from mtnlg_lightning.checkpoint.format import open_verified
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.interop.safetensors_shards import (
+    TensorSpec,
+    parse_size,
+    tensor_progress,
+    write_safetensors,
+    write_sharded,
+)
+from mtnlg_lightning.outputs import check_output
 
 
 def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_shard_size: str | None = None) -> dict:
@@ -21,16 +30,6 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_sha
     safetensors file, or with `max_shard_size` as Hugging Face-style shards plus an index next to `output`; the
     model config and training position go in the files' metadata. Streamed: each tensor is read from the
     checkpoint's pieces and written a slice of rows at a time. Atomic per file: staged, then renamed, index last."""
-    from mtnlg_lightning.checkpoint.format import open_verified
-    from mtnlg_lightning.interop.safetensors_shards import (
-        TensorSpec,
-        parse_size,
-        tensor_progress,
-        write_safetensors,
-        write_sharded,
-    )
-    from mtnlg_lightning.outputs import check_output
-
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     check_output(output, [checkpoint], replaces_dir=False)  # never a file of the checkpoint itself
     if output.is_dir():

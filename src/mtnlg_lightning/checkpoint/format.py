@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 import xxhash
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from mtnlg_lightning.checkpoint.validate import (
+    CheckpointError,
     check_manifest,
     check_meta,
     check_pieces_in_file,
@@ -30,16 +33,12 @@ from mtnlg_lightning.checkpoint.validate import (
     is_int,
     pieces_by_file,
 )
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import one_line
 
 FORMAT_NAME = "mtnlg-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 META = "meta.pt"
-
-
-class CheckpointError(MTNLGError):
-    """A checkpoint that cannot be used: missing, incomplete, corrupt, or of another model."""
 
 
 @dataclass
@@ -79,8 +78,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 def write_pieces(directory: Path, name: str, pieces: list[Piece]) -> WrittenFile:
     """One safetensors file of this rank's pieces, flushed to disk, with its size and checksum."""
-    from safetensors.torch import save_file
-
     tensors = {p.key: p.tensor.detach().to("cpu").contiguous() for p in pieces}
     path = directory / name
     save_file(tensors if tensors else {"__empty__": torch.zeros(0)}, str(path))
@@ -240,8 +237,6 @@ class TensorReader:
 
     def _file(self, name: str):
         if name not in self._open:
-            from safetensors import safe_open
-
             try:
                 self._open[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
             except Exception as error:  # noqa: BLE001 - a file changed since it was verified: one line

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.parallel.pipeline import PipelineChunks
 
 VOCAB_PARAMS = ("embed.wte.weight", "lm_head.weight")  # rows = the vocabulary, padded in memory, not on disk
 
@@ -48,8 +49,6 @@ def global_name(name: str, chunked: bool) -> str:
 def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> list[Slot]:
     """A slot per parameter of this rank's part of the model, in `named_parameters` order (the same on every
     data-parallel replica of this part)."""
-    from mtnlg_lightning.parallel.pipeline import PipelineChunks
-
     chunked = isinstance(model, PipelineChunks)
     slots = []
     for local_name, param in model.named_parameters():

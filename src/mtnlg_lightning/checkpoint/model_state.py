@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from mtnlg_lightning.checkpoint.format import MANIFEST, listed_tokenizer, open_verified, read_meta
+from mtnlg_lightning.checkpoint.validate import config_of
 from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
 
@@ -127,9 +129,6 @@ def _read_lightning_file(path: Path) -> ModelState:
 
 
 def _read_folder(path: Path, master: bool) -> ModelState:
-    from mtnlg_lightning.checkpoint.format import MANIFEST, listed_tokenizer, open_verified, read_meta
-    from mtnlg_lightning.checkpoint.validate import config_of
-
     reader = open_verified(path)  # every file listed, hashed, tiled and of the shapes of its model_config
     manifest = reader.manifest
     config = config_of(manifest, f"{path}/{MANIFEST}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
@@ -38,8 +39,6 @@ class Preemption(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.received = None
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
         for signum in self.signals:

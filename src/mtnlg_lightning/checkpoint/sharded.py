@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +69,6 @@ def balanced_owners(slots: list[Slot], replicas: int) -> list[int]:
     return owner
 
 
-def _pause_for_tests() -> None:
-    """Crash tests kill the job while files are being written; this widens that window (test-only variable)."""
-    seconds = float(os.environ.get("MTNLG_TEST_SAVE_PAUSE_S", "0") or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
 def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> None:
     """Every rank writes its pieces, rank 0 the manifest last and publishes. With `background` (a
     `BackgroundSaver`), the pieces are copied to host memory here and written, gathered and published by its writer
@@ -126,10 +117,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
 
 
 def _write_and_publish(staging: Path, path: Path, name: str, pieces, header, group) -> None:
-    if group is not None:
-        _pause_for_tests()  # a slow background write: training goes on meanwhile
     written = write_pieces(staging, name, pieces)
-    _pause_for_tests()
     files = _all_gather(written, group)
     if header is not None:
         meta, info, tokenizer = header

@@ -11,8 +11,7 @@ import torch
 
 from mtnlg_lightning.checkpoint.format import CheckpointError, Piece, TensorReader
 from mtnlg_lightning.checkpoint.model_space import Slot
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW
+from mtnlg_lightning.checkpoint.validate import MOMENTS
 
 
 def _inner_optimizer(optimizer):

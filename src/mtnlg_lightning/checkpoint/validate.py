@@ -15,11 +15,14 @@ import struct
 import warnings
 from pathlib import Path
 
+from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.model import build_model
 
 # The dtypes a checkpoint stores (manifest name -> safetensors name, bytes per element).
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state a checkpoint stores per parameter (AdamW)
 POSITIVE_INT_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -32,9 +35,11 @@ POSITIVE_INT_FIELDS = (
 )
 
 
-def _error(message: str):
-    from mtnlg_lightning.checkpoint.format import CheckpointError
+class CheckpointError(MTNLGError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, or of another model."""
 
+
+def _error(message: str) -> CheckpointError:
     return CheckpointError(message)
 
 
@@ -189,8 +194,6 @@ def tiling_problem(boxes, shape: tuple[int, ...]) -> str | None:
 
 def config_of(manifest: dict, where: str):
     """The manifest's `model_config` as a `ModelConfig`, its fields checked by type and range first."""
-    from mtnlg_lightning.config import ModelConfig
-
     values = manifest.get("model_config")
     if not isinstance(values, dict):
         raise _error(f"{where}: model_config is missing or not an object")
@@ -224,8 +227,6 @@ def config_of(manifest: dict, where: str):
 def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
     """Model-space shapes of every parameter of `config` (tied head left out, vocabulary unpadded), built on the
     meta device; a config claiming more layers than the manifest has tensors is refused before building."""
-    from mtnlg_lightning.model import build_model
-
     if config.num_layers > tensor_count:
         raise _error(f"model_config says {config.num_layers} layers but the manifest has {tensor_count} tensors")
     try:  # meta tensors allocate nothing, but torch still refuses sizes past 2**63 bytes
@@ -239,8 +240,6 @@ def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
 
 def config_mismatch(manifest: dict, config, subject: str = "this model") -> str | None:
     """The first tensor whose presence or shape disagrees with `config` (weights, fp32 masters, Adam moments)."""
-    from mtnlg_lightning.checkpoint.state_io import MOMENTS
-
     tensors = manifest["tensors"]
     expected = expected_shapes(config, len(tensors))
     stored = {k.removeprefix("model/"): tuple(v["shape"]) for k, v in tensors.items() if k.startswith("model/")}

@@ -8,12 +8,12 @@ JSON array is told from JSON lines by its first non-blank byte after decompressi
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 from dataclasses import dataclass
 from typing import IO
 
-from mtnlg_lightning.curation.jsonl import InputError
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import InputError, MTNLGError
 from mtnlg_lightning.extras import install_hint
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -49,8 +49,6 @@ class Format:
 
 def need(module: str, path: str, what: str):
     """Import an optional package of the ``corpora`` extra, or fail with one line naming the extra."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:

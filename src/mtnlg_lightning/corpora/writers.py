@@ -8,6 +8,7 @@ be written the way its input was: :func:`encode_jsonl` (compressed or as a JSON 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator
 from typing import IO
@@ -77,8 +78,6 @@ def filter_parquet(src: str, dest: str, keep_rows: np.ndarray, fsync: bool = Tru
 def jsonl_to_parquet(plain: str, dest: str, schema, codec: str = "snappy", batch_rows: int = 4096) -> int:
     """JSON lines (records that came from a parquet file, fields possibly added) to parquet with ``schema``,
     atomically, ``batch_rows`` records in memory at a time. Returns the rows written."""
-    import json
-
     pa = need("pyarrow", plain, "parquet")
     pq = need("pyarrow.parquet", plain, "parquet")
     written = 0

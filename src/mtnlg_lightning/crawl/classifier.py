@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from mtnlg_lightning.curation.jsonl import atomic_write
+
 FORMAT = "mtnlg-quality-classifier/1"
 
 
@@ -26,7 +28,7 @@ class QualityModel:
     max_ngram: int
 
     def vectorizer(self):
-        from sklearn.feature_extraction.text import HashingVectorizer
+        from sklearn.feature_extraction.text import HashingVectorizer  # optional extra [crawl]: imported on use
 
         return HashingVectorizer(
             n_features=self.n_features,
@@ -46,8 +48,6 @@ class QualityModel:
         return 1.0 / (1.0 + np.exp(-logits))
 
     def save(self, path: str) -> None:
-        from mtnlg_lightning.curation.jsonl import atomic_write
-
         config = {"format": FORMAT, "n_features": self.n_features, "max_ngram": self.max_ngram}
         with atomic_write(path, "wb", fsync=True) as f:
             np.savez(f, coef=self.coef, intercept=np.array([self.intercept]), config=np.array(json.dumps(config)))
@@ -70,7 +70,7 @@ def train(
     seed: int = 0,
 ) -> QualityModel:
     """Fit the logistic regression (classes balanced, as the two sides of a crawl rarely are)."""
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # optional extra [crawl]: imported on use
 
     model = QualityModel(np.zeros(n_features, np.float32), 0.0, n_features, max_ngram)
     features = model.vectorizer().transform(positives + negatives)

@@ -11,7 +11,17 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-from mtnlg_lightning.curation.jsonl import InputError, atomic_write, dumps_line, write_json_atomic
+import numpy as np
+from tqdm import tqdm
+
+from mtnlg_lightning.curation.jsonl import (
+    InputError,
+    atomic_write,
+    check_input_files,
+    dumps_line,
+    iter_records,
+    write_json_atomic,
+)
 
 from . import heuristics
 from .classifier import QualityModel, keep_pareto, train
@@ -24,14 +34,10 @@ SCORE_KEY = "quality_score"
 def read_documents(path: str, text_key: str = "text") -> Iterator[tuple[int, dict, str]]:
     """``(line number, record, text)`` of every document of a JSON lines file, validated (one-line errors naming
     file:line). The one place mtnlg-quality reads its inputs."""
-    from mtnlg_lightning.curation.jsonl import iter_records
-
     yield from iter_records(path, text_key)
 
 
 def check_io(inputs: list[str], output_dir: str | None) -> None:
-    from mtnlg_lightning.curation.jsonl import check_input_files
-
     check_input_files(inputs)
     if output_dir is None:
         return
@@ -46,8 +52,6 @@ def check_io(inputs: list[str], output_dir: str | None) -> None:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress)
 
 
@@ -70,6 +74,13 @@ def _rewrite(inputs, output_dir, text_key, progress, desc, transform) -> dict:
     return {"documents": documents, "kept": kept}
 
 
+def _write_report(output_dir: str, command: str, t0: float, **figures) -> dict:
+    """OUT/quality_<command>_report.json, written atomically: the command, its figures, the seconds since `t0`."""
+    report = {"command": command, **figures, "seconds": round(time.perf_counter() - t0, 3)}
+    write_json_atomic(os.path.join(output_dir, f"quality_{command}_report.json"), report, fsync=True)
+    return report
+
+
 # --- annotate ----------------------------------------------------------------------------------------------------
 
 
@@ -90,17 +101,16 @@ def annotate(inputs, output_dir, rule_settings: dict, text_key="text", progress=
         return {**record, SIGNALS_KEY: signals, FAILED_KEY: failed}
 
     counts = _rewrite(inputs, output_dir, text_key, progress, "annotate", transform)
-    report = {
-        "command": "annotate",
-        "documents": counts["documents"],
-        "failing_any_rule": failing["any"],
-        "passing_every_rule": counts["documents"] - failing["any"],
-        "failing_by_rule": dict(per_rule),
-        "rules": rule_settings,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    write_json_atomic(os.path.join(output_dir, "quality_annotate_report.json"), report, fsync=True)
-    return report
+    return _write_report(
+        output_dir,
+        "annotate",
+        t0,
+        documents=counts["documents"],
+        failing_any_rule=failing["any"],
+        passing_every_rule=counts["documents"] - failing["any"],
+        failing_by_rule=dict(per_rule),
+        rules=rule_settings,
+    )
 
 
 # --- train / score -----------------------------------------------------------------------------------------------
@@ -134,8 +144,6 @@ def train_model(
 ) -> dict:
     """Train on the positive (curated) and negative (raw crawl) documents; measure on a held-out share of each
     (chosen by ``seed``) before the final fit on everything; save the model."""
-    import numpy as np
-
     check_io(positive + negative, None)
     t0 = time.perf_counter()
     pos, neg = _texts(positive, text_key), _texts(negative, text_key)
@@ -181,14 +189,7 @@ def score(inputs, output_dir, model_path: str, text_key="text", batch: int = 512
                     out.write(dumps_line({**record, SCORE_KEY: round(float(s), 6)}))
         bar.update(os.path.getsize(path))
     bar.close()
-    report = {
-        "command": "score",
-        "documents": documents,
-        "score_histogram_tenths": histogram,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    write_json_atomic(os.path.join(output_dir, "quality_score_report.json"), report, fsync=True)
-    return report
+    return _write_report(output_dir, "score", t0, documents=documents, score_histogram_tenths=histogram)
 
 
 def _batches(items, size: int):
@@ -259,17 +260,16 @@ def filter_documents(
         return None if reasons else record
 
     counts = _rewrite(inputs, output_dir, text_key, progress, "filter", transform)
-    report = {
-        "command": "filter",
-        "documents": counts["documents"],
-        "kept": counts["kept"],
-        "dropped": counts["documents"] - counts["kept"],
-        "dropped_by": dict(dropped_by),
-        "threshold": threshold,
-        "pareto_alpha": pareto_alpha,
-        "seed": seed,
-        "rules": rule_settings,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    write_json_atomic(os.path.join(output_dir, "quality_filter_report.json"), report, fsync=True)
-    return report
+    return _write_report(
+        output_dir,
+        "filter",
+        t0,
+        documents=counts["documents"],
+        kept=counts["kept"],
+        dropped=counts["documents"] - counts["kept"],
+        dropped_by=dict(dropped_by),
+        threshold=threshold,
+        pareto_alpha=pareto_alpha,
+        seed=seed,
+        rules=rule_settings,
+    )

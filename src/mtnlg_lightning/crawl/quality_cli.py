@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtnlg_lightning.curation.cli_common import EXIT_BAD_INPUT, HelpFormatter, positive_int, run_cli
+from mtnlg_lightning.curation.cli_common import (
+    EXIT_BAD_INPUT,
+    HelpFormatter,
+    add_output_dir_arg,
+    add_text_key_arg,
+    positive_int,
+    run_cli,
+)
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
 
-from .heuristics import RULES
+from . import quality
+from .heuristics import RULES, rule_settings
 
 PROG = "mtnlg-quality"
 
@@ -55,14 +64,10 @@ def _rules_epilog() -> str:
 
 def _add_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="IN.jsonl", help="JSON lines files, one document per line")
-    p.add_argument(
-        "--output-dir",
-        "-o",
-        required=True,
-        metavar="OUT",
-        help="directory for OUT/<input name> (written atomically; must not be the inputs' directory) and the report",
+    add_output_dir_arg(
+        p, "directory for OUT/<input name> (written atomically; must not be the inputs' directory) and the report"
     )
-    p.add_argument("--text-key", default="text", help="JSON key holding the document text")
+    add_text_key_arg(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
@@ -126,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--positive", nargs="+", required=True, metavar="POS.jsonl", help="curated (good) documents")
     t.add_argument("--negative", nargs="+", required=True, metavar="NEG.jsonl", help="raw crawl (bad) documents")
     t.add_argument("--model", required=True, metavar="MODEL.npz", help="where to save the model (atomically)")
-    t.add_argument("--text-key", default="text", help="JSON key holding the document text")
+    add_text_key_arg(t)
     t.add_argument(
         "--holdout",
         type=_fraction,
@@ -176,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _rule_settings(args, parser):
-    from .heuristics import rule_settings
-
     try:
         return rule_settings(dict(args.overrides), set(args.disable))
     except ValueError as err:
@@ -201,16 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("filter needs at least one of --threshold, --pareto, --heuristics")
     if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
         try:
-            from mtnlg_lightning.extras import require_extra
-
             require_extra("crawl", f"{PROG} {args.command}")
         except MTNLGError as err:
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
 
     def body() -> int:
-        from . import quality
-
         progress = not getattr(args, "quiet", False)
         if args.command == "annotate":
             r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)

@@ -18,6 +18,7 @@ import json
 import re
 import sysconfig
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,106 +173,10 @@ FOREIGN_PARAGRAPHS: dict[str, list[str]] = {
     ],
 }
 
-# Each language's boilerplate: cookie banner, navigation, footer lines, sidebar heading and links, byline word.
-_BOILERPLATE: dict[str, dict] = {
-    "en": {
-        "cookie": "We use cookies to improve your experience. Accept all | Manage preferences",
-        # the consent text most sites show: long and full of stop words, so jusText takes it for prose
-        "cookie_long": "We and our partners use cookies and similar technologies to store and access information on "
-        "your device, to measure the audience of this site and to personalise the content and the ads that you "
-        "see. You can accept all of them, reject them or choose which ones we may use at any time in the privacy "
-        "settings. Accept all | Reject all | Manage preferences",
-        "nav": ["Home", "News", "Docs", "Blog", "Forum", "About us", "Contact"],
-        "footer": [
-            "Copyright 2024 Example Media Ltd. All rights reserved.",
-            "Privacy Policy",
-            "Terms of Service",
-            "Cookie settings",
-            "Sitemap",
-        ],
-        "related": "Related posts",
-        "links": [
-            "Ten tips for faster builds",
-            "Release notes for version 3.2",
-            "How we moved to the cloud",
-            "Community meetup recap",
-            "Weekly links roundup",
-        ],
-        "newsletter": "Subscribe to our newsletter",
-        "byline": "Posted by admin on",
-        "share": "Share: Twitter Facebook LinkedIn Email",
-    },
-    "de": {
-        "cookie": "Wir verwenden Cookies. Alle akzeptieren | Einstellungen",
-        "nav": ["Startseite", "Nachrichten", "Ratgeber", "Kontakt", "Impressum"],
-        "footer": ["© 2024 Beispiel Verlag GmbH", "Datenschutz", "Impressum", "AGB"],
-        "related": "Das könnte Sie auch interessieren",
-        "links": ["Wetter am Wochenende", "Neue Radwege geplant", "Rezepte für den Herbst"],
-        "newsletter": "Newsletter abonnieren",
-        "byline": "Von Redaktion am",
-        "share": "Teilen: Facebook E-Mail",
-    },
-    "fr": {
-        "cookie": "Nous utilisons des cookies. Tout accepter | Paramètres",
-        "nav": ["Accueil", "Actualités", "Culture", "Contact", "Mentions légales"],
-        "footer": ["© 2024 Exemple Presse SA", "Confidentialité", "Mentions légales", "Plan du site"],
-        "related": "À lire aussi",
-        "links": ["Météo du week-end", "Nouvelles pistes cyclables", "Recettes d'automne"],
-        "newsletter": "Inscrivez-vous à la lettre",
-        "byline": "Par la rédaction le",
-        "share": "Partager: Facebook",
-    },
-    "es": {
-        "cookie": "Usamos cookies. Aceptar todas | Configurar",
-        "nav": ["Inicio", "Noticias", "Cultura", "Contacto", "Aviso legal"],
-        "footer": ["© 2024 Ejemplo Medios S.L.", "Privacidad", "Aviso legal", "Mapa del sitio"],
-        "related": "También te puede interesar",
-        "links": ["El tiempo del fin de semana", "Nuevos carriles bici", "Recetas de otoño"],
-        "newsletter": "Suscríbete al boletín",
-        "byline": "Por la redacción el",
-        "share": "Compartir: Facebook",
-    },
-    "it": {
-        "cookie": "Usiamo i cookie. Accetta tutti | Impostazioni",
-        "nav": ["Home", "Notizie", "Cultura", "Contatti", "Note legali"],
-        "footer": ["© 2024 Esempio Editore Srl", "Privacy", "Note legali", "Mappa del sito"],
-        "related": "Potrebbe interessarti anche",
-        "links": ["Meteo del fine settimana", "Nuove piste ciclabili", "Ricette d'autunno"],
-        "newsletter": "Iscriviti alla newsletter",
-        "byline": "Dalla redazione il",
-        "share": "Condividi: Facebook",
-    },
-    "nl": {
-        "cookie": "Wij gebruiken cookies. Alles accepteren | Instellingen",
-        "nav": ["Home", "Nieuws", "Cultuur", "Contact", "Colofon"],
-        "footer": ["© 2024 Voorbeeld Media BV", "Privacy", "Voorwaarden", "Sitemap"],
-        "related": "Lees ook",
-        "links": ["Het weer dit weekend", "Nieuwe fietspaden", "Recepten voor de herfst"],
-        "newsletter": "Schrijf je in voor de nieuwsbrief",
-        "byline": "Door de redactie op",
-        "share": "Delen: Facebook",
-    },
-    "pt": {
-        "cookie": "Utilizamos cookies. Aceitar todos | Definições",
-        "nav": ["Início", "Notícias", "Cultura", "Contacto", "Termos"],
-        "footer": ["© 2024 Exemplo Media Lda", "Privacidade", "Termos", "Mapa do site"],
-        "related": "Leia também",
-        "links": ["O tempo no fim de semana", "Novas ciclovias", "Receitas de outono"],
-        "newsletter": "Subscreva a newsletter",
-        "byline": "Pela redação em",
-        "share": "Partilhar: Facebook",
-    },
-    "pl": {
-        "cookie": "Używamy plików cookie. Akceptuję | Ustawienia",
-        "nav": ["Strona główna", "Wiadomości", "Kultura", "Kontakt", "Regulamin"],
-        "footer": ["© 2024 Przykład Media Sp. z o.o.", "Prywatność", "Regulamin", "Mapa strony"],
-        "related": "Przeczytaj także",
-        "links": ["Pogoda na weekend", "Nowe ścieżki rowerowe", "Przepisy na jesień"],
-        "newsletter": "Zapisz się do newslettera",
-        "byline": "Redakcja,",
-        "share": "Udostępnij: Facebook",
-    },
-}
+# Each language's boilerplate: cookie banner (English also a long consent text, the one most sites show: long and
+# full of stop words, so jusText takes it for prose), navigation, footer lines, sidebar heading and links, newsletter
+# box, byline words, share buttons. Translations are data: synthetic_boilerplate.json beside this file.
+_BOILERPLATE: dict[str, dict] = json.loads(Path(__file__).with_name("synthetic_boilerplate.json").read_text("utf-8"))
 
 
 def _escape(text: str) -> str:
@@ -388,7 +293,7 @@ def _record_id(url: str) -> str:
 
 
 def _http_response(writer, url: str, body: bytes, headers: list[tuple[str, str]], status: str = "200 OK"):
-    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.statusandheaders import StatusAndHeaders  # optional extra [crawl]: imported on use
 
     http = StatusAndHeaders(status, headers + [("Content-Length", str(len(body)))], protocol="HTTP/1.1")
     warc_headers = {"WARC-Date": CRAWL_DATE, "WARC-Record-ID": _record_id(url)}
@@ -413,7 +318,7 @@ def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> lis
 
     Truth ``kind``: ``page`` (a good page: ``language``, ``body`` paragraphs, ``boilerplate`` text), ``junk``,
     ``not_html``, ``not_2xx``, ``broken`` (with the ``reason`` the extractor should count)."""
-    from warcio.warcwriter import WARCWriter
+    from warcio.warcwriter import WARCWriter  # optional extra [crawl]: imported on use
 
     rng = np.random.default_rng(spec.seed)
     lo, hi = spec.paragraphs_per_page
@@ -530,8 +435,6 @@ def score_extraction(truth: list[dict], documents: list[dict]) -> dict:
     """Compare extracted documents (by url) with the planted pages: pages found, body words kept, boilerplate words
     left (words of the page's boilerplate that are neither body nor title words: a page's heading is kept by design
     and is neither), language accuracy."""
-    from collections import Counter
-
     by_url = {d["url"]: d for d in documents}
     pages = [t for t in truth if t["kind"] == "page"]
     found = body_total = body_kept = boiler_total = boiler_left = right_language = 0

@@ -67,7 +67,7 @@ def is_gzipped(path: str) -> bool:
 def iter_records(path: str) -> Iterator[tuple[int, object]]:
     """Yield ``(number, record)`` for every record of a WARC/WET file, plain or gzip; ``record`` is a warcio
     ``ArcWarcRecord`` (read its content before asking for the next one) or a :class:`BrokenRecord`."""
-    from warcio.archiveiterator import ArchiveIterator
+    from warcio.archiveiterator import ArchiveIterator  # optional extra [crawl]: imported on use
 
     gzipped = is_gzipped(path)
     number = 0

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
+from mtnlg_lightning.extras import install_hint, missing_modules
+
+from .engine import available_cores
 from .jsonl import InputError
 
 EXIT_BAD_INPUT = 2
@@ -28,8 +32,6 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
 
 def int_at_least(minimum: int):
     """An argparse `type` accepting integers >= minimum, with a message naming the bound."""
-    import argparse
-
     wording = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
 
     def parse(value: str) -> int:
@@ -51,8 +53,6 @@ class HelpFormatter:
     """argparse formatter factory that appends '(default: X)' only for meaningful defaults."""
 
     def __new__(cls, *args, **kwargs):
-        import argparse
-
         class _Formatter(argparse.HelpFormatter):
             def _get_help_string(self, action):
                 h = action.help or ""
@@ -67,10 +67,18 @@ class HelpFormatter:
         return _Formatter(*args, **kwargs)
 
 
+def add_output_dir_arg(p, help: str) -> None:
+    """-o/--output-dir OUT, required: the folder a data tool writes its outputs and report into."""
+    p.add_argument("--output-dir", "-o", required=True, metavar="OUT", help=help)
+
+
+def add_text_key_arg(p) -> None:
+    """--text-key: the JSON key holding each record's text, the same for every data tool."""
+    p.add_argument("--text-key", default="text", help="JSON key holding the document text")
+
+
 def add_engine_args(p, what: str) -> None:
     """--workers / --engine / --ray-address, the same for every curation CLI."""
-    from .engine import available_cores
-
     p.add_argument(
         "--workers",
         type=positive_int,
@@ -96,8 +104,6 @@ def check_engine_args(args, parser) -> None:
     if args.ray_address and args.engine != "ray":
         parser.error("--ray-address is for --engine ray")
     if args.engine == "ray":  # before any input is read: one line naming the extra
-        from mtnlg_lightning.extras import install_hint, missing_modules
-
         if missing_modules("ray"):
             print(f"{parser.prog}: error: --engine ray needs Ray: {install_hint('ray')}", file=sys.stderr)
             raise SystemExit(EXIT_BAD_INPUT)

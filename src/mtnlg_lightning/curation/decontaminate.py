@@ -25,7 +25,7 @@ from .engine import make_engine
 from .jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from .ngrams import load_tasks
 from .signatures import Shard
-from .stages import Faults, Progress, StageRunner
+from .stages import Progress, StageHooks, StageRunner
 
 HIT_LIST_LIMIT = 10000
 FORMAT_VERSION = 2
@@ -83,9 +83,9 @@ def _file_stat(path: str) -> dict:
 
 
 class DecontamJob:
-    def __init__(self, cfg: DecontamConfig, faults: Faults | None = None):
+    def __init__(self, cfg: DecontamConfig, hooks: StageHooks | None = None):
         self.cfg = cfg
-        self.faults = faults or Faults.from_env()
+        self.hooks = hooks or StageHooks()
         self.work = cfg.work_dir()
         self.out_dir = os.path.dirname(os.path.abspath(cfg.output))
         self.created_dirs: list[str] = []
@@ -170,7 +170,7 @@ class DecontamJob:
                 frequent_threshold=cfg.frequent_threshold,
                 on_bad_record=cfg.on_bad_record,
             )
-            runner = StageRunner(self.work, engine, Progress(cfg.progress), self.faults)
+            runner = StageRunner(self.work, engine, Progress(cfg.progress), self.hooks)
             try:
                 runner.run([CountStage(ctx), CleanStage(ctx)])
             except InputError:
@@ -181,7 +181,7 @@ class DecontamJob:
         if os.path.exists(cfg.report_path()):  # replaced last: the old one never describes the new output
             os.unlink(cfg.report_path())
         concatenate_parts(ctx, cfg.output, self.source, cfg.output_compression)
-        self.faults.point("publish:1")
+        self.hooks.point("publish:1")
         report = self.build_report(ctx, runner, t_tasks)
         write_json_atomic(cfg.report_path(), report, fsync=True)
         shutil.rmtree(self.work, ignore_errors=True)
@@ -273,9 +273,9 @@ class DecontamJob:
         }
 
 
-def run_decontaminate(cfg: DecontamConfig, faults: Faults | None = None) -> dict:
+def run_decontaminate(cfg: DecontamConfig, hooks: StageHooks | None = None) -> dict:
     """Run (or resume) both passes; returns the report (also written to ``cfg.report_path()``)."""
-    return DecontamJob(cfg, faults).run()
+    return DecontamJob(cfg, hooks).run()
 
 
 def format_summary(report: dict) -> str:

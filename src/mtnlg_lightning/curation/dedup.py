@@ -25,7 +25,7 @@ from .jsonl import InputError, guard_output, line_starts_plan, shard_size, write
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
 from .shingles import ShingleSpec
 from .signatures import Shard, SignatureSettings
-from .stages import Faults, Progress, StageRunner
+from .stages import Progress, StageHooks, StageRunner
 
 WORK_DIR_NAME = ".dedup-work"
 STAGES = ("signatures", "buckets", "verify", "clusters", "filter")
@@ -92,9 +92,9 @@ class DedupJob:
     """One dedup run over an output directory: decides resume / start clean / already complete, runs the
     stages on an engine, publishes the outputs and writes the report last."""
 
-    def __init__(self, cfg: DedupConfig, faults: Faults | None = None):
+    def __init__(self, cfg: DedupConfig, hooks: StageHooks | None = None):
         self.cfg = cfg
-        self.faults = faults or Faults.from_env()
+        self.hooks = hooks or StageHooks()
         self.out = cfg.output_dir
         self.work = os.path.join(self.out, WORK_DIR_NAME)
         self.created_out = False
@@ -255,7 +255,7 @@ class DedupJob:
                 dest = os.path.join(self.out, name)
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 os.replace(src, dest)
-            self.faults.point(f"publish:{i + 1}")
+            self.hooks.point(f"publish:{i + 1}")
         report = self.build_report(runner)
         write_json_atomic(os.path.join(self.out, REPORT_NAME), report, fsync=True)
         if not self.cfg.keep_work:
@@ -325,7 +325,7 @@ class DedupJob:
         self.validate()
         engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address)  # before touching OUT
         try:
-            runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.faults)
+            runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.hooks)
             try:
                 done = self.prepare(engine)
                 if done is not None:
@@ -339,9 +339,9 @@ class DedupJob:
         return self.publish(runner)
 
 
-def run_dedup(cfg: DedupConfig, faults: Faults | None = None) -> dict:
+def run_dedup(cfg: DedupConfig, hooks: StageHooks | None = None) -> dict:
     """Run (or resume) the whole pipeline; returns the report dict (also written to ``OUT/report.json``)."""
-    return DedupJob(cfg, faults).run()
+    return DedupJob(cfg, hooks).run()
 
 
 def format_summary(report: dict) -> str:

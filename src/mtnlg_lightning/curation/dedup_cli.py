@@ -7,7 +7,15 @@ import sys
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, add_output_compression_arg
 
-from .cli_common import HelpFormatter, add_engine_args, check_engine_args, positive_int, run_cli
+from .cli_common import (
+    HelpFormatter,
+    add_engine_args,
+    add_output_dir_arg,
+    add_text_key_arg,
+    check_engine_args,
+    positive_int,
+    run_cli,
+)
 from .dedup import DedupConfig, format_summary, run_dedup
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
 from .minhash import SCHEMES
@@ -47,14 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUTS_HELP)
-    p.add_argument(
-        "--output-dir",
-        "-o",
-        required=True,
-        metavar="OUT",
-        help="directory for the deduplicated files, duplicates.jsonl and report.json (created if missing)",
-    )
-    p.add_argument("--text-key", default="text", help="JSON key holding the document text")
+    add_output_dir_arg(p, "directory for the deduplicated files, duplicates.jsonl and report.json (created if missing)")
+    add_text_key_arg(p)
     p.add_argument(
         "--id-key",
         default="id",

@@ -100,7 +100,7 @@ _ray_shared: dict[str, Any] = {}
 
 def _ray_call(fn: Task, shared_box: list, items: list) -> list:
     """Run ``fn`` over a chunk of a stage's items in one Ray task (a Ray task costs milliseconds to schedule)."""
-    import ray
+    import ray  # optional extra [ray]: imported on use
 
     ref = shared_box[0]  # boxed, so that Ray hands over the reference instead of a fresh copy for every task
     key = ref.hex()
@@ -126,7 +126,7 @@ class RayEngine:
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None, max_retries: int = 3):
         try:
-            import ray
+            import ray  # optional extra [ray]: imported on use
         except ImportError:
             raise InputError(f"--engine ray needs Ray: {install_hint('ray')}") from None
         self.ray = ray

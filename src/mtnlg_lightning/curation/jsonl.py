@@ -15,14 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from mtnlg_lightning import outputs
-from mtnlg_lightning.errors import MTNLGError
-
-
-class InputError(Exception):
-    """Bad user input (missing file, invalid JSON, missing key, empty input).
-
-    The CLIs print ``str(err)`` as a single line on stderr and exit with status 2.
-    """
+from mtnlg_lightning.corpora.records import SKIP_HINT, BadRecord, check_line, locate
+from mtnlg_lightning.errors import InputError, MTNLGError
 
 
 def check_input_files(paths: list[str]) -> None:
@@ -41,8 +35,6 @@ def check_input_files(paths: list[str]) -> None:
 def parse_record(line: bytes | str, path: str, lineno: int, text_key: str) -> tuple[dict, str]:
     """Parse one JSONL line and return ``(record, text)``; raise :class:`InputError` naming file:line (the rules
     of a good record are :mod:`mtnlg_lightning.corpora.records`')."""
-    from mtnlg_lightning.corpora.records import BadRecord, check_line
-
     try:
         return check_line(line, text_key)
     except BadRecord as err:
@@ -53,8 +45,6 @@ def shard_bad_record(line: bytes, text_key: str, shard, local: int, policy: str,
     """The text of one line of a shard (a byte range of a plain file), or None for a bad record under
     ``policy`` "skip" (counted in ``counts`` by reason); under "error" raise one line naming the input (as the
     user named it) and the record's line, row or item number in the whole file."""
-    from mtnlg_lightning.corpora.records import SKIP_HINT, BadRecord, check_line, locate
-
     try:
         return check_line(line, text_key)[1]
     except BadRecord as err:

@@ -102,19 +102,3 @@ def pair_codes(pairs: np.ndarray, n: int) -> np.ndarray:
 
 def decode_pairs(codes: np.ndarray, n: int) -> np.ndarray:
     return np.stack([codes // n, codes % n], axis=1).astype(np.int64) if len(codes) else np.empty((0, 2), np.int64)
-
-
-def datasketch_candidate_pairs(leans, banding: Banding) -> set[tuple[int, int]]:
-    """Reference path with ``datasketch.MinHashLSH(params=(b, r))`` + ``insertion_session`` (slow; for tests)."""
-    from datasketch import MinHashLSH
-
-    lsh = MinHashLSH(num_perm=banding.num_perm, params=(banding.bands, banding.rows))
-    with lsh.insertion_session() as session:
-        for i, m in enumerate(leans):
-            session.insert(i, m)
-    pairs = set()
-    for i, m in enumerate(leans):
-        for k in lsh.query(m):
-            if k != i:
-                pairs.add((min(i, k), max(i, k)))
-    return pairs

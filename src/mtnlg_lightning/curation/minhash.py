@@ -9,14 +9,14 @@ Hash scheme (named explicitly, as datasketch>=2 requires):
 
 The permutation parameters ``(a, b)`` are taken from ``datasketch.MinHash(num_perm, seed, scheme).permutations``
 so a signature computed here equals ``MinHash(num_perm, seed, scheme=..., hashfunc=...).update_batch(...)``
-on the same 32-bit input hashes; :meth:`MinHasher.to_lean` wraps one as a ``datasketch.LeanMinHash``.
+on the same 32-bit input hashes (tests/datasketch_reference.py checks it against datasketch itself).
 Signatures are stored as uint32 (4 bytes per permutation).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from datasketch import LeanMinHash, MinHash
+from datasketch import MinHash
 
 SCHEMES = ("affine32", "legacy")
 MAX_HASH32 = np.uint32(0xFFFFFFFF)
@@ -134,20 +134,6 @@ class MinHasher:
                     out[rows_out, p : p + len(a)] = np.minimum.reduceat(perm, starts, axis=1).T
             i = j
         return out
-
-    def hashvalues(self, sig: np.ndarray) -> np.ndarray:
-        """Signature in datasketch's storage dtype for this scheme (uint32 affine32, uint64 legacy)."""
-        return np.asarray(sig, dtype=np.uint32 if self.scheme == "affine32" else np.uint64)
-
-    def to_lean(self, sig: np.ndarray) -> LeanMinHash:
-        """Wrap a signature as a ``datasketch.LeanMinHash`` (same seed and scheme)."""
-        return LeanMinHash(seed=self.seed, hashvalues=self.hashvalues(sig), scheme=self.scheme)
-
-    def datasketch_minhash(self, hashes32) -> MinHash:
-        """Reference path: datasketch's own ``MinHash.update_batch`` over the same 32-bit hashes."""
-        m = MinHash(num_perm=self.num_perm, seed=self.seed, scheme=self.scheme, hashfunc=int)
-        m.update_batch([int(h) for h in hashes32])
-        return m
 
 
 def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray | float:

@@ -13,6 +13,9 @@ from collections import Counter
 import numpy as np
 import xxhash
 
+from mtnlg_lightning.corpora.readers import iter_records
+from mtnlg_lightning.corpora.sources import expand_inputs, stem
+
 from .jsonl import InputError
 
 WORD_RE = re.compile(r"\w+")
@@ -234,9 +237,6 @@ def clean_text(
 def load_tasks(paths: list[str], max_ngram: int = 13, min_ngram: int = 8) -> TaskNgrams:
     """Task texts from files, folders or globs in any corpus format (:mod:`mtnlg_lightning.corpora`); a
     record's ``task`` defaults to its file's name without the format suffixes."""
-    from mtnlg_lightning.corpora.readers import iter_records
-    from mtnlg_lightning.corpora.sources import expand_inputs, stem
-
     index = TaskNgrams(max_ngram, min_ngram)
     for file in expand_inputs(paths):
         n = 0

@@ -221,17 +221,6 @@ class SignatureReader:
             out[m] = rows
         return out if out is not None else np.empty((0, self.map(0).shape[1]), dtype=np.uint32)
 
-    def columns(self, lo: int, hi: int, docs: np.ndarray) -> np.ndarray:
-        """Columns ``lo:hi`` (one LSH band) of the signatures of ``docs`` (ascending)."""
-        docs = np.asarray(docs, dtype=np.int64)
-        out = np.empty((len(docs), hi - lo), dtype=np.uint32)
-        bounds = np.searchsorted(docs, self.starts)
-        for s in range(len(self.paths)):
-            a, b = int(bounds[s]), int(bounds[s + 1])
-            if b > a:
-                out[a:b] = self.map(s)[docs[a:b] - self.starts[s], lo:hi]
-        return out
-
 
 def estimated_jaccard_pairs(reader: SignatureReader, pairs: np.ndarray, step: int = 65536) -> np.ndarray:
     """MinHash estimate (fraction of equal signature entries) of every pair, in bounded memory."""

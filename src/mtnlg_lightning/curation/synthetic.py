@@ -12,10 +12,14 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 from collections.abc import Iterable
 
 import numpy as np
 
+from .dedup import WORK_DIR_NAME, DedupConfig, run_dedup
+from .lsh import decode_pairs
 from .shingles import ShingleSpec, jaccard_strings, normalize_chars, normalize_words, shingle_strings
 
 COMMON_WORDS = """the of and to a in is that for it as was with be by on not he this are or his from at which
@@ -289,12 +293,6 @@ def accuracy(
 
 def evaluate_dedup(records: list[dict], workdir: str, **cfg_kwargs) -> dict:
     """Run the real file-based pipeline on ``records`` and score it against the ground truth."""
-    import json
-    import os
-
-    from .dedup import WORK_DIR_NAME, DedupConfig, run_dedup
-    from .lsh import decode_pairs
-
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "corpus.jsonl")
     with open(path, "w", encoding="utf-8") as f:

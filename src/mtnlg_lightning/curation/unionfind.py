@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
 
 
 class UnionFind:
@@ -35,22 +37,10 @@ class UnionFind:
         self.size[ra] += self.size[rb]
         return True
 
-    def roots(self) -> np.ndarray:
-        """Root of every element, vectorised (pointer jumping)."""
-        parent = np.asarray(self.parent, dtype=np.int64)
-        while True:
-            nxt = parent[parent]
-            if np.array_equal(nxt, parent):
-                return parent
-            parent = nxt
-
 
 def components(n: int, edges: np.ndarray) -> np.ndarray:
     """Connected-component label (0..k-1) of each of ``n`` elements given an (m, 2) edge array, in compiled code
     (scipy's csgraph; O(n + m) memory, no Python loop over the edges)."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
     edges = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
     graph = coo_matrix((np.ones(len(edges), dtype=np.int8), (edges[:, 0], edges[:, 1])), shape=(n, n)).tocsr()
     return connected_components(graph, directed=False)[1].astype(np.int64)

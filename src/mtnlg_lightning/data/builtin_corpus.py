@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from mtnlg_lightning.data.preprocess import preprocess_jsonl
+from mtnlg_lightning.data.tokenizer import train_bpe
 from mtnlg_lightning.outputs import atomic_write
 
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
@@ -50,9 +52,6 @@ def stdlib_documents(min_chars: int = 40):
 
 def build_demo_data(progress: bool = True) -> tuple[str, str]:
     """Return (dataset prefix, tokenizer path), building them once. Safe to call again: reuses the cache."""
-    from mtnlg_lightning.data.preprocess import preprocess_jsonl
-    from mtnlg_lightning.data.tokenizer import train_bpe
-
     directory = demo_dir()
     prefix, tokenizer_path = directory / "python_docs", directory / "tokenizer.json"
     if (directory / "DONE").exists():

@@ -33,6 +33,7 @@ from mtnlg_lightning.corpora.records import (
     locate,
 )
 from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
+from mtnlg_lightning.curation.jsonl import count_lines_before, iter_lines, line_starts_plan
 from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
@@ -64,8 +65,6 @@ class ReadTask:
 
 def plan_read_tasks(inputs: list[str], range_bytes: int = RANGE_BYTES) -> list[ReadTask]:
     """Files (formats checked before any work starts) to read tasks, in corpus order."""
-    from mtnlg_lightning.curation.jsonl import line_starts_plan
-
     tasks = []
     for f in expand_inputs(inputs):
         fmt = detect(f.path)
@@ -77,8 +76,6 @@ def plan_read_tasks(inputs: list[str], range_bytes: int = RANGE_BYTES) -> list[R
 
 
 def _range_texts(task: ReadTask, text_key: str, policy: BadRecordPolicy) -> Iterator[str]:
-    from mtnlg_lightning.curation.jsonl import count_lines_before, iter_lines
-
     path = task.file.path
     for local, (_, line) in enumerate(iter_lines(path, task.start, task.end), start=1):
         if not line.strip():

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
+
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import discard, staging_file
 
@@ -15,10 +19,6 @@ class Tokenizer:
     """Wraps a `tokenizers.Tokenizer`; `eod_id` is the end-of-document token appended after every document."""
 
     def __init__(self, path: str | os.PathLike):
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, pre_tokenizers
-        from tokenizers.models import BPE
-
         path = Path(path)
         try:
             if path.is_dir() and (path / "tokenizer.json").exists():
@@ -63,10 +63,6 @@ class Tokenizer:
 def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: int = 2) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style, with <|endoftext|>) on an iterator of texts; write
     tokenizer.json atomically."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, pre_tokenizers, trainers
-    from tokenizers.models import BPE
-
     tok = HFTokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

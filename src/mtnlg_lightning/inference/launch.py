@@ -19,7 +19,7 @@ import torch
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ParallelLayout
-from mtnlg_lightning.parallel.parallelize import PipelineSettings
+from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, schedule_class
 
 STRATEGY_CLASS = "MegatronDeepSpeedStrategy"
@@ -31,7 +31,7 @@ class InferenceLayout:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    pipeline: PipelineSettings = PipelineSettings()
+    pipeline: PipelineParallelSettings = PipelineParallelSettings()
     sequence_parallel: bool = False
 
     @property
@@ -78,7 +78,9 @@ def read_strategy(path: str | None) -> InferenceLayout:
     layout = InferenceLayout(
         tensor_parallel=int(args.get("tensor_parallel", 1)),
         pipeline_parallel=int(args.get("pipeline_parallel", 1)),
-        pipeline=PipelineSettings(schedule, virtual, args.get("first_stage_layers"), args.get("last_stage_layers")),
+        pipeline=PipelineParallelSettings(
+            schedule, virtual, args.get("first_stage_layers"), args.get("last_stage_layers")
+        ),
         sequence_parallel=bool(args.get("sequence_parallel", False)),
     )
     if layout.tensor_parallel < 1 or layout.pipeline_parallel < 1:

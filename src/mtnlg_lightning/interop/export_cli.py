@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
+        # After the extra check: these import torch (seconds), and `--help` or a missing extra answers at once.
         from mtnlg_lightning.interop.hf import export_hf, read_source
         from mtnlg_lightning.interop.safetensors_shards import parse_size
         from mtnlg_lightning.outputs import check_output

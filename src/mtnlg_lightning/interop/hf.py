@@ -15,6 +15,7 @@ import torch
 
 from mtnlg_lightning.checkpoint import ModelState, read_model_state
 from mtnlg_lightning.checkpoint.model_state import LazyWeights, as_lazy
+from mtnlg_lightning.checkpoint.validate import expected_shapes
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
 from mtnlg_lightning.errors import MTNLGError
@@ -37,7 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _transformers():
     require_extra("hf", "Hugging Face export")
-    import transformers
+    import transformers  # optional extra [hf]: imported on use, after the one-line check above
 
     return transformers
 
@@ -168,8 +169,6 @@ def read_hf_dir(path: str | Path) -> ModelState:
 
 def _check_hf_shapes(path: Path, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
     """Every tensor has the shape config.json implies (checked before the weights go into a model)."""
-    from mtnlg_lightning.checkpoint.validate import expected_shapes
-
     names = set(weights)  # iterating a lazy mapping reads no tensor; `in` on it would
     for name, shape in expected_shapes(config, len(names)).items():
         if name not in names:

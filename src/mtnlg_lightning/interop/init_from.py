@@ -12,6 +12,8 @@ import dataclasses
 
 from mtnlg_lightning.config import PRESETS, ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.interop.gpt2_mapping import load_model_space
+from mtnlg_lightning.interop.hf import read_source, source_config
 
 ARCHITECTURE = (
     "num_layers",
@@ -26,8 +28,6 @@ ARCHITECTURE = (
 
 def config_for_init(init_from: str, preset: str, overrides: dict | None) -> ModelConfig:
     """The run's model config: the source's architecture, the preset's (or overridden) seq_len, the overrides."""
-    from mtnlg_lightning.interop.hf import source_config
-
     source = source_config(init_from)
     overrides = dict(overrides or {})
     for field in ARCHITECTURE:
@@ -53,7 +53,4 @@ def config_for_init(init_from: str, preset: str, overrides: dict | None) -> Mode
 
 def load_init_weights(model, init_from: str) -> None:
     """Copy the source's model-space weights into the freshly built, not yet sharded `model`."""
-    from mtnlg_lightning.interop.gpt2_mapping import load_model_space
-    from mtnlg_lightning.interop.hf import read_source
-
     load_model_space(model, read_source(init_from).weights)

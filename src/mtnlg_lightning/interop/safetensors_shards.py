@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from mtnlg_lightning.errors import MTNLGError
 
@@ -172,9 +175,6 @@ def write_sharded(
 
 def tensor_progress(total: int, desc: str):
     """A per-tensor progress callback: a bar on a terminal (stderr), nothing otherwise."""
-    import sys
-
-    from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False)
     return lambda spec: bar.update(1)
@@ -188,8 +188,6 @@ class ShardedTensors:
     tensor data."""
 
     def __init__(self, directory: Path, stem: str = "model"):
-        from safetensors import safe_open
-
         self.directory = Path(directory)
         single = self.directory / f"{stem}.safetensors"
         index = self.directory / f"{stem}.safetensors{INDEX_SUFFIX}"
@@ -233,8 +231,6 @@ class ShardedTensors:
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor; its shard is opened (memory-mapped) for this read only, so touched pages do not add up."""
-        from safetensors import safe_open
-
         with safe_open(str(self.directory / self.where[name]), framework="pt", device="cpu") as handle:
             return handle.get_tensor(name)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from mtnlg_lightning.errors import MTNLGError
 
 
@@ -201,8 +203,6 @@ class ProcessGroups:
 
     @classmethod
     def create(cls, layout: ParallelLayout, backend: str | None = None) -> ProcessGroups:
-        import torch.distributed as dist
-
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world_size:
             raise MTNLGError(f"layout is for {layout.world_size} ranks but the world has {dist.get_world_size()}")

@@ -20,11 +20,11 @@ from mtnlg_lightning.parallel.pipeline import (
     split_into_stages,
     stages_held_by_rank,
 )
-from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, parallelize
+from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
 
 
 @dataclass(frozen=True)
-class PipelineSettings:
+class PipelineParallelSettings:
     """How the model is cut into pipeline stages and scheduled."""
 
     schedule: str = "1f1b"
@@ -46,7 +46,7 @@ def parallelize_gpt(
     model: nn.Module,
     groups: ProcessGroups,
     device: torch.device,
-    pipeline: PipelineSettings,
+    pipeline: PipelineParallelSettings,
     sequence_parallel: bool = False,
 ) -> ParallelGPT:
     """Split `model` into this rank's pipeline stage(s), shard them over the TP group (with Megatron's sequence
@@ -80,7 +80,7 @@ def parallelize_gpt(
             is_last=any(m.lm_head is not None for m in stage_models),
         )
     for stage_model in stage_models:
-        parallelize(
+        apply_tensor_parallel(
             stage_model,
             groups.tensor_parallel_group,
             groups.tensor_parallel_rank,
@@ -97,7 +97,7 @@ def parallelize_gpt(
     return ParallelGPT(model, loss_fn, runner)
 
 
-def _tied_embedding(stage_models, groups: ProcessGroups, pipeline: PipelineSettings) -> TiedEmbedding | None:
+def _tied_embedding(stage_models, groups: ProcessGroups, pipeline: PipelineParallelSettings) -> TiedEmbedding | None:
     """The link between the word embedding (first stage) and the LM-head copy (last stage) of this rank's
     (dp, tp) coordinates; None when this rank holds neither end or both (V-shaped schedules)."""
     group, first_rank, last_rank = create_embedding_group(

@@ -12,8 +12,9 @@ identity forward / all-reduce backward; `reduce_from_tensor_parallel_region` (g)
 backward: one all-reduce per sublayer each way. Sharded parameters carry `tensor_model_parallel = True` and
 `partition_dim` (DeepSpeed counts them once per TP rank in the global grad norm; replicated ones only on TP rank 0).
 
-`parallelize(model, tp_group)` shards a built GPT from outside by copying the right slices of its weights, so a
-TP run starts from exactly the single-process initialisation. With `sequence_parallel=True` the same layers run
+`apply_tensor_parallel(model, tp_group)` (tensor parallelism only; `parallelize.py` applies every transform) shards
+a built GPT from outside by copying the right slices of its weights, so a TP run starts from exactly the
+single-process initialisation. With `sequence_parallel=True` the same layers run
 Megatron's sequence parallelism (`sequence_parallel.py`): column-parallel layers all-gather a sequence-sharded
 input instead of f, row-parallel layers reduce-scatter instead of g.
 """
@@ -225,8 +226,8 @@ class VocabParallelCrossEntropy:
         return vocab_parallel_cross_entropy(logits, labels, self.group)
 
 
-# ---------------------------------------------------------------------------------------------- parallelize
-def parallelize(model: nn.Module, group, rank: int, size: int, sequence_parallel: bool = False) -> nn.Module:
+# ------------------------------------------------------------------------------------ apply_tensor_parallel
+def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int, sequence_parallel: bool = False) -> nn.Module:
     """Shard a built GPT across the TP `group` in place (Megatron's split) and return it.
 
     Attention: QKV column-parallel (the [heads, 3, head_dim] output layout makes contiguous shards whole heads),

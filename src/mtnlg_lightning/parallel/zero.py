@@ -169,20 +169,6 @@ def base_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes this rank holds for the optimizer: fp32 master params it updates + their state (Adam moments)."""
-    inner = base_optimizer(optimizer)
-    seen, total = set(), 0
-    for group in inner.param_groups:
-        for param in group["params"]:
-            tensors = [param] + [t for t in inner.state.get(param, {}).values() if torch.is_tensor(t)]
-            for t in tensors:
-                if id(t) not in seen and t.dim() > 0:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-    return total
-
-
 class UpdateSnapshot:
     """A copy of everything `engine.step()` changes on this rank, so a vetoed update can be undone exactly.
 

@@ -22,7 +22,10 @@ import os
 import signal
 import sys
 
+import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
 
 from mtnlg_lightning.resilience.exit_codes import NOT_RETRIED, ExitCode, describe, run_exit_code
 from mtnlg_lightning.resilience.restart import RESTART_CAUSE_ENV
@@ -81,10 +84,6 @@ class ResilientAgent(LocalElasticAgent):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.distributed.launcher.api as launcher_api
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     if not hasattr(launcher_api, "LocalElasticAgent"):
         raise SystemExit("mtnlg launch: error: this torch builds torchrun's agent elsewhere; use plain torchrun")
     launcher_api.LocalElasticAgent = ResilientAgent  # the one name torchrun's launch_agent builds its agent from

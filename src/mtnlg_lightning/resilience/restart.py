@@ -7,6 +7,8 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed as dist
+
 from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.checkpoint.format import read_manifest
 
@@ -41,8 +43,6 @@ def process_group_store(timeout: timedelta) -> dict:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    import torch.distributed as dist
-
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world_size = int(os.environ["WORLD_SIZE"])
     client = dist.TCPStore(
@@ -91,6 +91,7 @@ def resolve_ckpt_path(trainer, ckpt_path: str | None) -> str | None:
         return ckpt_path
     if ckpt_path is None and not restarted:
         return None
+    # Lightning takes seconds to import; mtnlg-launch imports this module (for RESTART_CAUSE_ENV) without it.
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     dirs = checkpoint_dirs(trainer)

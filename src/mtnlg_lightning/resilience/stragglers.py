@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 
@@ -73,8 +74,6 @@ class StragglerMonitor(Callback):
 
     @staticmethod
     def _gather(seconds: float) -> list[tuple[float, str]]:
-        import torch.distributed as dist
-
         mine = (float(seconds), socket.gethostname())
         if not (dist.is_available() and dist.is_initialized()):
             return [mine]

@@ -24,7 +24,9 @@ import threading
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.resilience.exit_codes import ExitCode
@@ -71,9 +73,6 @@ def save_collective_timeout() -> timedelta:
 
 def set_collective_timeout(seconds: float) -> None:
     """Every process group of this rank (the strategy's, DeepSpeed's) times out its collectives after `seconds`."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
-
     if not dist.is_initialized():
         return
     for group in list(_world.pg_map):

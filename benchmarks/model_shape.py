@@ -1,0 +1,23 @@
+"""The GPT shape a benchmark measures, as command-line options with the benchmark's own defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_shape_args(
+    parser: argparse.ArgumentParser,
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int | None = None,
+    seq: int | None = None,
+) -> None:
+    """--layers, --hidden, --heads, and --vocab / --seq where the benchmark takes them (a default of None: not)."""
+    parser.add_argument("--layers", type=int, default=layers, help=f"transformer layers (default {layers})")
+    parser.add_argument("--hidden", type=int, default=hidden, help=f"hidden size (default {hidden})")
+    parser.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
+    if vocab is not None:
+        parser.add_argument("--vocab", type=int, default=vocab, help=f"vocabulary (default {vocab})")
+    if seq is not None:
+        parser.add_argument("--seq", type=int, default=seq, help=f"sequence length (default {seq})")
