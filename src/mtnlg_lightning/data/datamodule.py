@@ -116,7 +116,8 @@ class GPTDataModule(L.LightningDataModule):
 
             build_demo_data()
 
-    # The recipe (sequence length, batch schedule, DP layout, consumed samples) is owned by the LightningModule.
+    # The recipe (sequence length, batch schedule) is owned by the LightningModule, the data position by its
+    # `TrainingPosition`, the DP layout by the strategy.
     @property
     def _module(self):
         return self.trainer.lightning_module
@@ -169,9 +170,8 @@ class GPTDataModule(L.LightningDataModule):
         dp_rank, dp_size = self._dp()
         module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
         blend = self.blends["train"]
-        steps = StepBatches(
-            blend, module.batch_schedule.batch_size_at_samples, module.consumed_samples, len(blend), dp_rank, dp_size
-        )
+        start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
+        steps = StepBatches(blend, module.batch_schedule.batch_size_at_samples, start, len(blend), dp_rank, dp_size)
         return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
 
     def _eval_dataloader(self, name: str):
