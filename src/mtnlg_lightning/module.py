@@ -174,7 +174,9 @@ class MTNLGModule(L.LightningModule):
         if self._peak_memory is None:
             self._peak_memory = StepPeakMemory(self.device)
         self._peak_memory.reset()
-        optimizer = self.optimizers(use_pl_optimizer=False)  # its step is not Lightning's to count: see below
+        # The optimizer itself, not Lightning's wrapper: its step is not Lightning's to count (see below); under ZeRO
+        # it is the engine's optimizer, which the engine steps.
+        optimizer = self.trainer.optimizers[0]
         tokens = batch["tokens"]
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]

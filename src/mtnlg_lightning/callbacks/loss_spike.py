@@ -219,7 +219,7 @@ class LossSpikeDetection(Callback):
         current = self._current
         if current is None:
             return
-        if "result" not in current:  # the strategy stepped without asking should_skip_update
+        if "result" not in current:  # the update primitive did not ask the vetoers
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if loss is None:
                 self._current = None
