@@ -13,13 +13,18 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
+from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.model import build_model, compile_blocks
 from mtnlg_lightning.optimizer_recipe import build_adamw
 from mtnlg_lightning.peak_memory import StepPeakMemory
+from mtnlg_lightning.resilience.restart import report_restart
+from mtnlg_lightning.resilience.stragglers import StragglerMonitor
+from mtnlg_lightning.resilience.watchdog import HangWatchdog
 from mtnlg_lightning.step_interfaces import (
     GradientUpdater,
     ModelBuiltHook,
@@ -88,8 +93,6 @@ class MTNLGModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         if init_from:
-            from mtnlg_lightning.interop.init_from import config_for_init
-
             self.config = config_for_init(init_from, preset, model_overrides)
             # Checkpoints rebuild the config from preset + overrides: record the resolved one.
             resolved = dataclasses.asdict(self.config)
@@ -119,8 +122,6 @@ class MTNLGModule(L.LightningModule):
         if self.model is None:
             self.model = build_model(self.config)
             if self.hparams.get("init_from"):
-                from mtnlg_lightning.interop.init_from import load_init_weights
-
                 load_init_weights(self.model, self.hparams.init_from)
             # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing).
             trainer = self._trainer
@@ -134,10 +135,6 @@ class MTNLGModule(L.LightningModule):
         return self.model(tokens)
 
     def configure_callbacks(self):
-        from mtnlg_lightning.checkpoint.preemption import Preemption
-        from mtnlg_lightning.resilience.stragglers import StragglerMonitor
-        from mtnlg_lightning.resilience.watchdog import HangWatchdog
-
         # A callback the user configured in `trainer.callbacks` is kept (Lightning would replace it by type).
         present = self._trainer.callbacks if self._trainer is not None else []
         defaults = [Preemption()] if self.hparams.preemption else []
@@ -263,8 +260,6 @@ class MTNLGModule(L.LightningModule):
         self.log("peak_memory_mib", peak, sync_dist=True, reduce_fx="max")
 
     def on_train_start(self) -> None:
-        from mtnlg_lightning.resilience.restart import report_restart
-
         report_restart(self.trainer)
 
     def on_fit_start(self) -> None:

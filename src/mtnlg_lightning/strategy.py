@@ -25,10 +25,12 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _sync_ddp,
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
@@ -239,8 +241,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def setup(self, trainer) -> None:
-        from lightning.pytorch.trainer.states import TrainerFn
-
         self.accelerator.setup(trainer)
         self.model_to_device()
         module = self.lightning_module
@@ -308,8 +308,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         the mean over the data-parallel replicas; rank 0 logs it once."""
         if not isinstance(tensor, torch.Tensor) or not _distributed_is_initialized():
             return tensor
-        from lightning.fabric.utilities.distributed import _sync_ddp
-
         return _sync_ddp(tensor, group, reduce_op=reduce_op)
 
     def teardown(self) -> None:

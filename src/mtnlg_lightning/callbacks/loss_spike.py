@@ -13,10 +13,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import atomic_write
 
 Action = Literal["log", "skip", "rewind"]
 SIGNALS = ("loss", "grad_norm")
@@ -273,8 +275,6 @@ class LossSpikeDetection(Callback):
         rank_zero_warn(message)
         if not trainer.is_global_zero:
             return
-        from lightning.pytorch.loggers import WandbLogger
-
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 try:
@@ -310,8 +310,6 @@ class LossSpikeDetection(Callback):
         return None
 
     def _write_record_file(self, record: dict) -> None:
-        from mtnlg_lightning.outputs import atomic_write
-
         with atomic_write(self._record_path, "w") as f:
             json.dump(record, f, indent=1)
 

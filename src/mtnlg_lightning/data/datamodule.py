@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.errors import MTNLGError
@@ -102,8 +103,6 @@ class GPTDataModule(L.LightningDataModule):
     def tokenizer_file(self) -> str | None:
         """The tokenizer.json of the data, if known."""
         if self.builtin_corpus:
-            from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
             return build_demo_data(progress=False)[1]
         if self.tokenizer and os.path.isdir(self.tokenizer):
             candidate = os.path.join(self.tokenizer, "tokenizer.json")
@@ -112,8 +111,6 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.builtin_corpus:
-            from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
             build_demo_data()
 
     # The recipe (sequence length, batch schedule) is owned by the LightningModule, the data position by its
@@ -131,8 +128,6 @@ class GPTDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.builtin_corpus:
-            from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
             self.prefixes, self.weights = [build_demo_data(progress=False)[0]], [1.0]
         seq_len = self._module.config.seq_len
         vocab = self._module.config.padded_vocab_size()
