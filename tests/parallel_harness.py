@@ -61,7 +61,7 @@ class Recorder(Callback):
 @torch.no_grad()
 def tied_head_copy(strategy: MegatronDeepSpeedStrategy) -> torch.Tensor | None:
     """The last stage's copy of the word embedding (TP-gathered), on every rank; None without a cross-rank tie."""
-    tied = strategy.pipeline.tied if strategy.pipeline is not None else None
+    tied = strategy.tied_embedding
     copy_ = None
     if tied is not None and not tied.is_first:
         copy_ = tied.weight.detach().clone()

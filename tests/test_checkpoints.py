@@ -88,6 +88,19 @@ def test_an_interrupted_save_is_never_taken_for_a_checkpoint_and_never_damages_t
     assert torch.equal(TensorReader(one, read_manifest(one)).read("w"), torch.ones(2))
 
 
+def test_the_newest_complete_search_spans_folders_and_stops_at_a_step(tmp_path):
+    """The loss-spike rewind's question: the newest complete checkpoint at or before a step, in any of its folders."""
+    piece = {"r.safetensors": [Piece("w", torch.ones(2), (0,), (2,))]}
+    two = write_checkpoint(tmp_path / "a" / "step=2.ckpt", piece, 2)
+    four = write_checkpoint(tmp_path / "b" / "step=4.ckpt", piece, 4)
+    write_checkpoint(tmp_path / "a" / "step=6.ckpt", piece, 6)
+    folders = (tmp_path / "a", tmp_path / "b", tmp_path / "missing")
+    assert newest_complete(*folders, max_step=5) == four
+    assert newest_complete(*folders, max_step=3) == two
+    assert newest_complete(*folders, max_step=1) is None
+    assert newest_complete(*folders).name == "step=6.ckpt"
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete", "alter"])
 def test_integrity_check_names_the_damaged_file(tmp_path, damage):
     path = write_checkpoint(tmp_path / "c.ckpt", {"rank-00000.safetensors": [Piece("w", torch.ones(64), (0,), (64,))]})

@@ -16,7 +16,6 @@ TESTS = Path(__file__).resolve().parent
 # checkpoint/lightning_io.py (decay_groups), and generate.py / evaluation/cli.py <-> inference/runs.py (a CLI and
 # the multi-rank runner it launches import each other). Delete each line when its branch is merged.
 PENDING_ELSEWHERE = {
-    ("mtnlg_lightning.checkpoint.lightning_io", "mtnlg_lightning.module"),
     ("mtnlg_lightning.generate", "mtnlg_lightning.inference.runs"),
     ("mtnlg_lightning.inference.runs", "mtnlg_lightning.evaluation.cli"),
 }

@@ -10,14 +10,30 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
+from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.model import build_model, compile_blocks
+from mtnlg_lightning.optimizer_recipe import build_adamw
 from mtnlg_lightning.peak_memory import StepPeakMemory
-from mtnlg_lightning.step_interfaces import GradientUpdater, ModelBuiltHook, PipelineExecutor, UpdateVeto
+from mtnlg_lightning.resilience.restart import report_restart
+from mtnlg_lightning.resilience.stragglers import StragglerMonitor
+from mtnlg_lightning.resilience.watchdog import HangWatchdog
+from mtnlg_lightning.step_interfaces import (
+    GradientUpdater,
+    ModelBuiltHook,
+    PipelineExecutor,
+    UpdateVeto,
+    Veto,
+    apply_unless_vetoed,
+)
+from mtnlg_lightning.training_position import TrainingPosition
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -77,8 +93,6 @@ class MTNLGModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         if init_from:
-            from mtnlg_lightning.interop.init_from import config_for_init
-
             self.config = config_for_init(init_from, preset, model_overrides)
             # Checkpoints rebuild the config from preset + overrides: record the resolved one.
             resolved = dataclasses.asdict(self.config)
@@ -97,7 +111,7 @@ class MTNLGModule(L.LightningModule):
         self.automatic_optimization = False  # micro-batch accumulation and the update are driven here
         self.model: torch.nn.Module | None = None
         self.loss_fn = cross_entropy
-        self.consumed_samples = 0
+        self.position = TrainingPosition(self.batch_schedule)  # consumed samples, step, LR-schedule position
         self._step_started: float | None = None
         self._first_loss: float | None = None
         self._peak_flops: float | None = None  # per-device peak FLOP/s for MFU, resolved once per fit
@@ -108,8 +122,6 @@ class MTNLGModule(L.LightningModule):
         if self.model is None:
             self.model = build_model(self.config)
             if self.hparams.get("init_from"):
-                from mtnlg_lightning.interop.init_from import load_init_weights
-
                 load_init_weights(self.model, self.hparams.init_from)
             # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing).
             trainer = self._trainer
@@ -123,10 +135,6 @@ class MTNLGModule(L.LightningModule):
         return self.model(tokens)
 
     def configure_callbacks(self):
-        from mtnlg_lightning.checkpoint.preemption import Preemption
-        from mtnlg_lightning.resilience.stragglers import StragglerMonitor
-        from mtnlg_lightning.resilience.watchdog import HangWatchdog
-
         # A callback the user configured in `trainer.callbacks` is kept (Lightning would replace it by type).
         present = self._trainer.callbacks if self._trainer is not None else []
         defaults = [Preemption()] if self.hparams.preemption else []
@@ -140,29 +148,19 @@ class MTNLGModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
         # (the 3D strategy writes it itself, sharded).
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-        from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
-
         strategy = self.trainer.strategy
         if type(strategy) in (SingleDeviceStrategy, DDPStrategy):
             strategy.checkpoint_io = ModelSpaceCheckpointIO(self)
 
     # ---------------------------------------------------------------- optimisation recipe
     def configure_optimizers(self):
-        decay, no_decay = decay_groups(self.model)
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        hp = self.hparams
         fused = self.device.type == "cuda" or None
-        optimizer = torch.optim.AdamW(
-            groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps, fused=fused
-        )
-        seq_len, peak = self.config.seq_len, self.hparams.lr
+        optimizer = build_adamw(self.model, hp.lr, hp.weight_decay, hp.betas, hp.eps, fused)
+        seq_len, peak, position = self.config.seq_len, hp.lr, self.position
 
-        def lr_multiplier(_step: int) -> float:
-            return self.lr_schedule(self.consumed_samples * seq_len) / peak
+        def lr_multiplier(_step: int) -> float:  # the schedule runs on tokens consumed, not on steps
+            return self.lr_schedule(position.consumed_samples * seq_len) / peak
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -173,24 +171,36 @@ class MTNLGModule(L.LightningModule):
         if self._peak_memory is None:
             self._peak_memory = StepPeakMemory(self.device)
         self._peak_memory.reset()
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        # The optimizer itself, not Lightning's wrapper: its step is not Lightning's to count (see below); under ZeRO
+        # it is the engine's optimizer, which the engine steps.
+        optimizer = self.trainer.optimizers[0]
         tokens = batch["tokens"]
-        consumed, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
+        batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
         loss = self.forward_backward(tokens)
-        grad_norm = self.update(optimizer, loss)
-        scheduler_step_samples = consumed + global_batch
-        self.consumed_samples = scheduler_step_samples
-        scheduler.step()
+        grad_norm = self.updater.update(optimizer, self.grad_clip, self._veto(loss))
+        self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
         self._log_step(loss, grad_norm, lr, global_batch)
         return loss
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples of the blended stream consumed so far (the data position's; read-only here)."""
+        return self.position.consumed_samples
+
+    @property
+    def updater(self) -> GradientUpdater:
+        """The update primitive: the strategy's own (model parallelism, ZeRO), else the local one for Lightning's
+        single-process and DDP strategies (DDP has reduced the gradients in the backward already)."""
+        strategy = self.trainer.strategy
+        return strategy if isinstance(strategy, GradientUpdater) else _LocalUpdater(self.model, strategy)
 
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches; return their mean loss (detached)."""
         strategy = self.trainer.strategy
         if isinstance(strategy, PipelineExecutor) and strategy.is_pipelined:  # the schedule runs the micro-batches
             return strategy.run_pipeline(tokens, self.micro_batch_size, self.loss_fn, train=True)
-        forward = strategy.forward_module if isinstance(strategy, GradientUpdater) else self.model
+        forward = self.updater.forward_module
         no_sync = getattr(strategy, "block_backward_sync", None)  # Lightning's DDP: reduce once, after the last
         chunks = tokens.split(self.micro_batch_size)
         total = torch.zeros((), device=tokens.device)
@@ -202,24 +212,22 @@ class MTNLGModule(L.LightningModule):
             total += loss.detach()
         return total / len(chunks)
 
-    def update(self, optimizer, loss: torch.Tensor) -> torch.Tensor:
-        """Reduce and clip the gradients, then apply the update unless a callback vetoes it; return the pre-clip
-        global gradient norm."""
-        strategy = self.trainer.strategy
-        updater = strategy if isinstance(strategy, GradientUpdater) else _LocalUpdater(self.model)
+    def _veto(self, loss: torch.Tensor) -> Veto | None:
+        """The `UpdateVeto` callbacks as one question for the update primitive; None when no callback can veto (an
+        engine then keeps no undo)."""
         vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
-        grad_norm = updater.prepare_update(optimizer, self.grad_clip, undoable=bool(vetoers))
-        # Every vetoer is asked (each observes the step), every rank gets the same answers.
-        votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm) for cb in vetoers]
-        if any(votes):
-            updater.discard_update(optimizer)
-            _count_vetoed_step(self.trainer)
-        else:
-            updater.commit_update(optimizer)
-        return grad_norm
+        if not vetoers:
+            return None
+
+        def veto(grad_norm: torch.Tensor) -> bool:
+            # Every vetoer is asked (each observes the step), every rank gets the same answers.
+            votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm) for cb in vetoers]
+            return any(votes)
+
+        return veto
 
     def restart_train_data(self) -> None:
-        """Restart the train data stream at `consumed_samples` after a callback moved it (loss-spike rewind, recorded
+        """Restart the train data stream at the data position after a callback moved it (loss-spike rewind, recorded
         data skips): the current epoch ends before its next batch (that batch is dropped, unused) and the next epoch
         rebuilds the train dataloader, which starts at `consumed_samples`."""
         self._restart_train_data = True
@@ -252,8 +260,6 @@ class MTNLGModule(L.LightningModule):
         self.log("peak_memory_mib", peak, sync_dist=True, reduce_fx="max")
 
     def on_train_start(self) -> None:
-        from mtnlg_lightning.resilience.restart import report_restart
-
         report_restart(self.trainer)
 
     def on_fit_start(self) -> None:
@@ -290,43 +296,24 @@ class MTNLGModule(L.LightningModule):
 
     # ---------------------------------------------------------------- checkpoint state
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["consumed_samples"] = self.consumed_samples
+        checkpoint.update(self.position.state_dict())
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.consumed_samples = checkpoint.get("consumed_samples", 0)
+        self.position.load_state_dict(checkpoint)
         self.configure_model()
 
 
-def decay_groups(model: torch.nn.Module) -> tuple[list, list]:
-    """AdamW's two groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return decay, no_decay
-
-
 class _LocalUpdater:
-    """The update on one process or under Lightning's own strategies (DDP has reduced the gradients already)."""
+    """The update under Lightning's own strategies (one process; DDP has reduced the gradients in the backward)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, strategy):
+        self.model, self.strategy = model, strategy
 
-    def prepare_update(self, optimizer, max_norm: float | None, undoable: bool) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        return self.model
 
-    def commit_update(self, optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def discard_update(self, optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _count_vetoed_step(trainer) -> None:
-    """A vetoed update still counts as a training step (as Megatron's skipped iterations), so max_steps, the
-    checkpoint cadence and the data plan (consumed_samples(max_steps)) stay in step with the data. Lightning
-    counts optimizer steps only through `optimizer.step()`: this is the one place that counts one without it."""
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-    progress.increment_ready()
-    progress.increment_completed()
+    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+        apply_unless_vetoed(self.strategy, optimizer, grad_norm, veto)
+        return grad_norm

@@ -1,7 +1,8 @@
 """The small interfaces between the training step (owned by `MTNLGModule`), strategies and callbacks.
 
-The module runs the step; a strategy that parallelises the model supplies primitives through these protocols and
-never calls back into the module; callbacks take part through two hooks. Each is checked with `isinstance`.
+The module runs the step: forward/backward, then one `update()` (reduce, clip, veto, apply or discard). A strategy
+that parallelises the model supplies these primitives through the protocols below and never calls back into the
+module; callbacks take part through two hooks. Each is checked with `isinstance`.
 """
 
 from __future__ import annotations
@@ -27,27 +28,38 @@ class PipelineExecutor(Protocol):
         ...
 
 
+Veto = Callable[[torch.Tensor], bool]  # given the pre-clip global grad norm: True discards this step's update
+
+
 @runtime_checkable
 class GradientUpdater(Protocol):
-    """A strategy that owns the gradient reduction, clipping and optimizer update (a ZeRO engine, DP all-reduce).
-
-    The update is a small transaction so the module can ask callbacks for a veto between its phases:
-    `prepare_update` reduces and clips (an engine that fuses reduction, clipping and update in one call, such as
-    DeepSpeed's `step()`, applies the update here and keeps an undo when `undoable`), then exactly one of
-    `commit_update` or `discard_update` follows."""
+    """A strategy that owns the gradient reduction, clipping and optimizer update (a ZeRO engine, DP all-reduce)."""
 
     @property
     def forward_module(self) -> nn.Module:
         """What runs a micro-batch forward on this rank (the engine under ZeRO, else the sharded model)."""
         ...
 
-    def prepare_update(self, optimizer, max_norm: float | None, undoable: bool) -> torch.Tensor:
-        """Reduce and clip the gradients by the global norm; return the pre-clip norm (same on every rank)."""
+    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
+        """The one update of a step, after the backward: reduce the gradients over the data-parallel replicas, clip
+        them by the global norm, ask `veto(pre-clip norm)`, then apply the update or discard it, and leave the
+        gradients cleared. Returns the pre-clip norm (the same on every rank). Does not count the step: the caller
+        does (`training_position.TrainingPosition.step_taken`), applied or vetoed."""
         ...
 
-    def commit_update(self, optimizer) -> None: ...
 
-    def discard_update(self, optimizer) -> None: ...
+def apply_unless_vetoed(strategy, optimizer, grad_norm: torch.Tensor, veto: Veto | None) -> None:
+    """The end of `update` for optimizers that step after the norm is known (not a fused engine): the update is
+    applied through Lightning's precision plugin (which runs the `on_before_optimizer_step` hooks) unless vetoed;
+    the gradients are cleared either way. Lightning's `LightningOptimizer.step()` is not used: it would count a
+    step, and the step is counted once, by the caller."""
+    if veto is None or not veto(grad_norm):
+        strategy.optimizer_step(optimizer, closure=_no_closure)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _no_closure() -> None:  # the backward already ran: the optimizer step re-evaluates nothing
+    return None
 
 
 @runtime_checkable

@@ -25,10 +25,12 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _sync_ddp,
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
@@ -41,16 +43,17 @@ from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_
 from mtnlg_lightning.parallel.parallelize import ParallelGPT, PipelineParallelSettings, parallelize_gpt
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, layers_per_stage, schedule_class
 from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
+from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 from mtnlg_lightning.parallel.zero import (
     ModelParallelUnit,
-    UpdateSnapshot,
     build_deepspeed_config,
     engine_backward,
+    engine_update,
     initialize_engine,
-    takes_gradients_in_hooks,
 )
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
+from mtnlg_lightning.step_interfaces import Veto, apply_unless_vetoed
 
 
 class MegatronDeepSpeedStrategy(ParallelStrategy):
@@ -105,7 +108,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.virtual_pipeline_stages = virtual_pipeline_stages or (2 if pipeline_schedule in MULTI_STAGE else 1)
         self.first_stage_layers, self.last_stage_layers = first_stage_layers, last_stage_layers
         self.parallel: ParallelGPT | None = None  # this rank's model part, set once by setup
-        self._undo: UpdateSnapshot | None = None
         self.gpus_per_node, self.allow_tp_across_nodes = gpus_per_node, allow_tp_across_nodes
         self.sequence_parallel = sequence_parallel
         self.extra_deepspeed_config = deepspeed_config or {}
@@ -117,7 +119,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.layout: ParallelLayout | None = None
         self.groups: ProcessGroups | None = None
         self.engine = None  # the DeepSpeed engine when zero_stage >= 1
-        self._engine_stepped = False
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -240,8 +241,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def setup(self, trainer) -> None:
-        from lightning.pytorch.trainer.states import TrainerFn
-
         self.accelerator.setup(trainer)
         self.model_to_device()
         module = self.lightning_module
@@ -270,8 +269,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                     module.model, self.optimizers[0], config, ModelParallelUnit(self.groups)
                 )
                 self.optimizers = [self.engine.optimizer]
-                if self.pipeline is not None and self.pipeline.tied is not None:
-                    self.pipeline.tied.match_dtype(next(module.model.parameters()).dtype)
+                if self.tied_embedding is not None:
+                    self.tied_embedding.use_engine(self.engine)
             if self.pipeline is not None and self.zero_stage == 2:
                 self.pipeline.backward_context = lambda: engine_backward(self.engine)
         self.setup_precision_plugin()
@@ -281,21 +280,14 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         return self.parallel.pipeline if self.parallel is not None else None
 
     @property
+    def tied_embedding(self) -> TiedEmbedding | None:
+        return self.parallel.tied_embedding if self.parallel is not None else None
+
+    @property
     def pipeline_settings(self) -> PipelineParallelSettings:
         return PipelineParallelSettings(
             self.pipeline_schedule, self.virtual_pipeline_stages, self.first_stage_layers, self.last_stage_layers
         )
-
-    def _add_to_embedding_grad(self, grad: torch.Tensor) -> None:
-        """The last stage's LM-head gradient joins the word embedding's (before the DP reduction and clipping)."""
-        weight = self.pipeline.tied.weight
-        if self.engine is not None and takes_gradients_in_hooks(self.engine):  # ZeRO-2, bf16 ZeRO-1
-            with engine_backward(self.engine):
-                torch.autograd.backward((weight * grad).sum())
-        elif weight.grad is None:
-            weight.grad = grad.clone()
-        else:
-            weight.grad.add_(grad)
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -316,8 +308,6 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         the mean over the data-parallel replicas; rank 0 logs it once."""
         if not isinstance(tensor, torch.Tensor) or not _distributed_is_initialized():
             return tensor
-        from lightning.fabric.utilities.distributed import _sync_ddp
-
         return _sync_ddp(tensor, group, reduce_op=reduce_op)
 
     def teardown(self) -> None:
@@ -335,8 +325,10 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def run_pipeline(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool) -> torch.Tensor:
         """The schedule runs this rank's micro-batches (Lightning's backward is not used); the loss, computed on the
         last stage, is broadcast along the pipeline."""
-        add = self._add_to_embedding_grad if train else None
-        return self.pipeline.run(tokens, micro_batch_size, loss_fn, train=train, add_to_embedding_grad=add)
+        loss = self.pipeline.run(tokens, micro_batch_size, loss_fn, train=train)
+        if train and self.tied_embedding is not None:
+            self.tied_embedding.after_backward()
+        return loss
 
     @property
     def forward_module(self) -> torch.nn.Module:
@@ -352,48 +344,20 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def prepare_update(self, optimizer, max_norm: float | None, undoable: bool) -> torch.Tensor:
-        """DP-reduce and clip by the global norm (TP shards counted once each, all stages); pre-clip norm. The ZeRO
-        engine reduces, clips and updates in one `step()`: it runs here, after a snapshot when `undoable`."""
-        if self.engine is None:
-            params = list(self.lightning_module.model.parameters())
-            return clip_grad_norm_(params, max_norm, self.groups, self.root_device)
-        self._undo = UpdateSnapshot(self.lightning_module.model, self.engine.optimizer) if undoable else None
-        self.engine.step()
-        return torch.tensor(float(self.engine.get_global_grad_norm()), device=self.root_device)
-
-    def commit_update(self, optimizer) -> None:
+    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
+        """Reduce over DP, clip by the global norm (TP shards counted once each, all stages), veto, apply or discard;
+        the pre-clip norm. ZeRO: the engine's one fused `step()` (`zero.engine_update`, undone when vetoed); plain
+        DP: one flat all-reduce and the clipping here, then the module's optimizer. Either way the last stage's
+        LM-head copy then receives the (updated or unchanged) embedding."""
+        model = self.lightning_module.model
         if self.engine is not None:
-            self._engine_stepped = True  # optimizer_step below sees the engine already stepped
-        optimizer.step()  # through Lightning's optimizer wrapper, so Lightning counts the step
-        if self.engine is None:
-            optimizer.zero_grad(set_to_none=True)
-        self._undo = None
-        self._sync_tied_embedding()
-
-    def discard_update(self, optimizer) -> None:
-        if self.engine is not None:
-            self._undo.restore()
+            grad_norm = engine_update(self.engine, model, veto, self.root_device)
         else:
-            optimizer.zero_grad(set_to_none=True)
-        self._undo = None
-        self._sync_tied_embedding()
-
-    def _sync_tied_embedding(self) -> None:
-        """After every update (and checkpoint load) the last stage's LM head receives the updated embedding, so
-        the two copies are bit-identical between steps, as Megatron keeps them."""
-        if self.pipeline is not None and self.pipeline.tied is not None:
-            self.pipeline.tied.broadcast_weight()
-
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        """Under ZeRO the engine steps (Lightning's step counting happens around this call)."""
-        if self.engine is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        closure()
-        if not self._engine_stepped:
-            self.engine.step()
-        self._engine_stepped = False
-        return None
+            grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, self.groups, self.root_device)
+            apply_unless_vetoed(self, optimizer, grad_norm, veto)
+        if self.tied_embedding is not None:
+            self.tied_embedding.after_update()
+        return grad_norm
 
     # ------------------------------------------------------------------ checkpoints: model space, any layout
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -417,7 +381,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         if self.background_saver is not None:
             self.background_saver.wait()
         state = load_sharded(self, Path(self.broadcast(str(checkpoint_path))))
-        self._sync_tied_embedding()
+        if self.tied_embedding is not None:
+            self.tied_embedding.after_load()
         return state
 
     def remove_checkpoint(self, filepath) -> None:

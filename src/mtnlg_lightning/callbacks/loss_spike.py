@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import atomic_write
 
 Action = Literal["log", "skip", "rewind"]
 SIGNALS = ("loss", "grad_norm")
@@ -176,7 +178,7 @@ class LossSpikeDetection(Callback):
 
     def _check(self, trainer, pl_module, loss, grad_norm) -> dict:
         if self._current is None:  # called outside a batch (e.g. a direct should_skip_update call)
-            self._current = {"step": trainer.global_step, "consumed_samples": pl_module.consumed_samples}
+            self._current = {"step": trainer.global_step, "consumed_samples": pl_module.position.consumed_samples}
         if "result" not in self._current:
             spike, values, z = self.detector.observe(loss, grad_norm)
             self._current["result"] = torch.cat([spike.float().reshape(1), values, z])
@@ -213,13 +215,13 @@ class LossSpikeDetection(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._jump_recorded_skips(trainer, pl_module, batch)
-        self._current = {"step": trainer.global_step, "consumed_samples": pl_module.consumed_samples}
+        self._current = {"step": trainer.global_step, "consumed_samples": pl_module.position.consumed_samples}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         current = self._current
         if current is None:
             return
-        if "result" not in current:  # the strategy stepped without asking should_skip_update
+        if "result" not in current:  # the update primitive did not ask the vetoers
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if loss is None:
                 self._current = None
@@ -273,8 +275,6 @@ class LossSpikeDetection(Callback):
         rank_zero_warn(message)
         if not trainer.is_global_zero:
             return
-        from lightning.pytorch.loggers import WandbLogger
-
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 try:
@@ -310,8 +310,6 @@ class LossSpikeDetection(Callback):
         return None
 
     def _write_record_file(self, record: dict) -> None:
-        from mtnlg_lightning.outputs import atomic_write
-
         with atomic_write(self._record_path, "w") as f:
             json.dump(record, f, indent=1)
 
@@ -320,7 +318,7 @@ class LossSpikeDetection(Callback):
 
     def _jump_recorded_skips(self, trainer, pl_module, batch) -> None:
         """Move the data position out of recorded skip ranges; restart the data stream if it moved (or is stale)."""
-        start = position = pl_module.consumed_samples
+        start = position = pl_module.position.consumed_samples
         moved = True
         while moved:
             moved = False
@@ -332,11 +330,7 @@ class LossSpikeDetection(Callback):
         if position == start and not stale:
             return
         if position != start:
-            skipped = _batches_between(pl_module.batch_schedule, start, position)
-            pl_module.consumed_samples = position
-            _set_global_step(trainer, trainer.global_step + skipped)
-            for config in trainer.lr_scheduler_configs:  # the LR is a function of consumed_samples
-                config.scheduler.step()
+            skipped = pl_module.position.skip_to(trainer, position)  # the skipped batches count as steps
             rank_zero_info(
                 f"LossSpikeDetection: skipping {skipped} recorded batch(es): samples [{start}, {position})"
                 f" -> step {trainer.global_step}"
@@ -352,19 +346,18 @@ class LossSpikeDetection(Callback):
                 f"; training stopped. Record of skipped data: {self._record_path}. Inspect the data near "
                 f"consumed_samples {spike['consumed_samples']}, lower the LR or raise max_rewinds."
             )
-        found = (
-            self._find_checkpoint(trainer, spike["step"] - self.rewind_lookback_steps)
-            if trainer.is_global_zero
-            else None
-        )
-        found = trainer.strategy.broadcast(found)
-        if found is not None:
-            path, _ = found
-            restored_step = self._restore(trainer, pl_module, path)
+        path = None
+        if trainer.is_global_zero:
+            dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+            found = newest_complete(*dirs, max_step=spike["step"] - self.rewind_lookback_steps)
+            path = str(found) if found is not None else None
+        path = trainer.strategy.broadcast(path)
+        if path is not None:
+            restored_step = pl_module.position.rewind(trainer, path)  # weights, optimizer, LR, data position, step
         else:
-            path, restored_step = None, trainer.global_step
+            restored_step = trainer.global_step
             rank_zero_warn("LossSpikeDetection: no checkpoint from before the spike; skipping data from here")
-        first = position = pl_module.consumed_samples
+        first = position = pl_module.position.consumed_samples
         batches = []
         while len(batches) < self.skip_batches or position <= spike["consumed_samples"]:
             batches.append(position)
@@ -385,67 +378,9 @@ class LossSpikeDetection(Callback):
         if trainer.is_global_zero:
             self._write_record_file(self.record)
         trainer.strategy.barrier("loss_spike_rewind")
-        _set_global_step(trainer, restored_step)
         rank_zero_warn(
             f"LossSpikeDetection: rewind {done + 1}/{self.max_rewinds}: restored "
             f"{path or 'nothing'} (step {restored_step}), skipping {len(batches)} batch(es) = samples "
             f"[{first}, {position}); recorded in {self._record_path}"
         )
         # The jump over [first, position) happens at the next batch start, as for a restart.
-
-    def _find_checkpoint(self, trainer, max_step: int) -> tuple[str, int] | None:
-        best = None
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if not dirpath or not os.path.isdir(dirpath):
-                continue
-            for entry in Path(dirpath).iterdir():
-                if not entry.name.endswith(".ckpt"):
-                    continue
-                step = _checkpoint_step(entry)
-                if step is None or step > max_step:
-                    continue
-                key = (step, entry.stat().st_mtime)
-                if best is None or key > best[0]:
-                    best = (key, str(entry))
-        return (best[1], best[0][0]) if best else None
-
-    @staticmethod
-    def _restore(trainer, pl_module, path: str) -> int:
-        """Model, optimizer, LR schedulers and consumed_samples from `path`, through the strategy (as Lightning
-        restores a checkpoint, without touching the loops); returns the checkpoint's step."""
-        strategy = trainer.strategy
-        checkpoint = strategy.load_checkpoint(path)
-        pl_module.on_load_checkpoint(checkpoint)
-        strategy.load_model_state_dict(checkpoint, strict=pl_module.strict_loading)
-        if strategy.lightning_restore_optimizer:
-            strategy.load_optimizer_state_dict(checkpoint)
-        for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=False):
-            config.scheduler.load_state_dict(state)
-        return int(checkpoint["global_step"])
-
-
-def _checkpoint_step(path: Path) -> int | None:
-    """The step of a complete checkpoint (from its manifest; links and incomplete saves are not candidates)."""
-    from mtnlg_lightning.checkpoint.format import is_checkpoint, read_manifest
-
-    if path.is_symlink() or not is_checkpoint(path):
-        return None
-    try:
-        return int(read_manifest(path)["global_step"])
-    except Exception:  # noqa: BLE001 - an unreadable checkpoint is not a candidate
-        return None
-
-
-def _batches_between(schedule, start: int, end: int) -> int:
-    count, position = 0, start
-    while position < end:
-        position += schedule.batch_size_at_samples(position)
-        count += 1
-    return count
-
-
-def _set_global_step(trainer, step: int) -> None:
-    """Set Lightning's step counter (manual optimization counts optimizer steps in this progress tracker)."""
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-    progress.total.ready = progress.total.completed = int(step)

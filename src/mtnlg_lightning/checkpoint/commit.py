@@ -54,23 +54,26 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def newest_complete(directory: Path) -> Path | None:
-    """The complete checkpoint of the highest step in `directory` (links and staging folders are skipped;
-    between equal steps the newest by modification time)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
+def newest_complete(*directories: Path, max_step: int | None = None) -> Path | None:
+    """The complete checkpoint of the highest step (at most `max_step`) in `directories` (links and staging folders
+    are skipped; between equal steps the newest by modification time). The one search for "the checkpoint to go
+    back to": restarts, `last` links and loss-spike rewinds all use it."""
     best, best_key = None, None
-    for path in directory.iterdir():
-        if path.name.startswith(".") or path.is_symlink() or not is_checkpoint(path):
+    for directory in map(Path, directories):
+        if not directory.is_dir():
             continue
-        try:
-            step = int(read_manifest(path).get("global_step", -1))
-        except Exception:  # noqa: BLE001 - an unreadable manifest is not a candidate
-            continue
-        key = (step, (path / MANIFEST).stat().st_mtime)
-        if best_key is None or key > best_key:
-            best, best_key = path, key
+        for path in directory.iterdir():
+            if path.name.startswith(".") or path.is_symlink() or not is_checkpoint(path):
+                continue
+            try:
+                step = int(read_manifest(path).get("global_step", -1))
+            except Exception:  # noqa: BLE001 - an unreadable manifest is not a candidate
+                continue
+            if max_step is not None and step > max_step:
+                continue
+            key = (step, (path / MANIFEST).stat().st_mtime)
+            if best_key is None or key > best_key:
+                best, best_key = path, key
     return best
 
 

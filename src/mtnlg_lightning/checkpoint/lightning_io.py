@@ -21,6 +21,7 @@ from mtnlg_lightning.checkpoint.format import (
 from mtnlg_lightning.checkpoint.model_space import model_slots
 from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
 from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta, weight_key
+from mtnlg_lightning.optimizer_recipe import decay_groups
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
 
@@ -77,8 +78,6 @@ class ModelSpaceCheckpointIO(CheckpointIO):
 
 def _torch_optimizer_state(module, reader: TensorReader, slots, optimizer: dict) -> dict:
     """AdamW's `state_dict()` for the optimizer `configure_optimizers` builds (parameters numbered in its order)."""
-    from mtnlg_lightning.module import decay_groups
-
     slot_of = {id(s.param): s for s in slots}
     state, param_groups, index = {}, [], 0
     for params, saved in zip(decay_groups(module.model), optimizer["param_groups"], strict=True):

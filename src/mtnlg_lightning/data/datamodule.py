@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.errors import MTNLGError
@@ -102,8 +103,6 @@ class GPTDataModule(L.LightningDataModule):
     def tokenizer_file(self) -> str | None:
         """The tokenizer.json of the data, if known."""
         if self.builtin_corpus:
-            from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
             return build_demo_data(progress=False)[1]
         if self.tokenizer and os.path.isdir(self.tokenizer):
             candidate = os.path.join(self.tokenizer, "tokenizer.json")
@@ -112,11 +111,10 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.builtin_corpus:
-            from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
             build_demo_data()
 
-    # The recipe (sequence length, batch schedule, DP layout, consumed samples) is owned by the LightningModule.
+    # The recipe (sequence length, batch schedule) is owned by the LightningModule, the data position by its
+    # `TrainingPosition`, the DP layout by the strategy.
     @property
     def _module(self):
         return self.trainer.lightning_module
@@ -130,8 +128,6 @@ class GPTDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.builtin_corpus:
-            from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
             self.prefixes, self.weights = [build_demo_data(progress=False)[0]], [1.0]
         seq_len = self._module.config.seq_len
         vocab = self._module.config.padded_vocab_size()
@@ -169,9 +165,8 @@ class GPTDataModule(L.LightningDataModule):
         dp_rank, dp_size = self._dp()
         module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
         blend = self.blends["train"]
-        steps = StepBatches(
-            blend, module.batch_schedule.batch_size_at_samples, module.consumed_samples, len(blend), dp_rank, dp_size
-        )
+        start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
+        steps = StepBatches(blend, module.batch_schedule.batch_size_at_samples, start, len(blend), dp_rank, dp_size)
         return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
 
     def _eval_dataloader(self, name: str):

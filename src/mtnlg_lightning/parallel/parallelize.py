@@ -12,15 +12,9 @@ import torch
 from torch import nn
 
 from mtnlg_lightning.parallel.layout import ProcessGroups
-from mtnlg_lightning.parallel.pipeline import (
-    PipelineChunks,
-    PipelineRunner,
-    TiedEmbedding,
-    create_embedding_group,
-    split_into_stages,
-    stages_held_by_rank,
-)
+from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
 from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
+from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 
 
 @dataclass(frozen=True)
@@ -40,6 +34,7 @@ class ParallelGPT:
     model: nn.Module  # the TP-sharded model, this rank's stage, or `PipelineChunks` of its virtual stages
     loss_fn: object | None  # the vocab-parallel cross-entropy under TP (None: keep the module's own)
     pipeline: PipelineRunner | None  # the schedule runner when pipelined
+    tied_embedding: TiedEmbedding | None  # this rank's end of the embedding / LM-head tie across stages
 
 
 def parallelize_gpt(
@@ -53,7 +48,7 @@ def parallelize_gpt(
     parallelism when asked: a stage boundary then carries the sequence shard) and link the tied embedding across
     the first and last stages. `model` must hold full (unsharded) weights; it is modified in place."""
     layout = groups.layout
-    runner = None
+    runner, tied = None, None
     stage_models = [model]
     if layout.pipeline_parallel > 1:
         stage_models, indices, _ = split_into_stages(
@@ -87,25 +82,11 @@ def parallelize_gpt(
             groups.tensor_parallel_size,
             sequence_parallel=sequence_parallel,
         )
-    if runner is not None:
-        runner.tied = _tied_embedding(stage_models, groups, pipeline)  # after TP sharding: the final tensors
+    if runner is not None:  # after TP sharding: the tie links the final (vocabulary-sharded) tensors
+        tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
     loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if groups.tensor_parallel_size > 1 else None
     if len(stage_models) > 1:
         model = PipelineChunks(stage_models)
     else:
         model = stage_models[0]
-    return ParallelGPT(model, loss_fn, runner)
-
-
-def _tied_embedding(stage_models, groups: ProcessGroups, pipeline: PipelineParallelSettings) -> TiedEmbedding | None:
-    """The link between the word embedding (first stage) and the LM-head copy (last stage) of this rank's
-    (dp, tp) coordinates; None when this rank holds neither end or both (V-shaped schedules)."""
-    group, first_rank, last_rank = create_embedding_group(
-        groups.layout, pipeline.schedule, pipeline.virtual_stages, groups.rank
-    )
-    if group is None:
-        return None
-    firsts = [m for m in stage_models if m.embed is not None]
-    lasts = [m for m in stage_models if m.lm_head is not None]
-    weight = firsts[0].embed.wte.weight if firsts else lasts[0].lm_head.weight
-    return TiedEmbedding(group, first_rank, last_rank, weight, is_first=bool(firsts))
+    return ParallelGPT(model, loss_fn, runner, tied)

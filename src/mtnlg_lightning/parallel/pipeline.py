@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage partitioning, per-stage models, the tied embedding across stages, schedules.
+"""Pipeline parallelism: stage partitioning, per-stage models, schedules.
 
 Schedules come from `torch.distributed.pipelining`; this file only decides what each stage holds.
 
@@ -6,11 +6,8 @@ A stage is the GPT itself with the parts it does not own deleted (torchtitan's a
 embedding, the last stage keeps the final norm and the LM head, every stage keeps its range of blocks under their
 original names (so checkpoints and parameter names match the single-process model).
 
-Tied embedding (Megatron: the LM head on the last stage is a copy of the word embedding, and the two gradients
-are summed every step). Here the embedding parameter lives only on the first stage; after every update the last
-stage receives it into a gradient-tracking copy, and after each backward the copy's gradient is sent back and
-added to the embedding's gradient before the optimizer step. So the two are bit-identical by construction, the
-optimizer and the grad norm see the weight once, and ZeRO (1 or 2) needs no special case for it.
+The tied embedding across the first and last stages is `tied_embedding.TiedEmbedding`; this file only prunes the
+last stage's LM head into the slot it fills.
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> 
     """Prune `model` (in place) to the blocks of `stage_index`, keeping embed on stage 0 and norm/head on the last.
 
     The last stage (when it is not also the first) keeps `lm_head` with its weight turned into a plain tensor
-    slot that `TiedEmbedding` fills every step."""
+    slot that `tied_embedding.TiedEmbedding` fills every step."""
     num_stages = len(layer_counts)
     first = sum(layer_counts[:stage_index])
     owned = {str(i) for i in range(first, first + layer_counts[stage_index])}
@@ -108,43 +105,6 @@ def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:
     del lasts[0].lm_head.weight
     lasts[0].lm_head.weight = firsts[0].embed.wte.weight
     return True
-
-
-class TiedEmbedding:
-    """Keeps the last stage's LM-head weight equal to stage 0's word embedding and returns its gradient.
-
-    `embedding_group` holds the two ranks (same dp and tp coordinates) that own stage 0 and the last stage."""
-
-    def __init__(self, group, first_rank: int, last_rank: int, weight: torch.Tensor, is_first: bool):
-        self.group, self.first_rank, self.last_rank = group, first_rank, last_rank
-        self.weight, self.is_first = weight, is_first
-
-    def match_dtype(self, dtype: torch.dtype) -> None:
-        """The head copy takes the dtype the engine gave the stage's parameters (bf16 under DeepSpeed bf16): it is
-        a plain tensor, which the engine's conversion skips, and both ends of the broadcast need one dtype."""
-        if not self.is_first and self.weight.dtype != dtype:
-            self.weight.data = self.weight.data.to(dtype)
-
-    def broadcast_weight(self) -> None:
-        """After each update: the head copy receives the updated embedding."""
-        with torch.no_grad():
-            buffer = self.weight.data if self.is_first else self.weight.detach()
-            dist.broadcast(buffer, src=self.first_rank, group=self.group)
-        if not self.is_first:
-            self.weight.grad = None
-
-    def reduce_grad(self, add_to_embedding_grad) -> None:
-        """After the backward: the head's gradient is sent to stage 0 and added by `add_to_embedding_grad(grad)`.
-
-        Sent in fp32 whatever the weights' dtype: both ends agree on it without asking (under bf16 the head's
-        gradient may be bf16 or fp32 depending on the optimizer), and the sum is kept in the masters' precision."""
-        if self.is_first:
-            grad = torch.empty_like(self.weight, dtype=torch.float32)
-            dist.broadcast(grad, src=self.last_rank, group=self.group)
-            add_to_embedding_grad(grad)
-        else:
-            grad = self.weight.grad if self.weight.grad is not None else torch.zeros_like(self.weight)
-            dist.broadcast(grad.float().contiguous(), src=self.last_rank, group=self.group)
 
 
 def schedule_class(name: str):
@@ -180,26 +140,6 @@ def split_into_stages(
     return models, indices, counts
 
 
-def create_embedding_group(layout, schedule: str, virtual_stages: int, rank: int):
-    """Collectively create the {first stage, last stage} groups (one per (dp, tp)); return this rank's and the two
-    ranks, or (None, None, None) when one rank holds both ends (V-shaped schedules) or there is no pipeline."""
-    pp = layout.pipeline_parallel
-    placement = stages_held_by_rank(schedule, pp, virtual_stages)
-    last_stage = pp * virtual_stages - 1
-    first_pp = next(r for r, stages in enumerate(placement) if 0 in stages)
-    last_pp = next(r for r, stages in enumerate(placement) if last_stage in stages)
-    if pp == 1 or first_pp == last_pp:
-        return None, None, None
-    mine = (None, None, None)
-    for d in range(layout.data_parallel):
-        for t in range(layout.tensor_parallel):
-            ends = [layout.rank(first_pp, d, t), layout.rank(last_pp, d, t)]
-            group = dist.new_group(ends)  # every rank takes part in creating every group
-            if rank in ends:
-                mine = (group, ends[0], ends[1])
-    return mine
-
-
 class PipelineRunner:
     """Drives this rank's stages through a `torch.distributed.pipelining` schedule for one step.
 
@@ -220,13 +160,12 @@ class PipelineRunner:
         last_stage_rank: int,
         is_first: bool,
         is_last: bool,
-        tied: TiedEmbedding | None = None,
         backward_context=None,
     ):
         self.stage_models, self.stage_indices, self.num_stages = stage_models, stage_indices, num_stages
         self.schedule_name, self.device, self.pp_group = schedule, device, pp_group
         self.last_stage_rank, self.is_first, self.is_last = last_stage_rank, is_first, is_last
-        self.tied, self.backward_context = tied, backward_context
+        self.backward_context = backward_context
         self._schedules: dict[int, object] = {}
         self._loss_fn = None
 
@@ -273,9 +212,7 @@ class PipelineRunner:
                 ) from None
         return self._schedules[num_microbatches]
 
-    def run(
-        self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool = True, add_to_embedding_grad=None
-    ) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool = True) -> torch.Tensor:
         """One step (train: forward + backward of every micro-batch; else forward only). Returns the mean loss
         over the micro-batches on every rank of the pipeline."""
         if tokens.shape[0] % micro_batch_size:
@@ -287,8 +224,6 @@ class PipelineRunner:
         kwargs = {"target": targets, "losses": []} if self.is_last else {}
         if train:
             schedule.step(*args, **kwargs)
-            if self.tied is not None:
-                self.tied.reduce_grad(add_to_embedding_grad)
         else:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs)

@@ -162,7 +162,7 @@ class VocabParallelLMHead(nn.Module):
     """Logits for this rank's vocabulary slice, tied to the `VocabParallelEmbedding` shard (same Parameter).
 
     On a last pipeline stage without the embedding, `weight` is a plain tensor: the per-step copy of the first
-    stage's shard that `pipeline.TiedEmbedding` fills (not a parameter: the optimizer sees the embedding once)."""
+    stage's shard that `tied_embedding.TiedEmbedding` fills (not a parameter: the optimizer sees the embedding once)."""
 
     def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False):
         super().__init__()
