@@ -12,7 +12,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # Set in this process by in-process Trainers with a process group (Lightning writes MASTER_PORT etc. into os.environ
 # and keeps the store listening on that port): a command launched afterwards must not inherit them, as a user's
 # fresh shell would not, or its ranks try to listen on the port this process still holds (EADDRINUSE).
-RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
+RENDEZVOUS_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
 
 
 def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:

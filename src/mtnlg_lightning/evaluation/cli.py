@@ -132,12 +132,12 @@ def write_json(path: str, payload: dict) -> None:
 
 
 def run(args) -> dict:
-    from mtnlg_lightning.generate import load_model, pick_device, pick_dtype, resolve_tokenizer
+    from mtnlg_lightning.inference.load import load_model, pick_device, pick_dtype, resolve_tokenizer
 
     check_args(args)
     device = pick_device(args.device)
     model, state = load_model(args.checkpoint, device, pick_dtype(args.dtype, device))
-    tokenizer = resolve_tokenizer(state, args.tokenizer)
+    tokenizer = resolve_tokenizer(state.tokenizer, args.tokenizer)
     started = time.perf_counter()
     if args.harness_tasks:
         from mtnlg_lightning.evaluation.harness import run_harness

@@ -64,8 +64,8 @@ def load(plan_: Plan, device_arg: str, dtype_arg: str, decoding: bool = False):
     import torch.distributed as dist
 
     from mtnlg_lightning.checkpoint.format import TOKENIZER
-    from mtnlg_lightning.generate import pick_dtype
     from mtnlg_lightning.inference.engine import ShardedModel
+    from mtnlg_lightning.inference.load import pick_dtype
     from mtnlg_lightning.parallel.layout import ProcessGroups
 
     device = init_distributed(device_arg)
@@ -140,14 +140,11 @@ def run_eval(args, argv: list[str]) -> int:
 
 def evaluate(model, plan_: Plan, args, tokenizer_path) -> dict:
     """The task's (or the harness tasks') results on every rank, with the settings and layout."""
-    from mtnlg_lightning.data.tokenizer import Tokenizer
     from mtnlg_lightning.evaluation import cli
+    from mtnlg_lightning.inference.load import resolve_tokenizer
     from mtnlg_lightning.inference.scoring import PipelineScorer
 
-    path = args.tokenizer or tokenizer_path
-    if path is None:
-        raise MTNLGError("the checkpoint names no tokenizer: pass --tokenizer PATH (tokenizer.json or directory)")
-    tokenizer = Tokenizer(path)
+    tokenizer = resolve_tokenizer(tokenizer_path, args.tokenizer)
     started = time.perf_counter()
     if args.harness_tasks:
         from mtnlg_lightning.evaluation.harness import run_harness
@@ -223,12 +220,10 @@ def _launch_with_prompts(module: str, argv: list[str], world_size: int, prompts:
 
 
 def generate_and_print(model, args, prompts: list[str], tokenizer_path) -> None:
-    from mtnlg_lightning.data.tokenizer import Tokenizer
     from mtnlg_lightning.inference.generation import generate_over_replicas
+    from mtnlg_lightning.inference.load import resolve_tokenizer
 
-    tokenizer = Tokenizer(args.tokenizer or tokenizer_path) if (args.tokenizer or tokenizer_path) else None
-    if tokenizer is None:
-        raise MTNLGError("the checkpoint names no tokenizer: pass --tokenizer PATH (tokenizer.json or directory)")
+    tokenizer = resolve_tokenizer(tokenizer_path, args.tokenizer)
     batch = [tokenizer.encode(p) for p in prompts for _ in range(args.num_samples)]
     result = generate_over_replicas(
         model,
