@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.outputs import discard, staging_file
+from mtnlg_lightning.outputs import atomic_path
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -81,11 +81,6 @@ def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: 
     output = Path(output)
     if output.suffix != ".json":
         output = output / "tokenizer.json"
-    tmp = staging_file(output)
-    try:
+    with atomic_path(output) as tmp:
         tok.save(tmp)
-        os.replace(tmp, output)
-    except BaseException:
-        discard(tmp)
-        raise
     return Tokenizer(output)

@@ -10,7 +10,6 @@ mtnlg-eval --checkpoint CKPT --strategy configs/strategy/tp2_pp2_dp2.yaml --devi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.data import read_documents, read_records
 from mtnlg_lightning.evaluation.scoring import Scorer
 from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.outputs import check_input_file, check_output, write_json
 
 FIELDS = {"lambada": ("text",), "hans": ("sentence1", "sentence2", "gold_label")}
 
@@ -92,8 +92,6 @@ def check_args(args) -> None:
     if args.limit is not None and args.limit < 1 or args.stride is not None and args.stride < 1:
         raise MTNLGError("--limit and --stride must be at least 1")
     if args.output:
-        from mtnlg_lightning.outputs import check_output
-
         check_output(args.output, [args.checkpoint, args.data, args.fewshot_data, args.tokenizer], replaces_dir=False)
         if os.path.isdir(args.output):
             raise MTNLGError(f"--output {args.output} is a directory; name a JSON file")
@@ -105,8 +103,6 @@ def check_args(args) -> None:
         raise MTNLGError(f"unknown task {args.task!r}; the known tasks are {known} (or use --harness-tasks)")
     if not args.data:
         raise MTNLGError(f"--task {args.task} needs --data FILE")
-    from mtnlg_lightning.outputs import check_input_file
-
     for path in (args.data, args.fewshot_data):  # before the model loads
         if path:
             check_input_file(path)
@@ -122,13 +118,6 @@ def table(results: dict) -> str:
             label = f"{task} {setting}-shot" if setting != "-" else task
             lines.append(f"{label:<24} {shown}")
     return "\n".join(lines)
-
-
-def write_json(path: str, payload: dict) -> None:
-    from mtnlg_lightning.outputs import atomic_write
-
-    with atomic_write(path, "w") as f:
-        f.write(json.dumps(payload, indent=1) + "\n")
 
 
 def run(args) -> dict:

@@ -118,6 +118,7 @@ def _fail(prog: str, error: Exception) -> int:
 # ------------------------------------------------------------------------------------------- mtnlg-eval
 def run_eval(args, argv: list[str]) -> int:
     from mtnlg_lightning.evaluation import cli
+    from mtnlg_lightning.outputs import write_json
 
     try:
         cli.check_args(args)
@@ -129,7 +130,7 @@ def run_eval(args, argv: list[str]) -> int:
         if is_rank_zero():
             print(cli.table(payload["results"]))
             if args.output:
-                cli.write_json(args.output, payload)
+                write_json(args.output, payload)
                 print(f"wrote {args.output}")
     except MTNLGError as error:
         return _fail("mtnlg-eval", error)
