@@ -14,14 +14,11 @@ import os
 import sys
 import time
 
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
-from mtnlg_lightning.evaluation.data import read_documents, read_records
 from mtnlg_lightning.evaluation.scoring import Scorer
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.outputs import check_input_file, check_output, write_json
-
-FIELDS = {"lambada": ("text",), "hans": ("sentence1", "sentence2", "gold_label")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,21 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def evaluate_task(scorer, tokenizer, args) -> dict:
-    """{shots: metrics} for lambada/hans, {"-": metrics} for perplexity."""
-    if args.task == "perplexity":
-        docs = read_documents(args.data)[: args.limit]
-        return {"-": tasks.perplexity(scorer, tokenizer, docs, args.stride)}
-    records = read_records(args.data, FIELDS[args.task])[: args.limit]
-    fewshot = read_records(args.fewshot_data, FIELDS[args.task]) if args.fewshot_data else None
-    if args.task == "hans":
-        tasks.check_hans(records, args.data)
-        if fewshot is not None:
-            tasks.check_hans(fewshot, args.fewshot_data)
-        return {k: tasks.hans(scorer, tokenizer, records, k, fewshot, args.seed) for k in args.shots}
-    docs = [r["text"] for r in records]
-    fewshot = [r["text"] for r in fewshot] if fewshot is not None else None
-    return {k: tasks.lambada(scorer, tokenizer, docs, k, fewshot, args.seed) for k in args.shots}
+def evaluate(args, model, tokenizer, make_scorer) -> dict:
+    """{task: {setting: metrics}} of `--task` (scored by `make_scorer()`, through the task registry) or of
+    `--harness-tasks` (through the harness adapter; empty on the data-parallel ranks other than 0 of a layout)."""
+    if args.harness_tasks:
+        from mtnlg_lightning.evaluation.harness import run_harness
+
+        names = [t.strip() for t in args.harness_tasks.split(",") if t.strip()]
+        found = run_harness(model, tokenizer, names, args.include_path, args.batch_size, limit=args.limit) or {}
+        return {task: {"-": metrics} for task, metrics in found.items()}
+    a = args
+    found = tasks.run_task(a.task, make_scorer(), tokenizer, a.data, a.shots, a.fewshot_data, a.seed, a.limit, a.stride)
+    return {a.task: found}
 
 
 def check_args(args) -> None:
@@ -98,9 +92,10 @@ def check_args(args) -> None:
     if args.harness_tasks:
         require_extra("eval", "--harness-tasks")  # before the model is loaded
         return
-    if args.task not in tasks.TASKS:
-        known = ", ".join(tasks.TASKS)
-        raise MTNLGError(f"unknown task {args.task!r}; the known tasks are {known} (or use --harness-tasks)")
+    try:
+        tasks.check_task(args.task)
+    except MTNLGError as error:
+        raise MTNLGError(f"{error} (or use --harness-tasks)") from None
     if not args.data:
         raise MTNLGError(f"--task {args.task} needs --data FILE")
     for path in (args.data, args.fewshot_data):  # before the model loads
@@ -128,15 +123,7 @@ def run(args) -> dict:
     model, state = load_model(args.checkpoint, device, pick_dtype(args.dtype, device))
     tokenizer = resolve_tokenizer(state.tokenizer, args.tokenizer)
     started = time.perf_counter()
-    if args.harness_tasks:
-        from mtnlg_lightning.evaluation.harness import run_harness
-
-        names = [t.strip() for t in args.harness_tasks.split(",") if t.strip()]
-        found = run_harness(model, tokenizer, names, args.include_path, args.batch_size, limit=args.limit)
-        results = {task: {"-": metrics} for task, metrics in found.items()}
-    else:
-        scorer = Scorer(model, args.batch_size, progress=not args.no_progress)
-        results = {args.task: evaluate_task(scorer, tokenizer, args)}
+    results = evaluate(args, model, tokenizer, lambda: Scorer(model, args.batch_size, progress=not args.no_progress))
     settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     payload = {"results": results, "settings": settings, "seconds": time.perf_counter() - started}
     print(table(results))
@@ -147,18 +134,9 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    if args.strategy or args.devices:
-        from mtnlg_lightning.inference.runs import run_eval
+    from mtnlg_lightning.inference.runs import command_main, run_eval
 
-        return run_eval(args, argv)
-    try:
-        run(args)
-    except MTNLGError as error:
-        print(f"mtnlg-eval: error: {one_line(error)}", file=sys.stderr)
-        return 2
-    return 0
+    return command_main("mtnlg-eval", build_parser(), run, run_eval, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError, exit_status, one_line
 from mtnlg_lightning.inference.launch import (
     InferenceLayout,
     check_layout,
@@ -109,6 +109,16 @@ class SizeCheckedReader(_reader_base()):
         return super()._file(name)
 
 
+def command_main(prog: str, parser, run_one_process, run_in_layout, argv: list[str] | None) -> int:
+    """`mtnlg-eval` / `mtnlg-generate`: in a layout with --strategy or --devices, else in this process (a bad
+    input is one line and exit status 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if args.strategy or args.devices:
+        return run_in_layout(args, argv)
+    return exit_status(prog, lambda: run_one_process(args))
+
+
 def _fail(prog: str, error: Exception) -> int:
     if is_rank_zero():
         print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
@@ -147,15 +157,12 @@ def evaluate(model, plan_: Plan, args, tokenizer_path) -> dict:
 
     tokenizer = resolve_tokenizer(tokenizer_path, args.tokenizer)
     started = time.perf_counter()
-    if args.harness_tasks:
-        from mtnlg_lightning.evaluation.harness import run_harness
-
-        names = [t.strip() for t in args.harness_tasks.split(",") if t.strip()]
-        found = run_harness(model, tokenizer, names, args.include_path, args.batch_size, limit=args.limit) or {}
-        results = {task: {"-": metrics} for task, metrics in found.items()}
-    else:
-        scorer = PipelineScorer(model, args.batch_size, args.micro_batch_size, progress=not args.no_progress)
-        results = {args.task: cli.evaluate_task(scorer, tokenizer, args)}
+    results = cli.evaluate(
+        args,
+        model,
+        tokenizer,
+        lambda: PipelineScorer(model, args.batch_size, args.micro_batch_size, progress=not args.no_progress),
+    )
     seconds = time.perf_counter() - started
     settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     settings["layout"] = plan_.layout.describe(plan_.world_size)
