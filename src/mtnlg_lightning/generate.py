@@ -2,8 +2,9 @@
 
     mtnlg-generate --checkpoint runs/demo/checkpoints/last.ckpt --prompt "Return the" --max-new-tokens 64
 
-Works on a project checkpoint or a Hugging Face GPT-2 directory. The prompt is run once (prefill) and its keys and
-values are cached per layer, so each new token costs one position instead of re-running the whole prefix.
+Works on a project checkpoint or a Hugging Face GPT-2 directory (loaded by `inference.load`). Decoding runs the
+model's own forward with a `model.KVCache` (nanoGPT / litgpt style): the prompt is run once (prefill), its keys and
+values cached per layer, so each new token costs one position instead of re-running the whole prefix.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.load import load_model, pick_device, pick_dtype, resolve_tokenizer
 from mtnlg_lightning.model import GPT, KVCache
 
@@ -230,18 +231,9 @@ def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    if args.strategy or args.devices:
-        from mtnlg_lightning.inference.runs import run_generate
+    from mtnlg_lightning.inference.runs import command_main, run_generate
 
-        return run_generate(args, argv)
-    try:
-        run(args)
-    except MTNLGError as error:
-        print(f"mtnlg-generate: error: {one_line(error)}", file=sys.stderr)
-        return 2
-    return 0
+    return command_main("mtnlg-generate", build_parser(), run, run_generate, argv)
 
 
 if __name__ == "__main__":
