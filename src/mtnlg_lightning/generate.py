@@ -13,16 +13,14 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.load import load_model, pick_device, pick_dtype, resolve_tokenizer
+from mtnlg_lightning.inference.sampling import EOS, LENGTH, POSITIONS, Generation, sample
 from mtnlg_lightning.model import GPT, KVCache
-
-EOS, LENGTH, POSITIONS = "<|endoftext|>", "max-new-tokens", "position limit"
 
 
 # ------------------------------------------------------------------------------------------- decoding
@@ -32,31 +30,6 @@ def check_single_process(model: GPT) -> None:
     for name, module in model.named_modules():
         if isinstance(module, plain) and type(module) not in plain:  # e.g. a tensor-parallel shard
             raise MTNLGError(f"generation needs a single-process GPT; {name} is a {type(module).__name__}")
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None):
-    """Next token per row of `logits` [B, V]: argmax at temperature 0, else softmax(logits / T) cut to the top-k
-    tokens and to the smallest set holding probability top-p."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs > top_p  # the most likely token always stays
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-@dataclass
-class Generation:
-    tokens: list[list[int]]  # new tokens per sample (the end-of-text token excluded)
-    stop: list[str]  # per sample: "<|endoftext|>", "max-new-tokens" or "position limit"
-    seconds: float
 
 
 @torch.inference_mode()
@@ -176,22 +149,9 @@ def check_sampling(args) -> None:
         raise MTNLGError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def read_prompts(prompt: str) -> list[str]:
-    """The prompt, or with '-' the non-empty lines of stdin (UTF-8; anything else is one line)."""
-    if prompt != "-":
-        return [prompt]
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise MTNLGError(f"stdin is not UTF-8 text (byte {error.start} is {data[error.start]:#04x})") from None
-    prompts = [line for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise MTNLGError("--prompt -: stdin holds no prompt (one a line)")
-    return prompts
-
-
 def run(args) -> None:
+    from mtnlg_lightning.inference.runs import read_prompts
+
     check_sampling(args)
     prompts = read_prompts(args.prompt)
     device = pick_device(args.device)

@@ -201,8 +201,9 @@ PROMPTS_ENV = "MTNLG_GENERATE_PROMPTS"
 
 
 def read_prompts(prompt: str) -> list[str]:
-    """The prompts: `--prompt TEXT`, or one a line from stdin (`-`); ranks started by `--devices` cannot share the
-    launcher's stdin, so it hands them the lines it read (as JSON in an environment variable)."""
+    """The prompts: `--prompt TEXT`, or the non-empty lines of stdin (`-`; UTF-8, else one line); ranks started by
+    `--devices` cannot share the launcher's stdin, so it hands them the lines it read (as JSON in an environment
+    variable)."""
     import json
     import os
 
@@ -210,7 +211,15 @@ def read_prompts(prompt: str) -> list[str]:
         return [prompt]
     if PROMPTS_ENV in os.environ:
         return json.loads(os.environ[PROMPTS_ENV])
-    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise MTNLGError(f"stdin is not UTF-8 text (byte {error.start} is {data[error.start]:#04x})") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise MTNLGError("--prompt -: stdin holds no prompt (one a line)")
+    return prompts
 
 
 def _launch_with_prompts(module: str, argv: list[str], world_size: int, prompts: list[str], prompt: str) -> int:
