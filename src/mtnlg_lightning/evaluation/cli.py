@@ -124,13 +124,22 @@ def run(args) -> dict:
     tokenizer = resolve_tokenizer(state.tokenizer, args.tokenizer)
     started = time.perf_counter()
     results = evaluate(args, model, tokenizer, lambda: Scorer(model, args.batch_size, progress=not args.no_progress))
-    settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
-    payload = {"results": results, "settings": settings, "seconds": time.perf_counter() - started}
-    print(table(results))
+    payload = {"results": results, "settings": settings_of(args), "seconds": time.perf_counter() - started}
+    report(args, payload)
+    return payload
+
+
+def settings_of(args) -> dict:
+    """The run's settings as the JSON output records them (display flags left out)."""
+    return {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+
+
+def report(args, payload: dict) -> None:
+    """The results table on stdout, and the whole payload written to `--output` (atomically) when asked."""
+    print(table(payload["results"]))
     if args.output:
         write_json(args.output, payload)
         print(f"wrote {args.output}")
-    return payload
 
 
 def main(argv: list[str] | None = None) -> int:

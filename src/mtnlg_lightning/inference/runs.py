@@ -128,7 +128,6 @@ def _fail(prog: str, error: Exception) -> int:
 # ------------------------------------------------------------------------------------------- mtnlg-eval
 def run_eval(args, argv: list[str]) -> int:
     from mtnlg_lightning.evaluation import cli
-    from mtnlg_lightning.outputs import write_json
 
     try:
         cli.check_args(args)
@@ -138,10 +137,7 @@ def run_eval(args, argv: list[str]) -> int:
         model, tokenizer_path = load(plan_, args.device, args.dtype)
         payload = evaluate(model, plan_, args, tokenizer_path)
         if is_rank_zero():
-            print(cli.table(payload["results"]))
-            if args.output:
-                write_json(args.output, payload)
-                print(f"wrote {args.output}")
+            cli.report(args, payload)
     except MTNLGError as error:
         return _fail("mtnlg-eval", error)
     finally:
@@ -164,7 +160,7 @@ def evaluate(model, plan_: Plan, args, tokenizer_path) -> dict:
         lambda: PipelineScorer(model, args.batch_size, args.micro_batch_size, progress=not args.no_progress),
     )
     seconds = time.perf_counter() - started
-    settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    settings = cli.settings_of(args)
     settings["layout"] = plan_.layout.describe(plan_.world_size)
     return {"results": results, "settings": settings, "seconds": seconds, "stage_busy_fraction": busy_by_rank(model)}
 
