@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from mtnlg_lightning.generate import generate, use_generation_layout  # noqa: E402
+from mtnlg_lightning.generate import generate  # noqa: E402
+from mtnlg_lightning.inference.load import use_generation_layout  # noqa: E402
 from mtnlg_lightning.interop.gpt2_mapping import from_hf, load_model_space  # noqa: E402
 from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402

@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # the equivalence harness the suite uses (parallel_harness.py)
 from local_ranks import run_on_ranks  # noqa: E402
 
+from mtnlg_lightning.outputs import write_json  # noqa: E402
+
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5  # fp32, as tests/test_parallel_equivalence.py
 BF16_LOSS_RTOL = 1e-3  # bf16 vs fp32 losses over 5 steps (the suite's bf16 section argues it)
 DIST_RUNS = ["tp2", "pp2_1f1b", "dp2_zero1", "bf16_dp2_zero2"]
@@ -250,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(results[name].get("ok") for name in args.stages)
     results["ok"] = ok
     output = Path(args.output)
-    temporary = output.with_name(output.name + ".tmp")
-    temporary.write_text(json.dumps(results, indent=1, default=str))
-    temporary.replace(output)
+    write_json(output, results, default=str)
     summary = ", ".join(f"{name} {'ok' if results[name].get('ok') else 'FAILED'}" for name in args.stages)
     print(f"gpu_check: {summary}; results in {output}")
     return 0 if ok else 1

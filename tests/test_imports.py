@@ -15,10 +15,7 @@ TESTS = Path(__file__).resolve().parent
 # Edges of cycles in files that other branches of issue 23 reshape at the same time: module.py <->
 # checkpoint/lightning_io.py (decay_groups), and generate.py / evaluation/cli.py <-> inference/runs.py (a CLI and
 # the multi-rank runner it launches import each other). Delete each line when its branch is merged.
-PENDING_ELSEWHERE = {
-    ("mtnlg_lightning.generate", "mtnlg_lightning.inference.runs"),
-    ("mtnlg_lightning.inference.runs", "mtnlg_lightning.evaluation.cli"),
-}
+PENDING_ELSEWHERE = {}
 
 # Names of the test hooks and reference paths that live in tests/ (not in the package).
 TEST_HOOKS = (

@@ -20,8 +20,9 @@ from test_evaluation import checkpoint, cloze, harness_task_dir, tokenizer_path 
 
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.generate import generate, load_model
+from mtnlg_lightning.generate import generate
 from mtnlg_lightning.generate import main as generate_main
+from mtnlg_lightning.inference.load import load_model
 
 HANS = ROOT / "tests" / "data" / "hans_sample.jsonl"
 LAYOUTS = {

@@ -13,10 +13,12 @@ from hf_models import tiny_checkpoint as trained_tiny_checkpoint
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.generate import Decoder, KVCache, generate, load_model, use_generation_layout
+from mtnlg_lightning.generate import generate
 from mtnlg_lightning.generate import main as generate_main
+from mtnlg_lightning.inference.load import load_model, use_generation_layout
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import export_hf, read_hf_dir
+from mtnlg_lightning.model import KVCache
 from mtnlg_lightning.module import MTNLGModule
 
 transformers = pytest.importorskip("transformers")
@@ -123,7 +125,7 @@ def test_kv_cache_and_recomputing_the_prefix_give_the_same_tokens(hf_dir):
     assert len({tuple(t) for t in cached.tokens}) == 3  # the samples differ
 
 
-def test_generation_layout_and_the_decoder_compute_the_model_s_logits(hf_dir):
+def test_generation_layout_and_cached_decoding_compute_the_model_s_logits(hf_dir):
     model, _ = load_model(hf_dir)
     tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -135,10 +137,15 @@ def test_generation_layout_and_the_decoder_compute_the_model_s_logits(hf_dir):
         assert model.lm_head.weight is model.embed.wte.weight  # still tied
         assert model.blocks["0"].attn.qkv.weight.t().is_contiguous() and model.lm_head.weight.t().is_contiguous()
         assert (model(tokens)[..., :1000] - reference).abs().max().item() <= 1e-5
-        decoder, cache = Decoder(model), KVCache(model, 2, 24)
-        logits = [decoder(tokens[:, :8], cache, 0)] + [decoder(tokens[:, t : t + 1], cache, t) for t in range(8, 24)]
-    assert logits[0].shape == (2, 1000)  # the tokenizer's vocabulary, not the 1024 padded rows
-    assert max((step - reference[:, 7 + i]).abs().max().item() for i, step in enumerate(logits)) <= 1e-4
+        # Decoding runs the same forward with a KV cache: a prefill of 8 positions, then one position at a time.
+        cache = KVCache(24)
+        logits = [model(tokens[:, :8], cache)]
+        for t in range(8, 24):
+            cache.start = t
+            logits.append(model(tokens[:, t : t + 1], cache))
+    assert logits[0].shape == (2, 1, 1024)  # the last position only, over the padded vocabulary
+    steps = [step[:, 0, :1000] for step in logits]
+    assert max((step - reference[:, 7 + i]).abs().max().item() for i, step in enumerate(steps)) <= 1e-4
 
 
 def test_generation_stops_at_the_position_limit_with_a_note(hf_dir, capsys):

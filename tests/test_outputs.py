@@ -16,7 +16,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
 from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
 from mtnlg_lightning.errors import MTNLGError  # noqa: E402
-from mtnlg_lightning.outputs import atomic_write, check_output, kept_until_done, staged_dir  # noqa: E402
+from mtnlg_lightning.outputs import (  # noqa: E402
+    StagedFile,
+    atomic_path,
+    atomic_write,
+    check_output,
+    kept_until_done,
+    staged_dir,
+)
 
 
 def mode(path: Path) -> int:
@@ -40,6 +47,29 @@ def test_atomic_write_keeps_the_previous_file_on_error_and_follows_the_umask(tmp
     with atomic_write(target, "w") as f:
         f.write("new")
     assert target.read_text() == "new" and mode(target) == 0o664
+
+
+def test_atomic_path_and_a_staged_file_replace_only_when_complete_and_leave_no_temp_file(tmp_path, umask_002):
+    """The writers that need a file name (tokenizers, safetensors) and the indexed dataset's .bin written over many
+    calls go through the same staging as `atomic_write`."""
+    target = tmp_path / "tokenizer.json"
+    target.write_text("previous")
+    with pytest.raises(RuntimeError), atomic_path(target) as temp:
+        Path(temp).write_text("half")
+        raise RuntimeError("failed mid-way")
+    assert target.read_text() == "previous" and [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]
+    with atomic_path(target, fsync=True) as temp:
+        Path(temp).write_text("new")
+        assert target.read_text() == "previous"  # not before the block ends
+    assert target.read_text() == "new" and mode(target) == 0o664
+    staged = StagedFile(tmp_path / "data.bin")
+    Path(staged.temp).write_bytes(b"tokens")
+    assert not (tmp_path / "data.bin").exists()
+    staged.commit()
+    assert (tmp_path / "data.bin").read_bytes() == b"tokens"
+    dropped = StagedFile(tmp_path / "other.bin")
+    dropped.discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin", "tokenizer.json"]
 
 
 def test_staged_dir_swaps_in_only_a_complete_result_with_umask_modes(tmp_path, umask_002):

@@ -180,7 +180,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
 
     from mtnlg_lightning.checkpoint import format as checkpoint_format
     from mtnlg_lightning.checkpoint.format import is_checkpoint
-    from mtnlg_lightning.checkpoint.state_io import _inner_optimizer
+    from mtnlg_lightning.parallel.zero import base_optimizer
     from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
 
     strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False, async_save=True)
@@ -194,7 +194,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
     started = time.monotonic()
     trainer.save_checkpoint(tmp_path / "background.ckpt")
     stall = time.monotonic() - started
-    inner = _inner_optimizer(strategy.engine.optimizer)
+    inner = base_optimizer(strategy.engine.optimizer)
     live = [*trainer.lightning_module.model.parameters(), *(p for g in inner.param_groups for p in g["params"])]
     live += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
     with torch.no_grad():

@@ -25,7 +25,7 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
 from mtnlg_lightning.cost_model import IMPLEMENTATIONS
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import MTNLGError, exit_status
 from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
 from mtnlg_lightning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
@@ -200,49 +200,46 @@ def print_inference(args, config: ModelConfig, extra) -> None:
         print(inference_report(config, names, args.batch, args.length, args.dtype, args.gpus_per_node, extra))
 
 
+def run(args) -> None:
+    config = model_config(args)
+    extra = load_gpu_specs(args.gpu_spec) if args.gpu_spec else None
+    if args.inference:
+        print_inference(args, config, extra)
+        return
+    args.gpu = args.gpu or "a100-80g"
+    gpu = get_gpu(args.gpu, extra)
+    if args.search:
+        gpus = args.gpus or args.tp * args.pp * args.dp
+        plans = search(config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation)
+        for p in plans:
+            p.gpu = args.gpu
+        if not plans:
+            raise MTNLGError(
+                f"no layout of {gpus} x {args.gpu} fits {config.name} at global batch {args.global_batch} "
+                f"(is the batch divisible by data-parallel sizes? is memory enough?)"
+            )
+        chosen = plans[0]
+        if args.json:
+            print(json.dumps([p.as_dict() for p in plans[: args.top]], indent=1))
+        else:
+            print_search(plans, args, gpus, config.name)
+    else:
+        chosen = plan(
+            config, args.tp, args.pp, args.dp, args.gpus_per_node, gpu, args.global_batch, args.micro_batch,
+            args.recompute, args.zero_stage, precision=args.precision, virtual_stages=args.virtual_stages,
+            sequence_parallel=args.sequence_parallel, implementation=args.implementation, rampup=args.rampup,
+        )  # fmt: skip
+        chosen.gpu = args.gpu
+        print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))
+    if args.write_config:
+        write_config(args.write_config, chosen, args.gpus_per_node)
+        if not args.json:
+            print("\n".join(usage_lines(args.write_config, chosen, args.gpus_per_node)))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = model_config(args)
-        extra = load_gpu_specs(args.gpu_spec) if args.gpu_spec else None
-        if args.inference:
-            print_inference(args, config, extra)
-            return 0
-        args.gpu = args.gpu or "a100-80g"
-        gpu = get_gpu(args.gpu, extra)
-        if args.search:
-            gpus = args.gpus or args.tp * args.pp * args.dp
-            plans = search(
-                config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation
-            )
-            for p in plans:
-                p.gpu = args.gpu
-            if not plans:
-                raise MTNLGError(
-                    f"no layout of {gpus} x {args.gpu} fits {config.name} at global batch {args.global_batch} "
-                    f"(is the batch divisible by data-parallel sizes? is memory enough?)"
-                )
-            chosen = plans[0]
-            if args.json:
-                print(json.dumps([p.as_dict() for p in plans[: args.top]], indent=1))
-            else:
-                print_search(plans, args, gpus, config.name)
-        else:
-            chosen = plan(
-                config, args.tp, args.pp, args.dp, args.gpus_per_node, gpu, args.global_batch, args.micro_batch,
-                args.recompute, args.zero_stage, precision=args.precision, virtual_stages=args.virtual_stages,
-                sequence_parallel=args.sequence_parallel, implementation=args.implementation, rampup=args.rampup,
-            )  # fmt: skip
-            chosen.gpu = args.gpu
-            print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))
-        if args.write_config:
-            write_config(args.write_config, chosen, args.gpus_per_node)
-            if not args.json:
-                print("\n".join(usage_lines(args.write_config, chosen, args.gpus_per_node)))
-    except MTNLGError as error:
-        print(f"plan: error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status("plan", lambda: run(args))
 
 
 if __name__ == "__main__":

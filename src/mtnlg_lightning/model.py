@@ -122,11 +122,14 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
-        With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached."""
+        With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
+        needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
         start = cache.start if cache is not None else 0
         h = (self.embed(tokens, start) if start else self.embed(tokens)) if self.embed is not None else tokens
         for name, block in self.blocks.items():
             h = block(h, cache.layer(name)) if cache is not None else block(h)
+        if cache is not None and self.lm_head is not None:
+            h = h[:, -1:]
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h

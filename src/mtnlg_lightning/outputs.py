@@ -9,6 +9,7 @@ a crash, Ctrl-C) loses nothing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -43,39 +44,57 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", fsync: bool = False)
     """Write `path` atomically: a temp file in the same directory, `os.replace`d over it when the block ends
     without an error (with `fsync`, flushed to disk first). On any error the temp file is removed and `path` is
     left as it was. The file gets the permissions an ordinary `open` would (mkstemp's are 0600)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    with atomic_path(path) as tmp, open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        yield f
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def write_json(path: str | os.PathLike, payload: Any, fsync: bool = False, **dump_options) -> None:
+    """`payload` as JSON (indent 1 unless `dump_options` say otherwise) and a final newline, atomically."""
+    with atomic_write(path, "w", fsync=fsync) as f:
+        json.dump(payload, f, **({"indent": 1} | dump_options))
+        f.write("\n")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[str]:
+    """`atomic_write` for writers that need a file name (safetensors, tokenizers, torch.save): yields a temp name
+    next to `path`, moved over `path` when the block ends without an error (with `fsync`, flushed first)."""
+    staged = StagedFile(path, fsync)
     try:
-        os.chmod(tmp, file_mode())
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        yield staged.temp
+        staged.commit()
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        staged.discard()
         raise
 
 
-def staging_file(path: str | os.PathLike) -> str:
-    """A fresh temp name next to `path` for writers that need a file name (safetensors, tokenizers), with
-    ordinary permissions; pair it with `os.replace(temp, path)` or `discard`."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
-    os.chmod(tmp, file_mode())
-    return tmp
+class StagedFile:
+    """The temp file of `atomic_path`, for a file written over several calls (e.g. a dataset's shards):
+    `commit()` moves it over `path`, `discard()` removes it."""
 
+    def __init__(self, path: str | os.PathLike, fsync: bool = False):
+        self.path, self.fsync = os.fspath(path), fsync
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        fd, self.temp = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp", dir=directory)
+        os.close(fd)
+        os.chmod(self.temp, file_mode())
 
-def discard(path: str | os.PathLike) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    def commit(self) -> None:
+        if self.fsync:
+            fd = os.open(self.temp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(self.temp, self.path)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.temp)
 
 
 @contextlib.contextmanager

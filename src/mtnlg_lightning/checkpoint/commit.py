@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from mtnlg_lightning.checkpoint.format import MANIFEST, is_checkpoint, read_manifest
+from mtnlg_lightning.outputs import replace_dir
 
 STAGING_SUFFIX = ".incomplete"
 
@@ -29,16 +30,8 @@ def publish(staging: Path, final: Path) -> None:
     """Move a complete staging folder to its final name, replacing what was there (a file, a folder or a link)."""
     if not (staging / MANIFEST).is_file():
         raise RuntimeError(f"{staging} has no manifest: refusing to publish an incomplete checkpoint")
-    old = None
-    if final.is_symlink() or final.is_file():
-        final.unlink()
-    elif final.exists():
-        old = final.parent / f".{final.name}.replaced-{os.getpid()}"
-        os.replace(final, old)
-    os.replace(staging, final)
+    replace_dir(staging, final)
     _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -34,6 +34,7 @@ from mtnlg_lightning.checkpoint.validate import (
     pieces_by_file,
 )
 from mtnlg_lightning.errors import one_line
+from mtnlg_lightning.outputs import atomic_write
 
 FORMAT_NAME = "mtnlg-checkpoint"
 FORMAT_VERSION = 1
@@ -115,7 +116,7 @@ def copy_tokenizer(directory: Path, source: str | None) -> WrittenFile | None:
 
 
 def write_manifest(directory: Path, files: list[WrittenFile], info: dict) -> None:
-    """The completion record: written after every rank's files exist, through a temp file and a rename."""
+    """The completion record: written after every rank's files exist, atomically (a temp file and a rename)."""
     tensors: dict[str, dict] = {}
     for written in files:
         for key, piece in written.pieces.items():
@@ -135,9 +136,8 @@ def write_manifest(directory: Path, files: list[WrittenFile], info: dict) -> Non
         "files": {f.name: {"size": f.size, "xxh64": f.xxh64} for f in files},
         "tensors": tensors,
     }
-    temp = directory / (MANIFEST + ".tmp")
-    _write_bytes(temp, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    os.replace(temp, directory / MANIFEST)
+    with atomic_write(directory / MANIFEST, "wb", fsync=True) as handle:
+        handle.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
 def is_checkpoint(path: Path) -> bool:

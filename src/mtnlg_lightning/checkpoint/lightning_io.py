@@ -9,18 +9,15 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from mtnlg_lightning.checkpoint.commit import prepare_staging, publish, remove_checkpoint
-from mtnlg_lightning.checkpoint.format import (
-    CheckpointError,
-    TensorReader,
-    copy_tokenizer,
-    write_manifest,
-    write_meta,
-    write_pieces,
-)
+from mtnlg_lightning.checkpoint.commit import prepare_staging, remove_checkpoint
+from mtnlg_lightning.checkpoint.format import CheckpointError, TensorReader
 from mtnlg_lightning.checkpoint.model_space import model_slots
-from mtnlg_lightning.checkpoint.sharded import LIGHTNING_TENSOR_KEYS, check_checkpoint, checkpoint_info, tokenizer_of
-from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, optimizer_meta, weight_key
+from mtnlg_lightning.checkpoint.sharded import (
+    check_checkpoint,
+    checkpoint_header,
+    write_and_publish,
+)
+from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, weight_key
 from mtnlg_lightning.optimizer_recipe import decay_groups
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
@@ -39,13 +36,8 @@ class ModelSpaceCheckpointIO(CheckpointIO):
         optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
         slots = model_slots(module.model, module.config)
         pieces = collect_pieces(slots, optimizer, None, lambda index, slot: True)
-        files = [write_pieces(staging, "rank-00000.safetensors", pieces)]
-        meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
-        meta["optimizer"] = optimizer_meta(optimizer) if optimizer is not None else None
-        files.append(write_meta(staging, meta))
-        files += [f for f in [copy_tokenizer(staging, tokenizer_of(module.trainer))] if f is not None]
-        write_manifest(staging, files, checkpoint_info(module, module.trainer, SINGLE_PROCESS))
-        publish(staging, path)
+        header = checkpoint_header(module, checkpoint, optimizer, SINGLE_PROCESS)
+        write_and_publish(staging, path, "rank-00000.safetensors", pieces, header, alone=True)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         path = Path(path)

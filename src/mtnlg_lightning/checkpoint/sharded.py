@@ -97,8 +97,6 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     )
     header = None
     if strategy.is_global_zero:  # everything rank 0 publishes, taken now (the writer runs after later steps)
-        meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
-        meta["optimizer"] = copy.deepcopy(optimizer_meta(optimizer)) if optimizer is not None else None
         layout = strategy.layout
         saved_by = {
             "tensor_parallel": layout.tensor_parallel,
@@ -106,19 +104,30 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
             "data_parallel": layout.data_parallel,
             "zero_stage": strategy.zero_stage,
         }
-        info = checkpoint_info(module, module.trainer, saved_by)
-        header = (meta, info, tokenizer_of(module.trainer))
+        header = checkpoint_header(module, checkpoint, optimizer, saved_by)
     name = f"rank-{strategy.global_rank:05d}.safetensors"
     if background is None:
-        _write_and_publish(staging, path, name, pieces, header, group=None)
+        write_and_publish(staging, path, name, pieces, header, group=None)
         strategy.barrier()
     else:
-        background.submit(lambda: _write_and_publish(staging, path, name, pieces, header, background.group))
+        background.submit(lambda: write_and_publish(staging, path, name, pieces, header, background.group))
 
 
-def _write_and_publish(staging: Path, path: Path, name: str, pieces, header, group) -> None:
+def checkpoint_header(module, checkpoint: dict, optimizer, saved_by: dict) -> tuple[dict, dict, str | None]:
+    """What the publishing rank writes besides its pieces: Lightning's non-tensor entries with the optimizer's
+    hyper-parameters (meta), the manifest's info and the tokenizer to copy. A copy: the writer may run later."""
+    meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
+    meta["optimizer"] = copy.deepcopy(optimizer_meta(optimizer)) if optimizer is not None else None
+    return meta, checkpoint_info(module, module.trainer, saved_by), tokenizer_of(module.trainer)
+
+
+def write_and_publish(staging: Path, path: Path, name: str, pieces, header, group=None, alone: bool = False) -> None:
+    """The one checkpoint writer: this rank's pieces into `staging/name`; the rank holding the `header` (from
+    `checkpoint_header`) then writes the meta, the tokenizer and the manifest of every rank's files, and publishes.
+    `group`: the ranks writing this save (None: the world); `alone`: this process is the only writer (Lightning's
+    one-process and DDP strategies save on rank 0 only)."""
     written = write_pieces(staging, name, pieces)
-    files = _all_gather(written, group)
+    files = [written] if alone else _all_gather(written, group)
     if header is not None:
         meta, info, tokenizer = header
         files.append(write_meta(staging, meta))

@@ -12,17 +12,12 @@ import torch
 from mtnlg_lightning.checkpoint.format import CheckpointError, Piece, TensorReader
 from mtnlg_lightning.checkpoint.model_space import Slot
 from mtnlg_lightning.checkpoint.validate import MOMENTS
-
-
-def _inner_optimizer(optimizer):
-    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+from mtnlg_lightning.parallel.zero import base_optimizer
 
 
 def _step_of(optimizer) -> float | None:
     """The optimizer's update count (AdamW keeps one per parameter; they are all equal here)."""
-    inner = _inner_optimizer(optimizer)
+    inner = base_optimizer(optimizer)
     for state in inner.state.values():
         if "step" in state:
             return float(state["step"])
@@ -31,12 +26,12 @@ def _step_of(optimizer) -> float | None:
 
 def optimizer_meta(optimizer) -> dict:
     """Hyper-parameters of each param group (lr, betas, weight decay ...) and the update count."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in _inner_optimizer(optimizer).param_groups]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in base_optimizer(optimizer).param_groups]
     return {"param_groups": groups, "step": _step_of(optimizer)}
 
 
 def restore_optimizer_meta(optimizer, meta: dict) -> None:
-    groups = _inner_optimizer(optimizer).param_groups
+    groups = base_optimizer(optimizer).param_groups
     saved = meta["param_groups"]
     if len(saved) != len(groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(groups)}")
@@ -116,7 +111,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
     param = slot.param
     if engine is None:
         yield f"model/{slot.name}", param.data
-        state = _inner_optimizer(optimizer).state.get(param, {}) if optimizer is not None else {}
+        state = base_optimizer(optimizer).state.get(param, {}) if optimizer is not None else {}
         for moment in MOMENTS:
             if moment in state:
                 yield f"optim/{slot.name}/{moment}", state[moment]
@@ -146,7 +141,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
 
 
 def _deepspeed_state_initialized(engine) -> bool:
-    inner = _inner_optimizer(engine.optimizer)
+    inner = base_optimizer(engine.optimizer)
     return any("exp_avg" in s for s in inner.state.values())
 
 
@@ -177,7 +172,7 @@ def weight_key(reader: TensorReader, name: str, dtype: torch.dtype) -> str:
 
 @torch.no_grad()
 def _restore_torch(reader, slots, optimizer, step, has_moments) -> None:
-    inner = _inner_optimizer(optimizer) if optimizer is not None else None
+    inner = base_optimizer(optimizer) if optimizer is not None else None
     group_of = {id(p): g for g in (inner.param_groups if inner else []) for p in g["params"]}
     for slot in slots:
         param = slot.param
@@ -233,7 +228,7 @@ def _ensure_deepspeed_state(engine, step: float) -> None:
     """Adam's moments exist only after the first step; create them (zeros, the saved step) so the per-parameter
     setters have somewhere to write, and link DeepSpeed's fragments to them."""
     optimizer = engine.optimizer
-    inner = _inner_optimizer(optimizer)
+    inner = base_optimizer(optimizer)
     # ZeRO-3 swaps its fp32 sub-group partitions in and out of the inner param groups at each step: take them all.
     flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
     flats = list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]

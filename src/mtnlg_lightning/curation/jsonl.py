@@ -130,9 +130,8 @@ def guard_output(path: str, inputs: list[str]) -> None:
 
 
 def write_json_atomic(path: str, obj: Any, fsync: bool = False) -> None:
-    with atomic_write(path, "w", fsync=fsync) as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    """The curation tools' reports: `outputs.write_json`, indented by 2, non-ASCII text kept as it is."""
+    outputs.write_json(path, obj, fsync, indent=2, ensure_ascii=False)
 
 
 def dumps_line(obj: Any) -> bytes:

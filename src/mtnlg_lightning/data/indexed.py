@@ -12,7 +12,7 @@ import struct
 import numpy as np
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.outputs import staging_file
+from mtnlg_lightning.outputs import StagedFile
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -40,9 +40,9 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        self._tmp_bin = staging_file(self.prefix + ".bin")
-        self._tmp_idx = staging_file(self.prefix + ".idx")
-        self._bin = open(self._tmp_bin, "wb")
+        self._staged_bin = StagedFile(self.prefix + ".bin")
+        self._staged_idx = StagedFile(self.prefix + ".idx")
+        self._bin = open(self._staged_bin.temp, "wb")
         self._sizes: list[int] = []
 
     def add_document(self, token_ids) -> None:
@@ -65,8 +65,7 @@ class IndexedDatasetWriter:
         if len(sizes) > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
-        tmp_idx = self._tmp_idx
-        with open(tmp_idx, "wb") as f:
+        with open(self._staged_idx.temp, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
@@ -75,14 +74,13 @@ class IndexedDatasetWriter:
             f.write(sizes.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.tobytes(order="C"))
-        os.replace(self._tmp_bin, self.prefix + ".bin")
-        os.replace(tmp_idx, self.prefix + ".idx")
+        self._staged_bin.commit()
+        self._staged_idx.commit()  # the index last: it marks the dataset complete
 
     def abort(self) -> None:
         self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
-            if os.path.exists(path):
-                os.remove(path)
+        self._staged_bin.discard()
+        self._staged_idx.discard()
 
 
 class IndexedDataset:

@@ -10,7 +10,7 @@ from tokenizers import decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.outputs import discard, staging_file
+from mtnlg_lightning.outputs import atomic_path
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -77,11 +77,6 @@ def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: 
     output = Path(output)
     if output.suffix != ".json":
         output = output / "tokenizer.json"
-    tmp = staging_file(output)
-    try:
+    with atomic_path(output) as tmp:
         tok.save(tmp)
-        os.replace(tmp, output)
-    except BaseException:
-        discard(tmp)
-        raise
     return Tokenizer(output)

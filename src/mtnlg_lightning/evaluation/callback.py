@@ -49,8 +49,7 @@ class DownstreamEval(L.Callback):
             limit: score only the first `limit` items (keeps the evaluation cheap during training).
             batch_size: sequences per forward pass; seed: seed of the in-context example draw.
         """
-        if task not in tasks.TASKS:
-            raise MTNLGError(f"unknown task {task!r}; the known tasks are {', '.join(tasks.TASKS)}")
+        tasks.check_task(task)
         if not data or not tokenizer:
             raise MTNLGError("DownstreamEval needs data (the task file) and tokenizer")
         self.task, self.data, self.tokenizer_path = task, data, tokenizer
@@ -118,24 +117,7 @@ class DownstreamEval(L.Callback):
                 m.train(mode)
 
     def _score(self, scorer) -> dict[str, float]:
-        from mtnlg_lightning.evaluation.data import read_records
-
-        if self.task == "perplexity":
-            from mtnlg_lightning.evaluation.data import read_documents
-
-            found = tasks.perplexity(scorer, self.tokenizer, read_documents(self.data)[: self.limit])
-            return {"perplexity_loss": found["loss"], "perplexity_ppl": found["perplexity"]}
-        fields = ("text",) if self.task == "lambada" else ("sentence1", "sentence2", "gold_label")
-        records = read_records(self.data, fields)[: self.limit]
-        fewshot = read_records(self.fewshot_data, fields) if self.fewshot_data else None
-        out = {}
-        for k in self.shots:
-            suffix = f"_{k}shot" if k else ""
-            if self.task == "lambada":
-                pool = [r["text"] for r in fewshot] if fewshot else None
-                found = tasks.lambada(scorer, self.tokenizer, [r["text"] for r in records], k, pool, self.seed)
-                out |= {f"lambada_acc{suffix}": found["acc"], f"lambada_ppl{suffix}": found["perplexity"]}
-            else:
-                found = tasks.hans(scorer, self.tokenizer, records, k, fewshot, self.seed)
-                out |= {f"hans_{name}{suffix}": v for name, v in found.items() if name.startswith("acc")}
-        return out
+        found = tasks.run_task(
+            self.task, scorer, self.tokenizer, self.data, self.shots, self.fewshot_data, self.seed, self.limit
+        )
+        return tasks.logged_metrics(self.task, found)

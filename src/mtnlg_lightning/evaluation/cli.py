@@ -10,18 +10,10 @@ mtnlg-eval --checkpoint CKPT --strategy configs/strategy/tp2_pp2_dp2.yaml --devi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 
-from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.evaluation import tasks
-from mtnlg_lightning.evaluation.data import read_documents, read_records
-from mtnlg_lightning.evaluation.scoring import Scorer
-from mtnlg_lightning.extras import require_extra
-
-FIELDS = {"lambada": ("text",), "hans": ("sentence1", "sentence2", "gold_label")}
+from mtnlg_lightning.evaluation.evaluate import run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,105 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def evaluate_task(scorer, tokenizer, args) -> dict:
-    """{shots: metrics} for lambada/hans, {"-": metrics} for perplexity."""
-    if args.task == "perplexity":
-        docs = read_documents(args.data)[: args.limit]
-        return {"-": tasks.perplexity(scorer, tokenizer, docs, args.stride)}
-    records = read_records(args.data, FIELDS[args.task])[: args.limit]
-    fewshot = read_records(args.fewshot_data, FIELDS[args.task]) if args.fewshot_data else None
-    if args.task == "hans":
-        tasks.check_hans(records, args.data)
-        if fewshot is not None:
-            tasks.check_hans(fewshot, args.fewshot_data)
-        return {k: tasks.hans(scorer, tokenizer, records, k, fewshot, args.seed) for k in args.shots}
-    docs = [r["text"] for r in records]
-    fewshot = [r["text"] for r in fewshot] if fewshot is not None else None
-    return {k: tasks.lambada(scorer, tokenizer, docs, k, fewshot, args.seed) for k in args.shots}
-
-
-def check_args(args) -> None:
-    if args.limit is not None and args.limit < 1 or args.stride is not None and args.stride < 1:
-        raise MTNLGError("--limit and --stride must be at least 1")
-    if args.output:
-        from mtnlg_lightning.outputs import check_output
-
-        check_output(args.output, [args.checkpoint, args.data, args.fewshot_data, args.tokenizer], replaces_dir=False)
-        if os.path.isdir(args.output):
-            raise MTNLGError(f"--output {args.output} is a directory; name a JSON file")
-    if args.harness_tasks:
-        require_extra("eval", "--harness-tasks")  # before the model is loaded
-        return
-    if args.task not in tasks.TASKS:
-        known = ", ".join(tasks.TASKS)
-        raise MTNLGError(f"unknown task {args.task!r}; the known tasks are {known} (or use --harness-tasks)")
-    if not args.data:
-        raise MTNLGError(f"--task {args.task} needs --data FILE")
-    from mtnlg_lightning.outputs import check_input_file
-
-    for path in (args.data, args.fewshot_data):  # before the model loads
-        if path:
-            check_input_file(path)
-    if any(k < 0 for k in args.shots) or args.batch_size < 1:
-        raise MTNLGError("--shots must be >= 0 and --batch-size >= 1")
-
-
-def table(results: dict) -> str:
-    lines = []
-    for task, by_setting in results.items():
-        for setting, metrics in by_setting.items():
-            shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-            label = f"{task} {setting}-shot" if setting != "-" else task
-            lines.append(f"{label:<24} {shown}")
-    return "\n".join(lines)
-
-
-def write_json(path: str, payload: dict) -> None:
-    from mtnlg_lightning.outputs import atomic_write
-
-    with atomic_write(path, "w") as f:
-        f.write(json.dumps(payload, indent=1) + "\n")
-
-
-def run(args) -> dict:
-    from mtnlg_lightning.generate import load_model, pick_device, pick_dtype, resolve_tokenizer
-
-    check_args(args)
-    device = pick_device(args.device)
-    model, state = load_model(args.checkpoint, device, pick_dtype(args.dtype, device))
-    tokenizer = resolve_tokenizer(state, args.tokenizer)
-    started = time.perf_counter()
-    if args.harness_tasks:
-        from mtnlg_lightning.evaluation.harness import run_harness
-
-        names = [t.strip() for t in args.harness_tasks.split(",") if t.strip()]
-        found = run_harness(model, tokenizer, names, args.include_path, args.batch_size, limit=args.limit)
-        results = {task: {"-": metrics} for task, metrics in found.items()}
-    else:
-        scorer = Scorer(model, args.batch_size, progress=not args.no_progress)
-        results = {args.task: evaluate_task(scorer, tokenizer, args)}
-    settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
-    payload = {"results": results, "settings": settings, "seconds": time.perf_counter() - started}
-    print(table(results))
-    if args.output:
-        write_json(args.output, payload)
-        print(f"wrote {args.output}")
-    return payload
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    if args.strategy or args.devices:
-        from mtnlg_lightning.inference.runs import run_eval
+    from mtnlg_lightning.inference.runs import command_main, run_eval
 
-        return run_eval(args, argv)
-    try:
-        run(args)
-    except MTNLGError as error:
-        print(f"mtnlg-eval: error: {one_line(error)}", file=sys.stderr)
-        return 2
-    return 0
+    return command_main("mtnlg-eval", build_parser(), run, run_eval, argv)
 
 
 if __name__ == "__main__":

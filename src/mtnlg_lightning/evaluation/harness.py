@@ -15,7 +15,7 @@ from __future__ import annotations
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.generate import generate
+from mtnlg_lightning.inference.decode import generate
 
 
 def _lm_base():

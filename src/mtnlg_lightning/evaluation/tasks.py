@@ -16,11 +16,13 @@ import math
 import random
 import re
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.evaluation.data import read_documents, read_records
 from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
 
-TASKS = ("lambada", "hans", "perplexity")
 SHOT_SEPARATOR = "\n\n"
 HANS_TEMPLATE = "{sentence1}\nQuestion: {sentence2} True or False?\nAnswer:"
 HANS_ANSWERS = {"entailment": " True", "non-entailment": " False"}
@@ -124,3 +126,80 @@ def perplexity(scorer: Scorer, tokenizer, docs: list[str], stride: int | None = 
         "tokens": tokens,
         "documents": len(docs),
     }
+
+
+# ------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Task:
+    """A task of `mtnlg-eval --task` and `DownstreamEval`: the JSONL fields of its file (none: documents, a text
+    file or JSONL {text}), how one setting is scored, the check its records must pass, and the names its metrics
+    are logged under during training (a `_{k}shot` suffix is added for k > 0)."""
+
+    fields: tuple[str, ...]
+    evaluate: Callable  # (scorer, tokenizer, items, shots, fewshot items, seed, stride) -> metrics
+    logged: Callable[[dict], dict[str, float]]
+    check: Callable[[list[dict], str], None] | None = None
+
+
+def _lambada(scorer, tokenizer, records, shots, fewshot, seed, stride) -> dict:
+    pool = [r["text"] for r in fewshot] if fewshot is not None else None
+    return lambada(scorer, tokenizer, [r["text"] for r in records], shots, pool, seed)
+
+
+def _hans(scorer, tokenizer, records, shots, fewshot, seed, stride) -> dict:
+    return hans(scorer, tokenizer, records, shots, fewshot, seed)
+
+
+def _perplexity(scorer, tokenizer, docs, shots, fewshot, seed, stride) -> dict:
+    return perplexity(scorer, tokenizer, docs, stride)
+
+
+TASKS = {
+    "lambada": Task(("text",), _lambada, lambda m: {"lambada_acc": m["acc"], "lambada_ppl": m["perplexity"]}),
+    "hans": Task(
+        ("sentence1", "sentence2", "gold_label"),
+        _hans,
+        lambda m: {f"hans_{name}": v for name, v in m.items() if name.startswith("acc")},
+        check_hans,
+    ),
+    "perplexity": Task((), _perplexity, lambda m: {"perplexity_loss": m["loss"], "perplexity_ppl": m["perplexity"]}),
+}
+
+
+def check_task(name: str) -> Task:
+    if name not in TASKS:
+        raise MTNLGError(f"unknown task {name!r}; the known tasks are {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def run_task(
+    name: str,
+    scorer: Scorer,
+    tokenizer,
+    data: str,
+    shots: list[int] = (0,),
+    fewshot_data: str | None = None,
+    seed: int = 1234,
+    limit: int | None = None,
+    stride: int | None = None,
+) -> dict:
+    """The task's metrics per setting: {k: metrics} per number of shots, or {"-": metrics} for documents."""
+    task = check_task(name)
+    if not task.fields:
+        return {"-": task.evaluate(scorer, tokenizer, read_documents(data)[:limit], 0, None, seed, stride)}
+    records = read_records(data, task.fields)[:limit]
+    fewshot = read_records(fewshot_data, task.fields) if fewshot_data else None
+    if task.check is not None:
+        task.check(records, data)
+        if fewshot is not None:
+            task.check(fewshot, fewshot_data)
+    return {k: task.evaluate(scorer, tokenizer, records, k, fewshot, seed, stride) for k in shots}
+
+
+def logged_metrics(name: str, results: dict) -> dict[str, float]:
+    """`run_task`'s results as the metrics `DownstreamEval` logs (e.g. lambada_acc, lambada_ppl_1shot)."""
+    out = {}
+    for setting, metrics in results.items():
+        suffix = f"_{setting}shot" if setting not in ("-", 0) else ""
+        out |= {key + suffix: value for key, value in TASKS[name].logged(metrics).items()}
+    return out

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.engine import ShardedModel
+from mtnlg_lightning.inference.sampling import EOS, LENGTH, POSITIONS, Generation, sample
 from mtnlg_lightning.model import KVCache
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 
@@ -34,8 +35,6 @@ def generate_batch(
     seed: int | None = None,
 ):
     """Continue every prompt (token ids) in one batch on this replica; every rank of it returns the `Generation`."""
-    from mtnlg_lightning.generate import EOS, LENGTH, POSITIONS, Generation, sample
-
     limit, vocab = model.config.max_position_embeddings, model.config.vocab_size
     if model.sequence_parallel:
         raise MTNLGError("decoding cuts no sequence over TP: load the model without sequence_parallel to generate")
@@ -110,8 +109,6 @@ def generate_batch(
 def generate_over_replicas(model: ShardedModel, prompts: list[list[int]], **kwargs):
     """`generate_batch` with the prompts dealt over the data-parallel replicas; every rank returns every prompt's
     (tokens, stop reason) in order, and the slowest replica's seconds."""
-    from mtnlg_lightning.generate import Generation
-
     dp, rank = model.layout.data_parallel, model.groups.coord.dp
     mine = list(range(rank, len(prompts), dp))
     found = {}

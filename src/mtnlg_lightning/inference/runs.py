@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError, exit_status, one_line
 from mtnlg_lightning.inference.launch import (
     InferenceLayout,
     check_layout,
@@ -64,8 +64,8 @@ def load(plan_: Plan, device_arg: str, dtype_arg: str, decoding: bool = False):
     import torch.distributed as dist
 
     from mtnlg_lightning.checkpoint.format import TOKENIZER
-    from mtnlg_lightning.generate import pick_dtype
     from mtnlg_lightning.inference.engine import ShardedModel
+    from mtnlg_lightning.inference.load import pick_dtype
     from mtnlg_lightning.parallel.layout import ProcessGroups
 
     device = init_distributed(device_arg)
@@ -109,6 +109,16 @@ class SizeCheckedReader(_reader_base()):
         return super()._file(name)
 
 
+def command_main(prog: str, parser, run_one_process, run_in_layout, argv: list[str] | None) -> int:
+    """`mtnlg-eval` / `mtnlg-generate`: in a layout with --strategy or --devices, else in this process (a bad
+    input is one line and exit status 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if args.strategy or args.devices:
+        return run_in_layout(args, argv)
+    return exit_status(prog, lambda: run_one_process(args))
+
+
 def _fail(prog: str, error: Exception) -> int:
     if is_rank_zero():
         print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
@@ -117,20 +127,17 @@ def _fail(prog: str, error: Exception) -> int:
 
 # ------------------------------------------------------------------------------------------- mtnlg-eval
 def run_eval(args, argv: list[str]) -> int:
-    from mtnlg_lightning.evaluation import cli
+    from mtnlg_lightning.evaluation import evaluate as evaluation_run
 
     try:
-        cli.check_args(args)
+        evaluation_run.check_args(args)
         plan_ = plan(args.checkpoint, args.strategy, args.devices)
         if needs_launch(plan_.world_size):
             return launch_local("mtnlg_lightning.evaluation.cli", argv, plan_.world_size)
         model, tokenizer_path = load(plan_, args.device, args.dtype)
         payload = evaluate(model, plan_, args, tokenizer_path)
         if is_rank_zero():
-            print(cli.table(payload["results"]))
-            if args.output:
-                cli.write_json(args.output, payload)
-                print(f"wrote {args.output}")
+            evaluation_run.report(args, payload)
     except MTNLGError as error:
         return _fail("mtnlg-eval", error)
     finally:
@@ -140,26 +147,20 @@ def run_eval(args, argv: list[str]) -> int:
 
 def evaluate(model, plan_: Plan, args, tokenizer_path) -> dict:
     """The task's (or the harness tasks') results on every rank, with the settings and layout."""
-    from mtnlg_lightning.data.tokenizer import Tokenizer
-    from mtnlg_lightning.evaluation import cli
+    from mtnlg_lightning.evaluation import evaluate as evaluation_run
+    from mtnlg_lightning.inference.load import resolve_tokenizer
     from mtnlg_lightning.inference.scoring import PipelineScorer
 
-    path = args.tokenizer or tokenizer_path
-    if path is None:
-        raise MTNLGError("the checkpoint names no tokenizer: pass --tokenizer PATH (tokenizer.json or directory)")
-    tokenizer = Tokenizer(path)
+    tokenizer = resolve_tokenizer(tokenizer_path, args.tokenizer)
     started = time.perf_counter()
-    if args.harness_tasks:
-        from mtnlg_lightning.evaluation.harness import run_harness
-
-        names = [t.strip() for t in args.harness_tasks.split(",") if t.strip()]
-        found = run_harness(model, tokenizer, names, args.include_path, args.batch_size, limit=args.limit) or {}
-        results = {task: {"-": metrics} for task, metrics in found.items()}
-    else:
-        scorer = PipelineScorer(model, args.batch_size, args.micro_batch_size, progress=not args.no_progress)
-        results = {args.task: cli.evaluate_task(scorer, tokenizer, args)}
+    results = evaluation_run.evaluate(
+        args,
+        model,
+        tokenizer,
+        lambda: PipelineScorer(model, args.batch_size, args.micro_batch_size, progress=not args.no_progress),
+    )
     seconds = time.perf_counter() - started
-    settings = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    settings = evaluation_run.settings_of(args)
     settings["layout"] = plan_.layout.describe(plan_.world_size)
     return {"results": results, "settings": settings, "seconds": seconds, "stage_busy_fraction": busy_by_rank(model)}
 
@@ -196,8 +197,9 @@ PROMPTS_ENV = "MTNLG_GENERATE_PROMPTS"
 
 
 def read_prompts(prompt: str) -> list[str]:
-    """The prompts: `--prompt TEXT`, or one a line from stdin (`-`); ranks started by `--devices` cannot share the
-    launcher's stdin, so it hands them the lines it read (as JSON in an environment variable)."""
+    """The prompts: `--prompt TEXT`, or the non-empty lines of stdin (`-`; UTF-8, else one line); ranks started by
+    `--devices` cannot share the launcher's stdin, so it hands them the lines it read (as JSON in an environment
+    variable)."""
     import json
     import os
 
@@ -205,7 +207,15 @@ def read_prompts(prompt: str) -> list[str]:
         return [prompt]
     if PROMPTS_ENV in os.environ:
         return json.loads(os.environ[PROMPTS_ENV])
-    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise MTNLGError(f"stdin is not UTF-8 text (byte {error.start} is {data[error.start]:#04x})") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise MTNLGError("--prompt -: stdin holds no prompt (one a line)")
+    return prompts
 
 
 def _launch_with_prompts(module: str, argv: list[str], world_size: int, prompts: list[str], prompt: str) -> int:
@@ -223,12 +233,10 @@ def _launch_with_prompts(module: str, argv: list[str], world_size: int, prompts:
 
 
 def generate_and_print(model, args, prompts: list[str], tokenizer_path) -> None:
-    from mtnlg_lightning.data.tokenizer import Tokenizer
     from mtnlg_lightning.inference.generation import generate_over_replicas
+    from mtnlg_lightning.inference.load import resolve_tokenizer
 
-    tokenizer = Tokenizer(args.tokenizer or tokenizer_path) if (args.tokenizer or tokenizer_path) else None
-    if tokenizer is None:
-        raise MTNLGError("the checkpoint names no tokenizer: pass --tokenizer PATH (tokenizer.json or directory)")
+    tokenizer = resolve_tokenizer(tokenizer_path, args.tokenizer)
     batch = [tokenizer.encode(p) for p in prompts for _ in range(args.num_samples)]
     result = generate_over_replicas(
         model,

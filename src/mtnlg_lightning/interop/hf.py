@@ -85,6 +85,20 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     )
 
 
+# GPT-2 config keys written from the model config on export (the vocabulary is the tokenizer's; import reads the
+# same keys back in `read_hf_config`, with GPT-2's defaults for the optional ones).
+EXPORTED_FIELDS = {
+    "n_positions": "max_position_embeddings",
+    "n_embd": "hidden_size",
+    "n_layer": "num_layers",
+    "n_head": "num_heads",
+    "n_inner": "ffn_hidden_size",
+    "resid_pdrop": "hidden_dropout",
+    "embd_pdrop": "hidden_dropout",
+    "attn_pdrop": "attention_dropout",
+    "layer_norm_epsilon": "layernorm_eps",
+    "initializer_range": "init_std",
+}
 HF_REQUIRED = ("n_layer", "n_embd", "n_head", "vocab_size")
 HF_OPTIONAL_INTS = ("n_positions", "n_inner")
 HF_RATES = ("resid_pdrop", "attn_pdrop", "embd_pdrop")
@@ -220,17 +234,8 @@ def export_hf(
     specs = hf_tensor_specs(weights, config, vocab, DTYPES[dtype])
     hf_config = transformers.GPT2Config(
         vocab_size=vocab,
-        n_positions=config.max_position_embeddings,
-        n_embd=config.hidden_size,
-        n_layer=config.num_layers,
-        n_head=config.num_heads,
-        n_inner=config.ffn_hidden_size,
+        **{key: getattr(config, field) for key, field in EXPORTED_FIELDS.items()},
         activation_function="gelu_new",
-        resid_pdrop=config.hidden_dropout,
-        embd_pdrop=config.hidden_dropout,
-        attn_pdrop=config.attention_dropout,
-        layer_norm_epsilon=config.layernorm_eps,
-        initializer_range=config.init_std,
         bos_token_id=eod_id,
         eos_token_id=eod_id,
         tie_word_embeddings=True,
