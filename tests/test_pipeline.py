@@ -88,6 +88,12 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
     names = [s["name"] for s in report["stages"]]
     assert names == [
         "corpus",
+        "crawl",
+        "extract",
+        "language",
+        "quality-train",
+        "quality-score",
+        "quality",
         "dedup",
         "decontaminate",
         "tokenizer",
@@ -108,7 +114,29 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
     assert report["ok"] and all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 15
     stages = {s["name"]: s for s in report["stages"]}
     # documents out of one stage = documents into the next, re-read here from the files themselves
-    assert stages["dedup"]["documents_out"] == len(read_jsonl(out / "dedup" / "web.jsonl"))
+    for stage, folder in (("extract", "extract"), ("language", "language"), ("quality", "quality/kept")):
+        assert stages[stage]["documents_out"] == len(read_jsonl(out / folder / "crawl.jsonl"))
+    assert stages["language"]["documents_in"] == stages["extract"]["documents_out"]
+    assert stages["quality"]["documents_in"] == stages["language"]["documents_out"]
+    assert stages["dedup"]["documents_in"] == stages["quality"]["documents_out"]
+    assert stages["dedup"]["documents_out"] == len(read_jsonl(out / "dedup" / "crawl.jsonl"))
+    # the crawl stages scored against the planted truth, re-derived here from the files for the language filter
+    truth = read_jsonl(out / "raw" / "crawl.warc.gz.truth.jsonl")
+    assert sum(t["kind"] == "page" for t in truth) > stages["corpus"]["documents_out"]  # and foreign pages
+    english = {t["url"] for t in truth if t["kind"] == "page" and t["language"] == "en"}
+    extracted = {d["url"] for d in read_jsonl(out / "extract" / "crawl.jsonl")}
+    kept = {d["url"] for d in read_jsonl(out / "language" / "crawl.jsonl")} & {
+        t["url"] for t in truth if t["kind"] == "page"
+    }
+    scores = report["crawl_scores"]
+    assert scores["language"]["english_pages"]["precision"] == pytest.approx(len(kept & english) / len(kept), abs=1e-4)
+    assert scores["language"]["english_pages"]["recall"] == pytest.approx(
+        len(kept & english) / len(english & extracted), abs=1e-4
+    )
+    assert scores["extract"]["boilerplate_words_left"] <= 0.1 and scores["extract"]["body_words"]["precision"] >= 0.9
+    assert scores["language"]["english_pages"]["recall"] >= 0.95
+    assert scores["quality"]["pages_kept"]["precision"] >= 0.9 and scores["quality"]["junk_dropped"]["recall"] >= 0.9
+    assert "## The crawl stages against the planted truth" in (out / "report.md").read_text()
     assert stages["decontaminate"]["documents_in"] == stages["dedup"]["documents_out"]
     assert stages["preprocess-decontaminated"]["documents_out"] == stages["decontaminate"]["documents_out"]
     assert stages["preprocess-contaminated"]["documents_out"] == stages["dedup"]["documents_out"]
