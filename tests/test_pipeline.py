@@ -4,12 +4,21 @@ every real tool in order, whose report must reconcile its own counts."""
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
 from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.pipeline.crawl import (
+    CrawlSpec,
+    build_crawl,
+    read_truth,
+    score_extraction,
+    score_language,
+    score_quality,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,6 +67,49 @@ def test_planted_duplicates_are_exact_copies_or_above_the_dedup_threshold(smoke_
         assert jaccard == pytest.approx(dup["jaccard"], abs=1e-4)
         assert (docs[dup["id"]] == docs[dup["of"]]) == (dup["kind"] == "exact")
         assert jaccard > 0.8
+
+
+def test_the_crawl_serves_every_corpus_document_as_one_english_page_among_foreign_junk_and_broken_records(
+    smoke_corpus,
+):
+    out, summary = smoke_corpus
+    crawl = build_crawl(out, CrawlSpec.smoke(), seed=1)
+    truth = read_truth(out)
+    docs = {d["id"]: d["text"] for d in read_jsonl(out / "raw" / "web.jsonl")}
+    pages = {t["id"]: t for t in truth if t["kind"] == "page" and "id" in t}
+    assert sorted(pages) == sorted(docs) and all(pages[i]["language"] == "en" for i in pages)
+    for doc_id, text in docs.items():  # the page's body is the document's paragraphs
+        assert " ".join(" ".join(pages[doc_id]["body"]).split()) == " ".join(text.split())
+    kinds = Counter(t["kind"] for t in truth)
+    assert kinds["junk"] == round(0.15 * len(docs)) and kinds["broken"] == 5
+    assert {t["language"] for t in truth if t["kind"] == "page"} >= {"en", "de", "fr", "es"}
+    assert crawl["records"] == len(truth) and (out / "raw" / "crawl.warc.gz").stat().st_size == crawl["bytes"]
+    assert len(read_jsonl(out / "quality" / "train" / "positive.jsonl")) == CrawlSpec.smoke().classifier_documents
+
+
+def test_crawl_scores_count_what_they_say():
+    truth = [
+        {"url": "p1", "kind": "page", "language": "en", "title": "T", "body": ["a b c d"], "boilerplate": "x y"},
+        {"url": "p2", "kind": "page", "language": "en", "title": "T", "body": ["e f"], "boilerplate": "x y"},
+        {"url": "p3", "kind": "page", "language": "de", "title": "T", "body": ["g h"], "boilerplate": "x y"},
+        {"url": "j1", "kind": "junk"},
+        {"url": "j2", "kind": "junk"},
+    ]
+    extracted = [
+        {"url": "p1", "text": "T a b c x", "language": "en"},  # 3 of 4 body words, 1 boilerplate word of 2
+        {"url": "p3", "text": "g h", "language": "en"},  # named wrongly
+        {"url": "j1", "text": "buy", "language": "en"},
+    ]
+    ex = score_extraction(truth, extracted)
+    assert ex["documents"] == {"precision": round(2 / 3, 4), "recall": round(2 / 3, 4), "selected": 3, "relevant": 3}
+    assert ex["body_words"] == {"precision": round(5 / 6, 4), "recall": round(5 / 6, 4)}  # p1 4 words out, p3 2
+    assert ex["boilerplate_words_left"] == round(1 / 4, 4)
+    lang = score_language(truth, extracted, extracted)  # everything named en kept
+    assert lang["english_pages"]["precision"] == 0.5 and lang["english_pages"]["recall"] == 1.0
+    assert lang["identification_accuracy"] == 0.5 and lang["junk_passed"] == 1
+    q = score_quality(truth, extracted, extracted[:1])
+    assert q["pages_kept"]["precision"] == 1.0 and q["pages_kept"]["recall"] == 0.5
+    assert q["junk_dropped"]["recall"] == 1.0 and q["junk_dropped"]["precision"] == 0.5
 
 
 def test_a_non_empty_output_directory_is_refused_in_one_line(tmp_path):
