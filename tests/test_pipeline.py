@@ -8,7 +8,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from corpus_layouts import read_records
 
+from mtnlg_lightning.corpora import detect
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
 from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
 from mtnlg_lightning.pipeline.crawl import (
@@ -112,6 +114,16 @@ def test_crawl_scores_count_what_they_say():
     assert q["junk_dropped"]["recall"] == 1.0 and q["junk_dropped"]["precision"] == 0.5
 
 
+def test_no_crawl_starts_dedup_at_the_raw_jsonl_and_the_crawl_at_the_quality_filter(tmp_path):
+    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings
+
+    plain = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True, crawl=False))
+    assert plain.s.crawl is None and plain.curated == tmp_path / "raw" / "web.jsonl"
+    crawled = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True))
+    assert crawled.s.crawl == CrawlSpec.smoke() and crawled.curated == tmp_path / "quality" / "kept" / "crawl.jsonl"
+    assert (plain.zst, crawled.zst) == ("web.jsonl.zst", "crawl.jsonl.zst")
+
+
 def test_a_non_empty_output_directory_is_refused_in_one_line(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     proc = subprocess.run(
@@ -132,7 +144,7 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
         [sys.executable, str(REPO / "tools" / "pipeline.py"), str(out), "--smoke"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1500,  # ~1.5 min alone on 2 cores; a shared machine's load stretches it several times
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -171,7 +183,10 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
     assert stages["language"]["documents_in"] == stages["extract"]["documents_out"]
     assert stages["quality"]["documents_in"] == stages["language"]["documents_out"]
     assert stages["dedup"]["documents_in"] == stages["quality"]["documents_out"]
-    assert stages["dedup"]["documents_out"] == len(read_jsonl(out / "dedup" / "crawl.jsonl"))
+    # from dedup on the corpus travels as zstd JSON lines (each tool keeps its input's format)
+    for stage in ("dedup", "decontaminate"):
+        assert detect(str(out / stage / "crawl.jsonl.zst")).compression == "zstd"
+        assert stages[stage]["documents_out"] == len(read_records(out / stage / "crawl.jsonl.zst"))
     # the crawl stages scored against the planted truth, re-derived here from the files for the language filter
     truth = read_jsonl(out / "raw" / "crawl.warc.gz.truth.jsonl")
     assert sum(t["kind"] == "page" for t in truth) > stages["corpus"]["documents_out"]  # and foreign pages

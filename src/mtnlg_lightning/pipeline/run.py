@@ -64,6 +64,8 @@ class Pipeline:
         self.generation: dict = {}
         # the corpus as the first curation tool gets it: the crawl stages' output, or the raw JSON lines
         self.shard = crawl_stages.SHARD if settings.crawl else "web.jsonl"
+        # dedup on, the corpus travels as zstd JSON lines, as The Pile ships: each tool keeps its input's format
+        self.zst = self.shard + ".zst"
         self.curated = self.out / "quality" / "kept" / self.shard if settings.crawl else self.out / "raw" / "web.jsonl"
         self.url_ids: dict[str, str] = {}  # crawl: url -> corpus document id
 
@@ -280,20 +282,21 @@ class Pipeline:
 
     def corpus_ids(self, path: Path) -> set[str]:
         """The corpus document ids of a JSONL file (through the page urls when the corpus came as a crawl)."""
-        with open(path, encoding="utf-8") as f:
-            docs = [json.loads(line) for line in f]
+        docs = list(records_of(path))
         if self.s.crawl:
             return {self.url_ids[d["url"]] for d in docs if d["url"] in self.url_ids}
         return {d["id"] for d in docs}
 
     def dedup(self) -> None:
         out = self.out / "dedup"
-        record, _ = self.stage("dedup", "mtnlg-dedup", self.curated, "--output-dir", out, "--quiet")
+        record, _ = self.stage(
+            "dedup", "mtnlg-dedup", self.curated, "--output-dir", out, "--output-compression", "zstd", "--quiet"
+        )
         totals = read_json(out / "report.json")["totals"]
-        kept, removed = count_lines(out / self.shard), count_lines(out / "duplicates.jsonl")
+        kept, removed = count_lines(out / self.zst), count_lines(out / "duplicates.jsonl")
         record.documents_in, record.documents_out = totals["docs_in"], totals["docs_out"]
         previous = self.records[-2]
-        record.bytes_in, record.bytes_out = previous.bytes_out, text_bytes(out / self.shard)
+        record.bytes_in, record.bytes_out = previous.bytes_out, text_bytes(out / self.zst)
         record.details = {
             "exact_removed": totals["exact_duplicates_removed"],
             "near_removed": totals["near_duplicates_removed"],
@@ -313,7 +316,7 @@ class Pipeline:
             f"{record.documents_out} out, {kept} kept lines, {removed} duplicate lines",
         )
         truth = read_json(self.out / "raw" / "ground_truth.json")
-        into, kept_ids = self.corpus_ids(self.curated), self.corpus_ids(out / self.shard)
+        into, kept_ids = self.corpus_ids(self.curated), self.corpus_ids(out / self.zst)
         # the pairs whose both documents reached dedup (through extraction and the filters, with the crawl)
         pairs = [d for d in truth["duplicates"] if d["jaccard"] >= 0.8 and {d["id"], d["of"]} <= into]
         resolved = sum((d["id"] in kept_ids) != (d["of"] in kept_ids) for d in pairs)
@@ -333,10 +336,18 @@ class Pipeline:
         )
 
     def decontaminate(self) -> None:
-        src, out = self.out / "dedup" / self.shard, self.out / "decontaminate" / self.shard
+        src, out = self.out / "dedup" / self.zst, self.out / "decontaminate" / self.zst
         tasks = self.out / "eval" / "evalset.jsonl"
         record, _ = self.stage(
-            "decontaminate", "mtnlg-decontaminate", "--tasks", tasks, "--input", src, "--output", out, "--quiet"
+            "decontaminate",
+            "mtnlg-decontaminate",
+            "--tasks",
+            tasks,
+            "--input",
+            src,
+            "--output-dir",
+            out.parent,
+            "--quiet",
         )
         rep = read_json(out.parent / "report.json")
         docs = rep["documents"]
@@ -363,7 +374,7 @@ class Pipeline:
 
     def tokenize(self) -> None:
         tok_dir = self.out / "tokenizer"
-        clean = self.out / "decontaminate" / self.shard
+        clean = self.out / "decontaminate" / self.zst
         record, _ = self.stage(
             "tokenizer", "train_tokenizer.py", "--input", clean, "--vocab-size", self.s.vocab_size, "--output", tok_dir
         )
@@ -373,7 +384,7 @@ class Pipeline:
         self.done(record)
         self.tokenizer = tok_dir / "tokenizer.json"
         for run, upstream in (("contaminated", "dedup"), ("decontaminated", "decontaminate")):
-            source, prefix = self.out / upstream / self.shard, self.out / "data" / run
+            source, prefix = self.out / upstream / self.zst, self.out / "data" / run
             record, _ = self.stage(
                 f"preprocess-{run}",
                 "preprocess_data.py",
@@ -529,10 +540,9 @@ class Pipeline:
         truth = read_json(self.out / "raw" / "ground_truth.json")
         planted = set().union(*(ngram_set(p) for p in truth["planted_passages"]))
         counts = {}
-        sources = (("dedup_input", self.curated), ("contaminated", self.out / "dedup" / self.shard))
-        for run, path in (*sources, ("decontaminated", self.out / "decontaminate" / self.shard)):
-            with open(path, encoding="utf-8") as f:
-                counts[run] = sum(bool(ngram_set(json.loads(line)["text"]) & planted) for line in f)
+        sources = (("dedup_input", self.curated), ("contaminated", self.out / "dedup" / self.zst))
+        for run, path in (*sources, ("decontaminated", self.out / "decontaminate" / self.zst)):
+            counts[run] = sum(bool(ngram_set(r["text"]) & planted) for r in records_of(path))
             if run in self.experiment:
                 self.experiment[run]["documents_with_planted_text"] = counts[run]
         # with the crawl, a host page can lose its planted paragraph in extraction, or the whole page in a filter
@@ -560,15 +570,23 @@ class Pipeline:
         return get_config(model["preset"], **(model.get("model_overrides") or {})).seq_len
 
 
+def records_of(path: Path):
+    """The records of a JSON-lines file, plain, gzip or zstd (told from its bytes, as the tools do)."""
+    from mtnlg_lightning.corpora import detect
+    from mtnlg_lightning.corpora.readers import iter_raw
+
+    for _, line in iter_raw(str(path), detect(str(path))):
+        yield json.loads(line)
+
+
 def count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
+    """Records of a JSON-lines file (any compression)."""
+    return sum(1 for _ in records_of(path))
 
 
 def text_bytes(path: Path) -> int:
     """UTF-8 bytes of the `text` fields of a JSONL file (what the next stage reads, without the JSON framing)."""
-    with open(path, encoding="utf-8") as f:
-        return sum(len(json.loads(line)["text"].encode("utf-8")) for line in f)
+    return sum(len(r["text"].encode("utf-8")) for r in records_of(path))
 
 
 def read_json(path: Path) -> dict:
