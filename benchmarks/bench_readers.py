@@ -189,19 +189,29 @@ def child_run(cmd: list[str], log: str) -> tuple[float, float, float]:
 child_run.cpu_so_far = 0.0
 
 
-def bench_big(dedup_gb: float, preprocess_gb: float, tok_dir: str, tmp: str) -> dict:
+def bench_big(dedup_gb: float, preprocess_gb: float, tok_dir: str, tmp: str, keep: str | None = None) -> dict:
     """Peak RSS of dedup on ``dedup_gb`` and a quarter of it, and of preprocessing (2 workers) on
-    ``preprocess_gb`` and a quarter of it (all prefixes of one generated stream)."""
+    ``preprocess_gb`` and a quarter of it (all prefixes of one generated stream). A size of 0 skips that tool.
+    ``keep``: a folder where the corpora are kept, and found again by a later run (generation is seeded)."""
     gb = {
         "dedup-quarter": dedup_gb / 4,
         "dedup-full": dedup_gb,
         "pre-quarter": preprocess_gb / 4,
         "pre-full": preprocess_gb,
     }
-    paths = {k: os.path.join(tmp, f"{k}.jsonl.zst") for k in gb}
+    gb = {k: v for k, v in gb.items() if v > 0}
+    folder = keep or tmp
+    os.makedirs(folder, exist_ok=True)
+    paths = {k: os.path.join(folder, f"{k}-{v:g}GB.jsonl.zst") for k, v in gb.items()}
     t0 = time.perf_counter()
-    made = write_big({paths[k]: v for k, v in gb.items()}, seed=7)
-    print(f"  generated in {time.perf_counter() - t0:.0f} s")
+    made = {p: tuple(json.load(open(p + ".json"))) for p in paths.values() if os.path.exists(p + ".json")}
+    missing = {paths[k]: v for k, v in gb.items() if paths[k] not in made}
+    if missing:
+        made |= write_big(missing, seed=7)
+        for p in missing:
+            with open(p + ".json", "w") as f:  # written last: the corpus beside it is complete
+                json.dump(made[p], f)
+    print(f"  generated in {time.perf_counter() - t0:.0f} s ({len(gb) - len(missing)} of {len(gb)} kept from before)")
     result = {}
     for k, path in paths.items():
         nbytes, docs = made[path]
@@ -229,7 +239,8 @@ def bench_big(dedup_gb: float, preprocess_gb: float, tok_dir: str, tmp: str) -> 
             f" {wall:6.0f} s wall, {cpu:6.0f} CPU-s, {rate}, peak RSS {rss:5.0f} MB"
         )
         result[k] = {"json_bytes": nbytes, "docs": docs, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss}
-        os.unlink(path)
+        if not keep:
+            os.unlink(path)
         shutil.rmtree(out, ignore_errors=True)
         for suffix in (".bin", ".idx"):
             if os.path.exists(out + suffix):
@@ -244,7 +255,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained for the preprocessing runs")
     ap.add_argument("--big-gb", type=float, default=0.0, help="size of the large-corpus dedup run (0: skip)")
     ap.add_argument(
-        "--big-preprocess-gb", type=float, default=None, help="size of the preprocessing run (default: --big-gb)"
+        "--big-preprocess-gb",
+        type=float,
+        default=None,
+        help="size of the preprocessing run (default: --big-gb; 0: skip)",
+    )
+    ap.add_argument(
+        "--big-keep",
+        metavar="DIR",
+        help="keep the large corpora in DIR (and use the ones a previous run left there) instead of deleting them",
     )
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
@@ -280,10 +299,10 @@ def main() -> None:
             f" {p['plain_vs_ceiling']:.3f}"
         )
         figures.update(docs=args.docs, sizes_mb=sizes, dedup=d, preprocess=p)
-    if args.big_gb:
-        pre_gb = args.big_preprocess_gb or args.big_gb
+    if args.big_gb or args.big_preprocess_gb:
+        pre_gb = args.big_gb if args.big_preprocess_gb is None else args.big_preprocess_gb
         print(f"\n## 3. large corpora as .jsonl.zst: dedup {args.big_gb} GB, preprocessing {pre_gb} GB, and quarters")
-        figures["big"] = bench_big(args.big_gb, pre_gb, tok_dir, tmp)
+        figures["big"] = bench_big(args.big_gb, pre_gb, tok_dir, tmp, args.big_keep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -94,12 +94,62 @@ def test_decontaminate_reads_every_format(layout, decontam_data, tmp_path):
     inp = write_layout(layout, tmp_path, [train, train[:1]])[0]
     out, report = _decontaminate(tmp_path, inp, task_file)
     assert report["documents"] == ref_report["documents"] and report["documents"]["split"] > 0
-    assert report["hits"]["list"] == ref_report["hits"]["list"]
+    assert [h.pop("file") for h in report["hits"]["list"]] == [inp] * len(report["hits"]["list"])  # file and line
+    assert report["hits"]["list"] == [{k: v for k, v in h.items() if k != "file"} for h in ref_report["hits"]["list"]]
     assert detect(str(out)) == detect(inp)  # the input's format and compression
     if detect(inp).kind == "jsonl":
         assert decompressed(out) == ref_out.read_bytes()
     else:
         assert read_records(out) == read_records(ref_out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decontaminate_writes_one_output_per_input_in_its_format(layout, decontam_data, tmp_path):
+    """--output-dir: each input file's records come out under its name, in its format and compression, and
+    together they are exactly the one-file run over the same records (n-grams counted over all inputs); every hit
+    names its file and its line there."""
+    from mtnlg_lightning.curation import decontaminate_cli
+
+    train, task_file, _ = decontam_data
+    halves = [train[:25], train[25:]]
+    single = write_layout("plain", tmp_path / "one", [train, train[:1]])[0]
+    ref_out, ref_report = _decontaminate(tmp_path / "one", single, task_file)
+    inputs = write_layout(layout, tmp_path / "in", halves)
+    out = tmp_path / "out"
+    args = ["--tasks", task_file, "--input", *inputs, "--output-dir", str(out), "-q", "--workers", "2"]
+    assert decontaminate_cli.main([*args, "--shard-mb", "1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    files, outputs = report["input_files"], [Path(o) for o in report["settings"]["outputs"]]
+    assert len(files) == 2 and sorted(outputs) == _outputs(out)  # one output per input file, nothing else
+    assert report["documents"] == ref_report["documents"] and report["documents"]["split"] > 0
+    assert {h["file"] for h in report["hits"]["list"]} == set(files)  # planted documents in both files
+    for hit, ref in zip(report["hits"]["list"], ref_report["hits"]["list"], strict=True):
+        offset = len(halves[0]) if hit["file"] == files[1] else 0  # lines are numbered within each file
+        assert (hit["line"] + offset, hit["id"], hit["ngrams"]) == (ref["line"], ref["id"], ref["ngrams"])
+    records, plain = [], b""
+    for inp, o in zip(files, outputs, strict=True):
+        assert detect(str(o)) == detect(inp)  # the input's format and compression
+        records += read_records(o)
+        plain += decompressed(o) if detect(inp).kind == "jsonl" else b""
+    assert records == read_records(ref_out)
+    if all(detect(f).kind == "jsonl" for f in files):
+        assert plain == ref_out.read_bytes()  # byte-identical to the one-file run
+
+
+def test_decontaminate_output_compression_and_one_line_errors(decontam_data, tmp_path, capsys):
+    from mtnlg_lightning.curation import decontaminate_cli
+
+    train, task_file, _ = decontam_data
+    inputs = write_layout("plain", tmp_path / "in", [train[:25], train[25:]])
+    out = tmp_path / "out"
+    base = ["--tasks", task_file, "--input", *inputs, "-q"]
+    assert decontaminate_cli.main([*base, "--output-dir", str(out), "--output-compression", "zstd"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["a.jsonl.zst", "b.jsonl.zst", "report.json"]
+    assert all(detect(str(p)).compression == "zstd" for p in out.glob("*.zst"))
+    assert decontaminate_cli.main([*base, "--output", str(tmp_path / "one.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names 2 files" in err[0] and "--output-dir" in err[0]
+    assert not (tmp_path / "one.jsonl").exists()
 
 
 @pytest.fixture(scope="module")

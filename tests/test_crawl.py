@@ -319,6 +319,16 @@ def test_heuristic_counts_add_up_and_thresholds_change_without_re_measuring(labe
     assert f1["kept"] > report["passing_every_rule"]  # looser thresholds keep more
 
 
+def test_the_language_filter_keeps_the_named_languages_without_re_extracting(crawl, tmp_path):
+    extracted = crawl["root"] / "out" / "crawl.jsonl"
+    assert quality_cli.main(["filter", str(extracted), "-o", str(tmp_path / "en"), "--languages", "en,de", "-q"]) == 0
+    kept = read_jsonl(tmp_path / "en" / "crawl.jsonl")
+    assert kept == [d for d in crawl["docs"] if d["language"] in ("en", "de")]  # same records, same order
+    assert {d["language"] for d in kept} == {"en", "de"}
+    report = json.loads((tmp_path / "en" / "quality_filter_report.json").read_text())
+    assert report["dropped_by"] == {"language": len(crawl["docs"]) - len(kept)} and report["languages"] == ["en", "de"]
+
+
 def test_quality_bad_input_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\nnot json\n')

@@ -4,12 +4,23 @@ every real tool in order, whose report must reconcile its own counts."""
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from corpus_layouts import read_records
 
+from mtnlg_lightning.corpora import detect
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
 from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.pipeline.crawl import (
+    CrawlSpec,
+    build_crawl,
+    read_truth,
+    score_extraction,
+    score_language,
+    score_quality,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,6 +71,59 @@ def test_planted_duplicates_are_exact_copies_or_above_the_dedup_threshold(smoke_
         assert jaccard > 0.8
 
 
+def test_the_crawl_serves_every_corpus_document_as_one_english_page_among_foreign_junk_and_broken_records(
+    smoke_corpus,
+):
+    out, summary = smoke_corpus
+    crawl = build_crawl(out, CrawlSpec.smoke(), seed=1)
+    truth = read_truth(out)
+    docs = {d["id"]: d["text"] for d in read_jsonl(out / "raw" / "web.jsonl")}
+    pages = {t["id"]: t for t in truth if t["kind"] == "page" and "id" in t}
+    assert sorted(pages) == sorted(docs) and all(pages[i]["language"] == "en" for i in pages)
+    for doc_id, text in docs.items():  # the page's body is the document's paragraphs
+        assert " ".join(" ".join(pages[doc_id]["body"]).split()) == " ".join(text.split())
+    kinds = Counter(t["kind"] for t in truth)
+    assert kinds["junk"] == round(0.15 * len(docs)) and kinds["broken"] == 5
+    assert {t["language"] for t in truth if t["kind"] == "page"} >= {"en", "de", "fr", "es"}
+    assert crawl["records"] == len(truth) and (out / "raw" / "crawl.warc.gz").stat().st_size == crawl["bytes"]
+    assert len(read_jsonl(out / "quality" / "train" / "positive.jsonl")) == CrawlSpec.smoke().classifier_documents
+
+
+def test_crawl_scores_count_what_they_say():
+    truth = [
+        {"url": "p1", "kind": "page", "language": "en", "title": "T", "body": ["a b c d"], "boilerplate": "x y"},
+        {"url": "p2", "kind": "page", "language": "en", "title": "T", "body": ["e f"], "boilerplate": "x y"},
+        {"url": "p3", "kind": "page", "language": "de", "title": "T", "body": ["g h"], "boilerplate": "x y"},
+        {"url": "j1", "kind": "junk"},
+        {"url": "j2", "kind": "junk"},
+    ]
+    extracted = [
+        {"url": "p1", "text": "T a b c x", "language": "en"},  # 3 of 4 body words, 1 boilerplate word of 2
+        {"url": "p3", "text": "g h", "language": "en"},  # named wrongly
+        {"url": "j1", "text": "buy", "language": "en"},
+    ]
+    ex = score_extraction(truth, extracted)
+    assert ex["documents"] == {"precision": round(2 / 3, 4), "recall": round(2 / 3, 4), "selected": 3, "relevant": 3}
+    assert ex["body_words"] == {"precision": round(5 / 6, 4), "recall": round(5 / 6, 4)}  # p1 4 words out, p3 2
+    assert ex["boilerplate_words_left"] == round(1 / 4, 4)
+    lang = score_language(truth, extracted, extracted)  # everything named en kept
+    assert lang["english_pages"]["precision"] == 0.5 and lang["english_pages"]["recall"] == 1.0
+    assert lang["identification_accuracy"] == 0.5 and lang["junk_passed"] == 1
+    q = score_quality(truth, extracted, extracted[:1])
+    assert q["pages_kept"]["precision"] == 1.0 and q["pages_kept"]["recall"] == 0.5
+    assert q["junk_dropped"]["recall"] == 1.0 and q["junk_dropped"]["precision"] == 0.5
+
+
+def test_no_crawl_starts_dedup_at_the_raw_jsonl_and_the_crawl_at_the_quality_filter(tmp_path):
+    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings
+
+    plain = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True, crawl=False))
+    assert plain.s.crawl is None and plain.curated == tmp_path / "raw" / "web.jsonl"
+    crawled = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True))
+    assert crawled.s.crawl == CrawlSpec.smoke() and crawled.curated == tmp_path / "quality" / "kept" / "crawl.jsonl"
+    assert (plain.zst, crawled.zst) == ("web.jsonl.zst", "crawl.jsonl.zst")
+
+
 def test_a_non_empty_output_directory_is_refused_in_one_line(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     proc = subprocess.run(
@@ -80,7 +144,7 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
         [sys.executable, str(REPO / "tools" / "pipeline.py"), str(out), "--smoke"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1500,  # ~1.5 min alone on 2 cores; a shared machine's load stretches it several times
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -88,6 +152,12 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
     names = [s["name"] for s in report["stages"]]
     assert names == [
         "corpus",
+        "crawl",
+        "extract",
+        "language",
+        "quality-train",
+        "quality-score",
+        "quality",
         "dedup",
         "decontaminate",
         "tokenizer",
@@ -108,7 +178,32 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
     assert report["ok"] and all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 15
     stages = {s["name"]: s for s in report["stages"]}
     # documents out of one stage = documents into the next, re-read here from the files themselves
-    assert stages["dedup"]["documents_out"] == len(read_jsonl(out / "dedup" / "web.jsonl"))
+    for stage, folder in (("extract", "extract"), ("language", "language"), ("quality", "quality/kept")):
+        assert stages[stage]["documents_out"] == len(read_jsonl(out / folder / "crawl.jsonl"))
+    assert stages["language"]["documents_in"] == stages["extract"]["documents_out"]
+    assert stages["quality"]["documents_in"] == stages["language"]["documents_out"]
+    assert stages["dedup"]["documents_in"] == stages["quality"]["documents_out"]
+    # from dedup on the corpus travels as zstd JSON lines (each tool keeps its input's format)
+    for stage in ("dedup", "decontaminate"):
+        assert detect(str(out / stage / "crawl.jsonl.zst")).compression == "zstd"
+        assert stages[stage]["documents_out"] == len(read_records(out / stage / "crawl.jsonl.zst"))
+    # the crawl stages scored against the planted truth, re-derived here from the files for the language filter
+    truth = read_jsonl(out / "raw" / "crawl.warc.gz.truth.jsonl")
+    assert sum(t["kind"] == "page" for t in truth) > stages["corpus"]["documents_out"]  # and foreign pages
+    english = {t["url"] for t in truth if t["kind"] == "page" and t["language"] == "en"}
+    extracted = {d["url"] for d in read_jsonl(out / "extract" / "crawl.jsonl")}
+    kept = {d["url"] for d in read_jsonl(out / "language" / "crawl.jsonl")} & {
+        t["url"] for t in truth if t["kind"] == "page"
+    }
+    scores = report["crawl_scores"]
+    assert scores["language"]["english_pages"]["precision"] == pytest.approx(len(kept & english) / len(kept), abs=1e-4)
+    assert scores["language"]["english_pages"]["recall"] == pytest.approx(
+        len(kept & english) / len(english & extracted), abs=1e-4
+    )
+    assert scores["extract"]["boilerplate_words_left"] <= 0.1 and scores["extract"]["body_words"]["precision"] >= 0.9
+    assert scores["language"]["english_pages"]["recall"] >= 0.95
+    assert scores["quality"]["pages_kept"]["precision"] >= 0.9 and scores["quality"]["junk_dropped"]["recall"] >= 0.9
+    assert "## The crawl stages against the planted truth" in (out / "report.md").read_text()
     assert stages["decontaminate"]["documents_in"] == stages["dedup"]["documents_out"]
     assert stages["preprocess-decontaminated"]["documents_out"] == stages["decontaminate"]["documents_out"]
     assert stages["preprocess-contaminated"]["documents_out"] == stages["dedup"]["documents_out"]

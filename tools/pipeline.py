@@ -1,18 +1,24 @@
 #!/usr/bin/env python
-"""End to end as in the paper, offline: raw text -> dedup -> decontaminate -> tokenize -> train -> evaluate ->
-export -> generate, with the contamination experiment in miniature (docs/pipeline.md).
+"""End to end as in the paper, offline: a web crawl -> extract -> language -> quality -> dedup -> decontaminate ->
+tokenize -> train -> evaluate -> export -> generate, with the contamination experiment in miniature
+(docs/pipeline.md).
 
     bash scripts/pipeline.sh [OUT_DIR]            # = python tools/pipeline.py [OUT_DIR] (default runs/pipeline)
     python tools/pipeline.py /tmp/p --smoke       # the reduced run of the test suite (tiny model, ~1-2 min)
 
 Builds a web-like corpus of real English prose (the Python standard library's docstrings cut into pages, with
-planted exact and near duplicates and planted copies of half of an evaluation set's cloze passages), then runs
+planted exact and near duplicates and planted copies of half of an evaluation set's cloze passages), serves it as
+a web crawl (raw/crawl.warc.gz: every document an English page in a site's boilerplate, beside pages in seven other
+languages, junk pages, non-HTML payloads and broken records, the truth written beside it), then runs mtnlg-extract,
+mtnlg-quality filter --languages en, mtnlg-quality train/score/filter (classifier and Gopher/C4 rules),
 mtnlg-dedup, mtnlg-decontaminate (the evaluation set as the task), tools/train_tokenizer.py,
 tools/preprocess_data.py (once per corpus), mtnlg fit twice (A: deduplicated, planted text left in;
 B: decontaminated; same model, seed and steps), mtnlg-eval on the planted and the control passages for both,
 mtnlg-export-hf of B and mtnlg-generate from the export. Each stage prints one line; every tool's output is in
-OUT_DIR/logs. Writes OUT_DIR/report.json, report.md and report.png; the report checks that the counts reconcile
-from stage to stage. Exit status: 0 all checks passed, 1 a check failed, 2 a stage failed or bad arguments.
+OUT_DIR/logs. Writes OUT_DIR/report.json, report.md and report.png: documents and bytes in and out of every stage,
+precision and recall of extraction, the language filter and the quality filter against the planted truth, and
+checks that the counts reconcile from stage to stage. Exit status: 0 all checks passed, 1 a check failed, 2 a stage
+failed or bad arguments. --no-crawl starts from raw/web.jsonl, as before the crawl stages.
 """
 
 import argparse
@@ -55,6 +61,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--seed", type=int, default=None, help="seed of the corpus: selection, planting, copies (default 1234)"
     )
+    p.add_argument(
+        "--no-crawl",
+        action="store_true",
+        help="start from the raw corpus as JSON lines (raw/web.jsonl), without the crawl stages",
+    )
     p.add_argument("--prompt", default="The file is opened", help="the prompt of the generation stage")
     p.add_argument("--no-plot", action="store_true", help="skip report.png (needs matplotlib: the [plot] extra)")
     p.add_argument(
@@ -73,6 +84,7 @@ def main(argv=None) -> int:
         settings = PipelineSettings.for_run(
             args.out_dir,
             smoke=args.smoke,
+            crawl=not args.no_crawl,
             steps=args.steps,
             plant_copies=args.plant_copies,
             eval_passages=args.eval_passages,

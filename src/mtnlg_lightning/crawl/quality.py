@@ -224,9 +224,11 @@ def filter_documents(
     rule_settings: dict | None = None,
     text_key="text",
     progress=True,
+    languages: tuple[str, ...] = (),
 ) -> dict:
     """Keep the documents that pass every criterion given: ``quality_score >= threshold``; GPT-3's Pareto rule;
-    every heuristic rule of ``rule_settings`` (re-applied to the stored signals, measured here when absent).
+    every heuristic rule of ``rule_settings`` (re-applied to the stored signals, measured here when absent); a
+    ``language`` (from mtnlg-extract) among ``languages`` when any are given.
     Report: documents dropped by each criterion (a document failing several counts under each) and in total
     (once)."""
     check_io(inputs, output_dir)
@@ -236,11 +238,15 @@ def filter_documents(
         dropped_by["below_threshold"] = 0
     if pareto_alpha is not None:
         dropped_by["pareto"] = 0
+    if languages:
+        dropped_by["language"] = 0
     for name in rule_settings or {}:
         dropped_by[f"rule:{name}"] = 0
 
     def transform(record, text):
         reasons = []
+        if languages and record.get("language") not in languages:
+            reasons.append("language")
         if threshold is not None or pareto_alpha is not None:
             s = record.get(SCORE_KEY)
             if not isinstance(s, int | float):
@@ -270,6 +276,7 @@ def filter_documents(
         dropped_by=dict(dropped_by),
         threshold=threshold,
         pareto_alpha=pareto_alpha,
+        languages=list(languages),
         seed=seed,
         rules=rule_settings,
     )

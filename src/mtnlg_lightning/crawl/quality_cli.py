@@ -44,6 +44,13 @@ def _fraction(value: str) -> float:
     return v
 
 
+def _languages(value: str) -> tuple[str, ...]:
+    codes = tuple(c.strip() for c in value.split(",") if c.strip())
+    if not codes:
+        raise argparse.ArgumentTypeError(f"expected ISO 639-1 codes separated by commas, e.g. en,de; got {value!r}")
+    return codes
+
+
 def _positive_float(value: str) -> float:
     try:
         v = float(value)
@@ -176,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--seed", type=int, default=0, help="seed of the Pareto draws")
     f.add_argument("--heuristics", action="store_true", help="drop documents failing an enabled heuristic rule")
+    f.add_argument(
+        "--languages",
+        type=_languages,
+        default=(),
+        metavar="en,de,...",
+        help="keep only documents whose 'language' (ISO 639-1, from mtnlg-extract) is one of these: the language "
+        "filter re-run without re-extracting",
+    )
     _add_rules(f)
     return p
 
@@ -200,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = None
     if args.command == "annotate" or (args.command == "filter" and args.heuristics):
         settings = _rule_settings(args, parser)
-    if args.command == "filter" and args.threshold is None and args.pareto is None and not args.heuristics:
-        parser.error("filter needs at least one of --threshold, --pareto, --heuristics")
+    if args.command == "filter" and not (
+        args.threshold is not None or args.pareto is not None or args.heuristics or args.languages
+    ):
+        parser.error("filter needs at least one of --threshold, --pareto, --heuristics, --languages")
     if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
         try:
             require_extra("crawl", f"{PROG} {args.command}")
@@ -248,7 +265,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  scores by tenths 0.0..1.0: {r['score_histogram_tenths']}")
         else:
             r = quality.filter_documents(
-                args.inputs, args.output_dir, args.threshold, args.pareto, args.seed, settings, args.text_key, progress
+                args.inputs,
+                args.output_dir,
+                args.threshold,
+                args.pareto,
+                args.seed,
+                settings,
+                args.text_key,
+                progress,
+                args.languages,
             )
             print(f"{PROG} filter: kept {r['kept']} of {r['documents']} documents, dropped {r['dropped']}")
             _print_counts("dropped by (a document failing several counts under each):", r["dropped_by"], r["documents"])

@@ -313,29 +313,37 @@ def _raw_record(url: str, block: bytes) -> bytes:
     return head + block + b"\r\n\r\n"
 
 
-def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> list[dict]:
+def write_synthetic_warc(
+    path: str | Path, spec: CrawlSpec = CrawlSpec(), english_pages: list[dict] | None = None
+) -> list[dict]:
     """Write a gzip WARC (``path``) and its truth (``path`` + ``.truth.jsonl``); return the truth records.
 
     Truth ``kind``: ``page`` (a good page: ``language``, ``body`` paragraphs, ``boilerplate`` text), ``junk``,
-    ``not_html``, ``not_2xx``, ``broken`` (with the ``reason`` the extractor should count)."""
-    from warcio.warcwriter import WARCWriter  # optional extra [crawl]: imported on use
+    ``not_html``, ``not_2xx``, ``broken`` (with the ``reason`` the extractor should count).
+
+    ``english_pages`` ({"id", "title", "body": [paragraphs]}, e.g. the documents of a planted corpus) replace the
+    ``spec.english_pages`` pages cut from the standard library; their truth records keep the ``id``."""
+    from warcio.warcwriter import WARCWriter
 
     rng = np.random.default_rng(spec.seed)
-    lo, hi = spec.paragraphs_per_page
-    paragraphs = english_paragraphs(spec.english_pages * hi)
-    pages: list[tuple[str, str, list[str]]] = []  # (language, title, body)
-    cursor = 0
-    for _ in range(spec.english_pages):
-        n = int(rng.integers(lo, hi + 1))
-        chunk = paragraphs[cursor : cursor + n]
-        cursor += n
-        if chunk:
-            pages.append(("en", f"Notes on the {chunk[0][0]} module", [p for _, p in chunk]))
+    pages: list[tuple[str, str, list[str], str | None]] = []  # (language, title, body, id)
+    if english_pages is None:
+        lo, hi = spec.paragraphs_per_page
+        paragraphs = english_paragraphs(spec.english_pages * hi)
+        cursor = 0
+        for _ in range(spec.english_pages):
+            n = int(rng.integers(lo, hi + 1))
+            chunk = paragraphs[cursor : cursor + n]
+            cursor += n
+            if chunk:
+                pages.append(("en", f"Notes on the {chunk[0][0]} module", [p for _, p in chunk], None))
+    else:
+        pages += [("en", p["title"], list(p["body"]), p["id"]) for p in english_pages]
     for lang, paras in FOREIGN_PARAGRAPHS.items():
         for _ in range(spec.pages_per_language):
             order = rng.permutation(len(paras))[: int(rng.integers(2, len(paras) + 1))]
             body = [paras[i] for i in order]
-            pages.append((lang, " ".join(body[0].split()[:6]), body))
+            pages.append((lang, " ".join(body[0].split()[:6]), body, None))
 
     buf = io.BytesIO()
     writer = WARCWriter(buf, gzip=True)
@@ -358,11 +366,12 @@ def write_synthetic_warc(path: str | Path, spec: CrawlSpec = CrawlSpec()) -> lis
         kind, what = events[i]
         url = f"https://site{n % 17}.example/{spec.seed}/{kind}/{n}"
         if kind == "page":
-            lang, title, body = what
+            lang, title, body, page_id = what
             html, boilerplate = page_html(lang, title, body, rng)
             _http_response(writer, url, html.encode("utf-8"), [("Content-Type", "text/html; charset=utf-8")])
             truth.append(
                 {"url": url, "kind": kind, "language": lang, "title": title, "body": body, "boilerplate": boilerplate}
+                | ({"id": page_id} if page_id is not None else {})
             )
         elif kind == "junk":
             text = junk_text(what, rng)

@@ -1,8 +1,11 @@
 """A decontamination run: validation, resume-or-start-clean, the two passes on an engine, output and report.
 
-The rules are in :mod:`.ngrams`, the passes in :mod:`.decontaminate_stages`. Work files live in
-``<output dir>/.decontaminate-work-<output name>/``; a killed run re-run with the same arguments resumes (finished
-shards of either pass are kept). The output appears complete or not at all, then ``report.json``, written last.
+The rules are in :mod:`.ngrams`, the passes in :mod:`.decontaminate_stages`. One input file and ``output``, or
+any number of inputs (files, folders, globs) and ``output_dir``: one output per input under its name (a folder's
+files keep their paths below it), in the input's format; n-grams are counted over every input together (a common
+phrase is common in the whole corpus). Work files live in ``<output dir>/.decontaminate-work-<output name>/``; a
+killed run re-run with the same arguments resumes (finished shards of either pass are kept). Every output appears
+complete or not at all, then ``report.json``, written last.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
@@ -34,8 +38,8 @@ FORMAT_VERSION = 2
 @dataclass
 class DecontamConfig:
     tasks: list[str]
-    input: str
-    output: str
+    input: str | list[str]  # one file (with `output`), or files, folders and globs (with `output_dir`)
+    output: str | None = None
     report: str | None = None
     text_key: str = "text"
     id_key: str = "id"
@@ -52,11 +56,21 @@ class DecontamConfig:
     ray_address: str | None = None  # Ray cluster to join (else RAY_ADDRESS, else a local Ray for the run)
     on_bad_record: str = "error"  # "error" or "skip" (counted by reason in the report)
     output_compression: str | None = None  # None: as the input; "none", "gzip" or "zstd"
+    output_dir: str | None = None  # one output per input, under its name (instead of `output`)
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+    def out_dir(self) -> str:
+        return os.path.abspath(self.output_dir) if self.output_dir else os.path.dirname(os.path.abspath(self.output))
 
     def report_path(self) -> str:
-        return self.report or os.path.join(os.path.dirname(os.path.abspath(self.output)), "report.json")
+        return self.report or os.path.join(self.out_dir(), "report.json")
 
     def work_dir(self) -> str:
+        if self.output_dir:
+            return os.path.join(self.out_dir(), ".decontaminate-work")
         out = os.path.abspath(self.output)
         return os.path.join(os.path.dirname(out), f".decontaminate-work-{os.path.basename(out)}")
 
@@ -87,28 +101,48 @@ class DecontamJob:
         self.cfg = cfg
         self.hooks = hooks or StageHooks()
         self.work = cfg.work_dir()
-        self.out_dir = os.path.dirname(os.path.abspath(cfg.output))
+        self.out_dir = cfg.out_dir()
         self.created_dirs: list[str] = []
 
     def validate(self) -> None:
         cfg = self.cfg
         BadRecordPolicy(cfg.on_bad_record)  # checks the name
-        files = resolve_inputs([cfg.input])
-        if len(files) != 1:
-            raise InputError(f"--input {cfg.input} names {len(files)} files; decontaminate one file per run")
-        self.source = files[0]
-        for path in (cfg.output, cfg.report_path()):
+        if (cfg.output is None) == (cfg.output_dir is None):
+            raise InputError("name either --output (one input file) or --output-dir (one output per input)")
+        self.sources = resolve_inputs(cfg.inputs)
+        if cfg.output is not None:
+            if len(self.sources) != 1:
+                raise InputError(
+                    f"--input {' '.join(cfg.inputs)} names {len(self.sources)} files; --output takes one: name "
+                    "--output-dir for one output per input"
+                )
+            self.outputs = [cfg.output]
+        else:
+            if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+                raise InputError(f"--output-dir {cfg.output_dir} is a file, expected a directory")
+            names = [output_name(f.name, f.fmt, cfg.output_compression) for f in self.sources]
+            seen: dict[str, str] = {}
+            for source, name in zip(self.sources, names, strict=True):
+                if name in seen:
+                    raise InputError(
+                        f"two inputs have the same file name {name!r} ({seen[name]}, {source.label}); outputs "
+                        "would collide"
+                    )
+                seen[name] = source.label
+            self.outputs = [os.path.join(self.out_dir, n) for n in names]
+        inputs = [f.path for f in self.sources]
+        for path in (*self.outputs, cfg.report_path()):
             if os.path.isdir(path):
                 raise InputError(f"{path} is a directory, expected a file to write")
-        guard_output(cfg.output, [self.source.path, *cfg.tasks])  # an output file is never an input file
-        guard_output(cfg.report_path(), [self.source.path, cfg.output, *cfg.tasks])
+            guard_output(path, [*inputs, *cfg.tasks])  # an output file is never an input file
+        guard_output(cfg.report_path(), self.outputs)
 
     def prepare(self, engine) -> list[Shard]:
         """Resume a run with the same inputs and settings, else start clean. Returns the shards."""
         cfg = self.cfg
         fp = {
             "format": FORMAT_VERSION,
-            "input": _file_stat(self.source.path),
+            "inputs": [_file_stat(f.path) for f in self.sources],
             "tasks": [_file_stat(f.path) for f in expand_inputs(cfg.tasks)],
             **cfg.settings(),
         }
@@ -129,12 +163,17 @@ class DecontamJob:
                 d = os.path.dirname(d)
             os.makedirs(self.work)
         # a compressed, JSON-array or parquet input: a plain JSON-lines copy, line n = record n, every field
-        (path,) = plain_copies([self.source], os.path.join(self.work, "plain"), engine)
+        paths = plain_copies(self.sources, os.path.join(self.work, "plain"), engine)
         if plan is None:
-            plan = line_starts_plan(path, shard_size(os.path.getsize(path), cfg.shard_bytes, engine.cpus))
+            total = sum(os.path.getsize(p) for p in paths)
+            size = shard_size(total, cfg.shard_bytes, engine.cpus)
+            plan = [line_starts_plan(p, size) for p in paths]
             write_json_atomic(saved_path, {"fingerprint": fp, "plan": plan})
-        kind = self.source.fmt.kind
-        return [Shard(0, i, path, s, e, cfg.input, kind) for i, (s, e) in enumerate(plan)]
+        return [
+            Shard(f, i, path, s, e, source.label, source.fmt.kind)
+            for f, (path, source, ranges) in enumerate(zip(paths, self.sources, plan, strict=True))
+            for i, (s, e) in enumerate(ranges)
+        ]
 
     def cleanup_after_error(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
@@ -159,7 +198,7 @@ class DecontamJob:
                 raise
             ctx = DecontamContext(
                 work=self.work,
-                input=cfg.input,
+                input=", ".join(cfg.inputs),
                 shards=tuple(shards),
                 index=index,
                 text_key=cfg.text_key,
@@ -180,7 +219,8 @@ class DecontamJob:
             engine.close()
         if os.path.exists(cfg.report_path()):  # replaced last: the old one never describes the new output
             os.unlink(cfg.report_path())
-        concatenate_parts(ctx, cfg.output, self.source, cfg.output_compression)
+        for f, (output, source) in enumerate(zip(self.outputs, self.sources, strict=True)):
+            concatenate_parts(ctx, output, source, cfg.output_compression, f)
         self.hooks.point("publish:1")
         report = self.build_report(ctx, runner, t_tasks)
         write_json_atomic(cfg.report_path(), report, fsync=True)
@@ -205,6 +245,7 @@ class DecontamJob:
             per_task_docs.update(tasks_hit)
         hit_list = [
             {
+                "file": h["file"],
                 "line": h["line"],
                 "id": h["id"],
                 "ngrams": [{"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]],
@@ -222,6 +263,8 @@ class DecontamJob:
             "settings": {
                 "input": cfg.input,
                 "output": cfg.output,
+                "output_dir": cfg.output_dir,
+                "outputs": self.outputs,
                 "tasks": cfg.tasks,
                 **cfg.settings(),
                 "workers": cfg.workers,
@@ -260,7 +303,9 @@ class DecontamJob:
                 "list_truncated": len(hits) > len(hit_list),
             },
             "bad_records": count["bad_records"],
-            "input_format": str(self.source.fmt),
+            "input_files": [f.label for f in self.sources],
+            "input_format": str(self.sources[0].fmt) if len(self.sources) == 1 else None,
+            "input_formats": [str(f.fmt) for f in self.sources],
             "bytes_in": size,
             "timings_s": {
                 "load_tasks": round(t_tasks, 3),

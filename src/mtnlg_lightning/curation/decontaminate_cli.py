@@ -24,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
             "13-word task n-grams (8-12 word task texts used whole) are searched in the lowercased \\w+ words of "
             "every document; n-grams found in >= --frequent-threshold documents are ignored as common phrases; each "
             "match is removed with --window characters on each side, extended to the nearest sentence end, and the "
-            "document is split there. Writes --output atomically, in the input's format, and report.json beside it."
+            "document is split there. Writes --output (one input file) or, with --output-dir, one output per input "
+            "file under its name (a folder's files keep their paths below it), in the input's format, each "
+            "atomically; n-grams are counted over all inputs together; report.json last, its hits naming file and "
+            "line."
         ),
         formatter_class=HelpFormatter,
     )
@@ -38,17 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--input",
+        nargs="+",
         required=True,
         metavar="TRAIN",
-        help="training data: one file (or a folder or glob naming one file); " + FORMATS_HELP,
+        help="training data: one file with --output; any number of files, folders or globs with --output-dir; "
+        + FORMATS_HELP,
     )
     add_bad_record_arg(p)
     add_output_compression_arg(p)
-    p.add_argument(
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument(
         "--output",
-        required=True,
         metavar="OUT.jsonl",
-        help="decontaminated records: the source fields, text replaced by each piece, plus split_id",
+        help="decontaminated records of the one input file: the source fields, text replaced by each piece, plus "
+        "split_id",
+    )
+    out.add_argument(
+        "--output-dir",
+        metavar="OUT",
+        help="one output per input file, OUT/<input name> (a folder's files keep their paths below it), as --output",
     )
     p.add_argument(
         "--report",
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks=args.tasks,
         input=args.input,
         output=args.output,
+        output_dir=args.output_dir,
         report=args.report,
         text_key=args.text_key,
         id_key=args.id_key,
@@ -132,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         report = run_decontaminate(cfg)
         print(format_summary(report))
-        print(f"  outputs    {cfg.output}, {cfg.report_path()}")
+        outputs = report["settings"]["outputs"]
+        shown = cfg.output or f"{cfg.output_dir}/ ({len(outputs)} file(s), one per input)"
+        print(f"  outputs    {shown}, {cfg.report_path()}")
         return 0
 
     return run_cli(PROG, body)

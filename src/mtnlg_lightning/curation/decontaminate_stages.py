@@ -157,7 +157,8 @@ def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
             else:
                 outcome["split"] += 1
             if matched:
-                hits.append({"line": local, "id": rec.get(ctx.id_key), "ngrams": sorted(set(matched))})
+                hit = {"file": shard.label, "line": local, "id": rec.get(ctx.id_key), "ngrams": sorted(set(matched))}
+                hits.append(hit)
                 outcome["matches"] += len(matched)
             if len(pieces) > ctx.max_splits:
                 pieces = []
@@ -185,7 +186,11 @@ class CleanStage:
         count = runner.stats["count"]
         ctx = self.ctx
         os.makedirs(ctx.path("clean"), exist_ok=True)
-        first_line = np.concatenate(([1], 1 + np.cumsum(count["lines_per_shard"])[:-1])).tolist()
+        # lines are numbered within each input file (reports name file and line); documents across all of them
+        first_line, next_line = [], {}
+        for shard, lines in zip(ctx.shards, count["lines_per_shard"], strict=True):
+            first_line.append(next_line.get(shard.file_idx, 1))
+            next_line[shard.file_idx] = first_line[-1] + lines
         first_doc = np.concatenate(([0], np.cumsum(count["docs_per_shard"])[:-1])).tolist()
         jobs = list(zip(range(len(ctx.shards)), first_line, first_doc, strict=True))
         outcome: Counter = Counter()
@@ -201,14 +206,17 @@ class CleanStage:
         return {"outcome": dict(outcome), "hit_documents": len(hits)}
 
 
-def concatenate_parts(ctx: DecontamContext, output: str, source: CorpusInput, compression: str | None) -> None:
-    """The final output: every shard's cleaned records, in shard order (atomic, fsynced), in the input's format
-    (``compression`` overrides a JSON-lines input's): a parquet input gives parquet with its schema (plus
-    ``split_id``) and codec."""
+def concatenate_parts(
+    ctx: DecontamContext, output: str, source: CorpusInput, compression: str | None, file_idx: int = 0
+) -> None:
+    """The output of input ``file_idx``: its shards' cleaned records, in shard order (atomic, fsynced), in the
+    input's format (``compression`` overrides a JSON-lines input's): a parquet input gives parquet with its schema
+    (plus ``split_id``) and codec."""
     fmt = source.fmt
     plain = output if fmt.kind == "jsonl" and (compression or fmt.compression) == "none" else ctx.path("cleaned.jsonl")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with atomic_write(plain, fsync=plain == output) as out:
-        for i in range(len(ctx.shards)):
+        for i in (i for i, shard in enumerate(ctx.shards) if shard.file_idx == file_idx):
             with open(ctx.path("clean", f"part-{i:05d}.jsonl"), "rb") as f:
                 while chunk := f.read(1 << 22):
                     out.write(chunk)

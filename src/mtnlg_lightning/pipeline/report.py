@@ -38,6 +38,7 @@ def markdown(report: dict) -> str:
         cells = [s["name"], _n(s["documents_in"]), _n(s["documents_out"]), _n(s["bytes_in"]), _n(s["bytes_out"])]
         cells += [_n(s["tokens"]), f"{s['seconds']:.1f}", f"`{s['command']}`"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += crawl_section(report.get("crawl_scores"))
     exp = report["experiment"]
     lines += [
         "",
@@ -71,6 +72,41 @@ def markdown(report: dict) -> str:
     lines += ["## Checks", ""]
     lines += [f"- {'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}" for c in report["checks"]]
     return "\n".join(lines) + "\n"
+
+
+def crawl_section(scores: dict | None) -> list[str]:
+    """Precision and recall of the crawl stages against the planted truth (absent without the crawl)."""
+    if not scores:
+        return []
+    ex, lang, q = scores["extract"], scores["language"], scores["quality"]
+    rows = [
+        ("extract: documents", "planted pages (any language)", ex["documents"]),
+        ("extract: words", "body words of the pages found", ex["body_words"]),
+        ("language (en)", "planted English pages", lang["english_pages"]),
+        ("quality: kept", "planted pages (not junk)", q["pages_kept"]),
+        ("quality: dropped", "junk pages", q["junk_dropped"]),
+    ]
+    lines = [
+        "",
+        "## The crawl stages against the planted truth",
+        "",
+        "| stage | relevant | precision | recall |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [f"| {stage} | {what} | {r['precision']:.3f} | {r['recall']:.3f} |" for stage, what, r in rows]
+    held = scores.get("quality_classifier_holdout")
+    lines += [
+        "",
+        f"Boilerplate words left in the pages found: {ex['boilerplate_words_left']:.3f}. Language named right on "
+        f"{lang['identification_accuracy']:.3f} of the planted pages extracted; junk pages past the language filter: "
+        f"{lang['junk_passed']}."
+        + (
+            f" Quality classifier on its held-out documents: P/R {held['precision']:.3f}/{held['recall']:.3f}."
+            if held
+            else ""
+        ),
+    ]
+    return lines
 
 
 def _n(value) -> str:

@@ -1,6 +1,7 @@
-"""The end-to-end pipeline: raw text -> dedup -> decontaminate -> tokenize -> train -> evaluate -> export -> generate,
-with the paper's contamination argument as an experiment: the same model trained on the deduplicated corpus with
-the planted evaluation passages left in (A, "contaminated") and after decontamination (B, "decontaminated").
+"""The end-to-end pipeline: a web crawl (WARC) -> extract -> language -> quality -> dedup -> decontaminate ->
+tokenize -> train -> evaluate -> export -> generate, with the paper's contamination argument as an experiment: the
+same model trained on the deduplicated corpus with the planted evaluation passages left in (A, "contaminated") and
+after decontamination (B, "decontaminated"). With `crawl=None` it starts from the raw corpus as JSON lines.
 
 Every stage is the real tool (see stages.py); this module only wires their files together, counts what flows
 between them and writes the report. What the numbers mean: docs/pipeline.md.
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import yaml
 
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.pipeline import crawl as crawl_stages
 from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
 from mtnlg_lightning.pipeline.report import Check, write_report
 from mtnlg_lightning.pipeline.stages import REPO, StageRecord, run_tool
@@ -32,18 +36,20 @@ class PipelineSettings:
     smoke: bool = False  # the reduced run of the test suite: a smaller corpus, the tiny model, a few steps
     steps: int | None = None  # training steps of each run (default: the config's, or 20 for --smoke)
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
+    crawl: crawl_stages.CrawlSpec | None = field(default_factory=crawl_stages.CrawlSpec)  # None: start at JSONL
     vocab_size: int = 4096
     config: Path = REPO / "configs" / "pipeline.yaml"
     prompt: str = "The file is opened"
     plot: bool = True
 
     @classmethod
-    def for_run(cls, out_dir, smoke: bool = False, **overrides) -> PipelineSettings:
+    def for_run(cls, out_dir, smoke: bool = False, crawl: bool = True, **overrides) -> PipelineSettings:
         corpus = CorpusSpec.smoke() if smoke else CorpusSpec()
+        overrides["crawl"] = (crawl_stages.CrawlSpec.smoke() if smoke else crawl_stages.CrawlSpec()) if crawl else None
         for key in ("plant_copies", "eval_passages", "seed"):
             if overrides.get(key) is not None:
                 setattr(corpus, key, overrides.pop(key))
-        overrides = {k: v for k, v in overrides.items() if v is not None}
+        overrides = {k: v for k, v in overrides.items() if v is not None or k == "crawl"}
         return cls(out_dir=Path(out_dir).resolve(), smoke=smoke, corpus=corpus, **overrides)
 
 
@@ -56,6 +62,12 @@ class Pipeline:
         self.checks: list[Check] = []
         self.experiment: dict = {}
         self.generation: dict = {}
+        # the corpus as the first curation tool gets it: the crawl stages' output, or the raw JSON lines
+        self.shard = crawl_stages.SHARD if settings.crawl else "web.jsonl"
+        # dedup on, the corpus travels as zstd JSON lines, as The Pile ships: each tool keeps its input's format
+        self.zst = self.shard + ".zst"
+        self.curated = self.out / "quality" / "kept" / self.shard if settings.crawl else self.out / "raw" / "web.jsonl"
+        self.url_ids: dict[str, str] = {}  # crawl: url -> corpus document id
 
     # --- plumbing ------------------------------------------------------------------------------------------
     def stage(self, name: str, tool: str, *args: str) -> tuple[StageRecord, str]:
@@ -73,7 +85,10 @@ class Pipeline:
     # --- the stages ----------------------------------------------------------------------------------------
     def run(self) -> dict:
         start = time.perf_counter()
-        steps = [self.build_corpus, self.dedup, self.decontaminate, self.tokenize]
+        steps = [self.build_corpus]
+        if self.s.crawl:
+            steps += [self.build_crawl, self.extract, self.language, self.quality_train, self.quality]
+        steps += [self.dedup, self.decontaminate, self.tokenize]
         steps += [lambda run=run: self.train(run) for run in RUNS]
         steps += [lambda r=r, e=e: self.evaluate(r, e) for r in RUNS for e in EVAL_SETS]
         for step in [*steps, self.export_and_generate, self.contamination_left]:
@@ -86,7 +101,13 @@ class Pipeline:
         report = {
             "out_dir": str(self.out),
             "smoke": self.s.smoke,
-            "settings": {"corpus": asdict(self.s.corpus), "steps": self.steps, "vocab_size": self.s.vocab_size},
+            "settings": {
+                "corpus": asdict(self.s.corpus),
+                "crawl": asdict(self.s.crawl) if self.s.crawl else None,
+                "steps": self.steps,
+                "vocab_size": self.s.vocab_size,
+            },
+            "crawl_scores": self.crawl_scores(),
             "stages": [asdict(r) for r in self.records],
             "experiment": self.experiment,
             "generation": self.generation,
@@ -119,13 +140,163 @@ class Pipeline:
             f"{summary['documents']} documents",
         )
 
+    # --- the crawl stages (settings.crawl) ---------------------------------------------------------------------
+    def build_crawl(self) -> None:
+        record = StageRecord("crawl", "build_crawl (mtnlg_lightning.pipeline.crawl)")
+        t0 = time.perf_counter()
+        summary = crawl_stages.build_crawl(self.out, self.s.crawl, self.s.corpus.seed)
+        record.seconds = time.perf_counter() - t0
+        corpus = self.by_name("corpus")
+        record.documents_in, record.bytes_in = corpus.documents_out, corpus.bytes_out
+        record.documents_out, record.bytes_out, record.details = summary["records"], summary["bytes"], summary
+        self.records.append(record)
+        self.done(record)
+        self.truth = crawl_stages.read_truth(self.out)
+        self.url_ids = crawl_stages.corpus_ids(self.truth)
+        self.check(
+            "crawl: one English page per corpus document",
+            len(self.url_ids) == corpus.documents_out == len(set(self.url_ids.values())),
+            f"{len(self.url_ids)} pages, {corpus.documents_out} documents",
+        )
+
+    def extract(self) -> None:
+        warc, out = self.out / "raw" / crawl_stages.WARC_NAME, self.out / "extract"
+        record, _ = self.stage("extract", "mtnlg-extract", warc, "--output-dir", out, "--quiet")
+        report = read_json(out / "extract_report.json")
+        docs = crawl_stages.read_documents(out / self.shard)
+        record.documents_in, record.bytes_in = report["records"], self.by_name("crawl").bytes_out
+        record.documents_out, record.bytes_out = len(docs), text_bytes(out / self.shard)
+        scores = crawl_stages.score_extraction(self.truth, docs)
+        dropped = {k: v for k, v in report["outcomes"].items() if k != "ok"}
+        record.details = {
+            "outcomes": report["outcomes"],
+            "languages": report["languages"],
+            "scores": scores,
+            "summary": [
+                f"pages P/R {scores['documents']['precision']:.3f}/{scores['documents']['recall']:.3f}, body words "
+                f"P/R {scores['body_words']['precision']:.3f}/{scores['body_words']['recall']:.3f}, "
+                f"boilerplate left {scores['boilerplate_words_left']:.3f}",
+            ],
+        }
+        self.done(record)
+        planted = Counter(t["reason"] for t in self.truth if "reason" in t)  # broken, non-HTML, non-2xx records
+        self.check(
+            "extract: documents + dropped + skipped = records read; each planted bad record counted by its reason",
+            report["outcomes"]["ok"] == len(docs)
+            and sum(report["outcomes"].values()) == report["records"]
+            and all(report["outcomes"].get(reason) == n for reason, n in planted.items()),
+            f"{len(docs)} documents, dropped {dropped}; planted {dict(planted)}",
+        )
+
+    def language(self) -> None:
+        src, out = self.out / "extract" / self.shard, self.out / "language"
+        record, _ = self.stage("language", "mtnlg-quality", "filter", "--languages", "en", src, "-o", out, "--quiet")
+        self.filter_counts(record, "extract", out)
+        scores = crawl_stages.score_language(
+            self.truth, crawl_stages.read_documents(src), crawl_stages.read_documents(out / self.shard)
+        )
+        record.details.update(
+            scores=scores,
+            summary=[
+                f"English pages P/R {scores['english_pages']['precision']:.3f}/{scores['english_pages']['recall']:.3f}"
+                f", identified right {scores['identification_accuracy']:.3f}",
+            ],
+        )
+        self.done(record)
+
+    def quality_train(self) -> None:
+        train = self.out / "quality" / "train"
+        record, stdout = self.stage(
+            "quality-train",
+            "mtnlg-quality",
+            "train",
+            "--positive",
+            train / "positive.jsonl",
+            "--negative",
+            train / "negative.jsonl",
+            "--model",
+            self.out / "quality" / "model.npz",
+        )
+        record.documents_in = count_lines(train / "positive.jsonl") + count_lines(train / "negative.jsonl")
+        held = re.search(r"held out (\d+): precision ([\d.]+) recall ([\d.]+)", stdout)
+        record.details = {"holdout": None}
+        if held:
+            record.details["holdout"] = {
+                "documents": int(held[1]),
+                "precision": float(held[2]),
+                "recall": float(held[3]),
+            }
+            record.details["summary"] = [f"held out {held[1]}: P/R {held[2]}/{held[3]}"]
+        self.done(record)
+
+    def quality(self) -> None:
+        src, scored, out = (
+            self.out / "language" / self.shard,
+            self.out / "quality" / "scored",
+            self.out / "quality" / "kept",
+        )
+        model = self.out / "quality" / "model.npz"
+        record, _ = self.stage("quality-score", "mtnlg-quality", "score", "--model", model, src, "-o", scored, "-q")
+        record.documents_in = record.documents_out = count_lines(scored / self.shard)
+        self.done(record)
+        args = ["filter", "--threshold", self.s.crawl.threshold, "--heuristics"]
+        for rule in self.s.crawl.disabled_rules:
+            args += ["--disable", rule]
+        record, _ = self.stage("quality", "mtnlg-quality", *args, scored / self.shard, "-o", out, "-q")
+        self.filter_counts(record, "language", out)
+        scores = crawl_stages.score_quality(
+            self.truth, crawl_stages.read_documents(src), crawl_stages.read_documents(out / self.shard)
+        )
+        kept = scores["pages_kept"]
+        record.details.update(
+            scores=scores,
+            summary=[
+                f"pages kept P/R {kept['precision']:.3f}/{kept['recall']:.3f}, junk dropped "
+                f"{scores['junk_dropped']['recall']:.3f}",
+            ],
+        )
+        self.done(record)
+
+    def filter_counts(self, record: StageRecord, previous: str, out: Path) -> None:
+        """Counts of an `mtnlg-quality filter` stage, checked: kept + dropped = in = the previous stage's out."""
+        report = read_json(out / "quality_filter_report.json")
+        record.documents_in, record.documents_out = report["documents"], report["kept"]
+        record.bytes_in, record.bytes_out = self.by_name(previous).bytes_out, text_bytes(out / self.shard)
+        record.details = {"dropped_by": report["dropped_by"]}
+        self.check(
+            f"{record.name}: documents in = {previous} documents out = kept + dropped = output lines + dropped",
+            report["documents"] == self.by_name(previous).documents_out
+            and report["kept"] + report["dropped"]
+            == report["documents"]
+            == count_lines(out / self.shard) + report["dropped"],
+            f"{report['documents']} in, {report['kept']} kept, dropped by {report['dropped_by']}",
+        )
+
+    def crawl_scores(self) -> dict | None:
+        """The precision/recall figures of the crawl stages against the planted truth, in one place."""
+        if not self.s.crawl:
+            return None
+        scores = {name: self.by_name(name).details["scores"] for name in ("extract", "language", "quality")}
+        scores["quality_classifier_holdout"] = self.by_name("quality-train").details["holdout"]
+        return scores
+
+    def corpus_ids(self, path: Path) -> set[str]:
+        """The corpus document ids of a JSONL file (through the page urls when the corpus came as a crawl)."""
+        docs = list(records_of(path))
+        if self.s.crawl:
+            return {self.url_ids[d["url"]] for d in docs if d["url"] in self.url_ids}
+        return {d["id"] for d in docs}
+
     def dedup(self) -> None:
-        raw, out = self.out / "raw" / "web.jsonl", self.out / "dedup"
-        record, _ = self.stage("dedup", "mtnlg-dedup", raw, "--output-dir", out, "--quiet")
+        out = self.out / "dedup"
+        record, _ = self.stage(
+            "dedup", "mtnlg-dedup", self.curated, "--output-dir", out, "--output-compression", "zstd", "--quiet"
+        )
         totals = read_json(out / "report.json")["totals"]
-        kept, removed = count_lines(out / "web.jsonl"), count_lines(out / "duplicates.jsonl")
+        kept, removed = count_lines(out / self.zst), count_lines(out / "duplicates.jsonl")
         record.documents_in, record.documents_out = totals["docs_in"], totals["docs_out"]
-        record.bytes_in, record.bytes_out = self.by_name("corpus").bytes_out, text_bytes(out / "web.jsonl")
+        previous = self.records[-2]
+        record.bytes_in, record.bytes_out = previous.bytes_out, text_bytes(out / self.zst)
         record.details = {
             "exact_removed": totals["exact_duplicates_removed"],
             "near_removed": totals["near_duplicates_removed"],
@@ -134,11 +305,10 @@ class Pipeline:
             ],
         }
         self.done(record)
-        corpus = self.records[0]
         self.check(
-            "dedup: documents in = corpus documents out",
-            record.documents_in == corpus.documents_out,
-            f"{record.documents_in} vs {corpus.documents_out}",
+            f"dedup: documents in = {previous.name} documents out",
+            record.documents_in == previous.documents_out,
+            f"{record.documents_in} vs {previous.documents_out}",
         )
         self.check(
             "dedup: documents out = kept lines; in - out = duplicates.jsonl lines",
@@ -146,9 +316,9 @@ class Pipeline:
             f"{record.documents_out} out, {kept} kept lines, {removed} duplicate lines",
         )
         truth = read_json(self.out / "raw" / "ground_truth.json")
-        with open(out / "web.jsonl", encoding="utf-8") as f:
-            kept_ids = {json.loads(line)["id"] for line in f}
-        pairs = [d for d in truth["duplicates"] if d["jaccard"] >= 0.8]
+        into, kept_ids = self.corpus_ids(self.curated), self.corpus_ids(out / self.zst)
+        # the pairs whose both documents reached dedup (through extraction and the filters, with the crawl)
+        pairs = [d for d in truth["duplicates"] if d["jaccard"] >= 0.8 and {d["id"], d["of"]} <= into]
         resolved = sum((d["id"] in kept_ids) != (d["of"] in kept_ids) for d in pairs)
         record.details["planted_duplicate_recall"] = resolved / max(len(pairs), 1)
         self.check(
@@ -157,18 +327,27 @@ class Pipeline:
             f"{resolved}/{len(pairs)} pairs; {record.documents_in - record.documents_out - len(pairs)} other "
             "documents removed as duplicates of the source text itself",
         )
-        hosts = set(truth["plants"])
+        hosts = set(truth["plants"]) & into
+        self.hosts = hosts
         self.check(
-            "dedup: every document holding planted text is kept",
+            "dedup: every document holding planted text that reached dedup is kept",
             hosts <= kept_ids,
             f"{len(hosts & kept_ids)}/{len(hosts)} host documents kept",
         )
 
     def decontaminate(self) -> None:
-        src, out = self.out / "dedup" / "web.jsonl", self.out / "decontaminate" / "web.jsonl"
+        src, out = self.out / "dedup" / self.zst, self.out / "decontaminate" / self.zst
         tasks = self.out / "eval" / "evalset.jsonl"
         record, _ = self.stage(
-            "decontaminate", "mtnlg-decontaminate", "--tasks", tasks, "--input", src, "--output", out, "--quiet"
+            "decontaminate",
+            "mtnlg-decontaminate",
+            "--tasks",
+            tasks,
+            "--input",
+            src,
+            "--output-dir",
+            out.parent,
+            "--quiet",
         )
         rep = read_json(out.parent / "report.json")
         docs = rep["documents"]
@@ -195,7 +374,7 @@ class Pipeline:
 
     def tokenize(self) -> None:
         tok_dir = self.out / "tokenizer"
-        clean = self.out / "decontaminate" / "web.jsonl"
+        clean = self.out / "decontaminate" / self.zst
         record, _ = self.stage(
             "tokenizer", "train_tokenizer.py", "--input", clean, "--vocab-size", self.s.vocab_size, "--output", tok_dir
         )
@@ -205,7 +384,7 @@ class Pipeline:
         self.done(record)
         self.tokenizer = tok_dir / "tokenizer.json"
         for run, upstream in (("contaminated", "dedup"), ("decontaminated", "decontaminate")):
-            source, prefix = self.out / upstream / "web.jsonl", self.out / "data" / run
+            source, prefix = self.out / upstream / self.zst, self.out / "data" / run
             record, _ = self.stage(
                 f"preprocess-{run}",
                 "preprocess_data.py",
@@ -361,14 +540,17 @@ class Pipeline:
         truth = read_json(self.out / "raw" / "ground_truth.json")
         planted = set().union(*(ngram_set(p) for p in truth["planted_passages"]))
         counts = {}
-        for run, path in (("contaminated", "dedup/web.jsonl"), ("decontaminated", "decontaminate/web.jsonl")):
-            with open(self.out / path, encoding="utf-8") as f:
-                counts[run] = sum(bool(ngram_set(json.loads(line)["text"]) & planted) for line in f)
-            self.experiment[run]["documents_with_planted_text"] = counts[run]
+        sources = (("dedup_input", self.curated), ("contaminated", self.out / "dedup" / self.zst))
+        for run, path in (*sources, ("decontaminated", self.out / "decontaminate" / self.zst)):
+            counts[run] = sum(bool(ngram_set(r["text"]) & planted) for r in records_of(path))
+            if run in self.experiment:
+                self.experiment[run]["documents_with_planted_text"] = counts[run]
+        # with the crawl, a host page can lose its planted paragraph in extraction, or the whole page in a filter
         self.check(
-            "contaminated corpus holds every planted host document",
-            counts["contaminated"] == len(truth["plants"]),
-            f"{counts['contaminated']} documents with planted 13-grams, {len(truth['plants'])} hosts planted",
+            "contaminated corpus holds every document with planted text that reached dedup (and there are some)",
+            counts["contaminated"] == counts["dedup_input"] > 0,
+            f"{counts['contaminated']} of {counts['dedup_input']} documents with planted 13-grams; "
+            f"{len(truth['plants'])} hosts planted, {len(self.hosts)} reached dedup",
         )
         self.check(
             "decontaminated corpus holds no planted 13-gram",
@@ -388,15 +570,23 @@ class Pipeline:
         return get_config(model["preset"], **(model.get("model_overrides") or {})).seq_len
 
 
+def records_of(path: Path):
+    """The records of a JSON-lines file, plain, gzip or zstd (told from its bytes, as the tools do)."""
+    from mtnlg_lightning.corpora import detect
+    from mtnlg_lightning.corpora.readers import iter_raw
+
+    for _, line in iter_raw(str(path), detect(str(path))):
+        yield json.loads(line)
+
+
 def count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
+    """Records of a JSON-lines file (any compression)."""
+    return sum(1 for _ in records_of(path))
 
 
 def text_bytes(path: Path) -> int:
     """UTF-8 bytes of the `text` fields of a JSONL file (what the next stage reads, without the JSON framing)."""
-    with open(path, encoding="utf-8") as f:
-        return sum(len(json.loads(line)["text"].encode("utf-8")) for line in f)
+    return sum(len(r["text"].encode("utf-8")) for r in records_of(path))
 
 
 def read_json(path: Path) -> dict:

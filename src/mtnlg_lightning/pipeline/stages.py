@@ -26,6 +26,8 @@ CONSOLE_SCRIPTS = {
     "mtnlg-eval": "mtnlg_lightning.evaluation.cli",
     "mtnlg-export-hf": "mtnlg_lightning.interop.export_cli",
     "mtnlg-generate": "mtnlg_lightning.generate",
+    "mtnlg-extract": "mtnlg_lightning.crawl.extract_cli",
+    "mtnlg-quality": "mtnlg_lightning.crawl.quality_cli",
 }
 
 
