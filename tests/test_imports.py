@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mtnlg_lightning"
 TESTS = Path(__file__).resolve().parent
 
@@ -113,6 +115,7 @@ def test_no_import_cycles():
     assert not found, "modules that import each other:\n" + "\n".join(report)
 
 
+@pytest.mark.slow  # ~18 s: every optional extra's library is imported
 def test_every_module_imports_in_a_fresh_interpreter():
     names = sorted(module_files())
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
