@@ -7,11 +7,11 @@ import sys
 
 from mtnlg_lightning.curation.cli_common import (
     EXIT_BAD_INPUT,
-    HelpFormatter,
     add_engine_args,
     check_engine_args,
     positive_int,
     run_cli,
+    tool_parser,
 )
 from mtnlg_lightning.errors import MTNLGError
 
@@ -29,9 +29,9 @@ def _languages(value: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
+    p = tool_parser(
+        PROG,
+        (
             "Turn Common Crawl WARC (HTML responses) or WET (extracted text) files into JSON lines, one output shard "
             "OUT/<input name>.jsonl per input, each line {id, url, date, text, language, language_score}: HTML to "
             "text with jusText (the NeMo-Curator default; its stop-word list picked by the page's language), the "
@@ -39,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
             "reason in OUT/extract_report.json, never fatal; non-HTML payloads and non-2xx responses are counted and "
             "passed over. Output is the same bytes whatever --workers and --engine."
         ),
-        formatter_class=HelpFormatter,
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="WARC or WET files, gzip (.warc.gz) or plain")
     p.add_argument(

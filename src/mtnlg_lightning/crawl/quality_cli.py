@@ -7,11 +7,11 @@ import sys
 
 from mtnlg_lightning.curation.cli_common import (
     EXIT_BAD_INPUT,
-    HelpFormatter,
     add_output_dir_arg,
     add_text_key_arg,
     positive_int,
     run_cli,
+    tool_parser,
 )
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
@@ -99,16 +99,15 @@ def _add_rules(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
+    p = tool_parser(
+        PROG,
+        (
             "Quality of crawled text. 'annotate' measures the Gopher/C4 heuristic signals of every document and "
             "records the rules it fails (nothing is dropped); 'train' fits GPT-3's quality classifier (logistic "
             "regression on hashed word n-grams) on curated (positive) and raw-crawl (negative) documents; 'score' "
             "adds quality_score; 'filter' keeps documents by score threshold, by GPT-3's Pareto rule, and/or by "
             "the heuristic rules re-applied to the stored signals with any thresholds, without re-scoring."
         ),
-        formatter_class=HelpFormatter,
     )
     sub = p.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="annotate | train | score | filter (COMMAND --help)"

@@ -67,6 +67,11 @@ class HelpFormatter:
         return _Formatter(*args, **kwargs)
 
 
+def tool_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser every data tool starts from: its name, what it does, and defaults shown where they mean something."""
+    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+
+
 def add_output_dir_arg(p, help: str) -> None:
     """-o/--output-dir OUT, required: the folder a data tool writes its outputs and report into."""
     p.add_argument("--output-dir", "-o", required=True, metavar="OUT", help=help)

@@ -7,7 +7,7 @@ import sys
 
 from mtnlg_lightning.corpora.cli_args import FORMATS_HELP, add_bad_record_arg, add_output_compression_arg
 
-from .cli_common import HelpFormatter, add_engine_args, check_engine_args, int_at_least, positive_int, run_cli
+from .cli_common import add_engine_args, check_engine_args, int_at_least, positive_int, run_cli, tool_parser
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
@@ -17,9 +17,9 @@ _non_negative = int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
+    p = tool_parser(
+        PROG,
+        (
             "Remove downstream-task text from training data (MT-NLG / Megatron-LM filter_ngrams.py semantics): "
             "13-word task n-grams (8-12 word task texts used whole) are searched in the lowercased \\w+ words of "
             "every document; n-grams found in >= --frequent-threshold documents are ignored as common phrases; each "
@@ -29,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
             "atomically; n-grams are counted over all inputs together; report.json last, its hits naming file and "
             "line."
         ),
-        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--tasks",

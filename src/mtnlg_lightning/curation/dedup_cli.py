@@ -8,13 +8,13 @@ import sys
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, add_output_compression_arg
 
 from .cli_common import (
-    HelpFormatter,
     add_engine_args,
     add_output_dir_arg,
     add_text_key_arg,
     check_engine_args,
     positive_int,
     run_cli,
+    tool_parser,
 )
 from .dedup import DedupConfig, format_summary, run_dedup
 from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
@@ -42,9 +42,9 @@ def _threshold(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=(
+    p = tool_parser(
+        PROG,
+        (
             "Remove exact and near-duplicate documents from corpora (MT-NLG recipe): exact duplicates of the "
             "normalised text first, then MinHash LSH with explicit bands x rows, candidate pairs verified by exact "
             "Jaccard >= --threshold, clusters by union-find, one document kept per cluster. Writes OUT/<input "
@@ -52,7 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
             "below it), OUT/duplicates.jsonl and OUT/report.json. Inputs are "
             "never modified; a killed run re-run with the same arguments resumes."
         ),
-        formatter_class=HelpFormatter,
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUTS_HELP)
     add_output_dir_arg(p, "directory for the deduplicated files, duplicates.jsonl and report.json (created if missing)")

@@ -6,21 +6,20 @@ import argparse
 import json
 import sys
 
-from .cli_common import HelpFormatter, positive_int, run_cli
+from .cli_common import positive_int, run_cli, tool_parser
 from .jsonl import atomic_write, dumps_line
 from .shingles import ShingleSpec
 from .synthetic import ground_truth_pairs, make_near_dup_corpus
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="make_near_dup_corpus",
-        description=(
+    p = tool_parser(
+        "make_near_dup_corpus",
+        (
             "Generate English-like documents (Zipf vocabulary) in families of near-duplicates with known edits "
             "(substitutions/insertions/deletions, boilerplate, excerpts, paragraph shuffles, exact copies). Each "
             "record has id, text, family and edit; --truth writes the exact Jaccard of every within-family pair."
         ),
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--docs", type=positive_int, default=10000, help="number of documents")
     p.add_argument("--output", "-o", required=True, metavar="CORPUS.jsonl", help="where to write the corpus")
