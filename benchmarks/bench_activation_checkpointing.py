@@ -27,6 +27,7 @@ import sys
 import time
 
 from model_shape import add_model_shape_args
+from results import write_result
 
 MODES = ("none", "selective", "every_n", "full")
 
@@ -176,9 +177,7 @@ def main() -> None:
             f"{slow:>+13.0%} {r['loss']:>8.4f}"
         )
     print("step peak = peak RSS during one training step minus RSS before it (grads + activations + temporaries).")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_result(args.json, results)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['fp32_final_smoothed_loss']:.3f} bf16 {result['bf16_final_smoothed_loss']:.3f}; val_loss fp32 "
         f"{fp32_val} bf16 {bf16_val}; {fp32_s:.0f}s / {bf16_s:.0f}s"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, result, indent=2)
     return 0 if result["within_band"] else 1
 
 

@@ -15,7 +15,6 @@ recomputes every block. On CPU, inductor generates C++ (g++) kernels: its compil
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from results import write_result  # noqa: E402
 
 from mtnlg_lightning.config import get_config  # noqa: E402
 from mtnlg_lightning.model import build_model, compile_blocks  # noqa: E402
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{backend}: step {compiled['step_s'] * 1e3:.1f} ms (first, compiling: {compiled['first_step_s']:.1f} s)"
             f" | speed-up vs eager {compiled['speedup']:.2f}x | first loss diff {compiled['first_loss_diff']:.1e}"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0
 
 

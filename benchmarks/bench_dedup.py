@@ -36,6 +36,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(ROOT, "src"))
 
+from results import write_result  # noqa: E402
+
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
 from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, MTNLG_BANDING  # noqa: E402
 from mtnlg_lightning.curation.shingles import normalize_words  # noqa: E402
@@ -265,9 +267,7 @@ def main() -> None:
             " clustered = both documents ended up in the same duplicate cluster"
         )
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_result(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from results import write_result  # noqa: E402
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir  # noqa: E402
 from mtnlg_lightning.data.gpt_dataset import split_ranges  # noqa: E402
@@ -199,8 +200,7 @@ def main() -> int:
         shown = f" | stages busy {', '.join(f'{b:.2f}' for b in busy)}" if busy else ""
         print(f"mtnlg-eval {row['layout']:<12} ({row['ranks']} rank(s)) {row['docs_per_s']:.1f} docs/s | "
               f"acc {row['acc']:.4f} perplexity {row['perplexity']:.4f}{shown}")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0
 
 

@@ -17,7 +17,6 @@ end-of-text id (so no logits processor is needed to force exactly --new-tokens t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from results import write_result  # noqa: E402
 
 from mtnlg_lightning.generate import generate  # noqa: E402
 from mtnlg_lightning.inference.load import use_generation_layout  # noqa: E402
@@ -132,8 +132,7 @@ def main() -> int:
     }
     print(f"KV cache vs recomputing the prefix (batch 1): {n / cached:.1f} vs {n / recomputed:.1f} tokens/s, "
           f"speed-up {recomputed / cached:.2f}x")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0
 
 

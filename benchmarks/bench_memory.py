@@ -23,6 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 from local_ranks import run_on_ranks  # noqa: E402
+from results import write_result  # noqa: E402
 
 MB = 1e6
 
@@ -120,8 +121,7 @@ def main() -> int:
         return 0
     rows = [row for dp in args.dp for row in launch(dp, args.preset, args.zero)]
     result = report(sorted(rows, key=lambda r: (r["dp"], r["zero"])))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0
 
 

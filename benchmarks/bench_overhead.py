@@ -8,7 +8,6 @@ for --repeats rounds and the ratio of median step times is printed (this machine
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning_run import quiet_trainer  # noqa: E402
+from results import write_result  # noqa: E402
 
 from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
@@ -148,8 +148,7 @@ def main() -> int:
         f"PyTorch {result['plain_pytorch_tokens_per_s']:,.0f} tokens/s | ratio {result['ratio']:.3f} "
         f"(target >= 0.95)"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0 if math.isfinite(result["ratio"]) else 1
 
 

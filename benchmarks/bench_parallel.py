@@ -42,6 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 from local_ranks import run_on_ranks  # noqa: E402
+from results import write_result  # noqa: E402
 
 LAYOUTS = {
     "tp2": dict(tp=2),
@@ -311,8 +312,7 @@ def main() -> int:
         )
     for note in notes:
         print(note)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0
 
 

@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import zstandard  # noqa: E402
+from results import write_result  # noqa: E402
 
 from mtnlg_lightning.corpora.formats import detect  # noqa: E402
 from mtnlg_lightning.corpora.readers import iter_raw  # noqa: E402
@@ -303,9 +304,7 @@ def main() -> None:
         pre_gb = args.big_gb if args.big_preprocess_gb is None else args.big_preprocess_gb
         print(f"\n## 3. large corpora as .jsonl.zst: dedup {args.big_gb} GB, preprocessing {pre_gb} GB, and quarters")
         figures["big"] = bench_big(args.big_gb, pre_gb, tok_dir, tmp, args.big_keep)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_result(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results import write_result
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
@@ -161,8 +163,7 @@ def main() -> int:
             f"{r['formula_vs_none']:>12.3f}"
         )
     result = {"hidden": h, "heads": args.heads, "seq": s, "batch": b, "layers": args.layers, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return 0
 
 
