@@ -76,6 +76,8 @@ def files(tmp_path_factory):
 
 GEN = ["--checkpoint", "{ckpt}", "--tokenizer", "{tok}", "--device", "cpu"]
 EVAL = ["--checkpoint", "{ckpt}", "--tokenizer", "{tok}", "--task", "lambada", "--device", "cpu"]
+DECON_OUT = ["--output", "{out}/c.jsonl"]
+PRE = ["--tokenizer", "{tok}", "--output-prefix", "{out}/d"]
 FIT = ["fit", "--config", "{tiny}", "--trainer.default_root_dir", "{out}"]
 # (tool, arguments, stdin, exit code, what the error line says)
 ROWS = [
@@ -98,21 +100,9 @@ ROWS = [
     ("mtnlg-dedup", ["{good}", "-o", "{out}", "--threshold", "1.5"], None, 2, "threshold"),
     ("mtnlg-dedup", ["{good}", "-o", "{out}", "--workers", "0"], None, 2, "positive integer"),
     # mtnlg-decontaminate
-    (
-        "mtnlg-decontaminate",
-        ["--tasks", "{tasks}", "--input", "{missing}", "--output", "{out}/c.jsonl"],
-        None,
-        2,
-        "no such file",
-    ),
-    (
-        "mtnlg-decontaminate",
-        ["--tasks", "{tasks}", "--input", "{adir}", "--output", "{out}/c.jsonl"],
-        None,
-        2,
-        "is a directory",
-    ),
-    ("mtnlg-decontaminate", ["--tasks", "{empty}", "--input", "{good}", "--output", "{out}/c.jsonl"], None, 2, "empty"),
+    ("mtnlg-decontaminate", ["--tasks", "{tasks}", "--input", "{missing}", *DECON_OUT], None, 2, "no such file"),
+    ("mtnlg-decontaminate", ["--tasks", "{tasks}", "--input", "{adir}", *DECON_OUT], None, 2, "is a directory"),
+    ("mtnlg-decontaminate", ["--tasks", "{empty}", "--input", "{good}", *DECON_OUT], None, 2, "empty"),
     (
         "mtnlg-decontaminate",
         ["--tasks", "{tasks}", "--input", "{good}", "--output", "{adir}"],
@@ -166,27 +156,9 @@ ROWS = [
     ("mtnlg-export-hf", ["{ckpt}", "{ckpt}", "--overwrite"], None, 2, "is the input"),
     ("mtnlg-export-hf", ["{ckpt}", "{out}", "--dtype", "fp8"], None, 2, "invalid choice"),
     # tools/preprocess_data.py
-    (
-        "preprocess_data.py",
-        ["--input", "{missing}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d"],
-        None,
-        2,
-        "does not exist",
-    ),
-    (
-        "preprocess_data.py",
-        ["--input", "{adir}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d"],
-        None,
-        2,
-        "is a directory",
-    ),
-    (
-        "preprocess_data.py",
-        ["--input", "{empty}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d"],
-        None,
-        2,
-        "is empty",
-    ),
+    ("preprocess_data.py", ["--input", "{missing}", *PRE], None, 2, "does not exist"),
+    ("preprocess_data.py", ["--input", "{adir}", *PRE], None, 2, "is a directory"),
+    ("preprocess_data.py", ["--input", "{empty}", *PRE], None, 2, "is empty"),
     (
         "preprocess_data.py",
         ["--input", "{good}", "--tokenizer", "{missing}", "--output-prefix", "{out}/d"],
@@ -194,13 +166,7 @@ ROWS = [
         2,
         "no tokenizer",
     ),
-    (
-        "preprocess_data.py",
-        ["--input", "{good}", "--tokenizer", "{tok}", "--output-prefix", "{out}/d", "--workers", "0"],
-        None,
-        2,
-        "positive",
-    ),
+    ("preprocess_data.py", ["--input", "{good}", *PRE, "--workers", "0"], None, 2, "positive"),
     # tools/train_tokenizer.py
     ("train_tokenizer.py", ["--input", "{missing}", "--output", "{out}/t.json"], None, 2, "does not exist"),
     ("train_tokenizer.py", ["--input", "{adir}", "--output", "{out}/t.json"], None, 2, "is a directory"),
