@@ -24,7 +24,7 @@ from mtnlg_lightning.corpora.writers import encode_jsonl, jsonl_to_parquet, parq
 from .jsonl import InputError, atomic_write, iter_lines, shard_bad_record
 from .ngrams import TaskNgrams, clean_text, words_of
 from .signatures import Shard
-from .stages import StageRunner
+from .stages import ContextStage, StageRunner
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,8 @@ def count_shard(ctx: DecontamContext, i: int) -> None:
         )
 
 
-class CountStage:
+class CountStage(ContextStage[DecontamContext]):
     name = "count"
-
-    def __init__(self, ctx: DecontamContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
@@ -176,11 +173,8 @@ def clean_shard(ctx: DecontamContext, job: tuple[int, int, int]) -> dict:
     return stats
 
 
-class CleanStage:
+class CleanStage(ContextStage[DecontamContext]):
     name = "clean"
-
-    def __init__(self, ctx: DecontamContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         count = runner.stats["count"]

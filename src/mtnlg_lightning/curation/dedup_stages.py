@@ -37,7 +37,7 @@ from .signatures import (
     shard_keys_path,
     shard_meta_path,
 )
-from .stages import StageRunner
+from .stages import ContextStage, StageRunner
 from .unionfind import components
 from .verify import DocStore, verify_pairs
 
@@ -90,11 +90,8 @@ def signature_task(ctx: DedupContext, shard: Shard) -> int:
     return compute_shard(ctx.signature, (shard, ctx.path("sig")), ctx.banding)
 
 
-class SignaturesStage:
+class SignaturesStage(ContextStage[DedupContext]):
     name = "signatures"
-
-    def __init__(self, ctx: DedupContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
@@ -180,11 +177,8 @@ def bucket_band(ctx: DedupContext, job: tuple[int, int, int]) -> int:
     return len(codes)
 
 
-class BucketsStage:
+class BucketsStage(ContextStage[DedupContext]):
     name = "buckets"
-
-    def __init__(self, ctx: DedupContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
@@ -245,11 +239,8 @@ def verify_partition(ctx: DedupContext, job: tuple[int, int, int]) -> dict:
         }
 
 
-class VerifyStage:
+class VerifyStage(ContextStage[DedupContext]):
     name = "verify"
-
-    def __init__(self, ctx: DedupContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
@@ -334,11 +325,8 @@ def cluster_documents(ctx: DedupContext, parts: int) -> dict:
     }
 
 
-class ClustersStage:
+class ClustersStage(ContextStage[DedupContext]):
     name = "clusters"
-
-    def __init__(self, ctx: DedupContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         # one task (on Ray it runs on a worker, not in the driver): it needs the verified edges and ~50 bytes per
@@ -483,15 +471,12 @@ def publish_output(ctx: DedupContext, job: tuple[int, str]) -> None:
     os.unlink(partial)
 
 
-class FilterStage:
+class FilterStage(ContextStage[DedupContext]):
     """Kept records and duplicates.jsonl, one task per signature shard (so also parallel for one input file):
     the driver sizes every shard's kept bytes from the document table, creates each output at its final size,
     the tasks write their ranges in place and return their duplicates.jsonl lines, in document order."""
 
     name = "filter"
-
-    def __init__(self, ctx: DedupContext):
-        self.ctx = ctx
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx

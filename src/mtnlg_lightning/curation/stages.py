@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -46,6 +46,19 @@ class Stage(Protocol):
     name: str
 
     def run(self, runner: StageRunner) -> dict: ...
+
+
+Context = TypeVar("Context")
+
+
+class ContextStage(Generic[Context]):
+    """A stage of one job: its settings, inputs and work paths are the job's context ``ctx`` (a DedupContext or a
+    DecontamContext); the subclass names itself and runs."""
+
+    name: str
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
 
 
 class StageRunner:
