@@ -73,30 +73,31 @@ def _sequence_slice(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=SEQUENCE_DIM)[dist.get_rank(group)].contiguous()
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Keep this rank's slice forward; all-gather the gradient backward (replicated -> sequence-sharded)."""
+class _IntoSequenceRegion(torch.autograd.Function):
+    """Into the sequence-sharded region: whatever the forward did to reach this rank's shard, the gradient of the
+    shard is all-gathered backward. Subclasses define the forward and set ``ctx.group``."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.group), None
+
+
+class _ScatterToSequenceRegion(_IntoSequenceRegion):
+    """Keep this rank's slice forward (replicated -> sequence-sharded)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
         return _sequence_slice(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
 
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """Reduce-scatter forward (partial sums -> summed shard), all-gather backward: after a row-parallel layer."""
+class _ReduceScatterToSequenceRegion(_IntoSequenceRegion):
+    """Reduce-scatter forward (partial sums -> summed shard): after a row-parallel layer."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
         return _reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
