@@ -8,6 +8,8 @@ import sys
 from mtnlg_lightning.curation.cli_common import (
     EXIT_BAD_INPUT,
     add_engine_args,
+    add_output_dir_arg,
+    add_quiet_arg,
     check_engine_args,
     positive_int,
     run_cli,
@@ -41,13 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="WARC or WET files, gzip (.warc.gz) or plain")
-    p.add_argument(
-        "--output-dir",
-        "-o",
-        required=True,
-        metavar="OUT",
-        help="directory for the JSONL shards and extract_report.json (created if missing; shards are replaced "
-        "atomically)",
+    add_output_dir_arg(
+        p,
+        "directory for the JSONL shards and extract_report.json (created if missing; shards are replaced atomically)",
     )
     p.add_argument(
         "--extractor",
@@ -77,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or asking for JavaScript; English phrases); removed by default and counted in the report",
     )
     add_engine_args(p, "extraction (one input is split by record number into up to 8 tasks, ~2 per worker)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    add_quiet_arg(p)
     return p
 
 

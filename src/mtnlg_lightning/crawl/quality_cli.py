@@ -8,6 +8,7 @@ import sys
 from mtnlg_lightning.curation.cli_common import (
     EXIT_BAD_INPUT,
     add_output_dir_arg,
+    add_quiet_arg,
     add_text_key_arg,
     positive_int,
     run_cli,
@@ -75,7 +76,7 @@ def _add_io(p: argparse.ArgumentParser) -> None:
         p, "directory for OUT/<input name> (written atomically; must not be the inputs' directory) and the report"
     )
     add_text_key_arg(p)
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    add_quiet_arg(p)
 
 
 def _add_rules(p: argparse.ArgumentParser) -> None:

@@ -82,6 +82,11 @@ def add_text_key_arg(p) -> None:
     p.add_argument("--text-key", default="text", help="JSON key holding the document text")
 
 
+def add_quiet_arg(p) -> None:
+    """-q/--quiet: no progress bars (the summary at the end is still printed)."""
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
 def add_engine_args(p, what: str) -> None:
     """--workers / --engine / --ray-address, the same for every curation CLI."""
     p.add_argument(

@@ -7,7 +7,16 @@ import sys
 
 from mtnlg_lightning.corpora.cli_args import FORMATS_HELP, add_bad_record_arg, add_output_compression_arg
 
-from .cli_common import add_engine_args, check_engine_args, int_at_least, positive_int, run_cli, tool_parser
+from .cli_common import (
+    add_engine_args,
+    add_quiet_arg,
+    add_text_key_arg,
+    check_engine_args,
+    int_at_least,
+    positive_int,
+    run_cli,
+    tool_parser,
+)
 from .decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
@@ -66,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REPORT.json",
         help="where to write the report (default: report.json in the output's directory)",
     )
-    p.add_argument("--text-key", default="text", help="JSON key holding the training text")
+    add_text_key_arg(p)
     p.add_argument("--id-key", default="id", help="JSON key with a document id, quoted in the report's hit list")
     p.add_argument("--max-ngram", type=positive_int, default=13, help="n-gram length in words taken from task texts")
     p.add_argument(
@@ -107,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest training-file shard (MB) a task processes and a resumed run skips when finished; small "
         "inputs get smaller shards (>= 1 MB), about 4 per CPU",
     )
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    add_quiet_arg(p)
     return p
 
 

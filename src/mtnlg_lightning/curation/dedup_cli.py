@@ -10,6 +10,7 @@ from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, ad
 from .cli_common import (
     add_engine_args,
     add_output_dir_arg,
+    add_quiet_arg,
     add_text_key_arg,
     check_engine_args,
     positive_int,
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the stage files in OUT/.dedup-work after success (for inspection)",
     )
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    add_quiet_arg(p)
     return p
 
 
