@@ -191,17 +191,11 @@ class Pipeline:
     def language(self) -> None:
         src, out = self.out / "extract" / self.shard, self.out / "language"
         record, _ = self.stage("language", "mtnlg-quality", "filter", "--languages", "en", src, "-o", out, "--quiet")
-        self.filter_counts(record, "extract", out)
-        scores = crawl_stages.score_language(
-            self.truth, crawl_stages.read_documents(src), crawl_stages.read_documents(out / self.shard)
-        )
-        record.details.update(
-            scores=scores,
-            summary=[
-                f"English pages P/R {scores['english_pages']['precision']:.3f}/{scores['english_pages']['recall']:.3f}"
-                f", identified right {scores['identification_accuracy']:.3f}",
-            ],
-        )
+        scores = self.scored_filter(record, "extract", src, out, crawl_stages.score_language)
+        record.details["summary"] = [
+            f"English pages P/R {scores['english_pages']['precision']:.3f}/{scores['english_pages']['recall']:.3f}"
+            f", identified right {scores['identification_accuracy']:.3f}",
+        ]
         self.done(record)
 
     def quality_train(self) -> None:
@@ -243,19 +237,21 @@ class Pipeline:
         for rule in self.s.crawl.disabled_rules:
             args += ["--disable", rule]
         record, _ = self.stage("quality", "mtnlg-quality", *args, scored / self.shard, "-o", out, "-q")
-        self.filter_counts(record, "language", out)
-        scores = crawl_stages.score_quality(
-            self.truth, crawl_stages.read_documents(src), crawl_stages.read_documents(out / self.shard)
-        )
+        scores = self.scored_filter(record, "language", src, out, crawl_stages.score_quality)
         kept = scores["pages_kept"]
-        record.details.update(
-            scores=scores,
-            summary=[
-                f"pages kept P/R {kept['precision']:.3f}/{kept['recall']:.3f}, junk dropped "
-                f"{scores['junk_dropped']['recall']:.3f}",
-            ],
-        )
+        record.details["summary"] = [
+            f"pages kept P/R {kept['precision']:.3f}/{kept['recall']:.3f}, junk dropped "
+            f"{scores['junk_dropped']['recall']:.3f}",
+        ]
         self.done(record)
+
+    def scored_filter(self, record: StageRecord, previous: str, src: Path, out: Path, score) -> dict:
+        """An `mtnlg-quality filter` stage's checked counts, and its scores against the crawl's truth: `score` of
+        what it kept (`out`) of its input `src`, also kept in the record's details."""
+        self.filter_counts(record, previous, out)
+        scores = score(self.truth, crawl_stages.read_documents(src), crawl_stages.read_documents(out / self.shard))
+        record.details["scores"] = scores
+        return scores
 
     def filter_counts(self, record: StageRecord, previous: str, out: Path) -> None:
         """Counts of an `mtnlg-quality filter` stage, checked: kept + dropped = in = the previous stage's out."""
