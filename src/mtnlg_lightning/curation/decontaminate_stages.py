@@ -21,7 +21,7 @@ from mtnlg_lightning.corpora.records import BAD_REASONS, BadRecord, check_line
 from mtnlg_lightning.corpora.staging import CorpusInput
 from mtnlg_lightning.corpora.writers import encode_jsonl, jsonl_to_parquet, parquet_codec
 
-from .jsonl import InputError, atomic_write, iter_lines, shard_bad_record
+from .jsonl import InputError, ShardRecords, atomic_write, iter_lines
 from .ngrams import TaskNgrams, clean_text, words_of
 from .signatures import Shard
 from .stages import ContextStage, StageRunner
@@ -57,15 +57,9 @@ def count_shard(ctx: DecontamContext, i: int) -> None:
     shard = ctx.shards[i]
     counts: Counter = Counter()
     hit_lines: list[int] = []
-    bad: Counter = Counter()
-    docs = local = 0
-    for _, line in iter_lines(shard.path, shard.start, shard.end):
-        local += 1
-        if not line.strip():
-            continue
-        text = shard_bad_record(line, ctx.text_key, shard, local, ctx.on_bad_record, bad)
-        if text is None:
-            continue
+    records = ShardRecords(shard, ctx.text_key, ctx.on_bad_record)
+    docs = 0
+    for _, _, local, text in records:
         docs += 1
         found = {gid for _, gid in ctx.index.hits(words_of(text))}
         if found:
@@ -78,8 +72,8 @@ def count_shard(ctx: DecontamContext, i: int) -> None:
             counts=np.fromiter(counts.values(), dtype=np.int64, count=len(counts)),
             hit_lines=np.asarray(hit_lines, dtype=np.int64),
             docs=np.asarray([docs], dtype=np.int64),
-            lines=np.asarray([local], dtype=np.int64),
-            bad=np.asarray([bad[r] for r in BAD_REASONS], dtype=np.int64),
+            lines=np.asarray([records.lines], dtype=np.int64),
+            bad=np.asarray([records.bad[r] for r in BAD_REASONS], dtype=np.int64),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,27 @@ def shard_bad_record(line: bytes, text_key: str, shard, local: int, policy: str,
         lineno = count_lines_before(shard.path, shard.start) + local
         where = locate(shard.label or shard.path, shard.kind, lineno)
         raise InputError(f"{where}: {err}{SKIP_HINT}") from None
+
+
+class ShardRecords:
+    """The records of one shard (a byte range of a plain file), iterated as ``(byte_offset, raw_line, line, text)``
+    with ``line`` numbered from 1 within the shard: blank lines passed over, bad records counted by reason in
+    ``bad`` under policy "skip" (else one line naming the input and the record's line). ``lines`` counts every line
+    read, blank and bad ones too."""
+
+    def __init__(self, shard, text_key: str, policy: str):
+        self.shard, self.text_key, self.policy = shard, text_key, policy
+        self.lines = 0
+        self.bad: Counter = Counter()
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, int, str]]:
+        for off, line in iter_lines(self.shard.path, self.shard.start, self.shard.end):
+            self.lines += 1
+            if not line.strip():
+                continue
+            text = shard_bad_record(line, self.text_key, self.shard, self.lines, self.policy, self.bad)
+            if text is not None:
+                yield off, line, self.lines, text
 
 
 def iter_lines(path: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:

@@ -11,14 +11,13 @@ exact-duplicate key of the normalised text); the ``.npz`` appearing last marks t
 from __future__ import annotations
 
 import os
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from mtnlg_lightning.corpora.records import BAD_REASONS
 
-from .jsonl import atomic_write, iter_lines, shard_bad_record
+from .jsonl import ShardRecords, atomic_write
 from .lsh import Banding, band_key
 from .mapcache import load_map
 from .minhash import MinHasher
@@ -76,15 +75,8 @@ def compute_shard(settings: SignatureSettings, job: tuple[Shard, str], banding: 
     offsets, lengths, lines, ex_hi, ex_lo, source = [], [], [], [], [], []
     shingles: list[np.ndarray] = []  # 32-bit shingle hashes of each distinct normalised text of the shard
     seen: dict[tuple[int, int], int] = {}
-    local = 0
-    bad = Counter()
-    for off, line in iter_lines(shard.path, shard.start, shard.end):
-        local += 1
-        if not line.strip():
-            continue
-        text = shard_bad_record(line, settings.text_key, shard, local, settings.on_bad_record, bad)
-        if text is None:
-            continue
+    records = ShardRecords(shard, settings.text_key, settings.on_bad_record)
+    for off, line, local, text in records:
         norm, units = tokens(text, spec)
         key = exact_key(norm)
         k = seen.get(key)
@@ -118,8 +110,8 @@ def compute_shard(settings: SignatureSettings, job: tuple[Shard, str], banding: 
             nsh=nsh.astype(np.uint32),
             ex_hi=np.asarray(ex_hi, dtype=np.uint64),
             ex_lo=np.asarray(ex_lo, dtype=np.uint64),
-            n_lines=np.asarray([local], dtype=np.int64),
-            bad=np.asarray([bad[r] for r in BAD_REASONS], dtype=np.int64),
+            n_lines=np.asarray([records.lines], dtype=np.int64),
+            bad=np.asarray([records.bad[r] for r in BAD_REASONS], dtype=np.int64),
         )
     return shard.end - shard.start
 
