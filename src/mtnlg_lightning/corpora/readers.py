@@ -125,3 +125,16 @@ def iter_records(
                 continue
             rid = rec.get(id_key) if id_key else None
             yield Record(text, rid if rid is not None else f"{file.name}:{n}", file.name, n, rec)
+
+
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """`items` in lists of `size` (the last one shorter), for batch encoders and scorers: itertools.batched (Python
+    3.12) as lists, on Python 3.10 too."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

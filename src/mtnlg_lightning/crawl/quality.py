@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from mtnlg_lightning.corpora.readers import batched
 from mtnlg_lightning.curation.jsonl import (
     InputError,
     atomic_write,
@@ -182,7 +183,7 @@ def score(inputs, output_dir, model_path: str, text_key="text", batch: int = 512
     histogram = [0] * 10
     for path in inputs:
         with atomic_write(os.path.join(output_dir, os.path.basename(path)), "wb", fsync=True) as out:
-            for chunk in _batches(read_documents(path, text_key), batch):
+            for chunk in batched(read_documents(path, text_key), batch):
                 documents += len(chunk)
                 for (_, record, _), s in zip(chunk, model.scores([text for _, _, text in chunk]), strict=True):
                     histogram[min(9, int(s * 10))] += 1
@@ -190,17 +191,6 @@ def score(inputs, output_dir, model_path: str, text_key="text", batch: int = 512
         bar.update(os.path.getsize(path))
     bar.close()
     return _write_report(output_dir, "score", t0, documents=documents, score_histogram_tenths=histogram)
-
-
-def _batches(items, size: int):
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def load_model(path: str) -> QualityModel:

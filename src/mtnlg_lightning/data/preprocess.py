@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
-from mtnlg_lightning.corpora.readers import iter_records
+from mtnlg_lightning.corpora.readers import batched, iter_records
 from mtnlg_lightning.corpora.records import (
     BAD_REASONS,
     SKIP_HINT,
@@ -95,14 +95,7 @@ def task_texts(task: ReadTask, text_key: str, policy: BadRecordPolicy, batch: in
         texts: Iterator[str] = _range_texts(task, text_key, policy)
     else:
         texts = (r.text for r in iter_records([task.file], text_key, None, policy, {task.file.path: task.fmt}))
-    chunk: list[str] = []
-    for t in texts:
-        chunk.append(t)
-        if len(chunk) == batch:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+    yield from batched(texts, batch)
 
 
 def _encode_into(writer: IndexedDatasetWriter, task: ReadTask, text_key: str, policy: BadRecordPolicy) -> tuple:
