@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from model_shape import add_model_shape_args  # noqa: E402
 from results import write_result  # noqa: E402
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir  # noqa: E402
@@ -131,9 +132,7 @@ def layout_rows(model_dir: Path, data: Path, tmp: Path, batch_size: int, layouts
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
+    add_model_shape_args(ap, layers=6, hidden=512, heads=8)
     ap.add_argument("--docs", type=int, default=200, help="cloze passages at most (the held-out text holds ~120)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
