@@ -27,9 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results import write_result
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # its sibling helpers also when a test imports it as benchmarks.bench_...
+from results import write_result  # noqa: E402
+
 sys.path.insert(0, str(HERE.parent / "src"))
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]  # (tensor_parallel, sequence_parallel)
