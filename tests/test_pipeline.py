@@ -124,6 +124,45 @@ def test_no_crawl_starts_dedup_at_the_raw_jsonl_and_the_crawl_at_the_quality_fil
     assert (plain.zst, crawled.zst) == ("web.jsonl.zst", "crawl.jsonl.zst")
 
 
+def planted_removal_check(tmp_path, docs_in, kept, duplicates):
+    """The dedup check on planted text, run on hand-made dedup files (no crawl: ids are the corpus ids)."""
+    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings
+
+    pipeline = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True, crawl=False))
+    passages = [" ".join(f"p{k}w{i}" for i in range(20)) for k in range(2)]
+    texts = {
+        "host-a": f"intro one\n\n{passages[0]}",
+        "host-a-near": f"intro two\n\n{passages[0]}",
+        "host-b": f"other page\n\n{passages[1]}",
+        "clean": " ".join(f"c{i}" for i in range(30)),
+    }
+    dedup = tmp_path / "dedup"
+    dedup.mkdir(parents=True, exist_ok=True)
+    for path, ids in ((pipeline.curated, docs_in), (dedup / pipeline.zst, kept)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"id": i, "text": texts[i]}) + "\n" for i in ids))
+    lines = [json.dumps({"id": d, "duplicate_of": k}) + "\n" for d, k in duplicates]
+    (dedup / "duplicates.jsonl").write_text("".join(lines))
+    truth = {"planted_passages": passages, "plants": {"host-a": [], "host-a-near": [], "host-b": []}}
+    pipeline.check_planted_removals(dedup, truth, set(docs_in))
+    (check,) = pipeline.checks
+    return check.ok, pipeline.planted_duplicates
+
+
+def test_dedup_may_remove_planted_text_only_as_a_duplicate_of_a_kept_copy_of_the_same_passages(tmp_path):
+    docs = ["host-a", "host-a-near", "host-b", "clean"]
+    # the near copy of a host goes, its keeper holds the same passage: nothing planted leaves the corpus
+    assert planted_removal_check(tmp_path / "1", docs, ["host-a", "host-b", "clean"], [("host-a-near", "host-a")]) == (
+        True,
+        1,
+    )
+    assert planted_removal_check(tmp_path / "2", docs, docs, []) == (True, 0)
+    # removed as a duplicate of a document without its passage, of one not kept, or not listed as a duplicate
+    assert not planted_removal_check(tmp_path / "3", docs, ["host-a", "host-a-near", "clean"], [("host-b", "clean")])[0]
+    assert not planted_removal_check(tmp_path / "4", docs, ["host-b", "clean"], [("host-a-near", "host-a")])[0]
+    assert not planted_removal_check(tmp_path / "5", docs, ["host-a", "host-a-near", "clean"], [])[0]
+
+
 def test_a_non_empty_output_directory_is_refused_in_one_line(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     proc = subprocess.run(
