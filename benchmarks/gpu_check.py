@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # the equivalence harness the suite uses (parallel_harness.py)
+sys.path.insert(0, str(ROOT))  # the repository root: the harness imports benchmarks.lightning_run
 from local_ranks import run_on_ranks  # noqa: E402
 
 from mtnlg_lightning.outputs import write_json  # noqa: E402
