@@ -14,11 +14,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mtnlg_lightning"
 TESTS = Path(__file__).resolve().parent
 
-# Edges of cycles in files that other branches of issue 23 reshape at the same time: module.py <->
-# checkpoint/lightning_io.py (decay_groups), and generate.py / evaluation/cli.py <-> inference/runs.py (a CLI and
-# the multi-rank runner it launches import each other). Delete each line when its branch is merged.
-PENDING_ELSEWHERE = {}
-
 # Names of the test hooks and reference paths that live in tests/ (not in the package).
 TEST_HOOKS = (
     "Faults",
@@ -105,8 +100,6 @@ def test_the_graph_sees_imports_inside_functions():
 
 def test_no_import_cycles():
     graph = import_graph()
-    for source, target in PENDING_ELSEWHERE:
-        graph[source].discard(target)
     found = cycles(graph)
     report = [
         " <-> ".join(c) + "\n    " + "\n    ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c)
