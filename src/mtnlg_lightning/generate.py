@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.inference.decode import check_single_process, generate  # noqa: F401 (public API)
+from mtnlg_lightning.inference.decode import generate
 from mtnlg_lightning.inference.load import load_model, pick_device, pick_dtype, resolve_tokenizer
 from mtnlg_lightning.inference.sampling import POSITIONS
 
