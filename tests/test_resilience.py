@@ -77,9 +77,11 @@ def test_last_is_the_newest_complete_checkpoint_of_every_folder_and_a_restart_ne
 
 
 # ------------------------------------------------------------------------------------------------ under the launcher
-def launch(args: list[str], log: Path, max_restarts: int, env: dict | None = None) -> subprocess.Popen:
+def launch(
+    args: list[str], log: Path, max_restarts: int, env: dict | None = None, entry=("-m", "mtnlg_lightning.cli")
+) -> subprocess.Popen:
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "-m", "mtnlg_lightning.cli", *args]
+    command += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", *entry, *args]
     pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # benchmarks.fault_probe
     full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": pythonpath, **(env or {})}
     handle = open(log, "w")  # noqa: SIM115
@@ -158,10 +160,12 @@ def test_a_stopped_rank_is_caught_and_the_restart_resumes_from_the_newest_checkp
 
 
 @pytest.mark.distributed
-def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted(tmp_path):
+def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted_even_when_rank_0_is_last(tmp_path):
+    """Rank 1 fails first; torchrun alone would SIGTERM rank 0, the rank that prints the error, before it gets there."""
     args = ["fit", "--config", "configs/tiny.yaml", "--trainer.strategy", "configs/strategy/zero1.yaml"]
     args += ["--trainer.devices", "2", "--trainer.strategy.zero_stage", "7"]
-    job = launch(args, tmp_path / "log", max_restarts=3)
+    late_rank_zero = (str(Path(__file__).parent / "late_rank_zero.py"), "5")
+    job = launch(args, tmp_path / "log", max_restarts=3, entry=late_rank_zero)
     assert job.wait(timeout=300) == ExitCode.CONFIG_ERROR
     log = (tmp_path / "log").read_text()
     assert log.count("mtnlg: error: zero_stage 7 is not one of") == 1, log[-3000:]  # one attempt, one line

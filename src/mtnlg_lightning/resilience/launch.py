@@ -5,8 +5,10 @@ restart can fix, and an exit status that says what happened (`exit_codes.py`).
         -m mtnlg_lightning.cli fit --config ... --ckpt_path last
 
 Differences from plain torchrun, whose agent restarts the group on any worker failure and exits 1 on every failure:
-- a configuration error (exit 2) or a preemption (exit 75) of any worker ends the run at once with that code;
-  no restart is spent on it (each node's agent decides alike, since every rank fails alike);
+- a configuration error (exit 2) or a preemption (exit 75) of any worker ends the run with that code; no restart
+  is spent on it (each node's agent decides alike, since every rank fails alike). The other ranks end alike but
+  not at the same moment, so they are given up to CLEAN_END_GRACE_S to print their error line or finish their
+  save (torchrun would SIGTERM them at the first exit, and a slow rank 0 would never print the one error line);
 - the run exits with the most telling worker code (config error > preempted > hang > crash), 0 when finished;
 - the rest of a crashed or hung group is stopped with SIGKILL at once: a stopped or stuck rank ignores torchrun's
   SIGTERM for its 30 s grace period, and the surviving ranks have lost a peer, so they cannot save anything anyway;
@@ -21,8 +23,10 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -31,6 +35,7 @@ from mtnlg_lightning.resilience.exit_codes import NOT_RETRIED, ExitCode, describ
 from mtnlg_lightning.resilience.restart import RESTART_CAUSE_ENV
 
 FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
+CLEAN_END_GRACE_S = 120.0  # how long the rest of a group may take to end alike after one rank's clean end
 log = logging.getLogger("mtnlg.launch")
 
 
@@ -38,9 +43,12 @@ class ResilientAgent(LocalElasticAgent):
     """torchrun's local agent with the restart policy above."""
 
     _failed_first: dict[int, int] = {}  # local rank -> exit code of the workers that failed by themselves
+    _clean_end_since: float | None = None  # when the first rank ended with a code that is not retried
 
     def _monitor_workers(self, worker_group):
         self._kill_peers_of_a_failed_worker()
+        if self._peers_of_a_clean_end_still_ending():
+            return RunResult(state=WorkerState.HEALTHY)  # not yet: torchrun's poll would SIGTERM them
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             rank_of = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -54,12 +62,29 @@ class ResilientAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
         return result
 
+    def _exit_codes(self) -> dict[int, int | None]:
+        """local rank -> exit code, None while running."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        return {rank: handler.proc.poll() for rank, handler in handlers.items()}
+
+    def _peers_of_a_clean_end_still_ending(self) -> bool:
+        """A rank ended with a configuration error or a preemption and others still run: they will end alike
+        (rank 0 prints the error line; every rank finishes its save), up to CLEAN_END_GRACE_S after the first."""
+        codes = self._exit_codes()
+        ended = [code for code in codes.values() if code not in (None, 0)]
+        if not ended or None not in codes.values() or run_exit_code(ended) not in NOT_RETRIED:
+            self._clean_end_since = None
+            return False
+        if self._clean_end_since is None:
+            self._clean_end_since = time.monotonic()
+        return time.monotonic() - self._clean_end_since < CLEAN_END_GRACE_S
+
     def _kill_peers_of_a_failed_worker(self) -> None:
         """torchrun stops the rest of a failed group with SIGTERM and waits 30 s before SIGKILL; a stopped or stuck
         rank ignores SIGTERM, and the others have lost a peer, so they cannot save anything: kill them now. (A
         configuration error or a preemption is a clean end on every rank: those ranks are left to finish.)"""
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        codes = {rank: handler.proc.poll() for rank, handler in handlers.items()}
+        codes = self._exit_codes()
         failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
         if failed and run_exit_code(list(failed.values())) not in NOT_RETRIED:
             self._failed_first = failed  # the cause, told apart from the ranks killed here
