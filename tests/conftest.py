@@ -62,8 +62,26 @@ def demo_data():
     return build_demo_data(progress=False)
 
 
+# The modules that take longest (minutes of launches on 2 cores), longest first. They run first, so that under
+# pytest-xdist (scripts/test.sh: one module per worker at a time) no worker starts a long one when the rest is done.
+LONGEST_MODULES = (
+    "test_checkpoint_layouts.py",
+    "test_inference_layouts.py",
+    "test_strategy_cli.py",
+    "test_parallel_equivalence.py",
+    "test_evaluation.py",
+    "test_gpu_check.py",
+    "test_checkpoints.py",
+    "test_cli.py",
+    "test_pipeline.py",
+    "test_resilience.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every multi-process test is also slow, so the fast lane is one marker: -m "not slow"."""
+    """Every multi-process test is also slow, so the fast lane is one marker: -m "not slow". Longest modules first."""
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.slow)
+    rank = {name: position for position, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a module is kept

@@ -1,5 +1,5 @@
 """Local stand-ins for downloaded models, built offline: a vocabulary-1000 BPE, a random GPT-2 directory (3 layers,
-4 heads, vocabulary not a multiple of 128), and the checkpoint of a short single-process `mtnlg fit` (tiny)."""
+4 heads, vocabulary not a multiple of 128). The tiny runs the session trains are in tiny_runs.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import run_cli
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe
@@ -50,36 +49,3 @@ def random_gpt2_dir(directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save(out / "tokenizer.json")
     return out
-
-
-TINY_STEPS = 4
-
-
-LAYOUTS = {
-    "single": [],
-    "tp2xpp2xdp2": ["--trainer.strategy", "configs/strategy/tp2_pp2_dp2.yaml", "--trainer.devices", "8"],
-}
-
-
-def tiny_checkpoint(tmp_path_factory, layout: str = "single") -> Path:
-    """The checkpoint of `mtnlg fit --config configs/tiny.yaml` for TINY_STEPS steps (cosine to the end), in one
-    process or on 8 ranks (tp2 x pp2 x dp2 ZeRO-1), trained once per test session and shared by the test modules."""
-    directory = tmp_path_factory.getbasetemp() / f"tiny_checkpoint_{layout}"
-    found = sorted(directory.rglob("*step=*.ckpt"))
-    if found:
-        return found[0]
-    out = run_cli(
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.max_steps",
-        str(TINY_STEPS),
-        "--trainer.enable_checkpointing",
-        "true",
-        "--trainer.default_root_dir",
-        str(directory),
-        *LAYOUTS[layout],
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    (checkpoint,) = sorted(directory.rglob("*step=*.ckpt"))
-    return checkpoint

@@ -9,15 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, run_cli
-from hf_models import tiny_checkpoint as trained_tiny_checkpoint
+from tiny_runs import TINY_STEPS, cloze_file, downstream_eval_arg, tiny_run
+from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir
-from mtnlg_lightning.data.gpt_dataset import split_ranges
+from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.evaluation.cloze import cloze_passages
 from mtnlg_lightning.evaluation.scoring import Scorer
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop.export_cli import main as export_main
@@ -36,28 +35,8 @@ def tokenizer_path():
 
 
 @pytest.fixture(scope="module")
-def cloze(checkpoint, tokenizer_path, tmp_path_factory):
-    """40 held-out passages in LAMBADA format. Every other one ends with the word the model itself predicts greedily
-    there instead of the real one, so the accuracy is strictly between 0 and 1 (an accuracy of 0, which a barely
-    trained model gets on real text, would make agreement prove nothing)."""
-    import torch
-
-    docs = [json.loads(line)["text"] for line in open(demo_dir() / "python_docs.jsonl", encoding="utf-8")]
-    _, (start, _), (_, end) = split_ranges(len(docs), "969,30,1")
-    model, _ = load_model(checkpoint)
-    tokenizer = Tokenizer(tokenizer_path)
-    passages = []
-    for i, passage in enumerate(cloze_passages(docs[start:end], 40)):
-        context, target = tasks.lambada_split(passage)
-        ids = tokenizer.encode(context)[-63:]
-        with torch.no_grad():
-            guess = tokenizer.decode([int(model(torch.tensor([ids]))[0, -1, :4096].argmax())])
-        if i % 2 == 0 and guess[:1] == " " and guess[1:].isalpha():
-            target = guess
-        passages.append(context + target)
-    path = tmp_path_factory.mktemp("cloze") / "cloze.jsonl"
-    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in passages), encoding="utf-8")
-    return path
+def cloze(tmp_path_factory):
+    return cloze_file(tmp_path_factory)
 
 
 def harness_task_dir(directory, data):
@@ -213,31 +192,30 @@ def test_bad_input_is_one_line(checkpoint, tokenizer_path, tmp_path, capsys):
 
 @pytest.mark.distributed
 def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one_process_within_its_memory(
-    cloze, tokenizer_path, tmp_path
+    cloze, tokenizer_path, tmp_path, tmp_path_factory
 ):
     import csv
 
-    from test_strategy_cli import fit_single_and_parallel
-
-    callback = {
-        "class_path": "mtnlg_lightning.evaluation.callback.DownstreamEval",
-        "init_args": {"task": "lambada", "data": str(cloze), "tokenizer": tokenizer_path, "every_n_steps": 2},
-    }
-    extra = (f"--trainer.callbacks+={json.dumps(callback)}",)
-    fit_single_and_parallel(tmp_path, "configs/strategy/tp2_pp2_dp2.yaml", 8, 4, both=extra)
+    # One process with the callback here; the 8-rank run with the same callback is the session's (tiny_runs.py).
+    single = tmp_path / "single"
+    args = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(TINY_STEPS)]
+    args += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(single)]
+    out = run_cli(*args, downstream_eval_arg(cloze, tokenizer_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    parallel = tiny_run(tmp_path_factory, "tp2xpp2xdp2")
 
     def logged(run):
-        rows = csv.DictReader(next((tmp_path / run).rglob("metrics.csv")).open())
+        rows = csv.DictReader(next(run.rglob("metrics.csv")).open())
         found = [r for r in rows if r.get("lambada_acc")]
         return [(int(r["step"]), float(r["lambada_acc"]), float(r["lambada_ppl"])) for r in found]
 
-    single, parallel = logged("single"), logged("parallel")
-    assert len({round(p, 3) for _, _, p in single}) == 2  # two evaluations: after optimizer steps 2 and 4
-    assert [(s, a) for s, a, _ in parallel] == [(s, a) for s, a, _ in single]
-    assert [p for _, _, p in parallel] == pytest.approx([p for _, _, p in single], rel=1e-5)
+    single_logged, parallel_logged = logged(single), logged(parallel)
+    assert len({round(p, 3) for _, _, p in single_logged}) == 2  # two evaluations: after optimizer steps 2 and 4
+    assert [(s, a) for s, a, _ in parallel_logged] == [(s, a) for s, a, _ in single_logged]
+    assert [p for _, _, p in parallel_logged] == pytest.approx([p for _, _, p in single_logged], rel=1e-5)
     # Scored in the layout (no rank gathers the model): the evaluation's peak memory (max over ranks) stays within
     # the training steps' peak.
-    rows = list(csv.DictReader(next((tmp_path / "parallel").rglob("metrics.csv")).open()))
+    rows = list(csv.DictReader(next(parallel.rglob("metrics.csv")).open()))
     train_peak = max(float(r["peak_memory_mib"]) for r in rows if r.get("peak_memory_mib"))
     eval_peaks = [float(r["downstream_eval_peak_memory_mib"]) for r in rows if r.get("downstream_eval_peak_memory_mib")]
     assert eval_peaks and max(eval_peaks) <= 1.1 * train_peak, (eval_peaks, train_peak)

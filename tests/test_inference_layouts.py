@@ -15,8 +15,8 @@ import sys
 import pytest
 from conftest import ROOT
 from dist_inference_runs import NEW_TOKENS, PROMPTS, tasks
-from hf_models import tiny_checkpoint as trained_tiny_checkpoint
 from test_evaluation import checkpoint, cloze, harness_task_dir, tokenizer_path  # noqa: F401 - fixtures
+from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.evaluation.cli import main as eval_main

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from hf_models import RANDOM_GPT2, demo_texts, random_gpt2_dir
-from hf_models import tiny_checkpoint as trained_tiny_checkpoint
+from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer

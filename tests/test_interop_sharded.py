@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT
-from hf_models import tiny_checkpoint as trained_tiny_checkpoint
+from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.checkpoint.consolidate import consolidate
 from mtnlg_lightning.data.builtin_corpus import build_demo_data

@@ -5,6 +5,7 @@ import json
 
 import pytest
 from conftest import run_cli
+from tiny_runs import OUTPUT, TINY_STEPS, tiny_run
 
 
 def train_rows(save_dir):
@@ -12,21 +13,11 @@ def train_rows(save_dir):
     return [r for r in csv.DictReader(path.open()) if r.get("train_loss")]
 
 
-def fit_single_and_parallel(
-    tmp_path, strategy_file: str, devices: int, steps: int, *parallel_args: str, both: tuple[str, ...] = ()
-):
-    """The same tiny config (plus `both` arguments) through `mtnlg fit` on one process and on `devices` ranks with
-    `strategy_file` (and `parallel_args`); returns (reference train rows, parallel train rows, parallel output)."""
-    common = [
-        "fit",
-        "--config",
-        "configs/tiny.yaml",
-        "--trainer.max_steps",
-        str(steps),
-        "--trainer.logger",
-        "lightning.pytorch.loggers.CSVLogger",
-        *both,
-    ]
+def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: int, *parallel_args: str):
+    """The tiny config through `mtnlg fit` on one process and on `devices` ranks with `strategy_file` (and
+    `parallel_args`); asserts they train alike; returns (reference train rows, parallel train rows, parallel output)."""
+    common = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(steps)]
+    common += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
     single = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
     parallel = run_cli(
@@ -41,11 +32,15 @@ def fit_single_and_parallel(
     )
     assert parallel.returncode == 0, parallel.stderr[-3000:]
     reference, rows = train_rows(tmp_path / "single"), train_rows(tmp_path / "parallel")
+    assert_trains_alike(reference, rows, steps)
+    return reference, rows, parallel.stdout + parallel.stderr
+
+
+def assert_trains_alike(reference: list[dict], rows: list[dict], steps: int) -> None:
     assert [int(r["step"]) for r in rows] == list(range(steps))  # one train_loss row per step, not one per rank
     for ref, row in zip(reference, rows, strict=True):
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), rel=1e-5)
         assert float(row["grad_norm"]) == pytest.approx(float(ref["grad_norm"]), rel=1e-4)
-    return reference, rows, parallel.stdout + parallel.stderr
 
 
 @pytest.mark.distributed
@@ -80,9 +75,10 @@ def test_more_pipeline_stages_than_blocks_is_one_line():
 
 
 @pytest.mark.distributed
-def test_tp2_pp2_dp2_on_8_ranks_trains_like_one_process_and_validates_through_the_pipeline(tmp_path):
-    _, _, output = fit_single_and_parallel(tmp_path, "configs/strategy/tp2_pp2_dp2.yaml", 8, 4)
-    assert "layout: world 8 = pp 2 x dp 2 x tp 2 on 1 node(s) of 8 rank(s)" in output
+def test_tp2_pp2_dp2_on_8_ranks_trains_like_one_process_and_validates_through_the_pipeline(tmp_path_factory):
+    single, parallel = tiny_run(tmp_path_factory, "single"), tiny_run(tmp_path_factory, "tp2xpp2xdp2")  # tiny_runs.py
+    assert_trains_alike(train_rows(single), train_rows(parallel), TINY_STEPS)
+    assert "layout: world 8 = pp 2 x dp 2 x tp 2 on 1 node(s) of 8 rank(s)" in (parallel / OUTPUT).read_text()
 
     def val(d):
         return [
@@ -91,8 +87,8 @@ def test_tp2_pp2_dp2_on_8_ranks_trains_like_one_process_and_validates_through_th
             if r.get("val_loss")
         ]
 
-    assert val(tmp_path / "parallel") == pytest.approx(val(tmp_path / "single"), rel=1e-5)  # forward-only pipeline
-    assert len(val(tmp_path / "parallel")) == 1
+    assert val(parallel) == pytest.approx(val(single), rel=1e-5)  # forward-only pipeline
+    assert len(val(parallel)) == 1
 
 
 @pytest.mark.distributed
