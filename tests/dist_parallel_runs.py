@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tied_head_copy, tiny_run  # noqa: E402
 
 from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
+from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
 from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
@@ -348,6 +349,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    skip_final_garbage_collection()  # as the commands do: ~2 s less per rank at exit
     main()
     # Tear the world down before the interpreter does: DeepSpeed/gloo threads left to static destructors can abort
     # the process at exit ("terminate called without an active exception") after all the work succeeded.

@@ -13,11 +13,14 @@ def train_rows(save_dir):
     return [r for r in csv.DictReader(path.open()) if r.get("train_loss")]
 
 
-def fit_single_and_parallel(tmp_path, strategy_file: str, devices: int, steps: int, *parallel_args: str):
-    """The tiny config through `mtnlg fit` on one process and on `devices` ranks with `strategy_file` (and
-    `parallel_args`); asserts they train alike; returns (reference train rows, parallel train rows, parallel output)."""
+def fit_single_and_parallel(
+    tmp_path, strategy_file: str, devices: int, steps: int, *parallel_args: str, both: tuple[str, ...] = ()
+):
+    """The same tiny config (plus `both` arguments) through `mtnlg fit` on one process and on `devices` ranks with
+    `strategy_file` (and `parallel_args`); asserts they train alike; returns (reference train rows, parallel train
+    rows, parallel output)."""
     common = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(steps)]
-    common += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
+    common += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", *both]
     single = run_cli(*common, "--trainer.logger.save_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
     parallel = run_cli(

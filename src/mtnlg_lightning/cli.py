@@ -16,6 +16,7 @@ from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
 
@@ -120,6 +121,7 @@ def _wandb_configured() -> bool:
 
 
 def main(args: list[str] | None = None) -> None:
+    skip_final_garbage_collection()  # quick_exit.py: ~2 s less per process at exit
     if "WANDB_MODE" not in os.environ and not _wandb_configured():
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
     try:

@@ -12,6 +12,7 @@ import sys
 
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_final_garbage_collection()  # quick_exit.py: ~2 s less at exit
     args = build_parser().parse_args(argv)
     try:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
