@@ -46,8 +46,13 @@ class ResilientAgent(LocalElasticAgent):
     _clean_end_since: float | None = None  # when the first rank ended with a code that is not retried
 
     def _monitor_workers(self, worker_group):
-        self._kill_peers_of_a_failed_worker()
-        if self._peers_of_a_clean_end_still_ending():
+        codes = self._exit_codes()
+        ended = {rank: code for rank, code in codes.items() if code not in (None, 0)}
+        running = [rank for rank, code in codes.items() if code is None]
+        clean_end = bool(ended) and run_exit_code(list(ended.values())) in NOT_RETRIED
+        if ended and not clean_end:
+            self._kill_peers_of_a_failed_worker(ended, running)
+        if self._peers_of_a_clean_end_still_ending(clean_end and bool(running)):
             return RunResult(state=WorkerState.HEALTHY)  # not yet: torchrun's poll would SIGTERM them
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
@@ -67,30 +72,24 @@ class ResilientAgent(LocalElasticAgent):
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
         return {rank: handler.proc.poll() for rank, handler in handlers.items()}
 
-    def _peers_of_a_clean_end_still_ending(self) -> bool:
-        """A rank ended with a configuration error or a preemption and others still run: they will end alike
-        (rank 0 prints the error line; every rank finishes its save), up to CLEAN_END_GRACE_S after the first."""
-        codes = self._exit_codes()
-        ended = [code for code in codes.values() if code not in (None, 0)]
-        if not ended or None not in codes.values() or run_exit_code(ended) not in NOT_RETRIED:
+    def _peers_of_a_clean_end_still_ending(self, waiting: bool) -> bool:
+        """`waiting`: a rank ended with a configuration error or a preemption and others still run. They will end
+        alike (rank 0 prints the error line; every rank finishes its save): wait for them, up to
+        CLEAN_END_GRACE_S after the first such end."""
+        if not waiting:
             self._clean_end_since = None
             return False
         if self._clean_end_since is None:
             self._clean_end_since = time.monotonic()
         return time.monotonic() - self._clean_end_since < CLEAN_END_GRACE_S
 
-    def _kill_peers_of_a_failed_worker(self) -> None:
+    def _kill_peers_of_a_failed_worker(self, failed: dict[int, int], running: list[int]) -> None:
         """torchrun stops the rest of a failed group with SIGTERM and waits 30 s before SIGKILL; a stopped or stuck
         rank ignores SIGTERM, and the others have lost a peer, so they cannot save anything: kill them now. (A
         configuration error or a preemption is a clean end on every rank: those ranks are left to finish.)"""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        codes = self._exit_codes()
-        failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
-        if failed and run_exit_code(list(failed.values())) not in NOT_RETRIED:
-            self._failed_first = failed  # the cause, told apart from the ranks killed here
-            for rank, code in codes.items():
-                if code is None:
-                    handlers[rank].proc.kill()
+        self._failed_first = failed  # the cause, told apart from the ranks killed here
+        for rank in running:
+            self._pcontext.subprocess_handlers[rank].proc.kill()
 
     def _start_workers(self, worker_group):
         started = super()._start_workers(worker_group)
