@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, run_cli
-from tiny_runs import TINY_STEPS, cloze_file, downstream_eval_arg, tiny_run
+from tiny_runs import cloze_file, downstream_eval_arg, tiny_fit_args, tiny_run
 from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
@@ -198,9 +198,7 @@ def test_downstream_eval_callback_logs_equal_values_under_tp2_pp2_dp2_and_in_one
 
     # One process with the callback here; the 8-rank run with the same callback is the session's (tiny_runs.py).
     single = tmp_path / "single"
-    args = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(TINY_STEPS)]
-    args += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(single)]
-    out = run_cli(*args, downstream_eval_arg(cloze, tokenizer_path))
+    out = run_cli(*tiny_fit_args(single), downstream_eval_arg(cloze, tokenizer_path))
     assert out.returncode == 0, out.stderr[-3000:]
     parallel = tiny_run(tmp_path_factory, "tp2xpp2xdp2")
 

@@ -20,6 +20,14 @@ from pathlib import Path
 import torch
 from conftest import run_cli
 
+from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir
+from mtnlg_lightning.data.gpt_dataset import split_ranges
+from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.evaluation import tasks
+from mtnlg_lightning.evaluation.cloze import cloze_passages
+from mtnlg_lightning.inference.load import load_model
+from mtnlg_lightning.outputs import atomic_write
+
 TINY_STEPS = 4
 LAYOUTS = {
     "single": [],
@@ -37,23 +45,25 @@ def shared_folder(tmp_path_factory) -> Path:
 
 @contextmanager
 def exclusively(path: Path):
-    """One process of the session at a time (another worker waits here until the first has built the thing)."""
+    """One process of the session at a time (another worker waits here until the first has built the thing); the
+    lock goes with the file's closing."""
     with open(f"{path}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def downstream_eval_arg(cloze: Path, tokenizer: str) -> str:
     """The `--trainer.callbacks+=` argument of `DownstreamEval` scoring LAMBADA on `cloze` every 2 steps."""
-    callback = {
-        "class_path": "mtnlg_lightning.evaluation.callback.DownstreamEval",
-        "init_args": {"task": "lambada", "data": str(cloze), "tokenizer": tokenizer},
-    }
-    callback["init_args"]["every_n_steps"] = EVAL_EVERY_N_STEPS
+    arguments = {"task": "lambada", "data": str(cloze), "tokenizer": tokenizer, "every_n_steps": EVAL_EVERY_N_STEPS}
+    callback = {"class_path": "mtnlg_lightning.evaluation.callback.DownstreamEval", "init_args": arguments}
     return f"--trainer.callbacks+={json.dumps(callback)}"
+
+
+def tiny_fit_args(save_dir: Path) -> list[str]:
+    """`mtnlg fit` of the tiny config for TINY_STEPS steps, its metrics in `save_dir` (CSVLogger)."""
+    args = ["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", str(TINY_STEPS)]
+    logger = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(save_dir)]
+    return args + logger
 
 
 def tiny_run(tmp_path_factory, layout: str = "single") -> Path:
@@ -61,29 +71,12 @@ def tiny_run(tmp_path_factory, layout: str = "single") -> Path:
     directory = shared_folder(tmp_path_factory) / f"tiny_run_{layout}"
     extra = []
     if layout != "single":
-        from mtnlg_lightning.data.builtin_corpus import build_demo_data
-
         extra = [downstream_eval_arg(cloze_file(tmp_path_factory), build_demo_data(progress=False)[1])]
     with exclusively(directory):
         if (directory / OUTPUT).exists():
             return directory
-        out = run_cli(
-            "fit",
-            "--config",
-            "configs/tiny.yaml",
-            "--trainer.max_steps",
-            str(TINY_STEPS),
-            "--trainer.enable_checkpointing",
-            "true",
-            "--trainer.default_root_dir",
-            str(directory),
-            "--trainer.logger",
-            "lightning.pytorch.loggers.CSVLogger",
-            "--trainer.logger.save_dir",
-            str(directory),
-            *LAYOUTS[layout],
-            *extra,
-        )
+        checkpoints = ["--trainer.enable_checkpointing", "true", "--trainer.default_root_dir", str(directory)]
+        out = run_cli(*tiny_fit_args(directory), *checkpoints, *LAYOUTS[layout], *extra)
         assert out.returncode == 0, out.stderr[-3000:]
         (directory / OUTPUT).write_text(out.stdout + out.stderr)
     return directory
@@ -99,19 +92,13 @@ def cloze_file(tmp_path_factory) -> Path:
     """40 held-out passages in LAMBADA format. Every other one ends with the word the one-process tiny checkpoint
     itself predicts greedily there instead of the real one, so its accuracy is strictly between 0 and 1 (an
     accuracy of 0, which a barely trained model gets on real text, would make agreement prove nothing)."""
-    from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir
-    from mtnlg_lightning.data.gpt_dataset import split_ranges
-    from mtnlg_lightning.data.tokenizer import Tokenizer
-    from mtnlg_lightning.evaluation import tasks
-    from mtnlg_lightning.evaluation.cloze import cloze_passages
-    from mtnlg_lightning.inference.load import load_model
-
     path = shared_folder(tmp_path_factory) / "cloze" / "cloze.jsonl"
     checkpoint = tiny_checkpoint(tmp_path_factory)
     with exclusively(path.parent):
         if path.exists():
             return path
-        docs = [json.loads(line)["text"] for line in open(demo_dir() / "python_docs.jsonl", encoding="utf-8")]
+        lines = (demo_dir() / "python_docs.jsonl").read_text(encoding="utf-8").splitlines()
+        docs = [json.loads(line)["text"] for line in lines]
         _, (start, _), (_, end) = split_ranges(len(docs), "969,30,1")
         model, _ = load_model(checkpoint)
         tokenizer = Tokenizer(build_demo_data(progress=False)[1])
@@ -125,6 +112,6 @@ def cloze_file(tmp_path_factory) -> Path:
                 target = guess
             passages.append(context + target)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text("".join(json.dumps({"text": p}) + "\n" for p in passages), encoding="utf-8")
-        path.with_suffix(".tmp").rename(path)
+        with atomic_write(path, "w") as f:
+            f.write("".join(json.dumps({"text": p}) + "\n" for p in passages))
     return path

@@ -1,8 +1,9 @@
 """The commands that import torch and Lightning skip the interpreter's final garbage collection at exit.
 
 Such a process holds millions of objects (torch, Lightning, DeepSpeed, sympy, ...); the collection that runs while
-the interpreter shuts down walks all of them, ~2 s per process and so per rank of every launch, only to free
-memory the operating system takes back at once. `gc.freeze()`, as the last exit handler, puts them out of its
+the interpreter shuts down walks all of them, only to free memory the operating system takes back at once. A
+3-step tiny `mtnlg fit` took 7.05 s with this and 8.54 s without (4 runs each): 1.5 s per process, and so per
+rank of every launch. `gc.freeze()`, as the last exit handler, puts them out of its
 reach. Everything that matters at exit still happens: every other atexit handler runs (wandb, logging), and
 objects freed by reference counting are freed as before; only garbage in reference cycles is left to the OS.
 """
