@@ -104,6 +104,14 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # exited, not yet reaped by the launcher
 
 
+def logged_steps(save_dir: Path) -> set[int]:
+    """The steps with a train_loss row so far (the file is being written: a partial last row is not one yet)."""
+    try:
+        return set(losses(save_dir))
+    except (ValueError, KeyError):
+        return set()
+
+
 def last_step(path: Path, pid: int) -> int:
     steps = [int(s) for p, s in (line.split() for line in path.read_text().splitlines()) if int(p) == pid]
     return max(steps, default=-1)
@@ -131,6 +139,9 @@ def test_a_stopped_rank_is_caught_and_the_restart_resumes_from_the_newest_checkp
         wait_for(lambda: (probe / "rank1.steps").exists(), what="the first step")
         pids = {r: int((probe / f"rank{r}.pid").read_text()) for r in (0, 1)}
         wait_for(lambda: last_step(probe / "rank1.steps", pids[1]) >= 5, what="step 5")
+        # and rank 0 has logged step 4, the first after the checkpoint of step 4: there is a step to redo (under
+        # load rank 0 can lag, and a stop that lands before it logs step 4 leaves nothing after the checkpoint)
+        wait_for(lambda: 4 in logged_steps(tmp_path / "lightning_logs" / "version_0"), what="rank 0 to log step 4")
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
         wait_for(lambda: not alive(pids[0]), timeout=step_limit + 60, what="the watchdog of rank 0")
