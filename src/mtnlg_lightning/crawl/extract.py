@@ -14,9 +14,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from mtnlg_lightning.curation.jsonl import dumps_line
-
-from .warc import BrokenRecord, iter_records
+from mtnlg_lightning.corpora.jsonl import dumps_line
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records
 
 EXTRACTORS = ("justext", "trafilatura")
 HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -258,7 +257,7 @@ def shard_name(path: str) -> str:
 def check_inputs(paths: list[str]) -> None:
     import os
 
-    from mtnlg_lightning.curation.jsonl import InputError
+    from mtnlg_lightning.corpora.jsonl import InputError
 
     seen: dict[str, str] = {}
     for path in paths:
@@ -303,8 +302,8 @@ def run_extract(
 
     from tqdm import tqdm
 
-    from mtnlg_lightning.curation.engine import make_engine
-    from mtnlg_lightning.curation.jsonl import atomic_write, write_json_atomic
+    from mtnlg_lightning.corpora.engine import make_engine
+    from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
 
     check_inputs(inputs)
     os.makedirs(output_dir, exist_ok=True)
