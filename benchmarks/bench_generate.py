@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Generation speed: tokens/s of `mtnlg_lightning.generate` vs transformers' `generate`, side by side.
+"""Generation speed: tokens/s of `mtnlg_lightning.inference.decode.generate` vs transformers' `generate`, side by side.
 
 Both run the same random GPT-2 model (default ~125M: 12 layers, hidden 768, vocabulary 50257; ours holds the very
 same tensors through the Hugging Face import mapping), in the same dtype and number of threads, greedy, exactly
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from model_shape import add_model_shape_args  # noqa: E402
 from results import write_result  # noqa: E402
 
-from mtnlg_lightning.generate import generate  # noqa: E402
+from mtnlg_lightning.inference.decode import generate  # noqa: E402
 from mtnlg_lightning.inference.load import use_generation_layout  # noqa: E402
 from mtnlg_lightning.interop.gpt2_mapping import from_hf, load_model_space  # noqa: E402
 from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402

@@ -41,7 +41,7 @@ def _main(tool: str):
     elif tool == "mtnlg-eval":
         from mtnlg_lightning.evaluation.cli import main
     elif tool == "mtnlg-generate":
-        from mtnlg_lightning.generate import main
+        from mtnlg_lightning.inference.generate_cli import main
     elif tool == "mtnlg-export-hf":
         from mtnlg_lightning.interop.export_cli import main
     elif tool == "consolidate_checkpoint.py":

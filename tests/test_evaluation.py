@@ -17,8 +17,8 @@ from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.evaluation.scoring import Scorer
 from mtnlg_lightning.inference.load import load_model
+from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.interop.export_cli import main as export_main
 
 HANS = ROOT / "tests" / "data" / "hans_sample.jsonl"

@@ -13,8 +13,8 @@ from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.generate import generate
-from mtnlg_lightning.generate import main as generate_main
+from mtnlg_lightning.inference.decode import generate
+from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model, use_generation_layout
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import export_hf, read_hf_dir

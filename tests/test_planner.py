@@ -11,8 +11,8 @@ from conftest import ROOT, run_cli
 
 from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.gpus import GPUS, get_gpu, load_gpu_specs
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, _layer_gemm_shapes
-from mtnlg_lightning.planning.gpus import GPUS, get_gpu, load_gpu_specs
 from mtnlg_lightning.planning.planner import (
     activation_bytes_per_layer,
     model_state_bytes,

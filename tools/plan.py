@@ -24,9 +24,9 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
-from mtnlg_lightning.errors import MTNLGError, exit_status
+from mtnlg_lightning.errors import MTNLGError, run_main
+from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
-from mtnlg_lightning.planning.gpus import get_gpu, gpu_names, load_gpu_specs
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
 DIMENSIONS = {
@@ -182,7 +182,7 @@ def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
 
 
 def print_inference(args, config: ModelConfig, extra) -> None:
-    from mtnlg_lightning.planning.gpus import GPUS
+    from mtnlg_lightning.gpus import GPUS
     from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
 
     names = args.gpu.split(",") if args.gpu else sorted({**GPUS, **(extra or {})})
@@ -239,7 +239,7 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return exit_status("plan", lambda: run(args))
+    return run_main("plan", lambda: run(args))
 
 
 if __name__ == "__main__":

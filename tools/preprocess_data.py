@@ -13,7 +13,7 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
 from mtnlg_lightning.corpora.cli_common import int_at_least
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.outputs import check_output
 
 
@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.input and not args.tokenizer:
         parser.error("--input needs --tokenizer")
-    try:
+
+    def body() -> int:
         if args.merge:
             from mtnlg_lightning.data.merge import merge_datasets
 
@@ -81,11 +82,10 @@ def main(argv=None) -> int:
             progress=not args.no_progress,
             on_bad_record=args.on_bad_record,
         )
-    except MTNLGError as error:
-        print(f"preprocess_data: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output_prefix}.bin/.idx: {summary}")
-    return 0
+        print(f"wrote {args.output_prefix}.bin/.idx: {summary}")
+        return 0
+
+    return run_main("preprocess_data", body)
 
 
 if __name__ == "__main__":

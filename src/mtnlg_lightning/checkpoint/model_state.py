@@ -8,8 +8,16 @@ from pathlib import Path
 
 import torch
 
-from mtnlg_lightning.checkpoint.format import MANIFEST, listed_tokenizer, open_verified, read_meta
-from mtnlg_lightning.checkpoint.validate import config_of
+from mtnlg_lightning.checkpoint.format import (
+    MANIFEST,
+    META,
+    listed_tokenizer,
+    open_checked,
+    open_verified,
+    read_meta,
+    verify_files,
+)
+from mtnlg_lightning.checkpoint.validate import CheckpointError, config_of
 from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
 
@@ -128,9 +136,14 @@ def _read_lightning_file(path: Path) -> ModelState:
     return ModelState(config, model_space(weights, config), hparams, Path(tokenizer) if tokenizer else None)
 
 
-def _read_folder(path: Path, master: bool) -> ModelState:
-    reader = open_verified(path)  # every file listed, hashed, tiled and of the shapes of its model_config
+def _read_folder(path: Path, master: bool, verify: str) -> ModelState:
+    # every file listed, tiled and of the shapes of its model_config; hashed now ("all") or when first read
+    reader = open_verified(path) if verify == "all" else open_checked(path)
     manifest = reader.manifest
+    if verify != "all":
+        problem = verify_files(path, manifest, [META])
+        if problem:
+            raise CheckpointError(problem)
     config = config_of(manifest, f"{path}/{MANIFEST}")
     weights = CheckpointWeights(reader, master)
     hparams = dict(read_meta(path, manifest).get("hyper_parameters") or {})
@@ -138,13 +151,14 @@ def _read_folder(path: Path, master: bool) -> ModelState:
     return ModelState(config, weights, hparams, tokenizer)
 
 
-def read_model_state(path: str | Path, master: bool = True) -> ModelState:
+def read_model_state(path: str | Path, master: bool = True, verify: str = "all") -> ModelState:
     """Model-space weights of a checkpoint folder of any layout (checked against its manifest first), or of a
-    Lightning `.ckpt` file; `master`: the fp32 master weights where the checkpoint has them. Errors are one
-    `MTNLGError` line."""
+    Lightning `.ckpt` file; `master`: the fp32 master weights where the checkpoint has them. `verify`: "all" hashes
+    every file of a folder now; "opened" each file when it is first read (a rank of a layout reads a few). Errors
+    are one `MTNLGError` line."""
     path = Path(path)
     if not path.exists():
         raise MTNLGError(f"checkpoint {path} does not exist")
     if path.is_file():
         return _read_lightning_file(path)
-    return _read_folder(path, master)
+    return _read_folder(path, master, verify)

@@ -249,9 +249,10 @@ def config_mismatch(manifest: dict, config, subject: str = "this model") -> str 
         if name not in expected:
             return f"the checkpoint has a tensor {name} that {subject} does not have (another model shape?)"
         if stored[name] != expected[name]:
+            shape = f"layers {config.num_layers}, hidden {config.hidden_size}, heads {config.num_heads}"
             return (
-                f"tensor {name} is {list(stored[name])} in the checkpoint and {list(expected[name])} in {subject} "
-                f"(another model shape?)"
+                f"{name} has shape {list(stored[name])}, but {subject} ({shape}, vocabulary {config.vocab_size}) "
+                f"needs {list(expected[name])} (another model shape?)"
             )
     for key, entry in sorted(tensors.items()):
         kind, _, rest = key.partition("/")

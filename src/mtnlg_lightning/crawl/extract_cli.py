@@ -6,17 +6,16 @@ import argparse
 import sys
 
 from mtnlg_lightning.corpora.cli_common import (
-    EXIT_BAD_INPUT,
+    INTERRUPTED,
     add_engine_args,
     add_output_dir_arg,
     add_quiet_arg,
     check_engine_args,
     positive_int,
-    run_cli,
     tool_parser,
 )
 from mtnlg_lightning.crawl.extract import EXTRACTORS, ExtractSettings, format_summary, run_extract
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import run_main
 
 PROG = "mtnlg-extract"
 
@@ -82,15 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_engine_args(args, parser)
-    try:
-        from mtnlg_lightning.extras import require_extra
-
-        require_extra("crawl", PROG)
-        if args.extractor == "trafilatura":
-            require_extra("trafilatura", f"{PROG} --extractor trafilatura")
-    except MTNLGError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     settings = ExtractSettings(
         extractor=args.extractor,
         languages=args.languages,
@@ -99,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def body() -> int:
+        from mtnlg_lightning.extras import require_extra
+
+        require_extra("crawl", PROG)
+        if args.extractor == "trafilatura":
+            require_extra("trafilatura", f"{PROG} --extractor trafilatura")
         report = run_extract(
             args.inputs,
             args.output_dir,
@@ -112,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  outputs    {args.output_dir}/ (one .jsonl per input, extract_report.json)")
         return 0
 
-    return run_cli(PROG, body)
+    return run_main(PROG, body, INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -131,14 +131,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(module: str, argv: list[str], world_size: int) -> int:
+def launch_local(module: str, argv: list[str], world_size: int, env: dict[str, str] | None = None) -> int:
     """Start `python -m module argv` as ranks 0..N-1 of one local world (as Lightning's launcher does for
     `mtnlg fit --trainer.devices N`) and wait; if one fails, the others are stopped. Returns the worst exit code."""
-    return launch_command([sys.executable, "-m", module, *argv], world_size)
+    return launch_command([sys.executable, "-m", module, *argv], world_size, env)
 
 
-def launch_command(command: list[str], world_size: int) -> int:
-    """`command` as every rank of a local world of `world_size` (see `launch_local`)."""
+def launch_command(command: list[str], world_size: int, extra_env: dict[str, str] | None = None) -> int:
+    """`command` as every rank of a local world of `world_size` (see `launch_local`), with `extra_env` set."""
     port = str(_free_port())
     procs = []
     for rank in range(world_size):
@@ -150,6 +150,7 @@ def launch_command(command: list[str], world_size: int) -> int:
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
+            **(extra_env or {}),
         }
         procs.append(subprocess.Popen(command, env=env))
     codes: dict[int, int] = {}
@@ -189,10 +190,7 @@ def init_distributed(device_arg: str) -> torch.device:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group(backend)
-        else:  # one plain process: a world of one in memory, leaving no port and no RANK/WORLD_SIZE behind
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend)
         _OWNED.append(True)  # this module started the world, so it ends it (`finish`)
     return device
 
@@ -208,6 +206,3 @@ def finish() -> None:
         dist.destroy_process_group()
         _OWNED.clear()
 
-
-def is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     skip_final_garbage_collection()  # quick_exit.py: a quicker exit
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         # After the extra check: these import torch (seconds), and `--help` or a missing extra answers at once.
         from mtnlg_lightning.checkpoint.safetensors_shards import parse_size
@@ -63,21 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         summary = export_hf(
             state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size
         )
-    except MTNLGError as error:
-        print(f"mtnlg-export-hf: error: {one_line(error)}", file=sys.stderr)
-        return 2
-    print(
-        f"wrote {summary['output']}: GPT-2, {state.config.num_layers} layers, hidden {state.config.hidden_size}, "
-        f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
-        f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
-    )
-    if summary["tokenizer"] is None:
         print(
-            "note: the checkpoint names no tokenizer, so none was written; re-run with --tokenizer PATH, or copy "
-            "tokenizer.json into the directory before loading it with AutoTokenizer",
-            file=sys.stderr,
+            f"wrote {summary['output']}: GPT-2, {state.config.num_layers} layers, hidden {state.config.hidden_size}, "
+            f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
+            f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
         )
-    return 0
+        if summary["tokenizer"] is None:
+            print(
+                "note: the checkpoint names no tokenizer, so none was written; re-run with --tokenizer PATH, or copy "
+                "tokenizer.json into the directory before loading it with AutoTokenizer",
+                file=sys.stderr,
+            )
+        return 0
+
+    return run_main("mtnlg-export-hf", body)
 
 
 if __name__ == "__main__":

@@ -192,9 +192,10 @@ def _check_hf_shapes(path: Path, weights: Mapping[str, torch.Tensor], config: Mo
             raise MTNLGError(f"{path}: {name} is {list(found)}, config.json implies {list(shape)}")
 
 
-def read_source(path: str | Path) -> ModelState:
-    """A project checkpoint (any layout `read_model_state` reads) or a Hugging Face GPT-2 directory."""
-    return read_hf_dir(path) if is_hf_dir(path) else read_model_state(path)
+def read_source(path: str | Path, verify: str = "all") -> ModelState:
+    """A project checkpoint (any layout `read_model_state` reads; `verify` as there) or a Hugging Face directory:
+    its architecture, tokenizer and lazily read model-space weights (checked by name and shape, none read yet)."""
+    return read_hf_dir(path) if is_hf_dir(path) else read_model_state(path, verify=verify)
 
 
 def source_config(path: str | Path) -> ModelConfig:

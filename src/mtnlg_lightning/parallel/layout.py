@@ -219,6 +219,12 @@ class ProcessGroups:
                     setattr(mine, attr, group)
         return mine
 
+    @classmethod
+    def single(cls) -> ProcessGroups:
+        """The 1 x 1 x 1 layout of one process, which needs (and makes) no torch.distributed group."""
+        layout = ParallelLayout(1)
+        return cls(layout=layout, rank=0, coord=layout.coord(0), ranks=layout.groups_of(0))
+
     @property
     def tensor_parallel_rank(self) -> int:
         return self.coord.tp

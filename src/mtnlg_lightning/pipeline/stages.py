@@ -25,7 +25,7 @@ CONSOLE_SCRIPTS = {
     "mtnlg-decontaminate": "mtnlg_lightning.curation.decontaminate_cli",
     "mtnlg-eval": "mtnlg_lightning.evaluation.cli",
     "mtnlg-export-hf": "mtnlg_lightning.interop.export_cli",
-    "mtnlg-generate": "mtnlg_lightning.generate",
+    "mtnlg-generate": "mtnlg_lightning.inference.generate_cli",
     "mtnlg-extract": "mtnlg_lightning.crawl.extract_cli",
     "mtnlg-quality": "mtnlg_lightning.crawl.quality_cli",
 }

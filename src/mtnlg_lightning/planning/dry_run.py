@@ -9,11 +9,11 @@ import yaml
 
 from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.gpus import ALIASES, GPUS
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
 from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
-from mtnlg_lightning.planning.gpus import ALIASES, GPUS
 from mtnlg_lightning.planning.inference_plan import inference_report
 from mtnlg_lightning.planning.planner import format_plan, plan
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule

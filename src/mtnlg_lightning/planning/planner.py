@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
-from mtnlg_lightning.planning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.train.flops import flops_per_iteration
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 

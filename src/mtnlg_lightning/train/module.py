@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
@@ -21,6 +20,7 @@ from mtnlg_lightning.model import build_model, compile_blocks
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
+from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
 from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.optimizer_recipe import build_adamw
