@@ -106,7 +106,9 @@ def test_every_bad_record_is_counted_by_its_reason(crawl):
     assert report["outcomes"]["skipped_warcinfo"] == 1
     junk = {t["url"] for t in truth if t["kind"] == "junk"}
     extracted_junk = sum(d["url"] in junk for d in crawl["docs"])
-    assert report["outcomes"].get("no_text", 0) + extracted_junk == len(junk)  # junk pages: no text, or for quality
+    # junk pages: no main text (every paragraph boilerplate to jusText), or extracted for the quality stage
+    assert report["outcomes"].get("no_main_text", 0) + extracted_junk == len(junk)
+    assert sum(report["no_main_text_languages"].values()) == report["outcomes"].get("no_main_text", 0)
 
 
 def test_output_is_the_same_bytes_for_any_worker_count_via_python_m(crawl, tmp_path):
