@@ -1,7 +1,7 @@
 """`mtnlg-extract` keeps the text of pages in any language: on a crawl of English articles and pages in 14 other
-languages (half of them in an English site's template, one to four paragraphs each), the default extractor and
-trafilatura both keep >= 95% of the non-English pages with the right language, >= 95% of the article words and
-<= 5% of the boilerplate words; a page the extractor keeps nothing of is counted under its own outcome, by language."""
+languages (half of them in an English site's template, one to four paragraphs each), trafilatura (the default) and
+jusText both keep >= 95% of the non-English pages with the right language, >= 95% of the article words and <= 5%
+of the boilerplate words; a page the extractor keeps nothing of is counted under its own outcome, by language."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-for module in ("warcio", "justext", "pycld2", "lxml_html_clean"):
+for module in ("warcio", "trafilatura", "justext", "pycld2", "lxml_html_clean"):
     pytest.importorskip(module)
 
 from mtnlg_lightning.crawl import extract_cli  # noqa: E402
@@ -50,10 +50,8 @@ def multilingual(tmp_path_factory):
     return warc, write_synthetic_warc(warc, MULTILINGUAL)
 
 
-@pytest.mark.parametrize("extractor", ["default", "trafilatura"])
+@pytest.mark.parametrize("extractor", ["default", "justext"])
 def test_pages_in_fourteen_other_languages_keep_their_text_and_their_language(multilingual, tmp_path, extractor):
-    if extractor == "trafilatura":
-        pytest.importorskip("trafilatura")
     warc, truth = multilingual
     flags = [] if extractor == "default" else ["--extractor", extractor]
     assert extract_cli.main([str(warc), "-o", str(tmp_path), "-q", *flags]) == 0
@@ -112,21 +110,20 @@ def _warc_of(pages: list[tuple[str, str]]) -> bytes:
 
 def test_a_page_jusText_keeps_nothing_of_is_counted_by_its_language_and_reported(tmp_path, capsys):
     """jusText keeps a page only when a paragraph reaches 200 characters (a Korean syllable counting two): these
-    pages' one paragraph is shorter, so jusText keeps nothing, and the run says so, by language; trafilatura
-    keeps them."""
+    pages' one paragraph is shorter, so jusText keeps nothing, and the run says so, by language; trafilatura (the
+    default) keeps them."""
     short_korean = "시는 다음 달부터 도심을 운행하는 버스의 배차 간격을 줄이겠다고 발표했습니다."
     short_spanish = "El ayuntamiento ha decidido ampliar el horario de la piscina municipal este verano."
     warc = tmp_path / "short.warc.gz"
     warc.write_bytes(_warc_of([("ko", short_korean), ("es", short_spanish)]))
 
-    assert extract_cli.main([str(warc), "-o", str(tmp_path / "j")]) == 0
+    assert extract_cli.main([str(warc), "-o", str(tmp_path / "j"), "--extractor", "justext"]) == 0
     report = json.loads((tmp_path / "j" / "extract_report.json").read_text())
     assert report["outcomes"] == {NO_MAIN_TEXT: 2} and report["no_main_text_languages"] == {"es": 1, "ko": 1}
     summary = capsys.readouterr().out
     assert "2 pages whose every paragraph justext judged boilerplate" in summary and "es 1, ko 1" in summary
 
-    pytest.importorskip("trafilatura")
-    assert extract_cli.main([str(warc), "-o", str(tmp_path / "t"), "--extractor", "trafilatura", "-q"]) == 0
+    assert extract_cli.main([str(warc), "-o", str(tmp_path / "t"), "-q"]) == 0
     kept = read_jsonl(tmp_path / "t" / "short.jsonl")
     assert [d["language"] for d in kept] == ["ko", "es"]
     assert short_korean in kept[0]["text"] and short_spanish in kept[1]["text"]
