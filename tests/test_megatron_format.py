@@ -15,6 +15,7 @@ appends each input's document indices but its leading 0, shifted by the sequence
 
 from __future__ import annotations
 
+import itertools
 import struct
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mtnlg_lightning.data.gpt_dataset import GPTDataset
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.errors import MTNLGError
 
@@ -122,6 +124,13 @@ def test_the_reader_takes_megatrons_multimodal_index_and_reads_its_modes(tmp_pat
 
     text_only = IndexedDataset(write(tmp_path / "plain", sentence_split_part([[[5, 6], [7]], [[8]]])["files"]))
     assert text_only.modes is None and text_only.doc_idx.tolist() == [0, 2, 3]
+
+    # training reads the tokens and passes the modes by: each window runs through whole sequences, in some order
+    samples = GPTDataset(dataset, (0, len(dataset)), seq_len=8, num_samples=4, seed=0)
+    ends, starts = {s[-1] for s in part["sequences"]}, {s[0] for s in part["sequences"]}
+    for window in (samples[i].tolist() for i in range(4)):
+        assert len(window) == 9
+        assert all(b == a + 1 or (a in ends and b in starts) for a, b in itertools.pairwise(window))
 
 
 def test_a_merge_of_int32_parts_keeps_the_dtype_code(tmp_path):

@@ -4,9 +4,10 @@ The language that picks jusText's stop-word list is named from the page's prose 
 few links), never from the whole HTML: on an international site the template's English (cookie banner, menus,
 footer) outweighs a short article, and CLD2 on the markup then calls a Spanish or Chinese page English, whose
 stop words its paragraphs lack, so jusText judged every one boilerplate. jusText's length thresholds count
-characters of alphabetic text; a Chinese or Japanese character carries about three letters' worth (a sentence runs
-to about a third of its English translation's characters), a Korean syllable about two, so those characters count
-that much toward a paragraph's length.
+characters of alphabetic text; a Han character (Chinese, Japanese kanji) carries about three letters' worth (a
+Chinese sentence runs to about a third of its English translation's characters) and a kana or Hangul syllable about
+two, so those characters count that much toward a paragraph's length. The weights are rough: they move jusText's
+thresholds to the right order of magnitude in those scripts, no more.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ STOPWORDS_LOW, STOPWORDS_HIGH = 0.30, 0.32
 MAX_LINK_DENSITY = 0.2
 MAX_HEADING_DISTANCE = 200
 
-_HAN_KANA = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
-_HANGUL = re.compile("[\uac00-\ud7af]")
+_HAN = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_KANA_HANGUL = re.compile("[\u3040-\u30ff\uac00-\ud7af]")
 
 
 def weighted_length(text: str) -> int:
-    """Characters, a Han or kana character counting 3 and a Hangul syllable 2 (see the module's docstring)."""
-    return len(text) + 2 * len(_HAN_KANA.findall(text)) + len(_HANGUL.findall(text))
+    """Characters, a Han character counting 3 and a kana or Hangul syllable 2 (see the module's docstring)."""
+    return len(text) + 2 * len(_HAN.findall(text)) + len(_KANA_HANGUL.findall(text))
 
 
 @dataclass(frozen=True)
