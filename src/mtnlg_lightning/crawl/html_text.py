@@ -1,4 +1,5 @@
-"""A page's main text, in any language: jusText with the stop-word list of the page's own language, or trafilatura.
+"""A page's main text, in any language: trafilatura (mtnlg-extract's default), or jusText with the stop words of the
+languages of the page's prose.
 
 The language that picks jusText's stop-word list is named from the page's prose (its paragraphs of some length and
 few links), never from the whole HTML: on an international site the template's English (cookie banner, menus,
@@ -94,7 +95,10 @@ def trafilatura_page(html: str) -> PageText:
     text = trafilatura.extract(html, include_comments=False, include_tables=False) or ""
     if text.strip():
         return PageText(text, None)
-    languages = prose_languages(segment(html))
+    try:
+        languages = prose_languages(segment(html))
+    except Exception:  # markup lxml cannot parse: the page is still no_main_text, of no known language
+        languages = []
     return PageText(text, languages[0][0] if languages else UNKNOWN_LANGUAGE)
 
 
