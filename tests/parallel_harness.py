@@ -16,9 +16,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.data.datamodule import GPTDataModule
-from mtnlg_lightning.module import MTNLGModule
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
-from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+from mtnlg_lightning.train.module import MTNLGModule
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
 SEED = 1234
 # Small enough that clipping triggers on every step of the tiny model (its grad norm is ~0.3 .. 2).

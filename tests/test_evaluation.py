@@ -135,7 +135,7 @@ def test_perplexity_token_loss_equals_the_trainers_val_loss_on_the_same_tokens(c
     import csv
 
     from mtnlg_lightning.data.datamodule import GPTDataModule
-    from mtnlg_lightning.module import MTNLGModule
+    from mtnlg_lightning.train.module import MTNLGModule
 
     out = run_cli(
         "validate",

@@ -121,10 +121,12 @@ def test_layout_evaluation_and_generation_equal_one_process(layout, checkpoints,
 
 def test_bad_layouts_and_checkpoints_are_one_line_before_any_weight_is_read(checkpoint, tmp_path, capsys):  # noqa: F811
     tp3 = tmp_path / "tp3.yaml"
-    tp3.write_text("class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {tensor_parallel: 3}\n")
+    tp3.write_text(
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\ninit_args: {tensor_parallel: 3}\n"
+    )
     pp3 = tmp_path / "pp3.yaml"
     pp3.write_text(
-        "class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {pipeline_parallel: 3}\n"
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\ninit_args: {pipeline_parallel: 3}\n"
     )
     other = tmp_path / "other_shape.ckpt"
     shutil.copytree(checkpoint, other)

@@ -19,7 +19,7 @@ from mtnlg_lightning.inference.load import load_model, use_generation_layout
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import export_hf, read_hf_dir
 from mtnlg_lightning.model import KVCache
-from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.train.module import MTNLGModule
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = ["Return the value of", "The default is", "If the file does not exist,"]

@@ -78,7 +78,7 @@ def test_last_is_the_newest_complete_checkpoint_of_every_folder_and_a_restart_ne
 
 # ------------------------------------------------------------------------------------------------ under the launcher
 def launch(
-    args: list[str], log: Path, max_restarts: int, env: dict | None = None, entry=("-m", "mtnlg_lightning.cli")
+    args: list[str], log: Path, max_restarts: int, env: dict | None = None, entry=("-m", "mtnlg_lightning.train.cli")
 ) -> subprocess.Popen:
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone", "--nproc-per-node", "2"]
     command += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", *entry, *args]
@@ -196,7 +196,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
     from mtnlg_lightning.checkpoint import format as checkpoint_format
     from mtnlg_lightning.checkpoint.format import is_checkpoint
     from mtnlg_lightning.parallel.zero import base_optimizer
-    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
     strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False, async_save=True)
     _, trainer = tiny_run(strategy=strategy, max_steps=2, capture_steps=())

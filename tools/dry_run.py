@@ -10,9 +10,9 @@ import sys
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.dry_run import dry_run
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.gpus import gpu_names
+from mtnlg_lightning.planning.dry_run import dry_run
+from mtnlg_lightning.planning.gpus import gpu_names
 
 
 def main(argv=None) -> int:

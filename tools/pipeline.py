@@ -27,7 +27,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.curation.cli_common import int_at_least
+from mtnlg_lightning.corpora.cli_common import int_at_least
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 

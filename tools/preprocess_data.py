@@ -12,7 +12,7 @@ import sys
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
-from mtnlg_lightning.curation.cli_common import int_at_least
+from mtnlg_lightning.corpora.cli_common import int_at_least
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import check_output
 

@@ -13,7 +13,7 @@ import sys
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.planner_validation import DEFAULT_PATH, load_runs, validation_table
+from mtnlg_lightning.planning.planner_validation import DEFAULT_PATH, load_runs, validation_table
 
 
 def markdown(rows: list[dict], with_rank: bool) -> str:

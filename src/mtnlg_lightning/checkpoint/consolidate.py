@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from mtnlg_lightning.checkpoint.format import open_verified
-from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.interop.safetensors_shards import (
+from mtnlg_lightning.checkpoint.safetensors_shards import (
     TensorSpec,
     parse_size,
     tensor_progress,
     write_safetensors,
     write_sharded,
 )
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import check_output
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.parallel.deepspeed_compat import full_shape
 from mtnlg_lightning.parallel.pipeline import PipelineChunks
 
 VOCAB_PARAMS = ("embed.wte.weight", "lm_head.weight")  # rows = the vocabulary, padded in memory, not on disk
@@ -54,7 +55,7 @@ def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size
     for local_name, param in model.named_parameters():
         name = global_name(local_name, chunked)
         sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-        shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitions the tensor itself
+        shape = full_shape(param)  # ZeRO-3 partitions the tensor itself
         offsets = [0] * len(shape)
         global_shape = list(shape)
         stored = list(shape)

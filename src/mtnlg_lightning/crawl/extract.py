@@ -14,11 +14,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mtnlg_lightning.curation.jsonl import dumps_line
-
-from .html_text import page_text
-from .language import BAD_CHARS, identify_language
-from .warc import BrokenRecord, iter_records
+from mtnlg_lightning.corpora.jsonl import dumps_line
+from mtnlg_lightning.crawl.html_text import page_text
+from mtnlg_lightning.crawl.language import BAD_CHARS, identify_language
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records
 
 # trafilatura first: the default, chosen by benchmarks/bench_crawl_languages.py (every page of 14 languages kept)
 EXTRACTORS = ("trafilatura", "justext")
@@ -228,7 +227,7 @@ def shard_name(path: str) -> str:
 def check_inputs(paths: list[str]) -> None:
     import os
 
-    from mtnlg_lightning.curation.jsonl import InputError
+    from mtnlg_lightning.corpora.jsonl import InputError
 
     seen: dict[str, str] = {}
     for path in paths:
@@ -273,8 +272,8 @@ def run_extract(
 
     from tqdm import tqdm
 
-    from mtnlg_lightning.curation.engine import make_engine
-    from mtnlg_lightning.curation.jsonl import atomic_write, write_json_atomic
+    from mtnlg_lightning.corpora.engine import make_engine
+    from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
 
     check_inputs(inputs)
     os.makedirs(output_dir, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtnlg_lightning.curation.cli_common import (
+from mtnlg_lightning.corpora.cli_common import (
     EXIT_BAD_INPUT,
     add_engine_args,
     add_output_dir_arg,
@@ -15,9 +15,8 @@ from mtnlg_lightning.curation.cli_common import (
     run_cli,
     tool_parser,
 )
+from mtnlg_lightning.crawl.extract import EXTRACTORS, ExtractSettings, format_summary, run_extract
 from mtnlg_lightning.errors import MTNLGError
-
-from .extract import EXTRACTORS, ExtractSettings, format_summary, run_extract
 
 PROG = "mtnlg-extract"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .language import UNKNOWN_LANGUAGE, identify_language, languages_of, stoplist_for
+from mtnlg_lightning.crawl.language import UNKNOWN_LANGUAGE, identify_language, languages_of, stoplist_for
 
 # jusText's defaults (its paper's settings, and NeMo-Curator's)
 LENGTH_LOW, LENGTH_HIGH = 70, 200

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtnlg_lightning.curation.cli_common import (
+from mtnlg_lightning.corpora.cli_common import (
     EXIT_BAD_INPUT,
     add_output_dir_arg,
     add_quiet_arg,
@@ -14,11 +14,11 @@ from mtnlg_lightning.curation.cli_common import (
     run_cli,
     tool_parser,
 )
+from mtnlg_lightning.crawl.heuristics import RULES, rule_settings
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 
 from . import quality
-from .heuristics import RULES, rule_settings
 
 PROG = "mtnlg-quality"
 

@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from mtnlg_lightning.corpora.cli_args import FORMATS_HELP, add_bad_record_arg, add_output_compression_arg
-
-from .cli_common import (
+from mtnlg_lightning.corpora.cli_common import (
     add_engine_args,
     add_quiet_arg,
     add_text_key_arg,
@@ -17,7 +16,7 @@ from .cli_common import (
     run_cli,
     tool_parser,
 )
-from .decontaminate import DecontamConfig, format_summary, run_decontaminate
+from mtnlg_lightning.curation.decontaminate import DecontamConfig, format_summary, run_decontaminate
 
 PROG = "mtnlg-decontaminate"
 

@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, add_output_compression_arg
-
-from .cli_common import (
+from mtnlg_lightning.corpora.cli_common import (
     add_engine_args,
     add_output_dir_arg,
     add_quiet_arg,
@@ -17,10 +16,10 @@ from .cli_common import (
     run_cli,
     tool_parser,
 )
-from .dedup import DedupConfig, format_summary, run_dedup
-from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
-from .minhash import SCHEMES
-from .shingles import ShingleSpec
+from mtnlg_lightning.curation.dedup import DedupConfig, format_summary, run_dedup
+from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
+from mtnlg_lightning.curation.minhash import SCHEMES
+from mtnlg_lightning.curation.shingles import ShingleSpec
 
 PROG = "mtnlg-dedup"
 

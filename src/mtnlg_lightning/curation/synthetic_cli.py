@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from .cli_common import positive_int, run_cli, tool_parser
-from .jsonl import atomic_write, dumps_line
-from .shingles import ShingleSpec
-from .synthetic import ground_truth_pairs, make_near_dup_corpus
+from mtnlg_lightning.corpora.cli_common import positive_int, run_cli, tool_parser
+from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line
+from mtnlg_lightning.curation.shingles import ShingleSpec
+from mtnlg_lightning.curation.synthetic import ground_truth_pairs, make_near_dup_corpus
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,8 +64,8 @@ class DownstreamEval(L.Callback):
         self.tokenizer = Tokenizer(self.tokenizer_path)  # bad paths fail at start-up, not at the first evaluation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from mtnlg_lightning.peak_memory import StepPeakMemory
-        from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+        from mtnlg_lightning.train.peak_memory import StepPeakMemory
+        from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
         step = trainer.global_step
         if step % self.every_n_steps and step != trainer.max_steps:

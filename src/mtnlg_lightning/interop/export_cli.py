@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         # After the extra check: these import torch (seconds), and `--help` or a missing extra answers at once.
+        from mtnlg_lightning.checkpoint.safetensors_shards import parse_size
         from mtnlg_lightning.interop.hf import export_hf, read_source
-        from mtnlg_lightning.interop.safetensors_shards import parse_size
         from mtnlg_lightning.outputs import check_output
 
         parse_size(args.max_shard_size)  # a bad size is one line before the checkpoint is read

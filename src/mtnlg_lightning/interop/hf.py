@@ -15,13 +15,7 @@ import torch
 
 from mtnlg_lightning.checkpoint import ModelState, read_model_state
 from mtnlg_lightning.checkpoint.model_state import LazyWeights, as_lazy
-from mtnlg_lightning.checkpoint.validate import expected_shapes
-from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
-from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.interop.gpt2_mapping import CONSTANT_BUFFERS, TensorPair, from_hf, tensor_pairs
-from mtnlg_lightning.interop.safetensors_shards import (
+from mtnlg_lightning.checkpoint.safetensors_shards import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_SUFFIX,
     ShardedTensors,
@@ -30,6 +24,12 @@ from mtnlg_lightning.interop.safetensors_shards import (
     tensor_progress,
     write_sharded,
 )
+from mtnlg_lightning.checkpoint.validate import expected_shapes
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.interop.gpt2_mapping import CONSTANT_BUFFERS, TensorPair, from_hf, tensor_pairs
 from mtnlg_lightning.outputs import staged_dir
 
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP

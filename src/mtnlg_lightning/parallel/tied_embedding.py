@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
 from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
-from mtnlg_lightning.parallel.zero import engine_backward, takes_gradients_in_hooks
+from mtnlg_lightning.parallel.zero import takes_gradients_in_hooks
 
 
 class TiedEmbedding:

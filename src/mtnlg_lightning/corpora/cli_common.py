@@ -6,10 +6,9 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from mtnlg_lightning.corpora.engine import available_cores
+from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.extras import install_hint, missing_modules
-
-from .engine import available_cores
-from .jsonl import InputError
 
 EXIT_BAD_INPUT = 2
 EXIT_ERROR = 1

@@ -10,12 +10,12 @@ from pathlib import Path
 import yaml
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.cost_model import IMPLEMENTATIONS
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.flops import flops_per_iteration
-from mtnlg_lightning.planner import Plan, best_per_layout, plan, search
+from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.planner import Plan, best_per_layout, plan, search
+from mtnlg_lightning.train.flops import flops_per_iteration
 
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "validation" / "published_runs.yaml"
+DEFAULT_PATH = Path(__file__).resolve().parents[3] / "validation" / "published_runs.yaml"
 METRICS = ("tflops_per_gpu_with_recompute", "model_tflops_per_gpu", "iteration_seconds")
 UNITS = {
     "tflops_per_gpu_with_recompute": "{:g} TFLOP/s (recompute counted)",

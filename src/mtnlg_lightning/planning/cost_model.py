@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.gpus import GPUSpec
+from mtnlg_lightning.planning.gpus import GPUSpec
 
 BF16 = 2
 OPTIMIZER_BYTES_PER_PARAM = 32  # Adam on fp32 master: read+write master, m, v (24) + fp32 grad (4) + bf16 weight (2+)

@@ -12,11 +12,11 @@ import itertools
 from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.flops import flops_per_iteration
-from mtnlg_lightning.gpus import GPUSpec, get_gpu
-from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
+from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
+from mtnlg_lightning.planning.gpus import GPUSpec, get_gpu
+from mtnlg_lightning.train.flops import flops_per_iteration
+from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 MEMORY_BUDGET = 0.9  # of the GPU's memory: allocator fragmentation, NCCL buffers, CUDA context

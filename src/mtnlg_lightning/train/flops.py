@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.gpus import ALIASES, GPUS
+from mtnlg_lightning.planning.gpus import ALIASES, GPUS
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the planner's GPU table (gpus.py), under its names and aliases.
 PEAK_BF16_FLOPS = {name: spec.peak_tflops * 1e12 for name, spec in GPUS.items()} | {

@@ -15,10 +15,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.module import MTNLGModule
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+from mtnlg_lightning.train.module import MTNLGModule
 
 
 class OneLineParser(LightningArgumentParser):

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.gpus import GPUSpec, get_gpu
-from mtnlg_lightning.planner import MEMORY_BUDGET, activation_bytes_per_layer, params_per_stage
+from mtnlg_lightning.planning.gpus import GPUSpec, get_gpu
+from mtnlg_lightning.planning.planner import MEMORY_BUDGET, activation_bytes_per_layer, params_per_stage
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TP_DEGREES = (1, 2, 4, 8, 16)
