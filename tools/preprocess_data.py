@@ -27,7 +27,10 @@ def main(argv=None) -> int:
         "--merge",
         nargs="+",
         metavar="PREFIX",
-        help="merge these datasets (PREFIX.bin/.idx, same token dtype) into --output-prefix, documents in this order",
+        help="merge these datasets (PREFIX.bin/.idx, same token dtype) into --output-prefix, in this order, each "
+        "one's document boundaries kept (Megatron's --split-sentences datasets: several sequences per document) "
+        "and, when all are Megatron multimodal indexes, their per-sequence modes: the same bytes as Megatron-LM's "
+        "tools/merge_datasets.py on a folder of them (it merges in sorted name order)",
     )
     parser.add_argument(
         "--text-key",
@@ -56,15 +59,18 @@ def main(argv=None) -> int:
 
     def body() -> int:
         if args.merge:
+            from mtnlg_lightning.data.indexed import IndexedDataset
             from mtnlg_lightning.data.merge import merge_datasets
 
             for suffix in (".bin", ".idx"):  # never over a dataset being merged
                 sources = [p + s for p in args.merge for s in (".bin", ".idx")]
                 check_output(args.output_prefix + suffix, sources, replaces_dir=False)
             docs, tokens = merge_datasets(args.merge, args.output_prefix)
+            merged = IndexedDataset(args.output_prefix)
+            modes = ", with Megatron's multimodal modes" if merged.modes is not None else ""
             print(
-                f"merged {len(args.merge)} datasets into {args.output_prefix}.bin/.idx: {docs:,} documents, "
-                f"{tokens:,} tokens"
+                f"merged {len(args.merge)} datasets into {args.output_prefix}.bin/.idx: {docs:,} documents "
+                f"({len(merged):,} sequences{modes}), {tokens:,} tokens"
             )
             return 0
         from mtnlg_lightning.corpora.sources import expand_inputs
