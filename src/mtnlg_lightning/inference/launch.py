@@ -205,4 +205,3 @@ def finish() -> None:
     if _OWNED and dist.is_initialized():
         dist.destroy_process_group()
         _OWNED.clear()
-
