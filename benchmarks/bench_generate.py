@@ -29,9 +29,10 @@ import torch  # noqa: E402
 from model_shape import add_model_shape_args  # noqa: E402
 from results import write_result  # noqa: E402
 
+from mtnlg_lightning.checkpoint.model_state import load_model_space  # noqa: E402
 from mtnlg_lightning.inference.decode import generate  # noqa: E402
 from mtnlg_lightning.inference.load import use_generation_layout  # noqa: E402
-from mtnlg_lightning.interop.gpt2_mapping import from_hf, load_model_space  # noqa: E402
+from mtnlg_lightning.interop.gpt2_mapping import state_from_hf  # noqa: E402
 from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
 
@@ -49,7 +50,7 @@ def build_pair(
     config.save_pretrained(tmp)  # our config comes from the file, as an import reads it
     ours_config = read_hf_config(tmp)
     ours = build_model(ours_config)
-    load_model_space(ours, from_hf(theirs.state_dict(), ours_config))
+    load_model_space(ours, state_from_hf(theirs.state_dict(), ours_config))
     return theirs.to(device, dtype), use_generation_layout(ours.to(device, dtype).eval())
 
 

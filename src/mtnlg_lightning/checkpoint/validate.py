@@ -233,8 +233,10 @@ def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
         model = build_model(config, "meta")
     except (RuntimeError, OverflowError, ValueError) as error:
         raise _error(f"model_config describes a model that cannot be built ({one_line(error)})") from None
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    expected["embed.wte.weight"] = (config.vocab_size, config.hidden_size)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied head is the embedding
+    for name in ("embed.wte.weight", "lm_head.weight"):
+        if name in expected:
+            expected[name] = (config.vocab_size, config.hidden_size)
     return expected
 
 

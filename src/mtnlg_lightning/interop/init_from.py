@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from mtnlg_lightning.checkpoint.model_state import load_model_space
 from mtnlg_lightning.config import PRESETS, ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.interop.gpt2_mapping import load_model_space
 from mtnlg_lightning.interop.hf import read_source, source_config
 
 ARCHITECTURE = (

@@ -200,6 +200,7 @@ class ProcessGroups:
     pipeline_parallel_group: object = None
     model_parallel_group: object = None
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    kv_head_groups: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def create(cls, layout: ParallelLayout, backend: str | None = None) -> ProcessGroups:
@@ -224,6 +225,20 @@ class ProcessGroups:
         """The 1 x 1 x 1 layout of one process, which needs (and makes) no torch.distributed group."""
         layout = ParallelLayout(1)
         return cls(layout=layout, rank=0, coord=layout.coord(0), ranks=layout.groups_of(0))
+
+    def kv_head_group(self, copies: int):
+        """The group of this rank's TP ranks that hold a copy of its key/value heads (runs of `copies` consecutive
+        TP ranks). Collective: every rank creates every group, in the same order; made once per copies."""
+        made = self.kv_head_groups.get(copies)
+        if made is None:
+            tp_groups = self.layout.tensor_parallel_groups()
+            runs = [ranks[i : i + copies] for ranks in tp_groups for i in range(0, len(ranks), copies)]
+            for ranks in runs:
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    made = group
+            self.kv_head_groups[copies] = made
+        return made
 
     @property
     def tensor_parallel_rank(self) -> int:
