@@ -28,8 +28,6 @@ from torch import nn
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 
-Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [S, head_dim] of the positions a forward covers
-
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     if config.norm == "rmsnorm":
@@ -63,10 +61,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, hd])."""
-    cos, sin = rotary
     return x * cos + rotate_half(x) * sin
+
+
+class Rotary:
+    """The rotation of one forward's positions, for every block of a model (or pipeline stage): cos, sin [S, hd]
+    computed in fp32 as Hugging Face computes them, once per forward, for the sequence the attention sees (a
+    sequence-parallel block's q/k projection gathers the whole sequence from its shards)."""
+
+    def __init__(self, model: GPT, start: int):
+        self.model, self.start = model, start
+        self._made: tuple | None = None
+
+    def __call__(self, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (length, device, dtype)
+        if self._made is None or self._made[0] != key:
+            positions = self.model.positions(self.start, length, device)
+            freqs = positions.float()[:, None] * self.model.rope_inverse_frequencies(device)[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self._made = (key, angles.cos().to(dtype), angles.sin().to(dtype))
+        return self._made[1], self._made[2]
 
 
 # ---------------------------------------------------------------------------------------------- the block
@@ -106,7 +122,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         q, k, v = self.project(x)
         if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            cos, sin = rotary(q.shape[2], q.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
             y = self.core(q, k, v, self.dropout if self.training else 0.0)
         else:  # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
@@ -221,34 +238,29 @@ class GPT(nn.Module):
         chunks of the sequence, not a contiguous run)."""
         return torch.arange(start, start + length, device=device)
 
-    def rotary(self, positions: torch.Tensor) -> Rotary | None:
-        """cos, sin [S, hd] of the positions, computed in fp32 as Hugging Face computes them; None without RoPE.
-        Every pipeline stage rotates its own blocks."""
-        if self.config.position_embedding != "rope":
-            return None
-        if self._rope_inv_freq is None or self._rope_inv_freq.device != positions.device:
-            self._rope_inv_freq = rope_inverse_frequencies(self.config).to(positions.device)
-        freqs = positions.float()[:, None] * self._rope_inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+    def rope_inverse_frequencies(self, device) -> torch.Tensor:
+        if self._rope_inv_freq is None or self._rope_inv_freq.device != device:
+            self._rope_inv_freq = rope_inverse_frequencies(self.config).to(device)
+        return self._rope_inv_freq
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
         needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
         start = cache.start if cache is not None else 0
-        positions = self.positions(start, tokens.shape[1], tokens.device)
-        h = self.embed(tokens, positions) if self.embed is not None else tokens
-        rotary = self.rotary(positions)
-        if rotary is not None and h.dtype != torch.float32:
-            rotary = tuple(t.to(h.dtype) for t in rotary)
+        if self.embed is not None:
+            h = self.embed(tokens, self.positions(start, tokens.shape[1], tokens.device))
+        else:
+            h = tokens
+        rotary = Rotary(self, start) if self.config.position_embedding == "rope" else None
         for name, block in self.blocks.items():
             h = block(h, rotary, cache.layer(name)) if cache is not None else block(h, rotary)
         if cache is not None and self.lm_head is not None:
             h = h[:, -1:]
         if self.norm is not None:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
+        return self.lm_head(h) if self.lm_head is not None else h.contiguous()
 
 
 class KVCache:

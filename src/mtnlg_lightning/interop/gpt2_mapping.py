@@ -124,6 +124,10 @@ def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 # ------------------------------------------------------------------------------------------------ the family
+def label(config: ModelConfig) -> str:
+    return "GPT-2"
+
+
 def holds(config: ModelConfig) -> bool:
     """Whether the block is GPT-2's (learned positions, LayerNorm, tanh GELU, multi-head, biases, tied head)."""
     return (

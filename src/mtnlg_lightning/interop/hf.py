@@ -28,7 +28,7 @@ from mtnlg_lightning.checkpoint.safetensors_shards import (
 )
 from mtnlg_lightning.checkpoint.validate import expected_shapes
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.data.tokenizer import EOD_TOKEN, Tokenizer
+from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
@@ -225,15 +225,16 @@ def export_hf(
             tok.save(tmp / "tokenizer.json")
             fast = transformers.PreTrainedTokenizerFast(
                 tokenizer_file=str(tmp / "tokenizer.json"),
-                bos_token=EOD_TOKEN,
-                eos_token=EOD_TOKEN,
-                unk_token=EOD_TOKEN,
+                bos_token=tok.eod_token,
+                eos_token=tok.eod_token,
+                unk_token=tok.eod_token,
                 model_max_length=config.max_position_embeddings,
             )
             fast.save_pretrained(tmp)
     return {
         "output": str(output),
         "architecture": hf_config.architectures[0],
+        "family": family.label(config),
         "parameters": sum(spec.nbytes // spec.dtype.itemsize for spec in specs),
         "shards": written["shards"],
         "bytes": written["bytes"],

@@ -47,6 +47,10 @@ def holds(config: ModelConfig) -> bool:
     )
 
 
+def label(config: ModelConfig) -> str:
+    return {"llama": "Llama", "qwen2": "Qwen 2", "qwen3": "Qwen 3"}[model_type(config)]
+
+
 def model_type(config: ModelConfig) -> str:
     return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
 

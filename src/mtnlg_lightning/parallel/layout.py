@@ -91,11 +91,16 @@ class ParallelLayout:
                         f"cross nodes; choose a divisor of {gpn} or set allow_tp_across_nodes: true"
                     )
 
-    def validate_model(self, num_heads: int, padded_vocab_size: int, num_layers: int) -> None:
-        """The model must split evenly: whole heads and equal vocabulary slices per TP rank, >= 1 block per stage."""
+    def validate_model(
+        self, num_heads: int, padded_vocab_size: int, num_layers: int, num_kv_heads: int | None = None
+    ) -> None:
+        """The model must split evenly: whole query heads, whole (or shared) key/value heads and equal vocabulary
+        slices per TP rank, >= 1 block per stage."""
         tp, pp = self.tensor_parallel, self.pipeline_parallel
         if num_heads % tp:
             raise MTNLGError(f"num_heads {num_heads} is not divisible by tensor_parallel {tp}")
+        if num_kv_heads is not None:
+            kv_head_copies(num_kv_heads, tp)
         if padded_vocab_size % tp:
             raise MTNLGError(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_parallel {tp}")
         if num_layers < pp:
@@ -180,6 +185,19 @@ class ParallelLayout:
                 f"{fmt(g['tp']):<16} {fmt(g['dp']):<16} {fmt(g['pp']):<16}"
             )
         return "\n".join(rows)
+
+
+def kv_head_copies(num_kv_heads: int, tensor_parallel: int) -> int:
+    """How many TP ranks hold each key/value head: 1 when TP divides the KV heads, TP / KV heads when TP is a
+    multiple of them (each rank then holds a copy of the one its query heads use)."""
+    if num_kv_heads % tensor_parallel == 0:
+        return 1
+    if tensor_parallel % num_kv_heads == 0:
+        return tensor_parallel // num_kv_heads
+    raise MTNLGError(
+        f"tensor_parallel {tensor_parallel} neither divides num_kv_heads {num_kv_heads} nor is a multiple of it "
+        f"(key/value heads are split over TP, or each replicated over TP / num_kv_heads ranks)"
+    )
 
 
 def gpus_per_node_from_env(default: int | None = None) -> int | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
+from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
 from mtnlg_lightning.parallel.pipeline import (
     PipelineChunks,
     PipelineRunner,
@@ -20,7 +20,7 @@ from mtnlg_lightning.parallel.pipeline import (
     stages_held_by_rank,
 )
 from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
-from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel, kv_head_copies
+from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 
 
@@ -40,9 +40,8 @@ def check_model_fits(
     """Every check of a layout against a model that needs only its shape (training and inference alike): whole
     query and key/value heads and equal vocabulary slices per TP rank, >= 1 block per pipeline stage, the sequence
     cut evenly by sequence parallelism."""
-    layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
-    if not config.fused_qkv:
-        kv_head_copies(config.num_kv_heads, layout.tensor_parallel)
+    kv_heads = None if config.fused_qkv else config.num_kv_heads
+    layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers, kv_heads)
     if sequence_parallel:
         check_sequence_length(config.seq_len, layout.tensor_parallel)
     stages = layout.pipeline_parallel * pipeline.virtual_stages

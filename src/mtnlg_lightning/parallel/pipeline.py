@@ -89,10 +89,30 @@ def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> 
         model.lm_head.weight = weight.detach().clone().requires_grad_(True)
     if not is_first:
         model.embed = None
+        model.register_forward_pre_hook(_send_back_contiguous_gradients)
     if not is_last:
         model.norm = None
         model.lm_head = None
     return model
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity forward; the gradient made contiguous backward. torch's stages receive a gradient into a buffer
+    laid out as the sender's tensor was, and gloo receives into contiguous buffers only; some blocks' input
+    gradients come out strided (a sequence-parallel reduce-scatter's view, through RMSNorm's backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _send_back_contiguous_gradients(module, args):
+    """A forward pre-hook of every stage but the first: its input's gradient goes back to the previous stage."""
+    return (_ContiguousGradient.apply(args[0]), *args[1:])
 
 
 def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
     SequenceParallelDropout,
     all_gather_linear,
@@ -250,19 +250,6 @@ class VocabParallelCrossEntropy:
 
 
 # ------------------------------------------------------------------------------------ apply_tensor_parallel
-def kv_head_copies(num_kv_heads: int, tensor_parallel: int) -> int:
-    """How many TP ranks hold each key/value head: 1 when TP divides the KV heads, TP / KV heads when TP is a
-    multiple of them (each rank then holds a copy of the one its query heads use)."""
-    if num_kv_heads % tensor_parallel == 0:
-        return 1
-    if tensor_parallel % num_kv_heads == 0:
-        return tensor_parallel // num_kv_heads
-    raise MTNLGError(
-        f"tensor_parallel {tensor_parallel} neither divides num_kv_heads {num_kv_heads} nor is a multiple of it "
-        f"(key/value heads are split over TP, or each replicated over TP / num_kv_heads ranks)"
-    )
-
-
 def apply_tensor_parallel(
     model: nn.Module, group, rank: int, size: int, sequence_parallel: bool = False, kv_group=None
 ) -> nn.Module:
