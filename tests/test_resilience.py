@@ -410,6 +410,93 @@ def test_plain_torchrun_heals_a_kill_after_a_save_stops_during_a_save_and_a_step
     assert all(r["steps_redone"] is not None and r["time_lost_s"] > 0 for r in records)
 
 
+def free_port() -> int:
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        return probe_socket.getsockname()[1]
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0) -> list[str]:
+    """One simulated node of one rank: `mtnlg-launch --nnodes 1:2` of the tiny run, checkpoints every 2 steps, rank
+    0 slowed by `slow_s` a step."""
+    args = run_args(work, 1) + ["--trainer.enable_checkpointing", "true"]
+    args += ["--trainer.callbacks+=callbacks/checkpoint.yaml", "--trainer.callbacks.dirpath", str(work / "ckpt")]
+    args += ["--trainer.callbacks.every_n_train_steps", str(SAVE_EVERY)]
+    args += ["--trainer.callbacks+=benchmarks.fault_probe.Probe", "--trainer.callbacks.dir", str(work / "probe")]
+    args += ["--trainer.callbacks.slow_rank", "0", "--trainer.callbacks.slow_s", str(slow_s)]
+    node = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--nnodes", "1:2", "--nproc-per-node", "1"]
+    node += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", work.name]
+    # how long a rendezvous with enough nodes waits for more (torchrun's default: 30 s)
+    node += ["--rdzv-conf", f"last_call_timeout={last_call_s:g}", "--max-restarts", "2", "--monitor-interval", "0.2"]
+    return [*node, "-m", "mtnlg_lightning.cli", *args, "--ckpt_path", "last"]
+
+
+@pytest.mark.distributed
+def test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_losses_of_the_uninterrupted_run(
+    tmp_path, uninterrupted_dp2
+):
+    """`mtnlg-launch --nnodes 1:2` on two simulated nodes of one rank each (dp 2, ZeRO-1, global batch 8), started
+    together (a rendezvous waits 10 s for more nodes). The second node (its launcher and its rank) is killed after
+    step 5 and never comes back: the first node's launcher meets the rendezvous alone, its rank resumes from the
+    newest checkpoint at dp 1 with 4 micro-batches per step instead of 2, and the run finishes with every step's
+    loss equal to the uninterrupted dp-2 run's. The log says what changed, once; restarts.jsonl records the lost
+    node and both layouts; the launcher sums the restart up."""
+    ckpt, probe = tmp_path / "ckpt", tmp_path / "probe"
+    node = elastic_node(tmp_path, last_call_s=10)
+    first, second = start(node, tmp_path / "node1.log"), start(node, tmp_path / "node2.log")
+    try:
+        ranks = wait_for(lambda: running_group(probe, 2, 5), what="step 5 on both nodes")
+        (lost,) = [pid for pid in ranks.values() if parent_of(pid) == second.pid]
+        second.kill()
+        os.kill(lost, signal.SIGKILL)
+        assert first.wait(timeout=400) == 0, (tmp_path / "node1.log").read_text()[-4000:]
+    finally:
+        for job in (first, second):
+            if job.poll() is None:
+                job.kill()
+    log = (tmp_path / "node1.log").read_text()
+    assert_losses_equal(all_losses(tmp_path / "lightning_logs"), uninterrupted_dp2, rel=1e-5)
+    (record,) = read_records(ckpt)
+    assert record["lost_hosts"] == [socket.gethostname()] and f"node {socket.gethostname()} lost" in record["cause"]
+    assert record["layout_before"]["dp"] == 2 and record["layout_before"]["micro_batches_per_replica"] == 2
+    assert record["layout"] == record["layout"] | {"world": 1, "nodes": 1, "dp": 1, "micro_batches_per_replica": 4}
+    assert record["resumed_step"] >= 4 and Path(record["resumed_from"]).parent == ckpt
+    assert log.count("layout changed: now 1 node(s), 1 ranks = dp 1 x tp 1 x pp 1, was 2 node(s)") == 1, log[-3000:]
+    assert "the global batch stays 8, 4 micro-batch(es) per replica per step (was 2)" in log
+    assert re.search(r"mtnlg launch: 1 restart \(\d+ s lost in all\): 1: .*; resumed from step \d+", log), log[-2000:]
+
+
+@pytest.mark.distributed
+def test_a_run_grows_back_when_a_node_joins_without_losing_a_step(tmp_path, uninterrupted_dp2):
+    """The first node runs alone (dp 1, 4 micro-batches per step, slowed to 0.5 s a step: the second node takes
+    seconds to start); a second node is started at step 2 and joins a few steps later: the first node's
+    launcher stops its rank (SIGTERM: it saves at the next step and exits), both meet (torchrun's shared store would
+    never tell the joining node where it is: the launcher gives each start a store of its own), and the run goes on
+    at dp 2 from that save, every loss equal to the uninterrupted dp-2 run's, nothing redone."""
+    probe, node = tmp_path / "probe", elastic_node(tmp_path, last_call_s=2, slow_s=0.5)
+    first = start(node, tmp_path / "node1.log")
+    second = None
+    try:
+        wait_for(lambda: running_group(probe, 1, 2), what="step 2 of the first node alone")
+        second = start(node, tmp_path / "node2.log")
+        assert first.wait(timeout=400) == 0, (tmp_path / "node1.log").read_text()[-4000:]
+        assert second.wait(timeout=60) == 0, (tmp_path / "node2.log").read_text()[-4000:]
+    finally:
+        for job in (first, second):
+            if job is not None and job.poll() is None:
+                job.kill()
+    assert_losses_equal(all_losses(tmp_path / "lightning_logs"), uninterrupted_dp2, rel=1e-5)
+    (record,) = read_records(tmp_path / "ckpt")
+    assert record["cause"] == f"node {socket.gethostname()} joined" and record["steps_redone"] == 0
+    assert 2 < record["resumed_step"] < STEPS  # it grew during the run
+    assert record["layout_before"]["dp"] == 1 and record["layout"]["dp"] == 2
+    assert "nodes came back, and the run grows to the largest layout they hold" in record["layout_change"]
+
+
 @pytest.mark.distributed
 def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted_even_when_rank_0_is_last(tmp_path):
     """Rank 1 fails first; torchrun alone would SIGTERM rank 0, the rank that prints the error, before it gets there."""

@@ -253,6 +253,12 @@ def summary(starts: list[dict], status_dir: Path | None) -> str | None:
     return f"mtnlg launch: {len(restarts)} restart{'s' if len(restarts) != 1 else ''}{total}: " + " | ".join(clauses)
 
 
+def elastic(nnodes: str) -> bool:
+    """`--nnodes MIN:MAX` with MIN < MAX: nodes may leave and join."""
+    low, _, high = str(nnodes).partition(":")
+    return bool(high) and low != high
+
+
 def main(argv: list[str] | None = None) -> None:
     if not hasattr(launcher_api, "LocalElasticAgent"):
         raise SystemExit("mtnlg launch: error: this torch builds torchrun's agent elsewhere; use plain torchrun")
@@ -261,8 +267,15 @@ def main(argv: list[str] | None = None) -> None:
     if arguments[:1] in (["-h"], ["--help"]):
         print(__doc__.strip() + "\n\nThe arguments are torchrun's:\n", flush=True)
     code = ExitCode.FINISHED
+    options = parse_args(arguments)
+    if elastic(options.nnodes):
+        # torchrun shares its rendezvous store with the workers, but a node that joins a running job is never told
+        # where that store is (reproduced: `DistStoreError: wait timeout ... MASTER_ADDR`, the grown group never
+        # met), and its restart counts differ between nodes (pytorch issue 135712): with a node range, the workers
+        # get a fresh store of their own at every start, as before torch 2.4.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        run(parse_args(arguments))
+        run(options)
     except ChildFailedError as error:
         code = run_exit_code([f.exitcode for f in error.failures.values()])
         print(f"mtnlg launch: run ended: {describe(int(code))}", file=sys.stderr)
