@@ -23,7 +23,7 @@ import torch
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.scoring import Scorer
-from mtnlg_lightning.resilience.watchdog import heartbeat
+from mtnlg_lightning.resilience.heartbeat import heartbeat
 
 
 class DownstreamEval(L.Callback):
@@ -72,7 +72,7 @@ class DownstreamEval(L.Callback):
         if step % self.every_n_steps and step != trainer.max_steps:
             return
         # Minutes on a large model, in between steps: learned apart from the steps and validation batches.
-        heartbeat(trainer, "eval", "downstream")
+        heartbeat("eval", "downstream")
         peak = StepPeakMemory(pl_module.device)
         peak.reset()
         if isinstance(trainer.strategy, MegatronDeepSpeedStrategy):

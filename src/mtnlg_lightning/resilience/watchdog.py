@@ -18,8 +18,8 @@ limit of each phase (tightened after the first step, as torchtitan does).
 
 Environment variables override the config keys (the caps), so an operator can set them in a batch script:
 MTNLG_STARTUP_TIMEOUT, MTNLG_STEP_TIMEOUT, MTNLG_DATA_TIMEOUT, MTNLG_SAVE_TIMEOUT, MTNLG_EVAL_TIMEOUT (seconds).
-Work of another size inside a phase (a downstream evaluation between steps, a loss-spike rewind's checkpoint load)
-beats with `heartbeat(trainer, phase, what)` and is learned apart from the phase's usual intervals.
+Work of another size inside a phase (a downstream evaluation between steps, a loss-spike rewind's checkpoint load,
+the wait for a background checkpoint write) beats with `heartbeat.heartbeat(phase, what)` and is learned apart.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from mtnlg_lightning.resilience.attempt import restart_count
 from mtnlg_lightning.resilience.exit_codes import ExitCode
+from mtnlg_lightning.resilience.heartbeat import unwatch, watch
 from mtnlg_lightning.resilience.phase_limits import (
     DEFAULT_CAPS,
     ENV_VARS,
@@ -53,7 +54,7 @@ from mtnlg_lightning.resilience.rank_status import read_statuses, status_dir, wr
 
 DEFAULT_LIMITS = DEFAULT_CAPS  # the caps; a phase starts from its cap until it has been seen
 COLLECTIVE_MARGIN_S = 30.0
-__all__ = ["ENV_VARS", "FLOORS", "PHASES", "SAFETY_FACTOR", "HangWatchdog", "heartbeat", "resolve_limits"]
+__all__ = ["ENV_VARS", "FLOORS", "PHASES", "SAFETY_FACTOR", "HangWatchdog", "resolve_limits"]
 
 
 def startup_collective_timeout() -> timedelta:
@@ -104,14 +105,6 @@ def waiting_collective(thread_id: int) -> str | None:
     if collective is None:
         return None
     return f"torch.distributed.{collective}" + (f", called from {caller}" if caller else "")
-
-
-def heartbeat(trainer, phase: str, what: str | None = None) -> None:
-    """Tell the run's watchdog (if any) that `phase` starts now; `what` names work of its own size inside the phase
-    (learned apart: a downstream evaluation is longer than one validation batch)."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, HangWatchdog):
-            callback.beat(phase, what=what)
 
 
 class HangWatchdog(Callback):
@@ -194,6 +187,7 @@ class HangWatchdog(Callback):
         self._learn_from_the_runs_before(trainer)
         self._status = self._status_header(trainer)
         self.beat("startup")
+        watch(self)
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._watch, name="mtnlg-watchdog", daemon=True)
@@ -247,6 +241,10 @@ class HangWatchdog(Callback):
         self.beat("data" if self._first_step_done else "startup")
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Training is over: what is left (loggers uploading, the last background write) has no phase to learn
+        from. The watching ends; collectives get the start-up cap again, as before the first step."""
+        self.stop()
+        set_collective_timeout(self.limits.caps["startup"] + COLLECTIVE_MARGIN_S)
         if trainer.is_global_zero:
             print(f"mtnlg watchdog: learned limits at step {trainer.global_step}: {self.limits.summary()}", flush=True)
 
@@ -257,6 +255,7 @@ class HangWatchdog(Callback):
         self.stop()
 
     def stop(self) -> None:
+        unwatch(self)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
