@@ -165,7 +165,8 @@ def test_a_restart_is_accounted_for_in_one_log_line_and_one_restarts_jsonl_line(
     monkeypatch.setenv("MTNLG_RESTART_CAUSE", "rank 0 on node1 hang (exit 124) in save at step 6; node node2 lost")
     monkeypatch.setenv("MTNLG_RESTART_RECORD", json.dumps(launcher))
     checkpoint = complete_checkpoint(tmp_path / "ckpt" / "step=4.ckpt", 4)
-    module = SimpleNamespace(batch_schedule=SimpleNamespace(batch_size_at_samples=lambda _: 8), micro_batch_size=2)
+    schedule = SimpleNamespace(batch_size_at_samples=lambda _: 8, global_batch_size=8, rampup_increment=None)
+    module = SimpleNamespace(batch_schedule=schedule, micro_batch_size=2)
     trainer = SimpleNamespace(
         world_size=1, num_devices=1, strategy=SimpleNamespace(), lightning_module=module, is_global_zero=True,
         global_step=4, ckpt_path=str(checkpoint),
@@ -182,6 +183,39 @@ def test_a_restart_is_accounted_for_in_one_log_line_and_one_restarts_jsonl_line(
     assert 30 <= record["downtime_s"] < 60 and record["time_lost_s"] == pytest.approx(record["downtime_s"] + 6, 0.01)
     report_restart(trainer, [])
     assert len(read_records(tmp_path / "ckpt")) == 2  # appended
+
+
+def test_a_run_trains_on_the_most_nodes_its_layout_can_use_and_keeps_the_others_as_spares():
+    from mtnlg_lightning.resilience.elastic import agree, usable_nodes
+
+    mtnlg_530b = {"replica_ranks": 8 * 35, "micro_batch": 1, "batch_sizes": [1920]}  # after the batch ramp
+    assert usable_nodes(560, 8, mtnlg_530b) == 560 and usable_nodes(559, 8, mtnlg_530b) == 525  # DP 15
+    during_the_ramp = mtnlg_530b | {"batch_sizes": [32, 1920]}
+    assert usable_nodes(559, 8, during_the_ramp) == 280  # DP 8: DP must divide 32
+    tiny = {"replica_ranks": 1, "micro_batch": 2, "batch_sizes": [8]}
+    assert [usable_nodes(n, 1, tiny) for n in (1, 2, 3, 4, 5)] == [1, 2, 2, 4, 4]
+    assert usable_nodes(3, 1, None) == 3  # the rule unknown (no rank started yet): every node trains
+
+    def agent(node, started, fault=None, before=None, rule=None):
+        progress = {"furthest_step": 7, "last_progress": 100.0, "mean_step_s": 1.0, "layout_before": None}
+        return {"node": node, "host": node.split(":")[0], "started": started, "id": f"id{node}", "fault": fault,
+                "progress": progress, "nodes_before": before or {}, "rule": rule}  # fmt: skip
+
+    failure = {"rank": 1, "host": "b", "exit": -9, "what": "killed by SIGKILL", "phase": "save", "step": 7}
+    before = {"a:1": "a", "b:2": "b", "c:3": "c"}
+    start = agree(
+        [
+            agent("a:1", 2, before=before, rule=tiny),
+            agent("c:3", 2, {"failures": [failure | {"text": "rank 1 on c killed by SIGKILL in save"}]}, before),
+            agent("d:4", 0),
+        ],
+        ranks_per_node=1,
+    )
+    assert start["attempt"] == 2 and start["attempt_id"] == "2_ida:1" and start["training"] == 2
+    assert start["spares"] == ["d"] and start["record"]["spare_hosts"] == ["d"]
+    assert start["cause"] == "rank 1 on c killed by SIGKILL in save; node b lost: it did not come back to the " \
+        "rendezvous; node d joined"  # fmt: skip
+    assert start["record"]["failures"] == [failure] and start["record"]["furthest_step"] == 7
 
 
 def complete_checkpoint(path: Path, step: int) -> Path:
@@ -420,7 +454,7 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0) -> list[str]:
+def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0, nodes: str = "1:2") -> list[str]:
     """One simulated node of one rank: `mtnlg-launch --nnodes 1:2` of the tiny run, checkpoints every 2 steps, rank
     0 slowed by `slow_s` a step."""
     args = run_args(work, 1) + ["--trainer.enable_checkpointing", "true"]
@@ -428,7 +462,7 @@ def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0) -> list[st
     args += ["--trainer.callbacks.every_n_train_steps", str(SAVE_EVERY)]
     args += ["--trainer.callbacks+=benchmarks.fault_probe.Probe", "--trainer.callbacks.dir", str(work / "probe")]
     args += ["--trainer.callbacks.slow_rank", "0", "--trainer.callbacks.slow_s", str(slow_s)]
-    node = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--nnodes", "1:2", "--nproc-per-node", "1"]
+    node = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--nnodes", nodes, "--nproc-per-node", "1"]
     node += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", work.name]
     # how long a rendezvous with enough nodes waits for more (torchrun's default: 30 s)
     node += ["--rdzv-conf", f"last_call_timeout={last_call_s:g}", "--max-restarts", "2", "--monitor-interval", "0.2"]
@@ -471,30 +505,45 @@ def test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_lo
 
 
 @pytest.mark.distributed
-def test_a_run_grows_back_when_a_node_joins_without_losing_a_step(tmp_path, uninterrupted_dp2):
-    """The first node runs alone (dp 1, 4 micro-batches per step, slowed to 0.5 s a step: the second node takes
-    seconds to start); a second node is started at step 2 and joins a few steps later: the first node's
-    launcher stops its rank (SIGTERM: it saves at the next step and exits), both meet (torchrun's shared store would
-    never tell the joining node where it is: the launcher gives each start a store of its own), and the run goes on
-    at dp 2 from that save, every loss equal to the uninterrupted dp-2 run's, nothing redone."""
-    probe, node = tmp_path / "probe", elastic_node(tmp_path, last_call_s=2, slow_s=0.5)
-    first = start(node, tmp_path / "node1.log")
-    second = None
+def test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_a_spare_and_the_spare_takes_over(
+    tmp_path, uninterrupted_dp2
+):
+    """Three simulated nodes of one rank (`mtnlg-launch --nnodes 1:3`), the tiny run slowed to ~1 s a step: node A
+    trains alone (dp 1, 4 micro-batches per step); node B joins, and the run grows to dp 2 (A's rank saves on the
+    launcher's SIGTERM and exits; both resume from that save); node C joins, but 3 replicas cannot share a batch of
+    4 micro-batches: C waits as a spare, the others go on at dp 2; the training node other than A is then killed
+    for good, and C takes its place. Every loss equals the uninterrupted dp-2 run's; restarts.jsonl tells each
+    start's story."""
+    probe, node = tmp_path / "probe", elastic_node(tmp_path, last_call_s=2, slow_s=1.0, nodes="1:3")
+    logs = {name: tmp_path / f"node_{name}.log" for name in "ABC"}
+    jobs = {"A": start(node, logs["A"])}
     try:
-        wait_for(lambda: running_group(probe, 1, 2), what="step 2 of the first node alone")
-        second = start(node, tmp_path / "node2.log")
-        assert first.wait(timeout=400) == 0, (tmp_path / "node1.log").read_text()[-4000:]
-        assert second.wait(timeout=60) == 0, (tmp_path / "node2.log").read_text()[-4000:]
+        alone = wait_for(lambda: running_group(probe, 1, 2), what="node A alone at step 2")
+        jobs["B"] = start(node, logs["B"])
+        pair = wait_for(lambda: running_group(probe, 2, 1, not_pids=alone.values()), what="A and B together")
+        jobs["C"] = start(node, logs["C"])
+        wait_for(lambda: any("waits as a spare" in log.read_text() for log in logs.values()), what="a spare")
+        (spare,) = [name for name, log in logs.items() if "waits as a spare" in log.read_text()]
+        pair_again = wait_for(lambda: running_group(probe, 2, 1, not_pids=pair.values()), what="the pair, again")
+        (other,) = [name for name in "ABC" if name not in ("A", spare)]
+        (lost,) = [pid for pid in pair_again.values() if parent_of(pid) == jobs[other].pid]
+        jobs[other].kill()
+        os.kill(lost, signal.SIGKILL)
+        assert jobs["A"].wait(timeout=400) == 0, logs["A"].read_text()[-4000:]
+        assert jobs[spare].wait(timeout=60) == 0, logs[spare].read_text()[-4000:]
     finally:
-        for job in (first, second):
-            if job is not None and job.poll() is None:
+        for job in jobs.values():
+            if job.poll() is None:
                 job.kill()
     assert_losses_equal(all_losses(tmp_path / "lightning_logs"), uninterrupted_dp2, rel=1e-5)
-    (record,) = read_records(tmp_path / "ckpt")
-    assert record["cause"] == f"node {socket.gethostname()} joined" and record["steps_redone"] == 0
-    assert 2 < record["resumed_step"] < STEPS  # it grew during the run
-    assert record["layout_before"]["dp"] == 1 and record["layout"]["dp"] == 2
-    assert "nodes came back, and the run grows to the largest layout they hold" in record["layout_change"]
+    grew, spared, replaced = read_records(tmp_path / "ckpt")
+    host = socket.gethostname()
+    assert grew["cause"] == f"node {host} joined" and grew["steps_redone"] == 0
+    assert (grew["layout_before"]["dp"], grew["layout"]["dp"]) == (1, 2) and "grows" in grew["layout_change"]
+    assert spared["cause"] == f"node {host} joined" and spared["spare_hosts"] == [host]
+    assert spared["layout"]["dp"] == 2 and spared["layout_change"] is None  # the same layout: C waits
+    assert f"node {host} lost" in replaced["cause"] and replaced["spare_hosts"] == [] and replaced["layout"]["dp"] == 2
+    assert "mtnlg launch: 3 restarts" in logs["A"].read_text()
 
 
 @pytest.mark.distributed

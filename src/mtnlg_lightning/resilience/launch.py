@@ -28,6 +28,7 @@ Differences from plain torchrun, whose agent restarts the group on any worker fa
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -47,13 +48,23 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from mtnlg_lightning.resilience.attempt import ATTEMPT_ENV, ATTEMPT_ID_ENV, RESTART_CAUSE_ENV
+from mtnlg_lightning.resilience.elastic import agree, layout_rule
 from mtnlg_lightning.resilience.exit_codes import NOT_RETRIED, ExitCode, describe, run_exit_code
 from mtnlg_lightning.resilience.rank_status import STATUS_DIR_ENV, read_statuses
 from mtnlg_lightning.resilience.restart_record import RESTART_RECORD_ENV
 
 FORWARDED_SIGNALS = ("SIGTERM", "SIGUSR1")
 CLEAN_END_GRACE_S = 120.0  # how long the rest of a group may take to end alike after one rank's clean end
+RUN_ENDED_KEY = "mtnlg/run_ended"  # in the round's store: the exit code, for the spare nodes
 log = logging.getLogger("mtnlg.launch")
+
+
+class RunEndedElsewhere(Exception):
+    """A spare node's end: the training nodes ended the run with `code`."""
+
+    def __init__(self, code: int):
+        super().__init__(f"the run ended on the training nodes: {describe(code)}")
+        self.code = code
 
 
 class ResilientAgent(LocalElasticAgent):
@@ -65,15 +76,81 @@ class ResilientAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self._failed_first: dict[int, int] = {}  # local rank -> exit code of the workers that failed by themselves
         self._clean_end_since: float | None = None  # when the first rank ended with a code that is not retried
-        self._started = 0  # times this node started its workers
+        self._started = 0  # times this node started its workers (or waited as a spare)
         self._fault: dict = {}  # what this node saw of the last failure, for the next rendezvous
         self._nodes: dict[str, str] = {}  # node id -> host, of the last round
         self._attempt = 0
+        self._spare = False
         self.status_dir = Path(tempfile.mkdtemp(prefix="mtnlg_status_"))
         os.environ[STATUS_DIR_ENV] = str(self.status_dir)
         self.node_id = f"{socket.gethostname()}:{os.getpid()}"
 
+    # ------------------------------------------------------------------ every node agrees on each start
+    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec):
+        """Before torchrun numbers the ranks, the launchers of all nodes exchange their reports over this round's
+        store and agree on the start (`elastic.agree`): its number and id, its cause, and which nodes train. A
+        spare node offers no ranks, so the training ranks are numbered 0..N-1 on the nodes in front of it."""
+        # torchrun's static rendezvous keeps one store over restarts (and its restart counts agree: no elastic nodes)
+        static = spec.rdzv_handler.get_backend() == "static"
+        prefix = f"mtnlg/{spec.max_restarts - self._remaining_restarts}/" if static else "mtnlg/"
+        mine = {
+            "node": self.node_id,
+            "host": socket.gethostname(),
+            "started": self._started,
+            "id": uuid.uuid4().hex[:12],
+            "fault": self._fault,
+            "progress": self._progress() if self._started else {},
+            "nodes_before": self._nodes,
+            "rule": self._layout_rule(),
+        }
+        store.set(f"{prefix}agent/{group_rank}", json.dumps(mine))
+        agents = [json.loads(store.get(f"{prefix}agent/{rank}")) for rank in range(group_world_size)]
+        start = agree(agents, spec.local_world_size)
+        self._attempt, self._nodes, self._fault = start["attempt"], start["nodes"], {}
+        self._spare = group_rank >= start["training"]
+        os.environ[ATTEMPT_ENV] = str(self._attempt)
+        os.environ[ATTEMPT_ID_ENV] = start["attempt_id"]
+        if self._attempt > 0:
+            os.environ[RESTART_CAUSE_ENV] = start["cause"]
+            os.environ[RESTART_RECORD_ENV] = json.dumps(start["record"])
+        cause = start["cause"] if self._attempt else None
+        self.starts.append({"attempt": self._attempt, "cause": cause, "nodes": len(agents), "spare": self._spare})
+        if self._spare:
+            print(
+                f"mtnlg launch: {socket.gethostname()} waits as a spare: the layout trains on {start['training']} "
+                f"of the {len(agents)} nodes",
+                file=sys.stderr,
+                flush=True,
+            )
+            offered = copy.copy(spec)
+            offered.local_world_size = 0  # torchrun's own numbering then leaves this node out
+            return super()._assign_worker_ranks(store, group_rank, group_world_size, offered)
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+
+    def _layout_rule(self) -> dict | None:
+        """Which world sizes the run can use, from the status files this node's ranks wrote."""
+        for attempt in range(self._attempt, -1, -1):
+            for status in read_statuses(self.status_dir, attempt):
+                rule = layout_rule(status.get("layout"))
+                if rule:
+                    return rule
+        return None
+
+    def _start_workers(self, worker_group):
+        self._started += 1
+        if self._spare:
+            self._pcontext = None  # no ranks here: _monitor_workers waits for the end or the next rendezvous
+            return {}
+        started = super()._start_workers(worker_group)
+        # torchrun installs its own handlers when the workers start: forward ours instead, from then on.
+        for name in FORWARDED_SIGNALS:
+            signal.signal(getattr(signal, name), self._forward)
+        return started
+
+    # ------------------------------------------------------------------ watching the ranks
     def _monitor_workers(self, worker_group):
+        if self._spare:
+            return self._wait_as_a_spare(worker_group)
         codes = self._exit_codes()
         ended = {rank: code for rank, code in codes.items() if code not in (None, 0)}
         running = [rank for rank, code in codes.items() if code is None]
@@ -95,11 +172,31 @@ class ResilientAgent(LocalElasticAgent):
                     f"mtnlg launch: {describe(code)}: not restarting ({os.environ[RESTART_CAUSE_ENV]})", file=sys.stderr
                 )
                 self._remaining_restarts = 0
+            if self._remaining_restarts == 0:
+                self._tell_the_spares(worker_group, int(code))
+        elif result.state == WorkerState.SUCCEEDED:
+            self._tell_the_spares(worker_group, int(ExitCode.FINISHED))
         return result
 
+    def _tell_the_spares(self, worker_group, code: int) -> None:
+        """The run ends here: the spare nodes, which wait for a restart that will not come, end too."""
+        try:
+            worker_group.store.set(RUN_ENDED_KEY, str(code))
+        except Exception:  # noqa: BLE001 - the store's host may be gone with its node; the spares then time out
+            pass
+
+    def _wait_as_a_spare(self, worker_group) -> RunResult:
+        """HEALTHY while the others train (torchrun restarts this node too when they meet again after a fault);
+        when they end, end alike: a finished run meets them at torchrun's exit barrier."""
+        if not worker_group.store.check([RUN_ENDED_KEY]):
+            return RunResult(state=WorkerState.HEALTHY)
+        code = int(worker_group.store.get(RUN_ENDED_KEY))
+        if code == ExitCode.FINISHED:
+            return RunResult(state=WorkerState.SUCCEEDED)
+        raise RunEndedElsewhere(code)  # no rank failed here: torchrun has no result to say so
+
     def _describe_fault(self, worker_group, own: dict[int, int]) -> dict:
-        """The ranks of this node that failed by themselves, with the phase and step their statuses last showed,
-        and how far the attempt got (`rank_status.py`)."""
+        """The ranks of this node that failed by themselves, with the phase and step their statuses last showed."""
         statuses = {s["local_rank"]: s for s in read_statuses(self.status_dir, self._attempt)}
         host = socket.gethostname()
         failures = []
@@ -110,87 +207,17 @@ class ResilientAgent(LocalElasticAgent):
             failure = {"rank": rank, "host": host, "exit": code, "what": describe(code)}
             failure |= {"phase": status.get("phase"), "step": status.get("step")}
             failures.append(failure | {"text": f"rank {rank} on {host} {describe(code)}{where}"})
-        known = list(statuses.values())
+        return {"failures": failures}
+
+    def _progress(self) -> dict:
+        """How far this node's ranks got in the last start (`rank_status.py`): what a restart redoes and loses."""
+        known = read_statuses(self.status_dir, self._attempt)
         return {
-            "failures": failures,
             "furthest_step": max((s.get("step", -1) for s in known), default=-1),
             "last_progress": max((s.get("last_beat", 0.0) for s in known), default=0.0),
             "mean_step_s": max((s.get("mean_step_s") or 0.0 for s in known), default=0.0),
             "layout_before": next((s["layout"] for s in known if s.get("layout")), None),
         }
-
-    def _rendezvous(self, worker_group) -> None:
-        """torchrun's rendezvous, then the launchers of all nodes agree on the number and id of this start and
-        share what each saw of the fault before it: the workers get one account of it, whichever node they are on."""
-        super()._rendezvous(worker_group)
-        spec = worker_group.spec
-        # torchrun's static rendezvous keeps one store over restarts (its restart counts agree: no elastic nodes)
-        prefix = (
-            f"mtnlg/{spec.max_restarts - self._remaining_restarts}/"
-            if spec.rdzv_handler.get_backend() == "static"
-            else "mtnlg/"
-        )
-        mine = {
-            "node": self.node_id,
-            "host": socket.gethostname(),
-            "started": self._started,
-            "id": uuid.uuid4().hex[:12],
-            "fault": self._fault,
-            "nodes_before": self._nodes,
-        }
-        store = worker_group.store
-        store.set(f"{prefix}agent/{worker_group.group_rank}", json.dumps(mine))
-        keys = [f"{prefix}agent/{rank}" for rank in range(worker_group.group_world_size)]
-        agents = [json.loads(store.get(key)) for key in keys]
-        self._agree_on_this_start(agents)
-        self._fault = {}
-
-    def _agree_on_this_start(self, agents: list[dict]) -> None:
-        self._attempt = max(agent["started"] for agent in agents)
-        nodes = {agent["node"]: agent["host"] for agent in agents}
-        before: dict[str, str] = {}
-        for agent in agents:
-            before |= agent["nodes_before"]
-        lost = sorted(host for node, host in before.items() if node not in nodes)
-        joined = sorted(host for node, host in nodes.items() if before and node not in before)
-        faults = [agent["fault"] for agent in agents if agent["fault"]]
-        failures = [failure for fault in faults for failure in fault["failures"]]
-        causes = [failure["text"] for failure in failures]
-        causes += [f"node {host} lost: it did not come back to the rendezvous" for host in lost]
-        causes += [f"node {host} joined" for host in joined]
-        os.environ[ATTEMPT_ENV] = str(self._attempt)
-        os.environ[ATTEMPT_ID_ENV] = f"{self._attempt}_{agents[0]['id']}"
-        if self._attempt > 0:
-            cause = "; ".join(causes) or "the group was restarted"
-            os.environ[RESTART_CAUSE_ENV] = cause
-            record = {
-                "failures": [{k: v for k, v in f.items() if k != "text"} for f in failures],
-                "lost_hosts": lost,
-                "joined_hosts": joined,
-                "nodes_before": len(before),
-                "nodes": len(nodes),
-                "furthest_step": max((fault["furthest_step"] for fault in faults), default=-1),
-                "last_progress": max((fault["last_progress"] for fault in faults), default=0.0),
-                "mean_step_s": max((fault["mean_step_s"] for fault in faults), default=0.0),
-                "layout_before": next((fault["layout_before"] for fault in faults if fault["layout_before"]), None),
-            }
-            os.environ[RESTART_RECORD_ENV] = json.dumps(record)
-        self.starts.append(
-            {
-                "attempt": self._attempt,
-                "cause": os.environ.get(RESTART_CAUSE_ENV) if self._attempt else None,
-                "nodes": len(nodes),
-            }
-        )
-        self._nodes = nodes
-
-    def _start_workers(self, worker_group):
-        started = super()._start_workers(worker_group)
-        self._started += 1
-        # torchrun installs its own handlers when the workers start: forward ours instead, from then on.
-        for name in FORWARDED_SIGNALS:
-            signal.signal(getattr(signal, name), self._forward)
-        return started
 
     def _exit_codes(self) -> dict[int, int | None]:
         """local rank -> exit code, None while running."""
@@ -279,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     except ChildFailedError as error:
         code = run_exit_code([f.exitcode for f in error.failures.values()])
         print(f"mtnlg launch: run ended: {describe(int(code))}", file=sys.stderr)
+    except RunEndedElsewhere as ended:
+        code = run_exit_code([ended.code])
+        print(f"mtnlg launch: spare node: {ended}", file=sys.stderr)
     status_dir = Path(os.environ[STATUS_DIR_ENV]) if os.environ.get(STATUS_DIR_ENV) else None
     line = summary(ResilientAgent.starts, status_dir)
     if line:

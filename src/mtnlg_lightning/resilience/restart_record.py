@@ -43,10 +43,18 @@ def layout_of(trainer) -> dict:
     if schedule is not None and micro:
         global_batch = schedule.batch_size_at_samples(int(getattr(module, "consumed_samples", 0)))
         found |= {"global_batch": global_batch, "micro_batches_per_replica": global_batch // (micro * dp)}
+        # which world sizes the run can use (`elastic.usable_nodes`): every batch still ahead divides into
+        # micro-batches over the replicas when these do (after the ramp, the global batch alone)
+        sizes = {global_batch, schedule.global_batch_size}
+        if global_batch != schedule.global_batch_size:
+            sizes.add(schedule.rampup_increment)
+        found |= {"replica_ranks": tp * pp, "micro_batch": micro, "batch_sizes": sorted(sizes)}
     return found
 
 
-def describe_layout_change(before: dict | None, now: dict, lost_hosts: list[str]) -> str | None:
+def describe_layout_change(
+    before: dict | None, now: dict, lost_hosts: list[str], spare_hosts: list[str] = ()
+) -> str | None:
     """What changed between two layouts and why, or None when the run resumes in the layout it had."""
     keys = ("world", "dp", "tp", "pp")
     if not before or all(before.get(k) == now.get(k) for k in keys):
@@ -63,6 +71,8 @@ def describe_layout_change(before: dict | None, now: dict, lost_hosts: list[str]
         )
     else:
         text += ": nodes came back, and the run grows to the largest layout they hold"
+    if spare_hosts:
+        text += f"; {len(spare_hosts)} node(s) wait as spares ({', '.join(spare_hosts)})"
     if "global_batch" in now:
         text += (
             f"; the global batch stays {now['global_batch']}, {now['micro_batches_per_replica']} micro-batch(es) "
@@ -110,7 +120,8 @@ def build_record(trainer, count: int, now: float | None = None) -> dict:
         "time_lost_s": round(downtime + (redone or 0) * mean_step, 1) if downtime is not None else None,
         "layout_before": before,
         "layout": layout,
-        "layout_change": describe_layout_change(before, layout, lost),
+        "spare_hosts": launcher.get("spare_hosts", []),
+        "layout_change": describe_layout_change(before, layout, lost, launcher.get("spare_hosts", [])),
     }
 
 
