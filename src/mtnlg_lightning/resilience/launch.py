@@ -21,8 +21,10 @@ Differences from plain torchrun, whose agent restarts the group on any worker fa
   left included, and gets its own rendezvous key namespace (`MTNLG_ATTEMPT_ID`): torchrun's restart count stays the
   same on a membership change and can differ between nodes;
 - with a node range (`--nnodes MIN:MAX`, torchrun's elastic mode) a run that loses a node for good goes on with the
-  nodes left, and grows back when nodes return; the workers resume in the largest layout the world holds (same
-  TP x PP, fewer data-parallel replicas, the same global batch);
+  nodes left, and grows back when nodes return; the workers resume in the largest layout the nodes hold (same
+  TP x PP, fewer data-parallel replicas, the same global batch), and nodes beyond it wait as spares (`elastic.py`);
+  the workers then get a rendezvous store of their own at every start (torchrun's shared one is never found by a
+  node that joins);
 - it prints a summary of the restarts at the end.
 """
 
