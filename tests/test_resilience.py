@@ -64,6 +64,8 @@ def test_a_phase_starts_from_its_cap_then_learns_five_times_its_longest_interval
     limits.observe("eval", 1.0)
     assert limits.limit("eval:downstream") == 600  # work of another size in a phase is learned apart
     assert "save 1000 s (longest 200.00 s)" in limits.summary()
+    with pytest.raises(MTNLGError, match=r"floors name unknown phase\(s\) \['stepp'\]"):
+        PhaseLimits(floors={"stepp": 1.0})
 
 
 def test_learned_limits_travel_with_the_checkpoint_and_a_resuming_start_up_allows_for_the_load(monkeypatch):

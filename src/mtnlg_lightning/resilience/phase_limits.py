@@ -71,6 +71,9 @@ class PhaseLimits:
         if factor < 1:
             raise MTNLGError(f"the watchdog's safety factor must be >= 1, got {factor:g}")
         self.factor = factor
+        unknown = sorted(set(floors or {}) - set(PHASES))
+        if unknown:
+            raise MTNLGError(f"the watchdog's floors name unknown phase(s) {unknown}: use {', '.join(PHASES)}")
         self.floors = {**FLOORS, **(floors or {})}
         self.caps = resolve_limits(self.configured)
         self.longest: dict[str, float] = {}  # key -> the longest interval seen (seconds)
