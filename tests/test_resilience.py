@@ -444,6 +444,11 @@ def test_plain_torchrun_heals_a_kill_after_a_save_stops_during_a_save_and_a_step
     assert all(int(step) in saved for _, step, _ in restarts)
     assert not [p.name for p in ckpt.iterdir() if "-v" in p.name]  # no second copy of a step
     assert_losses_equal(all_losses(tmp_path / "lightning_logs"), uninterrupted_dp2, rel=1e-4)
+    from mtnlg_lightning.checkpoint.format import read_meta
+
+    (last,) = [p for p in ckpt.glob("*.ckpt") if step_of(p) == STEPS]
+    learned = read_meta(last)["callbacks"]["HangWatchdog"]["limits"]["longest"]
+    assert {"startup", "step", "data", "save", "eval"} <= set(learned)  # the learned limits travel with it
     records = read_records(ckpt)
     assert [r["restart"] for r in records] == [1, 2, 3, 4]
     assert "hang in save" in records[1]["cause"] and f"hang in {phase}" in records[2]["cause"]

@@ -47,7 +47,6 @@ from mtnlg_lightning.resilience.phase_limits import (
     RESUMING_STARTUP,
     SAFETY_FACTOR,
     PhaseLimits,
-    phase_of,
     resolve_limits,
 )
 from mtnlg_lightning.resilience.rank_status import read_statuses, status_dir, write_status
@@ -144,10 +143,6 @@ class HangWatchdog(Callback):
         self._written: tuple | None = None
         self._step_seconds = [0.0, 0]  # sum and count of this process's steps, for the mean in the status
         self.hang: str | None = None
-
-    @property
-    def phase(self) -> str:
-        return phase_of(self.key)
 
     # ------------------------------------------------------------------ heartbeats
     def beat(self, phase: str | None = None, step: int | None = None, what: str | None = None) -> None:
