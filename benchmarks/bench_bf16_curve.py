@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_fit(precision: str, steps: int, directory: Path) -> tuple[dict[int, float], float | None, float]:
     """Train the demo in `precision` with its config (checkpoints and logs under `directory`): per-step train loss,
     the last val_loss and the wall time."""
-    args = [sys.executable, "-m", "mtnlg_lightning.cli", "fit", "--config", str(ROOT / "configs" / "demo.yaml")]
+    args = [sys.executable, "-m", "mtnlg_lightning.train.cli", "fit", "--config", str(ROOT / "configs" / "demo.yaml")]
     args += ["--trainer.precision", precision, "--trainer.max_steps", str(steps), "--trainer.accelerator", "cpu"]
     args += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(directory)]
     args += ["--trainer.enable_progress_bar", "false"]

@@ -32,7 +32,7 @@ def _trainer(preset: str, devices: int, strategy):
     from lightning_run import quiet_trainer
 
     from mtnlg_lightning.data.datamodule import GPTDataModule
-    from mtnlg_lightning.module import MTNLGModule
+    from mtnlg_lightning.train.module import MTNLGModule
 
     L.seed_everything(0, verbose=False)
     module = MTNLGModule(
@@ -82,7 +82,7 @@ def training_stalls(trainer, strategy, out: Path, rounds: int = 3) -> dict:
 def worker(preset: str, out: Path, result: Path, stall_rounds: int = 0) -> None:
     import torch.distributed as dist
 
-    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
     world = int(os.environ["WORLD_SIZE"])
     strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False)

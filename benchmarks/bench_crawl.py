@@ -8,7 +8,7 @@ side on the same WARC file in one run, with extraction accuracy against the plan
 Stages (each in this process, CPU time by time.process_time):
   read       WARC records to decoded HTML: our reader (warcio + resync) vs datatrove's WarcReader
   extract    HTML to text (+ C4's policy-line rule, as mtnlg-extract does by default): ours with jusText (+ pyCLD2
-             on the HTML for the stop-word list), ours with trafilatura,
+             on the page's prose for its stop words), ours with trafilatura (mtnlg-extract's default),
              datatrove's Trafilatura extractor (its extract(), without the per-document sandbox process)
   language   pyCLD2 on the extracted text (datatrove's LanguageFilter needs a fastText model download: noted, not run)
   filters    our Gopher/C4 rules (one measuring pass, every rule) vs datatrove's GopherQuality, GopherRepetition and
@@ -35,14 +35,9 @@ except ImportError:
 
 from mtnlg_lightning.crawl import heuristics  # noqa: E402
 from mtnlg_lightning.crawl.classifier import train  # noqa: E402
-from mtnlg_lightning.crawl.extract import (  # noqa: E402
-    ExtractSettings,
-    decode_html,
-    drop_policy_lines,
-    html_to_text,
-    identify_language,
-    run_extract,
-)
+from mtnlg_lightning.crawl.extract import ExtractSettings, decode_html, drop_policy_lines, run_extract  # noqa: E402
+from mtnlg_lightning.crawl.html_text import page_text  # noqa: E402
+from mtnlg_lightning.crawl.language import identify_language  # noqa: E402
 from mtnlg_lightning.crawl.synthetic_warc import (  # noqa: E402
     CrawlSpec,
     junk_documents,
@@ -137,15 +132,13 @@ def main() -> None:
 
         # extract
         def ours_justext():
-            out = []
-            for url, html in html_pages:
-                _, _, name = identify_language(html, html=True)
-                out.append({"url": url, "text": drop_policy_lines(html_to_text(html, "justext", name))[0]})
-            return out
+            return [
+                {"url": url, "text": drop_policy_lines(page_text(html, "justext").text)[0]} for url, html in html_pages
+            ]
 
         def trafilatura_ours():
             return [
-                {"url": url, "text": drop_policy_lines(html_to_text(html, "trafilatura", ""))[0]}
+                {"url": url, "text": drop_policy_lines(page_text(html, "trafilatura").text)[0]}
                 for url, html in html_pages
             ]
 

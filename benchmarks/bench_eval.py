@@ -38,8 +38,8 @@ from mtnlg_lightning.data.tokenizer import Tokenizer  # noqa: E402
 from mtnlg_lightning.evaluation import tasks  # noqa: E402
 from mtnlg_lightning.evaluation.cloze import cloze_passages  # noqa: E402
 from mtnlg_lightning.evaluation.data import read_jsonl  # noqa: E402
-from mtnlg_lightning.evaluation.scoring import Scorer  # noqa: E402
 from mtnlg_lightning.inference.load import load_model  # noqa: E402
+from mtnlg_lightning.inference.scoring import Scorer  # noqa: E402
 
 TASK_YAML = """task: bench_lambada
 dataset_path: json

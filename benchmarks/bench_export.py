@@ -52,8 +52,8 @@ def write_synthetic_checkpoint(directory: Path, num_layers: int, hidden_size: in
     import torch
 
     from mtnlg_lightning.checkpoint.format import WrittenFile, file_digest, write_manifest, write_meta
+    from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec, write_safetensors
     from mtnlg_lightning.config import get_config
-    from mtnlg_lightning.interop.safetensors_shards import TensorSpec, write_safetensors
     from mtnlg_lightning.model import build_model
 
     overrides = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, vocab_size=vocab_size)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-whole", action="store_true", help="do not run the whole-model export for contrast")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    from mtnlg_lightning.interop.safetensors_shards import parse_size
+    from mtnlg_lightning.checkpoint.safetensors_shards import parse_size
 
     shard = parse_size(args.max_shard_size)
     work = Path(tempfile.mkdtemp(prefix="bench_export."))

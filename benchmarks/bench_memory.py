@@ -67,7 +67,7 @@ def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
 
 
 def planner_bytes(num_params: int, dp: int, zero: int) -> dict:
-    from mtnlg_lightning.planner import model_state_bytes
+    from mtnlg_lightning.planning.planner import model_state_bytes
 
     return {
         "fp32": model_state_bytes(num_params, dp, zero, "fp32"),

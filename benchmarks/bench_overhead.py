@@ -26,7 +26,7 @@ from results import write_result  # noqa: E402
 
 from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
-from mtnlg_lightning.module import MTNLGModule, cross_entropy  # noqa: E402
+from mtnlg_lightning.train.module import MTNLGModule, cross_entropy  # noqa: E402
 
 
 class StepTimer(L.Callback):

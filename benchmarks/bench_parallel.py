@@ -56,7 +56,7 @@ DEFAULT_LAYOUTS = ["tp2", "dp2_zero1", "pp2", "tp2_sp"]
 
 
 def pipeline_supported() -> tuple[bool, str]:
-    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
     try:
         MegatronDeepSpeedStrategy(pipeline_parallel=2, print_layout=False)._check_arguments()

@@ -126,7 +126,7 @@ def training(dry_run: bool, steps: int, tmp: Path) -> dict:
     """`mtnlg fit` of the model in bf16-mixed, eager / compiled x no / full activation checkpointing."""
     import torch
 
-    from mtnlg_lightning.cli import main as mtnlg
+    from mtnlg_lightning.train.cli import main as mtnlg
 
     if dry_run:
         size = ["--model.preset", "tiny", "--trainer.accelerator", "cpu", "--model.compile_backend", "aot_eager"]

@@ -18,7 +18,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import lightning as L  # noqa: E402
 
 from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
-from mtnlg_lightning.module import MTNLGModule  # noqa: E402
+from mtnlg_lightning.train.module import MTNLGModule  # noqa: E402
 
 SEED = 1234
 # The tiny recipe of the tests and benchmarks: a learning rate that moves the tiny model visibly within a few
@@ -57,7 +57,7 @@ class StepTimer(L.Callback):
 
 
 def megatron_strategy(tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False):
-    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
     # ZeRO-3 keeps no parameter whole ("persistent"): small models would otherwise stay unpartitioned.
     ds = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero == 3 else None

@@ -421,6 +421,41 @@ def crawl_rows(d):
     return rows
 
 
+def crawl_languages_rows(d):
+    ex = d["extractors"]
+    c = d["crawl"]
+    rows = []
+    for key, label, target in (
+        ("non_english_pages_kept_right_language", "non-English pages kept with the right language", ">= 0.95"),
+        ("article_words_kept", "article words kept (every page)", ">= 0.95"),
+        ("boilerplate_words_left", "boilerplate words left", "<= 0.05"),
+        ("pages_per_cpu_s", "HTML pages per CPU-s", "-"),
+    ):
+        rows.append(
+            (
+                f"crawl languages: {label}, trafilatura (default) vs jusText ({c['non_english_pages']} pages in "
+                f"{c['languages']} languages + {c['english_pages']} English)",
+                ex["trafilatura"][key],
+                ex["justext"][key],
+                _ratio(ex["trafilatura"][key], ex["justext"][key]),
+                target,
+            )
+        )
+    rows.append(
+        (
+            "crawl languages: non-English pages kept, jusText vs jusText with the stop words of the HTML's language",
+            ex["justext"]["non_english_pages_kept_right_language"],
+            ex["justext_from_markup"]["non_english_pages_kept_right_language"],
+            _ratio(
+                ex["justext"]["non_english_pages_kept_right_language"],
+                ex["justext_from_markup"]["non_english_pages_kept_right_language"],
+            ),
+            ">= 0.95",
+        )
+    )
+    return rows
+
+
 SUITE = [
     Benchmark(
         "overhead",
@@ -479,4 +514,5 @@ SUITE = [
     Benchmark("eval", "bench_eval.py", ["--repeats", "2"], eval_rows),
     Benchmark("export", "bench_export.py", ["--layers", "8", "--max-shard-size", "50MB"], export_rows),
     Benchmark("crawl", "bench_crawl.py", ["--copies", "1", "--english-pages", "100"], crawl_rows),
+    Benchmark("crawl_languages", "bench_crawl_languages.py", ["--seeds", "1"], crawl_languages_rows),
 ]

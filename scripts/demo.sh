@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec "${PYTHON:-python3}" -m mtnlg_lightning.cli fit --config configs/demo.yaml "$@"
+exec "${PYTHON:-python3}" -m mtnlg_lightning.train.cli fit --config configs/demo.yaml "$@"

@@ -29,7 +29,7 @@ def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.Completed
     inherited = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
     full_env = {**inherited, "WANDB_MODE": "offline", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "mtnlg_lightning.cli", *args],
+        [sys.executable, "-m", "mtnlg_lightning.train.cli", *args],
         cwd=cwd or ROOT,
         env=full_env,
         capture_output=True,

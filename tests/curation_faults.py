@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from mtnlg_lightning.curation.stages import StageHooks
+from mtnlg_lightning.corpora.stages import StageHooks
 
 CRASH_ENV = "MTNLG_CURATION_CRASH_AT"
 

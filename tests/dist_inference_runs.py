@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.inference.generation import generate_over_replicas
+from mtnlg_lightning.inference.decode import generate_over_replicas
 from mtnlg_lightning.inference.launch import launch_command, needs_launch, world_size_for
-from mtnlg_lightning.inference.runs import load, plan
+from mtnlg_lightning.inference.runs import load_planned, plan
 
 PROMPTS = ["Return the", "The value of the argument is", "A", "If the file does not exist, the function raises"]
 NEW_TOKENS = 10
@@ -62,7 +62,7 @@ def main() -> int:
         for task, argv in tasks(args).items():
             code = eval_main([*base, *argv, "--output", str(out / f"{name}_{task}.json")])
             assert code == 0, (name, task, code)
-        model, _ = load(plan(path, args.strategy, None), "cpu", "fp32")
+        model = load_planned(plan(path, args.strategy, None), "cpu", "fp32", decoding=True)
         greedy = generate_over_replicas(
             model, prompts, max_new_tokens=NEW_TOKENS, temperature=0.0, eos_id=tokenizer.eod_id
         )

@@ -21,7 +21,7 @@ from parallel_harness import tiny_run  # noqa: E402
 
 from mtnlg_lightning.parallel.state_bytes import StateBytesProbe  # noqa: E402
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
-from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
 def state_bytes_run(zero: int, world: int) -> dict:

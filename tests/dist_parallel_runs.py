@@ -24,7 +24,7 @@ from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tied_head_copy,
 
 from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
-from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
 def strategy(tp=1, zero=0, **kw):

@@ -10,6 +10,6 @@ import time
 if __name__ == "__main__":
     if os.environ.get("RANK") == "0":
         time.sleep(float(sys.argv[1]))
-    from mtnlg_lightning.cli import main
+    from mtnlg_lightning.train.cli import main
 
     main(sys.argv[2:])

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: benchmarks
 # Imported here, outside any test's captured stderr: Lightning binds its log handler to sys.stderr on import.
-import mtnlg_lightning.cli  # noqa: E402, F401
+import mtnlg_lightning.train.cli  # noqa: E402, F401
 from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def _tool(name: str):
 
 def _main(tool: str):
     if tool == "mtnlg":
-        from mtnlg_lightning.cli import main
+        from mtnlg_lightning.train.cli import main
     elif tool == "mtnlg-dedup":
         from mtnlg_lightning.curation.dedup_cli import main
     elif tool == "mtnlg-decontaminate":
@@ -41,7 +41,7 @@ def _main(tool: str):
     elif tool == "mtnlg-eval":
         from mtnlg_lightning.evaluation.cli import main
     elif tool == "mtnlg-generate":
-        from mtnlg_lightning.generate import main
+        from mtnlg_lightning.inference.generate_cli import main
     elif tool == "mtnlg-export-hf":
         from mtnlg_lightning.interop.export_cli import main
     elif tool == "consolidate_checkpoint.py":

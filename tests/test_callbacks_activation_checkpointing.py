@@ -16,7 +16,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import AttentionCore, Block, build_model
-from mtnlg_lightning.module import MTNLGModule, cross_entropy
+from mtnlg_lightning.train.module import MTNLGModule, cross_entropy
 
 # dropout on: the recomputation must replay the same masks (non-reentrant checkpoint restores the RNG state)
 CONFIG = get_config("tiny", num_layers=4, hidden_dropout=0.1, attention_dropout=0.1)

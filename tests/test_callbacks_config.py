@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtnlg_lightning.callbacks import ActivationCheckpointing, LossSpikeDetection
-from mtnlg_lightning.cli import MTNLGCLI
 from mtnlg_lightning.data.datamodule import GPTDataModule
-from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.train.cli import MTNLGCLI
+from mtnlg_lightning.train.module import MTNLGModule
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.callbacks import LossSpikeDetection, LossSpikeError, SpikeDetector
 from mtnlg_lightning.data.datamodule import GPTDataModule
-from mtnlg_lightning.module import MTNLGModule, cross_entropy
+from mtnlg_lightning.train.module import MTNLGModule, cross_entropy
 
 BATCH = 8  # global batch of the tiny recipe: step s covers samples [8s, 8s + 8)
 

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
+from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
-from mtnlg_lightning.curation.jsonl import InputError
 from mtnlg_lightning.curation.ngrams import TaskNgrams, clean_text, split_text, words_and_spans
 from mtnlg_lightning.curation.synthetic import TextGenerator
 

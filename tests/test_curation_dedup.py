@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from curation_faults import CRASH_ENV, Faults, SimulatedCrash
 
+from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
-from mtnlg_lightning.curation.jsonl import InputError
 from mtnlg_lightning.curation.lsh import Banding
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, normalize_words, shingle_strings
 from mtnlg_lightning.curation.synthetic import TextGenerator, make_near_dup_corpus

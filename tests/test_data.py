@@ -12,7 +12,7 @@ from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_r
 from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
+from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 
 EOD = 0
 

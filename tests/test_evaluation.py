@@ -17,8 +17,8 @@ from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.evaluation.scoring import Scorer
 from mtnlg_lightning.inference.load import load_model
+from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.interop.export_cli import main as export_main
 
 HANS = ROOT / "tests" / "data" / "hans_sample.jsonl"
@@ -135,7 +135,7 @@ def test_perplexity_token_loss_equals_the_trainers_val_loss_on_the_same_tokens(c
     import csv
 
     from mtnlg_lightning.data.datamodule import GPTDataModule
-    from mtnlg_lightning.module import MTNLGModule
+    from mtnlg_lightning.train.module import MTNLGModule
 
     out = run_cli(
         "validate",

@@ -20,8 +20,8 @@ from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.generate import generate
-from mtnlg_lightning.generate import main as generate_main
+from mtnlg_lightning.inference.decode import generate
+from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 
 HANS = ROOT / "tests" / "data" / "hans_sample.jsonl"
@@ -121,15 +121,17 @@ def test_layout_evaluation_and_generation_equal_one_process(layout, checkpoints,
 
 def test_bad_layouts_and_checkpoints_are_one_line_before_any_weight_is_read(checkpoint, tmp_path, capsys):  # noqa: F811
     tp3 = tmp_path / "tp3.yaml"
-    tp3.write_text("class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {tensor_parallel: 3}\n")
+    tp3.write_text(
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\ninit_args: {tensor_parallel: 3}\n"
+    )
     pp3 = tmp_path / "pp3.yaml"
     pp3.write_text(
-        "class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {pipeline_parallel: 3}\n"
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\ninit_args: {pipeline_parallel: 3}\n"
     )
     other = tmp_path / "other_shape.ckpt"
     shutil.copytree(checkpoint, other)
     manifest = json.loads((other / "manifest.json").read_text())
-    manifest["model_config"]["hidden_size"] = 128  # the tensors are those of hidden 64
+    manifest["model_config"]["vocab_size"] = 4000  # the tensors are those of a vocabulary of 4096
     (other / "manifest.json").write_text(json.dumps(manifest))
     for weights in other.glob("*.safetensors"):
         weights.write_bytes(b"")  # any read of a weight would fail differently

@@ -11,8 +11,8 @@ from conftest import ROOT
 from mtnlg_lightning.config import count_parameters, get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import get_gpu
-from mtnlg_lightning.inference_plan import inference_plan, smallest_layouts
-from mtnlg_lightning.planner import MEMORY_BUDGET
+from mtnlg_lightning.planning.inference_plan import inference_plan, smallest_layouts
+from mtnlg_lightning.planning.planner import MEMORY_BUDGET
 
 MTNLG = get_config("mtnlg-530b")
 

@@ -13,13 +13,13 @@ from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.generate import generate
-from mtnlg_lightning.generate import main as generate_main
+from mtnlg_lightning.inference.decode import generate
+from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model, use_generation_layout
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import export_hf, read_hf_dir
 from mtnlg_lightning.model import KVCache
-from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.train.module import MTNLGModule
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = ["Return the value of", "The default is", "If the file does not exist,"]
@@ -166,12 +166,13 @@ def test_source_without_tokenizer_still_exports_the_model_and_says_so(hf_dir, tm
 
 
 def test_bad_sources_are_one_line(tmp_path, capsys):
-    other = tmp_path / "llama"
+    other = tmp_path / "mamba"
     other.mkdir()
-    (other / "config.json").write_text('{"model_type": "llama"}')
+    (other / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
     assert generate_main(["--checkpoint", str(other), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"mtnlg-generate: error: {other} holds a 'llama' model; only GPT-2-architecture models (gpt2) can be imported"
+        f"mtnlg-generate: error: {other} holds a 'mamba' model (MambaForCausalLM); the architectures that can be "
+        f"read are gpt2, llama, qwen2, qwen3"
     )
     garbage = tmp_path / "broken.ckpt"
     garbage.write_bytes(b"not a checkpoint")

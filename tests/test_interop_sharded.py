@@ -17,12 +17,12 @@ from conftest import ROOT
 from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.checkpoint.consolidate import consolidate
+from mtnlg_lightning.checkpoint.safetensors_shards import ShardedTensors, parse_size
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop.export_cli import main as export_main
-from mtnlg_lightning.interop.safetensors_shards import ShardedTensors, parse_size
-from mtnlg_lightning.module import MTNLGModule
+from mtnlg_lightning.train.module import MTNLGModule
 
 transformers = pytest.importorskip("transformers")
 SHARD = "300KB"  # the tiny model's fp32 weights are ~1.6 MB: the embedding alone and a few shards of blocks

@@ -6,8 +6,8 @@ import pytest
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.flops import flops_per_iteration
-from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
+from mtnlg_lightning.train.flops import flops_per_iteration
+from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 
 MTNLG_RAMP = BatchSizeSchedule(1920, 32, 32, 12_000_000_000 // 2048)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.local_ranks import run_on_ranks
-from mtnlg_lightning.planner import model_state_bytes
+from mtnlg_lightning.planning.planner import model_state_bytes
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent

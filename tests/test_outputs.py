@@ -159,9 +159,8 @@ def test_consolidate_refuses_to_write_into_the_checkpoint(checkpoint, capsys):
     from mtnlg_lightning.checkpoint.consolidate import main as consolidate_main
 
     before = snapshot(checkpoint)
-    with pytest.raises(SystemExit) as code:
-        consolidate_main([str(checkpoint), str(checkpoint / "rank-00000.safetensors")])
-    assert code.value.code == 2 and "lies inside the input" in capsys.readouterr().err
+    code = consolidate_main([str(checkpoint), str(checkpoint / "rank-00000.safetensors")])
+    assert code == 2 and "lies inside the input" in capsys.readouterr().err
     assert snapshot(checkpoint) == before
 
 
@@ -185,7 +184,7 @@ def _dedup(inputs, out):
 
 def test_dedup_keeps_the_previous_outputs_when_a_run_fails_on_bad_input(tmp_path):
     """Before: mtnlg-dedup removed its previous outputs before reading a line."""
-    from mtnlg_lightning.curation.jsonl import InputError
+    from mtnlg_lightning.corpora.jsonl import InputError
 
     data = tmp_path / "a.jsonl"
     data.write_text("".join(json.dumps({"text": f"document number {i} " * 5}) + "\n" for i in range(6)))
@@ -200,8 +199,8 @@ def test_dedup_keeps_the_previous_outputs_when_a_run_fails_on_bad_input(tmp_path
 
 def test_decontaminate_keeps_its_previous_report_when_a_run_fails_on_bad_input(tmp_path):
     """Before: mtnlg-decontaminate deleted its report before validating its input."""
+    from mtnlg_lightning.corpora.jsonl import InputError
     from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
-    from mtnlg_lightning.curation.jsonl import InputError
 
     tasks, train = tmp_path / "tasks.jsonl", tmp_path / "train.jsonl"
     tasks.write_text(json.dumps({"task": "t", "text": "one two three four five six seven eight nine"}) + "\n")
@@ -217,7 +216,7 @@ def test_decontaminate_keeps_its_previous_report_when_a_run_fails_on_bad_input(t
 
 
 def test_dedup_refuses_an_output_that_is_an_input(tmp_path):
-    from mtnlg_lightning.curation.jsonl import InputError
+    from mtnlg_lightning.corpora.jsonl import InputError
 
     data = tmp_path / "a.jsonl"
     data.write_text(json.dumps({"text": "x"}) + "\n")

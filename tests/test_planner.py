@@ -10,10 +10,16 @@ import yaml
 from conftest import ROOT, run_cli
 
 from mtnlg_lightning.config import ModelConfig, get_config
-from mtnlg_lightning.cost_model import IMPLEMENTATIONS, _layer_gemm_shapes
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import GPUS, get_gpu, load_gpu_specs
-from mtnlg_lightning.planner import activation_bytes_per_layer, model_state_bytes, plan, search, tflops_from_time
+from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, _layer_gemm_shapes
+from mtnlg_lightning.planning.planner import (
+    activation_bytes_per_layer,
+    model_state_bytes,
+    plan,
+    search,
+    tflops_from_time,
+)
 
 MTNLG = get_config("mtnlg-530b")
 PLAN = [sys.executable, str(ROOT / "tools/plan.py")]
@@ -237,7 +243,7 @@ def test_write_config_output_trains_through_mtnlg_fit(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     written = yaml.safe_load(path.read_text())
-    assert written["class_path"] == "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
+    assert written["class_path"] == "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
     assert written["init_args"]["tensor_parallel"] == 2 and written["init_args"]["pipeline_parallel"] == 1
     assert "--model.micro_batch_size 2 --model.global_batch_size 8" in out.stdout
     fit = run_cli(

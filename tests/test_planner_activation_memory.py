@@ -13,7 +13,7 @@ from threaded_group import run_ranks
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
-from mtnlg_lightning.planner import activation_bytes_per_layer
+from mtnlg_lightning.planning.planner import activation_bytes_per_layer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
 from benchmarks.bench_sequence_parallel_memory import saved_bytes_per_layer  # noqa: E402

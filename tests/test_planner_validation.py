@@ -9,10 +9,10 @@ import pytest
 from conftest import ROOT
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.cost_model import IMPLEMENTATIONS
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.planner import plan
-from mtnlg_lightning.planner_validation import layout_rank, load_runs, predict, throughput_error
+from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.planner import plan
+from mtnlg_lightning.planning.planner_validation import layout_rank, load_runs, predict, throughput_error
 
 SOURCES, RUNS = load_runs()
 BY_NAME = {run.name: run for run in RUNS}

@@ -257,7 +257,7 @@ def test_last_is_the_newest_complete_checkpoint_of_every_folder_and_a_restart_ne
 
 # ------------------------------------------------------------------------------------------------ under the launcher
 def launch(
-    args: list[str], log: Path, max_restarts: int, env: dict | None = None, entry=("-m", "mtnlg_lightning.cli")
+    args: list[str], log: Path, max_restarts: int, env: dict | None = None, entry=("-m", "mtnlg_lightning.train.cli")
 ) -> subprocess.Popen:
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone", "--nproc-per-node", "2"]
     command += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", *entry, *args]
@@ -358,7 +358,7 @@ def torchrun(*arguments: str) -> list[str]:
 def uninterrupted_dp2(tmp_path_factory) -> dict[int, float]:
     """Per-step losses of the run without faults: 2 ranks (dp 2), global batch 8."""
     work = tmp_path_factory.mktemp("uninterrupted")
-    command = torchrun("--standalone", "--nproc-per-node", "2", "-m", "mtnlg_lightning.cli", *run_args(work, 2))
+    command = torchrun("--standalone", "--nproc-per-node", "2", "-m", "mtnlg_lightning.train.cli", *run_args(work, 2))
     job = start(command, work / "log")
     assert job.wait(timeout=600) == 0, (work / "log").read_text()[-3000:]
     (reference,) = all_losses(work)
@@ -486,7 +486,7 @@ def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0, nodes: str
     node += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", work.name]
     # how long a rendezvous with enough nodes waits for more (torchrun's default: 30 s)
     node += ["--rdzv-conf", f"last_call_timeout={last_call_s:g}", "--max-restarts", "2", "--monitor-interval", "0.2"]
-    return [*node, "-m", "mtnlg_lightning.cli", *args, "--ckpt_path", "last"]
+    return [*node, "-m", "mtnlg_lightning.train.cli", *args, "--ckpt_path", "last"]
 
 
 @pytest.mark.distributed
@@ -594,7 +594,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
     from mtnlg_lightning.checkpoint import format as checkpoint_format
     from mtnlg_lightning.checkpoint.format import is_checkpoint
     from mtnlg_lightning.parallel.zero import base_optimizer
-    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
     strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False, async_save=True)
     _, trainer = tiny_run(strategy=strategy, max_steps=2, capture_steps=())

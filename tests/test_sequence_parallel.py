@@ -6,8 +6,8 @@ import torch
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
-from mtnlg_lightning.peak_memory import StepPeakMemory
-from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+from mtnlg_lightning.train.peak_memory import StepPeakMemory
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
 
 def test_sequence_length_must_split_evenly_over_the_tensor_parallel_ranks():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import lightning as L
 
-from mtnlg_lightning.module import MTNLGModule
-from mtnlg_lightning.training_position import set_global_step
+from mtnlg_lightning.train.module import MTNLGModule
+from mtnlg_lightning.train.training_position import set_global_step
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mtnlg_lightning"
 
@@ -30,4 +30,4 @@ def test_lightnings_step_counter_has_one_writer_in_the_package():
     writers = sorted(
         str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if "optim_step_progress" in path.read_text()
     )
-    assert writers == ["training_position.py"]
+    assert writers == ["train/lightning_compat.py"]

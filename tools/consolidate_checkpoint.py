@@ -4,9 +4,11 @@
 python tools/consolidate_checkpoint.py runs/demo/checkpoints/last.ckpt model.safetensors [--optimizer]
 """
 
+import sys
+
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.checkpoint.consolidate import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

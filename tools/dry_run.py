@@ -10,9 +10,9 @@ import sys
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.dry_run import dry_run
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.gpus import gpu_names
+from mtnlg_lightning.planning.dry_run import dry_run
 
 
 def main(argv=None) -> int:
@@ -37,13 +37,13 @@ def main(argv=None) -> int:
         "ActivationCheckpointing callback, else none)",
     )
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         report = dry_run(args.config, args.gpu, args.recompute)
-    except MTNLGError as error:
-        print(f"dry_run: error: {error}", file=sys.stderr)
-        return 2
-    print(report)
-    return 0
+        print(report)
+        return 0
+
+    return run_main("dry_run", body)
 
 
 if __name__ == "__main__":

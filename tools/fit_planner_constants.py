@@ -14,7 +14,7 @@ import sys
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning import gpus
-from mtnlg_lightning.planner_validation import load_runs, predict, throughput_error
+from mtnlg_lightning.planning.planner_validation import load_runs, predict, throughput_error
 
 FAMILIES = {"a100": ("a100-80g", "a100-40g"), "h100": ("h100",)}
 GRID = {

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.curation.cli_common import int_at_least
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.corpora.cli_common import int_at_least
+from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.extras import require_extra
 
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 
-    try:
+    def body() -> int:
         require_extra("hf", "the pipeline's export stage (mtnlg-export-hf)")  # before any stage runs
         if not args.no_plot:
             require_extra("plot", "report.png (or pass --no-plot)")
@@ -98,21 +98,20 @@ def main(argv=None) -> int:
 
         with kept_until_done(settings.out_dir):  # a failed run puts the previous OUT_DIR back
             report = Pipeline(settings).run()
-    except MTNLGError as error:
-        print(f"pipeline: error: {error}", file=sys.stderr)
-        return 2
-    out = Path(report["out_dir"])
-    failed = [c for c in report["checks"] if not c["ok"]]
-    passed = len(report["checks"]) - len(failed)
-    gap = report["experiment"]["planted_gap"]
-    print(
-        f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
-        f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
-        f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {out / 'report.md'}"
-    )
-    for check in failed:
-        print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
-    return 1 if failed else 0
+        out = Path(report["out_dir"])
+        failed = [c for c in report["checks"] if not c["ok"]]
+        passed = len(report["checks"]) - len(failed)
+        gap = report["experiment"]["planted_gap"]
+        print(
+            f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
+            f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
+            f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {out / 'report.md'}"
+        )
+        for check in failed:
+            print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
+        return 1 if failed else 0
+
+    return run_main("pipeline", body)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ A model by its dimensions instead of a preset:
 How many GPUs to evaluate or generate with a model (weights + KV cache of a batch; smallest TP x PP per GPU kind):
     python tools/plan.py --inference --model mtnlg-530b --gpu a100-80g,h200 --batch 1 --length 2048
 
-The time model (src/mtnlg_lightning/cost_model.py) is checked against published runs:
+The time model (src/mtnlg_lightning/planning/cost_model.py) is checked against published runs:
 python tools/validate_planner.py prints predicted vs published throughput.
 """
 
@@ -24,10 +24,10 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
-from mtnlg_lightning.cost_model import IMPLEMENTATIONS
-from mtnlg_lightning.errors import MTNLGError, exit_status
+from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
-from mtnlg_lightning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
+from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
 DIMENSIONS = {
     "layers": "num_layers",
@@ -120,7 +120,7 @@ def strategy_yaml(p: Plan, gpus_per_node: int) -> str:
         f"{p.iteration_seconds:.3g} s per iteration (MFU {p.mfu:.0%}), {p.total_gb:.1f} GB per GPU.",
         f"#   mtnlg fit --config YOUR_RUN.yaml --trainer.strategy THIS_FILE --model.micro_batch_size {p.micro_batch} "
         f"--model.global_batch_size {p.global_batch}",
-        "class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy",
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy",
         "init_args:",
         f"  tensor_parallel: {p.tp}",
         f"  pipeline_parallel: {p.pp}",
@@ -183,7 +183,7 @@ def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
 
 def print_inference(args, config: ModelConfig, extra) -> None:
     from mtnlg_lightning.gpus import GPUS
-    from mtnlg_lightning.inference_plan import inference_report, smallest_layouts
+    from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
 
     names = args.gpu.split(",") if args.gpu else sorted({**GPUS, **(extra or {})})
     specs = {name: get_gpu(name, extra) for name in names}  # every name checked before any output
@@ -239,7 +239,7 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return exit_status("plan", lambda: run(args))
+    return run_main("plan", lambda: run(args))
 
 
 if __name__ == "__main__":

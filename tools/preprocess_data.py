@@ -12,8 +12,8 @@ import sys
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
-from mtnlg_lightning.curation.cli_common import int_at_least
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.corpora.cli_common import int_at_least
+from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.outputs import check_output
 
 
@@ -27,7 +27,10 @@ def main(argv=None) -> int:
         "--merge",
         nargs="+",
         metavar="PREFIX",
-        help="merge these datasets (PREFIX.bin/.idx, same token dtype) into --output-prefix, documents in this order",
+        help="merge these datasets (PREFIX.bin/.idx, same token dtype) into --output-prefix, in this order, each "
+        "one's document boundaries kept (Megatron's --split-sentences datasets: several sequences per document) "
+        "and, when all are Megatron multimodal indexes, their per-sequence modes: the same bytes as Megatron-LM's "
+        "tools/merge_datasets.py on a folder of them (it merges in sorted name order)",
     )
     parser.add_argument(
         "--text-key",
@@ -53,17 +56,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.input and not args.tokenizer:
         parser.error("--input needs --tokenizer")
-    try:
+
+    def body() -> int:
         if args.merge:
+            from mtnlg_lightning.data.indexed import IndexedDataset
             from mtnlg_lightning.data.merge import merge_datasets
 
             for suffix in (".bin", ".idx"):  # never over a dataset being merged
                 sources = [p + s for p in args.merge for s in (".bin", ".idx")]
                 check_output(args.output_prefix + suffix, sources, replaces_dir=False)
             docs, tokens = merge_datasets(args.merge, args.output_prefix)
+            merged = IndexedDataset(args.output_prefix)
+            modes = ", with Megatron's multimodal modes" if merged.modes is not None else ""
             print(
-                f"merged {len(args.merge)} datasets into {args.output_prefix}.bin/.idx: {docs:,} documents, "
-                f"{tokens:,} tokens"
+                f"merged {len(args.merge)} datasets into {args.output_prefix}.bin/.idx: {docs:,} documents "
+                f"({len(merged):,} sequences{modes}), {tokens:,} tokens"
             )
             return 0
         from mtnlg_lightning.corpora.sources import expand_inputs
@@ -81,11 +88,10 @@ def main(argv=None) -> int:
             progress=not args.no_progress,
             on_bad_record=args.on_bad_record,
         )
-    except MTNLGError as error:
-        print(f"preprocess_data: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output_prefix}.bin/.idx: {summary}")
-    return 0
+        print(f"wrote {args.output_prefix}.bin/.idx: {summary}")
+        return 0
+
+    return run_main("preprocess_data", body)
 
 
 if __name__ == "__main__":

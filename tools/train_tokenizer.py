@@ -11,12 +11,12 @@ import time
 import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
+from mtnlg_lightning.corpora.cli_common import int_at_least
 from mtnlg_lightning.corpora.records import format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
-from mtnlg_lightning.curation.cli_common import int_at_least
 from mtnlg_lightning.data.preprocess import read_texts
 from mtnlg_lightning.data.tokenizer import train_bpe
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.outputs import check_output
 
 
@@ -38,22 +38,22 @@ def main(argv=None) -> int:
     add_bad_record_arg(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    try:
+
+    def body() -> int:
         for file in expand_inputs(args.input):
             check_output(args.output, [file.path], replaces_dir=False)
         texts, bad = read_texts(args.input, args.json_key, args.on_bad_record)
         if not texts:
             raise MTNLGError("the input holds no documents")
         tokenizer = train_bpe(texts, args.vocab_size, args.output, args.min_frequency)
-    except MTNLGError as error:
-        print(f"train_tokenizer: error: {error}", file=sys.stderr)
-        return 2
-    skipped = f"; {format_bad(bad)}" if sum(bad.values()) else ""
-    print(
-        f"trained a {tokenizer.vocab_size}-token byte-level BPE on {len(texts):,} documents "
-        f"in {time.perf_counter() - start:.1f} s -> {args.output}{skipped}"
-    )
-    return 0
+        skipped = f"; {format_bad(bad)}" if sum(bad.values()) else ""
+        print(
+            f"trained a {tokenizer.vocab_size}-token byte-level BPE on {len(texts):,} documents "
+            f"in {time.perf_counter() - start:.1f} s -> {args.output}{skipped}"
+        )
+        return 0
+
+    return run_main("train_tokenizer", body)
 
 
 if __name__ == "__main__":

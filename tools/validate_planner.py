@@ -12,8 +12,8 @@ import sys
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.planner_validation import DEFAULT_PATH, load_runs, validation_table
+from mtnlg_lightning.errors import run_main
+from mtnlg_lightning.planning.planner_validation import DEFAULT_PATH, load_runs, validation_table
 
 
 def markdown(rows: list[dict], with_rank: bool) -> str:
@@ -48,14 +48,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-rank", action="store_true", help="skip the search ranking (faster)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a Markdown table")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> None:
         _, runs = load_runs(args.runs)
         rows = validation_table(runs, with_rank=not args.no_rank)
-    except (MTNLGError, OSError, KeyError, TypeError) as error:
-        print(f"validate_planner: error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(rows, indent=1) if args.json else markdown(rows, not args.no_rank))
-    return 0
+        print(json.dumps(rows, indent=1) if args.json else markdown(rows, not args.no_rank))
+
+    return run_main("validate_planner", body)
 
 
 if __name__ == "__main__":

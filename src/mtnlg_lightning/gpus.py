@@ -1,4 +1,4 @@
-"""GPU specifications for the planner's cost model: one table, extendable from a YAML file.
+"""GPU specifications: one table, extendable from a YAML file, read by the trainer (MFU) and the planner's cost model.
 
 Hardware figures are the vendors' data sheets (dense bf16 tensor-core peak, HBM size and bandwidth, NVLink
 bandwidth per GPU and direction) and the DGX reference designs (one InfiniBand NIC per GPU: 8 x HDR 200 Gb/s on

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from mtnlg_lightning.checkpoint.format import open_verified
-from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.interop.safetensors_shards import (
+from mtnlg_lightning.checkpoint.safetensors_shards import (
     TensorSpec,
     parse_size,
     tensor_progress,
     write_safetensors,
     write_sharded,
 )
+from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.outputs import check_output
 
 
@@ -82,7 +82,7 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_sha
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="consolidate_checkpoint.py",
         description="Write a checkpoint of any layout (TP/PP/DP/ZeRO) as one model-space safetensors file, "
@@ -104,18 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    try:
+
+    def body() -> int:
         summary = consolidate(args.checkpoint, args.output, args.optimizer, args.max_shard_size)
-    except MTNLGError as error:
-        print(f"consolidate_checkpoint: error: {error}", file=sys.stderr)
-        sys.exit(2)
-    files = summary["files"]
-    print(
-        f"wrote {', '.join(files) if len(files) <= 3 else f'{len(files)} files ({files[-1]})'} "
-        f"in {args.output.parent}: {summary['tensors']} tensors, {summary['parameters']:,} values, "
-        f"{summary['bytes'] / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s"
-    )
+        files = summary["files"]
+        print(
+            f"wrote {', '.join(files) if len(files) <= 3 else f'{len(files)} files ({files[-1]})'} "
+            f"in {args.output.parent}: {summary['tensors']} tensors, {summary['parameters']:,} values, "
+            f"{summary['bytes'] / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s"
+        )
+
+    return run_main("consolidate_checkpoint", body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

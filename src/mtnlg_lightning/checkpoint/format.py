@@ -195,9 +195,21 @@ def open_verified(path: Path) -> TensorReader:
     problem = verify_files(path, manifest)
     if problem is None:  # the tensors are those of the model the manifest describes
         problem = config_mismatch(manifest, config_of(manifest, f"{path}/{MANIFEST}"), "its model_config")
+        problem = problem and f"checkpoint {path}: {problem}"
     if problem:
         raise CheckpointError(problem)
     return TensorReader(path, manifest)
+
+
+def open_checked(path: Path) -> TensorReader:
+    """A reader of a complete checkpoint whose manifest agrees with its model_config, each file checked against the
+    manifest when first opened (a rank in a layout opens only the files holding its slices; checking every file
+    would read every byte of the checkpoint on every rank)."""
+    manifest = read_manifest(path)
+    problem = config_mismatch(manifest, config_of(manifest, f"{path}/{MANIFEST}"), "its model_config")
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {problem}")
+    return VerifyingReader(path, manifest)
 
 
 def read_meta(path: Path, manifest: dict | None = None) -> dict:
@@ -300,3 +312,19 @@ class TensorReader:
         values, mask = values.view(-1, cols)[:, c0 : c0 + nc], mask.view(-1, cols)[:, c0 : c0 + nc]
         rows[mask] = values[mask]
         return int(mask.sum())
+
+
+class VerifyingReader(TensorReader):
+    """A `TensorReader` that checks each file against the manifest (size, checksum, header) when it first opens it."""
+
+    def __init__(self, path: Path, manifest: dict):
+        super().__init__(path, manifest)
+        self._checked: set[str] = set()
+
+    def _file(self, name: str):
+        if name not in self._checked:
+            problem = verify_files(self.path, self.manifest, [name])
+            if problem:
+                raise CheckpointError(problem)
+            self._checked.add(name)
+        return super()._file(name)

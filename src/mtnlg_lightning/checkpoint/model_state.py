@@ -8,8 +8,16 @@ from pathlib import Path
 
 import torch
 
-from mtnlg_lightning.checkpoint.format import MANIFEST, listed_tokenizer, open_verified, read_meta
-from mtnlg_lightning.checkpoint.validate import config_of
+from mtnlg_lightning.checkpoint.format import (
+    MANIFEST,
+    META,
+    listed_tokenizer,
+    open_checked,
+    open_verified,
+    read_meta,
+    verify_files,
+)
+from mtnlg_lightning.checkpoint.validate import CheckpointError, config_of
 from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
 
@@ -108,9 +116,12 @@ class CheckpointWeights(LazyWeights):
 
 
 def model_space(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Drop the tied head and the vocabulary padding (it depends on the TP degree that wrote it)."""
-    out = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    out["embed.wte.weight"] = out["embed.wte.weight"][: config.vocab_size]
+    """Drop a tied head (it is the embedding) and the vocabulary padding (it depends on the TP degree that wrote
+    it)."""
+    out = {k: v for k, v in weights.items() if k != "lm_head.weight" or not config.tie_embeddings}
+    for name in ("embed.wte.weight", "lm_head.weight"):
+        if name in out:
+            out[name] = out[name][: config.vocab_size]
     return out
 
 
@@ -128,9 +139,14 @@ def _read_lightning_file(path: Path) -> ModelState:
     return ModelState(config, model_space(weights, config), hparams, Path(tokenizer) if tokenizer else None)
 
 
-def _read_folder(path: Path, master: bool) -> ModelState:
-    reader = open_verified(path)  # every file listed, hashed, tiled and of the shapes of its model_config
+def _read_folder(path: Path, master: bool, verify: str) -> ModelState:
+    # every file listed, tiled and of the shapes of its model_config; hashed now ("all") or when first read
+    reader = open_verified(path) if verify == "all" else open_checked(path)
     manifest = reader.manifest
+    if verify != "all":
+        problem = verify_files(path, manifest, [META])
+        if problem:
+            raise CheckpointError(problem)
     config = config_of(manifest, f"{path}/{MANIFEST}")
     weights = CheckpointWeights(reader, master)
     hparams = dict(read_meta(path, manifest).get("hyper_parameters") or {})
@@ -138,13 +154,35 @@ def _read_folder(path: Path, master: bool) -> ModelState:
     return ModelState(config, weights, hparams, tokenizer)
 
 
-def read_model_state(path: str | Path, master: bool = True) -> ModelState:
+def read_model_state(path: str | Path, master: bool = True, verify: str = "all") -> ModelState:
     """Model-space weights of a checkpoint folder of any layout (checked against its manifest first), or of a
-    Lightning `.ckpt` file; `master`: the fp32 master weights where the checkpoint has them. Errors are one
-    `MTNLGError` line."""
+    Lightning `.ckpt` file; `master`: the fp32 master weights where the checkpoint has them. `verify`: "all" hashes
+    every file of a folder now; "opened" each file when it is first read (a rank of a layout reads a few). Errors
+    are one `MTNLGError` line."""
     path = Path(path)
     if not path.exists():
         raise MTNLGError(f"checkpoint {path} does not exist")
     if path.is_file():
         return _read_lightning_file(path)
-    return _read_folder(path, master)
+    return _read_folder(path, master, verify)
+
+
+@torch.no_grad()
+def load_model_space(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy model-space weights into a full single-process `GPT` (before any strategy shards it). The vocabulary
+    rows past the source's (padding for the layout) are zeroed: no token maps to them. `weights` may be lazy
+    (`LazyWeights`): each tensor is read when its parameter is filled, then let go."""
+    params = dict(model.named_parameters())  # a tied head is the embedding's parameter: named once
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise MTNLGError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, param in params.items():
+        source = weights[name]
+        vocabulary = name in ("embed.wte.weight", "lm_head.weight")
+        if vocabulary and source.shape[0] <= param.shape[0] and source.shape[1:] == param.shape[1:]:
+            param[source.shape[0] :].zero_()
+            param[: source.shape[0]].copy_(source)
+        elif source.shape != param.shape:
+            raise MTNLGError(f"{name}: the source has shape {tuple(source.shape)}, the model {tuple(param.shape)}")
+        else:
+            param.copy_(source)

@@ -12,6 +12,14 @@ import torch
 from mtnlg_lightning.checkpoint.format import CheckpointError, Piece, TensorReader
 from mtnlg_lightning.checkpoint.model_space import Slot
 from mtnlg_lightning.checkpoint.validate import MOMENTS
+from mtnlg_lightning.parallel.deepspeed_compat import (
+    fp32_flat_partitions,
+    fragment_mapping,
+    full_shape,
+    has_fragment_mapping,
+    is_partitioned,
+    relink_moment_fragments,
+)
 from mtnlg_lightning.parallel.zero import base_optimizer
 
 
@@ -65,7 +73,7 @@ def collect_pieces(
     that happens while training goes on."""
     initialized = engine is not None and _deepspeed_state_initialized(engine)
     if initialized:
-        _link_fragments(engine.optimizer)
+        relink_moment_fragments(engine.optimizer)
     pieces = []
     for index, slot in enumerate(slots):
         writes = writer_of(index, slot) and not slot.empty
@@ -74,7 +82,7 @@ def collect_pieces(
             if writes and tensor is not None:
                 host = slot.stored(tensor).detach().to("cpu", copy=snapshot)
                 pieces.append(Piece(key, host, slot.offsets, slot.global_shape))
-        if flat and (tp_rank == 0 or not slot.replicated_over_tp):
+        if flat and slot.tp_writer:
             pieces += _moment_fragments(slot)
     return pieces
 
@@ -83,13 +91,13 @@ def _flat_in_model_space(slot: Slot) -> bool:
     """A ZeRO-1/2 fragment (a flat range of this rank's shard) is a flat range of the model-space tensor when the
     shard is whole rows of it: TP-replicated, or split along the first dimension."""
     param = slot.param
-    if hasattr(param, "ds_id") or not hasattr(param, "_hp_mapping"):
+    if is_partitioned(param) or not has_fragment_mapping(param):
         return False
     return slot.replicated_over_tp or getattr(param, "partition_dim", 0) == 0
 
 
 def _moment_fragments(slot: Slot) -> list[Piece]:
-    mapping = slot.param._hp_mapping
+    mapping = fragment_mapping(slot.param)
     if mapping is None:  # this rank's ZeRO partition holds none of this parameter
         return []
     row = slot.param[0].numel() if slot.param.dim() > 1 else 1
@@ -118,7 +126,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
         return
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    zero3 = hasattr(param, "ds_id")
+    zero3 = is_partitioned(param)
     if param.dtype == torch.float32 and not zero3:
         yield f"model/{slot.name}", param.data  # ZeRO-1/2 keep every weight whole; fp32: equal to the master
     else:
@@ -129,7 +137,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
     if not moments:
         return
     initialized = _deepspeed_state_initialized(engine)
-    mapping = getattr(param, "_hp_mapping", None)
+    mapping = fragment_mapping(param)
     whole = data_parallel_size == 1 and mapping is not None and mapping.lp_fragment_address.numel == param.numel()
     for moment in MOMENTS:
         if not initialized:
@@ -158,7 +166,7 @@ def restore_pieces(reader: TensorReader, slots: list[Slot], optimizer, engine, m
 
 def _read_local(reader: TensorReader, key: str, slot: Slot, dtype: torch.dtype, device) -> torch.Tensor:
     """This rank's full local tensor of `key` (its TP shard, padding rows zero), whatever layout wrote it."""
-    local = torch.zeros(tuple(getattr(slot.param, "ds_shape", slot.param.shape)), dtype=dtype)
+    local = torch.zeros(full_shape(slot.param), dtype=dtype)
     if not slot.empty:
         slot.fill(local, reader.read(key, slot.offsets, slot.shape, dtype=dtype))
     return local.to(device)
@@ -191,7 +199,7 @@ def _restore_torch(reader, slots, optimizer, step, has_moments) -> None:
 def _restore_deepspeed(reader, slots, engine, step, has_moments, groups) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    zero3 = any(hasattr(s.param, "ds_id") for s in slots)
+    zero3 = any(is_partitioned(s.param) for s in slots)
     masters = []
     for slot in slots:
         key = weight_key(reader, slot.name, torch.float32)
@@ -230,20 +238,12 @@ def _ensure_deepspeed_state(engine, step: float) -> None:
     optimizer = engine.optimizer
     inner = base_optimizer(optimizer)
     # ZeRO-3 swaps its fp32 sub-group partitions in and out of the inner param groups at each step: take them all.
-    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
-    flats = list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
+    flats = fp32_flat_partitions(optimizer)
+    flats = flats if flats is not None else [p for g in inner.param_groups for p in g["params"]]
     for flat in flats:
         state = inner.state.get(flat)
         if not state or "exp_avg" not in state:
             inner.state[flat] = _fresh_adam_state(flat, inner.param_groups[0], step)
         else:
             state["step"].fill_(step)
-    _link_fragments(optimizer)
-
-
-def _link_fragments(optimizer) -> None:
-    """ZeRO-1/2 give each parameter views into the moments of its flat partition only when asked (and may have
-    been asked before the moments existed): (re)link them."""
-    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
+    relink_moment_fragments(optimizer)

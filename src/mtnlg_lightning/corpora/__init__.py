@@ -13,9 +13,9 @@ A new format (a WARC reader for Common Crawl) is one more ``kind`` in :mod:`.for
 :func:`.readers.iter_raw`; every tool then reads it.
 """
 
-from .formats import CorpusError, Format, detect
-from .records import BAD_REASONS, BadRecordPolicy, Record
-from .sources import InputFile, expand_inputs
+from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
+from mtnlg_lightning.corpora.records import BAD_REASONS, BadRecordPolicy, Record
+from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
 
 __all__ = [
     "BAD_REASONS",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .formats import COMPRESSIONS
-from .records import POLICIES
+from mtnlg_lightning.corpora.formats import COMPRESSIONS
+from mtnlg_lightning.corpora.records import POLICIES
 
 FORMATS_HELP = "JSON lines plain, gzip or zstd (told from the bytes, not the name), JSON arrays of records, parquet"
 INPUTS_HELP = (

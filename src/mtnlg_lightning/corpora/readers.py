@@ -12,9 +12,9 @@ import codecs
 import json
 from collections.abc import Iterable, Iterator
 
-from .formats import CorpusError, Format, detect, need, open_read
-from .records import BadRecord, BadRecordPolicy, Record, locate, parse_line, text_of
-from .sources import InputFile
+from mtnlg_lightning.corpora.formats import CorpusError, Format, detect, need, open_read
+from mtnlg_lightning.corpora.records import BadRecord, BadRecordPolicy, Record, locate, parse_line, text_of
+from mtnlg_lightning.corpora.sources import InputFile
 
 PARQUET_BATCH_ROWS = 1024
 _BLOCK = 1 << 20

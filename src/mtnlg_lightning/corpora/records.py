@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from .formats import CorpusError
+from mtnlg_lightning.corpora.formats import CorpusError
 
 BAD_REASONS = ("malformed_json", "non_utf8", "missing_field", "non_string_text", "empty_text")
 POLICIES = ("error", "skip")

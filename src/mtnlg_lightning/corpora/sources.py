@@ -12,7 +12,7 @@ import glob
 import os
 from dataclasses import dataclass
 
-from .formats import CorpusError
+from mtnlg_lightning.corpora.formats import CorpusError
 
 # files a folder search picks up: the names data shards go by (a folder also holds READMEs, checksums, _SUCCESS)
 DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".gz", ".zst", ".zstd")

@@ -13,11 +13,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from mtnlg_lightning.curation.jsonl import atomic_write
-
-from .formats import Format, detect, open_read
-from .readers import iter_raw
-from .sources import expand_inputs
+from mtnlg_lightning.corpora.formats import Format, detect, open_read
+from mtnlg_lightning.corpora.jsonl import atomic_write
+from mtnlg_lightning.corpora.readers import iter_raw
+from mtnlg_lightning.corpora.sources import expand_inputs
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,9 @@ from typing import IO
 
 import numpy as np
 
-from mtnlg_lightning.curation.jsonl import atomic_write
-
-from .formats import Format, need, open_write
-from .readers import parquet_file
+from mtnlg_lightning.corpora.formats import Format, need, open_write
+from mtnlg_lightning.corpora.jsonl import atomic_write
+from mtnlg_lightning.corpora.readers import parquet_file
 
 
 @contextlib.contextmanager

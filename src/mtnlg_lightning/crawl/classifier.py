@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from mtnlg_lightning.curation.jsonl import atomic_write
+from mtnlg_lightning.corpora.jsonl import atomic_write
 
 FORMAT = "mtnlg-quality-classifier/1"
 

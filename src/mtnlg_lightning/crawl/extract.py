@@ -1,5 +1,5 @@
-"""WARC/WET records to JSON lines of text: HTML to text (jusText, the NeMo-Curator default, or trafilatura), language
-identification (pyCLD2, whose model ships inside the package), every failure counted by reason and never fatal.
+"""WARC/WET records to JSON lines of text: HTML to text (html_text.py: trafilatura, or jusText with the stop-word
+list of the page's language), the language of the text (pyCLD2), every failure counted by reason and never fatal.
 
 One task reads one file and handles the records whose number falls in its part (``number % parts == part``);
 the driver merges the parts of a file by record number, so a file's shard is the same bytes whatever the number
@@ -9,28 +9,27 @@ of workers or the engine.
 from __future__ import annotations
 
 import codecs
-import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from mtnlg_lightning.curation.jsonl import dumps_line
+from mtnlg_lightning.corpora.jsonl import dumps_line
+from mtnlg_lightning.crawl.html_text import page_text
+from mtnlg_lightning.crawl.language import BAD_CHARS, identify_language
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records
 
-from .warc import BrokenRecord, iter_records
-
-EXTRACTORS = ("justext", "trafilatura")
+# trafilatura first: the default, chosen by benchmarks/bench_crawl_languages.py (every page of 14 languages kept)
+EXTRACTORS = ("trafilatura", "justext")
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 # Records that are not pages and are passed over without being counted as failures.
 NON_PAGE_TYPES = ("warcinfo", "request", "metadata", "revisit")
-UNKNOWN_LANGUAGE = "un"
-# C0 controls other than tab/newline/CR, and lone surrogates: CLD2 refuses them, JSON consumers choke on some
-_BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 _CHARSET = re.compile(rb"""<meta[^>]+charset=["']?([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class ExtractSettings:
-    extractor: str = "justext"
+    extractor: str = EXTRACTORS[0]
     languages: tuple[str, ...] = ()  # keep only these ISO 639-1 codes; empty: keep every language
     min_chars: int = 1  # a page whose extracted text is shorter is dropped as no_text
     policy_lines: bool = False  # keep lines C4 removes (cookie and privacy notices, "enable JavaScript")
@@ -41,38 +40,6 @@ class Part:
     path: str
     part: int
     parts: int
-
-
-# --- language identification -------------------------------------------------------------------------------------
-
-
-def identify_language(text: str, html: bool = False) -> tuple[str, float, str]:
-    """(ISO 639-1 code, score in [0, 1], CLD2 language name) of the text's main language; ``un`` when CLD2
-    cannot tell. The score is the share of the text CLD2 gives the language, zero when it calls it unreliable."""
-    import pycld2
-
-    try:
-        reliable, _, details = pycld2.detect(_BAD_CHARS.sub(" ", text), isPlainText=not html)
-    except pycld2.error:
-        return UNKNOWN_LANGUAGE, 0.0, "Unknown"
-    name, code, percent, _ = details[0]
-    code = code.split("-")[0]  # zh-Hant -> zh; CLD2 codes are ISO 639-1 where one exists
-    if code in ("un", "xx", "xxx"):
-        return UNKNOWN_LANGUAGE, 0.0, "Unknown"
-    return code, (percent / 100.0 if reliable else 0.0), name
-
-
-@functools.cache
-def _stoplist(cld2_name: str) -> frozenset[str]:
-    """jusText's stop-word list for a CLD2 language name; empty (jusText's language-independent mode, length and
-    link density only) when jusText has none."""
-    import justext
-
-    wanted = cld2_name.replace(" ", "_").lower()
-    for name in justext.get_stoplists():
-        if name.lower() == wanted:
-            return justext.get_stoplist(name)
-    return frozenset()
 
 
 # --- HTML to text ------------------------------------------------------------------------------------------------
@@ -93,20 +60,6 @@ def drop_policy_lines(text: str) -> tuple[str, int]:
         else:
             kept.append(line)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(kept)), removed
-
-
-def html_to_text(html: str, extractor: str, cld2_name: str) -> str:
-    if extractor == "trafilatura":
-        import trafilatura
-
-        return trafilatura.extract(html, include_comments=False, include_tables=False) or ""
-    import justext
-
-    stoplist = _stoplist(cld2_name)
-    # empty stop-word list: no stop-word density can be asked for (jusText's language-independent mode)
-    kwargs = {} if stoplist else {"stopwords_low": 0.0, "stopwords_high": 0.0}
-    paragraphs = justext.justext(html, stoplist, **kwargs)
-    return "\n\n".join(p.text for p in paragraphs if not p.is_boilerplate)
 
 
 def decode_html(payload: bytes, content_type: str) -> str | None:
@@ -139,60 +92,72 @@ def _mime(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, str, int]:
-    """(document, "ok", policy lines removed) or (None, reason the record gave no document, 0)."""
+class RecordResult(NamedTuple):
+    document: dict | None
+    outcome: str  # "ok" or the reason the record gave no document
+    policy_lines_removed: int = 0
+    lost_language: str | None = None  # no_main_text: the language of the page's prose, for the report
+
+
+# The extractor kept no paragraph of a page that has text. Its own outcome, counted by the page's language and
+# reported at the end: a language the extractor handles badly shows there instead of vanishing among empty pages.
+NO_MAIN_TEXT = "no_main_text"
+
+
+def record_to_document(record, settings: ExtractSettings) -> RecordResult:
     rec_type = record.rec_type
     if rec_type in NON_PAGE_TYPES:
-        return None, f"skipped_{rec_type}", 0
+        return RecordResult(None, f"skipped_{rec_type}")
     headers = record.rec_headers
     is_wet = rec_type == "conversion"
     if rec_type == "response":
         http = record.http_headers
         if http is None or not str(http.protocol).upper().startswith("HTTP/"):
-            return None, "bad_http_headers", 0
+            return RecordResult(None, "bad_http_headers")
         status = http.get_statuscode()
         if not str(status).startswith("2"):
-            return None, "http_status_not_2xx", 0
+            return RecordResult(None, "http_status_not_2xx")
         content_type = http.get_header("Content-Type") or ""
     else:
         content_type = headers.get_header("Content-Type") or ""
     mime = _mime(content_type)
     if not is_wet and mime not in HTML_TYPES:
-        return None, "not_html", 0
+        return RecordResult(None, "not_html")
     try:
         payload = record.content_stream().read()  # undoes Content-Encoding (gzip, deflate, br)
     except Exception:  # a body that says gzip and is not: zlib, brotli or EOF errors
-        return None, "content_decoding", 0
+        return RecordResult(None, "content_decoding")
     if not payload.strip():
-        return None, "empty_payload", 0
+        return RecordResult(None, "empty_payload")
     encoding = (record.http_headers.get_header("Content-Encoding") or "") if record.http_headers else ""
     if encoding.strip().lower() in ("gzip", "x-gzip") and payload[:2] == b"\x1f\x8b":
-        return None, "content_decoding", 0  # warcio hands back the raw bytes when they do not decompress
+        return RecordResult(None, "content_decoding")  # warcio hands back the raw bytes when they do not decompress
 
     if is_wet:
         try:
             text = payload.decode("utf-8")
         except UnicodeDecodeError:
-            return None, "undecodable", 0
+            return RecordResult(None, "undecodable")
     else:
         html = decode_html(payload, content_type)
         if html is None:
-            return None, "undecodable", 0
-        # the page's language first, from the HTML, to give jusText the right stop-word list
-        _, _, cld2_name = identify_language(html, html=True)
+            return RecordResult(None, "undecodable")
         try:
-            text = html_to_text(html, settings.extractor, cld2_name)
+            page = page_text(html, settings.extractor)
         except Exception:  # lxml ParserError and friends on markup too broken to parse
-            return None, "html_parse_error", 0
+            return RecordResult(None, "html_parse_error")
+        if not page.text.strip():
+            return RecordResult(None, NO_MAIN_TEXT, lost_language=page.prose_language)
+        text = page.text
     removed = 0
     if not settings.policy_lines:
         text, removed = drop_policy_lines(text)
-    text = _BAD_CHARS.sub("", text).strip()
+    text = BAD_CHARS.sub("", text).strip()
     if len(text) < max(1, settings.min_chars):
-        return None, "no_text", 0
-    language, score, _ = identify_language(text)
+        return RecordResult(None, "no_text")
+    language, score, _ = identify_language(text)  # named from the text kept, whatever named the stop words
     if settings.languages and language not in settings.languages:
-        return None, "language_not_kept", 0
+        return RecordResult(None, "language_not_kept")
     doc = {
         "id": headers.get_header("WARC-Record-ID") or "",
         "url": headers.get_header("WARC-Target-URI") or "",
@@ -201,7 +166,7 @@ def record_to_document(record, settings: ExtractSettings) -> tuple[dict | None, 
         "language": language,
         "language_score": round(score, 4),
     }
-    return doc, "ok", removed
+    return RecordResult(doc, "ok", removed)
 
 
 def extract_part(settings: ExtractSettings, item: Part, on_record=None) -> dict:
@@ -211,6 +176,7 @@ def extract_part(settings: ExtractSettings, item: Part, on_record=None) -> dict:
     lines: list[tuple[int, bytes]] = []
     outcomes: Counter = Counter()
     languages: Counter = Counter()
+    lost_languages: Counter = Counter()
     policy_lines = 0
     for number, record in iter_records(item.path):
         if number % item.parts != item.part:
@@ -221,19 +187,22 @@ def extract_part(settings: ExtractSettings, item: Part, on_record=None) -> dict:
             outcomes[record.reason] += 1
             continue
         try:
-            doc, outcome, removed = record_to_document(record, settings)
+            result = record_to_document(record, settings)
         except Exception as err:  # never fatal: whatever a record does, the file goes on
-            doc, outcome, removed = None, f"error:{type(err).__name__}", 0
-        outcomes[outcome] += 1
-        if doc is not None:
-            policy_lines += removed
-            lines.append((number, dumps_line(doc)))
-            languages[doc["language"]] += 1
+            result = RecordResult(None, f"error:{type(err).__name__}")
+        outcomes[result.outcome] += 1
+        if result.lost_language is not None:
+            lost_languages[result.lost_language] += 1
+        if result.document is not None:
+            policy_lines += result.policy_lines_removed
+            lines.append((number, dumps_line(result.document)))
+            languages[result.document["language"]] += 1
     return {
         "path": item.path,
         "lines": lines,
         "outcomes": dict(outcomes),
         "languages": dict(languages),
+        "no_main_text_languages": dict(lost_languages),
         "policy_lines_removed": policy_lines,
     }
 
@@ -258,7 +227,7 @@ def shard_name(path: str) -> str:
 def check_inputs(paths: list[str]) -> None:
     import os
 
-    from mtnlg_lightning.curation.jsonl import InputError
+    from mtnlg_lightning.corpora.jsonl import InputError
 
     seen: dict[str, str] = {}
     for path in paths:
@@ -303,8 +272,8 @@ def run_extract(
 
     from tqdm import tqdm
 
-    from mtnlg_lightning.curation.engine import make_engine
-    from mtnlg_lightning.curation.jsonl import atomic_write, write_json_atomic
+    from mtnlg_lightning.corpora.engine import make_engine
+    from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
 
     check_inputs(inputs)
     os.makedirs(output_dir, exist_ok=True)
@@ -337,15 +306,18 @@ def run_extract(
                     f.write(line)
             outcomes: Counter = Counter()
             languages: Counter = Counter()
+            lost_languages: Counter = Counter()
             for r in pending:
                 outcomes.update(r["outcomes"])
                 languages.update(r["languages"])
+                lost_languages.update(r["no_main_text_languages"])
             files[path] = {
                 "output": shard_name(path),
                 "records": sum(outcomes.values()),
                 "documents": outcomes.get("ok", 0),
                 "outcomes": dict(sorted(outcomes.items())),
                 "languages": dict(languages.most_common()),
+                "no_main_text_languages": dict(_by_count(lost_languages)),
                 "policy_lines_removed": sum(r["policy_lines_removed"] for r in pending),
             }
             pending = []
@@ -354,15 +326,18 @@ def run_extract(
         runner.close()
     total_outcomes: Counter = Counter()
     total_languages: Counter = Counter()
+    total_lost: Counter = Counter()
     for f in files.values():
         total_outcomes.update(f["outcomes"])
         total_languages.update(f["languages"])
+        total_lost.update(f["no_main_text_languages"])
     report = {
         "inputs": len(inputs),
         "records": sum(total_outcomes.values()),
         "documents": total_outcomes.get("ok", 0),
         "outcomes": dict(sorted(total_outcomes.items())),
         "languages": dict(total_languages.most_common()),
+        "no_main_text_languages": dict(_by_count(total_lost)),
         "policy_lines_removed": sum(f["policy_lines_removed"] for f in files.values()),
         "settings": {
             "extractor": settings.extractor,
@@ -377,6 +352,11 @@ def run_extract(
     }
     write_json_atomic(os.path.join(output_dir, "extract_report.json"), report, fsync=True)
     return report
+
+
+def _by_count(counts: Counter) -> list[tuple[str, int]]:
+    """Most first, ties by name: the same order however the parts were split."""
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def format_summary(report: dict) -> str:
@@ -394,4 +374,13 @@ def format_summary(report: dict) -> str:
         f"  languages  {langs}",
         f"  lines      {report['policy_lines_removed']} cookie/privacy/JavaScript lines removed (C4's rule)",
     ]
+    lost = report.get("no_main_text_languages") or {}
+    if lost:
+        other = "trafilatura" if report["settings"]["extractor"] == "justext" else "justext"
+        lines.append(
+            f"  no text    {sum(lost.values())} pages whose every paragraph {report['settings']['extractor']} judged "
+            "boilerplate, by the language of their prose: "
+            + ", ".join(f"{k} {v}" for k, v in list(lost.items())[:12])
+            + f" (counted as {NO_MAIN_TEXT}; --extractor {other} judges differently)"
+        )
     return "\n".join(lines)

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from mtnlg_lightning.corpora.readers import batched
-from mtnlg_lightning.curation.jsonl import (
+from mtnlg_lightning.corpora.jsonl import (
     InputError,
     atomic_write,
     check_input_files,
@@ -23,9 +22,10 @@ from mtnlg_lightning.curation.jsonl import (
     iter_records,
     write_json_atomic,
 )
+from mtnlg_lightning.corpora.readers import batched
+from mtnlg_lightning.crawl.classifier import QualityModel, keep_pareto, train
 
 from . import heuristics
-from .classifier import QualityModel, keep_pareto, train
 
 SIGNALS_KEY = "quality_signals"
 FAILED_KEY = "quality_failed"

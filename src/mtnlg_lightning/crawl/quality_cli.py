@@ -5,20 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtnlg_lightning.curation.cli_common import (
-    EXIT_BAD_INPUT,
+from mtnlg_lightning.corpora.cli_common import (
+    INTERRUPTED,
     add_output_dir_arg,
     add_quiet_arg,
     add_text_key_arg,
     positive_int,
-    run_cli,
     tool_parser,
 )
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.crawl.heuristics import RULES, rule_settings
+from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.extras import require_extra
 
 from . import quality
-from .heuristics import RULES, rule_settings
 
 PROG = "mtnlg-quality"
 
@@ -219,14 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         args.threshold is not None or args.pareto is not None or args.heuristics or args.languages
     ):
         parser.error("filter needs at least one of --threshold, --pareto, --heuristics, --languages")
-    if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
-        try:
-            require_extra("crawl", f"{PROG} {args.command}")
-        except MTNLGError as err:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
-            return EXIT_BAD_INPUT
 
     def body() -> int:
+        if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
+            require_extra("crawl", f"{PROG} {args.command}")
         progress = not getattr(args, "quiet", False)
         if args.command == "annotate":
             r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)
@@ -281,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  outputs    {args.output_dir}/ (one file per input, quality_{args.command}_report.json)")
         return 0
 
-    return run_cli(PROG, body)
+    return run_main(PROG, body, INTERRUPTED)
 
 
 if __name__ == "__main__":

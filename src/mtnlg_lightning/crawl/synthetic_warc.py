@@ -3,7 +3,9 @@
 English pages carry real prose that every Python install ships (paragraphs of the standard library's docstrings,
 as the demo corpus uses), wrapped in the boilerplate of a real site: a cookie banner, navigation, breadcrumbs, a
 byline, share buttons, a sidebar of related links and a newsletter box, a footer. Pages in seven other languages
-carry short paragraphs written for this purpose, in their own language's boilerplate. Beside them: junk pages
+(or in all 14: Russian, Chinese, Japanese, Arabic, Turkish, Korean and Swedish too) carry short paragraphs written
+for this purpose, in their own language's boilerplate or in the English site's (an international site, a CMS theme
+left in English: the case that misleads a language identifier run on the whole page). Beside them: junk pages
 (keyword spam, link farms, repeated lines, lorem ipsum, price lists), non-HTML payloads, redirects and missing
 pages, and broken records (a garbled HTTP header, a body that claims gzip and is not, bytes that are not the
 declared charset, an empty body, a corrupt gzip member). The truth file lists, per record, what it is and, for a
@@ -72,106 +74,15 @@ def english_paragraphs(count: int, min_words: int = 35, min_chars: int = 200) ->
 
 # --- other languages: paragraphs written for this test bed ------------------------------------------------------
 
-FOREIGN_PARAGRAPHS: dict[str, list[str]] = {
-    "de": [
-        "Die Stadtbibliothek bleibt in den Sommerferien an allen Wochentagen geöffnet. Wer ein Buch länger behalten "
-        "möchte, kann die Leihfrist online oder direkt an der Theke verlängern. Für Kinder gibt es jeden Mittwoch "
-        "eine Vorlesestunde, und die Jugendabteilung hat viele neue Romane und Sachbücher bekommen.",
-        "Nach dem starken Regen der letzten Wochen ist der Wasserstand des Flusses deutlich gestiegen. Die Behörden "
-        "raten den Anwohnern, ihre Keller zu kontrollieren und wichtige Dokumente nicht im Erdgeschoss aufzubewahren. "
-        "Die Feuerwehr ist mit zusätzlichen Pumpen im Einsatz und informiert laufend über die Lage.",
-        "Das Rezept ist einfach und gelingt auch Anfängern. Zuerst werden die Kartoffeln geschält und in dünne "
-        "Scheiben geschnitten. Dann brät man die Zwiebeln in etwas Butter an, gibt die Kartoffeln dazu und lässt "
-        "alles bei mittlerer Hitze etwa zwanzig Minuten garen, bis die Ränder goldbraun sind.",
-        "Viele Unternehmen suchen inzwischen Mitarbeiter, die sowohl technische als auch sprachliche Fähigkeiten "
-        "mitbringen. Besonders gefragt sind Menschen, die komplizierte Abläufe verständlich erklären können und "
-        "gern im Team arbeiten. Eine gute Ausbildung ist dabei wichtig, aber Erfahrung zählt oft noch mehr.",
-    ],
-    "fr": [
-        "La mairie a annoncé que le marché du samedi se tiendra désormais sur la place de l'église pendant toute la "
-        "durée des travaux. Les commerçants ont été prévenus la semaine dernière et la plupart d'entre eux se "
-        "disent satisfaits de ce nouvel emplacement, plus proche des écoles et des arrêts de bus.",
-        "Pour préparer une bonne soupe de légumes, il faut d'abord faire revenir les oignons et les poireaux dans "
-        "un peu d'huile d'olive. On ajoute ensuite les carottes, les pommes de terre et l'eau, puis on laisse "
-        "cuire à feu doux pendant une demi-heure avant de mixer le tout et de servir bien chaud.",
-        "Les chercheurs ont observé que les oiseaux migrateurs arrivent chaque année un peu plus tôt dans la "
-        "région. Selon eux, ce changement serait lié à la hausse des températures au printemps. Ils souhaitent "
-        "poursuivre leurs observations pendant plusieurs années afin de mieux comprendre le phénomène.",
-        "Le festival de musique accueillera cette année plus de quarante groupes venus de toute l'Europe. Les "
-        "billets sont déjà en vente et les organisateurs conseillent aux visiteurs de réserver leur logement le "
-        "plus tôt possible, car les hôtels de la ville sont souvent complets à cette période.",
-    ],
-    "es": [
-        "El ayuntamiento ha decidido ampliar el horario de la piscina municipal durante los meses de verano. A "
-        "partir del próximo lunes, las instalaciones abrirán a las ocho de la mañana y cerrarán a las diez de la "
-        "noche, para que los vecinos puedan disfrutar del agua cuando hace menos calor.",
-        "Para hacer una buena tortilla de patatas, primero se pelan y se cortan las patatas en trozos finos. "
-        "Después se fríen a fuego lento con la cebolla hasta que estén tiernas, se mezclan con los huevos batidos "
-        "y se cuaja la tortilla por los dos lados en una sartén con un poco de aceite.",
-        "Los científicos del instituto han descubierto una nueva especie de rana en los bosques del norte del "
-        "país. El animal es muy pequeño y tiene unos colores muy llamativos que le ayudan a protegerse de los "
-        "depredadores. Según los investigadores, la especie podría estar en peligro por la pérdida de su hábitat.",
-        "Muchas familias prefieren pasar las vacaciones en pueblos pequeños, lejos del ruido de las grandes "
-        "ciudades. Allí pueden caminar por el campo, comer productos de la zona y descansar sin prisas. Además, "
-        "los precios suelen ser más bajos que en las playas más conocidas de la costa.",
-    ],
-    "it": [
-        "Il comune ha annunciato che la biblioteca civica resterà aperta anche la domenica mattina per tutto il "
-        "mese di dicembre. I cittadini potranno prendere in prestito libri, riviste e film, oppure partecipare "
-        "ai laboratori di lettura organizzati per i bambini delle scuole elementari della zona.",
-        "Per preparare un buon risotto bisogna tostare il riso in una pentola con un filo d'olio e un po' di "
-        "cipolla. Poi si aggiunge il brodo caldo poco alla volta, mescolando spesso, e alla fine si manteca con "
-        "burro e parmigiano. Il piatto va servito subito, quando è ancora cremoso.",
-        "Secondo gli esperti, la stagione turistica di quest'anno è stata migliore del previsto. Gli alberghi "
-        "della costa hanno registrato molte presenze anche a settembre, grazie al bel tempo e ai numerosi "
-        "visitatori stranieri che hanno scelto di scoprire le città d'arte e i piccoli borghi dell'interno.",
-        "La squadra di pallavolo della città ha vinto il campionato regionale dopo una stagione molto "
-        "combattuta. L'allenatore ha ringraziato i giocatori e i tifosi, che hanno seguito la squadra in tutte "
-        "le trasferte, e ha detto che il prossimo obiettivo è la promozione nella serie superiore.",
-    ],
-    "nl": [
-        "De gemeente heeft besloten om het centrum van de stad vanaf volgend jaar autovrij te maken. Bewoners "
-        "kunnen hun auto parkeren in de nieuwe garage aan de rand van het centrum. De winkeliers zijn bang dat "
-        "er minder klanten komen, maar de wethouder verwacht juist dat het winkelen aantrekkelijker wordt.",
-        "Voor een lekkere erwtensoep heb je spliterwten, prei, wortel, knolselderij en een rookworst nodig. Laat "
-        "de erwten eerst een uur zachtjes koken en voeg dan de groenten toe. De soep is het lekkerst als je hem "
-        "een dag laat staan en de volgende dag opnieuw opwarmt.",
-        "Onderzoekers van de universiteit hebben ontdekt dat kinderen die veel buiten spelen minder vaak last "
-        "hebben van slaapproblemen. Volgens de wetenschappers is het daglicht belangrijk voor het ritme van het "
-        "lichaam. Ze raden ouders aan om hun kinderen elke dag minstens een uur naar buiten te laten gaan.",
-        "Het museum opent deze zomer een tentoonstelling over de geschiedenis van de scheepvaart in de haven. "
-        "Bezoekers kunnen oude kaarten, modellen van schepen en persoonlijke brieven van zeelieden bekijken. "
-        "Voor scholen is er een speciaal programma met rondleidingen en opdrachten voor de leerlingen.",
-    ],
-    "pt": [
-        "A câmara municipal anunciou que as obras na avenida principal vão terminar antes do final do ano. "
-        "Durante os trabalhos, os autocarros seguem um percurso alternativo e os moradores podem estacionar no "
-        "parque junto ao mercado. A presidente pediu paciência aos comerciantes e aos condutores.",
-        "Para fazer um bom bolo de laranja, misture primeiro os ovos com o açúcar até obter um creme claro. "
-        "Junte depois o sumo e a raspa de duas laranjas, a farinha e o fermento, e leve ao forno durante cerca "
-        "de quarenta minutos. Deixe arrefecer antes de desenformar e servir.",
-        "Os investigadores da universidade estudaram durante vários anos a qualidade da água dos rios da região. "
-        "Concluíram que a situação melhorou muito desde que as fábricas passaram a tratar os seus resíduos, mas "
-        "alertam que ainda existem problemas nas zonas agrícolas, onde se usam muitos produtos químicos.",
-        "Cada vez mais pessoas escolhem a bicicleta para ir para o trabalho. A cidade construiu novas ciclovias "
-        "e instalou estacionamentos seguros perto das estações de comboio. Os utilizadores dizem que poupam "
-        "dinheiro, fazem exercício e chegam muitas vezes mais depressa do que de carro.",
-    ],
-    "pl": [
-        "Władze miasta zapowiedziały, że w przyszłym roku powstanie nowy park nad rzeką. Mieszkańcy będą mogli "
-        "spacerować wzdłuż brzegu, jeździć na rowerze i odpoczywać na ławkach w cieniu drzew. Projekt został "
-        "przygotowany po konsultacjach z sąsiadami, którzy zgłosili wiele ciekawych pomysłów.",
-        "Aby przygotować dobre pierogi, trzeba najpierw zagnieść ciasto z mąki, wody i odrobiny soli. Farsz "
-        "robi się z ugotowanych ziemniaków, twarogu i smażonej cebuli. Pierogi gotuje się kilka minut w osolonej "
-        "wodzie, a potem można je jeszcze podsmażyć na maśle.",
-        "Naukowcy z instytutu badają, dlaczego pszczoły w niektórych regionach kraju giną szybciej niż w "
-        "innych. Ich zdaniem przyczyną może być zarówno pogoda, jak i środki ochrony roślin używane przez "
-        "rolników. Wyniki badań mają być gotowe jesienią i zostaną przedstawione ministerstwu.",
-        "Coraz więcej młodych ludzi wybiera pracę zdalną, która pozwala mieszkać poza dużym miastem. Dzięki "
-        "szybkiemu internetowi mogą pracować z domu na wsi, gdzie życie jest spokojniejsze i tańsze. Firmy "
-        "twierdzą, że tacy pracownicy są często bardziej zadowoleni i rzadziej zmieniają pracę.",
-    ],
-}
+# Four short news, recipe, science and society paragraphs per language, data in synthetic_paragraphs.json. Their
+# lengths are the language's own: ~250-300 characters in alphabetic scripts, ~80-130 in Chinese, Japanese and Korean.
+FOREIGN_PARAGRAPHS: dict[str, list[str]] = json.loads(
+    Path(__file__).with_name("synthetic_paragraphs.json").read_text("utf-8")
+)
+# The crawl's other languages by default (the pipeline's crawl and the tests written before the rest were added).
+EUROPEAN_LANGUAGES = ("de", "fr", "es", "it", "nl", "pt", "pl")
+# Every language with paragraphs: 14 besides English; Chinese and Japanese (no jusText stop-word list) among them.
+ALL_LANGUAGES = tuple(FOREIGN_PARAGRAPHS)
 
 # Each language's boilerplate: cookie banner (English also a long consent text, the one most sites show: long and
 # full of stop words, so jusText takes it for prose), navigation, footer lines, sidebar heading and links, newsletter
@@ -184,7 +95,8 @@ def _escape(text: str) -> str:
 
 
 def page_html(lang: str, title: str, body: list[str], rng: np.random.Generator) -> tuple[str, str]:
-    """(HTML of a page, its boilerplate as plain text): the body paragraphs inside a typical site template."""
+    """(HTML of a page, its boilerplate as plain text): the body paragraphs inside a typical site template in
+    language ``lang`` (the template's language, which may differ from the body's)."""
     b = dict(_BOILERPLATE[lang])
     if "cookie_long" in b and rng.random() < 0.5:
         b["cookie"] = b["cookie_long"]
@@ -272,6 +184,12 @@ def junk_documents(count: int, seed: int = 0) -> list[str]:
     return [junk_text(JUNK_KINDS[i % len(JUNK_KINDS)], rng) for i in range(count)]
 
 
+def _title(paragraph: str) -> str:
+    """A page title: the paragraph's first six words, or its first 12 characters in a script without spaces."""
+    words = paragraph.split()
+    return " ".join(words[:6]) if len(words) >= 6 else paragraph[:12]
+
+
 # --- the WARC file -----------------------------------------------------------------------------------------------
 
 
@@ -283,6 +201,10 @@ class CrawlSpec:
     junk_pages: int = 12
     seed: int = 0
     broken_records: bool = True  # False: a clean file (for readers that stop at the first corrupt record)
+    languages: tuple[str, ...] = EUROPEAN_LANGUAGES  # the other languages, each pages_per_language pages
+    foreign_paragraphs: tuple[int, int] = (2, 4)  # their paragraphs: uniform in [lo, hi], at most 4
+    # the site template of those pages: "own" (their language's), "english", or "alternate" (own, English, ...)
+    foreign_template: str = "own"
 
 
 CRAWL_DATE = "2024-05-01T00:00:00Z"  # every record's WARC-Date: the same bytes on every run for a seed
@@ -326,7 +248,7 @@ def write_synthetic_warc(
     from warcio.warcwriter import WARCWriter
 
     rng = np.random.default_rng(spec.seed)
-    pages: list[tuple[str, str, list[str], str | None]] = []  # (language, title, body, id)
+    pages: list[tuple[str, str, list[str], str | None, str]] = []  # (language, title, body, id, template language)
     if english_pages is None:
         lo, hi = spec.paragraphs_per_page
         paragraphs = english_paragraphs(spec.english_pages * hi)
@@ -336,14 +258,19 @@ def write_synthetic_warc(
             chunk = paragraphs[cursor : cursor + n]
             cursor += n
             if chunk:
-                pages.append(("en", f"Notes on the {chunk[0][0]} module", [p for _, p in chunk], None))
+                pages.append(("en", f"Notes on the {chunk[0][0]} module", [p for _, p in chunk], None, "en"))
     else:
-        pages += [("en", p["title"], list(p["body"]), p["id"]) for p in english_pages]
-    for lang, paras in FOREIGN_PARAGRAPHS.items():
-        for _ in range(spec.pages_per_language):
-            order = rng.permutation(len(paras))[: int(rng.integers(2, len(paras) + 1))]
+        pages += [("en", p["title"], list(p["body"]), p["id"], "en") for p in english_pages]
+    if spec.foreign_template not in ("own", "english", "alternate"):
+        raise ValueError(f"foreign_template {spec.foreign_template!r}: choose own, english or alternate")
+    for lang in spec.languages:
+        paras = FOREIGN_PARAGRAPHS[lang]
+        for k in range(spec.pages_per_language):
+            lo, hi = spec.foreign_paragraphs
+            order = rng.permutation(len(paras))[: int(rng.integers(lo, min(hi, len(paras)) + 1))]
             body = [paras[i] for i in order]
-            pages.append((lang, " ".join(body[0].split()[:6]), body, None))
+            english = spec.foreign_template == "english" or (spec.foreign_template == "alternate" and k % 2 == 1)
+            pages.append((lang, _title(body[0]), body, None, "en" if english else lang))
 
     buf = io.BytesIO()
     writer = WARCWriter(buf, gzip=True)
@@ -366,12 +293,13 @@ def write_synthetic_warc(
         kind, what = events[i]
         url = f"https://site{n % 17}.example/{spec.seed}/{kind}/{n}"
         if kind == "page":
-            lang, title, body, page_id = what
-            html, boilerplate = page_html(lang, title, body, rng)
+            lang, title, body, page_id, template = what
+            html, boilerplate = page_html(template, title, body, rng)
             _http_response(writer, url, html.encode("utf-8"), [("Content-Type", "text/html; charset=utf-8")])
             truth.append(
                 {"url": url, "kind": kind, "language": lang, "title": title, "body": body, "boilerplate": boilerplate}
                 | ({"id": page_id} if page_id is not None else {})
+                | ({"template": template} if template != lang else {})
             )
         elif kind == "junk":
             text = junk_text(what, rng)
@@ -433,7 +361,9 @@ def _write_broken(writer, buf: io.BytesIO, url: str, reason: str) -> None:
 
 # --- scoring an extraction against the truth ---------------------------------------------------------------------
 
-_WORD = re.compile(r"\w+", re.UNICODE)
+# Words; in Chinese and Japanese, which put no spaces between words, each Han or kana character counts as one.
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_WORD = re.compile(f"[{_CJK}]|[^\\W{_CJK}]+", re.UNICODE)
 
 
 def _words(text: str) -> list[str]:
@@ -441,17 +371,19 @@ def _words(text: str) -> list[str]:
 
 
 def score_extraction(truth: list[dict], documents: list[dict]) -> dict:
-    """Compare extracted documents (by url) with the planted pages: pages found, body words kept, boilerplate words
-    left (words of the page's boilerplate that are neither body nor title words: a page's heading is kept by design
-    and is neither), language accuracy."""
+    """Compare extracted documents (by url) with the planted pages: pages found, body words kept (of the pages found;
+    ``article_words_kept``: of every page, a page not found losing all of its words), boilerplate words left (words
+    of the page's boilerplate that are neither body nor title words: a page's heading is kept by design and is
+    neither), language accuracy."""
     by_url = {d["url"]: d for d in documents}
     pages = [t for t in truth if t["kind"] == "page"]
-    found = body_total = body_kept = boiler_total = boiler_left = right_language = 0
+    found = body_total = body_kept = boiler_total = boiler_left = right_language = missing_words = 0
     missing, wrong_language = [], []
     for t in pages:
         doc = by_url.get(t["url"])
         if doc is None:
             missing.append(t["url"])
+            missing_words += len(_words(" ".join(t["body"])))
             continue
         found += 1
         got = Counter(_words(doc["text"])) - Counter(_words(t.get("title", "")))
@@ -470,6 +402,7 @@ def score_extraction(truth: list[dict], documents: list[dict]) -> dict:
         "pages_found": found,
         "missing": missing,
         "body_words_kept": body_kept / max(1, body_total),
+        "article_words_kept": body_kept / max(1, body_total + missing_words),
         "boilerplate_words_left": boiler_left / max(1, boiler_total),
         "language_accuracy": right_language / max(1, found),
         "wrong_language": wrong_language,

@@ -19,17 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
+from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
+from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
-
-from .decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
-from .engine import make_engine
-from .jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
-from .ngrams import load_tasks
-from .signatures import Shard
-from .stages import Progress, StageHooks, StageRunner
+from mtnlg_lightning.curation.decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
+from mtnlg_lightning.curation.ngrams import load_tasks
+from mtnlg_lightning.curation.signatures import Shard
 
 HIT_LIST_LIMIT = 10000
 FORMAT_VERSION = 2

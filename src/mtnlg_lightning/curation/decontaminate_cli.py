@@ -6,18 +6,18 @@ import argparse
 import sys
 
 from mtnlg_lightning.corpora.cli_args import FORMATS_HELP, add_bad_record_arg, add_output_compression_arg
-
-from .cli_common import (
+from mtnlg_lightning.corpora.cli_common import (
+    INTERRUPTED,
     add_engine_args,
     add_quiet_arg,
     add_text_key_arg,
     check_engine_args,
     int_at_least,
     positive_int,
-    run_cli,
     tool_parser,
 )
-from .decontaminate import DecontamConfig, format_summary, run_decontaminate
+from mtnlg_lightning.curation.decontaminate import DecontamConfig, format_summary, run_decontaminate
+from mtnlg_lightning.errors import run_main
 
 PROG = "mtnlg-decontaminate"
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  outputs    {shown}, {cfg.report_path()}")
         return 0
 
-    return run_cli(PROG, body)
+    return run_main(PROG, body, INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mtnlg_lightning.corpora.formats import Format
+from mtnlg_lightning.corpora.jsonl import InputError, ShardRecords, atomic_write, iter_lines
 from mtnlg_lightning.corpora.records import BAD_REASONS, BadRecord, check_line
+from mtnlg_lightning.corpora.stages import ContextStage, StageRunner
 from mtnlg_lightning.corpora.staging import CorpusInput
 from mtnlg_lightning.corpora.writers import encode_jsonl, jsonl_to_parquet, parquet_codec
-
-from .jsonl import InputError, ShardRecords, atomic_write, iter_lines
-from .ngrams import TaskNgrams, clean_text, words_of
-from .signatures import Shard
-from .stages import ContextStage, StageRunner
+from mtnlg_lightning.curation.ngrams import TaskNgrams, clean_text, words_of
+from mtnlg_lightning.curation.signatures import Shard
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,16 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
+from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
+from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
-
-from .dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
-from .engine import make_engine
-from .jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
-from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
-from .shingles import ShingleSpec
-from .signatures import Shard, SignatureSettings
-from .stages import Progress, StageHooks, StageRunner
+from mtnlg_lightning.curation.dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
+from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
+from mtnlg_lightning.curation.shingles import ShingleSpec
+from mtnlg_lightning.curation.signatures import Shard, SignatureSettings
 
 WORK_DIR_NAME = ".dedup-work"
 STAGES = ("signatures", "buckets", "verify", "clusters", "filter")

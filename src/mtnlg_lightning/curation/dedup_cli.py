@@ -6,21 +6,21 @@ import argparse
 import sys
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, add_output_compression_arg
-
-from .cli_common import (
+from mtnlg_lightning.corpora.cli_common import (
+    INTERRUPTED,
     add_engine_args,
     add_output_dir_arg,
     add_quiet_arg,
     add_text_key_arg,
     check_engine_args,
     positive_int,
-    run_cli,
     tool_parser,
 )
-from .dedup import DedupConfig, format_summary, run_dedup
-from .lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
-from .minhash import SCHEMES
-from .shingles import ShingleSpec
+from mtnlg_lightning.curation.dedup import DedupConfig, format_summary, run_dedup
+from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
+from mtnlg_lightning.curation.minhash import SCHEMES
+from mtnlg_lightning.curation.shingles import ShingleSpec
+from mtnlg_lightning.errors import run_main
 
 PROG = "mtnlg-dedup"
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  outputs    {cfg.output_dir}/ (report.json, duplicates.jsonl, deduplicated inputs)")
         return 0
 
-    return run_cli(PROG, body)
+    return run_main(PROG, body, INTERRUPTED)
 
 
 if __name__ == "__main__":

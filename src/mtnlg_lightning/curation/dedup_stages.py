@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mtnlg_lightning.corpora.formats import Format
+from mtnlg_lightning.corpora.jsonl import InputError, atomic_write, dumps_line
+from mtnlg_lightning.corpora.mapcache import load_map
 from mtnlg_lightning.corpora.records import BAD_REASONS
+from mtnlg_lightning.corpora.stages import ContextStage, StageRunner
 from mtnlg_lightning.corpora.writers import encode_jsonl, filter_parquet
-
-from .jsonl import InputError, atomic_write, dumps_line
-from .lsh import Banding, band_pairs, decode_pairs, pair_codes
-from .mapcache import load_map
-from .signatures import (
+from mtnlg_lightning.curation.lsh import Banding, band_pairs, decode_pairs, pair_codes
+from mtnlg_lightning.curation.signatures import (
     DocTable,
     Shard,
     SignatureReader,
@@ -37,9 +37,8 @@ from .signatures import (
     shard_keys_path,
     shard_meta_path,
 )
-from .stages import ContextStage, StageRunner
-from .unionfind import components
-from .verify import DocStore, verify_pairs
+from mtnlg_lightning.curation.unionfind import components
+from mtnlg_lightning.curation.verify import DocStore, verify_pairs
 
 DUPLICATES_NAME = "duplicates.jsonl"
 DOCS_PER_VERIFY_PARTITION = 50_000

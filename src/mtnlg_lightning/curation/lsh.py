@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .shingles import fmix64
+from mtnlg_lightning.curation.shingles import fmix64
 
 _BAND_MULT = np.uint64(0xA24BAED4963EE407)
 DEFAULT_MAX_NEIGHBORS = 64

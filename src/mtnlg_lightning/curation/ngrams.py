@@ -13,10 +13,9 @@ from collections import Counter
 import numpy as np
 import xxhash
 
+from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.corpora.readers import iter_records
 from mtnlg_lightning.corpora.sources import expand_inputs, stem
-
-from .jsonl import InputError
 
 WORD_RE = re.compile(r"\w+")
 SENTENCE_END = ".!?"

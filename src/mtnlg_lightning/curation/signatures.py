@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtnlg_lightning.corpora.jsonl import ShardRecords, atomic_write
+from mtnlg_lightning.corpora.mapcache import load_map
 from mtnlg_lightning.corpora.records import BAD_REASONS
-
-from .jsonl import ShardRecords, atomic_write
-from .lsh import Banding, band_key
-from .mapcache import load_map
-from .minhash import MinHasher
-from .shingles import ShingleSpec, combine, exact_key, tokens
+from mtnlg_lightning.curation.lsh import Banding, band_key
+from mtnlg_lightning.curation.minhash import MinHasher
+from mtnlg_lightning.curation.shingles import ShingleSpec, combine, exact_key, tokens
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 

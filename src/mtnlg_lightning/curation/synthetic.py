@@ -18,9 +18,15 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .dedup import WORK_DIR_NAME, DedupConfig, run_dedup
-from .lsh import decode_pairs
-from .shingles import ShingleSpec, jaccard_strings, normalize_chars, normalize_words, shingle_strings
+from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
+from mtnlg_lightning.curation.lsh import decode_pairs
+from mtnlg_lightning.curation.shingles import (
+    ShingleSpec,
+    jaccard_strings,
+    normalize_chars,
+    normalize_words,
+    shingle_strings,
+)
 
 COMMON_WORDS = """the of and to a in is that for it as was with be by on not he this are or his from at which
 but have an they you were her she there been one all we their has would when if so no what up out more said

@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
-from .cli_common import positive_int, run_cli, tool_parser
-from .jsonl import atomic_write, dumps_line
-from .shingles import ShingleSpec
-from .synthetic import ground_truth_pairs, make_near_dup_corpus
+from mtnlg_lightning.corpora.cli_common import INTERRUPTED, positive_int, tool_parser
+from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line
+from mtnlg_lightning.curation.shingles import ShingleSpec
+from mtnlg_lightning.curation.synthetic import ground_truth_pairs, make_near_dup_corpus
+from mtnlg_lightning.errors import run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {len(pairs)} within-family pairs to {args.truth}")
         return 0
 
-    return run_cli("make_near_dup_corpus", body)
+    return run_main("make_near_dup_corpus", body, INTERRUPTED)
 
 
 if __name__ == "__main__":

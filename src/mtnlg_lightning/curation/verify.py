@@ -11,8 +11,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .shingles import ShingleSpec, jaccard_sorted, shingle_set
-from .unionfind import UnionFind
+from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_sorted, shingle_set
+from mtnlg_lightning.curation.unionfind import UnionFind
 
 
 class DocStore:

@@ -1,7 +1,15 @@
-"""Megatron's memory-mapped indexed dataset: PREFIX.bin (token ids) + PREFIX.idx (document sizes/offsets).
+"""Megatron's memory-mapped indexed dataset: PREFIX.bin (token ids) + PREFIX.idx (sequence sizes, offsets, documents).
 
 The .idx layout is Megatron-LM's `MMIDIDX` format, so files are interchangeable with Megatron's tools:
-magic(9) version<Q> dtype_code<B> num_sequences<Q> num_documents<Q> sizes[int32] pointers[int64] doc_idx[int64].
+magic(9) version<Q>=1 dtype_code<B> num_sequences<Q> num_document_indices<Q> sizes[int32 * num_sequences]
+pointers[int64 * num_sequences] document_indices[int64 * num_document_indices] and, in Megatron's multimodal
+datasets only, modes[int8 * num_sequences]. A sequence is what `dataset[i]` returns; document d is sequences
+document_indices[d] .. document_indices[d + 1] - 1 (one sequence each as we write them; one per sentence in
+Megatron's --split-sentences datasets), so num_document_indices is the number of documents + 1.
+
+Multimodal indexes are read (their modes in `modes`, one int8 per sequence) and kept by a merge; training reads
+the tokens and ignores the modes. Megatron is told by its caller whether an index is multimodal; here the file's
+size tells (the two layouts differ by num_sequences bytes).
 """
 
 from __future__ import annotations
@@ -35,36 +43,69 @@ def best_dtype(vocab_size: int) -> np.dtype:
 
 
 class IndexedDatasetWriter:
-    """Appends documents to PREFIX.bin; `finalize()` writes PREFIX.idx. Both appear atomically at the end."""
+    """Appends documents to PREFIX.bin; `finalize()` writes PREFIX.idx. Both appear atomically at the end.
+    ``multimodal``: the index carries Megatron's per-sequence modes (every input appended must have them)."""
 
-    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype):
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype, multimodal: bool = False):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
+        self.multimodal = multimodal
         self._staged_bin = StagedFile(self.prefix + ".bin")
         self._staged_idx = StagedFile(self.prefix + ".idx")
         self._bin = open(self._staged_bin.temp, "wb")
-        self._sizes: list[int] = []
+        # sequences written so far, in arrays (one per append_raw, one per run of add_document) ...
+        self._sizes: list[np.ndarray] = []
+        self._document_ends: list[np.ndarray] = []  # each document's end, in sequences from the start
+        self._modes: list[np.ndarray] = []
+        self._sequences = 0
+        # ... and the documents added one by one since the last array
+        self._pending_sizes: list[int] = []
 
     def add_document(self, token_ids) -> None:
+        """One document of one sequence (mode 0 in a multimodal index)."""
         array = np.asarray(token_ids, dtype=self.dtype)
         self._bin.write(array.tobytes(order="C"))
-        self._sizes.append(array.size)
+        self._pending_sizes.append(array.size)
+
+    def _flush_pending(self) -> None:
+        if not self._pending_sizes:
+            return
+        count = len(self._pending_sizes)
+        self._sizes.append(np.asarray(self._pending_sizes, dtype=np.int32))
+        self._document_ends.append(self._sequences + np.arange(1, count + 1, dtype=np.int64))
+        if self.multimodal:
+            self._modes.append(np.zeros(count, dtype=np.int8))
+        self._sequences += count
+        self._pending_sizes = []
 
     def append_raw(self, dataset: IndexedDataset) -> None:
-        """Every document of ``dataset`` (same dtype) appended, its tokens copied as bytes in blocks."""
+        """Every sequence of ``dataset`` (same dtype) appended with its document boundaries (and its modes, into a
+        multimodal index), its tokens copied as bytes in blocks."""
+        if (dataset.modes is not None) != self.multimodal:
+            kind = "a multimodal" if dataset.modes is not None else "a text-only"
+            raise MTNLGError(
+                f"{dataset.prefix} has {kind} index and {self.prefix} would not; merge multimodal datasets only "
+                "with multimodal ones"
+            )
+        self._flush_pending()
         tokens = dataset.tokens
         block = 1 << 24
         for start in range(0, len(tokens), block):
             self._bin.write(np.asarray(tokens[start : start + block]).tobytes(order="C"))
-        self._sizes.extend(dataset.sizes.tolist())
+        self._sizes.append(np.array(dataset.sizes, dtype=np.int32))
+        self._document_ends.append(self._sequences + np.asarray(dataset.doc_idx[1:], dtype=np.int64))
+        if self.multimodal:
+            self._modes.append(np.array(dataset.modes, dtype=np.int8))
+        self._sequences += len(dataset)
 
     def finalize(self) -> None:
+        self._flush_pending()
         self._bin.close()
-        sizes = np.asarray(self._sizes, dtype=np.int32)
+        sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes) > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
+        doc_idx = np.concatenate([np.zeros(1, dtype=np.int64), *self._document_ends])
         with open(self._staged_idx.temp, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
@@ -74,6 +115,8 @@ class IndexedDatasetWriter:
             f.write(sizes.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.tobytes(order="C"))
+            if self.multimodal:
+                f.write(np.concatenate([np.zeros(0, dtype=np.int8), *self._modes]).tobytes(order="C"))
         self._staged_bin.commit()
         self._staged_idx.commit()  # the index last: it marks the dataset complete
 
@@ -84,7 +127,7 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Read-only view; `dataset[i]` is document i as a numpy array (a memmap slice, no copy)."""
+    """Read-only view; `dataset[i]` is sequence i as a numpy array (a memmap slice, no copy)."""
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = str(prefix)
@@ -104,9 +147,12 @@ class IndexedDataset:
         (num_docs,) = struct.unpack_from("<Q", header, offset + 17)
         if version != VERSION or code not in DTYPE_CODES:
             raise MTNLGError(f"{idx_path}: unsupported index version {version} or dtype code {code}")
-        expected = HEADER_BYTES + num_sequences * (4 + 8) + num_docs * 8
-        if idx_size != expected:
-            raise MTNLGError(f"{idx_path} is truncated or corrupt: {idx_size} bytes, header implies {expected}")
+        text_only = HEADER_BYTES + num_sequences * (4 + 8) + num_docs * 8
+        if idx_size not in (text_only, text_only + num_sequences):
+            raise MTNLGError(
+                f"{idx_path} is truncated or corrupt: {idx_size} bytes, header implies {text_only} "
+                f"(or {text_only + num_sequences} with Megatron's multimodal modes)"
+            )
         self.dtype = np.dtype(DTYPE_CODES[code])
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(index, dtype=np.int32, count=num_sequences, offset=HEADER_BYTES)
@@ -116,6 +162,22 @@ class IndexedDataset:
         self.doc_idx = np.frombuffer(
             index, dtype=np.int64, count=num_docs, offset=HEADER_BYTES + self.sizes.nbytes + self.pointers.nbytes
         )
+        # Megatron's multimodal index: one int8 mode per sequence after the document indices (empty with no
+        # sequences, where the two layouts are the same bytes)
+        self.modes = (
+            np.frombuffer(index, dtype=np.int8, count=num_sequences, offset=text_only)
+            if num_sequences and idx_size == text_only + num_sequences
+            else None
+        )
+        if (
+            num_docs == 0
+            or self.doc_idx[0] != 0
+            or self.doc_idx[-1] != num_sequences
+            or (np.diff(self.doc_idx) < 0).any()
+        ):
+            raise MTNLGError(
+                f"{idx_path} is corrupt: its document indices must rise from 0 to the {num_sequences} sequences"
+            )
         expected_bin = int(self.sizes.astype(np.int64).sum()) * self.dtype.itemsize
         bin_size = os.path.getsize(bin_path)
         if bin_size != expected_bin:
@@ -128,6 +190,10 @@ class IndexedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         start = self.pointers[i] // self.dtype.itemsize
         return self.tokens[start : start + self.sizes[i]]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_idx) - 1
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
+from mtnlg_lightning.corpora.jsonl import count_lines_before, iter_lines, line_starts_plan
 from mtnlg_lightning.corpora.readers import batched, iter_records
 from mtnlg_lightning.corpora.records import (
     BAD_REASONS,
@@ -33,7 +34,6 @@ from mtnlg_lightning.corpora.records import (
     locate,
 )
 from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
-from mtnlg_lightning.curation.jsonl import count_lines_before, iter_lines, line_starts_plan
 from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError

@@ -5,11 +5,11 @@
         - class_path: mtnlg_lightning.evaluation.callback.DownstreamEval
           init_args: {task: lambada, data: data/demo_cloze.jsonl, tokenizer: TOKENIZER, every_n_steps: 100}
 
-Under `MegatronDeepSpeedStrategy` the task is scored in the training layout, on the live stage models, through the
-same pipeline path as `mtnlg-eval --strategy` (`inference.scoring.PipelineScorer`: items dealt over the
-data-parallel replicas, micro-batches through the stages, log-likelihoods vocab-parallel): no rank holds more than
-its training share of the weights, and every rank gets the same numbers. In one process or under DDP (every rank
-holds the whole model) rank 0 scores the model itself and broadcasts the numbers.
+The task is scored by the one scorer of `mtnlg-eval` (`inference.scoring.Scorer`). Under `MegatronDeepSpeedStrategy`
+it runs in the training layout, on the live stage models (items dealt over the data-parallel replicas, micro-batches
+through the stages, log-likelihoods vocab-parallel): no rank holds more than its training share of the weights, and
+every rank gets the same numbers. In one process or under DDP (every rank holds the whole model) rank 0 scores the
+model as the 1 x 1 x 1 layout and broadcasts the numbers.
 
 Logged besides the task metrics: `downstream_eval_peak_memory_mib`, the evaluation's peak memory of the fullest
 rank (the same reading as the step's `peak_memory_mib`, `peak_memory.StepPeakMemory`).
@@ -22,7 +22,8 @@ import torch
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
-from mtnlg_lightning.evaluation.scoring import Scorer
+from mtnlg_lightning.inference.engine import ShardedModel
+from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.resilience.heartbeat import heartbeat
 
 
@@ -65,8 +66,8 @@ class DownstreamEval(L.Callback):
         self.tokenizer = Tokenizer(self.tokenizer_path)  # bad paths fail at start-up, not at the first evaluation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from mtnlg_lightning.peak_memory import StepPeakMemory
-        from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+        from mtnlg_lightning.train.peak_memory import StepPeakMemory
+        from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
         step = trainer.global_step
         if step % self.every_n_steps and step != trainer.max_steps:
@@ -79,7 +80,9 @@ class DownstreamEval(L.Callback):
             metrics = self._evaluate_in_layout(trainer.strategy)  # collective: every rank takes part
         else:  # one process, or DDP: every rank holds the whole model
             metrics = (
-                self._evaluate(Scorer(pl_module.model, self.batch_size), pl_module) if trainer.is_global_zero else None
+                self._evaluate(Scorer(ShardedModel.whole(pl_module.model), self.batch_size), pl_module)
+                if trainer.is_global_zero
+                else None
             )
             metrics = trainer.strategy.broadcast(metrics, src=0)
         self.peak_memory_bytes = peak.read_bytes()
@@ -92,9 +95,6 @@ class DownstreamEval(L.Callback):
     def _evaluate_in_layout(self, strategy) -> dict[str, float]:
         from contextlib import nullcontext
 
-        from mtnlg_lightning.inference.engine import ShardedModel
-        from mtnlg_lightning.inference.scoring import PipelineScorer
-
         model = ShardedModel.from_strategy(strategy)
         context = nullcontext()
         if strategy.engine is not None and strategy.zero_stage == 3:  # TP only: gather this rank's ZeRO-3 shard
@@ -102,7 +102,7 @@ class DownstreamEval(L.Callback):
 
             params = [p for m in model.modules() for p in m.parameters()]
             context = deepspeed.zero.GatheredParameters(params)
-        return self._evaluate(PipelineScorer(model, self.batch_size), *model.modules(), context=context)
+        return self._evaluate(Scorer(model, self.batch_size), *model.modules(), context=context)
 
     @torch.no_grad()
     def _evaluate(self, scorer, *modules, context=None) -> dict[str, float]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtnlg_lightning.evaluation import tasks
-from mtnlg_lightning.evaluation.evaluate import run
+from mtnlg_lightning.evaluation import evaluate, tasks
+from mtnlg_lightning.inference.runs import run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + " Metrics use lm-evaluation-harness' names and definitions.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--checkpoint", required=True, help="a project checkpoint or a Hugging Face GPT-2 directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a project checkpoint (folder or .ckpt file) or a Hugging Face model directory",
+    )
     p.add_argument("--task", help=f"one of {', '.join(tasks.TASKS)} (or use --harness-tasks)")
     p.add_argument(
         "--data",
@@ -46,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         help="evaluate in a layout: a strategy YAML of `mtnlg fit` (configs/strategy/*.yaml: TP, PP, schedule, "
         "sequence parallelism; DP = devices / (TP x PP); ZeRO settings do not apply). Each rank reads only its "
-        "slice of the checkpoint folder",
+        "slice of the model; the printed results are the same in every layout",
     )
     p.add_argument(
         "--devices",
@@ -58,15 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batch-size",
         type=int,
         default=None,
-        help="with --strategy: sequences per micro-batch through the pipeline (default: batch size / PP)",
+        help="sequences per micro-batch through the pipeline stages (default: batch size / PP)",
     )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtnlg_lightning.inference.runs import command_main, run_eval
-
-    return command_main("mtnlg-eval", build_parser(), run, run_eval, argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    return run(
+        "mtnlg-eval",
+        "mtnlg_lightning.evaluation.cli",
+        args,
+        argv,
+        evaluate.check_args,
+        lambda model, plan: evaluate.run(args, model, plan),
+    )
 
 
 if __name__ == "__main__":

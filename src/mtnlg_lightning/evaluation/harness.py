@@ -1,21 +1,24 @@
-"""lm-evaluation-harness on a project checkpoint, without exporting: an `lm_eval.api.model.LM` over a plain `GPT`.
+"""lm-evaluation-harness on a project checkpoint, without exporting: an `lm_eval.api.model.LM` over our model.
 
     results = run_harness(model, tokenizer, ["lambada_openai"], include_path=None)
 
 Scores follow the harness' HF backend rules (see `scoring`), so they agree with `lm_eval --model hf` on the
 exported model.
 
-In a layout (`model` an `inference.engine.ShardedModel`) the adapter's `rank` / `world_size` are the data-parallel
-ones: the evaluator deals the requests over the replicas and gathers on the data-parallel group, and all TP / PP
-ranks of a replica score each request together through the pipeline (`inference.scoring.PipelineScorer`).
+The model is an `inference.engine.ShardedModel` in any layout (a whole model in this process is taken as the
+1 x 1 x 1 one): the adapter's `rank` / `world_size` are the data-parallel ones, the evaluator deals the requests
+over the replicas and gathers on the data-parallel group, and all TP / PP ranks of a replica score (and decode) each
+request together through the pipeline (`inference.scoring.Scorer`, `inference.decode.generate_batch`).
 """
 
 from __future__ import annotations
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.inference.decode import generate
+from mtnlg_lightning.inference.decode import generate_batch
+from mtnlg_lightning.inference.engine import ShardedModel
+from mtnlg_lightning.inference.requests import encode_pair, pair_request, rolling_requests
+from mtnlg_lightning.inference.scoring import Scorer
 
 
 def _lm_base():
@@ -30,17 +33,13 @@ class _Adapter:
 
     def __init__(self, model, tokenizer, batch_size: int = 16, max_gen_toks: int = 256):
         super().__init__()
+        if not isinstance(model, ShardedModel):
+            model = ShardedModel.whole(model)
         self.model, self.tokenizer, self.max_gen_toks = model, tokenizer, max_gen_toks
-        self.layout = getattr(model, "layout", None)  # set on a ShardedModel: the run has a layout
-        if self.layout is None:
-            self.scorer = Scorer(model, batch_size, progress=True)
-        else:
-            from mtnlg_lightning.inference.scoring import PipelineScorer
-
-            self.scorer = PipelineScorer(model, batch_size, split_over_dp=False, progress=True)
-            self._rank, self._world_size = model.groups.coord.dp, self.layout.data_parallel
-            self._device = model.device
-            self.dp_group = model.groups.data_parallel_group
+        self.scorer = Scorer(model, batch_size, split_over_dp=False, progress=True)
+        self._rank, self._world_size = model.groups.coord.dp, model.layout.data_parallel
+        self._device = model.device
+        self.dp_group = model.groups.data_parallel_group
 
     # The evaluator's collectives run over the data-parallel group (unused with one replica).
     def all_gather(self, tensor):
@@ -90,12 +89,8 @@ class _Adapter:
             until = [until] if isinstance(until, str) else list(until)
             new = kwargs.get("max_gen_toks", self.max_gen_toks)
             ids = self.tokenizer.encode(context)[-max(1, limit - new) :] or [self.tokenizer.eod_id]
-            if self.layout is None:
-                made = generate(self.model, ids, new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
-            else:  # every rank of the replica decodes it together
-                from mtnlg_lightning.inference.generation import generate_batch
-
-                made = generate_batch(self.model, [ids], new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
+            # every rank of the replica decodes it together
+            made = generate_batch(self.model, [ids], new, temperature=0, eos_id=self.tokenizer.eod_id).tokens[0]
             text = self.tokenizer.decode(made)
             cut = min((text.find(s) for s in until if s and s in text), default=len(text))
             out.append(text[:cut])

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.data import read_documents, read_records
-from mtnlg_lightning.evaluation.scoring import Scorer, encode_pair, pair_request, rolling_requests
+from mtnlg_lightning.inference.requests import encode_pair, pair_request, rolling_requests
+from mtnlg_lightning.inference.scoring import Scorer
 
 SHOT_SEPARATOR = "\n\n"
 HANS_TEMPLATE = "{sentence1}\nQuestion: {sentence2} True or False?\nAnswer:"

@@ -1,7 +1,15 @@
-"""The single-process decode loop: the model's own forward with its KV cache, token by token.
+"""Decoding in any layout (one process is 1 x 1 x 1): the model's own blocks with a per-stage KV cache.
 
-A sharded model decodes in `inference.generation`; the `mtnlg-generate` CLI (`generate.py`) and the harness adapter
-both call `generate` here.
+Each step runs the new position(s) through the stages; the last stage gathers the last position's vocabulary slices
+over TP ([batch, vocab], one position, not the sequence), TP rank 0 picks the next tokens and sends them to its TP
+peers, and the last stage sends them with a stop flag along the pipeline, so every rank of the replica has every
+token and all stop together. Prompts of different lengths share a batch: the prefill covers the shortest prompt, and
+a longer prompt's remaining tokens are fed (forced) one position at a time while the others decode, so every
+sequence sees exactly its own positions and no mask or padding enters the arithmetic.
+
+Each sequence samples from its own generator, seeded from the run's seed and the sequence's number, so what a
+sequence gets does not depend on which other sequences share its batch or replica: the same command prints the same
+text in every layout.
 """
 
 from __future__ import annotations
@@ -10,24 +18,157 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.sampling import EOS, LENGTH, POSITIONS, Generation, sample
-from mtnlg_lightning.model import GPT, KVCache
+from mtnlg_lightning.model import KVCache
+from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
+
+OnToken = Callable[[int, list[int]], None]  # (sequence, its tokens so far)
 
 
-def check_single_process(model: GPT) -> None:
-    """`generate` decodes the whole vocabulary on one process; a sharded model decodes in `inference.generation`."""
-    plain = (nn.Linear, nn.LayerNorm, nn.Embedding)
-    for name, module in model.named_modules():
-        if isinstance(module, plain) and type(module) not in plain:  # e.g. a tensor-parallel shard
-            raise MTNLGError(f"generation needs a single-process GPT; {name} is a {type(module).__name__}")
+def sequence_seed(seed: int, sequence: int) -> int:
+    """The seed of one sequence's generator: distinct per (seed, sequence), the same in every layout."""
+    return (seed * 1_000_003 + sequence) % 2**63
+
+
+def check_prompts(prompts: list[list[int]], limit: int) -> None:
+    for prompt in prompts:
+        if not prompt:
+            raise MTNLGError("the prompt is empty (it needs at least one token)")
+        if len(prompt) >= limit:
+            raise MTNLGError(f"the prompt has {len(prompt)} tokens; the model's position limit is {limit}")
 
 
 @torch.inference_mode()
+def generate_batch(
+    model: ShardedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seeds: list[int | None] | None = None,
+    use_cache: bool = True,
+    on_token: OnToken | None = None,
+) -> Generation:
+    """Continue every prompt (token ids) in one batch on this replica; every rank of it returns the `Generation`.
+    `seeds[i]`: the seed of prompt i's sampling (None: torch's default generator). `use_cache=False` re-runs the
+    whole prefix for every token (the baseline the cache is measured against). `on_token(i, tokens)` is called as
+    prompt i's tokens are made, on every rank of the replica."""
+    limit, vocab = model.config.max_position_embeddings, model.config.vocab_size
+    if model.sequence_parallel:
+        raise MTNLGError("decoding cuts no sequence over TP: load the model without sequence_parallel to generate")
+    check_prompts(prompts, limit)
+    started = time.perf_counter()
+    lengths = [len(p) for p in prompts]
+    steps = [min(max_new_tokens, limit - n) for n in lengths]
+    total = max(n + s for n, s in zip(lengths, steps, strict=True))
+    sequence = torch.zeros(len(prompts), total, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        sequence[row, : len(prompt)] = torch.tensor(prompt)
+    layout, coord = model.layout, model.groups.coord
+    last_pp = model.holder[model.num_stages - 1]
+    tp_source = layout.rank(last_pp, coord.dp, 0)
+    pp_source = layout.rank(last_pp, coord.dp, coord.tp)
+    generators = None
+    if temperature > 0 and model.groups.rank == tp_source:  # the replica's sampler: one generator per sequence
+        generators = [
+            torch.Generator(device=model.device).manual_seed(s) if s is not None else None
+            for s in (seeds or [None] * len(prompts))
+        ]
+    cache = KVCache(total) if use_cache else None
+    out: list[list[int]] = [[] for _ in prompts]
+    stop = [""] * len(prompts)
+    position, following = 0, min(lengths)
+    decision = torch.zeros(len(prompts) + 1, dtype=torch.long, device=model.device)  # next tokens + stop flag
+    chosen: dict[str, torch.Tensor] = {}
+
+    def on_output(m: int, logits: torch.Tensor) -> None:
+        last = logits[:, -1]
+        if model.tp_group is not None:
+            last = gather_tensor_parallel(last, 1, model.tp_group)
+        tokens = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)
+        if model.groups.rank == tp_source:
+            tokens = sample_each(last[:, :vocab], temperature, top_k, top_p, generators)
+        if model.tp_group is not None:
+            dist.broadcast(tokens, src=tp_source, group=model.tp_group)
+        chosen["tokens"] = tokens
+
+    while True:
+        if cache is not None:
+            cache.start = position
+            feed = sequence[:, position:following]
+        else:
+            feed = sequence[:, :following]
+        model.forward([feed if model.is_first else tuple(feed.shape)], on_output, caches=[cache] if cache else None)
+        if model.is_last:
+            nxt = chosen["tokens"].cpu()
+            flag = all(
+                stop[i] or following >= lengths[i] and (len(out[i]) + 1 >= steps[i] or nxt[i] == eos_id)
+                for i in range(len(prompts))
+            )
+            decision.copy_(torch.cat([nxt, torch.tensor([int(flag)])]))
+        if layout.pipeline_parallel > 1:
+            dist.broadcast(decision, src=pp_source, group=model.groups.pipeline_parallel_group)
+        nxt, finished = decision[:-1].cpu(), bool(decision[-1])
+        for i in range(len(prompts)):
+            if following < lengths[i]:  # still inside this prompt: its own next token is fed instead
+                continue
+            if not stop[i]:
+                if int(nxt[i]) == eos_id:
+                    stop[i] = EOS
+                else:
+                    out[i].append(int(nxt[i]))
+                    sequence[i, following] = nxt[i]
+                    if on_token is not None:
+                        on_token(i, out[i])
+                    if len(out[i]) == steps[i]:
+                        stop[i] = LENGTH if steps[i] == max_new_tokens else POSITIONS
+        if finished:
+            break
+        position, following = following, following + 1
+    ended = [s or (LENGTH if steps[i] == max_new_tokens else POSITIONS) for i, s in enumerate(stop)]
+    return Generation(out, ended, time.perf_counter() - started)
+
+
+def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generators) -> torch.Tensor:
+    """The next token of each row of `logits` [B, V], each row sampled with its own generator (argmax at 0)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    rows = [sample(logits[i : i + 1], temperature, top_k, top_p, g) for i, g in enumerate(generators)]
+    return torch.cat(rows)
+
+
+def generate_over_replicas(model: ShardedModel, prompts: list[list[int]], seed: int | None = None, **kwargs):
+    """`generate_batch` with the prompts dealt over the data-parallel replicas, prompt i seeded with
+    `sequence_seed(seed, i)`; every rank returns every prompt's (tokens, stop reason) in order, and the slowest
+    replica's seconds."""
+    dp, rank = model.layout.data_parallel, model.groups.coord.dp
+    mine = list(range(rank, len(prompts), dp))
+    found = {}
+    seconds = 0.0
+    if mine:
+        seeds = [sequence_seed(seed, i) if seed is not None else None for i in mine]
+        on_token = kwargs.pop("on_token", None)
+        if on_token is not None:  # numbered as the caller numbers them
+            kwargs["on_token"] = lambda row, tokens: on_token(mine[row], tokens)
+        result = generate_batch(model, [prompts[i] for i in mine], seeds=seeds, **kwargs)
+        found = {i: (t, s) for i, t, s in zip(mine, result.tokens, result.stop, strict=True)}
+        seconds = result.seconds
+    if dp > 1:
+        parts = [None] * dp
+        dist.all_gather_object(parts, (found, seconds), group=model.groups.data_parallel_group)
+        found = {k: v for part, _ in parts for k, v in part.items()}
+        seconds = max(s for _, s in parts)
+    return Generation([found[i][0] for i in range(len(prompts))], [found[i][1] for i in range(len(prompts))], seconds)
+
+
 def generate(
-    model: GPT,
+    model: ShardedModel | torch.nn.Module,
     prompt: list[int],
     max_new_tokens: int = 64,
     temperature: float = 1.0,
@@ -37,47 +178,13 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     use_cache: bool = True,
-    on_token: Callable[[int, list[int]], None] | None = None,
+    on_token: OnToken | None = None,
 ) -> Generation:
-    """Continue `prompt` (token ids) `num_samples` times in one batch. Stops at `eos_id`, after `max_new_tokens`
-    or at the model's position limit. `on_token(sample, tokens so far)` is called as tokens are made.
-    `use_cache=False` re-runs the whole prefix for every token (the baseline the cache is measured against)."""
-    limit = model.config.max_position_embeddings
-    vocab = model.config.vocab_size  # padded rows of the embedding are never sampled
-    if not prompt:
-        raise MTNLGError("the prompt is empty (it needs at least one token)")
-    if len(prompt) >= limit:
-        raise MTNLGError(f"the prompt has {len(prompt)} tokens; the model's position limit is {limit}")
-    device = model.embed.wte.weight.device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    steps = min(max_new_tokens, limit - len(prompt))
-    tokens = torch.tensor([prompt] * num_samples, device=device)
-    check_single_process(model)
-    cache = KVCache(len(prompt) + steps) if use_cache else None  # the model's own forward reads and fills it
-    out: list[list[int]] = [[] for _ in range(num_samples)]
-    stop = [""] * num_samples
-    started = time.perf_counter()
-    logits = model(tokens, cache)[:, -1, :vocab]
-    for step in range(steps):
-        nxt = sample(logits, temperature, top_k, top_p, generator)
-        for i, t in enumerate(nxt.tolist()):
-            if stop[i]:
-                continue
-            if t == eos_id:
-                stop[i] = EOS
-                continue
-            out[i].append(t)
-            if on_token is not None:
-                on_token(i, out[i])
-        if all(stop) or step == steps - 1:
-            break
-        if use_cache:
-            cache.start = len(prompt) + step
-            logits = model(nxt[:, None], cache)[:, -1, :vocab]
-        else:
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            logits = model(tokens)[:, -1, :vocab]
-    ended = LENGTH if steps == max_new_tokens else POSITIONS
-    return Generation(out, [s or ended for s in stop], time.perf_counter() - started)
+    """Continue one prompt `num_samples` times in one batch on this replica (a whole model in this process, or a
+    `ShardedModel` whose replica decodes it together), sample i seeded with `sequence_seed(seed, i)`."""
+    if not isinstance(model, ShardedModel):
+        model = ShardedModel.whole(model)
+    seeds = [sequence_seed(seed, i) if seed is not None else None for i in range(num_samples)]
+    return generate_batch(
+        model, [prompt] * num_samples, max_new_tokens, temperature, top_k, top_p, eos_id, seeds, use_cache, on_token
+    )

@@ -1,9 +1,10 @@
 """This rank's part of a model in a layout, and the forward pass of micro-batches through the pipeline stages.
 
-Built either from a checkpoint (`ShardedModel.load`: the single-process model is built on the meta device, cut by
-the training code's `parallelize_gpt`, then every parameter is read as its own box of the checkpoint's tensors;
-no rank allocates or reads more than its share) or from a training strategy's live stage models
-(`ShardedModel.from_strategy`, for `DownstreamEval`).
+One process is the 1 x 1 x 1 layout: the same class, scorer and decoding loop serve every layout. Built from a model
+source (`ShardedModel.load`: the single-process model is built on the meta device, cut by the training code's
+`parallelize_gpt`, then every parameter is read as its own box of the source's model-space tensors; no rank
+allocates or reads more than its share), from a training strategy's live stage models (`from_strategy`, for
+`DownstreamEval`), or around a whole model in this process (`whole`).
 
 Stages run forward only. A rank takes its (stage, micro-batch) tasks in lexicographic order, receives a stage's
 input from the rank holding the previous stage (same data- and tensor-parallel coordinates) and sends its output
@@ -18,15 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtnlg_lightning.checkpoint.model_space import VOCAB_PARAMS, model_slots
+from mtnlg_lightning.checkpoint.model_space import PARALLEL_MARKS, model_slots
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ProcessGroups
 from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
 
@@ -93,8 +92,8 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def load(cls, reader, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel):
-        """This rank's shard of the checkpoint behind `reader` (a `checkpoint.format.TensorReader`)."""
+    def load(cls, weights, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel):
+        """This rank's shard of the model-space `weights` (a `checkpoint.model_state.LazyWeights`)."""
         from mtnlg_lightning.model import GPT
         from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 
@@ -107,13 +106,19 @@ class ShardedModel:
             indices, modules = [0], [parallel.model]
         tp_rank, tp_size = groups.tensor_parallel_rank, groups.tensor_parallel_size
         for module in modules:
-            _materialize(module, reader, config, tp_rank, tp_size, device, dtype)
+            _materialize(module, weights, config, tp_rank, tp_size, device, dtype)
             module.eval()
         num_stages = groups.layout.pipeline_parallel * pipeline.virtual_stages
         placement = stages_held_by_rank(pipeline.schedule, groups.layout.pipeline_parallel, pipeline.virtual_stages)
         return cls(
             config, groups, list(zip(indices, modules, strict=True)), num_stages, placement, device, sequence_parallel
         )
+
+    @classmethod
+    def whole(cls, model: nn.Module) -> ShardedModel:
+        """A whole single-process model as the 1 x 1 x 1 layout (no process group needed)."""
+        device = next(model.parameters()).device
+        return cls(model.config, ProcessGroups.single(), [(0, model)], 1, [[0]], device)
 
     @classmethod
     def from_strategy(cls, strategy) -> ShardedModel:
@@ -182,60 +187,33 @@ class ShardedModel:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def _materialize(module: nn.Module, reader, config: ModelConfig, tp_rank: int, tp_size: int, device, dtype) -> None:
-    """Allocate a meta stage model on `device` and fill every parameter with its box of the checkpoint."""
+def _materialize(module: nn.Module, weights, config: ModelConfig, tp_rank: int, tp_size: int, device, dtype) -> None:
+    """Allocate a meta stage model on `device` and fill every parameter with its box of the model-space weights."""
     slots = model_slots(module, config, tp_rank, tp_size)  # read while the TP attributes are on the meta tensors
     head = getattr(module, "lm_head", None)
-    head_weight = None  # a last stage's own copy of the tied embedding: a plain tensor, not a parameter
-    if head is not None and not any(head.weight is s.param for s in slots):
-        head_weight = head.weight
-    tied = head is not None and getattr(module, "embed", None) is not None
-    marks = {
-        s.name: (getattr(s.param, "tensor_model_parallel", None), getattr(s.param, "partition_dim", None))
-        for s in slots
-    }
+    head_copy = None  # a last stage's own copy of the tied embedding: a plain tensor, not a parameter
+    if head is not None and config.tie_embeddings and not any(head.weight is s.param for s in slots):
+        head_copy = head.weight
+    tied = head is not None and getattr(module, "embed", None) is not None and config.tie_embeddings
+    marks = {s.name: {k: getattr(s.param, k) for k in PARALLEL_MARKS if hasattr(s.param, k)} for s in slots}
     module.to_empty(device=device)
     module.to(dtype)
     params = dict(module.named_parameters())
     for slot in slots:
         param = params[slot.name]
-        sharded, dim = marks[slot.name]
-        if sharded is not None:
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = sharded, dim, 1
-        name = "embed.wte.weight" if slot.name == "lm_head.weight" else slot.name  # re-tied on a V-shaped rank
-        value = reader.read(f"model/{name}", slot.offsets, slot.shape, dtype=dtype)
+        for key, value in marks[slot.name].items():  # to_empty made new parameters: mark them as the old ones
+            setattr(param, key, value)
+        tied_head = slot.name == "lm_head.weight" and config.tie_embeddings  # re-tied on a V-shaped rank
+        name = "embed.wte.weight" if tied_head else slot.name
+        value = weights.read_box(name, slot.offsets, slot.shape).to(dtype)
         with torch.no_grad():
             slot.fill(param.data, value.to(device))
     if tied:  # to_empty gave the head its own tensor: share the embedding's again, as the model does
         module.lm_head.weight = module.embed.wte.weight
-    elif head_weight is not None:
-        rows = head_weight.shape[0]
+    elif head_copy is not None:
+        rows = head_copy.shape[0]
         start = tp_rank * rows
         stored = max(0, min(rows, config.vocab_size - start))
-        weight = torch.zeros(head_weight.shape, dtype=dtype, device=device)
-        weight[:stored] = reader.read("model/embed.wte.weight", (start, 0), (stored, config.hidden_size), dtype)
+        weight = torch.zeros(head_copy.shape, dtype=dtype, device=device)
+        weight[:stored] = weights.read_box("embed.wte.weight", (start, 0), (stored, config.hidden_size)).to(dtype)
         module.lm_head.weight = weight
-
-
-def check_checkpoint_shapes(manifest: dict, config: ModelConfig, path: Path) -> None:
-    """The checkpoint's tensors are the model its config describes: every parameter present with its shape."""
-    from mtnlg_lightning.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-    expected = {}
-    for slot in model_slots(model, config):
-        expected[slot.name] = list(slot.global_shape)
-    stored = {k.removeprefix("model/"): v["shape"] for k, v in manifest["tensors"].items() if k.startswith("model/")}
-    for name, shape in expected.items():
-        if name not in stored:
-            raise MTNLGError(f"checkpoint {path} holds no {name}: it is not a model of its own model_config")
-        if list(stored[name]) != shape:
-            raise MTNLGError(
-                f"checkpoint {path}: {name} has shape {list(stored[name])}, but its model_config "
-                f"(layers {config.num_layers}, hidden {config.hidden_size}, heads {config.num_heads}, vocabulary "
-                f"{config.vocab_size}) needs {shape}: a checkpoint of another model shape"
-            )
-    extra = sorted(set(stored) - set(expected) - set(VOCAB_PARAMS))
-    if extra:
-        raise MTNLGError(f"checkpoint {path} holds {extra[0]}, which its model_config has no place for")

@@ -19,8 +19,8 @@ import torch
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ParallelLayout
-from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, schedule_class
+from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings, check_model_fits
+from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, schedule_class
 
 STRATEGY_CLASS = "MegatronDeepSpeedStrategy"
 
@@ -96,9 +96,7 @@ def check_layout(layout: InferenceLayout, world_size: int, config) -> ParallelLa
             f"--devices {world_size} is not a multiple of tensor_parallel {tp} x pipeline_parallel {pp} = {tp * pp}"
         )
     grid = ParallelLayout(world_size, tp, pp, gpus_per_node=None)
-    grid.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
-    stages = pp * layout.pipeline.virtual_stages
-    layers_per_stage(config.num_layers, stages, layout.pipeline.first_stage_layers, layout.pipeline.last_stage_layers)
+    check_model_fits(grid, config, layout.pipeline, layout.sequence_parallel)
     return grid
 
 
@@ -131,14 +129,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(module: str, argv: list[str], world_size: int) -> int:
+def launch_local(module: str, argv: list[str], world_size: int, env: dict[str, str] | None = None) -> int:
     """Start `python -m module argv` as ranks 0..N-1 of one local world (as Lightning's launcher does for
     `mtnlg fit --trainer.devices N`) and wait; if one fails, the others are stopped. Returns the worst exit code."""
-    return launch_command([sys.executable, "-m", module, *argv], world_size)
+    return launch_command([sys.executable, "-m", module, *argv], world_size, env)
 
 
-def launch_command(command: list[str], world_size: int) -> int:
-    """`command` as every rank of a local world of `world_size` (see `launch_local`)."""
+def launch_command(command: list[str], world_size: int, extra_env: dict[str, str] | None = None) -> int:
+    """`command` as every rank of a local world of `world_size` (see `launch_local`), with `extra_env` set."""
     port = str(_free_port())
     procs = []
     for rank in range(world_size):
@@ -150,6 +148,7 @@ def launch_command(command: list[str], world_size: int) -> int:
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
+            **(extra_env or {}),
         }
         procs.append(subprocess.Popen(command, env=env))
     codes: dict[int, int] = {}
@@ -189,10 +188,7 @@ def init_distributed(device_arg: str) -> torch.device:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group(backend)
-        else:  # one plain process: a world of one in memory, leaving no port and no RANK/WORLD_SIZE behind
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend)
         _OWNED.append(True)  # this module started the world, so it ends it (`finish`)
     return device
 
@@ -207,7 +203,3 @@ def finish() -> None:
     if _OWNED and dist.is_initialized():
         dist.destroy_process_group()
         _OWNED.clear()
-
-
-def is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"

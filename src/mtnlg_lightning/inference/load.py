@@ -1,20 +1,21 @@
-"""A model for inference in one process: the device and dtype asked for, the GPT read from a project checkpoint or a
-Hugging Face GPT-2 directory, its weights in the layout decoding is fastest with, and its tokenizer.
+"""The one loader of a model for inference: any source (a project checkpoint folder or `.ckpt` file, a Hugging Face
+directory), any layout (one process is 1 x 1 x 1), each rank reading only its own slices; the device and dtype asked
+for; the weights in the layout decoding is fastest with; the tokenizer.
 
-Used by `mtnlg-generate`, `mtnlg-eval` and the benchmarks; a model cut over ranks loads through
-`inference.engine.ShardedModel.load` instead.
+Used by `mtnlg-eval`, `mtnlg-generate` (through `inference.runs`), the harness adapter and the benchmarks.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from mtnlg_lightning.checkpoint.model_state import ModelState
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.interop.gpt2_mapping import load_model_space
+from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.interop.hf import read_source
-from mtnlg_lightning.model import GPT, build_model
+from mtnlg_lightning.parallel.layout import ProcessGroups
+from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -44,44 +45,54 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
 
+def load(
+    state: ModelState,
+    groups: ProcessGroups,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    pipeline: PipelineParallelSettings | None = None,
+    sequence_parallel: bool = False,
+    for_generation: bool = False,
+) -> ShardedModel:
+    """This rank's part of the model `state` holds, in the layout of `groups`, in eval mode. `for_generation`: also
+    store the weights in the layout decoding is fastest with (`use_generation_layout`)."""
+    model = ShardedModel.load(
+        state.weights, state.config, groups, device, dtype, pipeline or PipelineParallelSettings(), sequence_parallel
+    )
+    if for_generation:
+        for module in model.modules():
+            use_generation_layout(module)
+    return model
+
+
 def load_model(
     source, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, for_generation: bool = False
 ):
-    """(GPT in eval mode, ModelState) from a project checkpoint or a Hugging Face GPT-2 directory.
-    `for_generation`: also store the weights in the layout decoding is fastest with (`use_generation_layout`)."""
-    state = read_source(source)
-    model = build_model(state.config)
-    load_model_space(model, state.weights)
-    model = model.to(device=device, dtype=dtype).eval()
-    return (use_generation_layout(model) if for_generation else model), state
-
-
-def _matrices(model: GPT) -> list[nn.Parameter]:
-    """The Linear weights of the blocks and the tied embedding / LM head matrix, each once."""
-    found = {id(model.embed.wte.weight): model.embed.wte.weight}
-    for block in model.blocks.values():
-        for linear in (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2):
-            found[id(linear.weight)] = linear.weight
-    return list(found.values())
+    """(the whole model in eval mode, its `ModelState`) in this process, from any source (the 1 x 1 x 1 `load`)."""
+    state = read_source(source, verify="all")
+    model = load(state, ProcessGroups.single(), torch.device(device), dtype, for_generation=for_generation)
+    return model.modules()[0], state
 
 
 @torch.no_grad()
-def use_generation_layout(model: GPT) -> GPT:
+def use_generation_layout(model: torch.nn.Module) -> torch.nn.Module:
     """On a CPU, store every weight matrix [out, in] transposed in memory (strides (1, out)), in place: the same
     parameters, shapes and values, and `model(x)` computes the same function. Decoding multiplies one row per
     sample by each matrix, and there `x @ W` with W's rows laid out [in, out] is the faster matrix-vector product
     (measured on this project's CPU: ~10% on the blocks' Linear layers, ~25% on the LM head, which is also why
     GPT-2's Conv1D layout beats nn.Linear's there). On other devices the model is left as it is."""
-    if model.embed.wte.weight.device.type != "cpu":
-        return model
-    for weight in _matrices(model):
-        if weight.is_contiguous():
+    matrices = {id(p): p for p in model.parameters() if p.dim() == 2}
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if head is not None:  # a last stage's copy of the tied embedding is a plain tensor, not a parameter
+        matrices.setdefault(id(head), head)
+    for weight in matrices.values():
+        if weight.device.type == "cpu" and weight.is_contiguous():
             weight.data = weight.data.t().contiguous().t()
     return model
 
 
 def resolve_tokenizer(named, override: str | None = None):
-    """The tokenizer `override` names, else the one the checkpoint names (`named`), else one actionable line."""
+    """The tokenizer `override` names, else the one the source names (`named`), else one actionable line."""
     path = override or named
     if path is None:
         raise MTNLGError("the checkpoint names no tokenizer: pass --tokenizer PATH (tokenizer.json or directory)")

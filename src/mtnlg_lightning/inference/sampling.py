@@ -1,5 +1,4 @@
-"""Choosing the next token, and what a generation returns: shared by one-process decoding (`generate.generate`)
-and decoding in a layout (`inference.generation`)."""
+"""Choosing the next token, and what a generation returns (`inference.decode`)."""
 
 from __future__ import annotations
 

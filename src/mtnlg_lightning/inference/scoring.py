@@ -1,7 +1,7 @@
-"""Scoring `Request`s through the pipeline, with the log-likelihoods and greedy checks computed vocab-parallel.
+"""Scoring `Request`s in any layout (one process is 1 x 1 x 1), log-likelihoods and greedy checks vocab-parallel.
 
-`PipelineScorer` has the `Scorer` interface (`score(requests, desc)`, `max_len`), so `evaluation.tasks` and the
-harness adapter run unchanged on it. Requests are sorted by length and batched as `Scorer` does; the batches are
+`Scorer.score(requests, desc)` is what `evaluation.tasks`, the harness adapter and `DownstreamEval` call. Requests
+are sorted by length (similar lengths batch together) and batched, right-padded; the batches are
 dealt over the data-parallel replicas, padded with dummy batches so every replica runs the same number; each batch
 is cut into micro-batches that flow through the stages. The last stage turns its vocabulary slice of the logits
 into per-token log-probabilities and argmax checks with a few [tokens]-sized all-reduces over TP (max, sum of
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mtnlg_lightning.evaluation.scoring import Request
 from mtnlg_lightning.inference.engine import ShardedModel
+from mtnlg_lightning.inference.requests import Request
 
 
 def vocab_parallel_token_scores(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int, group):
@@ -45,24 +45,27 @@ def vocab_parallel_token_scores(logits: torch.Tensor, targets: torch.Tensor, voc
     return logprob, argmax == targets
 
 
-class PipelineScorer:
-    """Scores requests with a `ShardedModel`; every rank returns every request's (log-likelihood, greedy).
+class Scorer:
+    """Scores requests with a `ShardedModel` (or a whole model in this process); every rank returns every request's
+    (sum of the targets' log-probabilities, greedy).
 
     split_over_dp: deal the batches over the data-parallel replicas (mtnlg-eval, DownstreamEval); False: this
     replica scores every request it is given (the harness adapter, whose evaluator already split them)."""
 
     def __init__(
         self,
-        model: ShardedModel,
+        model: ShardedModel | torch.nn.Module,
         batch_size: int = 16,
         micro_batch_size: int | None = None,
         split_over_dp: bool = True,
         progress: bool = False,
     ):
+        if not isinstance(model, ShardedModel):
+            model = ShardedModel.whole(model)
         self.model, self.batch_size, self.split_over_dp = model, batch_size, split_over_dp
         pp = model.layout.pipeline_parallel
         self.micro_batch_size = micro_batch_size or max(1, -(-batch_size // pp))  # PP micro-batches per batch
-        self.progress = progress and dist.get_rank() == 0
+        self.progress = progress and model.groups.rank == 0
         self.vocab = model.config.vocab_size
         self.max_len = model.config.max_position_embeddings
 
@@ -123,7 +126,7 @@ class PipelineScorer:
         groups = model.groups
         if model.layout.model_parallel > 1:
             source = model.layout.rank(model.holder[model.num_stages - 1], groups.coord.dp, 0)
-            box = [found if dist.get_rank() == source else None]
+            box = [found if groups.rank == source else None]
             dist.broadcast_object_list(box, src=source, group=groups.model_parallel_group)
             found = box[0]
         if self.split_over_dp and model.layout.data_parallel > 1:

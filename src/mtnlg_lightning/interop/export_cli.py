@@ -1,4 +1,5 @@
-"""`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face GPT-2 directory (also tools/export_hf.py).
+"""`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of its family (GPT-2, Llama,
+Qwen 2, Qwen 3; also tools/export_hf.py).
 
 The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUTPUT_DIR)`.
@@ -10,7 +11,7 @@ import argparse
 import os
 import sys
 
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 
@@ -18,9 +19,10 @@ from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-export-hf",
-        description="Export a checkpoint (any layout) to a Hugging Face GPT-2 directory: config.json, "
+        description="Export a checkpoint (any layout) to a Hugging Face directory of the family its block is (GPT-2, "
+        "Llama, Qwen 2 or Qwen 3: architectures, RoPE settings, tied or untied head): config.json, "
         "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
-        "(vocabulary trimmed to the tokenizer's, LM head tied), tokenizer files and generation_config.json "
+        "(vocabulary trimmed to the tokenizer's), tokenizer files and generation_config.json "
         "(<|endoftext|> as bos/eos). The weights are read and written a slice at a time (memory: a few shards, "
         "whatever the model size), to a temporary directory, then renamed.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -46,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     skip_final_garbage_collection()  # quick_exit.py: a quicker exit
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         require_extra("hf", "mtnlg-export-hf")  # before the checkpoint is read
         # After the extra check: these import torch (seconds), and `--help` or a missing extra answers at once.
+        from mtnlg_lightning.checkpoint.safetensors_shards import parse_size
         from mtnlg_lightning.interop.hf import export_hf, read_source
-        from mtnlg_lightning.interop.safetensors_shards import parse_size
         from mtnlg_lightning.outputs import check_output
 
         parse_size(args.max_shard_size)  # a bad size is one line before the checkpoint is read
@@ -63,21 +66,21 @@ def main(argv: list[str] | None = None) -> int:
         summary = export_hf(
             state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size
         )
-    except MTNLGError as error:
-        print(f"mtnlg-export-hf: error: {one_line(error)}", file=sys.stderr)
-        return 2
-    print(
-        f"wrote {summary['output']}: GPT-2, {state.config.num_layers} layers, hidden {state.config.hidden_size}, "
-        f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
-        f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
-    )
-    if summary["tokenizer"] is None:
         print(
-            "note: the checkpoint names no tokenizer, so none was written; re-run with --tokenizer PATH, or copy "
-            "tokenizer.json into the directory before loading it with AutoTokenizer",
-            file=sys.stderr,
+            f"wrote {summary['output']}: {summary['family']}, {state.config.num_layers} layers, "
+            f"hidden {state.config.hidden_size}, "
+            f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
+            f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
         )
-    return 0
+        if summary["tokenizer"] is None:
+            print(
+                "note: the checkpoint names no tokenizer, so none was written; re-run with --tokenizer PATH, or copy "
+                "tokenizer.json into the directory before loading it with AutoTokenizer",
+                file=sys.stderr,
+            )
+        return 0
+
+    return run_main("mtnlg-export-hf", body)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from mtnlg_lightning.parallel.deepspeed_compat import local_partition
 from mtnlg_lightning.parallel.zero import base_optimizer
 
 
@@ -59,7 +60,7 @@ def _bytes(tensors, exclude_storages: set[int] = frozenset()) -> int:
 
 
 def _param_storage(p: torch.Tensor) -> torch.Tensor:
-    return getattr(p, "ds_tensor", p)  # ZeRO-3: this rank's partition
+    return local_partition(p)  # ZeRO-3: this rank's partition
 
 
 def _optimizer_params(inner: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
 from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
-from mtnlg_lightning.parallel.zero import engine_backward, takes_gradients_in_hooks
+from mtnlg_lightning.parallel.zero import takes_gradients_in_hooks
 
 
 class TiedEmbedding:
@@ -36,6 +37,8 @@ class TiedEmbedding:
         """Collectively create the tie of every (dp, tp) coordinate; this rank's end, or None when it holds neither
         end or both (V-shaped schedules keep the single-process parameter sharing). Call after TP sharding: the
         tensors are the final ones."""
+        if not stage_models[0].config.tie_embeddings:  # an untied head is a parameter of the last stage alone
+            return None
         group, first_rank, last_rank = _embedding_group(groups.layout, schedule, virtual_stages, groups.rank)
         if group is None:
             return None

@@ -15,7 +15,6 @@ update veto around it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from mtnlg_lightning.config import deep_merge
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.parallel.deepspeed_compat import local_partition, moves_gradients_in_hooks
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
 
@@ -139,28 +139,11 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return engine
 
 
-@contextmanager
-def engine_backward(engine):
-    """The bookkeeping `engine.backward` does around a backward, for backwards that a pipeline schedule runs
-    (ZeRO-2 moves each micro-batch's gradients into its partitions from hooks that rely on it). Private DeepSpeed
-    internals: pinned by the version range above and exercised by the pp2 x dp2 ZeRO-2 equivalence test."""
-    engine.optimizer.clear_backward_seen_flag()
-    engine._running_engine_backward = True
-    engine._backward_prologue()
-    try:
-        yield
-    finally:
-        engine._backward_epilogue()
-        engine._running_engine_backward = False
-
-
 def takes_gradients_in_hooks(engine) -> bool:
     """Whether the engine moves each gradient out of `p.grad` from backward hooks, so a gradient added later must
     go through autograd: ZeRO-2 (into its partitions) and bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer with
     `immediate_grad_update`, into its fp32 accumulation buffers)."""
-    return bool(
-        engine.zero_optimization_partition_gradients() or getattr(engine.optimizer, "immediate_grad_update", False)
-    )
+    return bool(engine.zero_optimization_partition_gradients() or moves_gradients_in_hooks(engine.optimizer))
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -192,7 +175,7 @@ class UpdateSnapshot:
         inner = base_optimizer(optimizer)
         self._tensors = []
         for p in model.parameters():
-            self._tensors.append(getattr(p, "ds_tensor", p).data)  # ZeRO-3: this rank's partition
+            self._tensors.append(local_partition(p).data)  # ZeRO-3: this rank's partition
         for group in inner.param_groups:
             for p in group["params"]:
                 self._tensors.append(p.data)

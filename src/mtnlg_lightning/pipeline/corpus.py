@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtnlg_lightning.curation.jsonl import atomic_write, dumps_line, write_json_atomic
+from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line, write_json_atomic
 from mtnlg_lightning.curation.ngrams import words_of
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
 from mtnlg_lightning.data.builtin_corpus import demo_dir, stdlib_documents

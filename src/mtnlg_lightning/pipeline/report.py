@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtnlg_lightning.curation.jsonl import atomic_write, write_json_atomic
+from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
 
 
 @dataclass

@@ -20,12 +20,12 @@ REPO = Path(__file__).resolve().parents[3]
 TOOLS = REPO / "tools"
 # console script -> module it runs (pyproject's [project.scripts]); run as `python -m` so the pipeline needs no PATH
 CONSOLE_SCRIPTS = {
-    "mtnlg": "mtnlg_lightning.cli",
+    "mtnlg": "mtnlg_lightning.train.cli",
     "mtnlg-dedup": "mtnlg_lightning.curation.dedup_cli",
     "mtnlg-decontaminate": "mtnlg_lightning.curation.decontaminate_cli",
     "mtnlg-eval": "mtnlg_lightning.evaluation.cli",
     "mtnlg-export-hf": "mtnlg_lightning.interop.export_cli",
-    "mtnlg-generate": "mtnlg_lightning.generate",
+    "mtnlg-generate": "mtnlg_lightning.inference.generate_cli",
     "mtnlg-extract": "mtnlg_lightning.crawl.extract_cli",
     "mtnlg-quality": "mtnlg_lightning.crawl.quality_cli",
 }

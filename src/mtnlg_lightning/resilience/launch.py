@@ -2,7 +2,7 @@
 restart can fix, and an exit status that says what happened (`exit_codes.py`).
 
     python -m mtnlg_lightning.resilience.launch --nnodes 1 --nproc-per-node 8 --max-restarts 3 \\
-        -m mtnlg_lightning.cli fit --config ... --ckpt_path last
+        -m mtnlg_lightning.train.cli fit --config ... --ckpt_path last
 
 Differences from plain torchrun, whose agent restarts the group on any worker failure and exits 1 on every failure:
 - a configuration error (exit 2) or a preemption (exit 75) of any worker ends the run with that code; no restart

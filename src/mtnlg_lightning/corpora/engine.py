@@ -17,10 +17,9 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from mtnlg_lightning.corpora.jsonl import InputError
+from mtnlg_lightning.corpora.mapcache import clear_maps
 from mtnlg_lightning.extras import install_hint
-
-from .jsonl import InputError
-from .mapcache import clear_maps
 
 Task = Callable[[Any, Any], Any]
 

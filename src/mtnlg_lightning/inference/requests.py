@@ -1,4 +1,4 @@
-"""Log-likelihood scoring of token sequences with a plain `GPT`, batched (length-sorted, right-padded).
+"""What is scored: (context, continuation) pairs and rolling windows as token `Request`s.
 
 The rules are lm-evaluation-harness' (its `HFLM` backend), so scores agree with it:
 - a (context, continuation) pair is tokenized whole and split at the context's length, trailing spaces of the
@@ -13,10 +13,6 @@ The rules are lm-evaluation-harness' (its `HFLM` backend), so scores agree with 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -49,34 +45,3 @@ def rolling_requests(tokens: list[int], prefix: int | None, max_len: int, stride
         end = min(start + stride, len(y))
         out.append(Request(x[max(0, end - max_len) : end], y[start:end]))
     return out
-
-
-class Scorer:
-    """Scores `Request`s with `model` (eval mode, any device/dtype); log-softmax in fp32 over the real vocabulary."""
-
-    def __init__(self, model, batch_size: int = 16, progress: bool = False):
-        self.model, self.batch_size, self.progress = model, batch_size, progress
-        self.vocab = model.config.vocab_size
-        self.max_len = model.config.max_position_embeddings
-        self.device = model.embed.wte.weight.device
-
-    @torch.inference_mode()
-    def score(self, requests: list[Request], desc: str = "scoring") -> list[tuple[float, bool]]:
-        """(sum of target log-probabilities, greedy) per request, in the order given."""
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].inputs))  # similar lengths batch together
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        for batch in tqdm(batches, desc=desc, disable=not self.progress, leave=False):
-            width = len(requests[batch[0]].inputs)
-            tokens = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, i in enumerate(batch):
-                tokens[row, : len(requests[i].inputs)] = torch.tensor(requests[i].inputs)
-            logits = self.model(tokens.to(self.device))[..., : self.vocab]
-            for row, i in enumerate(batch):
-                r = requests[i]
-                end = len(r.inputs)
-                logprobs = F.log_softmax(logits[row, end - len(r.targets) : end].float(), dim=-1)
-                target = torch.tensor(r.targets, device=logprobs.device)
-                total = logprobs.gather(-1, target[:, None]).sum().item()
-                results[i] = (total, bool((logprobs.argmax(-1) == target).all()))
-        return results

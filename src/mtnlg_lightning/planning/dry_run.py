@@ -10,15 +10,15 @@ import yaml
 from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import ALIASES, GPUS
-from mtnlg_lightning.inference_plan import inference_report
-from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
 from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
-from mtnlg_lightning.planner import format_plan, plan
+from mtnlg_lightning.planning.inference_plan import inference_report
+from mtnlg_lightning.planning.planner import format_plan, plan
+from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 
-STRATEGY = "mtnlg_lightning.strategy.MegatronDeepSpeedStrategy"
+STRATEGY = "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
 
 
 def load_configs(paths: list[str]) -> dict:
@@ -61,8 +61,8 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
     trainer, model_args = config.get("trainer") or {}, config.get("model") or {}
     strategy = _init_args(trainer.get("strategy"), str(trainer.get("strategy")))
     # The module and the strategy import Lightning (seconds): a config that fails to load is reported first.
-    from mtnlg_lightning.module import MTNLGModule
-    from mtnlg_lightning.strategy import MegatronDeepSpeedStrategy
+    from mtnlg_lightning.train.module import MTNLGModule
+    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
     _check_keys(strategy, MegatronDeepSpeedStrategy, "trainer.strategy.init_args")
     _check_keys(model_args, MTNLGModule, "model")

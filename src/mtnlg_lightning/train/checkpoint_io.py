@@ -18,7 +18,7 @@ from mtnlg_lightning.checkpoint.sharded import (
     write_and_publish,
 )
 from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, weight_key
-from mtnlg_lightning.optimizer_recipe import decay_groups
+from mtnlg_lightning.train.optimizer_recipe import decay_groups
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
 

@@ -15,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 
 from tqdm.auto import tqdm
 
-from .jsonl import write_json_atomic
+from mtnlg_lightning.corpora.jsonl import write_json_atomic
 
 
 class StageHooks:

@@ -10,15 +10,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
-from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.errors import MTNLGError, one_line, run_main
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.module import MTNLGModule
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+from mtnlg_lightning.train.module import MTNLGModule
 
 
 class OneLineParser(LightningArgumentParser):
@@ -120,27 +119,30 @@ def _wandb_configured() -> bool:
     return os.path.exists(netrc) and "api.wandb.ai" in open(netrc, encoding="utf-8", errors="ignore").read()
 
 
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None) -> int:
     skip_final_garbage_collection()  # quick_exit.py: a quicker exit
     if "WANDB_MODE" not in os.environ and not _wandb_configured():
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
-    try:
-        cli = MTNLGCLI(
-            MTNLGModule,
-            GPTDataModule,
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            parser_class=OneLineParser,
-        )
-    except (MTNLGError, MisconfigurationException, UnicodeDecodeError) as error:
-        if isinstance(error, UnicodeDecodeError):  # a config file in another encoding
-            error = MTNLGError(f"a config file is not UTF-8 text ({error.reason} at byte {error.start})")
-        if getattr(rank_zero_only, "rank", 0) == 0:  # every rank fails alike: one message, from rank 0
-            print(f"mtnlg: error: {one_line(error)}", file=sys.stderr)
-        sys.exit(ExitCode.CONFIG_ERROR)
-    _destroy_process_group()
-    if any(getattr(cb, "stopped_at", None) is not None for cb in cli.trainer.callbacks):
-        sys.exit(ExitCode.PREEMPTED)  # saved and stopped on a signal: requeue me (resilience/exit_codes.py)
+
+    def body() -> int:
+        try:
+            cli = MTNLGCLI(
+                MTNLGModule,
+                GPTDataModule,
+                save_config_kwargs={"overwrite": True},
+                args=args,
+                parser_class=OneLineParser,
+            )
+        except MisconfigurationException as error:  # Lightning's word for a bad trainer setting
+            raise MTNLGError(one_line(error)) from None
+        except UnicodeDecodeError as error:  # a config file in another encoding
+            raise MTNLGError(f"a config file is not UTF-8 text ({error.reason} at byte {error.start})") from None
+        _destroy_process_group()
+        if any(getattr(cb, "stopped_at", None) is not None for cb in cli.trainer.callbacks):
+            return ExitCode.PREEMPTED  # saved and stopped on a signal: requeue me (resilience/exit_codes.py)
+        return 0
+
+    return run_main("mtnlg", body)
 
 
 def _destroy_process_group() -> None:
@@ -150,4 +152,4 @@ def _destroy_process_group() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

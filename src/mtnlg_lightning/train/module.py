@@ -12,20 +12,20 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from mtnlg_lightning.checkpoint.lightning_io import ModelSpaceCheckpointIO
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.model import build_model, compile_blocks
-from mtnlg_lightning.optimizer_recipe import build_adamw
-from mtnlg_lightning.peak_memory import StepPeakMemory
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
-from mtnlg_lightning.step_interfaces import (
+from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
+from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
+from mtnlg_lightning.train.optimizer_recipe import build_adamw
+from mtnlg_lightning.train.peak_memory import StepPeakMemory
+from mtnlg_lightning.train.step_interfaces import (
     GradientUpdater,
     ModelBuiltHook,
     PipelineExecutor,
@@ -33,7 +33,7 @@ from mtnlg_lightning.step_interfaces import (
     Veto,
     apply_unless_vetoed,
 )
-from mtnlg_lightning.training_position import TrainingPosition
+from mtnlg_lightning.train.training_position import TrainingPosition
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,33 +1,16 @@
-"""Shared CLI plumbing: one-line errors with exit status 2 for bad input, no tracebacks."""
+"""Shared CLI plumbing of the data tools: their parser, flags and checks (errors end through `errors.run_main`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
+from mtnlg_lightning.corpora.engine import available_cores
+from mtnlg_lightning.errors import EXIT_BAD_INPUT
 from mtnlg_lightning.extras import install_hint, missing_modules
 
-from .engine import available_cores
-from .jsonl import InputError
-
-EXIT_BAD_INPUT = 2
-EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
-
-
-def run_cli(prog: str, body: Callable[[], int]) -> int:
-    try:
-        return body()
-    except InputError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; finished stages are kept, re-run the same command to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except OSError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
+# What a curation tool keeps when interrupted (its stages are resumable).
+INTERRUPTED = "interrupted; finished stages are kept, re-run the same command to resume"
 
 
 def int_at_least(minimum: int):

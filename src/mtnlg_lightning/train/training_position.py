@@ -9,7 +9,8 @@ checkpoint, the data module and the checkpoint read them: each through `Training
 
 from __future__ import annotations
 
-from mtnlg_lightning.lr_batch_schedules import BatchSizeSchedule
+from mtnlg_lightning.train import lightning_compat
+from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 
 
 class TrainingPosition:
@@ -69,9 +70,5 @@ class TrainingPosition:
 def set_global_step(trainer, step: int) -> None:
     """Write Lightning's step counter: the one place that does. Under manual optimization Lightning counts a step
     only when `LightningOptimizer.step()` runs; the update primitives apply the update without that wrapper (under
-    ZeRO the engine applies it; a vetoed update applies nothing), so every step is counted here instead. The
-    `current` (this fit) counter moves by the same amount as the total, as Lightning's own increments do."""
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-    delta = int(step) - progress.total.completed
-    progress.total.ready = progress.total.completed = int(step)
-    progress.current.ready = progress.current.completed = max(0, progress.current.completed + delta)
+    ZeRO the engine applies it; a vetoed update applies nothing), so every step is counted here instead."""
+    lightning_compat.set_optimizer_steps(trainer, step)

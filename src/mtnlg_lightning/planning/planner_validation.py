@@ -10,12 +10,12 @@ from pathlib import Path
 import yaml
 
 from mtnlg_lightning.config import ModelConfig
-from mtnlg_lightning.cost_model import IMPLEMENTATIONS
-from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.flops import flops_per_iteration
-from mtnlg_lightning.planner import Plan, best_per_layout, plan, search
+from mtnlg_lightning.errors import MTNLGError, one_line
+from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.planner import Plan, best_per_layout, plan, search
+from mtnlg_lightning.train.flops import flops_per_iteration
 
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "validation" / "published_runs.yaml"
+DEFAULT_PATH = Path(__file__).resolve().parents[3] / "validation" / "published_runs.yaml"
 METRICS = ("tflops_per_gpu_with_recompute", "model_tflops_per_gpu", "iteration_seconds")
 UNITS = {
     "tflops_per_gpu_with_recompute": "{:g} TFLOP/s (recompute counted)",
@@ -50,7 +50,18 @@ class PublishedRun:
 
 
 def load_runs(path: str | Path = DEFAULT_PATH) -> tuple[dict, list[PublishedRun]]:
-    data = yaml.safe_load(Path(path).read_text())
+    """The published runs of a YAML file; a missing file, bad YAML or a missing field is one line."""
+    try:
+        return _parse_runs(path, yaml.safe_load(Path(path).read_text(encoding="utf-8")))
+    except (OSError, yaml.YAMLError) as error:
+        raise MTNLGError(f"{path}: {one_line(error)}") from None
+    except (KeyError, TypeError, ValueError) as error:
+        if isinstance(error, MTNLGError):
+            raise
+        raise MTNLGError(f"{path}: not a published-runs file ({type(error).__name__}: {one_line(error)})") from None
+
+
+def _parse_runs(path, data) -> tuple[dict, list[PublishedRun]]:
     sources, runs = data["sources"], []
     for row in data["runs"]:
         if row["source"] not in sources or row["implementation"] not in IMPLEMENTATIONS:

@@ -1,0 +1,98 @@
+"""Every DeepSpeed internal the project relies on, reached through this one module.
+
+Two jobs need DeepSpeed's internals: running a backward that torch's pipeline schedule drives (not
+`engine.backward`) under ZeRO-2, and reading or writing one parameter's slice of the ZeRO partitions for the
+layout-independent checkpoints beyond what `deepspeed.utils.safe_get_full_*` offers (ZeRO-1/2 fragments without a
+collective, re-linking the fragments after the moments are created). The version range is pinned in
+`pyproject.toml`; when a release moves a name, `tests/test_framework_compat.py` fails naming it, and this module is
+the only place to change.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+# "module:attribute.path" -> who needs it. Attributes DeepSpeed sets on live objects (a parameter's `ds_id`, an
+# optimizer's `_hp_optimizer_states_linked`) are checked on a small engine by the test instead; they are named in
+# RUNTIME_NAMES.
+PRIVATE_NAMES = {
+    "deepspeed.runtime.engine:DeepSpeedEngine._backward_prologue": "engine_backward",
+    "deepspeed.runtime.engine:DeepSpeedEngine._backward_epilogue": "engine_backward",
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.clear_backward_seen_flag": "engine_backward",
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state": (
+        "relink_moment_fragments"
+    ),
+    "deepspeed.runtime.bf16_optimizer:BF16_Optimizer._lazy_init_hp_params_optimizer_state": "relink_moment_fragments",
+}
+RUNTIME_NAMES = {
+    "engine._running_engine_backward": "engine_backward",
+    "ZeRO-1/2 optimizer._hp_optimizer_states_linked": "relink_moment_fragments",
+    "ZeRO-1/2 parameter._hp_mapping (lp_fragment_address, get_optim_state_fragment)": "fragment_mapping",
+    "ZeRO-3 parameter.ds_id, .ds_tensor, .ds_shape": "is_partitioned, local_partition, full_shape",
+    "ZeRO-3 optimizer.fp32_partitioned_groups_flat": "fp32_flat_partitions",
+}
+
+
+@contextmanager
+def engine_backward(engine):
+    """The bookkeeping `engine.backward` does around a backward, for backwards that a pipeline schedule runs
+    (ZeRO-2 moves each micro-batch's gradients into its partitions from hooks that rely on it)."""
+    engine.optimizer.clear_backward_seen_flag()
+    engine._running_engine_backward = True
+    engine._backward_prologue()
+    try:
+        yield
+    finally:
+        engine._backward_epilogue()
+        engine._running_engine_backward = False
+
+
+def moves_gradients_in_hooks(optimizer) -> bool:
+    """bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer with `immediate_grad_update`) moves each gradient into its fp32
+    accumulation buffer from a backward hook."""
+    return bool(getattr(optimizer, "immediate_grad_update", False))
+
+
+# ------------------------------------------------------------------------------------------- ZeRO-3 parameters
+def is_partitioned(param: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter: the tensor itself holds nothing between uses; its partition is `local_partition`."""
+    return hasattr(param, "ds_id")
+
+
+def local_partition(param: torch.Tensor) -> torch.Tensor:
+    """This rank's partition of a ZeRO-3 parameter, else the parameter."""
+    return getattr(param, "ds_tensor", param)
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape, also for a ZeRO-3 parameter (whose tensor is empty between uses)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def fp32_flat_partitions(optimizer) -> list[torch.Tensor] | None:
+    """ZeRO-3's fp32 sub-group partitions (swapped in and out of the inner param groups at each step); None for
+    other optimizers."""
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    return list(flats) if flats is not None else None
+
+
+# ------------------------------------------------------------------------------------------- ZeRO-1/2 fragments
+def fragment_mapping(param: torch.Tensor):
+    """ZeRO-1/2's map from a parameter to its flat range in this rank's partition (`lp_fragment_address` with
+    `start` and `numel`, `get_optim_state_fragment(name)`); None where this rank's partition holds none of it, or
+    for a parameter DeepSpeed does not map."""
+    return getattr(param, "_hp_mapping", None)
+
+
+def has_fragment_mapping(param: torch.Tensor) -> bool:
+    return hasattr(param, "_hp_mapping")
+
+
+def relink_moment_fragments(optimizer) -> None:
+    """ZeRO-1/2 give each parameter views into the moments of its flat partition only when asked (and may have
+    been asked before the moments existed): (re)link them."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()

@@ -1,0 +1,393 @@
+"""The Lightning Strategy: a thin adapter wiring the layout, tensor parallelism and ZeRO into Lightning's loop.
+
+    trainer:
+      strategy:
+        class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy
+        init_args: {tensor_parallel: 2, zero_stage: 1}
+
+At start-up every rank builds the same `ParallelLayout` (pp, dp, tp; TP innermost), validates it against the
+model, creates its process groups and rank 0 prints the table. `setup` applies the layout (`parallelize_gpt`) and
+either keeps the module's optimizer with a plain DP all-reduce (`zero_stage: 0`) or hands model shard + optimizer
+to DeepSpeed ZeRO over the DP group (1, 2, 3). The module owns the training step; this class supplies its
+primitives (`step_interfaces.PipelineExecutor`, `GradientUpdater`). Works under Lightning's launcher, torchrun and
+SLURM (Lightning's cluster environments).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+
+from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
+from mtnlg_lightning.checkpoint.commit import remove_checkpoint
+from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.parallel.clip import clip_grad_norm_
+from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
+from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
+from mtnlg_lightning.parallel.parallelize import (
+    ParallelGPT,
+    PipelineParallelSettings,
+    check_model_fits,
+    parallelize_gpt,
+)
+from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, schedule_class
+from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
+from mtnlg_lightning.parallel.zero import (
+    ModelParallelUnit,
+    build_deepspeed_config,
+    engine_update,
+    initialize_engine,
+)
+from mtnlg_lightning.resilience.restart import process_group_store
+from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
+from mtnlg_lightning.train import lightning_compat
+from mtnlg_lightning.train.step_interfaces import Veto, apply_unless_vetoed
+
+
+class MegatronDeepSpeedStrategy(ParallelStrategy):
+    strategy_name = "megatron_deepspeed"
+
+    def __init__(
+        self,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        pipeline_schedule: str = "1f1b",
+        virtual_pipeline_stages: int | None = None,
+        first_stage_layers: int | None = None,
+        last_stage_layers: int | None = None,
+        zero_stage: int = 1,
+        gpus_per_node: int | None = None,
+        allow_tp_across_nodes: bool = False,
+        sequence_parallel: bool = False,
+        deepspeed_config: dict | None = None,
+        print_layout: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        async_save: bool = False,
+    ) -> None:
+        """
+        Args:
+            tensor_parallel: Megatron TP degree (heads, MLP and vocabulary split); TP groups are consecutive ranks.
+            pipeline_parallel: pipeline stages (outermost in the layout; usually one hop across nodes).
+            pipeline_schedule: a `torch.distributed.pipelining` schedule: 1f1b (MT-NLG's), interleaved_1f1b,
+                gpipe, looped_bfs, zbv_zero_bubble.
+            virtual_pipeline_stages: stages per rank (interleaved schedules); default 2 for interleaved_1f1b,
+                looped_bfs and zbv_zero_bubble, else 1.
+            first_stage_layers, last_stage_layers: explicit block counts for the first/last stage (they also hold
+                the embedding and the LM head); default: balanced by blocks (105 layers / 35 stages = 3 each).
+            zero_stage: 0 = plain data-parallel all-reduce with the module's optimizer; 1, 2, 3 = DeepSpeed ZeRO
+                over the data-parallel group (optimizer states / + gradients / + parameters partitioned).
+            gpus_per_node: ranks per node for the topology; default from LOCAL_WORLD_SIZE or trainer.devices.
+            allow_tp_across_nodes: accept TP groups that span nodes (slow: TP all-reduces leave NVLink).
+            sequence_parallel: Megatron sequence parallelism (needs tensor_parallel > 1, seq_len divisible by it):
+                LayerNorm/dropout/residual activations sharded along the sequence over the TP group.
+            deepspeed_config: extra DeepSpeed config merged over the generated one (e.g. ZeRO bucket sizes).
+            print_layout: rank 0 prints the rank -> node / (pp, dp, tp) / groups table at start-up.
+            process_group_backend: default nccl on CUDA, gloo on CPU.
+            timeout: collective timeout of the process groups at initialisation; default: the hang watchdog's
+                startup limit. While fitting, `resilience.watchdog.HangWatchdog` sets it to the limit of each phase
+                (+30 s): the step limit after the first step, the save and eval limits for those.
+            async_save: checkpoints are copied to host memory at the save and written in the background while
+                training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
+        """
+        super().__init__()
+        self.tensor_parallel, self.pipeline_parallel, self.zero_stage = tensor_parallel, pipeline_parallel, zero_stage
+        self.pipeline_schedule = pipeline_schedule
+        self.virtual_pipeline_stages = virtual_pipeline_stages or (2 if pipeline_schedule in MULTI_STAGE else 1)
+        self.first_stage_layers, self.last_stage_layers = first_stage_layers, last_stage_layers
+        self.parallel: ParallelGPT | None = None  # this rank's model part, set once by setup
+        self.gpus_per_node, self.allow_tp_across_nodes = gpus_per_node, allow_tp_across_nodes
+        self.sequence_parallel = sequence_parallel
+        self.extra_deepspeed_config = deepspeed_config or {}
+        self.print_layout = print_layout
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.async_save = async_save
+        self.background_saver: BackgroundSaver | None = None
+        self.layout: ParallelLayout | None = None
+        self.groups: ProcessGroups | None = None
+        self.engine = None  # the DeepSpeed engine when zero_stage >= 1
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning reads this for custom strategies: `sync_dist=True` logging then reduces
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the shards and the engine must exist before states are loaded into them
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores model and optimizer shards itself
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.groups.data_parallel_rank if self.groups else self.global_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.groups.data_parallel_size if self.groups else self.world_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    def _check_arguments(self) -> None:
+        # Here rather than in __init__: the CLI's argument parser would bury the message in its own report.
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise MTNLGError(f"zero_stage {self.zero_stage} is not one of 0 (plain DP), 1, 2, 3")
+        if self.zero_stage >= 1:  # before any process is launched or data is built
+            require_extra("deepspeed", f"zero_stage {self.zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
+        schedule_class(self.pipeline_schedule)  # unknown names fail here with the list of known ones
+        multi = self.pipeline_schedule in MULTI_STAGE
+        if multi != (self.virtual_pipeline_stages > 1):
+            raise MTNLGError(
+                f"pipeline_schedule {self.pipeline_schedule} takes "
+                f"{'2 or more' if multi else '1'} virtual_pipeline_stages, got {self.virtual_pipeline_stages}"
+            )
+        if self.pipeline_parallel > 1 and self.zero_stage == 3:
+            raise MTNLGError(
+                "zero_stage 3 partitions parameters a pipeline stage needs whole: use zero_stage 1 or "
+                "2 with pipeline_parallel > 1"
+            )
+        if self.pipeline_schedule in V_SHAPED and self.zero_stage == 2:
+            raise MTNLGError(
+                f"pipeline_schedule {self.pipeline_schedule} splits the backward in two, which ZeRO-2's "
+                f"gradient bookkeeping does not follow: use zero_stage 0 or 1 with it"
+            )
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise MTNLGError("sequence_parallel shards over the tensor-parallel group: it needs tensor_parallel > 1")
+
+    def _configure_launcher(self) -> None:
+        self._check_arguments()
+        if not self.cluster_environment.creates_processes_externally:
+            # Lightning will spawn the ranks: check the layout first, so a bad one is one line from one process.
+            ParallelLayout(
+                self.num_nodes * self.num_processes,
+                self.tensor_parallel,
+                self.pipeline_parallel,
+                self.gpus_per_node or self.num_processes or None,
+                self.allow_tp_across_nodes,
+            )
+            lightning_compat.use_subprocess_launcher(self)
+
+    def setup_environment(self) -> None:
+        self._check_arguments()
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        # Validate before any collective: every rank fails the same way, at once, with one line.
+        self.layout = self._build_layout()
+        backend = self._process_group_backend or lightning_compat.default_process_group_backend(self.root_device)
+        self._process_group_backend = backend
+        timeout = self._timeout or startup_collective_timeout()
+        # A fresh key namespace per torchrun attempt: restarts never read a dead peer's address.
+        kwargs: dict[str, Any] = {"timeout": timeout, **process_group_store(timeout)}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        lightning_compat.init_process_group(self.cluster_environment, backend, **kwargs)
+        self.groups = ProcessGroups.create(self.layout, backend=backend)
+        if self.async_save:  # its own group: the writer thread's collectives never meet the training's
+            group = dist.new_group(backend="gloo", timeout=save_collective_timeout())
+            keep_own_timeout(group)  # it waits for the slowest rank's write, while the steps have shorter limits
+            self.background_saver = BackgroundSaver(group)
+        if self.print_layout:
+            rank_zero_info(self.layout.table())
+
+    def _build_layout(self) -> ParallelLayout:
+        gpus_per_node = self.gpus_per_node or gpus_per_node_from_env(self.num_processes or None)
+        layout = ParallelLayout(
+            self.world_size, self.tensor_parallel, self.pipeline_parallel, gpus_per_node, self.allow_tp_across_nodes
+        )
+        config = getattr(self.lightning_module, "config", None)
+        if config is not None:
+            check_model_fits(layout, config, self.pipeline_settings, self.sequence_parallel)
+        return layout
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        module = self.lightning_module
+        if self.parallel is None:
+            self.parallel = parallelize_gpt(
+                module.model, self.groups, self.root_device, self.pipeline_settings, self.sequence_parallel
+            )
+            module.model = self.parallel.model
+            if self.parallel.loss_fn is not None:
+                module.loss_fn = self.parallel.loss_fn
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            lightning_compat.reset_optimizers_and_schedulers(self)
+            self.setup_optimizers(trainer)
+            if self.zero_stage >= 1:
+                config = build_deepspeed_config(
+                    self.zero_stage,
+                    module.micro_batch_size,
+                    module.grad_clip,
+                    str(trainer.precision),
+                    self.extra_deepspeed_config,
+                    shard_numel=sum(p.numel() for p in module.model.parameters()),
+                )
+                self.engine = initialize_engine(
+                    module.model, self.optimizers[0], config, ModelParallelUnit(self.groups)
+                )
+                self.optimizers = [self.engine.optimizer]
+                if self.tied_embedding is not None:
+                    self.tied_embedding.use_engine(self.engine)
+            if self.pipeline is not None and self.zero_stage == 2:
+                self.pipeline.backward_context = lambda: engine_backward(self.engine)
+        self.setup_precision_plugin()
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        return self.parallel.pipeline if self.parallel is not None else None
+
+    @property
+    def tied_embedding(self) -> TiedEmbedding | None:
+        return self.parallel.tied_embedding if self.parallel is not None else None
+
+    @property
+    def pipeline_settings(self) -> PipelineParallelSettings:
+        return PipelineParallelSettings(
+            self.pipeline_schedule, self.virtual_pipeline_stages, self.first_stage_layers, self.last_stage_layers
+        )
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def barrier(self, name: str | None = None) -> None:
+        if lightning_compat.distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not lightning_compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        """Logged values (`sync_dist=True`): the mean over the world. TP ranks hold the same loss, so this is
+        the mean over the data-parallel replicas; rank 0 logs it once."""
+        if not isinstance(tensor, torch.Tensor) or not lightning_compat.distributed_is_initialized():
+            return tensor
+        return lightning_compat.sync_ddp(tensor, group, reduce_op)
+
+    def teardown(self) -> None:
+        if self.background_saver is not None:
+            self.background_saver.wait()  # the last save is published before fit returns
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ step primitives (step_interfaces.py)
+    @property
+    def is_pipelined(self) -> bool:
+        return self.pipeline is not None
+
+    def run_pipeline(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool) -> torch.Tensor:
+        """The schedule runs this rank's micro-batches (Lightning's backward is not used); the loss, computed on the
+        last stage, is broadcast along the pipeline."""
+        loss = self.pipeline.run(tokens, micro_batch_size, loss_fn, train=train)
+        if train and self.tied_embedding is not None:
+            self.tied_embedding.after_backward()
+        return loss
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        return self.engine if self.engine is not None else self.lightning_module.model
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self.engine is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.engine.backward(closure_loss)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
+        """Reduce over DP, clip by the global norm (TP shards counted once each, all stages), veto, apply or discard;
+        the pre-clip norm. ZeRO: the engine's one fused `step()` (`zero.engine_update`, undone when vetoed); plain
+        DP: one flat all-reduce and the clipping here, then the module's optimizer. Either way the last stage's
+        LM-head copy then receives the (updated or unchanged) embedding."""
+        model = self.lightning_module.model
+        if self.engine is not None:
+            grad_norm = engine_update(self.engine, model, veto, self.root_device)
+        else:
+            grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, self.groups, self.root_device)
+            apply_unless_vetoed(self, optimizer, grad_norm, veto)
+        if self.tied_embedding is not None:
+            self.tied_embedding.after_update()
+        return grad_norm
+
+    # ------------------------------------------------------------------ checkpoints: model space, any layout
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # shards are written by save_checkpoint
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return {}
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """The layout-independent format (checkpoint/format.py): every rank writes its pieces, the manifest last."""
+        save_sharded(self, checkpoint, Path(self.broadcast(str(filepath))), self.background_saver)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Any checkpoint of this format, whatever layout or ZeRO stage wrote it."""
+        if self.background_saver is not None:
+            self.background_saver.wait()
+        state = load_sharded(self, Path(self.broadcast(str(checkpoint_path))))
+        if self.tied_embedding is not None:
+            self.tied_embedding.after_load()
+        return state
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.background_saver is not None:  # keep-last-k: remove the older one only after the newer is published
+            if self.is_global_zero:
+                self.background_saver.after_publish(lambda: remove_checkpoint(filepath))
+            return
+        self.barrier()
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.background_saver is not None:
+            self.background_saver.abandon()  # the peers may be gone: never wait on the writer's collectives
