@@ -13,8 +13,8 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
 from mtnlg_lightning.corpora.cli_common import int_at_least
+from mtnlg_lightning.corpora.commit import check_output
 from mtnlg_lightning.errors import run_main
-from mtnlg_lightning.outputs import check_output
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,8 @@ plain/gzip/zstd, JSON arrays, parquet). The work is split into read tasks: a com
 task, a plain JSON-lines file is split into byte ranges at line starts (``range_bytes``), so that one large file
 keeps every worker busy. With several workers each task writes its own part dataset and the parts are merged in
 task order, so the output is byte-identical whatever the number of workers; memory holds a batch of texts per
-worker, never a file.
+worker, never a file. Inputs, the tokenizer and the output prefix may be URLs: inputs stream in ranged requests,
+an output URL is written locally and committed when complete (the ``.idx`` last).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from mtnlg_lightning.corpora import storage
+from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
 from mtnlg_lightning.corpora.jsonl import count_lines_before, iter_lines, line_starts_plan
 from mtnlg_lightning.corpora.readers import batched, iter_records
@@ -35,7 +38,7 @@ from mtnlg_lightning.corpora.records import (
 )
 from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
 from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
-from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.data.tokenizer import Tokenizer, local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
 
 RANGE_BYTES = 64 << 20
@@ -60,7 +63,7 @@ class ReadTask:
 
     @property
     def size(self) -> int:
-        return (self.end - self.start) if self.end is not None else os.path.getsize(self.file.path)
+        return (self.end - self.start) if self.end is not None else storage.getsize(self.file.path)
 
 
 def plan_read_tasks(inputs: list[str], range_bytes: int = RANGE_BYTES) -> list[ReadTask]:
@@ -68,7 +71,7 @@ def plan_read_tasks(inputs: list[str], range_bytes: int = RANGE_BYTES) -> list[R
     tasks = []
     for f in expand_inputs(inputs):
         fmt = detect(f.path)
-        if fmt.plain_jsonl and os.path.getsize(f.path) > range_bytes:
+        if fmt.plain_jsonl and storage.getsize(f.path) > range_bytes:
             tasks += [ReadTask(f, fmt, s, e) for s, e in line_starts_plan(f.path, range_bytes)]
         else:
             tasks.append(ReadTask(f, fmt))
@@ -158,7 +161,13 @@ def preprocess(
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     start = time.perf_counter()
     policy = BadRecordPolicy(on_bad_record)
+    target = output_prefix
+    if storage.is_url(target):  # written here, committed to the URL when complete
+        check_writable(target)
+        shutil.rmtree(scratch_dir(target), ignore_errors=True)
+        output_prefix = os.path.join(scratch_dir(target), storage.basename(target))
     tasks = plan_read_tasks(inputs, range_bytes)
+    tokenizer_path = local_tokenizer(tokenizer_path)  # fetched once, not by every worker
     tokenizer = Tokenizer(tokenizer_path)
     dtype = best_dtype(tokenizer.vocab_size)
     input_bytes = sum(t.size for t in tasks)
@@ -192,11 +201,18 @@ def preprocess(
         writer.finalize()
     except BaseException:
         writer.abort()
+        if target != output_prefix:
+            shutil.rmtree(os.path.dirname(output_prefix), ignore_errors=True)
         raise
     finally:
         bar.close()
         if parts_dir is not None:
             shutil.rmtree(parts_dir, ignore_errors=True)
+    if target != output_prefix:
+        try:
+            commit([(output_prefix + s, target + s) for s in (".bin", ".idx")], markers=1)  # the index marks it whole
+        finally:
+            shutil.rmtree(os.path.dirname(output_prefix), ignore_errors=True)
     summary = PreprocessSummary(documents, tokens, input_bytes, time.perf_counter() - start, policy.summary())
     return summary
 
