@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO
 
 import numpy as np
@@ -31,21 +31,25 @@ def compressed_output(path: str, compression: str, fsync: bool = False) -> Itera
             stream.close()  # the compressor's end of frame; ``raw`` stays open for atomic_write to finish
 
 
-def encode_jsonl(plain: str, dest: str, fmt: Format, fsync: bool = True) -> None:
-    """``plain`` (JSON lines) to ``dest`` as ``fmt`` ("jsonl" or "json" in any compression), atomically."""
-    with open(plain, "rb") as src, compressed_output(dest, fmt.compression, fsync=fsync) as out:
-        if fmt.kind != "json":
-            shutil.copyfileobj(src, out, 1 << 22)
-            return
-        out.write(b"[")
+def encode_jsonl(plain: str | Sequence[str], dest: str, fmt: Format, fsync: bool = True) -> None:
+    """``plain`` (JSON lines; several files are read one after the other) to ``dest`` as ``fmt`` ("jsonl" or
+    "json" in any compression), atomically."""
+    sources = [plain] if isinstance(plain, str) else list(plain)
+    with compressed_output(dest, fmt.compression, fsync=fsync) as out:
         first = True
-        for line in src:
-            line = line.rstrip(b"\r\n")
-            if line:
-                out.write(b"\n" if first else b",\n")
-                out.write(line)
-                first = False
-        out.write(b"\n]\n")
+        for source in sources:
+            with open(source, "rb") as src:
+                if fmt.kind != "json":
+                    shutil.copyfileobj(src, out, 1 << 22)
+                    continue
+                for line in src:
+                    line = line.rstrip(b"\r\n")
+                    if line:
+                        out.write(b"[\n" if first else b",\n")
+                        out.write(line)
+                        first = False
+        if fmt.kind == "json":
+            out.write(b"[\n]\n" if first else b"\n]\n")
 
 
 def filter_parquet(src: str, dest: str, keep_rows: np.ndarray, fsync: bool = True) -> int:

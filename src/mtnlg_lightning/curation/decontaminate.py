@@ -25,6 +25,7 @@ from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
+from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
@@ -196,8 +197,16 @@ class DecontamJob:
             for i, (s, e) in enumerate(ranges)
         ]
 
+    def mirror(self) -> WorkMirror | None:
+        """With an output URL on Ray: the work folder's twin in the store, for workers on other machines."""
+        if storage.is_url(self.out_dir) and self.cfg.engine == "ray":
+            return WorkMirror(self.local_dir, storage.join(self.out_dir, MIRROR_PREFIX))
+        return None
+
     def cleanup_after_error(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+        if self.mirror() is not None:
+            storage.remove(self.mirror().remote_root, recursive=True)
         for d in self.created_dirs:  # innermost first
             try:
                 os.rmdir(d)
@@ -210,7 +219,7 @@ class DecontamJob:
         t0 = time.perf_counter()
         index = load_tasks(cfg.tasks, cfg.max_ngram, cfg.min_ngram)
         t_tasks = time.perf_counter() - t0
-        engine = make_engine(cfg.engine, cfg.workers, cfg.ray_address)
+        engine = make_engine(cfg.engine, cfg.workers, cfg.ray_address, self.mirror())
         try:
             try:
                 shards = self.prepare(engine)
@@ -258,6 +267,8 @@ class DecontamJob:
         shutil.rmtree(self.work, ignore_errors=True)
         if storage.is_url(self.out_dir):
             shutil.rmtree(self.local_dir, ignore_errors=True)
+        if self.mirror() is not None:
+            storage.remove(self.mirror().remote_root, recursive=True)
         return report
 
     def _name(self, output: str) -> str:

@@ -23,6 +23,7 @@ from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
+from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
@@ -255,10 +256,18 @@ class DedupJob:
             estimate_margin=cfg.estimate_margin,
         )
 
+    def mirror(self) -> WorkMirror | None:
+        """With an output URL on Ray: the work folder's twin in the store, for workers on other machines."""
+        if self.remote and self.cfg.engine == "ray":
+            return WorkMirror(self.local_out, storage.join(self.out, MIRROR_PREFIX))
+        return None
+
     def cleanup_after_error(self) -> None:
-        """Bad input: leave nothing of this run behind (its work folder, the output folder if it made it); the
-        previous outputs, if any, are untouched."""
+        """Bad input: leave nothing of this run behind (its work folder, the output folder if it made it, the work
+        folder's twin in the store); the previous outputs, if any, are untouched."""
         shutil.rmtree(self.work, ignore_errors=True)
+        if self.mirror() is not None:
+            storage.remove(self.mirror().remote_root, recursive=True)
         if self.created_out:
             try:
                 os.rmdir(self.local_out)
@@ -295,6 +304,8 @@ class DedupJob:
         commit([(os.path.join(final, n), storage.join(self.out, n)) for n in names], point=self.hooks.point)
         if not self.cfg.keep_work:
             shutil.rmtree(self.local_out, ignore_errors=True)
+            if self.mirror() is not None:
+                storage.remove(self.mirror().remote_root, recursive=True)
         return report
 
     def build_report(self, runner: StageRunner) -> dict:
@@ -358,7 +369,8 @@ class DedupJob:
 
     def run(self) -> dict:
         self.validate()
-        engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address)  # before touching OUT
+        # before touching OUT
+        engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address, self.mirror())
         try:
             runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.hooks)
             try:

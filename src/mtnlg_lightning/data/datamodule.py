@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mtnlg_lightning.corpora.storage import is_url
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
-from mtnlg_lightning.data.indexed import REMOTE_CACHE_GB, IndexedDataset, default_block_cache
+from mtnlg_lightning.data.indexed import REMOTE_BLOCK_KB, REMOTE_CACHE_MB, IndexedDataset, default_block_cache
 from mtnlg_lightning.data.tokenizer import local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
 
@@ -74,7 +74,8 @@ class GPTDataModule(L.LightningDataModule):
         eval_samples: int | None = None,
         tokenizer: str | None = None,
         remote_cache_dir: str | None = None,
-        remote_cache_gb: float = REMOTE_CACHE_GB,
+        remote_cache_mb: int = REMOTE_CACHE_MB,
+        remote_block_kb: int = REMOTE_BLOCK_KB,
     ):
         """
         Args:
@@ -91,7 +92,8 @@ class GPTDataModule(L.LightningDataModule):
                 brings its own).
             remote_cache_dir: where the token blocks of datasets named by URLs are cached (default: the project
                 cache's remote-data/blocks; ranks and loader workers of a node may share it).
-            remote_cache_gb: the most GiB of token blocks that cache holds (least recently used go first).
+            remote_cache_mb: the most MiB of token blocks that cache holds (least recently used go first).
+            remote_block_kb: the size of one block: one ranged request each.
         """
         super().__init__()
         if builtin_corpus not in (None, "python-docs"):
@@ -105,7 +107,7 @@ class GPTDataModule(L.LightningDataModule):
         self.builtin_corpus, self.split, self.seed = builtin_corpus, split, seed
         self.num_workers, self.eval_samples = num_workers, eval_samples
         self.tokenizer = tokenizer
-        self.remote_cache_dir, self.remote_cache_gb = remote_cache_dir, remote_cache_gb
+        self.remote_cache = (remote_cache_dir, remote_cache_mb, remote_block_kb)
         self.blends: dict[str, BlendedDataset] = {}
 
     @property
@@ -143,7 +145,7 @@ class GPTDataModule(L.LightningDataModule):
         vocab = self._module.config.padded_vocab_size()
         cache = None
         if any(is_url(p) for p in self.prefixes):
-            cache = default_block_cache(self.remote_cache_dir, self.remote_cache_gb)
+            cache = default_block_cache(*self.remote_cache)
         indexed = [IndexedDataset(p, cache) for p in self.prefixes]
         for ds in indexed:  # a full scan is cheap up to a few hundred million local tokens; skipped above that
             if not ds.remote and 0 < ds.num_tokens <= 256_000_000 and int(ds.tokens.max()) >= vocab:

@@ -43,18 +43,22 @@ DTYPE_CODES = {
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
-# the bound of the token-block cache of datasets read from URLs, unless the data module names another
-REMOTE_CACHE_GB = 16.0
+# the token-block cache of datasets read from URLs, unless the data module says otherwise: its bound and the size of
+# one ranged read (a few MiB: one request per block costs ~ms, and a block serves many consecutive samples)
+REMOTE_CACHE_MB = 16384
+REMOTE_BLOCK_KB = 4096
 
 
 def remote_data_dir() -> str:
     return str(storage.cache_root() / "remote-data")
 
 
-def default_block_cache(directory: str | None = None, max_gb: float = REMOTE_CACHE_GB) -> BlockCache:
+def default_block_cache(
+    directory: str | None = None, max_mb: int = REMOTE_CACHE_MB, block_kb: int = REMOTE_BLOCK_KB
+) -> BlockCache:
     """The token-block cache of datasets read from URLs: ``directory`` (default: the project cache's
-    ``remote-data/blocks``) holding at most ``max_gb`` GiB."""
-    return BlockCache(directory or os.path.join(remote_data_dir(), "blocks"), int(max_gb * (1 << 30)))
+    ``remote-data/blocks``) holding at most ``max_mb`` MiB of blocks of ``block_kb`` KiB."""
+    return BlockCache(directory or os.path.join(remote_data_dir(), "blocks"), max_mb << 20, block_kb << 10)
 
 
 def fetch_index(url: str) -> str:
