@@ -165,11 +165,17 @@ def info(path: str) -> FileInfo:
 
 
 def exists(path: str) -> bool:
+    """Whether a file or folder is there; for a URL in a bucket that does not exist, one line saying so."""
     if not is_url(path):
         return os.path.exists(local_path(path))
     fs, p = filesystem(path)
     with remote_errors(path):
-        return fs.exists(p)
+        fs.invalidate_cache(p)
+        if fs.exists(p):
+            return True
+        if url_scheme(path) not in ("http", "https") and "/" in p.strip("/") and not fs.exists(p.split("/", 1)[0]):
+            raise CorpusError(f"{path}: no such bucket (the bucket does not exist)")
+    return False
 
 
 def isdir(path: str) -> bool:
