@@ -3,10 +3,10 @@
 Training reads an indexed dataset's tokens at random places; from object storage each read would be a request, and
 copying the corpus first is what this avoids. A read asks for the blocks it spans: a block on local disk is read
 from there, a missing one is fetched with one ranged request and kept. The blocks of every file share one bound
-(``max_bytes``): after each block written, the least recently used blocks are removed until the cache fits again.
-Processes (data-loader workers, ranks of a node) may share one cache folder: a block is written under a temporary
-name and renamed, so a reader sees a whole block or none, and every process enforces the bound after its own
-writes (while several write at once, the folder can exceed the bound by one block per writer until they finish).
+(``max_bytes``): before a block is written, the least recently used blocks are removed until it fits. Processes
+(data-loader workers, ranks of a node) may share one cache folder: a block is written under a temporary name and
+renamed, so a reader sees a whole block or none, and writers take turns (a lock file in the folder, held while
+room is made and the block written, never while it is fetched), so the bound holds at every moment.
 
 A block is named by the file's URL and version (ETag), so a changed remote file never serves stale bytes.
 """
@@ -14,6 +14,7 @@ A block is named by the file's URL and version (ETag), so a changed remote file 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -27,6 +28,7 @@ from mtnlg_lightning.errors import MTNLGError
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 BLOCK_SUFFIX = ".blk"
+LOCK_NAME = ".writer.lock"
 BLOCKS_IN_MEMORY = 4  # the last blocks read, kept in the process: consecutive samples mostly share a block
 
 
@@ -90,19 +92,23 @@ class BlockCache:
         return f"{digest}-{index:09d}{BLOCK_SUFFIX}"
 
     def _store(self, path: str, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".part", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        self.evict()
+        with open(os.path.join(self.directory, LOCK_NAME), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self.evict(self.max_bytes - len(data))
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".part", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
 
-    def evict(self) -> None:
-        """Remove the least recently used blocks until the cache holds at most ``max_bytes``."""
+    def evict(self, keep_bytes: int | None = None) -> None:
+        """Remove the least recently used blocks until the cache holds at most ``keep_bytes`` (default: the
+        bound)."""
+        keep_bytes = self.max_bytes if keep_bytes is None else keep_bytes
         blocks = []
         with os.scandir(self.directory) as entries:
             for entry in entries:
@@ -112,7 +118,7 @@ class BlockCache:
                         blocks.append((st.st_mtime_ns, entry.name, st.st_size))
         total = sum(size for _, _, size in blocks)
         for _, name, size in sorted(blocks):
-            if total <= self.max_bytes:
+            if total <= keep_bytes:
                 break
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.directory, name))
