@@ -153,3 +153,18 @@ def test_a_failed_preprocess_leaves_the_committed_dataset(s3, tmp_path, capsys):
     assert module.main(["--input", f"s3://{bucket}/bad.jsonl", *args]) == 2
     assert "bad.jsonl:6" in capsys.readouterr().err
     assert s3.tree(f"s3://{bucket}/data") == before
+
+
+def test_a_replacing_commit_removes_what_the_new_result_lacks_and_nothing_hidden(s3, tmp_path):
+    from mtnlg_lightning.corpora.commit import destination
+
+    bucket = s3.new_bucket()
+    for key, data in (("run/a.txt", b"old a"), ("run/b.txt", b"old b"), ("run/.keep/x", b"hidden")):
+        s3.put(f"s3://{bucket}/{key}", data)
+    dest = destination(f"s3://{bucket}/run")
+    Path(dest.local, "a.txt").write_bytes(b"new a")
+    Path(dest.local, "sub").mkdir()
+    Path(dest.local, "sub", "c.txt").write_bytes(b"new c")
+    dest.publish(["a.txt", "sub/c.txt"], markers=1, replace=True)
+    assert s3.tree(f"s3://{bucket}/run") == {"a.txt": b"new a", "sub/c.txt": b"new c", ".keep/x": b"hidden"}
+    assert not Path(dest.local).exists()  # the scratch folder goes with the commit

@@ -134,3 +134,12 @@ def test_a_training_dataset_url_that_does_not_exist_is_one_line(bucket):
         with pytest.raises(MTNLGError, match=expected) as raised:
             IndexedDataset(prefix)
         assert "\n" not in str(raised.value) and prefix in str(raised.value)
+
+
+def test_the_pipeline_keeps_its_overwrite_rules_for_an_output_prefix(bucket, capsys):
+    pytest.importorskip("transformers")  # the pipeline's export stage, checked before anything else
+    pipeline = tool_main("pipeline")
+    assert pipeline([f"s3://{bucket}/in", "--smoke", "--no-plot"]) == 2  # not empty, no --overwrite
+    assert "pass --overwrite" in one_line_error(capsys, "pipeline")
+    assert pipeline([f"s3://{bucket}", "--smoke", "--no-plot", "--overwrite"]) == 2
+    assert "whole bucket" in one_line_error(capsys, "pipeline")

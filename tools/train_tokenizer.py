@@ -34,7 +34,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--min-frequency", type=int_at_least(1), default=2, help="minimum pair count for a merge (default: 2)"
     )
-    parser.add_argument("--output", required=True, help="output tokenizer.json path, or a directory to hold it")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="output tokenizer.json path, or a directory to hold it; a path or a URL (s3://bucket/tok)",
+    )
     add_bad_record_arg(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()

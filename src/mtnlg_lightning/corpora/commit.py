@@ -132,19 +132,39 @@ class Destination:
     def url(self, name: str) -> str:
         return storage.join(self.target, name)
 
-    def publish(self, names: Sequence[str], markers: int = 1, point: Point = _no_point) -> None:
-        """Commit the local files ``names`` (relative, '/'-separated; the markers last) to the target; the
-        scratch folder goes after the commit. On disk the files are already in place: nothing to do."""
+    def publish(
+        self, names: Sequence[str] | None = None, markers: int = 1, point: Point = _no_point, replace: bool = False
+    ) -> None:
+        """Commit the local files ``names`` (relative, '/'-separated; the markers last; default: every file of the
+        folder outside hidden folders) to the target; with ``replace`` (``--overwrite``), the target's other
+        visible objects are removed afterwards, as a replaced folder loses them. The scratch folder goes after the
+        commit. On disk the files are already in place: nothing to do."""
         if not self.remote:
             return
+        names = visible_files(self.local) if names is None else list(names)
         files = [(os.path.join(self.local, *n.split("/")), self.url(n)) for n in names]
         commit(files, markers, point)
+        if replace:
+            kept = {self.url(n) for n in names}
+            for url in storage.list_files(self.target):
+                rel = url[len(self.target) + 1 :]
+                if url not in kept and not any(part.startswith(".") for part in rel.split("/")):
+                    storage.remove(url)
         self.discard()
 
     def discard(self) -> None:
         """Remove the scratch folder of a URL output (after a commit, or after bad input: nothing to resume)."""
         if self.remote:
             shutil.rmtree(self.local, ignore_errors=True)
+
+
+def visible_files(folder: str) -> list[str]:
+    """Every file below ``folder`` outside hidden folders and not hidden itself, relative and '/'-separated."""
+    found = []
+    for d, dirs, files in os.walk(folder):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        found += [os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/") for f in files if f[:1] != "."]
+    return sorted(found)
 
 
 def destination(target: str, fresh: bool = True) -> Destination:
