@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         "for ., ~, / and folders holding an input)",
     )
     args = p.parse_args(argv)
-    from mtnlg_lightning.corpora import storage
+    import mtnlg_lightning.corpora.storage as storage
     from mtnlg_lightning.corpora.commit import destination, visible_files
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 

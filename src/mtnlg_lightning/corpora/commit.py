@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning import outputs
-from mtnlg_lightning.corpora import storage
 from mtnlg_lightning.corpora.storage import CorpusError
 from mtnlg_lightning.errors import MTNLGError
 

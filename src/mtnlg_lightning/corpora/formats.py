@@ -13,7 +13,7 @@ import io
 from dataclasses import dataclass
 from typing import IO
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.storage import CorpusError
 from mtnlg_lightning.extras import install_hint
 

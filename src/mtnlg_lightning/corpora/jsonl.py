@@ -15,8 +15,9 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import mtnlg_lightning.corpora.commit as commit
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning import outputs
-from mtnlg_lightning.corpora import commit, storage
 from mtnlg_lightning.corpora.records import SKIP_HINT, BadRecord, check_line, locate
 from mtnlg_lightning.errors import InputError, MTNLGError
 

@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 
 MIRROR_PREFIX = ".mtnlg-work"
 Manifest = dict[str, tuple[int, int]]  # relative path -> (size, mtime_ns)

@@ -12,7 +12,7 @@ import codecs
 import json
 from collections.abc import Iterable, Iterator
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect, need, open_read
 from mtnlg_lightning.corpora.records import BadRecord, BadRecordPolicy, Record, locate, parse_line, text_of
 from mtnlg_lightning.corpora.sources import InputFile

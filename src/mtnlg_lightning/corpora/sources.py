@@ -15,7 +15,7 @@ import glob
 import os
 from dataclasses import dataclass
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.storage import CorpusError
 
 # files a folder search picks up: the names data shards go by (a folder also holds READMEs, checksums, _SUCCESS)

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.formats import Format, detect, open_read
 from mtnlg_lightning.corpora.jsonl import atomic_write
 from mtnlg_lightning.corpora.readers import iter_raw

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.jsonl import atomic_write
 
 FORMAT = "mtnlg-quality-classifier/1"

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.commit import destination
 from mtnlg_lightning.corpora.jsonl import dumps_line
 from mtnlg_lightning.crawl.html_text import page_text

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.commit import Destination, destination, output_file
 from mtnlg_lightning.corpora.jsonl import (
     InputError,

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 
 GZIP_MAGIC = b"\x1f\x8b\x08"
 WARC_LINE = b"WARC/1."

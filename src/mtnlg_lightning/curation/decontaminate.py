@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name

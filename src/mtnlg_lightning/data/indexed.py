@@ -24,7 +24,7 @@ import struct
 
 import numpy as np
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.block_cache import BlockCache, RemoteArray
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import StagedFile

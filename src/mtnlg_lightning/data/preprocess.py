@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
 from mtnlg_lightning.corpora.jsonl import count_lines_before, iter_lines, line_starts_plan

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
-from mtnlg_lightning.corpora import storage
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.commit import output_file
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import atomic_path

@@ -641,7 +641,7 @@ def prepare_out_dir(out_dir: Path | str, overwrite: bool) -> None:
     not (an input: the built-in corpus cache; ., ~, /; for a URL, a whole bucket). Nothing is removed here:
     `tools/pipeline.py` runs in `outputs.kept_until_done`, or for a URL in a scratch folder committed at the end, so
     the previous result goes only when the new run has finished."""
-    from mtnlg_lightning.corpora import storage
+    import mtnlg_lightning.corpora.storage as storage
     from mtnlg_lightning.corpora.commit import check_output, check_writable
     from mtnlg_lightning.data.builtin_corpus import cache_root
 
