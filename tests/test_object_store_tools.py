@@ -207,3 +207,21 @@ def test_quality_train_score_annotate_filter_from_s3_to_s3(s3, tmp_path):
         assert written(s3.tree(f"s3://{bucket}/{folder}")) == written(local_tree(tmp_path / folder)), folder
     kept = s3.get(f"s3://{bucket}/kept/mix.jsonl")
     assert 0 < kept.count(b"\n") < len(prose[::3] + junk[::3])  # the filter kept some and dropped some
+
+
+def test_merge_of_datasets_on_s3_into_s3_writes_the_bytes_of_a_local_merge(token_corpus, s3, tmp_path):
+    from mtnlg_lightning.data.tokenizer import train_bpe
+
+    bucket = s3.new_bucket()
+    train_bpe([r["text"] for half in token_corpus for r in half], 300, tmp_path / "tok")
+    preprocess = tool_main("preprocess_data")
+    for i, half in enumerate(token_corpus):
+        (tmp_path / f"half{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in half))
+        args = ["--input", str(tmp_path / f"half{i}.jsonl"), "--tokenizer", str(tmp_path / "tok")]
+        assert preprocess([*args, "--output-prefix", str(tmp_path / "parts" / f"p{i}"), "--no-progress"]) == 0
+    s3.put_tree(tmp_path / "parts", f"s3://{bucket}/parts")
+    local = [str(tmp_path / "parts" / "p0"), str(tmp_path / "parts" / "p1")]
+    assert preprocess(["--merge", *local, "--output-prefix", str(tmp_path / "merged" / "all")]) == 0
+    remote = [f"s3://{bucket}/parts/p0", f"s3://{bucket}/parts/p1"]
+    assert preprocess(["--merge", *remote, "--output-prefix", f"s3://{bucket}/merged/all"]) == 0
+    assert s3.tree(f"s3://{bucket}/merged") == local_tree(tmp_path / "merged")

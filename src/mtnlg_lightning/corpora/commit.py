@@ -181,9 +181,10 @@ def destination(target: str, fresh: bool = True) -> Destination:
 
 
 @contextlib.contextmanager
-def output_file(target: str) -> Iterator[str]:
-    """The local path to write the file ``target`` at: ``target`` itself on disk; for a URL a scratch file,
-    committed there when the block ends without an error (the scratch file goes either way)."""
+def output_files(target: str, suffixes: Sequence[str]) -> Iterator[str]:
+    """The local prefix to write the files ``target + suffix`` at: ``target`` itself on disk; for a URL a scratch
+    prefix whose files are committed there when the block ends without an error, the last suffix's file last (a
+    dataset's ``.idx`` marks it complete). The scratch files go either way."""
     if not storage.is_url(target):
         yield target
         return
@@ -194,6 +195,11 @@ def output_file(target: str) -> Iterator[str]:
     try:
         local = os.path.join(local_dir, storage.basename(target))
         yield local
-        commit([(local, target)], markers=0)
+        commit([(local + s, target + s) for s in suffixes], markers=1 if len(suffixes) > 1 else 0)
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def output_file(target: str):
+    """:func:`output_files` of one file: the local path to write ``target`` at."""
+    return output_files(target, ("",))

@@ -43,6 +43,7 @@ DTYPE_CODES = {
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
+DATASET_SUFFIXES = (".bin", ".idx")  # the index last: written (and committed) last, it marks a dataset complete
 # the token-block cache of datasets read from URLs, unless the data module says otherwise: its bound and the size of
 # one ranged read (a few MiB: one request per block costs ~ms, and a block serves many consecutive samples)
 REMOTE_CACHE_MB = 16384

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 import mtnlg_lightning.corpora.storage as storage
-from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
+from mtnlg_lightning.corpora.commit import output_files
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
 from mtnlg_lightning.corpora.jsonl import count_lines_before, iter_lines, line_starts_plan
 from mtnlg_lightning.corpora.readers import batched, iter_records
@@ -37,7 +37,7 @@ from mtnlg_lightning.corpora.records import (
     locate,
 )
 from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
-from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from mtnlg_lightning.data.indexed import DATASET_SUFFIXES, IndexedDataset, IndexedDatasetWriter, best_dtype
 from mtnlg_lightning.data.tokenizer import Tokenizer, local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
 
@@ -157,15 +157,18 @@ def preprocess(
     on_bad_record: str = "error",
     range_bytes: int = RANGE_BYTES,
 ) -> PreprocessSummary:
-    """Tokenize ``inputs`` (files, folders, globs) into ``output_prefix``.bin/.idx, atomically."""
+    """Tokenize ``inputs`` (files, folders, globs) into ``output_prefix``.bin/.idx, atomically (a URL: written
+    locally, committed there when complete)."""
+    with output_files(output_prefix, DATASET_SUFFIXES) as local_prefix:
+        return _preprocess(
+            inputs, tokenizer_path, local_prefix, json_key, workers, progress, on_bad_record, range_bytes
+        )
+
+
+def _preprocess(inputs, tokenizer_path, output_prefix, json_key, workers, progress, on_bad_record, range_bytes):
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     start = time.perf_counter()
     policy = BadRecordPolicy(on_bad_record)
-    target = output_prefix
-    if storage.is_url(target):  # written here, committed to the URL when complete
-        check_writable(target)
-        shutil.rmtree(scratch_dir(target), ignore_errors=True)
-        output_prefix = os.path.join(scratch_dir(target), storage.basename(target))
     tasks = plan_read_tasks(inputs, range_bytes)
     tokenizer_path = local_tokenizer(tokenizer_path)  # fetched once, not by every worker
     tokenizer = Tokenizer(tokenizer_path)
@@ -201,18 +204,11 @@ def preprocess(
         writer.finalize()
     except BaseException:
         writer.abort()
-        if target != output_prefix:
-            shutil.rmtree(os.path.dirname(output_prefix), ignore_errors=True)
         raise
     finally:
         bar.close()
         if parts_dir is not None:
             shutil.rmtree(parts_dir, ignore_errors=True)
-    if target != output_prefix:
-        try:
-            commit([(output_prefix + s, target + s) for s in (".bin", ".idx")], markers=1)  # the index marks it whole
-        finally:
-            shutil.rmtree(os.path.dirname(output_prefix), ignore_errors=True)
     summary = PreprocessSummary(documents, tokens, input_bytes, time.perf_counter() - start, policy.summary())
     return summary
 
