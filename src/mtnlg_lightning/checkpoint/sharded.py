@@ -88,7 +88,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
 
     def writer_of(index: int, slot: Slot) -> bool:
         # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only.
-        return owner[index] == dp_rank and (tp_rank == 0 or not slot.replicated_over_tp)
+        return owner[index] == dp_rank and slot.tp_writer
 
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
     snapshot = background is not None  # training goes on: the pieces must not alias live tensors

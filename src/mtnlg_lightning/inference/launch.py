@@ -19,8 +19,8 @@ import torch
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.layout import ParallelLayout
-from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, schedule_class
+from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings, check_model_fits
+from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, schedule_class
 
 STRATEGY_CLASS = "MegatronDeepSpeedStrategy"
 
@@ -96,9 +96,7 @@ def check_layout(layout: InferenceLayout, world_size: int, config) -> ParallelLa
             f"--devices {world_size} is not a multiple of tensor_parallel {tp} x pipeline_parallel {pp} = {tp * pp}"
         )
     grid = ParallelLayout(world_size, tp, pp, gpus_per_node=None)
-    grid.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
-    stages = pp * layout.pipeline.virtual_stages
-    layers_per_stage(config.num_layers, stages, layout.pipeline.first_stage_layers, layout.pipeline.last_stage_layers)
+    check_model_fits(grid, config, layout.pipeline, layout.sequence_parallel)
     return grid
 
 

@@ -91,11 +91,16 @@ class ParallelLayout:
                         f"cross nodes; choose a divisor of {gpn} or set allow_tp_across_nodes: true"
                     )
 
-    def validate_model(self, num_heads: int, padded_vocab_size: int, num_layers: int) -> None:
-        """The model must split evenly: whole heads and equal vocabulary slices per TP rank, >= 1 block per stage."""
+    def validate_model(
+        self, num_heads: int, padded_vocab_size: int, num_layers: int, num_kv_heads: int | None = None
+    ) -> None:
+        """The model must split evenly: whole query heads, whole (or shared) key/value heads and equal vocabulary
+        slices per TP rank, >= 1 block per stage."""
         tp, pp = self.tensor_parallel, self.pipeline_parallel
         if num_heads % tp:
             raise MTNLGError(f"num_heads {num_heads} is not divisible by tensor_parallel {tp}")
+        if num_kv_heads is not None:
+            kv_head_copies(num_kv_heads, tp)
         if padded_vocab_size % tp:
             raise MTNLGError(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_parallel {tp}")
         if num_layers < pp:
@@ -182,6 +187,19 @@ class ParallelLayout:
         return "\n".join(rows)
 
 
+def kv_head_copies(num_kv_heads: int, tensor_parallel: int) -> int:
+    """How many TP ranks hold each key/value head: 1 when TP divides the KV heads, TP / KV heads when TP is a
+    multiple of them (each rank then holds a copy of the one its query heads use)."""
+    if num_kv_heads % tensor_parallel == 0:
+        return 1
+    if tensor_parallel % num_kv_heads == 0:
+        return tensor_parallel // num_kv_heads
+    raise MTNLGError(
+        f"tensor_parallel {tensor_parallel} neither divides num_kv_heads {num_kv_heads} nor is a multiple of it "
+        f"(key/value heads are split over TP, or each replicated over TP / num_kv_heads ranks)"
+    )
+
+
 def gpus_per_node_from_env(default: int | None = None) -> int | None:
     """Node size as the launcher reports it (torchrun and Lightning set LOCAL_WORLD_SIZE), else `default`."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
@@ -200,6 +218,7 @@ class ProcessGroups:
     pipeline_parallel_group: object = None
     model_parallel_group: object = None
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    kv_head_groups: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def create(cls, layout: ParallelLayout, backend: str | None = None) -> ProcessGroups:
@@ -224,6 +243,20 @@ class ProcessGroups:
         """The 1 x 1 x 1 layout of one process, which needs (and makes) no torch.distributed group."""
         layout = ParallelLayout(1)
         return cls(layout=layout, rank=0, coord=layout.coord(0), ranks=layout.groups_of(0))
+
+    def kv_head_group(self, copies: int):
+        """The group of this rank's TP ranks that hold a copy of its key/value heads (runs of `copies` consecutive
+        TP ranks). Collective: every rank creates every group, in the same order; made once per copies."""
+        made = self.kv_head_groups.get(copies)
+        if made is None:
+            tp_groups = self.layout.tensor_parallel_groups()
+            runs = [ranks[i : i + copies] for ranks in tp_groups for i in range(0, len(ranks), copies)]
+            for ranks in runs:
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    made = group
+            self.kv_head_groups[copies] = made
+        return made
 
     @property
     def tensor_parallel_rank(self) -> int:

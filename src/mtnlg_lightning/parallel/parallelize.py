@@ -11,8 +11,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtnlg_lightning.parallel.layout import ProcessGroups
-from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
+from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
+from mtnlg_lightning.parallel.pipeline import (
+    PipelineChunks,
+    PipelineRunner,
+    layers_per_stage,
+    split_into_stages,
+    stages_held_by_rank,
+)
+from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
 from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 
@@ -25,6 +32,20 @@ class PipelineParallelSettings:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved and V-shaped schedules hold several)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+
+
+def check_model_fits(
+    layout: ParallelLayout, config, pipeline: PipelineParallelSettings, sequence_parallel: bool = False
+) -> None:
+    """Every check of a layout against a model that needs only its shape (training and inference alike): whole
+    query and key/value heads and equal vocabulary slices per TP rank, >= 1 block per pipeline stage, the sequence
+    cut evenly by sequence parallelism."""
+    kv_heads = None if config.fused_qkv else config.num_kv_heads
+    layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers, kv_heads)
+    if sequence_parallel:
+        check_sequence_length(config.seq_len, layout.tensor_parallel)
+    stages = layout.pipeline_parallel * pipeline.virtual_stages
+    layers_per_stage(config.num_layers, stages, pipeline.first_stage_layers, pipeline.last_stage_layers)
 
 
 @dataclass
@@ -74,6 +95,9 @@ def parallelize_gpt(
             is_first=any(m.embed is not None for m in stage_models),
             is_last=any(m.lm_head is not None for m in stage_models),
         )
+    config = model.config
+    copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, groups.tensor_parallel_size)
+    kv_group = groups.kv_head_group(copies) if copies > 1 else None  # collective: every rank makes every group
     for stage_model in stage_models:
         apply_tensor_parallel(
             stage_model,
@@ -81,6 +105,7 @@ def parallelize_gpt(
             groups.tensor_parallel_rank,
             groups.tensor_parallel_size,
             sequence_parallel=sequence_parallel,
+            kv_group=kv_group,
         )
     if runner is not None:  # after TP sharding: the tie links the final (vocabulary-sharded) tensors
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)

@@ -37,6 +37,8 @@ class TiedEmbedding:
         """Collectively create the tie of every (dp, tp) coordinate; this rank's end, or None when it holds neither
         end or both (V-shaped schedules keep the single-process parameter sharing). Call after TP sharding: the
         tensors are the final ones."""
+        if not stage_models[0].config.tie_embeddings:  # an untied head is a parameter of the last stage alone
+            return None
         group, first_rank, last_rank = _embedding_group(groups.layout, schedule, virtual_stages, groups.rank)
         if group is None:
             return None

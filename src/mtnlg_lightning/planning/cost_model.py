@@ -160,11 +160,14 @@ def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 
 def _layer_gemm_shapes(config: ModelConfig, t: int) -> list[tuple[float, float]]:
-    """(K, N) of the four weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens): QKV and FC1 are
-    column-parallel (N sharded), the attention projection and FC2 row-parallel (K sharded). The backward's
-    data- and weight-gradient GEMMs permute the same three dimensions."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    return [(h, 3 * h / t), (h / t, h), (h, f / t), (f / t, h)]
+    """(K, N) of the weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens): q/k/v, FC1 (or
+    SwiGLU's gate and up) are column-parallel (N sharded), the attention projection and FC2 (down) row-parallel
+    (K sharded); key/value heads may be fewer (grouped-query) or replicated. The backward's data- and
+    weight-gradient GEMMs permute the same three dimensions."""
+    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    q, kv = config.num_heads * hd / t, max(config.num_kv_heads / t, 1.0) * hd
+    wide = [(h, f / t)] * (2 if config.mlp == "swiglu" else 1)
+    return [(h, q + 2 * kv), (q, h), *wide, (f / t, h)]
 
 
 def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation, layout: Layout) -> dict:
@@ -177,7 +180,7 @@ def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation,
     gemm = sum(
         2 * tokens * k * n / (peak * gpu.gemm_fraction(min(tokens, k, n))) for k, n in _layer_gemm_shapes(config, t)
     )
-    attention = 4 * b * s * s * h / t / (peak * gpu.attention_efficiency)
+    attention = 4 * b * s * s * a * config.head_dim / t / (peak * gpu.attention_efficiency)
     # Elementwise bf16 traffic, in elements: LayerNorms + bias/dropout/residual (replicated over TP unless SP),
     # bias+GeLU on the f-wide activation (sharded); unfused attention: scale/mask/softmax + dropout on the scores.
     # 6 elements per token and hidden unit for the replicated part: what sequence parallelism saved in

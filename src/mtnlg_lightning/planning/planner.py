@@ -28,16 +28,27 @@ STATE_BYTES = {
 }
 
 
+def kv_heads_per_rank(config: ModelConfig, tp: int) -> float:
+    """Key/value heads one TP rank holds: a share of them, or one replicated head when TP exceeds them."""
+    return max(config.num_kv_heads / tp, 1.0)
+
+
 def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -> list[int]:
-    """Parameters held by one TP rank of each pipeline stage (tied embedding counted on first and last stage)."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    per_layer_sharded = (3 * h * h + 3 * h + h * h + h * f + f + f * h) // tp
-    per_layer_replicated = h + h + 4 * h  # row-parallel biases, 2 LayerNorms (weight + bias)
-    per_layer = per_layer_sharded + per_layer_replicated
+    """Parameters held by one TP rank of each pipeline stage (a tied embedding counted on the first and the last
+    stage, where the last holds its copy): q, o and MLP matrices sharded over TP, key/value heads sharded or
+    replicated (`kv_heads_per_rank`), norms and row-parallel biases replicated."""
+    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    q, kv = config.num_heads * hd // tp, int(kv_heads_per_rank(config, tp) * hd)
+    matrices = 3 if config.mlp == "swiglu" else 2
+    per_layer = h * (q + 2 * kv) + q * h + matrices * h * f // tp
+    per_layer += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
+    norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
+    per_layer += 2 * norm + 2 * hd * config.qk_norm
     vocab = config.padded_vocab_size(tp) * h // tp
     counts = [n * per_layer for n in layers]
-    counts[0] += vocab + config.max_position_embeddings * h
-    counts[-1] += 2 * h + (vocab if pp > 1 else 0)  # final norm; head copy of the tied embedding
+    counts[0] += vocab + (config.max_position_embeddings * h if config.position_embedding == "learned" else 0)
+    head = vocab if (pp > 1 or not config.tie_embeddings) else 0  # the tied copy, or an untied head
+    counts[-1] += norm + head
     return counts
 
 
@@ -65,14 +76,21 @@ def activation_bytes_per_layer(
     seq_len: int | None = None,
     sequence_parallel: bool = False,
 ) -> float:
-    """Stored activation bytes of one transformer layer for one micro-batch (bf16), Korthikanti et al. 2022:
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t)) with TP + SP (t = 1: 34 + 5as/h);
-    selective recompute drops the 5as/h attention-score term; full recompute keeps only the layer input."""
+    """Stored activation bytes of one transformer layer for one micro-batch (bf16), Korthikanti et al. 2022. For
+    the GPT block: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t)) with TP + SP (t = 1:
+    34 + 5as/h); selective recompute drops the 5as/h attention-score term; full recompute keeps only the layer input.
+    The same accounting for any block: the 10 replicated s·b·h (2 norm inputs, the q/k/v and MLP inputs, 2 dropout
+    masks) and, sharded over TP, q and k for QK^T, v, the projection's input, and the MLP's wide tensors (GELU: its
+    input and output, 2 x F/h; SwiGLU: gate, up, silu(gate) and their product, 4 x F/h)."""
     s, b, h, a = seq_len or config.seq_len, micro_batch, config.hidden_size, config.num_heads
+    hd, f = config.head_dim, config.ffn_hidden_size
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return 2 * s * b * h / (tp if sp else 1)  # only the layer input is kept
-    kept = 34 / tp if sp else 10 + 24 / tp
+    q, kv = a * hd / tp, kv_heads_per_rank(config, tp) * hd
+    wide = (4 if config.mlp == "swiglu" else 2) * 2 * f / tp
+    sharded = (2 * (q + kv) + 2 * kv + 2 * q + wide) / h  # GPT: 24 / t
+    kept = 10 / tp + sharded if sp else 10 + sharded
     if recompute == "selective":
         return s * b * h * kept
     return s * b * h * (kept + 5 * a * s / (h * tp))

@@ -34,9 +34,13 @@ from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
-from mtnlg_lightning.parallel.parallelize import ParallelGPT, PipelineParallelSettings, parallelize_gpt
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, layers_per_stage, schedule_class
-from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
+from mtnlg_lightning.parallel.parallelize import (
+    ParallelGPT,
+    PipelineParallelSettings,
+    check_model_fits,
+    parallelize_gpt,
+)
+from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, schedule_class
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 from mtnlg_lightning.parallel.zero import (
     ModelParallelUnit,
@@ -221,11 +225,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         )
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
-            layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
-            if self.sequence_parallel:
-                check_sequence_length(config.seq_len, self.tensor_parallel)
-            stages = self.pipeline_parallel * self.virtual_pipeline_stages
-            layers_per_stage(config.num_layers, stages, self.first_stage_layers, self.last_stage_layers)
+            check_model_fits(layout, config, self.pipeline_settings, self.sequence_parallel)
         return layout
 
     def set_world_ranks(self) -> None:
