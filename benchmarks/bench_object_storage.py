@@ -8,10 +8,12 @@ files; and the bound of the training data's block cache, measured.
 
 Prints, all measured in this run:
   1. tools/dedup.py and tools/preprocess_data.py (1 worker) as subprocesses, whole process (start, imports,
-     reading, work, writing, the commit): wall seconds and MB/s of input, local disk vs the S3 server, medians of
-     interleaved rounds, the ratio S3/local, and whether the outputs are the same bytes. The S3 server is moto's, a
-     Python server in this process: a request costs it far more than it costs S3 or MinIO, so the ratio is a
-     pessimistic bound of what object storage costs a run.
+     reading, work, writing, the commit): wall seconds and MB (of JSON) per second, and MB per CPU-second (the
+     tool's processes plus, for S3, the server's work in this process: on a shared machine the CPU figures move
+     far less than the wall ones), local disk vs the S3 server, medians of interleaved rounds, the ratios
+     S3/local, and whether the outputs are the same bytes. The S3 server is moto's, a Python server: a request
+     costs it far more than it costs S3 or MinIO, so the ratios are a pessimistic bound of what object storage
+     costs a run.
   2. The block cache of datasets named by URLs: two processes read random samples of one indexed dataset on the
      S3 server through one cache folder with a bound a quarter of the dataset's size; the folder's size sampled
      every 2 ms while they run, the largest size seen against the bound, and the samples checked against the
@@ -25,6 +27,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +35,9 @@ import tempfile
 import threading
 import time
 
+# one thread per tokenizer (the tools' subprocesses inherit it): rayon's idle threads spin, and their CPU time would
+# be counted against whichever run the machine's other load slowed down
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
     import mtnlg_lightning.corpora  # noqa: F401
@@ -73,16 +79,23 @@ def s3_client(endpoint: str):
     )
 
 
-def run_tool(args: list[str], log: str) -> float:
-    """Wall seconds of ``python tools/<args>`` as a subprocess, the whole process."""
-    t0 = time.perf_counter()
+def cpu_seconds() -> float:
+    """CPU seconds of this process (the S3 server's threads) and of its finished children (the tools)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run_tool(args: list[str], log: str) -> tuple[float, float]:
+    """Wall and CPU seconds of ``python tools/<args>`` as a subprocess, the whole process (and the S3 server's
+    work for it)."""
+    t0, c0 = time.perf_counter(), cpu_seconds()
     with open(log, "w") as out:
         done = subprocess.run([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     if done.returncode != 0:
         print(open(log).read())
         raise SystemExit(f"{args[0]} failed (exit {done.returncode})")
-    return wall
+    return wall, cpu
 
 
 def bench_tools(client, bucket: str, corpus: str, json_bytes: int, tok_dir: str, tmp: str, rounds: int) -> dict:
@@ -103,14 +116,20 @@ def bench_tools(client, bucket: str, corpus: str, json_bytes: int, tok_dir: str,
         ],
     }
     walls: dict[str, dict[str, list[float]]] = {t: {"local": [], "s3": []} for t in runs}
+    cpus: dict[str, dict[str, list[float]]] = {t: {"local": [], "s3": []} for t in runs}
     for r in range(rounds):
         for tool, args in runs.items():
             for where in ("local", "s3"):  # interleaved: load changes on a shared machine hit both sides
                 out = os.path.join(tmp, f"{tool}-local") if where == "local" else f"s3://{bucket}/{tool}-out"
                 flag = ["-o", out, "--force"] if tool == "dedup" else ["--output-prefix", f"{out}/c"]
-                wall = run_tool([*args(where), *flag], os.path.join(tmp, f"{tool}-{where}-{r}.log"))
+                wall, cpu = run_tool([*args(where), *flag], os.path.join(tmp, f"{tool}-{where}-{r}.log"))
                 walls[tool][where].append(wall)
-                print(f"  round {r + 1} {tool:10} {where:5}: {wall:6.2f} s  {size_mb / wall:6.2f} MB/s", flush=True)
+                cpus[tool][where].append(cpu)
+                print(
+                    f"  round {r + 1} {tool:10} {where:5}: {wall:6.2f} s  {size_mb / wall:6.2f} MB/s  "
+                    f"{cpu:6.2f} CPU-s  {size_mb / cpu:6.2f} MB/CPU-s",
+                    flush=True,
+                )
     same = {
         "dedup": all(
             open(os.path.join(tmp, "dedup-local", n), "rb").read() == get(client, bucket, f"dedup-out/{n}")
@@ -125,10 +144,16 @@ def bench_tools(client, bucket: str, corpus: str, json_bytes: int, tok_dir: str,
     figures = {}
     for tool in runs:
         local, s3 = (statistics.median(walls[tool][w]) for w in ("local", "s3"))
+        cpu_local, cpu_s3 = (statistics.median(cpus[tool][w]) for w in ("local", "s3"))
         figures[tool] = {
             "wall_s": {"local": local, "s3": s3},
             "mb_per_s": {"local": size_mb / local, "s3": size_mb / s3},
             "s3_vs_local": local / s3,
+            "cpu_s": {"local": cpu_local, "s3": cpu_s3},
+            "mb_per_cpu_s": {"local": size_mb / cpu_local, "s3": size_mb / cpu_s3},
+            "s3_vs_local_per_cpu_s": cpu_local / cpu_s3,
+            "rounds_wall_s": walls[tool],
+            "rounds_cpu_s": cpus[tool],
             "outputs_identical": same[tool],
         }
     return figures
@@ -244,9 +269,10 @@ def main() -> None:
         tools = bench_tools(client, bucket, corpus, len(data), tok_dir, tmp, args.rounds)
         for tool, f in tools.items():
             print(
-                f"{tool:10} local {f['wall_s']['local']:6.2f} s ({f['mb_per_s']['local']:.2f} MB/s)  "
-                f"S3 {f['wall_s']['s3']:6.2f} s ({f['mb_per_s']['s3']:.2f} MB/s)  S3/local {f['s3_vs_local']:.3f}  "
-                f"identical outputs: {f['outputs_identical']}"
+                f"{tool:10} wall: local {f['wall_s']['local']:6.2f} s ({f['mb_per_s']['local']:.2f} MB/s)  "
+                f"S3 {f['wall_s']['s3']:6.2f} s ({f['mb_per_s']['s3']:.2f} MB/s)  S3/local {f['s3_vs_local']:.3f}; "
+                f"CPU: local {f['mb_per_cpu_s']['local']:.2f} MB/CPU-s  S3 {f['mb_per_cpu_s']['s3']:.2f} MB/CPU-s  "
+                f"S3/local {f['s3_vs_local_per_cpu_s']:.3f}; identical outputs: {f['outputs_identical']}"
             )
         print("\n## 2. the block cache: two readers, one folder, a bound of a quarter of the dataset")
         cache = bench_cache(client, bucket, os.path.join(tmp, "preprocess-local", "c"), tmp, args.cache_samples)
