@@ -326,10 +326,3 @@ def remove(url: str, recursive: bool = False) -> None:
         except FileNotFoundError:
             pass
     fs.invalidate_cache()
-
-
-def write_bytes(url: str, data: bytes) -> None:
-    """A small object, in one request."""
-    fs, p = filesystem(url)
-    with remote_errors(url):
-        fs.pipe_file(p, data)
