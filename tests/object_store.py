@@ -47,9 +47,10 @@ class ObjectStore:
         self.client.create_bucket(Bucket=name)
         return name
 
-    def put(self, url: str, data: bytes) -> None:
+    def put(self, url: str, data: bytes, public: bool = False) -> None:
+        """An object; ``public``: readable by anyone over plain HTTP(S) (ACL public-read), as a published corpus."""
         bucket, key = split(url)
-        self.client.put_object(Bucket=bucket, Key=key, Body=data)
+        self.client.put_object(Bucket=bucket, Key=key, Body=data, **({"ACL": "public-read"} if public else {}))
 
     def get(self, url: str) -> bytes:
         bucket, key = split(url)

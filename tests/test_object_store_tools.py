@@ -225,3 +225,15 @@ def test_merge_of_datasets_on_s3_into_s3_writes_the_bytes_of_a_local_merge(token
     remote = [f"s3://{bucket}/parts/p0", f"s3://{bucket}/parts/p1"]
     assert preprocess(["--merge", *remote, "--output-prefix", f"s3://{bucket}/merged/all"]) == 0
     assert s3.tree(f"s3://{bucket}/merged") == local_tree(tmp_path / "merged")
+
+
+def test_an_https_style_url_is_read_like_a_file(near_dups, s3, tmp_path):
+    """http(s):// objects are read (here public objects of the S3 server, fetched by plain HTTP GETs)."""
+    bucket = s3.new_bucket()
+    specs = write_layout("zstd", tmp_path / "in", near_dups)
+    for spec in specs:
+        s3.put(f"s3://{bucket}/in/{Path(spec).name}", Path(spec).read_bytes(), public=True)
+    urls = [f"{s3.endpoint}/{bucket}/in/{Path(spec).name}" for spec in specs]
+    assert dedup_cli.main([*specs, "-o", str(tmp_path / "local"), "-q"]) == 0
+    assert dedup_cli.main([*urls, "-o", str(tmp_path / "http"), "-q"]) == 0
+    assert written(local_tree(tmp_path / "http")) == written(local_tree(tmp_path / "local"))
