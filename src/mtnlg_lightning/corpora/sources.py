@@ -65,7 +65,8 @@ def _remote_files(spec: str) -> list[tuple[str, str]]:
     """(URL, name) of the files a URL names: one object, every data file below a prefix, or the objects a glob
     matches; hidden names are passed over on the way, as on disk (a commit's staging prefix is one)."""
     scheme, path = spec.split("://", 1)
-    if any(c in path for c in _GLOB_CHARS):
+    # an http(s) URL is one file: its '?' starts a query, and a web server lists nothing
+    if scheme.lower() not in ("http", "https") and any(c in path for c in _GLOB_CHARS):
         root = _glob_root(path).rstrip("/")
         files = []
         for url in storage.glob(spec):
@@ -75,8 +76,8 @@ def _remote_files(spec: str) -> list[tuple[str, str]]:
         if not files:
             raise CorpusError(f"{spec}: the pattern matches no file")
         return files
-    if not storage.info(spec).is_dir:
-        return [(spec, storage.basename(spec))]
+    if scheme.lower() in ("http", "https") or not storage.info(spec).is_dir:
+        return [(spec, storage.basename(spec.split("?", 1)[0]))]
     root = f"{scheme}://{path.rstrip('/')}/"
     files = []
     for url in storage.list_files(spec):
