@@ -3,8 +3,9 @@
     MTNLG_TEST_FAMILY_DIRS='{"llama": DIR, "qwen3": DIR}' torchrun --standalone --nproc-per-node 4 \\
         tests/dist_family_runs.py OUT_DIR llama_tp4 qwen3_tp4 llama_tp2_dp2_zero3_sp ...
 
-A run is FAMILY_LAYOUT: FAMILY a random Hugging Face directory the test made (`--model.init_from`), LAYOUT the
-strategy spelled like tp2, pp2, tp2_pp2_dp2_zero1, with _sp for sequence parallelism (DP is what is left). Suffixes:
+A run is FAMILY_LAYOUT: FAMILY a random Hugging Face directory the test made (`--model.init_from`) or `gpt` (the
+tiny preset), LAYOUT the strategy spelled like tp2, pp2, cp2, tp2_pp2_dp2_zero1, with _sp for sequence
+parallelism (DP is what is left); context-parallel runs train on sequences of 256 tokens. Suffixes:
 _ckpt trains 6 steps saving at 3 and 6; _from_LAYOUT resumes that layout's step-3 checkpoint (in OUT_DIR or
 MTNLG_TEST_FROM_DIR). `eval_FAMILY_LAYOUT` evaluates the step-6 checkpoint of FAMILY_LAYOUT_ckpt with `mtnlg-eval`
 in that layout. Rank 0 writes OUT_DIR/NAME.pt for pytest (losses, grad norms, parameters at step 5).
@@ -28,14 +29,15 @@ from parallel_harness import tiny_run  # noqa: E402
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
-FAMILY_DIRS = json.loads(os.environ.get("MTNLG_TEST_FAMILY_DIRS", "{}"))
-EVAL_TEXT = "def add(a, b):\n    return a + b\n\nThe value is returned to the caller of the function.\n" * 3
+FAMILY_DIRS = json.loads(os.environ.get("MTNLG_TEST_FAMILY_DIRS", "{}"))  # gpt: the tiny preset, no directory
+LONG = 256  # the sequence length of the context-parallel runs
+EVAL_TEXT = "def add(a, b):\n    return a + b\n\nThe value is returned to the caller of the function.\n" * 30
 
 
 def layout_kwargs(layout: str) -> dict:
     """The strategy arguments a layout name spells."""
     kwargs = {"tensor_parallel": 1, "pipeline_parallel": 1, "zero_stage": 0}
-    keys = {"tp": "tensor_parallel", "pp": "pipeline_parallel", "zero": "zero_stage"}
+    keys = {"tp": "tensor_parallel", "pp": "pipeline_parallel", "cp": "context_parallel", "zero": "zero_stage"}
     for part in layout.split("_"):
         key = part.rstrip("0123456789")
         if key in keys:
@@ -72,13 +74,14 @@ def train(name: str, out: Path, world: int) -> dict:
         extra = dict(max_steps=6, capture_steps=(6,), ckpt_path=checkpoints(origin, family, source) / "step=3.ckpt")
     else:
         strategy, micro_batch = strategy_of(layout)
-    rec, _ = tiny_run(strategy, devices=world, micro_batch_size=micro_batch, init_from=FAMILY_DIRS[family], **extra)
+    source, seq_len = FAMILY_DIRS.get(family), LONG if "cp" in layout.split("_from_")[0] else None
+    rec, _ = tiny_run(strategy, devices=world, micro_batch_size=micro_batch, init_from=source, seq_len=seq_len, **extra)
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
 
 
 def evaluate(name: str, out: Path) -> dict:
     """`mtnlg-eval --strategy` of FAMILY_LAYOUT_ckpt's step-6 checkpoint, in-process on every rank (the launch's
-    world is the layout's), perplexity of a small text."""
+    world is the layout's), perplexity of a text longer than the model's positions (windows, stride 128)."""
     from mtnlg_lightning.evaluation.cli import main as eval_main
 
     family, layout = name.removeprefix("eval_").split("_", 1)
@@ -88,14 +91,15 @@ def evaluate(name: str, out: Path) -> dict:
     dist.barrier()
     strategy = out / f"{layout}.yaml"
     if dist.get_rank() == 0:
-        parallel = {k: v for k, v in vars(strategy_of(layout)[0]).items() if k in ("tensor_parallel",)}
-        strategy.write_text(
-            f"class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\ninit_args: {parallel}\n"
-        )
+        kwargs = layout_kwargs(layout)
+        parallel = ("tensor_parallel", "pipeline_parallel", "context_parallel")
+        args = "{" + ", ".join(f"{k}: {kwargs.get(k, 1)}" for k in parallel) + "}"
+        strategy.write_text(f"class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {args}\n")
     dist.barrier()
     result = out / f"{name}.json"
     argv = ["--checkpoint", str(checkpoints(out, family, layout) / "step=6.ckpt"), "--strategy", str(strategy)]
-    argv += ["--task", "perplexity", "--data", str(text), "--dtype", "fp32", "--no-progress", "--output", str(result)]
+    argv += ["--task", "perplexity", "--data", str(text), "--stride", "128", "--dtype", "fp32", "--no-progress"]
+    argv += ["--output", str(result)]
     assert eval_main(argv) == 0
     return {}
 

@@ -35,6 +35,11 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=config.layernorm_eps, bias=config.bias)
 
 
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The language-modelling loss: mean token cross-entropy of logits [B, S, V] against labels [B, S], in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
 # ---------------------------------------------------------------------------------------------- rotary positions
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """theta^(-2i/d) per pair of dims, rescaled as the config's rope_scaling says (Hugging Face's definitions)."""

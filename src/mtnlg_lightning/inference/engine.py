@@ -81,7 +81,7 @@ class ShardedModel:
     def stage_rank(self, stage: int) -> int:
         """The global rank holding `stage` in this rank's replica and TP position."""
         c = self.groups.coord
-        return self.layout.rank(self.holder[stage], c.dp, c.tp)
+        return self.layout.rank(self.holder[stage], c.dp, c.tp, c.cp)
 
     @property
     def last_stage_rank(self) -> int:
@@ -92,14 +92,16 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def load(cls, weights, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel):
+    def load(
+        cls, weights, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel, kernel
+    ):
         """This rank's shard of the model-space `weights` (a `checkpoint.model_state.LazyWeights`)."""
         from mtnlg_lightning.model import GPT
         from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 
         with torch.device("meta"):
             model = GPT(config)
-        parallel = parallelize_gpt(model, groups, torch.device(device), pipeline, sequence_parallel)
+        parallel = parallelize_gpt(model, groups, torch.device(device), pipeline, sequence_parallel, kernel)
         if parallel.pipeline is not None:
             indices, modules = parallel.pipeline.stage_indices, parallel.pipeline.stage_models
         else:
@@ -143,9 +145,21 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ running
     def padded_width(self, width: int) -> int:
-        """Sequence parallelism cuts the sequence over TP: widths are rounded up to a multiple of TP."""
-        tp = self.layout.tensor_parallel
-        return -(-width // tp) * tp if self.sequence_parallel else width
+        """Context parallelism cuts the sequence into 2 x CP chunks, sequence parallelism a rank's part over TP:
+        widths are rounded up to a multiple of what they cut (right padding: no real token attends to it)."""
+        multiple = 2 * self.layout.context_parallel if self.layout.context_parallel > 1 else 1
+        multiple *= self.layout.tensor_parallel if self.sequence_parallel else 1
+        return -(-width // multiple) * multiple
+
+    def local_positions(self, width: int) -> torch.Tensor:
+        """The positions of a `width`-token sequence whose outputs this rank's last stage produces (all of them
+        without context parallelism; this rank's two chunks with it)."""
+        cp = self.layout.context_parallel
+        if cp == 1:
+            return torch.arange(width)
+        from mtnlg_lightning.parallel.context_parallel import local_positions
+
+        return local_positions(self.groups.coord.cp, cp, 0, width // cp, "cpu")
 
     @torch.no_grad()
     def forward(
@@ -168,6 +182,7 @@ class ShardedModel:
                     x = local.pop((stage - 1, m))
                 else:
                     b, width = batch.shape if isinstance(batch, torch.Tensor) else batch
+                    width //= self.layout.context_parallel  # this rank's chunks
                     width = width // tp if self.sequence_parallel else width
                     x = torch.empty(b, width, hidden, dtype=self.dtype, device=self.device)
                     dist.recv(x, src=self.stage_rank(stage - 1))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mtnlg_lightning.model import cross_entropy
+from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
 from mtnlg_lightning.parallel.pipeline import (
     PipelineChunks,
@@ -53,7 +55,7 @@ class ParallelGPT:
     """This rank's part of the model and how to run it."""
 
     model: nn.Module  # the TP-sharded model, this rank's stage, or `PipelineChunks` of its virtual stages
-    loss_fn: object | None  # the vocab-parallel cross-entropy under TP (None: keep the module's own)
+    loss_fn: object | None  # the vocab-parallel (TP) and/or chunked (CP) cross-entropy; None: the module's own
     pipeline: PipelineRunner | None  # the schedule runner when pipelined
     tied_embedding: TiedEmbedding | None  # this rank's end of the embedding / LM-head tie across stages
 
@@ -64,6 +66,7 @@ def parallelize_gpt(
     device: torch.device,
     pipeline: PipelineParallelSettings,
     sequence_parallel: bool = False,
+    context_parallel_kernel: str = "auto",
 ) -> ParallelGPT:
     """Split `model` into this rank's pipeline stage(s), shard them over the TP group (with Megatron's sequence
     parallelism when asked: a stage boundary then carries the sequence shard) and link the tied embedding across
@@ -91,7 +94,7 @@ def parallelize_gpt(
             pipeline.schedule,
             device,
             groups.pipeline_parallel_group,
-            layout.rank(last_pp, groups.coord.dp, groups.coord.tp),
+            layout.rank(last_pp, groups.coord.dp, groups.coord.tp, groups.coord.cp),
             is_first=any(m.embed is not None for m in stage_models),
             is_last=any(m.lm_head is not None for m in stage_models),
         )
@@ -107,9 +110,15 @@ def parallelize_gpt(
             sequence_parallel=sequence_parallel,
             kv_group=kv_group,
         )
+    if layout.context_parallel > 1:
+        ring = Ring(groups.context_parallel_group, groups.ranks["cp"], groups.context_parallel_rank)
+        for stage_model in stage_models:
+            apply_context_parallel(stage_model, ring, context_parallel_kernel)
     if runner is not None:  # after TP sharding: the tie links the final (vocabulary-sharded) tensors
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
     loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if groups.tensor_parallel_size > 1 else None
+    if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
+        loss_fn = ContextParallelLoss(loss_fn or cross_entropy, groups.context_parallel_rank, layout.context_parallel)
     if len(stage_models) > 1:
         model = PipelineChunks(stage_models)
     else:

@@ -1,5 +1,6 @@
-"""A Llama 3 and a Qwen 3 model from Hugging Face directories train in every layout exactly like one process.
+"""Today's dense families and long sequences train in every layout exactly like one process.
 
+Model families (issue 34):
 Random `LlamaForCausalLM` (4 query heads, 2 key/value heads, Llama 3 RoPE scaling, untied head) and
 `Qwen3ForCausalLM` (q/k norms, head_dim 32 != 64 / 4, tied head), `--model.init_from DIR`, 5 steps with a clip that
 triggers every step: per-step losses within rel 1e-5 of one process, grad norms within 1e-4 and the gathered
@@ -7,6 +8,12 @@ parameters at fp32 tolerance, in tp2, tp4 (the key/value heads replicated over 2
 tp2 x pp2 x dp2 ZeRO-1 and tp2 x dp2 ZeRO-3 (ZeRO-3 cannot hold a pipeline stage's parameters whole), with
 sequence parallelism on and off. The tp2 checkpoint resumes in tp4, evaluates in tp2 with the single-process
 numbers, and exports to a directory transformers loads with our logits.
+
+Context parallelism (issue 35): the tiny GPT (learned positions) and the Llama model (RoPE, GQA) on sequences of 256
+tokens in cp2, cp4, tp2 x cp2 (sequence parallelism on and off), cp2 x pp2, cp2 x dp2 ZeRO-1 and cp2 ZeRO-3
+(ZeRO partitions over the CP ranks, which hold the same weights) like one process; a cp2 x dp2 checkpoint resumes
+in one process with the uninterrupted losses, and evaluates (perplexity of a document longer than the model's
+positions) in a cp2 x dp2 layout with the single-process numbers.
 
 Launches are the expensive part on 2 cores: every run of one world size shares one launch (dist_family_runs.py).
 """
@@ -29,15 +36,19 @@ from mtnlg_lightning.interop.export_cli import main as export_main
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
 LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 2e-5
+LONG = 256  # the context-parallel runs' sequence length (dist_family_runs.LONG)
 WORLD2 = ["llama_tp2_ckpt", "llama_tp2_sp", "llama_pp2", "qwen3_tp2", "eval_llama_tp2"]
+WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3"]
 WORLD4 = [
     "llama_tp4",
     "llama_tp4_sp",
     "qwen3_tp4",
     "llama_tp2_dp2_zero3",
     "llama_tp2_dp2_zero3_sp",
-    "llama_tp4_from_tp2",
+    "llama_tp4_from_tp2",  # resumes world2's llama_tp2_ckpt
 ]
+WORLD4 += ["gpt_tp2_cp2", "llama_tp2_cp2", "llama_tp2_cp2_sp", "gpt_cp2_pp2", "llama_cp2_pp2", "llama_cp2_dp2_zero1"]
+WORLD4 += ["gpt_cp4", "llama_cp4", "gpt_cp2_dp2_zero1_ckpt", "eval_gpt_cp2_dp2_zero1"]
 WORLD8 = ["llama_tp2_pp2_dp2_zero1", "llama_tp2_pp2_dp2_zero1_sp"]
 
 
@@ -71,12 +82,20 @@ def world8(family_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(family_dirs):
-    """One process from each directory: 6 steps for Llama (the resume goes to 6), 5 for Qwen 3."""
+    """One process from each directory (6 steps for Llama: the resume goes to 6), and the context-parallel runs'
+    references on sequences of 256 tokens (6 steps for GPT)."""
     found = {}
-    for family, steps in (("llama", 6), ("qwen3", 5)):
-        rec, _ = tiny_run(max_steps=steps, capture_steps=(CAPTURE_STEP, steps), init_from=family_dirs[family])
-        found[family] = {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+    runs = [("llama", family_dirs["llama"], 6, None), ("qwen3", family_dirs["qwen3"], 5, None)]
+    runs += [("gpt@long", None, 6, LONG), ("llama@long", family_dirs["llama"], 5, LONG)]
+    for name, source, steps, seq_len in runs:
+        rec, _ = tiny_run(max_steps=steps, capture_steps=(CAPTURE_STEP, steps), init_from=source, seq_len=seq_len)
+        found[name] = {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
     return found
+
+
+def reference_of(name: str) -> str:
+    family, layout = name.split("_", 1)
+    return f"{family}@long" if "cp" in layout else family
 
 
 def max_rel(a, b):
@@ -114,7 +133,50 @@ def assert_trains_like_one_process(run: dict, reference: dict) -> None:
 )
 def test_the_layout_trains_like_one_process(name, world, references, world2, world4, world8):
     run = {2: world2, 4: world4, 8: world8}[world][name]
-    assert_trains_like_one_process(run, references[name.split("_", 1)[0]])
+    assert_trains_like_one_process(run, references[reference_of(name)])
+
+
+@pytest.mark.parametrize(
+    "name,world",
+    [
+        ("gpt_cp2", 2),
+        ("llama_cp2", 2),
+        ("llama_cp2_zero3", 2),
+        ("gpt_tp2_cp2", 4),
+        ("llama_tp2_cp2", 4),
+        ("llama_tp2_cp2_sp", 4),
+        ("gpt_cp2_pp2", 4),
+        ("llama_cp2_pp2", 4),
+        ("llama_cp2_dp2_zero1", 4),
+        ("gpt_cp2_dp2_zero1_ckpt", 4),
+        ("gpt_cp4", 4),
+        ("llama_cp4", 4),
+    ],
+)
+def test_a_context_parallel_layout_trains_like_one_process(name, world, references, world2, world4):
+    run = {2: world2, 4: world4}[world][name]
+    assert_trains_like_one_process(run, references[reference_of(name)])
+
+
+def test_a_context_parallel_checkpoint_resumes_in_one_process_with_the_uninterrupted_losses(references, world4):
+    checkpoint = world4["_dir"] / "gpt_cp2_dp2_zero1_ckpt" / "step=3.ckpt"
+    resumed, _ = tiny_run(max_steps=6, capture_steps=(6,), ckpt_path=checkpoint, seq_len=LONG)
+    uninterrupted = references["gpt@long"]
+    assert len(resumed.losses) == 3 and max_rel(resumed.losses, uninterrupted["losses"][3:6]) <= LOSS_RTOL
+    assert max_param_diff(resumed.params[6], uninterrupted["params"][6]) <= PARAM_ATOL
+
+
+def test_a_long_document_evaluates_in_a_context_parallel_layout_with_the_single_process_numbers(world4, tmp_path):
+    checkpoint = world4["_dir"] / "gpt_cp2_dp2_zero1_ckpt" / "step=6.ckpt"
+    text = world4["_dir"] / "eval_text.txt"
+    single = tmp_path / "single.json"
+    argv = ["--checkpoint", str(checkpoint), "--task", "perplexity", "--data", str(text), "--stride", "128"]
+    assert eval_main([*argv, "--dtype", "fp32", "--no-progress", "--output", str(single)]) == 0
+    ours = json.loads((world4["_dir"] / "eval_gpt_cp2_dp2_zero1.json").read_text())
+    assert ours["settings"]["layout"]["context_parallel"] == 2 and ours["settings"]["layout"]["data_parallel"] == 2
+    in_layout, alone = ours["results"]["perplexity"]["-"], json.loads(single.read_text())["results"]["perplexity"]["-"]
+    assert in_layout["tokens"] == alone["tokens"] > 2 * LONG  # longer than the model's 256 positions: windows
+    assert abs(in_layout["perplexity"] / alone["perplexity"] - 1) <= 1e-5
 
 
 def test_a_checkpoint_of_tp2_resumes_in_tp4_with_the_uninterrupted_losses(references, world2, world4):
@@ -129,7 +191,7 @@ def test_the_trained_checkpoint_evaluates_in_a_layout_with_the_single_process_nu
     checkpoint = world2["_dir"] / "llama_tp2_ckpt" / "step=6.ckpt"
     single = tmp_path / "single.json"
     argv = ["--checkpoint", str(checkpoint), "--task", "perplexity", "--data", str(world2["_dir"] / "eval_text.txt")]
-    assert eval_main([*argv, "--dtype", "fp32", "--no-progress", "--output", str(single)]) == 0
+    assert eval_main([*argv, "--stride", "128", "--dtype", "fp32", "--no-progress", "--output", str(single)]) == 0
     ours = json.loads((world2["_dir"] / "eval_llama_tp2.json").read_text())
     one = json.loads(single.read_text())
     assert ours["settings"]["layout"]["tensor_parallel"] == 2
