@@ -37,7 +37,11 @@ def main(argv=None) -> int:
         prog="pipeline.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "out_dir", nargs="?", default="runs/pipeline", help="where every stage writes (default: %(default)s)"
+        "out_dir",
+        nargs="?",
+        default="runs/pipeline",
+        help="where every stage writes (default: %(default)s); a URL (s3://bucket/run) is written in a local scratch "
+        "folder and committed there when the run ends",
     )
     p.add_argument(
         "--smoke", action="store_true", help="the reduced run: 160 pages, 8+8 passages, tiny model, 20 steps"
@@ -75,14 +79,19 @@ def main(argv=None) -> int:
         "for ., ~, / and folders holding an input)",
     )
     args = p.parse_args(argv)
+    import mtnlg_lightning.corpora.storage as storage
+    from mtnlg_lightning.corpora.commit import destination, visible_files
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 
     def body() -> int:
         require_extra("hf", "the pipeline's export stage (mtnlg-export-hf)")  # before any stage runs
         if not args.no_plot:
             require_extra("plot", "report.png (or pass --no-plot)")
+        prepare_out_dir(args.out_dir, args.overwrite)
+        # a URL: the run writes a scratch folder, committed to the URL when it has finished
+        dest = destination(args.out_dir)
         settings = PipelineSettings.for_run(
-            args.out_dir,
+            dest.local,
             smoke=args.smoke,
             crawl=not args.no_crawl,
             steps=args.steps,
@@ -92,20 +101,26 @@ def main(argv=None) -> int:
             prompt=args.prompt,
             plot=not args.no_plot,
         )
-        prepare_out_dir(settings.out_dir, args.overwrite)
-        print(f"pipeline: writing {settings.out_dir} (tool output in {settings.out_dir / 'logs'})", flush=True)
+        committed = f", committed to {args.out_dir} at the end" if dest.remote else ""
+        print(
+            f"pipeline: writing {settings.out_dir} (tool output in {settings.out_dir / 'logs'}){committed}", flush=True
+        )
         from mtnlg_lightning.outputs import kept_until_done
 
         with kept_until_done(settings.out_dir):  # a failed run puts the previous OUT_DIR back
             report = Pipeline(settings).run()
         out = Path(report["out_dir"])
+        if dest.remote:  # every file, report.json last: it marks the result complete
+            names = [n for n in visible_files(dest.local) if n != "report.json"] + ["report.json"]
+            dest.publish(names, markers=1, replace=args.overwrite)
+            out = args.out_dir
         failed = [c for c in report["checks"] if not c["ok"]]
         passed = len(report["checks"]) - len(failed)
         gap = report["experiment"]["planted_gap"]
         print(
             f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
             f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
-            f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {out / 'report.md'}"
+            f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {storage.join(str(out), 'report.md')}"
         )
         for check in failed:
             print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)

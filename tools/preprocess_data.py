@@ -13,8 +13,8 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
 from mtnlg_lightning.corpora.cli_common import int_at_least
+from mtnlg_lightning.corpora.commit import check_output
 from mtnlg_lightning.errors import run_main
-from mtnlg_lightning.outputs import check_output
 
 
 def main(argv=None) -> int:
@@ -41,9 +41,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--tokenizer",
-        help="tokenizer.json, or a directory with tokenizer.json or vocab.json + merges.txt (needed with --input)",
+        help="tokenizer.json, or a directory with tokenizer.json or vocab.json + merges.txt (needed with --input); "
+        "a path or a URL",
     )
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (atomically)")
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX.bin and PREFIX.idx (atomically); a URL (s3://bucket/data/pile) is written locally and "
+        "committed there when complete, the .idx last",
+    )
     parser.add_argument(
         "--workers",
         type=int_at_least(1),

@@ -12,12 +12,12 @@ import _bootstrap  # noqa: F401
 
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg
 from mtnlg_lightning.corpora.cli_common import int_at_least
+from mtnlg_lightning.corpora.commit import check_output
 from mtnlg_lightning.corpora.records import format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.data.preprocess import read_texts
 from mtnlg_lightning.data.tokenizer import train_bpe
 from mtnlg_lightning.errors import MTNLGError, run_main
-from mtnlg_lightning.outputs import check_output
 
 
 def main(argv=None) -> int:
@@ -34,7 +34,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--min-frequency", type=int_at_least(1), default=2, help="minimum pair count for a merge (default: 2)"
     )
-    parser.add_argument("--output", required=True, help="output tokenizer.json path, or a directory to hold it")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="output tokenizer.json path, or a directory to hold it; a path or a URL (s3://bucket/tok)",
+    )
     add_bad_record_arg(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()

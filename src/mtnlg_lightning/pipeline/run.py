@@ -636,12 +636,25 @@ def read_metrics(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+def prepare_out_dir(out_dir: Path | str, overwrite: bool) -> None:
     """Refuse an OUT_DIR that is not empty (without --overwrite), or whose replacement would delete what it must
-    not (an input: the built-in corpus cache; ., ~, /). Nothing is removed here: `tools/pipeline.py` runs in
-    `outputs.kept_until_done`, so the previous result goes only when the new run has finished."""
+    not (an input: the built-in corpus cache; ., ~, /; for a URL, a whole bucket). Nothing is removed here:
+    `tools/pipeline.py` runs in `outputs.kept_until_done`, or for a URL in a scratch folder committed at the end, so
+    the previous result goes only when the new run has finished."""
+    import mtnlg_lightning.corpora.storage as storage
+    from mtnlg_lightning.corpora.commit import check_output, check_writable
     from mtnlg_lightning.data.builtin_corpus import cache_root
-    from mtnlg_lightning.outputs import check_output
+
+    if storage.is_url(out_dir):
+        check_writable(out_dir)
+        if storage.exists(out_dir) and not storage.isdir(out_dir):
+            raise MTNLGError(f"{out_dir} is an object; name a prefix for the pipeline's outputs")
+        if storage.isdir(out_dir):
+            if not overwrite:
+                raise MTNLGError(f"{out_dir} is not empty: pass --overwrite to replace it, or name another prefix")
+            check_output(out_dir, [], replaces_dir=True)
+        return
+    out_dir = Path(out_dir)
 
     if out_dir.exists() and not out_dir.is_dir():
         raise MTNLGError(f"{out_dir} is a file; name a directory for the pipeline's outputs")
