@@ -38,13 +38,13 @@ from mtnlg_lightning.crawl.classifier import train  # noqa: E402
 from mtnlg_lightning.crawl.extract import ExtractSettings, decode_html, drop_policy_lines, run_extract  # noqa: E402
 from mtnlg_lightning.crawl.html_text import page_text  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language  # noqa: E402
-from mtnlg_lightning.crawl.synthetic_warc import (  # noqa: E402
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
+from mtnlg_lightning.synthetic.warc import (  # noqa: E402
     CrawlSpec,
     junk_documents,
     score_extraction,
     write_synthetic_warc,
 )
-from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
 
 # One Common Crawl snapshot (CC-MAIN-2024-10, from its announcement): 3.16 billion pages, 424.7 TiB uncompressed.
 SNAPSHOT_PAGES = 3.16e9

@@ -5,7 +5,7 @@ of `mtnlg-extract` is chosen by these figures.
     python benchmarks/bench_crawl_languages.py                  # 3 crawls: 100 English + 14 languages x 8 pages each
     python benchmarks/bench_crawl_languages.py --seeds 1 --english-pages 20 --pages-per-language 4   # quicker
 
-The crawls (crawl/synthetic_warc.py): English articles (the standard library's docstrings) in a real site's
+The crawls (synthetic/warc.py): English articles (the standard library's docstrings) in a real site's
 boilerplate; pages in 14 other languages (de fr es it nl pt pl ru zh ja ar tr ko sv) of one to four paragraphs,
 every other one in the English site's template; junk pages. Each extractor runs on the same decoded HTML pages in
 this process (CPU seconds by time.process_time), then C4's policy-line rule and pyCLD2 on the text kept, as
@@ -40,13 +40,13 @@ except ImportError:
 from mtnlg_lightning.crawl.extract import decode_html, drop_policy_lines  # noqa: E402
 from mtnlg_lightning.crawl.html_text import page_text, prose_languages, segment  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language, stoplist_for  # noqa: E402
-from mtnlg_lightning.crawl.synthetic_warc import (  # noqa: E402
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
+from mtnlg_lightning.synthetic.warc import (  # noqa: E402
     ALL_LANGUAGES,
     CrawlSpec,
     score_extraction,
     write_synthetic_warc,
 )
-from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
 
 
 def html_pages(path: str) -> list[tuple[str, str]]:

@@ -25,7 +25,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate  # noqa: E402
-from mtnlg_lightning.curation.synthetic import make_tasks_and_training  # noqa: E402
+from mtnlg_lightning.synthetic.near_duplicates import make_tasks_and_training  # noqa: E402
 
 
 def run(tasks: str, train: str, out: str, workers: int, engine: str) -> dict:

@@ -48,8 +48,8 @@ import numpy as np  # noqa: E402
 import zstandard  # noqa: E402
 from results import write_result  # noqa: E402
 
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus  # noqa: E402
 from mtnlg_lightning.data.tokenizer import train_bpe  # noqa: E402
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 

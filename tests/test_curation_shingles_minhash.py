@@ -18,7 +18,7 @@ from mtnlg_lightning.curation.shingles import (
     shingle_string_hash,
     shingle_strings,
 )
-from mtnlg_lightning.curation.synthetic import TextGenerator, render
+from mtnlg_lightning.synthetic.near_duplicates import TextGenerator, render
 
 W5 = ShingleSpec("word", 5)
 

@@ -14,9 +14,10 @@ import sys
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir
+from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import split_ranges
-from mtnlg_lightning.evaluation.cloze import cloze_passages
+from mtnlg_lightning.synthetic.cloze import cloze_passages
+from mtnlg_lightning.synthetic.demo_corpus import demo_dir
 
 
 def main(argv=None) -> int:

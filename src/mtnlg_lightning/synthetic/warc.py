@@ -74,10 +74,10 @@ def english_paragraphs(count: int, min_words: int = 35, min_chars: int = 200) ->
 
 # --- other languages: paragraphs written for this test bed ------------------------------------------------------
 
-# Four short news, recipe, science and society paragraphs per language, data in synthetic_paragraphs.json. Their
+# Four short news, recipe, science and society paragraphs per language, data in warc_paragraphs.json. Their
 # lengths are the language's own: ~250-300 characters in alphabetic scripts, ~80-130 in Chinese, Japanese and Korean.
 FOREIGN_PARAGRAPHS: dict[str, list[str]] = json.loads(
-    Path(__file__).with_name("synthetic_paragraphs.json").read_text("utf-8")
+    Path(__file__).with_name("warc_paragraphs.json").read_text("utf-8")
 )
 # The crawl's other languages by default (the pipeline's crawl and the tests written before the rest were added).
 EUROPEAN_LANGUAGES = ("de", "fr", "es", "it", "nl", "pt", "pl")
@@ -86,8 +86,8 @@ ALL_LANGUAGES = tuple(FOREIGN_PARAGRAPHS)
 
 # Each language's boilerplate: cookie banner (English also a long consent text, the one most sites show: long and
 # full of stop words, so jusText takes it for prose), navigation, footer lines, sidebar heading and links, newsletter
-# box, byline words, share buttons. Translations are data: synthetic_boilerplate.json beside this file.
-_BOILERPLATE: dict[str, dict] = json.loads(Path(__file__).with_name("synthetic_boilerplate.json").read_text("utf-8"))
+# box, byline words, share buttons. Translations are data: warc_boilerplate.json beside this file.
+_BOILERPLATE: dict[str, dict] = json.loads(Path(__file__).with_name("warc_boilerplate.json").read_text("utf-8"))
 
 
 def _escape(text: str) -> str:

@@ -16,7 +16,6 @@ beside the corpus so that the pipeline's report can check the tools against it.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,9 +25,9 @@ import numpy as np
 from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line, write_json_atomic
 from mtnlg_lightning.curation.ngrams import words_of
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
-from mtnlg_lightning.data.builtin_corpus import demo_dir, stdlib_documents
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.evaluation.cloze import cloze_passages
+from mtnlg_lightning.synthetic.cloze import cloze_passages
+from mtnlg_lightning.synthetic.demo_corpus import demo_documents
 
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 BOILERPLATE = (
@@ -42,7 +41,8 @@ NGRAM = 13  # the decontamination n-gram: a control passage may share none with 
 
 @dataclass
 class CorpusSpec:
-    """What the raw corpus holds. The defaults are the full pipeline's; `smoke()` is the test suite's."""
+    """What the raw corpus holds. The defaults are the full pipeline's; `smoke()` is the reduced run's
+    (`tools/pipeline.py --smoke`)."""
 
     eval_passages: int = 128  # cloze passages in the evaluation set: half planted, half control
     plant_copies: int = 6  # training documents each planted passage is copied into (< decontamination's
@@ -74,15 +74,6 @@ def pages_of(module_id: str, text: str, page_chars: int) -> list[dict]:
     if current:
         pages.append(current)
     return [{"id": f"{module_id}#{i}", "text": "\n\n".join(p)} for i, p in enumerate(pages)]
-
-
-def source_documents() -> list[dict]:
-    """The demo corpus' module documents (read from the demo cache when it is built, else extracted)."""
-    cached = demo_dir() / "python_docs.jsonl"
-    if cached.exists():
-        with open(cached, encoding="utf-8") as f:
-            return [json.loads(line) for line in f]
-    return list(stdlib_documents())
 
 
 def ngram_set(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
@@ -144,7 +135,7 @@ def build_corpus(out_dir: str | Path, spec: CorpusSpec) -> dict:
     return the summary (counts and bytes) that the pipeline reports."""
     out = Path(out_dir)
     rng = np.random.default_rng(spec.seed)
-    modules = source_documents()
+    modules = demo_documents()
     order = rng.permutation(len(modules))
     total_chars = sum(len(m["text"]) for m in modules)
     held_out, training_modules, held_chars = [], [], 0
