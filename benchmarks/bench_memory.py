@@ -31,8 +31,7 @@ MB = 1e6
 def worker(out: Path, preset: str, stages: list[int]) -> None:
     import torch.distributed as dist
     from lightning_run import fit, megatron_strategy
-
-    from mtnlg_lightning.parallel.state_bytes import StateBytesProbe
+    from state_bytes import StateBytesProbe
 
     world = int(os.environ["WORLD_SIZE"])
     rows = []

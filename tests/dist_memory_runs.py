@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
 from parallel_harness import tiny_run  # noqa: E402
 
-from mtnlg_lightning.parallel.state_bytes import StateBytesProbe  # noqa: E402
+from benchmarks.state_bytes import StateBytesProbe  # noqa: E402
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 

@@ -28,7 +28,7 @@ from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_
 from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
-from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
+from mtnlg_lightning.corpora.stages import Progress, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
 from mtnlg_lightning.curation.decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
 from mtnlg_lightning.curation.ngrams import load_tasks
@@ -115,9 +115,8 @@ def _written_at(target: str, local_dir: str, name: str) -> str:
 
 
 class DecontamJob:
-    def __init__(self, cfg: DecontamConfig, hooks: StageHooks | None = None):
+    def __init__(self, cfg: DecontamConfig):
         self.cfg = cfg
-        self.hooks = hooks or StageHooks()
         self.work = cfg.work_dir()
         self.out_dir = cfg.out_dir()
         self.local_dir = cfg.local_dir()
@@ -239,7 +238,7 @@ class DecontamJob:
                 frequent_threshold=cfg.frequent_threshold,
                 on_bad_record=cfg.on_bad_record,
             )
-            runner = StageRunner(self.work, engine, Progress(cfg.progress), self.hooks)
+            runner = StageRunner(self.work, engine, Progress(cfg.progress))
             try:
                 runner.run([CountStage(ctx), CleanStage(ctx)])
             except InputError:
@@ -247,21 +246,31 @@ class DecontamJob:
                 raise
         finally:
             engine.close()
-        report_path = cfg.report_path()
-        if not storage.is_url(report_path) and os.path.exists(report_path):
-            os.unlink(report_path)  # replaced last: the old one never describes the new output
+        return self.publish(ctx, runner, t_tasks)
+
+    def assemble_outputs(self, ctx: DecontamContext) -> list[str]:
+        """Each output from its cleaned parts, where the run writes it (the target itself, or for a URL a file in the
+        scratch folder); returns those paths."""
         names = [self._name(output) for output in self.outputs]
         written = [_written_at(o, self.local_dir, n) for o, n in zip(self.outputs, names, strict=True)]
         for f, (output, source) in enumerate(zip(written, self.sources, strict=True)):
-            concatenate_parts(ctx, output, source, cfg.output_compression, f)
-        self.hooks.point("publish:1")
+            concatenate_parts(ctx, output, source, self.cfg.output_compression, f)
+        return written
+
+    def publish(self, ctx: DecontamContext, runner: StageRunner, t_tasks: float) -> dict:
+        """The outputs, then the report, which marks the result complete: on disk it is replaced last, for URLs
+        it is committed last."""
+        report_path = self.cfg.report_path()
+        if not storage.is_url(report_path) and os.path.exists(report_path):
+            os.unlink(report_path)  # replaced last: the old one never describes the new output
+        written = self.assemble_outputs(ctx)
         report = self.build_report(ctx, runner, t_tasks)
         report_written = _written_at(report_path, self.local_dir, ".report.json")
         write_json_atomic(report_written, report, fsync=True)
         remote = [(w, o) for w, o in zip(written, self.outputs, strict=True) if storage.is_url(o)]
         if storage.is_url(report_path):  # the report marks the result complete: removed first, committed last
             remote.append((report_written, report_path))
-        commit(remote, markers=1 if storage.is_url(report_path) else 0, point=self.hooks.point)
+        commit(remote, markers=1 if storage.is_url(report_path) else 0)
         if report_written != report_path:
             os.unlink(report_written)
         shutil.rmtree(self.work, ignore_errors=True)
@@ -368,9 +377,9 @@ class DecontamJob:
         }
 
 
-def run_decontaminate(cfg: DecontamConfig, hooks: StageHooks | None = None) -> dict:
+def run_decontaminate(cfg: DecontamConfig) -> dict:
     """Run (or resume) both passes; returns the report (also written to ``cfg.report_path()``)."""
-    return DecontamJob(cfg, hooks).run()
+    return DecontamJob(cfg).run()
 
 
 def format_summary(report: dict) -> str:

@@ -134,9 +134,3 @@ class MinHasher:
                     out[rows_out, p : p + len(a)] = np.minimum.reduceat(perm, starts, axis=1).T
             i = j
         return out
-
-
-def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray | float:
-    """Fraction of equal signature entries (row-wise for 2-D input)."""
-    eq = np.asarray(sig_a) == np.asarray(sig_b)
-    return eq.mean(axis=-1)

@@ -152,16 +152,3 @@ def jaccard_strings(a: set[str], b: set[str]) -> float:
     if not a and not b:
         return 1.0
     return len(a & b) / len(a | b)
-
-
-def shingle_string_hash(shingle: str, spec: ShingleSpec) -> int:
-    """64-bit hash of one shingle given as a string (the same value :func:`shingle_hashes` produces).
-
-    Only valid for full-length shingles (or a whole short document): lets a datasketch ``MinHash`` fed with
-    shingle strings (``hashfunc=lambda s: shingle_string_hash(s, spec) & 0xFFFFFFFF``) reproduce our signatures.
-    """
-    if spec.kind == "word":
-        units = word_hashes(shingle.split(" "))
-    else:
-        units = char_hashes(shingle)
-    return int(combine(units, len(units))[0])
