@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Callable
 
 from mtnlg_lightning.corpora.cli_args import OUTPUT_URL_HELP
 from mtnlg_lightning.corpora.engine import available_cores
@@ -31,6 +33,28 @@ def int_at_least(minimum: int):
 
 
 positive_int = int_at_least(1)
+
+
+def number_where(wording: str, accepted: Callable[[float], bool]):
+    """An argparse `type` accepting the numbers `accepted` says yes to; otherwise "expected <wording>, got ..."."""
+
+    def parse(value: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {value!r}") from None
+        if not accepted(v):
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {value!r}")
+        return v
+
+    return parse
+
+
+def fields_from_args(cls, args: argparse.Namespace, **given):
+    """`cls` (a dataclass of settings) from the parsed flags: each field from the flag of the same name, unless
+    `given` names its value (a flag of another name or form: --shard-mb for `shard_bytes`, --quiet for `progress`)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cls(**{n: given[n] if n in given else getattr(args, n) for n in names if n in given or hasattr(args, n)})
 
 
 class HelpFormatter:
@@ -92,6 +116,18 @@ def add_engine_args(p, what: str) -> None:
         default=None,
         metavar="HOST:PORT",
         help="Ray cluster to join with --engine ray (default: $RAY_ADDRESS, else a local Ray started for the run)",
+    )
+
+
+def add_shard_arg(p, default_mb: int, what: str) -> None:
+    """--shard-mb: how much of an input one task processes (and a resumed run skips when finished); `what` names
+    the shard and the task."""
+    p.add_argument(
+        "--shard-mb",
+        type=positive_int,
+        default=default_mb,
+        help=f"largest {what} processes and a resumed run skips when finished; small inputs get smaller shards "
+        "(>= 1 MB), about 4 per CPU",
     )
 
 

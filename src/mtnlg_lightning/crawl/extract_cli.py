@@ -12,6 +12,7 @@ from mtnlg_lightning.corpora.cli_common import (
     add_output_dir_arg,
     add_quiet_arg,
     check_engine_args,
+    fields_from_args,
     positive_int,
     tool_parser,
 )
@@ -87,12 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_engine_args(args, parser)
-    settings = ExtractSettings(
-        extractor=args.extractor,
-        languages=args.languages,
-        min_chars=args.min_chars,
-        policy_lines=args.keep_policy_lines,
-    )
+    settings = fields_from_args(ExtractSettings, args, policy_lines=args.keep_policy_lines)
 
     def body() -> int:
         from mtnlg_lightning.extras import require_extra

@@ -11,6 +11,7 @@ from mtnlg_lightning.corpora.cli_common import (
     add_output_dir_arg,
     add_quiet_arg,
     add_text_key_arg,
+    number_where,
     positive_int,
     tool_parser,
 )
@@ -35,14 +36,8 @@ def _assignment(value: str) -> tuple[str, float]:
         ) from None
 
 
-def _fraction(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        v = -1.0
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}")
-    return v
+_fraction = number_where("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+_positive_float = number_where("a positive number", lambda v: v > 0)
 
 
 def _languages(value: str) -> tuple[str, ...]:
@@ -50,16 +45,6 @@ def _languages(value: str) -> tuple[str, ...]:
     if not codes:
         raise argparse.ArgumentTypeError(f"expected ISO 639-1 codes separated by commas, e.g. en,de; got {value!r}")
     return codes
-
-
-def _positive_float(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        v = 0.0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return v
 
 
 def _rules_epilog() -> str:
@@ -101,22 +86,29 @@ def _add_rules(p: argparse.ArgumentParser) -> None:
     )
 
 
+DESCRIPTION = (
+    "Quality of crawled text. 'annotate' measures the Gopher/C4 heuristic signals of every document and "
+    "records the rules it fails (nothing is dropped); 'train' fits GPT-3's quality classifier (logistic "
+    "regression on hashed word n-grams) on curated (positive) and raw-crawl (negative) documents; 'score' "
+    "adds quality_score; 'filter' keeps documents by score threshold, by GPT-3's Pareto rule, and/or by "
+    "the heuristic rules re-applied to the stored signals with any thresholds, without re-scoring."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = tool_parser(
-        PROG,
-        (
-            "Quality of crawled text. 'annotate' measures the Gopher/C4 heuristic signals of every document and "
-            "records the rules it fails (nothing is dropped); 'train' fits GPT-3's quality classifier (logistic "
-            "regression on hashed word n-grams) on curated (positive) and raw-crawl (negative) documents; 'score' "
-            "adds quality_score; 'filter' keeps documents by score threshold, by GPT-3's Pareto rule, and/or by "
-            "the heuristic rules re-applied to the stored signals with any thresholds, without re-scoring."
-        ),
-    )
+    p = tool_parser(PROG, DESCRIPTION)
     sub = p.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="annotate | train | score | filter (COMMAND --help)"
     )
-    fmt = argparse.RawDescriptionHelpFormatter
+    _add_annotate(sub)
+    _add_train(sub)
+    _add_score(sub)
+    _add_filter(sub)
+    return p
 
+
+def _add_annotate(sub) -> None:
+    """`annotate`: the heuristic signals and the rules failed, nothing dropped."""
     a = sub.add_parser(
         "annotate",
         help="add quality_signals and quality_failed (the heuristic rules failed) to every document",
@@ -124,11 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         "document fails) to every document; report the documents failing each rule (a document failing several "
         "is counted under each) and failing any (counted once). Nothing is dropped: use 'filter --heuristics'.",
         epilog=_rules_epilog(),
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_io(a)
     _add_rules(a)
 
+
+def _add_train(sub) -> None:
+    """`train`: the quality classifier from curated and raw-crawl documents."""
     t = sub.add_parser(
         "train",
         help="train the quality classifier on positive and negative documents",
@@ -157,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--c", type=_positive_float, default=1.0, help="inverse L2 regularisation strength (C)")
     t.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the solver")
 
+
+def _add_score(sub) -> None:
+    """`score`: the classifier's quality_score on every document."""
     s = sub.add_parser(
         "score",
         help="add quality_score (the classifier's P(curated)) to every document",
@@ -169,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--batch", type=positive_int, default=512, help="documents vectorised at a time")
 
+
+def _add_filter(sub) -> None:
+    """`filter`: keep by score, Pareto draw, heuristic rules or language."""
     f = sub.add_parser(
         "filter",
         help="keep documents by score threshold, Pareto rule and/or heuristic rules",
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "documents dropped by each criterion (a document failing several is counted under each) and in total "
         "(once).",
         epilog=_rules_epilog(),
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_io(f)
     f.add_argument("--threshold", type=_fraction, default=None, help="keep when quality_score >= this")
@@ -201,7 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
         "filter re-run without re-extracting",
     )
     _add_rules(f)
-    return p
 
 
 def _rule_settings(args, parser):
@@ -218,6 +218,64 @@ def _print_counts(title: str, counts: dict, total: int) -> None:
         print(f"    {name:<{width}}  {n:>8}  ({n / max(1, total):.1%})")
 
 
+def _annotate(args, settings, progress: bool) -> None:
+    r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)
+    print(f"{PROG} annotate: {r['documents']} documents in {r['seconds']:.1f} s")
+    _print_counts(
+        "failing each rule (a document failing several counts under each):",
+        r["failing_by_rule"],
+        r["documents"],
+    )
+    print(f"  failing any rule  {r['failing_any_rule']}  passing every rule  {r['passing_every_rule']}")
+
+
+def _train(args, settings, progress: bool) -> None:
+    r = quality.train_model(
+        args.positive,
+        args.negative,
+        args.model,
+        args.text_key,
+        args.holdout,
+        args.features,
+        args.max_ngram,
+        args.c,
+        args.seed,
+    )
+    print(f"{PROG} train: {r['positives']} positive, {r['negatives']} negative documents in {r['seconds']:.1f} s")
+    if "holdout" in r:
+        h = r["holdout"]
+        print(
+            f"  held out {h['documents']}: precision {h['precision']:.3f} recall {h['recall']:.3f} "
+            f"accuracy {h['accuracy']:.3f}"
+        )
+    print(f"  model      {args.model}")
+
+
+def _score(args, settings, progress: bool) -> None:
+    r = quality.score(args.inputs, args.output_dir, args.model, args.text_key, args.batch, progress)
+    print(f"{PROG} score: {r['documents']} documents in {r['seconds']:.1f} s")
+    print(f"  scores by tenths 0.0..1.0: {r['score_histogram_tenths']}")
+
+
+def _filter(args, settings, progress: bool) -> None:
+    r = quality.filter_documents(
+        args.inputs,
+        args.output_dir,
+        args.threshold,
+        args.pareto,
+        args.seed,
+        settings,
+        args.text_key,
+        progress,
+        args.languages,
+    )
+    print(f"{PROG} filter: kept {r['kept']} of {r['documents']} documents, dropped {r['dropped']}")
+    _print_counts("dropped by (a document failing several counts under each):", r["dropped_by"], r["documents"])
+
+
+COMMANDS = {"annotate": _annotate, "train": _train, "score": _score, "filter": _filter}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -232,56 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
             require_extra("crawl", f"{PROG} {args.command}")
-        progress = not getattr(args, "quiet", False)
-        if args.command == "annotate":
-            r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)
-            print(f"{PROG} annotate: {r['documents']} documents in {r['seconds']:.1f} s")
-            _print_counts(
-                "failing each rule (a document failing several counts under each):",
-                r["failing_by_rule"],
-                r["documents"],
-            )
-            print(f"  failing any rule  {r['failing_any_rule']}  passing every rule  {r['passing_every_rule']}")
-        elif args.command == "train":
-            r = quality.train_model(
-                args.positive,
-                args.negative,
-                args.model,
-                args.text_key,
-                args.holdout,
-                args.features,
-                args.max_ngram,
-                args.c,
-                args.seed,
-            )
-            print(
-                f"{PROG} train: {r['positives']} positive, {r['negatives']} negative documents in {r['seconds']:.1f} s"
-            )
-            if "holdout" in r:
-                h = r["holdout"]
-                print(
-                    f"  held out {h['documents']}: precision {h['precision']:.3f} recall {h['recall']:.3f} "
-                    f"accuracy {h['accuracy']:.3f}"
-                )
-            print(f"  model      {args.model}")
-        elif args.command == "score":
-            r = quality.score(args.inputs, args.output_dir, args.model, args.text_key, args.batch, progress)
-            print(f"{PROG} score: {r['documents']} documents in {r['seconds']:.1f} s")
-            print(f"  scores by tenths 0.0..1.0: {r['score_histogram_tenths']}")
-        else:
-            r = quality.filter_documents(
-                args.inputs,
-                args.output_dir,
-                args.threshold,
-                args.pareto,
-                args.seed,
-                settings,
-                args.text_key,
-                progress,
-                args.languages,
-            )
-            print(f"{PROG} filter: kept {r['kept']} of {r['documents']} documents, dropped {r['dropped']}")
-            _print_counts("dropped by (a document failing several counts under each):", r["dropped_by"], r["documents"])
+        COMMANDS[args.command](args, settings, progress=not getattr(args, "quiet", False))
         if args.command != "train":
             print(f"  outputs    {args.output_dir}/ (one file per input, quality_{args.command}_report.json)")
         return 0

@@ -16,8 +16,10 @@ from mtnlg_lightning.corpora.cli_common import (
     INTERRUPTED,
     add_engine_args,
     add_quiet_arg,
+    add_shard_arg,
     add_text_key_arg,
     check_engine_args,
+    fields_from_args,
     int_at_least,
     positive_int,
     tool_parser,
@@ -31,20 +33,31 @@ PROG = "mtnlg-decontaminate"
 _non_negative = int_at_least(0)
 
 
+DESCRIPTION = (
+    "Remove downstream-task text from training data (MT-NLG / Megatron-LM filter_ngrams.py semantics): 13-word task "
+    "n-grams (8-12 word task texts used whole) are searched in the lowercased \\w+ words of every document; n-grams "
+    "found in >= --frequent-threshold documents are ignored as common phrases; each match is removed with --window "
+    "characters on each side, extended to the nearest sentence end, and the document is split there. Writes "
+    "--output (one input file) or, with --output-dir, one output per input file under its name (a folder's files "
+    "keep their paths below it), in the input's format, each atomically; n-grams are counted over all inputs "
+    "together; report.json last, its hits naming file and line."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = tool_parser(
-        PROG,
-        (
-            "Remove downstream-task text from training data (MT-NLG / Megatron-LM filter_ngrams.py semantics): "
-            "13-word task n-grams (8-12 word task texts used whole) are searched in the lowercased \\w+ words of "
-            "every document; n-grams found in >= --frequent-threshold documents are ignored as common phrases; each "
-            "match is removed with --window characters on each side, extended to the nearest sentence end, and the "
-            "document is split there. Writes --output (one input file) or, with --output-dir, one output per input "
-            "file under its name (a folder's files keep their paths below it), in the input's format, each "
-            "atomically; n-grams are counted over all inputs together; report.json last, its hits naming file and "
-            "line."
-        ),
-    )
+    p = tool_parser(PROG, DESCRIPTION)
+    _add_files_args(p)
+    add_text_key_arg(p)
+    p.add_argument("--id-key", default="id", help="JSON key with a document id, quoted in the report's hit list")
+    _add_matching_args(p)
+    add_engine_args(p, "both passes")
+    add_shard_arg(p, 8, "training-file shard (MB) a task")
+    add_quiet_arg(p)
+    return p
+
+
+def _add_files_args(p: argparse.ArgumentParser) -> None:
+    """The task files, the training data, what is written for it and where the report goes."""
     p.add_argument(
         "--tasks",
         nargs="+",
@@ -83,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REPORT.json",
         help="where to write the report, a path or a URL (default: report.json in the output's directory)",
     )
-    add_text_key_arg(p)
-    p.add_argument("--id-key", default="id", help="JSON key with a document id, quoted in the report's hit list")
+
+
+def _add_matching_args(p: argparse.ArgumentParser) -> None:
+    """Which task n-grams are searched, and what a match removes."""
     p.add_argument("--max-ngram", type=positive_int, default=13, help="n-gram length in words taken from task texts")
     p.add_argument(
         "--min-ngram",
@@ -116,46 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="task n-grams found in at least this many training documents are ignored (common phrases)",
     )
-    add_engine_args(p, "both passes")
-    p.add_argument(
-        "--shard-mb",
-        type=positive_int,
-        default=8,
-        help="largest training-file shard (MB) a task processes and a resumed run skips when finished; small "
-        "inputs get smaller shards (>= 1 MB), about 4 per CPU",
-    )
-    add_quiet_arg(p)
-    return p
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DecontamConfig:
+    if args.min_ngram > args.max_ngram:
+        parser.error("--min-ngram must not exceed --max-ngram")
+    check_engine_args(args, parser)
+    return fields_from_args(DecontamConfig, args, shard_bytes=args.shard_mb << 20, progress=not args.quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.min_ngram > args.max_ngram:
-        parser.error("--min-ngram must not exceed --max-ngram")
-    check_engine_args(args, parser)
-    cfg = DecontamConfig(
-        tasks=args.tasks,
-        input=args.input,
-        output=args.output,
-        output_dir=args.output_dir,
-        report=args.report,
-        text_key=args.text_key,
-        id_key=args.id_key,
-        max_ngram=args.max_ngram,
-        min_ngram=args.min_ngram,
-        window=args.window,
-        min_piece=args.min_piece,
-        max_splits=args.max_splits,
-        frequent_threshold=args.frequent_threshold,
-        workers=args.workers,
-        engine=args.engine,
-        ray_address=args.ray_address,
-        shard_bytes=args.shard_mb << 20,
-        progress=not args.quiet,
-        on_bad_record=args.on_bad_record,
-        output_compression=args.output_compression,
-    )
+    cfg = config_from_args(parser.parse_args(argv), parser)
 
     def body() -> int:
         report = run_decontaminate(cfg)
