@@ -6,7 +6,6 @@ huge single line) are tested with their reader (issue 27), not here."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import re
@@ -14,21 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tool_main
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: benchmarks
 # Imported here, outside any test's captured stderr: Lightning binds its log handler to sys.stderr on import.
 import mtnlg_lightning.train.cli  # noqa: E402, F401
 from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
-
-
-def _tool(name: str):
-    """tools/NAME.py's main (they import `_bootstrap` from their own folder)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 def _main(tool: str):
@@ -47,7 +38,7 @@ def _main(tool: str):
     elif tool == "consolidate_checkpoint.py":
         from mtnlg_lightning.checkpoint.consolidate import main
     else:
-        main = _tool(tool.removesuffix(".py"))
+        main = tool_main(tool.removesuffix(".py"))
     return main
 
 

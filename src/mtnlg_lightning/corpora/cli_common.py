@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Callable
 
 from mtnlg_lightning.corpora.cli_args import OUTPUT_URL_HELP
 from mtnlg_lightning.corpora.engine import available_cores
-from mtnlg_lightning.errors import EXIT_BAD_INPUT
+from mtnlg_lightning.errors import EXIT_BAD_INPUT, run_main
 from mtnlg_lightning.extras import install_hint, missing_modules
 
 # What a curation tool keeps when interrupted (its stages are resumable).
@@ -33,6 +32,7 @@ def int_at_least(minimum: int):
 
 
 positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def number_where(wording: str, accepted: Callable[[float], bool]):
@@ -48,13 +48,6 @@ def number_where(wording: str, accepted: Callable[[float], bool]):
         return v
 
     return parse
-
-
-def fields_from_args(cls, args: argparse.Namespace, **given):
-    """`cls` (a dataclass of settings) from the parsed flags: each field from the flag of the same name, unless
-    `given` names its value (a flag of another name or form: --shard-mb for `shard_bytes`, --quiet for `progress`)."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    return cls(**{n: given[n] if n in given else getattr(args, n) for n in names if n in given or hasattr(args, n)})
 
 
 class HelpFormatter:
@@ -129,6 +122,18 @@ def add_shard_arg(p, default_mb: int, what: str) -> None:
         help=f"largest {what} processes and a resumed run skips when finished; small inputs get smaller shards "
         "(>= 1 MB), about 4 per CPU",
     )
+
+
+def run_job(prog: str, job: Callable[[], dict], summary: Callable[[dict], str], outputs: Callable[[dict], str]) -> int:
+    """A data tool's run under `errors.run_main`: the job, then its summary and a line naming its outputs."""
+
+    def body() -> int:
+        report = job()
+        print(summary(report))
+        print(f"  outputs    {outputs(report)}")
+        return 0
+
+    return run_main(prog, body, INTERRUPTED)
 
 
 def check_engine_args(args, parser) -> None:

@@ -5,19 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.corpora.cli_args import URLS_HELP
 from mtnlg_lightning.corpora.cli_common import (
-    INTERRUPTED,
     add_engine_args,
     add_output_dir_arg,
     add_quiet_arg,
     check_engine_args,
-    fields_from_args,
     positive_int,
+    run_job,
     tool_parser,
 )
 from mtnlg_lightning.crawl.extract import EXTRACTORS, ExtractSettings, format_summary, run_extract
-from mtnlg_lightning.errors import run_main
 
 PROG = "mtnlg-extract"
 
@@ -88,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_engine_args(args, parser)
-    settings = fields_from_args(ExtractSettings, args, policy_lines=args.keep_policy_lines)
+    settings = fields_from(ExtractSettings, args, policy_lines=args.keep_policy_lines)
 
-    def body() -> int:
+    def extract() -> dict:
         from mtnlg_lightning.extras import require_extra
 
         require_extra("crawl", PROG)
         if args.extractor == "trafilatura":
             require_extra("trafilatura", f"{PROG} --extractor trafilatura")
-        report = run_extract(
+        return run_extract(
             args.inputs,
             args.output_dir,
             settings,
@@ -105,11 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             ray_address=args.ray_address,
             progress=not args.quiet,
         )
-        print(format_summary(report))
-        print(f"  outputs    {args.output_dir}/ (one .jsonl per input, extract_report.json)")
-        return 0
 
-    return run_main(PROG, body, INTERRUPTED)
+    outputs = f"{args.output_dir}/ (one .jsonl per input, extract_report.json)"
+    return run_job(PROG, extract, format_summary, lambda report: outputs)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from mtnlg_lightning.corpora.cli_args import URLS_HELP
 from mtnlg_lightning.corpora.cli_common import (
@@ -100,38 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="annotate | train | score | filter (COMMAND --help)"
     )
-    _add_annotate(sub)
-    _add_train(sub)
-    _add_score(sub)
-    _add_filter(sub)
+    for name, command in COMMANDS.items():
+        listing = {"epilog": _rules_epilog(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+        shown = listing if command.lists_rules else {}
+        command.flags(sub.add_parser(name, help=command.help, description=command.description, **shown))
     return p
 
 
-def _add_annotate(sub) -> None:
-    """`annotate`: the heuristic signals and the rules failed, nothing dropped."""
-    a = sub.add_parser(
-        "annotate",
-        help="add quality_signals and quality_failed (the heuristic rules failed) to every document",
-        description="Add quality_signals (what the rules measure) and quality_failed (names of the rules the "
-        "document fails) to every document; report the documents failing each rule (a document failing several "
-        "is counted under each) and failing any (counted once). Nothing is dropped: use 'filter --heuristics'.",
-        epilog=_rules_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _annotate_flags(a: argparse.ArgumentParser) -> None:
     _add_io(a)
     _add_rules(a)
 
 
-def _add_train(sub) -> None:
-    """`train`: the quality classifier from curated and raw-crawl documents."""
-    t = sub.add_parser(
-        "train",
-        help="train the quality classifier on positive and negative documents",
-        description="Fit logistic regression (scikit-learn, classes balanced) on hashed word 1..N-gram features: "
-        "--positive documents (curated text) against --negative ones (raw crawl), as GPT-3. A share of each side "
-        "is held out first to report precision and recall, then the model is fit on everything and saved as "
-        ".npz of plain arrays (loading it never runs code).",
-    )
+def _train_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--positive", nargs="+", required=True, metavar="POS.jsonl", help="curated (good) documents")
     t.add_argument("--negative", nargs="+", required=True, metavar="NEG.jsonl", help="raw crawl (bad) documents")
     t.add_argument(
@@ -153,14 +136,7 @@ def _add_train(sub) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the solver")
 
 
-def _add_score(sub) -> None:
-    """`score`: the classifier's quality_score on every document."""
-    s = sub.add_parser(
-        "score",
-        help="add quality_score (the classifier's P(curated)) to every document",
-        description="Add quality_score, the classifier's probability that the document is curated-like text, to "
-        "every document (all fields kept).",
-    )
+def _score_flags(s: argparse.ArgumentParser) -> None:
     _add_io(s)
     s.add_argument(
         "--model", required=True, metavar="MODEL.npz", help="a model saved by 'mtnlg-quality train' (a path or a URL)"
@@ -168,19 +144,7 @@ def _add_score(sub) -> None:
     s.add_argument("--batch", type=positive_int, default=512, help="documents vectorised at a time")
 
 
-def _add_filter(sub) -> None:
-    """`filter`: keep by score, Pareto draw, heuristic rules or language."""
-    f = sub.add_parser(
-        "filter",
-        help="keep documents by score threshold, Pareto rule and/or heuristic rules",
-        description="Keep the documents that pass every criterion given. --threshold and --pareto read "
-        "quality_score (from 'score'); --heuristics re-applies the rules to quality_signals (from 'annotate'; "
-        "measured on the fly when absent) with the thresholds of --set/--disable. The report counts the "
-        "documents dropped by each criterion (a document failing several is counted under each) and in total "
-        "(once).",
-        epilog=_rules_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _filter_flags(f: argparse.ArgumentParser) -> None:
     _add_io(f)
     f.add_argument("--threshold", type=_fraction, default=None, help="keep when quality_score >= this")
     f.add_argument(
@@ -273,7 +237,57 @@ def _filter(args, settings, progress: bool) -> None:
     _print_counts("dropped by (a document failing several counts under each):", r["dropped_by"], r["documents"])
 
 
-COMMANDS = {"annotate": _annotate, "train": _train, "score": _score, "filter": _filter}
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its line in the tool's help, its own help's description (with the heuristic rules listed below
+    it, or not), the function adding its flags and the one running it."""
+
+    help: str
+    description: str
+    lists_rules: bool
+    flags: Callable[[argparse.ArgumentParser], None]
+    run: Callable[..., None]
+
+
+COMMANDS = {
+    "annotate": Command(
+        "add quality_signals and quality_failed (the heuristic rules failed) to every document",
+        "Add quality_signals (what the rules measure) and quality_failed (names of the rules the document fails) to "
+        "every document; report the documents failing each rule (a document failing several is counted under "
+        "each) and failing any (counted once). Nothing is dropped: use 'filter --heuristics'.",
+        True,
+        _annotate_flags,
+        _annotate,
+    ),
+    "train": Command(
+        "train the quality classifier on positive and negative documents",
+        "Fit logistic regression (scikit-learn, classes balanced) on hashed word 1..N-gram features: --positive "
+        "documents (curated text) against --negative ones (raw crawl), as GPT-3. A share of each side is held out "
+        "first to report precision and recall, then the model is fit on everything and saved as .npz of plain "
+        "arrays (loading it never runs code).",
+        False,
+        _train_flags,
+        _train,
+    ),
+    "score": Command(
+        "add quality_score (the classifier's P(curated)) to every document",
+        "Add quality_score, the classifier's probability that the document is curated-like text, to every document "
+        "(all fields kept).",
+        False,
+        _score_flags,
+        _score,
+    ),
+    "filter": Command(
+        "keep documents by score threshold, Pareto rule and/or heuristic rules",
+        "Keep the documents that pass every criterion given. --threshold and --pareto read quality_score (from "
+        "'score'); --heuristics re-applies the rules to quality_signals (from 'annotate'; measured on the fly when "
+        "absent) with the thresholds of --set/--disable. The report counts the documents dropped by each criterion "
+        "(a document failing several is counted under each) and in total (once).",
+        True,
+        _filter_flags,
+        _filter,
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
             require_extra("crawl", f"{PROG} {args.command}")
-        COMMANDS[args.command](args, settings, progress=not getattr(args, "quiet", False))
+        COMMANDS[args.command].run(args, settings, progress=not getattr(args, "quiet", False))
         if args.command != "train":
             print(f"  outputs    {args.output_dir}/ (one file per input, quality_{args.command}_report.json)")
         return 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
@@ -225,18 +226,9 @@ class DecontamJob:
             except InputError:
                 self.cleanup_after_error()
                 raise
-            ctx = DecontamContext(
-                work=self.work,
-                input=", ".join(cfg.inputs),
-                shards=tuple(shards),
-                index=index,
-                text_key=cfg.text_key,
-                id_key=cfg.id_key,
-                window=cfg.window,
-                min_piece=cfg.min_piece,
-                max_splits=cfg.max_splits,
-                frequent_threshold=cfg.frequent_threshold,
-                on_bad_record=cfg.on_bad_record,
+            # the keys, the removal settings and the bad-record policy from the config's fields of the same name
+            ctx = fields_from(
+                DecontamContext, cfg, work=self.work, input=", ".join(cfg.inputs), shards=tuple(shards), index=index
             )
             runner = StageRunner(self.work, engine, Progress(cfg.progress))
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.corpora.cli_args import (
     FORMATS_HELP,
     OUTPUT_URL_HELP,
@@ -13,24 +14,19 @@ from mtnlg_lightning.corpora.cli_args import (
     add_output_compression_arg,
 )
 from mtnlg_lightning.corpora.cli_common import (
-    INTERRUPTED,
     add_engine_args,
     add_quiet_arg,
     add_shard_arg,
     add_text_key_arg,
     check_engine_args,
-    fields_from_args,
-    int_at_least,
+    non_negative_int,
     positive_int,
+    run_job,
     tool_parser,
 )
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, format_summary, run_decontaminate
-from mtnlg_lightning.errors import run_main
 
 PROG = "mtnlg-decontaminate"
-
-
-_non_negative = int_at_least(0)
 
 
 DESCRIPTION = (
@@ -109,13 +105,13 @@ def _add_matching_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--window",
-        type=_non_negative,
+        type=non_negative_int,
         default=200,
         help="characters removed on each side of a match before extending to the nearest sentence end",
     )
     p.add_argument(
         "--min-piece",
-        type=_non_negative,
+        type=non_negative_int,
         default=200,
         help="pieces of a split document with this many characters or fewer are dropped",
     )
@@ -137,22 +133,18 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.min_ngram > args.max_ngram:
         parser.error("--min-ngram must not exceed --max-ngram")
     check_engine_args(args, parser)
-    return fields_from_args(DecontamConfig, args, shard_bytes=args.shard_mb << 20, progress=not args.quiet)
+    return fields_from(DecontamConfig, args, shard_bytes=args.shard_mb << 20, progress=not args.quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     cfg = config_from_args(parser.parse_args(argv), parser)
 
-    def body() -> int:
-        report = run_decontaminate(cfg)
-        print(format_summary(report))
-        outputs = report["settings"]["outputs"]
-        shown = cfg.output or f"{cfg.output_dir}/ ({len(outputs)} file(s), one per input)"
-        print(f"  outputs    {shown}, {cfg.report_path()}")
-        return 0
+    def outputs(report: dict) -> str:
+        shown = cfg.output or f"{cfg.output_dir}/ ({len(report['settings']['outputs'])} file(s), one per input)"
+        return f"{shown}, {cfg.report_path()}"
 
-    return run_main(PROG, body, INTERRUPTED)
+    return run_job(PROG, lambda: run_decontaminate(cfg), format_summary, outputs)
 
 
 if __name__ == "__main__":

@@ -5,25 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.corpora.cli_args import INPUTS_HELP, add_bad_record_arg, add_output_compression_arg
 from mtnlg_lightning.corpora.cli_common import (
-    INTERRUPTED,
     add_engine_args,
     add_output_dir_arg,
     add_quiet_arg,
     add_shard_arg,
     add_text_key_arg,
     check_engine_args,
-    fields_from_args,
     number_where,
     positive_int,
+    run_job,
     tool_parser,
 )
 from mtnlg_lightning.curation.dedup import DedupConfig, format_summary, run_dedup
 from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
 from mtnlg_lightning.curation.minhash import SCHEMES
 from mtnlg_lightning.curation.shingles import ShingleSpec
-from mtnlg_lightning.errors import run_main
 
 PROG = "mtnlg-dedup"
 
@@ -170,7 +169,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     else:
         banding = Banding(args.num_bands or DEFAULT_BANDING.bands, args.rows_per_band or DEFAULT_BANDING.rows)
     priority = [x.strip() for x in args.priority.split(",") if x.strip()] if args.priority else None
-    return fields_from_args(
+    return fields_from(
         DedupConfig,
         args,
         banding=banding,
@@ -183,16 +182,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args, parser)
-
-    def body() -> int:
-        report = run_dedup(cfg)
-        print(format_summary(report))
-        print(f"  outputs    {cfg.output_dir}/ (report.json, duplicates.jsonl, deduplicated inputs)")
-        return 0
-
-    return run_main(PROG, body, INTERRUPTED)
+    cfg = config_from_args(parser.parse_args(argv), parser)
+    outputs = f"{cfg.output_dir}/ (report.json, duplicates.jsonl, deduplicated inputs)"
+    return run_job(PROG, lambda: run_dedup(cfg), format_summary, lambda report: outputs)
 
 
 if __name__ == "__main__":
