@@ -23,19 +23,13 @@ quality stage), the pages of which nothing was kept by the language of their pro
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.crawl  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.crawl.extract import decode_html, drop_policy_lines  # noqa: E402
 from mtnlg_lightning.crawl.html_text import page_text, prose_languages, segment  # noqa: E402
@@ -124,12 +118,11 @@ def measure(name: str, extract, pages: list[tuple[str, str]], truth: list[dict])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--seeds", type=int, default=3, help="crawls (seeds 0..N-1), pooled")
     ap.add_argument("--english-pages", type=int, default=100, help="English pages per crawl")
     ap.add_argument("--pages-per-language", type=int, default=8, help="pages per other language per crawl")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
 
     pages, truth = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,9 +168,7 @@ def main() -> None:
         cells = [figures["extractors"][n][key] for n in names]
         fmt = "{:.0f}" if key == "pages_per_cpu_s" else "{:.3f}"
         print(f"| {label} | " + " | ".join(fmt.format(c) for c in cells) + f" | {target} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_result(args.json, figures)
 
 
 if __name__ == "__main__":
