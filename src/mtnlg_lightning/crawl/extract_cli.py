@@ -16,7 +16,7 @@ from mtnlg_lightning.corpora.cli_common import (
     run_job,
     tool_parser,
 )
-from mtnlg_lightning.crawl.extract import EXTRACTORS, ExtractSettings, format_summary, run_extract
+from mtnlg_lightning.crawl.extract import EXTRACTORS, NO_MAIN_TEXT, ExtractSettings, run_extract
 
 PROG = "mtnlg-extract"
 
@@ -81,6 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, "extraction (one input is split by record number into up to 8 tasks, ~2 per worker)")
     add_quiet_arg(p)
     return p
+
+
+def format_summary(report: dict) -> str:
+    outcomes = report["outcomes"]
+    dropped = {k: v for k, v in outcomes.items() if k != "ok" and not k.startswith("skipped_")}
+    skipped = sum(v for k, v in outcomes.items() if k.startswith("skipped_"))
+    langs = ", ".join(f"{k} {v}" for k, v in list(report["languages"].items())[:8]) or "-"
+    lines = [
+        f"mtnlg-extract: {report['inputs']} file(s), {report['records']} records in {report['seconds']:.1f} s "
+        f"({report['engine']}, {report['workers']} worker(s))",
+        f"  documents  {report['documents']} written",
+        f"  skipped    {skipped} non-page records (warcinfo, request, metadata, revisit)",
+        f"  dropped    {sum(dropped.values())}"
+        + (": " + ", ".join(f"{k} {v}" for k, v in dropped.items()) if dropped else ""),
+        f"  languages  {langs}",
+        f"  lines      {report['policy_lines_removed']} cookie/privacy/JavaScript lines removed (C4's rule)",
+    ]
+    lost = report.get("no_main_text_languages") or {}
+    if lost:
+        other = "trafilatura" if report["settings"]["extractor"] == "justext" else "justext"
+        lines.append(
+            f"  no text    {sum(lost.values())} pages whose every paragraph {report['settings']['extractor']} judged "
+            "boilerplate, by the language of their prose: "
+            + ", ".join(f"{k} {v}" for k, v in list(lost.items())[:12])
+            + f" (counted as {NO_MAIN_TEXT}; --extractor {other} judges differently)"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
-from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
+from mtnlg_lightning.corpora.records import BadRecordPolicy
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.corpora.stages import Progress, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
@@ -372,33 +372,3 @@ class DecontamJob:
 def run_decontaminate(cfg: DecontamConfig) -> dict:
     """Run (or resume) both passes; returns the report (also written to ``cfg.report_path()``)."""
     return DecontamJob(cfg).run()
-
-
-def format_summary(report: dict) -> str:
-    d = report["documents"]
-    s = report["settings"]
-    t = report["tasks"]
-    lines = [
-        "mtnlg-decontaminate summary",
-        f"  tasks      {sum(t['task_texts'].values())} texts from {len(t['task_texts'])} tasks -> {t['ngrams']} n-grams"
-        f" (by length {t['ngrams_by_length']})",
-        f"  frequent   {report['frequent_ngrams']['ignored']} n-grams in >= {s['frequent_threshold']}"
-        " documents ignored",
-        f"  documents  {d['in']} in -> {d['records_out']} records out: {d['clean']} clean, {d['trimmed']} trimmed,"
-        f" {d['split']} split, {d['dropped_too_many_splits']} dropped (> {s['max_splits']} pieces),"
-        f" {d['dropped_no_piece_left']} dropped (no piece > {s['min_piece']} chars)",
-        f"  removed    {d['matches_removed']} matches, {d['chars_removed']} chars",
-    ]
-    if d.get("bad_records_skipped"):
-        lines.append(f"  bad        {format_bad(report['bad_records'])}")
-    per = report["hits"]["per_task"]
-    if per:
-        lines.append("  per task   " + ", ".join(f"{k}: {v['documents']} docs" for k, v in per.items()))
-    tm = report["timings_s"]
-    lines.append(
-        f"  time       tasks {tm['load_tasks']:.2f}s  count {tm['count_pass']:.2f}s  clean {tm['clean_pass']:.2f}s"
-        f"  -> {report['mb_per_s']} MB/s ({report['mb_per_s_per_worker']} MB/s per worker)"
-    )
-    if report.get("resumed_stages"):
-        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
-    return "\n".join(lines)

@@ -24,7 +24,7 @@ from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
-from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
+from mtnlg_lightning.corpora.records import BadRecordPolicy
 from mtnlg_lightning.corpora.stages import Progress, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
 from mtnlg_lightning.curation.dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
@@ -391,40 +391,3 @@ class DedupJob:
 def run_dedup(cfg: DedupConfig) -> dict:
     """Run (or resume) the whole pipeline; returns the report dict (also written to ``OUT/report.json``)."""
     return DedupJob(cfg).run()
-
-
-def format_summary(report: dict) -> str:
-    t = report["totals"]
-    p = report["pairs"]
-    s = report["settings"]
-    b = report["banding"]
-    lines = [
-        "mtnlg-dedup " + ("(already complete, nothing to do)" if report.get("already_complete") else "summary"),
-        f"  settings   threshold {s['threshold']}  {b['bands']} bands x {b['rows_per_band']} rows"
-        f" ({s['num_perm']} perms)"
-        f"  shingle {s['shingle']}  scheme {s['scheme']}  seed {s['seed']}",
-        "  P(cand)    " + "  ".join(f"J={j}: {v:.3f}" for j, v in b["candidate_probability"].items()),
-    ]
-    bad = report.get("bad_records") or {}
-    if sum(bad.values()):
-        lines.append(f"  bad        {format_bad(bad)}")
-    for x in report["inputs"]:
-        lines.append(
-            f"  {x['file']}: {x['docs_in']} in, {x['docs_out']} out"
-            f" (-{x['exact_duplicates_removed']} exact, -{x['near_duplicates_removed']} near)"
-        )
-    c = report["clusters"]
-    lines += [
-        f"  total      {t['docs_in']} in, {t['docs_out']} out, removed {t['exact_duplicates_removed']} exact"
-        f" + {t['near_duplicates_removed']} near duplicates",
-        f"  clusters   {c['clusters']} (docs in clusters {c['docs_in_clusters']}, largest {c['largest_cluster']})",
-        f"  pairs      {p['candidate_pairs']} candidates ({p['rejected_by_estimate']} rejected by estimate),"
-        f" {p['jaccard_computed']} exact Jaccard computed,"
-        f" {p['verified_pairs']} verified, {p['rejected_pairs']} rejected",
-        "  time       "
-        + "  ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
-        + f"  total {report['total_s']:.2f}s  ({report['docs_per_s']} docs/s)",
-    ]
-    if report.get("resumed_stages"):
-        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
-    return "\n".join(lines)

@@ -19,7 +19,8 @@ from mtnlg_lightning.corpora.cli_common import (
     run_job,
     tool_parser,
 )
-from mtnlg_lightning.curation.dedup import DedupConfig, format_summary, run_dedup
+from mtnlg_lightning.corpora.records import format_bad
+from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup
 from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, MTNLG_BANDING, Banding
 from mtnlg_lightning.curation.minhash import SCHEMES
 from mtnlg_lightning.curation.shingles import ShingleSpec
@@ -178,6 +179,43 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_neighbors=args.max_bucket_neighbors,
         progress=not args.quiet,
     )
+
+
+def format_summary(report: dict) -> str:
+    t = report["totals"]
+    p = report["pairs"]
+    s = report["settings"]
+    b = report["banding"]
+    lines = [
+        "mtnlg-dedup " + ("(already complete, nothing to do)" if report.get("already_complete") else "summary"),
+        f"  settings   threshold {s['threshold']}  {b['bands']} bands x {b['rows_per_band']} rows"
+        f" ({s['num_perm']} perms)"
+        f"  shingle {s['shingle']}  scheme {s['scheme']}  seed {s['seed']}",
+        "  P(cand)    " + "  ".join(f"J={j}: {v:.3f}" for j, v in b["candidate_probability"].items()),
+    ]
+    bad = report.get("bad_records") or {}
+    if sum(bad.values()):
+        lines.append(f"  bad        {format_bad(bad)}")
+    for x in report["inputs"]:
+        lines.append(
+            f"  {x['file']}: {x['docs_in']} in, {x['docs_out']} out"
+            f" (-{x['exact_duplicates_removed']} exact, -{x['near_duplicates_removed']} near)"
+        )
+    c = report["clusters"]
+    lines += [
+        f"  total      {t['docs_in']} in, {t['docs_out']} out, removed {t['exact_duplicates_removed']} exact"
+        f" + {t['near_duplicates_removed']} near duplicates",
+        f"  clusters   {c['clusters']} (docs in clusters {c['docs_in_clusters']}, largest {c['largest_cluster']})",
+        f"  pairs      {p['candidate_pairs']} candidates ({p['rejected_by_estimate']} rejected by estimate),"
+        f" {p['jaccard_computed']} exact Jaccard computed,"
+        f" {p['verified_pairs']} verified, {p['rejected_pairs']} rejected",
+        "  time       "
+        + "  ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
+        + f"  total {report['total_s']:.2f}s  ({report['docs_per_s']} docs/s)",
+    ]
+    if report.get("resumed_stages"):
+        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
