@@ -32,7 +32,7 @@ from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.extras import require_extra
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pipeline.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -78,7 +78,11 @@ def main(argv=None) -> int:
         help="replace OUT_DIR if it is not empty (the previous one is kept aside until the run succeeds; refused "
         "for ., ~, / and folders holding an input)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     import mtnlg_lightning.corpora.storage as storage
     from mtnlg_lightning.corpora.commit import destination, visible_files
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
@@ -114,19 +118,25 @@ def main(argv=None) -> int:
             names = [n for n in visible_files(dest.local) if n != "report.json"] + ["report.json"]
             dest.publish(names, markers=1, replace=args.overwrite)
             out = args.out_dir
-        failed = [c for c in report["checks"] if not c["ok"]]
-        passed = len(report["checks"]) - len(failed)
-        gap = report["experiment"]["planted_gap"]
-        print(
-            f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
-            f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
-            f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {storage.join(str(out), 'report.md')}"
-        )
-        for check in failed:
-            print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
-        return 1 if failed else 0
+        return outcome(report, storage.join(str(out), "report.md"))
 
     return run_main("pipeline", body)
+
+
+def outcome(report: dict, report_md: str) -> int:
+    """The run's last line (time, checks, the planted gap, where the report is), each failed check on stderr; the
+    exit status: 1 when a check failed."""
+    failed = [c for c in report["checks"] if not c["ok"]]
+    passed = len(report["checks"]) - len(failed)
+    gap = report["experiment"]["planted_gap"]
+    print(
+        f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
+        f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
+        f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {report_md}"
+    )
+    for check in failed:
+        print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

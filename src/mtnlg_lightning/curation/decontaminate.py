@@ -285,27 +285,7 @@ class DecontamJob:
         freq = np.load(ctx.path("frequency.npy"))
         with open(ctx.path("hits.json")) as f:
             hits = json.load(f)
-        per_task_docs: Counter = Counter()
-        per_task_matches: Counter = Counter()
-        for h in hits:
-            tasks_hit = set()
-            for gid in h["ngrams"]:
-                for t in index.tasks_of(gid):
-                    per_task_matches[t] += 1
-                    tasks_hit.add(t)
-            per_task_docs.update(tasks_hit)
-        hit_list = [
-            {
-                "file": h["file"],
-                "line": h["line"],
-                "id": h["id"],
-                "ngrams": [{"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]],
-            }
-            for h in hits[:HIT_LIST_LIMIT]
-        ]
         by_len = Counter(len(g) for g in index.ngrams)
-        frequent = np.flatnonzero(freq >= cfg.frequent_threshold)
-        top = frequent[np.argsort(-freq[frequent], kind="stable")][:20]
         size = count["bytes"]
         t_count, t_clean = count["seconds"], clean["seconds"]
         scan_s = t_count + t_clean
@@ -326,13 +306,7 @@ class DecontamJob:
                 "ngrams": len(index),
                 "ngrams_by_length": {str(k): v for k, v in sorted(by_len.items())},
             },
-            "frequent_ngrams": {
-                "ignored": int(len(frequent)),
-                "top": [
-                    {"ngram": index.ngram_text(int(g)), "documents": int(freq[g]), "tasks": index.tasks_of(int(g))}
-                    for g in top
-                ],
-            },
+            "frequent_ngrams": _frequent_report(index, freq, cfg.frequent_threshold),
             "documents": {
                 "in": count["docs"],
                 "records_out": outcome["pieces_out"],
@@ -345,14 +319,7 @@ class DecontamJob:
                 "matches_removed": outcome["matches"],
                 "chars_removed": outcome["chars_removed"],
             },
-            "hits": {
-                "documents": len(hits),
-                "per_task": {
-                    t: {"documents": per_task_docs[t], "matches": per_task_matches[t]} for t in index.task_names
-                },
-                "list": hit_list,
-                "list_truncated": len(hits) > len(hit_list),
-            },
+            "hits": _hits_report(index, hits),
             "bad_records": count["bad_records"],
             "input_files": [f.label for f in self.sources],
             "input_format": str(self.sources[0].fmt) if len(self.sources) == 1 else None,
@@ -367,6 +334,47 @@ class DecontamJob:
             "mb_per_s": round(size / 1e6 / scan_s, 2) if scan_s > 0 else None,
             "mb_per_s_per_worker": round(size / 1e6 / scan_s / max(1, cfg.workers), 2) if scan_s > 0 else None,
         }
+
+
+def _frequent_report(index, freq: np.ndarray, threshold: int) -> dict:
+    """The task n-grams ignored as common phrases (found in >= `threshold` documents), the 20 most frequent named."""
+    frequent = np.flatnonzero(freq >= threshold)
+    top = frequent[np.argsort(-freq[frequent], kind="stable")][:20]
+    return {
+        "ignored": int(len(frequent)),
+        "top": [
+            {"ngram": index.ngram_text(int(g)), "documents": int(freq[g]), "tasks": index.tasks_of(int(g))} for g in top
+        ],
+    }
+
+
+def _hits_report(index, hits: list[dict]) -> dict:
+    """The documents a task n-gram was found in: their number, per task (documents and matches), and the first
+    HIT_LIST_LIMIT of them with their n-grams."""
+    per_task_docs: Counter = Counter()
+    per_task_matches: Counter = Counter()
+    for h in hits:
+        tasks_hit = set()
+        for gid in h["ngrams"]:
+            for t in index.tasks_of(gid):
+                per_task_matches[t] += 1
+                tasks_hit.add(t)
+        per_task_docs.update(tasks_hit)
+    hit_list = [
+        {
+            "file": h["file"],
+            "line": h["line"],
+            "id": h["id"],
+            "ngrams": [{"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]],
+        }
+        for h in hits[:HIT_LIST_LIMIT]
+    ]
+    return {
+        "documents": len(hits),
+        "per_task": {t: {"documents": per_task_docs[t], "matches": per_task_matches[t]} for t in index.task_names},
+        "list": hit_list,
+        "list_truncated": len(hits) > len(hit_list),
+    }
 
 
 def run_decontaminate(cfg: DecontamConfig) -> dict:
