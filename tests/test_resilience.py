@@ -592,6 +592,28 @@ def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted_eve
 
 
 # ------------------------------------------------------------------------------------------------ background saves
+def test_a_background_save_that_fails_on_bad_input_or_a_full_disk_fails_as_a_foreground_save_would():
+    """A user's error (MTNLGError) or the machine's (OSError) reaches the training thread as itself (one line from
+    errors.run_main); anything else is a bug, raised with its cause."""
+    from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
+
+    def failing(error):
+        def write():
+            raise error
+
+        return write
+
+    saver = BackgroundSaver(group=None)
+    for error, raised in ((MTNLGError("bad checkpoint path"), MTNLGError), (OSError(28, "No space left"), OSError)):
+        saver.submit(failing(error))
+        with pytest.raises(raised) as got:
+            saver.wait()
+        assert got.value is error
+    saver.submit(failing(KeyError("slot")))
+    with pytest.raises(RuntimeError, match="background checkpoint save failed"):
+        saver.wait()
+
+
 @pytest.mark.slow
 def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, monkeypatch):
     """ZeRO-1, one rank: the background save returns before its (held) write, every weight, master weight and
