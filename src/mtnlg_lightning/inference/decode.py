@@ -143,16 +143,19 @@ def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generato
     return torch.cat(rows)
 
 
-def generate_over_replicas(model: ShardedModel, prompts: list[list[int]], seed: int | None = None, **kwargs):
+def generate_over_replicas(
+    model: ShardedModel, prompts: list[list[int]], seed: int | None = None, first_sequence: int = 0, **kwargs
+):
     """`generate_batch` with the prompts dealt over the data-parallel replicas, prompt i seeded with
-    `sequence_seed(seed, i)`; every rank returns every prompt's (tokens, stop reason) in order, and the slowest
-    replica's seconds."""
+    `sequence_seed(seed, first_sequence + i)` (a caller cutting a long list into batches numbers them on, so what a
+    sequence gets depends neither on the layout nor on the batches); every rank returns every prompt's (tokens, stop
+    reason) in order, and the slowest replica's seconds."""
     dp, rank = model.layout.data_parallel, model.groups.coord.dp
     mine = list(range(rank, len(prompts), dp))
     found = {}
     seconds = 0.0
     if mine:
-        seeds = [sequence_seed(seed, i) if seed is not None else None for i in mine]
+        seeds = [sequence_seed(seed, first_sequence + i) if seed is not None else None for i in mine]
         on_token = kwargs.pop("on_token", None)
         if on_token is not None:  # numbered as the caller numbers them
             kwargs["on_token"] = lambda row, tokens: on_token(mine[row], tokens)
