@@ -93,7 +93,8 @@ def generate_batch(
             last = gather_tensor_parallel(last, 1, model.tp_group)
         tokens = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)
         if model.groups.rank == tp_source:
-            tokens = sample_each(last[:, :vocab], temperature, top_k, top_p, generators)
+            sampling = [following >= n for n in lengths]  # a row still inside its prompt is fed, not sampled
+            tokens = sample_each(last[:, :vocab], temperature, top_k, top_p, generators, sampling)
         if model.tp_group is not None:
             dist.broadcast(tokens, src=tp_source, group=model.tp_group)
         chosen["tokens"] = tokens
@@ -135,11 +136,19 @@ def generate_batch(
     return Generation(out, ended, time.perf_counter() - started)
 
 
-def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generators) -> torch.Tensor:
-    """The next token of each row of `logits` [B, V], each row sampled with its own generator (argmax at 0)."""
+def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generators, sampling=None) -> torch.Tensor:
+    """The next token of each row of `logits` [B, V], each row sampled with its own generator (argmax at 0).
+    `sampling[i]` False: row i's token is not used (the row is still inside its prompt), so its generator draws
+    nothing: a sequence's draws do not depend on the prompts it shares a batch with."""
+    greedy = logits.argmax(dim=-1)
     if temperature <= 0:
-        return logits.argmax(dim=-1)
-    rows = [sample(logits[i : i + 1], temperature, top_k, top_p, g) for i, g in enumerate(generators)]
+        return greedy
+    rows = [
+        sample(logits[i : i + 1], temperature, top_k, top_p, g)
+        if sampling is None or sampling[i]
+        else greedy[i : i + 1]
+        for i, g in enumerate(generators)
+    ]
     return torch.cat(rows)
 
 
