@@ -573,17 +573,8 @@ class Pipeline:
         (`mtnlg-eval`, the shipped word lists and prompts), one figure."""
         checkpoint = self.by_name("train-decontaminated").details["checkpoint"]
         output = self.out / "eval" / "bias.json"
-        args = [
-            "--checkpoint",
-            checkpoint,
-            "--task",
-            *BIAS_TASKS,
-            "--output",
-            output,
-            "--no-progress",
-            "--batch-size",
-            64,
-        ]
+        args = ["--checkpoint", checkpoint, "--task", *BIAS_TASKS, "--output", output, "--no-progress"]
+        args += ["--batch-size", 64]  # a bigger batch than scoring's default: thousands of short requests
         args += ["--num-continuations", self.s.bias_continuations, "--max-new-tokens", self.s.bias_new_tokens]
         if self.s.plot:
             args += ["--plot", self.out / "bias.png"]
