@@ -64,7 +64,10 @@ def test_planted_associations_are_recovered_and_the_control_model_shows_no_lean(
     control = {o: e["log_ratio"] for o, e in found["control"]["occupations"].items()}
     assert max(abs(r) for r in control.values()) < 0.25, control
     gap = sum(control[o] for o in female) / 3 - sum(control[o] for o in male) / 3
-    assert abs(gap) < 0.1 and sum(planted[o] for o in female) / 3 - sum(planted[o] for o in male) / 3 > 2, gap
+    planted_gap = sum(planted[o] for o in female) / 3 - sum(planted[o] for o in male) / 3
+    assert abs(gap) < 0.1 and planted_gap > 2, (gap, planted_gap)
+    for name, ratios in (("planted", planted), ("control", control)):  # the figures the README quotes (pytest -s)
+        print(name, " ".join(f"{o} {r:+.2f}" for o, r in sorted(ratios.items(), key=lambda item: item[1])))
 
 
 def test_gender_log_ratio_is_the_log_of_summed_identifier_probabilities(checkpoint, tokenizer_path, tmp_path):  # noqa: F811
