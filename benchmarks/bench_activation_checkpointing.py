@@ -62,8 +62,7 @@ def child(args) -> dict:
 
     from mtnlg_lightning.callbacks import apply_activation_checkpointing
     from mtnlg_lightning.config import ModelConfig
-    from mtnlg_lightning.model import build_model
-    from mtnlg_lightning.train.module import cross_entropy
+    from mtnlg_lightning.model import build_model, cross_entropy
 
     torch.manual_seed(0)
     config = ModelConfig(

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Generation speed: tokens/s of `mtnlg_lightning.inference.decode.generate` vs transformers' `generate`, side by side.
 
-Both run the same random GPT-2 model (default ~125M: 12 layers, hidden 768, vocabulary 50257; ours holds the very
-same tensors through the Hugging Face import mapping), in the same dtype and number of threads, greedy, exactly
+Both run the same random model, GPT-2 (default ~125M: 12 layers, hidden 768, vocabulary 50257) or Llama
+(`--family llama`: RoPE, RMSNorm, SwiGLU, `--kv-heads` for grouped-query attention, untied head); ours reads the
+very same tensors from the directory transformers saved, through the Hugging Face import. The same dtype and
+number of threads, greedy, exactly
 --new-tokens new tokens from the same random prompt, at batch 1 and 8 (the same prompt sampled 8 times). Rounds
 alternate the two; medians are compared. Also: our KV cache against re-running the whole prefix for every token.
 
@@ -12,6 +14,7 @@ mode, an explicit all-ones attention mask (else it may infer padding from a prom
 end-of-text id (so no logits processor is needed to force exactly --new-tokens tokens: the lengths are asserted).
 
     python benchmarks/bench_generate.py [--layers 12 --hidden 768 --new-tokens 128 --batches 1 8 --repeats 3]
+    python benchmarks/bench_generate.py --family llama --layers 16 --hidden 1024 --heads 16 --kv-heads 4 --vocab 32000
 """
 
 from __future__ import annotations
@@ -30,27 +33,37 @@ from model_shape import add_model_shape_args  # noqa: E402
 from results import write_result  # noqa: E402
 
 from mtnlg_lightning.inference.decode import generate  # noqa: E402
-from mtnlg_lightning.inference.load import use_generation_layout  # noqa: E402
-from mtnlg_lightning.interop.gpt2_mapping import from_hf, load_model_space  # noqa: E402
-from mtnlg_lightning.interop.hf import read_hf_config  # noqa: E402
-from mtnlg_lightning.model import build_model  # noqa: E402
+from mtnlg_lightning.inference.load import load_model  # noqa: E402
 
 
-def build_pair(
-    layers: int, hidden: int, heads: int, vocab: int, positions: int, dtype: torch.dtype, tmp: Path, device="cpu"
-):
-    """A random transformers GPT-2 and our GPT holding the same weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def build_pair(args, positions: int, dtype: torch.dtype, tmp: Path):
+    """A random transformers model (GPT-2 or Llama) and ours holding the same weights, loaded from the saved
+    directory by our one loader as `mtnlg-generate` loads it (the weights in the generation layout)."""
+    import transformers
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads)
-    theirs = GPT2LMHeadModel(config).eval()
+    if args.family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.ffn or 256 * ((8 * args.hidden // 3 + 255) // 256),
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads or args.heads,
+            max_position_embeddings=positions,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        )
+        theirs = transformers.LlamaForCausalLM(config).eval()
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=args.vocab, n_positions=positions, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads
+        )
+        theirs = transformers.GPT2LMHeadModel(config).eval()
     theirs.generation_config.eos_token_id = None  # never stop early (ours is given no eos_id either)
-    config.save_pretrained(tmp)  # our config comes from the file, as an import reads it
-    ours_config = read_hf_config(tmp)
-    ours = build_model(ours_config)
-    load_model_space(ours, from_hf(theirs.state_dict(), ours_config))
-    return theirs.to(device, dtype), use_generation_layout(ours.to(device, dtype).eval())
+    theirs.save_pretrained(tmp)
+    ours, _ = load_model(tmp, args.device, dtype, for_generation=True)
+    return theirs.to(args.device, dtype), ours
 
 
 def timed(fn) -> float:
@@ -64,6 +77,9 @@ def timed(fn) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_shape_args(ap, layers=12, hidden=768, heads=12, vocab=50257)
+    ap.add_argument("--family", default="gpt2", choices=["gpt2", "llama"], help="the block of both models")
+    ap.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
+    ap.add_argument("--ffn", type=int, default=None, help="llama: SwiGLU width (default ~8/3 hidden, x256)")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -79,22 +95,17 @@ def main() -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        theirs, ours = build_pair(
-            args.layers,
-            args.hidden,
-            args.heads,
-            args.vocab,
-            args.prompt_tokens + args.new_tokens,
-            dtype,
-            Path(tmp),
-            args.device,
-        )
+        theirs, ours = build_pair(args, args.prompt_tokens + args.new_tokens, dtype, Path(tmp))
     params = sum(p.numel() for p in theirs.parameters())
     prompt = torch.randint(0, args.vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     n = args.new_tokens
     threads = torch.get_num_threads()
-    print(f"# bench_generate: {params / 1e6:.0f}M parameters, {args.dtype}, {threads} threads, {n} new tokens")
-    result = {"parameters": params, "dtype": args.dtype, "threads": threads, "new_tokens": n, "device": args.device}
+    print(
+        f"# bench_generate: {args.family}, {params / 1e6:.0f}M parameters, {args.dtype}, {threads} threads, "
+        f"{n} new tokens"
+    )
+    result = {"family": args.family, "parameters": params, "dtype": args.dtype, "threads": threads, "new_tokens": n}
+    result["device"] = args.device
     result["batches"] = {}
 
     def run_ours(batch, use_cache=True):

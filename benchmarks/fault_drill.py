@@ -136,7 +136,7 @@ def _new_attempt_stepped(probe: Path, ranks: int, old: dict[int, int]) -> bool:
 def run(args, work: Path, faults: list[str], rng: random.Random) -> tuple[int, list[dict], Path]:
     save_dir, ckpt, probe, log = work / "logs", work / "ckpt", work / "probe", work / "log"
     work.mkdir(parents=True, exist_ok=True)
-    env = {"MTNLG_STEP_TIMEOUT": str(args.step_timeout), "MTNLG_SAVE_TIMEOUT": str(3 * args.step_timeout)}
+    env = {"MTNLG_STEP_TIMEOUT": str(args.step_timeout)}  # the other phases: the limits the run learns
     hold_s = args.hold_s if faults else 0.0
     job = start(fit_command(args, save_dir, ckpt, probe, restarts=len(faults), hold_s=hold_s), log, env)
     records = []

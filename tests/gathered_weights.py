@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mtnlg_lightning.parallel.pipeline import PipelineChunks
-from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel, is_tensor_parallel
+from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 
 
 @torch.no_grad()
@@ -30,8 +30,8 @@ def full_state_dict(strategy, master: bool = False) -> dict[str, torch.Tensor]:
         for name, p in params.items():
             value = _master(p) if master and strategy.engine is not None and p.dtype != torch.float32 else p.detach()
             value = value.clone()
-            if is_tensor_parallel(p) and groups.tensor_parallel_size > 1:
-                value = gather_tensor_parallel(value, p.partition_dim, groups.tensor_parallel_group)
+            if hasattr(p, "partition_dim") and groups.tensor_parallel_size > 1:
+                value = gather_shards(value, p, groups)
             if isinstance(model, PipelineChunks):
                 name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)
             out[name] = value
@@ -40,6 +40,17 @@ def full_state_dict(strategy, master: bool = False) -> dict[str, torch.Tensor]:
         dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items()}, group=groups.pipeline_parallel_group)
         out = {k: v.to(strategy.root_device) for part in parts for k, v in part.items()}
     return out
+
+
+def gather_shards(value: torch.Tensor, param, groups) -> torch.Tensor:
+    """The whole tensor of a TP-sharded parameter; shards held by several ranks (replicated key/value heads) once."""
+    gathered = gather_tensor_parallel(value, param.partition_dim, groups.tensor_parallel_group)
+    copies = groups.tensor_parallel_size // param.partition_count
+    if copies == 1:
+        return gathered
+    return torch.cat(
+        gathered.chunk(groups.tensor_parallel_size, dim=param.partition_dim)[::copies], param.partition_dim
+    )
 
 
 def _master(param: torch.Tensor) -> torch.Tensor:

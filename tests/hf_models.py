@@ -49,3 +49,63 @@ def random_gpt2_dir(directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save(out / "tokenizer.json")
     return out
+
+
+# A Llama 3 block at test size: grouped-query attention (4 query heads, 2 key/value heads), Llama 3's RoPE scaling
+# (with an original context short enough that every frequency band is exercised), untied head; the demo vocabulary.
+RANDOM_LLAMA = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    tie_word_embeddings=False,
+)
+# A Qwen 3 block at test size: q/k norms, head_dim (32) not hidden / heads (16), tied head.
+RANDOM_QWEN3 = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+
+
+def random_family_dir(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A random `LlamaForCausalLM` ("llama") or `Qwen3ForCausalLM` ("qwen3") saved with `save_pretrained`, with the
+    demo tokenizer (its end-of-text token as bos/eos). The norms' weights are perturbed away from 1 so a norm
+    mapped to the wrong tensor changes the logits."""
+    import transformers
+
+    _, tokenizer_path = build_demo_data(progress=False)
+    tokenizer = Tokenizer(tokenizer_path)
+    torch.manual_seed(seed)
+    ids = dict(bos_token_id=tokenizer.eod_id, eos_token_id=tokenizer.eod_id)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**RANDOM_LLAMA, **overrides}, **ids))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**RANDOM_QWEN3, **overrides}, **ids))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    out = directory / f"{family}-random"
+    model.eval().save_pretrained(out)
+    tokenizer.save(out / "tokenizer.json")
+    return out

@@ -12,4 +12,4 @@ if __name__ == "__main__":
         time.sleep(float(sys.argv[1]))
     from mtnlg_lightning.train.cli import main
 
-    main(sys.argv[2:])
+    sys.exit(main(sys.argv[2:]))  # main returns the exit status (2: a configuration error)

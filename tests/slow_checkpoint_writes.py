@@ -33,4 +33,4 @@ if __name__ == "__main__":
     checkpoint_format.save_file = slowed(checkpoint_format.save_file, float(sys.argv[1]))
     from mtnlg_lightning.train.cli import main
 
-    main(sys.argv[2:])  # sys.argv itself stays whole: Lightning starts the other ranks with it
+    sys.exit(main(sys.argv[2:]))  # sys.argv itself stays whole: Lightning starts the other ranks with it

@@ -69,6 +69,14 @@ def files(tmp_path_factory):
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(root / "tokenizer.json"))
+    for name, args in (("cp2", "{context_parallel: 2}"), ("cp3", "{context_parallel: 3}")):
+        (root / f"{name}.yaml").write_text(
+            f"class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {args}\n"
+        )
+    (root / "cp2_math.yaml").write_text(
+        "class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\n"
+        "init_args: {context_parallel: 2, context_parallel_kernel: math, zero_stage: 0}\n"
+    )
     (root / "nonempty").mkdir()
     (root / "nonempty" / "keep.txt").write_text("mine")
     return root
@@ -92,6 +100,16 @@ ROWS = [
     ("mtnlg", [*FIT, "--ckpt_path", "{plain}"], None, 2, "not a readable checkpoint"),
     ("mtnlg", [*FIT, "--ckpt_path", "{emptydir}"], None, 2, "no manifest.json"),
     ("mtnlg", [*FIT, "--data.builtin_corpus", "null", "--data.datasets", "[{missing}]"], None, 2, "missing dataset"),
+    # context parallelism: the world, the sequence's chunks, the ring's kernel
+    (
+        "mtnlg",
+        [*FIT, "--trainer.strategy", "{cp2}"],
+        None,
+        2,
+        "world size 1 is not divisible by tensor_parallel 1 x context_parallel 2 x pipeline_parallel 1 = 2",
+    ),
+    ("mtnlg", [*FIT, "--trainer.strategy", "{cp3}"], None, 2, "seq_len 64 is not divisible by 2 x context_parallel"),
+    ("mtnlg", [*FIT, "--trainer.strategy", "{cp2_math}"], None, 2, "'math' (torch's math path) returns none"),
     # mtnlg-dedup
     ("mtnlg-dedup", ["{missing}", "-o", "{out}"], None, 2, "no such file"),
     ("mtnlg-dedup", ["{empty}", "-o", "{out}"], None, 2, "empty input"),
@@ -206,6 +224,9 @@ def fill(argument: str, files: Path, out: Path) -> str:
         "ckpt": files / "ckpt",
         "tok": files / "tokenizer.json",
         "nonempty": files / "nonempty",
+        "cp2": files / "cp2.yaml",
+        "cp3": files / "cp3.yaml",
+        "cp2_math": files / "cp2_math.yaml",
         "out": out,
         "tiny": ROOT / "configs" / "tiny.yaml",
     }

@@ -87,3 +87,42 @@ def test_demo_config_saves_a_checkpoint_and_an_offline_wandb_run(tmp_path, demo_
     assert (tmp_path / "runs/demo/checkpoints/last.ckpt").exists()
     (run,) = list((tmp_path / "runs/demo/wandb").glob("offline-run-*"))
     assert list(run.glob("run-*.wandb"))
+
+
+SHIPPED_CHECK = r"""
+import sys
+from pathlib import Path
+from mtnlg_lightning.train.cli import main
+
+root = Path(sys.argv[1])
+tiny = ["fit", "--print_config", "--config", str(root / "configs/tiny.yaml")]
+runs = [["fit", "--print_config", "--config", str(c)] for c in sorted((root / "configs").glob("*.yaml"))]
+runs += [[*tiny, "--config", str(root / "configs/data/mtnlg_blend.yaml")]]
+runs += [[*tiny, "--trainer.strategy", str(s)] for s in sorted((root / "configs/strategy").glob("*.yaml"))]
+runs += [[*tiny, "--trainer.callbacks+=" + str(c)] for c in sorted((root / "callbacks").glob("*.yaml"))]
+runs += [[*tiny, "--trainer.strategy", sys.argv[2]]]  # the strategy's import path before round 4
+for argv in runs:
+    try:
+        main(argv)
+    except SystemExit as end:
+        if end.code:
+            print(f"FAILED {argv[-1]} (exit {end.code})")
+"""
+
+
+@pytest.mark.slow
+def test_every_shipped_config_loads_and_the_old_strategy_path_still_works(tmp_path):
+    old = tmp_path / "old_path.yaml"
+    old.write_text("class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy\ninit_args: {tensor_parallel: 2}\n")
+    script = tmp_path / "check.py"
+    script.write_text(SHIPPED_CHECK)
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(script), str(ROOT), str(old)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert out.returncode == 0 and "FAILED" not in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("class_path: mtnlg_lightning.strategy.MegatronDeepSpeedStrategy") == 1
+    configs = len(list(ROOT.glob("configs/*.yaml"))) + 1 + len(list(ROOT.glob("configs/strategy/*.yaml")))
+    assert out.stdout.count("seed_everything:") == configs + len(list(ROOT.glob("callbacks/*.yaml"))) + 1

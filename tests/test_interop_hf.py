@@ -166,12 +166,13 @@ def test_source_without_tokenizer_still_exports_the_model_and_says_so(hf_dir, tm
 
 
 def test_bad_sources_are_one_line(tmp_path, capsys):
-    other = tmp_path / "llama"
+    other = tmp_path / "mamba"
     other.mkdir()
-    (other / "config.json").write_text('{"model_type": "llama"}')
+    (other / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
     assert generate_main(["--checkpoint", str(other), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"mtnlg-generate: error: {other} holds a 'llama' model; only GPT-2-architecture models (gpt2) can be imported"
+        f"mtnlg-generate: error: {other} holds a 'mamba' model (MambaForCausalLM); the architectures that can be "
+        f"read are gpt2, llama, qwen2, qwen3"
     )
     garbage = tmp_path / "broken.ckpt"
     garbage.write_bytes(b"not a checkpoint")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Planner: does a (TP, PP, DP) layout fit, how long is an iteration, and why? Or: which layout is fastest?
+"""Planner: does a (TP, CP, PP, DP) layout fit, how long is an iteration, and why? Or: which layout is fastest?
 
 Check one layout (memory per GPU, time per iteration with its breakdown):
     python tools/plan.py --model mtnlg-530b --tp 8 --pp 35 --dp 16 --gpu a100-80g --global-batch 1920 \\
@@ -7,6 +7,8 @@ Check one layout (memory per GPU, time per iteration with its breakdown):
 Rank every layout of a cluster that fits, and explain the top ones; write the best as a strategy config:
     python tools/plan.py --model gpt3-1.3b --gpus 16 --global-batch 512 --search --write-config best.yaml
     mtnlg fit --config my_run.yaml --trainer.strategy best.yaml --model.micro_batch_size ... (printed)
+Long sequences: which context-parallel layouts fit Llama 3.1 8B at 128k tokens on 64 H200:
+    python tools/plan.py --model llama3.1-8b --seq 131072 --gpus 64 --gpu h200 --global-batch 64 --search
 A model by its dimensions instead of a preset:
     python tools/plan.py --layers 48 --hidden 6144 --heads 64 --seq 2048 --vocab 51200 --gpus 64 --search
 How many GPUs to evaluate or generate with a model (weights + KV cache of a batch; smallest TP x PP per GPU kind):
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--tp", type=int, default=8, help="tensor-parallel size, inside a node (default 8)")
     layout.add_argument("--pp", type=int, default=35, help="pipeline-parallel stages (default 35)")
     layout.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    layout.add_argument(
+        "--cp", type=int, default=1, help="context-parallel ranks per sequence (default 1; seq divisible by 2 x cp)"
+    )
     layout.add_argument("--virtual-stages", type=int, default=1, help="model chunks per GPU (interleaved 1F1B)")
     layout.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     layout.add_argument("--global-batch", type=int, default=1920, help="sequences per iteration (default 1920)")
@@ -131,6 +136,8 @@ def strategy_yaml(p: Plan, gpus_per_node: int) -> str:
     ]
     if p.sequence_parallel:
         lines.append("  sequence_parallel: true")
+    if p.cp > 1:
+        lines.append(f"  context_parallel: {p.cp}")
     return "\n".join(lines) + "\n"
 
 
@@ -166,12 +173,12 @@ def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
         f"fastest {args.top}:"
     )
     print(
-        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mb':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
+        f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mb':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
         f"{'GB/GPU':>7} {'bubble':>7} {'s/iter':>8} {'TFLOP/s':>8} {'MFU':>6}"
     )
     for i, p in enumerate(plans[: args.top], start=1):
         print(
-            f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.virtual_stages:>2} {p.micro_batch:>3} {p.recompute:>9} "
+            f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.dp:>5} {p.virtual_stages:>2} {p.micro_batch:>3} {p.recompute:>9} "
             f"{'yes' if p.sequence_parallel else 'no':>3} {p.zero_stage:>4} {p.total_gb:>7.1f} {p.bubble:>7.1%} "
             f"{p.iteration_seconds:>8.3f} {p.tflops_per_gpu:>8.1f} {p.mfu:>6.1%}"
         )
@@ -209,7 +216,7 @@ def run(args) -> None:
     args.gpu = args.gpu or "a100-80g"
     gpu = get_gpu(args.gpu, extra)
     if args.search:
-        gpus = args.gpus or args.tp * args.pp * args.dp
+        gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
         plans = search(config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation)
         for p in plans:
             p.gpu = args.gpu
@@ -228,6 +235,7 @@ def run(args) -> None:
             config, args.tp, args.pp, args.dp, args.gpus_per_node, gpu, args.global_batch, args.micro_batch,
             args.recompute, args.zero_stage, precision=args.precision, virtual_stages=args.virtual_stages,
             sequence_parallel=args.sequence_parallel, implementation=args.implementation, rampup=args.rampup,
+            cp=args.cp,
         )  # fmt: skip
         chosen.gpu = args.gpu
         print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))

@@ -8,9 +8,18 @@ from dataclasses import dataclass
 
 from mtnlg_lightning.errors import MTNLGError
 
+POSITION_EMBEDDINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("default", "linear", "llama3")  # Hugging Face's `rope_type` names
+
 
 @dataclass
 class ModelConfig:
+    """One decoder, its block chosen by options: MT-NLG / GPT-3 (learned positions, LayerNorm, GELU MLP, full
+    multi-head attention, biases, tied head: the defaults) or Llama 3 / Qwen 3 (RoPE, RMSNorm, SwiGLU, grouped-query
+    attention, no biases, untied head, q/k norms)."""
+
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -22,9 +31,22 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # None -> seq_len
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    layernorm_eps: float = 1e-5
+    layernorm_eps: float = 1e-5  # the epsilon of every norm, LayerNorm or RMSNorm
     init_std: float | None = None  # None -> sqrt(1 / (3 * hidden_size)), as MT-NLG
     name: str = "custom"
+    position_embedding: str = "learned"  # learned (a position table) | rope (rotary, on q and k)
+    rope_theta: float = 10000.0
+    # Hugging Face's form: {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    # "original_max_position_embeddings": 8192}, or {"rope_type": "linear", "factor": F}; None: unscaled.
+    rope_scaling: dict | None = None
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu"  # gelu (fc1, fc2) | swiglu (down(silu(gate(x)) * up(x)))
+    num_kv_heads: int | None = None  # None -> num_heads (MHA); fewer is grouped-query attention, 1 is MQA
+    head_dim: int | None = None  # None -> hidden_size / num_heads
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen 3)
+    bias: bool = True  # biases of the linear layers and LayerNorms
+    qkv_bias: bool | None = None  # biases of q, k, v only (Qwen 2); None -> as `bias`
+    tie_embeddings: bool = True  # the LM head is the word embedding
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -33,8 +55,29 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_len
         if self.init_std is None:
             self.init_std = math.sqrt(1.0 / (3.0 * self.hidden_size))
-        if self.hidden_size % self.num_heads:
-            raise MTNLGError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        for name, value, choices in (
+            ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
+            ("norm", self.norm, NORMS),
+            ("mlp", self.mlp, MLPS),
+        ):
+            if value not in choices:
+                raise MTNLGError(f"model {name} {value!r} is not one of {', '.join(choices)}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise MTNLGError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise MTNLGError(
+                f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads} (each key/value "
+                f"head serves a whole group of query heads)"
+            )
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise MTNLGError(f"rope needs an even head_dim, got {self.head_dim}")
+        check_rope_scaling(self.rope_scaling)
         if self.seq_len > self.max_position_embeddings:
             raise MTNLGError(
                 f"seq_len {self.seq_len} is above the position table size {self.max_position_embeddings} "
@@ -42,12 +85,50 @@ class ModelConfig:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def fused_qkv(self) -> bool:
+        """One q/k/v projection, rows laid out [heads, 3, head_dim] (multi-head attention); grouped-query
+        attention has three (its key/value heads may be replicated over the tensor-parallel ranks)."""
+        return self.num_kv_heads == self.num_heads
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    """A rope_scaling of a known type with the fields it needs (one line otherwise)."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise MTNLGError(f"rope_scaling must be a mapping with rope_type, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_SCALINGS:
+        raise MTNLGError(f"rope_scaling of unknown type {kind!r}; known types: {', '.join(ROPE_SCALINGS)}")
+    needed = {"linear": ("factor",), "llama3": LLAMA3_SCALING_FIELDS}.get(kind, ())
+    missing = [k for k in needed if not isinstance(scaling.get(k), int | float) or isinstance(scaling.get(k), bool)]
+    if missing:
+        raise MTNLGError(f"rope_scaling of type {kind} needs the number(s) {', '.join(missing)}")
+
+
+LLAMA3_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LLAMA_31 = dict(
+    position_embedding="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    tie_embeddings=False,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+    init_std=0.02,
+)
 
 
 PRESETS: dict[str, dict] = {
@@ -61,6 +142,62 @@ PRESETS: dict[str, dict] = {
     "demo": dict(num_layers=4, hidden_size=256, num_heads=4, seq_len=128, vocab_size=4096),
     # Seconds-scale model for tests and every parallel-equivalence check.
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=4096),
+    # Today's dense families, with the published shapes (parameter counts equal the Hugging Face models').
+    "llama3.2-1b": {
+        **LLAMA_31,
+        **dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192),
+        "tie_embeddings": True,
+        "seq_len": 8192,
+        "rope_scaling": {**LLAMA_31["rope_scaling"], "factor": 32.0},
+    },
+    "llama3.1-8b": {
+        **LLAMA_31,
+        **dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, seq_len=8192),
+    },
+    "llama3.1-70b": {
+        **LLAMA_31,
+        **dict(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672, seq_len=8192),
+    },
+    "llama3.1-405b": {
+        **LLAMA_31,
+        **dict(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248, seq_len=8192),
+    },
+    "qwen3-8b": dict(
+        num_layers=36,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=12288,
+        vocab_size=151936,
+        seq_len=4096,
+        max_position_embeddings=40960,
+        position_embedding="rope",
+        rope_theta=1000000.0,
+        norm="rmsnorm",
+        layernorm_eps=1e-6,
+        mlp="swiglu",
+        qk_norm=True,
+        bias=False,
+        tie_embeddings=False,
+        init_std=0.02,
+    ),
+    # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
+    "demo-llama": {
+        **LLAMA_31,
+        **dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, ffn_hidden_size=688, seq_len=128),
+        "vocab_size": 4096,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {**LLAMA_31["rope_scaling"], "original_max_position_embeddings": 256},
+    },
+    # Seconds-scale Llama 3 block (GQA 4:2, Llama 3 RoPE scaling, untied head) for tests.
+    "tiny-llama": {
+        **LLAMA_31,
+        **dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, seq_len=64),
+        "vocab_size": 4096,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {**LLAMA_31["rope_scaling"], "original_max_position_embeddings": 128},
+    },
 }
 
 
@@ -87,12 +224,17 @@ def get_config(preset: str, **overrides) -> ModelConfig:
 
 
 def count_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Exact parameter count of `GPT(config)` (tied head counted once), computed arithmetically."""
+    """Exact parameter count of `GPT(config)` (a tied head counted once), computed arithmetically."""
     h, f, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     vocab = config.padded_vocab_size(tensor_parallel)
-    embeddings = vocab * h + config.max_position_embeddings * h
-    attention = h * 3 * h + 3 * h + h * h + h
-    mlp = h * f + f + f * h + h
-    layernorms = 2 * 2 * h
-    final_norm = 2 * h
-    return embeddings + L * (attention + mlp + layernorms) + final_norm
+    norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
+    embeddings = vocab * h * (1 if config.tie_embeddings else 2)
+    if config.position_embedding == "learned":
+        embeddings += config.max_position_embeddings * h
+    attention = h * (q + 2 * kv) + q * h
+    attention += (q + 2 * kv) * config.qkv_bias + h * config.bias
+    attention += 2 * config.head_dim * config.qk_norm
+    matrices = 3 if config.mlp == "swiglu" else 2
+    mlp = matrices * h * f + (f * (matrices - 1) + h) * config.bias
+    return embeddings + L * (attention + mlp + 2 * norm) + norm

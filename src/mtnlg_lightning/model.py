@@ -1,13 +1,20 @@
-"""The MT-NLG / Megatron GPT decoder as a plain nn.Module. Parallelism is applied from outside.
+"""The decoder as a plain nn.Module: MT-NLG's GPT block or today's Llama 3 / Qwen 3 block, chosen by the config.
+Parallelism is applied from outside.
 
-Shapes: B batch, S sequence, H hidden, V padded vocabulary. The module keeps no parallel code paths:
-tensor parallelism swaps its Linear/Embedding layers for sharded ones (their `out_features` shrink and the
-attention infers its local head count), pipeline parallelism deletes the parts a stage does not own
-(`embed`, blocks, `norm`, `lm_head` may be None/absent), as torchtitan does.
+Shapes: B batch, S sequence, H hidden, V padded vocabulary. The module keeps no parallel code paths: tensor
+parallelism swaps its Linear/Embedding layers for sharded ones (their `out_features` shrink and the attention infers
+its local head counts), pipeline parallelism deletes the parts a stage does not own (`embed`, blocks, `norm`,
+`lm_head` may be None/absent), as torchtitan does.
+
+The block (`ModelConfig`): learned positions or rotary ones (RoPE, Hugging Face's layout: the first half of each
+head's dims pairs with the second, with Llama 3's frequency scaling), LayerNorm or RMSNorm, a GELU or SwiGLU MLP,
+multi-head or grouped-query attention (one fused q/k/v projection laid out [heads, 3, head_dim] for multi-head,
+separate q, k, v projections for grouped-query), optional q/k norms (Qwen 3), biases or none, a tied or untied LM
+head.
 
 Decoding passes a `KVCache` to `GPT.forward` (nanoGPT / litgpt style): the same blocks then write their keys and
-values at the cache's position and attend over everything cached, so the single-process model, a tensor-parallel
-shard (local heads) and a pipeline stage (its own blocks) all decode with this one forward.
+values (key/value heads only) at the cache's position and attend over everything cached, so the single-process
+model, a tensor-parallel shard (local heads) and a pipeline stage (its own blocks) all decode with this one forward.
 """
 
 from __future__ import annotations
@@ -22,60 +29,163 @@ from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 
 
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.layernorm_eps)
+    return nn.LayerNorm(dim, eps=config.layernorm_eps, bias=config.bias)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The language-modelling loss: mean token cross-entropy of logits [B, S, V] against labels [B, S], in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+# ---------------------------------------------------------------------------------------------- rotary positions
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """theta^(-2i/d) per pair of dims, rescaled as the config's rope_scaling says (Hugging Face's definitions)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # long wavelengths slowed by `factor`, short ones kept, those between interpolated
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelength < original / high) * ~(wavelength > original / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, hd])."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Rotary:
+    """The rotation of one forward's positions, for every block of a model (or pipeline stage): cos, sin [S, hd]
+    computed in fp32 as Hugging Face computes them, once per forward, for the sequence the attention sees (a
+    sequence-parallel block's q/k projection gathers the whole sequence from its shards)."""
+
+    def __init__(self, model: GPT, start: int):
+        self.model, self.start = model, start
+        self._made: tuple | None = None
+
+    def __call__(self, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (length, device, dtype)
+        if self._made is None or self._made[0] != key:
+            positions = self.model.positions(self.start, length, device)
+            freqs = positions.float()[:, None] * self.model.rope_inverse_frequencies(device)[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self._made = (key, angles.cos().to(dtype), angles.sin().to(dtype))
+        return self._made[1], self._made[2]
+
+
+# ---------------------------------------------------------------------------------------------- the block
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        # qkv output is laid out [heads, 3, head_dim] so a contiguous column shard holds whole heads.
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        heads, kv_heads, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+        if config.fused_qkv:  # rows laid out [heads, 3, head_dim]: a contiguous column shard holds whole heads
+            self.qkv = nn.Linear(h, 3 * heads * hd, bias=config.qkv_bias)
+        else:  # grouped-query: key/value heads split (or replicated) over TP apart from the query heads
+            self.q = nn.Linear(h, heads * hd, bias=config.qkv_bias)
+            self.k = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
+            self.v = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
+        self.proj = nn.Linear(heads * hd, h, bias=config.bias)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=config.layernorm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=config.layernorm_eps)
         self.dropout = config.attention_dropout
         # Swappable so activation checkpointing can recompute just the attention core (Megatron's selective).
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        qkv = self.qkv(x)
-        B, S, _ = qkv.shape  # from the projection: a sequence-parallel qkv receives a slice and gathers it
-        qkv = qkv.view(B, S, -1, 3, self.head_dim)  # -1: heads held by this rank
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [B, heads, S, head_dim]
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, S, hd], k and v [B, kv_heads, S, hd] (this rank's heads)."""
+        if hasattr(self, "qkv"):
+            qkv = self.qkv(x)
+            B, S, _ = qkv.shape  # from the projection: a sequence-parallel qkv receives a slice and gathers it
+            q, k, v = qkv.view(B, S, -1, 3, self.head_dim).unbind(dim=3)  # -1: heads held by this rank
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+            B, S, _ = q.shape
+            q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))
+        if hasattr(self, "q_norm"):  # over each head's dims, before the rotation (Qwen 3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        q, k, v = self.project(x)
+        if rotary is not None:
+            cos, sin = rotary(q.shape[2], q.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
             y = self.core(q, k, v, self.dropout if self.training else 0.0)
-        else:  # decoding: one new position attends to every cached one; a prefill (start 0) is causal
+        else:  # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
             k, v = cache.update(k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1)
+            y = attention(q, k, v, causal=q.shape[2] > 1)
+        B, _, S, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
+def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d)) V; each key/value head serves its group of query heads (grouped-query attention)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+
+
 class AttentionCore(nn.Module):
-    """softmax(QK^T / sqrt(d)) V with a causal mask; flash/memory-efficient kernels where available."""
+    """Causal attention; flash/memory-efficient kernels where available."""
 
     def forward(self, q, k, v, dropout_p: float = 0.0):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return attention(q, k, v, dropout_p)
 
 
 class MLP(nn.Module):
+    """GELU (tanh): fc2(gelu(fc1(x))); SwiGLU: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        h, f = config.hidden_size, config.ffn_hidden_size
+        if config.mlp == "swiglu":
+            self.gate = nn.Linear(h, f, bias=config.bias)
+            self.up = nn.Linear(h, f, bias=config.bias)
+            self.down = nn.Linear(f, h, bias=config.bias)
+        else:
+            self.fc1 = nn.Linear(h, f, bias=config.bias)
+            self.fc2 = nn.Linear(f, h, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate"):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-norm transformer block."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.ln1 = make_norm(config, config.hidden_size)
         self.attn = Attention(config)
-        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.ln2 = make_norm(config, config.hidden_size)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x), cache))
+    def forward(self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x), rotary, cache))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
@@ -83,12 +193,15 @@ class Embedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.wte = nn.Embedding(config.padded_vocab_size(), config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        if config.position_embedding == "learned":
+            self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self.dropout(self.wte(tokens) + self.wpe(positions))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        if hasattr(self, "wpe"):
+            x = x + self.wpe(positions)
+        return self.dropout(x)
 
 
 class GPT(nn.Module):
@@ -98,47 +211,68 @@ class GPT(nn.Module):
         self.embed = Embedding(config)
         # A dict keeps parameter names stable when pipeline stages delete the blocks they do not own.
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
-        self.lm_head.weight = self.embed.wte.weight  # tied input/output embedding
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.wte.weight
+        # RoPE's frequencies in fp32 whatever dtype the model is cast to (not a buffer, which `.to(bf16)` would round).
+        self._rope_inv_freq: torch.Tensor | None = None
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron init: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * num_layers)."""
+        """Megatron init: N(0, std) everywhere (std sqrt(1/3H) for MT-NLG, the family's 0.02 for Llama / Qwen),
+        output projections scaled by 1/sqrt(2 * num_layers) (as Megatron and torchtitan initialise both)."""
         std = self.config.init_std
         out_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                scaled = name.endswith("attn.proj") or name.endswith("mlp.fc2")
+                scaled = name.endswith(("attn.proj", "mlp.fc2", "mlp.down"))
                 nn.init.normal_(module.weight, mean=0.0, std=out_std if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def positions(self, start: int, length: int, device) -> torch.Tensor:
+        """The positions of `length` tokens starting at `start` (context parallelism replaces this: a rank holds
+        chunks of the sequence, not a contiguous run)."""
+        return torch.arange(start, start + length, device=device)
+
+    def rope_inverse_frequencies(self, device) -> torch.Tensor:
+        if self._rope_inv_freq is None or self._rope_inv_freq.device != device:
+            self._rope_inv_freq = rope_inverse_frequencies(self.config).to(device)
+        return self._rope_inv_freq
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
         needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
         start = cache.start if cache is not None else 0
-        h = (self.embed(tokens, start) if start else self.embed(tokens)) if self.embed is not None else tokens
+        if self.embed is not None:
+            h = self.embed(tokens, self.positions(start, tokens.shape[1], tokens.device))
+        else:
+            h = tokens
+        rotary = Rotary(self, start) if self.config.position_embedding == "rope" else None
         for name, block in self.blocks.items():
-            h = block(h, cache.layer(name)) if cache is not None else block(h)
+            h = block(h, rotary, cache.layer(name)) if cache is not None else block(h, rotary)
         if cache is not None and self.lm_head is not None:
             h = h[:, -1:]
         if self.norm is not None:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
+        return self.lm_head(h) if self.lm_head is not None else h.contiguous()
 
 
 class KVCache:
     """Keys and values of a model's (or a pipeline stage's) blocks for up to `length` positions, allocated at a
-    block's first use with the shape its attention produces (local heads under tensor parallelism). The caller
-    sets `start`, the position of the next tokens, before each forward."""
+    block's first use with the shape its attention produces (local key/value heads under tensor parallelism: a
+    grouped-query model caches only its key/value heads). The caller sets `start`, the position of the next
+    tokens, before each forward."""
 
     def __init__(self, length: int):
         self.length, self.start = length, 0
@@ -148,6 +282,10 @@ class KVCache:
     def layer(self, name: str) -> LayerCache:
         return LayerCache(self, name)
 
+    def bytes_per_position(self) -> int:
+        """Bytes one position takes in every cached block: 2 x blocks x kv_heads x head_dim x element size."""
+        return sum(t[0, :, 0].numel() * t.element_size() * 2 for t in self.keys.values())
+
 
 class LayerCache:
     """One block's view of a `KVCache`."""
@@ -156,7 +294,7 @@ class LayerCache:
         self.cache, self.name = cache, name
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, heads, S, hd] at positions start..start+S; return every cached position up to there."""
+        """Write k, v [B, kv_heads, S, hd] at positions start..start+S; return every cached position up to there."""
         c = self.cache
         start, end = c.start, c.start + k.shape[2]
         if k.shape[2] > 1 and start:

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import atomic_write
+from mtnlg_lightning.resilience.heartbeat import heartbeat
 
 Action = Literal["log", "skip", "rewind"]
 SIGNALS = ("loss", "grad_norm")
@@ -353,6 +354,7 @@ class LossSpikeDetection(Callback):
             path = str(found) if found is not None else None
         path = trainer.strategy.broadcast(path)
         if path is not None:
+            heartbeat("startup", "resuming")  # a checkpoint load, as a resuming start-up's
             restored_step = pl_module.position.rewind(trainer, path)  # weights, optimizer, LR, data position, step
         else:
             restored_step = trainer.global_step

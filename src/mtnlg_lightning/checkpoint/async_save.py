@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from mtnlg_lightning.resilience.heartbeat import heartbeat
+
 
 class BackgroundSaver:
     def __init__(self, group):
@@ -54,6 +56,8 @@ class BackgroundSaver:
     def wait(self) -> None:
         """Block until the save in flight is published; re-raise its error here, on the training thread."""
         if self._thread is not None:
+            if self._thread.is_alive():  # as long as the write: the hang watchdog learns it apart from the saves
+                heartbeat("save", "background write")
             self._thread.join()
             self._thread = None
         if self._error is not None:

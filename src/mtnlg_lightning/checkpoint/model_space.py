@@ -13,6 +13,8 @@ from mtnlg_lightning.parallel.deepspeed_compat import full_shape
 from mtnlg_lightning.parallel.pipeline import PipelineChunks
 
 VOCAB_PARAMS = ("embed.wte.weight", "lm_head.weight")  # rows = the vocabulary, padded in memory, not on disk
+# What tensor parallelism writes on a parameter about its shard (`parallel/tensor_parallel.py`).
+PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_index", "partition_count")
 
 
 @dataclass
@@ -25,7 +27,8 @@ class Slot:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     shape: tuple[int, ...]  # the stored part of the local tensor (<= its shape)
-    replicated_over_tp: bool
+    replicated_over_tp: bool  # every TP rank holds the whole tensor
+    tp_writer: bool = True  # this TP rank is the one that saves the box (a replicated box is saved once)
 
     @property
     def empty(self) -> bool:
@@ -54,17 +57,18 @@ def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size
     slots = []
     for local_name, param in model.named_parameters():
         name = global_name(local_name, chunked)
-        sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
+        sharded = hasattr(param, "partition_dim") and tp_size > 1
         shape = full_shape(param)  # ZeRO-3 partitions the tensor itself
         offsets = [0] * len(shape)
         global_shape = list(shape)
         stored = list(shape)
-        if sharded:
+        if sharded:  # shard `partition_index` of `partition_count` (fewer shards than TP ranks: shared copies)
             dim = param.partition_dim
-            offsets[dim] = tp_rank * shape[dim]
-            global_shape[dim] = shape[dim] * tp_size
+            offsets[dim] = param.partition_index * shape[dim]
+            global_shape[dim] = shape[dim] * param.partition_count
         if name in VOCAB_PARAMS:  # trim the padded vocabulary to the real one
             global_shape[0] = config.vocab_size
             stored[0] = max(0, min(shape[0], config.vocab_size - offsets[0]))
-        slots.append(Slot(name, param, tuple(global_shape), tuple(offsets), tuple(stored), not sharded))
+        writer = bool(getattr(param, "tensor_model_parallel", False)) if sharded else tp_rank == 0
+        slots.append(Slot(name, param, tuple(global_shape), tuple(offsets), tuple(stored), not sharded, writer))
     return slots

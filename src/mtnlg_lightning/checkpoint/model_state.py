@@ -116,9 +116,12 @@ class CheckpointWeights(LazyWeights):
 
 
 def model_space(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Drop the tied head and the vocabulary padding (it depends on the TP degree that wrote it)."""
-    out = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    out["embed.wte.weight"] = out["embed.wte.weight"][: config.vocab_size]
+    """Drop a tied head (it is the embedding) and the vocabulary padding (it depends on the TP degree that wrote
+    it)."""
+    out = {k: v for k, v in weights.items() if k != "lm_head.weight" or not config.tie_embeddings}
+    for name in ("embed.wte.weight", "lm_head.weight"):
+        if name in out:
+            out[name] = out[name][: config.vocab_size]
     return out
 
 
@@ -162,3 +165,24 @@ def read_model_state(path: str | Path, master: bool = True, verify: str = "all")
     if path.is_file():
         return _read_lightning_file(path)
     return _read_folder(path, master, verify)
+
+
+@torch.no_grad()
+def load_model_space(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy model-space weights into a full single-process `GPT` (before any strategy shards it). The vocabulary
+    rows past the source's (padding for the layout) are zeroed: no token maps to them. `weights` may be lazy
+    (`LazyWeights`): each tensor is read when its parameter is filled, then let go."""
+    params = dict(model.named_parameters())  # a tied head is the embedding's parameter: named once
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise MTNLGError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, param in params.items():
+        source = weights[name]
+        vocabulary = name in ("embed.wte.weight", "lm_head.weight")
+        if vocabulary and source.shape[0] <= param.shape[0] and source.shape[1:] == param.shape[1:]:
+            param[source.shape[0] :].zero_()
+            param[: source.shape[0]].copy_(source)
+        elif source.shape != param.shape:
+            raise MTNLGError(f"{name}: the source has shape {tuple(source.shape)}, the model {tuple(param.shape)}")
+        else:
+            param.copy_(source)

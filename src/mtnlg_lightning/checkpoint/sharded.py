@@ -83,17 +83,17 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     strategy.barrier()
     staging = staging_path(path)
     slots = model_slots(module.model, module.config, groups.tensor_parallel_rank, groups.tensor_parallel_size)
-    owner = balanced_owners(slots, groups.data_parallel_size)
-    dp_rank, tp_rank = groups.data_parallel_rank, groups.tensor_parallel_rank
+    owner = balanced_owners(slots, groups.replica_size)  # DP x CP ranks hold the same shard: one writes it
+    replica, tp_rank = groups.replica_rank, groups.tensor_parallel_rank
 
     def writer_of(index: int, slot: Slot) -> bool:
         # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only.
-        return owner[index] == dp_rank and (tp_rank == 0 or not slot.replicated_over_tp)
+        return owner[index] == replica and slot.tp_writer
 
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
     snapshot = background is not None  # training goes on: the pieces must not alias live tensors
     pieces = collect_pieces(
-        slots, optimizer, strategy.engine, writer_of, groups.data_parallel_size, tp_rank, snapshot=snapshot
+        slots, optimizer, strategy.engine, writer_of, groups.replica_size, tp_rank, snapshot=snapshot
     )
     header = None
     if strategy.is_global_zero:  # everything rank 0 publishes, taken now (the writer runs after later steps)
@@ -102,6 +102,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
             "tensor_parallel": layout.tensor_parallel,
             "pipeline_parallel": layout.pipeline_parallel,
             "data_parallel": layout.data_parallel,
+            "context_parallel": layout.context_parallel,
             "zero_stage": strategy.zero_stage,
         }
         header = checkpoint_header(module, checkpoint, optimizer, saved_by)

@@ -82,7 +82,7 @@ def collect_pieces(
             if writes and tensor is not None:
                 host = slot.stored(tensor).detach().to("cpu", copy=snapshot)
                 pieces.append(Piece(key, host, slot.offsets, slot.global_shape))
-        if flat and (tp_rank == 0 or not slot.replicated_over_tp):
+        if flat and slot.tp_writer:
             pieces += _moment_fragments(slot)
     return pieces
 

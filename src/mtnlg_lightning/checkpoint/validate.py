@@ -32,7 +32,11 @@ POSITIVE_INT_FIELDS = (
     "ffn_hidden_size",
     "make_vocab_size_divisible_by",
     "max_position_embeddings",
+    "num_kv_heads",
+    "head_dim",
 )
+OPTIONAL_INT_FIELDS = ("ffn_hidden_size", "max_position_embeddings", "num_kv_heads", "head_dim")  # None: derived
+BOOL_FIELDS = ("qk_norm", "bias", "tie_embeddings")
 
 
 class CheckpointError(MTNLGError):
@@ -205,7 +209,7 @@ def config_of(manifest: dict, where: str):
         if name not in values:
             raise _error(f"{where}: model_config has no {name}")
     for name in POSITIVE_INT_FIELDS:
-        optional = name in ("ffn_hidden_size", "max_position_embeddings") and values.get(name, 1) is None
+        optional = name in OPTIONAL_INT_FIELDS and values.get(name, 1) is None
         if name in values and not optional and not (is_int(values[name]) and values[name] >= 1):
             raise _error(f"{where}: model_config.{name} is {_short(values[name])}, expected an integer >= 1")
     for name, low, high in (("hidden_dropout", 0, 1), ("attention_dropout", 0, 1), ("layernorm_eps", 0, 1)):
@@ -215,8 +219,16 @@ def config_of(manifest: dict, where: str):
     std = values.get("init_std")
     if std is not None and not (isinstance(std, int | float) and not isinstance(std, bool) and 0 < std < math.inf):
         raise _error(f"{where}: model_config.init_std is {_short(std)}, expected a positive number")
-    if not isinstance(values.get("name", ""), str):
-        raise _error(f"{where}: model_config.name is not a string")
+    for name in ("name", "position_embedding", "norm", "mlp"):
+        if not isinstance(values.get(name, ""), str):
+            raise _error(f"{where}: model_config.{name} is not a string")
+    for name in (*BOOL_FIELDS, "qkv_bias"):
+        value = values.get(name, True)
+        if not isinstance(value, bool) and not (name == "qkv_bias" and value is None):
+            raise _error(f"{where}: model_config.{name} is {_short(value)}, expected true or false")
+    theta = values.get("rope_theta", 1.0)
+    if not (isinstance(theta, int | float) and not isinstance(theta, bool) and 0 < theta < math.inf):
+        raise _error(f"{where}: model_config.rope_theta is {_short(theta)}, expected a positive number")
     try:
         return ModelConfig(**values)
     except MTNLGError as error:
@@ -233,8 +245,10 @@ def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
         model = build_model(config, "meta")
     except (RuntimeError, OverflowError, ValueError) as error:
         raise _error(f"model_config describes a model that cannot be built ({one_line(error)})") from None
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    expected["embed.wte.weight"] = (config.vocab_size, config.hidden_size)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied head is the embedding
+    for name in ("embed.wte.weight", "lm_head.weight"):
+        if name in expected:
+            expected[name] = (config.vocab_size, config.hidden_size)
     return expected
 
 

@@ -13,6 +13,8 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import atomic_path
 
 EOD_TOKEN = "<|endoftext|>"
+# The end-of-document token, by the first of these a tokenizer has: GPT-2's (and Qwen's), Llama 3's, Llama 2's.
+EOD_TOKENS = (EOD_TOKEN, "<|end_of_text|>", "</s>")
 
 
 class Tokenizer:
@@ -38,9 +40,11 @@ class Tokenizer:
             raise
         except Exception as error:  # tokenizers raises plain Exceptions on malformed files
             raise MTNLGError(f"cannot load tokenizer {path}: {error}") from None
-        self.eod_id = self._tok.token_to_id(EOD_TOKEN)
-        if self.eod_id is None:
-            raise MTNLGError(f"tokenizer {path} has no {EOD_TOKEN} token (needed as end-of-document)")
+        found = [token for token in EOD_TOKENS if self._tok.token_to_id(token) is not None]
+        if not found:
+            raise MTNLGError(f"tokenizer {path} has none of {', '.join(EOD_TOKENS)} (needed as end-of-document)")
+        self.eod_token = found[0]
+        self.eod_id = self._tok.token_to_id(self.eod_token)
 
     @property
     def vocab_size(self) -> int:

@@ -24,6 +24,7 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.scoring import Scorer
+from mtnlg_lightning.resilience.heartbeat import heartbeat
 
 
 class DownstreamEval(L.Callback):
@@ -71,6 +72,8 @@ class DownstreamEval(L.Callback):
         step = trainer.global_step
         if step % self.every_n_steps and step != trainer.max_steps:
             return
+        # Minutes on a large model, in between steps: learned apart from the steps and validation batches.
+        heartbeat("eval", "downstream")
         peak = StepPeakMemory(pl_module.device)
         peak.reset()
         if isinstance(trainer.strategy, MegatronDeepSpeedStrategy):

@@ -72,8 +72,8 @@ def generate_batch(
         sequence[row, : len(prompt)] = torch.tensor(prompt)
     layout, coord = model.layout, model.groups.coord
     last_pp = model.holder[model.num_stages - 1]
-    tp_source = layout.rank(last_pp, coord.dp, 0)
-    pp_source = layout.rank(last_pp, coord.dp, coord.tp)
+    tp_source = layout.rank(last_pp, coord.dp, 0, coord.cp)
+    pp_source = layout.rank(last_pp, coord.dp, coord.tp, coord.cp)
     generators = None
     if temperature > 0 and model.groups.rank == tp_source:  # the replica's sampler: one generator per sequence
         generators = [

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtnlg_lightning.checkpoint.model_space import model_slots
+from mtnlg_lightning.checkpoint.model_space import PARALLEL_MARKS, model_slots
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.parallel.layout import ProcessGroups
 from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
@@ -81,7 +81,7 @@ class ShardedModel:
     def stage_rank(self, stage: int) -> int:
         """The global rank holding `stage` in this rank's replica and TP position."""
         c = self.groups.coord
-        return self.layout.rank(self.holder[stage], c.dp, c.tp)
+        return self.layout.rank(self.holder[stage], c.dp, c.tp, c.cp)
 
     @property
     def last_stage_rank(self) -> int:
@@ -92,14 +92,16 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def load(cls, weights, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel):
+    def load(
+        cls, weights, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel, kernel
+    ):
         """This rank's shard of the model-space `weights` (a `checkpoint.model_state.LazyWeights`)."""
         from mtnlg_lightning.model import GPT
         from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 
         with torch.device("meta"):
             model = GPT(config)
-        parallel = parallelize_gpt(model, groups, torch.device(device), pipeline, sequence_parallel)
+        parallel = parallelize_gpt(model, groups, torch.device(device), pipeline, sequence_parallel, kernel)
         if parallel.pipeline is not None:
             indices, modules = parallel.pipeline.stage_indices, parallel.pipeline.stage_models
         else:
@@ -143,9 +145,21 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ running
     def padded_width(self, width: int) -> int:
-        """Sequence parallelism cuts the sequence over TP: widths are rounded up to a multiple of TP."""
-        tp = self.layout.tensor_parallel
-        return -(-width // tp) * tp if self.sequence_parallel else width
+        """Context parallelism cuts the sequence into 2 x CP chunks, sequence parallelism a rank's part over TP:
+        widths are rounded up to a multiple of what they cut (right padding: no real token attends to it)."""
+        multiple = 2 * self.layout.context_parallel if self.layout.context_parallel > 1 else 1
+        multiple *= self.layout.tensor_parallel if self.sequence_parallel else 1
+        return -(-width // multiple) * multiple
+
+    def local_positions(self, width: int) -> torch.Tensor:
+        """The positions of a `width`-token sequence whose outputs this rank's last stage produces (all of them
+        without context parallelism; this rank's two chunks with it)."""
+        cp = self.layout.context_parallel
+        if cp == 1:
+            return torch.arange(width)
+        from mtnlg_lightning.parallel.context_parallel import local_positions
+
+        return local_positions(self.groups.coord.cp, cp, 0, width // cp, "cpu")
 
     @torch.no_grad()
     def forward(
@@ -168,6 +182,7 @@ class ShardedModel:
                     x = local.pop((stage - 1, m))
                 else:
                     b, width = batch.shape if isinstance(batch, torch.Tensor) else batch
+                    width //= self.layout.context_parallel  # this rank's chunks
                     width = width // tp if self.sequence_parallel else width
                     x = torch.empty(b, width, hidden, dtype=self.dtype, device=self.device)
                     dist.recv(x, src=self.stage_rank(stage - 1))
@@ -191,32 +206,29 @@ def _materialize(module: nn.Module, weights, config: ModelConfig, tp_rank: int, 
     """Allocate a meta stage model on `device` and fill every parameter with its box of the model-space weights."""
     slots = model_slots(module, config, tp_rank, tp_size)  # read while the TP attributes are on the meta tensors
     head = getattr(module, "lm_head", None)
-    head_weight = None  # a last stage's own copy of the tied embedding: a plain tensor, not a parameter
-    if head is not None and not any(head.weight is s.param for s in slots):
-        head_weight = head.weight
-    tied = head is not None and getattr(module, "embed", None) is not None
-    marks = {
-        s.name: (getattr(s.param, "tensor_model_parallel", None), getattr(s.param, "partition_dim", None))
-        for s in slots
-    }
+    head_copy = None  # a last stage's own copy of the tied embedding: a plain tensor, not a parameter
+    if head is not None and config.tie_embeddings and not any(head.weight is s.param for s in slots):
+        head_copy = head.weight
+    tied = head is not None and getattr(module, "embed", None) is not None and config.tie_embeddings
+    marks = {s.name: {k: getattr(s.param, k) for k in PARALLEL_MARKS if hasattr(s.param, k)} for s in slots}
     module.to_empty(device=device)
     module.to(dtype)
     params = dict(module.named_parameters())
     for slot in slots:
         param = params[slot.name]
-        sharded, dim = marks[slot.name]
-        if sharded is not None:
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = sharded, dim, 1
-        name = "embed.wte.weight" if slot.name == "lm_head.weight" else slot.name  # re-tied on a V-shaped rank
+        for key, value in marks[slot.name].items():  # to_empty made new parameters: mark them as the old ones
+            setattr(param, key, value)
+        tied_head = slot.name == "lm_head.weight" and config.tie_embeddings  # re-tied on a V-shaped rank
+        name = "embed.wte.weight" if tied_head else slot.name
         value = weights.read_box(name, slot.offsets, slot.shape).to(dtype)
         with torch.no_grad():
             slot.fill(param.data, value.to(device))
     if tied:  # to_empty gave the head its own tensor: share the embedding's again, as the model does
         module.lm_head.weight = module.embed.wte.weight
-    elif head_weight is not None:
-        rows = head_weight.shape[0]
+    elif head_copy is not None:
+        rows = head_copy.shape[0]
         start = tp_rank * rows
         stored = max(0, min(rows, config.vocab_size - start))
-        weight = torch.zeros(head_weight.shape, dtype=dtype, device=device)
+        weight = torch.zeros(head_copy.shape, dtype=dtype, device=device)
         weight[:stored] = weights.read_box("embed.wte.weight", (start, 0), (stored, config.hidden_size)).to(dtype)
         module.lm_head.weight = weight

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.parallel.context_parallel import check_context_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout
-from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, schedule_class
+from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings, check_model_fits
+from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, schedule_class
 
 STRATEGY_CLASS = "MegatronDeepSpeedStrategy"
 
@@ -33,10 +34,13 @@ class InferenceLayout:
     pipeline_parallel: int = 1
     pipeline: PipelineParallelSettings = PipelineParallelSettings()
     sequence_parallel: bool = False
+    context_parallel: int = 1
+    context_parallel_kernel: str = "auto"
 
     @property
     def model_parallel(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        """Ranks of one replica: TP x CP x PP (DP is what is left)."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
 
     def describe(self, world_size: int) -> dict:
         """The layout as results.json records it."""
@@ -48,6 +52,7 @@ class InferenceLayout:
             "pipeline_schedule": self.pipeline.schedule,
             "virtual_pipeline_stages": self.pipeline.virtual_stages,
             "sequence_parallel": self.sequence_parallel,
+            "context_parallel": self.context_parallel,
         }
 
 
@@ -82,23 +87,27 @@ def read_strategy(path: str | None) -> InferenceLayout:
             schedule, virtual, args.get("first_stage_layers"), args.get("last_stage_layers")
         ),
         sequence_parallel=bool(args.get("sequence_parallel", False)),
+        context_parallel=int(args.get("context_parallel", 1)),
+        context_parallel_kernel=str(args.get("context_parallel_kernel", "auto")),
     )
-    if layout.tensor_parallel < 1 or layout.pipeline_parallel < 1:
-        raise MTNLGError(f"{path}: tensor_parallel and pipeline_parallel must be >= 1")
+    if min(layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel) < 1:
+        raise MTNLGError(f"{path}: tensor_parallel, pipeline_parallel and context_parallel must be >= 1")
     return layout
 
 
 def check_layout(layout: InferenceLayout, world_size: int, config) -> ParallelLayout:
-    """Every check that needs only the model's shape: world size, heads, vocabulary and layers against the layout."""
-    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
-    if world_size % (tp * pp):
+    """Every check that needs only the model's shape: world size, heads, vocabulary and layers against the layout
+    (the sequence length is the request's, not the model's: context parallelism pads it to its chunks)."""
+    tp, pp, cp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
+    if world_size % layout.model_parallel:
+        axes = f"tensor_parallel {tp}" + (f" x context_parallel {cp}" if cp > 1 else "")
         raise MTNLGError(
-            f"--devices {world_size} is not a multiple of tensor_parallel {tp} x pipeline_parallel {pp} = {tp * pp}"
+            f"--devices {world_size} is not a multiple of {axes} x pipeline_parallel {pp} = {layout.model_parallel}"
         )
-    grid = ParallelLayout(world_size, tp, pp, gpus_per_node=None)
-    grid.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
-    stages = pp * layout.pipeline.virtual_stages
-    layers_per_stage(config.num_layers, stages, layout.pipeline.first_stage_layers, layout.pipeline.last_stage_layers)
+    grid = ParallelLayout(world_size, tp, pp, gpus_per_node=None, context_parallel=cp)
+    check_model_fits(grid, config, layout.pipeline, layout.sequence_parallel)
+    if cp > 1:
+        check_context_parallel(cp, 2 * cp * tp, tp, layout.sequence_parallel, layout.context_parallel_kernel, 0.0)
     return grid
 
 

@@ -53,11 +53,19 @@ def load(
     pipeline: PipelineParallelSettings | None = None,
     sequence_parallel: bool = False,
     for_generation: bool = False,
+    context_parallel_kernel: str = "auto",
 ) -> ShardedModel:
     """This rank's part of the model `state` holds, in the layout of `groups`, in eval mode. `for_generation`: also
     store the weights in the layout decoding is fastest with (`use_generation_layout`)."""
     model = ShardedModel.load(
-        state.weights, state.config, groups, device, dtype, pipeline or PipelineParallelSettings(), sequence_parallel
+        state.weights,
+        state.config,
+        groups,
+        device,
+        dtype,
+        pipeline or PipelineParallelSettings(),
+        sequence_parallel,
+        context_parallel_kernel,
     )
     if for_generation:
         for module in model.modules():

@@ -68,7 +68,17 @@ def load_planned(plan_: Plan, device_arg: str, dtype_arg: str, decoding: bool = 
     groups, device = join(plan_, device_arg)
     sequence_parallel = plan_.layout.sequence_parallel and not decoding
     dtype = pick_dtype(dtype_arg, device)
-    return load(plan_.source, groups, device, dtype, plan_.layout.pipeline, sequence_parallel, for_generation=decoding)
+    layout = plan_.layout
+    return load(
+        plan_.source,
+        groups,
+        device,
+        dtype,
+        layout.pipeline,
+        sequence_parallel,
+        for_generation=decoding,
+        context_parallel_kernel=layout.context_parallel_kernel,
+    )
 
 
 Check = Callable[[object], "dict[str, str] | None"]  # the command's own checks; what its ranks inherit (env)
@@ -84,6 +94,11 @@ def run(prog: str, module: str, args, argv: list[str], check: Check, work: Work,
     def body() -> int:
         env = check(args)
         plan_ = plan(args.checkpoint, args.strategy, args.devices)
+        if decoding and plan_.layout.context_parallel > 1:
+            raise MTNLGError(
+                "decoding adds one position at a time, which context parallelism cannot cut into chunks: generate "
+                "with a strategy without context_parallel"
+            )
         if needs_launch(plan_.world_size):
             return launch_local(module, argv, plan_.world_size, env)
         model = load_planned(plan_, args.device, args.dtype, decoding)

@@ -95,24 +95,32 @@ class Scorer:
         if not model.is_first:
             micro = [tuple(t.shape) for t in micro]
         group, tp_rank = model.tp_group, model.groups.coord.tp
+        # Under context parallelism this rank's logits are those of its chunks: each target is scored by the rank
+        # holding its position, and the sums are added up over the CP group.
+        local = {int(p): i for i, p in enumerate(model.local_positions(width))}
 
         def on_output(m: int, logits: torch.Tensor) -> None:
             rows, positions, targets, owners = [], [], [], []
             for row in range(logits.shape[0]):
                 r = requests[m * size + row]
                 end = len(r.inputs)
-                rows += [row] * len(r.targets)
-                positions += range(end - len(r.targets), end)
-                targets += r.targets
-                owners += [row] * len(r.targets)
-            picked = logits[torch.tensor(rows), torch.tensor(positions)]
-            target = torch.tensor(targets, device=picked.device)
+                for position, target in zip(range(end - len(r.targets), end), r.targets, strict=True):
+                    if position in local:
+                        rows.append(row)
+                        positions.append(local[position])
+                        targets.append(target)
+                        owners.append(row)
+            picked = logits[torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)]
+            target = torch.tensor(targets, dtype=torch.long, device=picked.device)
             logprob, greedy = vocab_parallel_token_scores(picked, target, tp_rank * logits.shape[-1], self.vocab, group)
-            owner = torch.tensor(owners, device=picked.device)
+            owner = torch.tensor(owners, dtype=torch.long, device=picked.device)
             totals = torch.zeros(logits.shape[0], dtype=torch.float64, device=picked.device)
             totals.index_add_(0, owner, logprob.double())
             misses = torch.zeros(logits.shape[0], dtype=torch.long, device=picked.device)
             misses.index_add_(0, owner, (~greedy).long())
+            if model.layout.context_parallel > 1:
+                dist.all_reduce(totals, group=model.groups.context_parallel_group)
+                dist.all_reduce(misses, group=model.groups.context_parallel_group)
             for row, (total, miss) in enumerate(zip(totals.tolist(), misses.tolist(), strict=True)):
                 index = indices[m * size + row]
                 if index >= 0:
@@ -125,7 +133,7 @@ class Scorer:
         model = self.model
         groups = model.groups
         if model.layout.model_parallel > 1:
-            source = model.layout.rank(model.holder[model.num_stages - 1], groups.coord.dp, 0)
+            source = model.layout.rank(model.holder[model.num_stages - 1], groups.coord.dp, 0, groups.coord.cp)
             box = [found if groups.rank == source else None]
             dist.broadcast_object_list(box, src=source, group=groups.model_parallel_group)
             found = box[0]

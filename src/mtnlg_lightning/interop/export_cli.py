@@ -1,4 +1,5 @@
-"""`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face GPT-2 directory (also tools/export_hf.py).
+"""`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of its family (GPT-2, Llama,
+Qwen 2, Qwen 3; also tools/export_hf.py).
 
 The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUTPUT_DIR)`.
@@ -18,9 +19,10 @@ from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-export-hf",
-        description="Export a checkpoint (any layout) to a Hugging Face GPT-2 directory: config.json, "
+        description="Export a checkpoint (any layout) to a Hugging Face directory of the family its block is (GPT-2, "
+        "Llama, Qwen 2 or Qwen 3: architectures, RoPE settings, tied or untied head): config.json, "
         "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
-        "(vocabulary trimmed to the tokenizer's, LM head tied), tokenizer files and generation_config.json "
+        "(vocabulary trimmed to the tokenizer's), tokenizer files and generation_config.json "
         "(<|endoftext|> as bos/eos). The weights are read and written a slice at a time (memory: a few shards, "
         "whatever the model size), to a temporary directory, then renamed.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size
         )
         print(
-            f"wrote {summary['output']}: GPT-2, {state.config.num_layers} layers, hidden {state.config.hidden_size}, "
+            f"wrote {summary['output']}: {summary['family']}, {state.config.num_layers} layers, "
+            f"hidden {state.config.hidden_size}, "
             f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
             f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
         )

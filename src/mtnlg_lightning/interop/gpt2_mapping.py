@@ -1,4 +1,5 @@
-"""Model-space weights <-> Hugging Face `GPT2LMHeadModel` tensors, both ways, exactly (no arithmetic on values).
+"""Model-space weights <-> Hugging Face `GPT2LMHeadModel` tensors, both ways, exactly (no arithmetic on values), and
+GPT-2's `config.json` <-> `ModelConfig`.
 
 The project's GPT is GPT-2's architecture; only names and layouts differ:
 - GPT-2 stores Linear weights as `Conv1D` `[in, out]`: every Linear weight is transposed;
@@ -11,11 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+
+MODEL_TYPES = ("gpt2",)
+EMBEDDING, HEAD = "transformer.wte.weight", "lm_head.weight"
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP
 
 # per block: our module -> GPT-2's, and whether its weight is a Linear (transposed into Conv1D)
 BLOCK_MODULES = {
@@ -98,7 +105,7 @@ def to_hf(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str,
 CONSTANT_BUFFERS = ("attn.bias", "attn.masked_bias")
 
 
-def from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """GPT-2 state dict (with or without the `transformer.` prefix) -> model-space weights."""
     state = {k.removeprefix("transformer."): v for k, v in state.items()}
     head = state.pop("lm_head.weight", None)
@@ -116,21 +123,148 @@ def from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, to
     return out
 
 
-@torch.no_grad()
-def load_model_space(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy model-space weights into a full single-process `GPT` (before any strategy shards it). The word
-    embedding rows past the source's vocabulary (padding for the layout) are zeroed: no token maps to them.
-    `weights` may be lazy (`LazyWeights`): each tensor is read when its parameter is filled, then let go."""
-    params = {k: p for k, p in model.named_parameters() if k != "lm_head.weight"}
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise MTNLGError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    for name, param in params.items():
-        source = weights[name]
-        if name == "embed.wte.weight" and source.shape[0] <= param.shape[0] and source.shape[1:] == param.shape[1:]:
-            param[source.shape[0] :].zero_()
-            param[: source.shape[0]].copy_(source)
-        elif source.shape != param.shape:
-            raise MTNLGError(f"{name}: the source has shape {tuple(source.shape)}, the model {tuple(param.shape)}")
-        else:
-            param.copy_(source)
+# ------------------------------------------------------------------------------------------------ the family
+def label(config: ModelConfig) -> str:
+    return "GPT-2"
+
+
+def holds(config: ModelConfig) -> bool:
+    """Whether the block is GPT-2's (learned positions, LayerNorm, tanh GELU, multi-head, biases, tied head)."""
+    return (
+        config.position_embedding == "learned"
+        and config.norm == "layernorm"
+        and config.mlp == "gelu"
+        and config.fused_qkv
+        and config.bias
+        and config.qkv_bias
+        and not config.qk_norm
+        and config.tie_embeddings
+        and config.head_dim * config.num_heads == config.hidden_size
+    )
+
+
+# GPT-2 config keys written from the model config on export (the vocabulary is the tokenizer's; import reads the
+# same keys back in `read_config`, with GPT-2's defaults for the optional ones).
+EXPORTED_FIELDS = {
+    "n_positions": "max_position_embeddings",
+    "n_embd": "hidden_size",
+    "n_layer": "num_layers",
+    "n_head": "num_heads",
+    "n_inner": "ffn_hidden_size",
+    "resid_pdrop": "hidden_dropout",
+    "embd_pdrop": "hidden_dropout",
+    "attn_pdrop": "attention_dropout",
+    "layer_norm_epsilon": "layernorm_eps",
+    "initializer_range": "init_std",
+}
+HF_REQUIRED = ("n_layer", "n_embd", "n_head", "vocab_size")
+HF_OPTIONAL_INTS = ("n_positions", "n_inner")
+HF_RATES = ("resid_pdrop", "attn_pdrop", "embd_pdrop")
+
+
+def read_config(cfg: dict, path: Path) -> ModelConfig:
+    """The architecture of a GPT-2 `config.json`; a variant this decoder does not have is one line."""
+    problems = []
+    if cfg.get("activation_function", "gelu_new") not in TANH_GELUS:
+        problems.append(f"activation_function {cfg['activation_function']!r} (this GPT uses tanh GeLU)")
+    if not cfg.get("scale_attn_weights", True) or cfg.get("scale_attn_by_inverse_layer_idx", False):
+        problems.append("non-standard attention scaling")
+    if not cfg.get("tie_word_embeddings", True):
+        problems.append("an untied LM head")
+    if problems:
+        raise MTNLGError(f"{path}: GPT-2 variant with {', '.join(problems)} cannot be imported")
+    _check_keys(path, cfg)
+    n_positions = cfg.get("n_positions", 1024)
+    return ModelConfig(
+        num_layers=cfg["n_layer"],
+        hidden_size=cfg["n_embd"],
+        num_heads=cfg["n_head"],
+        seq_len=n_positions,
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg.get("n_inner") or 4 * cfg["n_embd"],
+        max_position_embeddings=n_positions,
+        hidden_dropout=cfg.get("resid_pdrop", 0.0),
+        attention_dropout=cfg.get("attn_pdrop", 0.0),
+        layernorm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        name=cfg.get("_name_or_path") or path.name,
+    )
+
+
+def _check_keys(path: Path, cfg: dict) -> None:
+    """The keys the import reads, by type and range: a missing or wrong one is one line naming it."""
+    where = path / "config.json"
+    for key in HF_REQUIRED + HF_OPTIONAL_INTS:
+        value = cfg.get(key)
+        if key in HF_REQUIRED and key not in cfg:
+            raise MTNLGError(f"{where} has no {key!r} (a GPT-2 config needs {', '.join(HF_REQUIRED)})")
+        if (key in HF_REQUIRED or value is not None) and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        ):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected an integer >= 1")
+    for key in (*HF_RATES, "layer_norm_epsilon"):
+        value = cfg.get(key, 0.0)
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected a number in [0, 1)")
+
+
+def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None, dtype: str):
+    return transformers.GPT2Config(
+        vocab_size=vocab,
+        **{key: getattr(config, field) for key, field in EXPORTED_FIELDS.items()},
+        activation_function="gelu_new",
+        bos_token_id=eod_id,
+        eos_token_id=eod_id,
+        tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+        dtype=dtype,
+    )
+
+
+def _pairs(config: ModelConfig) -> dict[str, TensorPair]:
+    return {pair.ours: pair for pair in tensor_pairs(config.num_layers)}
+
+
+def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each model-space tensor and the (one) GPT-2 tensor it is, in GPT-2's order."""
+    return {pair.ours: (pair.theirs,) for pair in tensor_pairs(config.num_layers)}
+
+
+def from_hf(name: str, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    return _pairs(config)[name].from_hf(tensors[0], config.num_heads)
+
+
+def ours_shape(name: str, shapes: list[tuple[int, ...]], config: ModelConfig) -> tuple[int, ...]:
+    return _pairs(config)[name].hf_shape(shapes[0])  # a transpose is its own inverse
+
+
+def normalize(name: str) -> str:
+    """A stored tensor's name as `sources` spells it (`transformer.` is optional in GPT-2 files)."""
+    return name if name.startswith("transformer.") or name == HEAD else f"transformer.{name}"
+
+
+def is_constant(name: str) -> bool:
+    """The causal-mask buffers some GPT-2 files carry: constants, not weights."""
+    return name.endswith(CONSTANT_BUFFERS)
+
+
+def tensor_specs(weights, config: ModelConfig, vocab: int, dtype: torch.dtype) -> list[TensorSpec]:
+    """GPT-2's tensors, each produced rows at a time from boxes of our model-space tensors: GPT-2's rows of a
+    Linear weight are our columns, of anything else our rows (the qkv bias, reordered whole, is small)."""
+
+    def rows_of(pair: TensorPair, shape: tuple[int, ...]):
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            if pair.linear_weight:
+                return pair.to_hf(weights.read_box(pair.ours, (0, r0), (shape[0], r1 - r0)), config.num_heads)
+            if pair.qkv:
+                return pair.to_hf(weights.read_box(pair.ours, (0,), shape), config.num_heads)[r0:r1]
+            return weights.read_box(pair.ours, (r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:]))
+
+        return rows
+
+    specs = []
+    for pair in tensor_pairs(config.num_layers):
+        shape = weights.shape(pair.ours)
+        if pair.ours == "embed.wte.weight":  # the padded rows and any past the tokenizer's ids: never produced
+            shape = (vocab, *shape[1:])
+        specs.append(TensorSpec(pair.theirs, pair.hf_shape(shape), dtype, rows_of(pair, shape)))
+    return specs

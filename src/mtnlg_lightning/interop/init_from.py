@@ -1,4 +1,5 @@
-"""`--model.init_from PATH`: start a run from the weights of a Hugging Face GPT-2 directory or a project checkpoint.
+"""`--model.init_from PATH`: start a run from the weights of a Hugging Face directory (GPT-2, Llama, Qwen 2, Qwen 3)
+or a project checkpoint.
 
 The architecture comes from the source. `model_overrides` may set what does not change the weights' shapes or
 meaning (seq_len up to the source's position table, dropout, init_std, vocabulary padding); an architecture field
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from mtnlg_lightning.checkpoint.model_state import load_model_space
 from mtnlg_lightning.config import PRESETS, ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.interop.gpt2_mapping import load_model_space
 from mtnlg_lightning.interop.hf import read_source, source_config
 
 ARCHITECTURE = (
@@ -23,6 +24,17 @@ ARCHITECTURE = (
     "ffn_hidden_size",
     "max_position_embeddings",
     "layernorm_eps",
+    "position_embedding",
+    "rope_theta",
+    "rope_scaling",
+    "norm",
+    "mlp",
+    "num_kv_heads",
+    "head_dim",
+    "qk_norm",
+    "bias",
+    "qkv_bias",
+    "tie_embeddings",
 )
 
 

@@ -12,12 +12,12 @@ from mtnlg_lightning.parallel.tensor_parallel import is_tensor_parallel
 
 def all_reduce_data_parallel_grads(params: list[torch.Tensor], groups: ProcessGroups) -> None:
     """Average gradients over the data-parallel group in one flat buffer (no ZeRO: `zero_stage: 0`)."""
-    if groups.data_parallel_size == 1 or not params:
+    if groups.replica_size == 1 or not params:
         return
     grads = [p.grad for p in params]
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=groups.data_parallel_group)
-    flat /= groups.data_parallel_size
+    dist.all_reduce(flat, group=groups.replica_group)
+    flat /= groups.replica_size
     for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(reduced)
 

@@ -1,19 +1,22 @@
-"""Rank <-> (pp, dp, tp) coordinates, node mapping, process groups, the printed table, validation.
+"""Rank <-> (pp, dp, cp, tp) coordinates, node mapping, process groups, the printed table, validation.
 
-One layout for the whole system, row-major with tensor parallelism innermost (Megatron, DeepSpeed's
-`PipeModelDataParallelTopology` and torchtitan use the same order):
+One layout for the whole system, row-major with tensor parallelism innermost, then context parallelism (Megatron's
+order; DeepSpeed's `PipeModelDataParallelTopology` and torchtitan use the same without CP):
 
-    rank = pp * (DP * TP) + dp * TP + tp
+    rank = pp * (DP * CP * TP) + dp * (CP * TP) + cp * TP + tp
 
-so a TP group is TP consecutive ranks and sits on one node (NVLink) whenever TP divides the node size, the DP
-replicas of one (pp, tp) shard come next, and pipeline stages are outermost (one hop between stages, usually
-across nodes). Everything here is arithmetic: no process is needed to build, print or validate a layout, which is
-how the topology tests simulate 2 nodes x 4 ranks on one machine. `ProcessGroups.create` turns a layout into
+so a TP group is TP consecutive ranks and sits on one node (NVLink) whenever TP divides the node size, the CP ranks
+of a sequence come next (inside the node while TP x CP fits it), then the DP replicas of one (pp, tp) shard, and
+pipeline stages are outermost (one hop between stages, usually across nodes). The ranks holding the same weights
+are the DP x CP "replicas": gradients are averaged and ZeRO partitions over them (Megatron's dp_cp group).
+Everything here is arithmetic: no process is needed to build, print or validate a layout, which is how the
+topology tests simulate 2 nodes x 4 ranks on one machine. `ProcessGroups.create` turns a layout into
 torch.distributed groups once the world exists.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -27,13 +30,14 @@ class RankCoord:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The (pp, dp, tp) grid over `world_size` ranks on nodes of `gpus_per_node` ranks.
+    """The (pp, dp, cp, tp) grid over `world_size` ranks on nodes of `gpus_per_node` ranks.
 
-    DP is what is left: world_size // (tensor_parallel * pipeline_parallel).
+    DP is what is left: world_size // (tensor_parallel * context_parallel * pipeline_parallel).
     """
 
     world_size: int
@@ -41,6 +45,7 @@ class ParallelLayout:
     pipeline_parallel: int = 1
     gpus_per_node: int | None = None  # None: one node holds the whole world
     allow_tp_across_nodes: bool = False
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,7 +53,12 @@ class ParallelLayout:
     # ------------------------------------------------------------------ sizes
     @property
     def data_parallel(self) -> int:
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+        return self.world_size // (self.tensor_parallel * self.context_parallel * self.pipeline_parallel)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weight shard: DP x CP."""
+        return self.data_parallel * self.context_parallel
 
     @property
     def model_parallel(self) -> int:
@@ -65,14 +75,18 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        tp, pp, world = self.tensor_parallel, self.pipeline_parallel, self.world_size
-        for name, value in (("world size", world), ("tensor_parallel", tp), ("pipeline_parallel", pp)):
+        tp, pp, cp, world = self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.world_size
+        for name, value in (
+            ("world size", world),
+            ("tensor_parallel", tp),
+            ("pipeline_parallel", pp),
+            ("context_parallel", cp),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise MTNLGError(f"{name} must be a positive integer, got {value!r}")
-        if world % (tp * pp):
-            raise MTNLGError(
-                f"world size {world} is not divisible by tensor_parallel {tp} x pipeline_parallel {pp} = {tp * pp}"
-            )
+        if world % (tp * cp * pp):
+            axes = f"tensor_parallel {tp} x context_parallel {cp}" if cp > 1 else f"tensor_parallel {tp}"
+            raise MTNLGError(f"world size {world} is not divisible by {axes} x pipeline_parallel {pp} = {tp * cp * pp}")
         gpn = self.gpus_per_node
         if gpn is not None:
             if not isinstance(gpn, int) or gpn < 1:
@@ -91,11 +105,16 @@ class ParallelLayout:
                         f"cross nodes; choose a divisor of {gpn} or set allow_tp_across_nodes: true"
                     )
 
-    def validate_model(self, num_heads: int, padded_vocab_size: int, num_layers: int) -> None:
-        """The model must split evenly: whole heads and equal vocabulary slices per TP rank, >= 1 block per stage."""
+    def validate_model(
+        self, num_heads: int, padded_vocab_size: int, num_layers: int, num_kv_heads: int | None = None
+    ) -> None:
+        """The model must split evenly: whole query heads, whole (or shared) key/value heads and equal vocabulary
+        slices per TP rank, >= 1 block per stage."""
         tp, pp = self.tensor_parallel, self.pipeline_parallel
         if num_heads % tp:
             raise MTNLGError(f"num_heads {num_heads} is not divisible by tensor_parallel {tp}")
+        if num_kv_heads is not None:
+            kv_head_copies(num_kv_heads, tp)
         if padded_vocab_size % tp:
             raise MTNLGError(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_parallel {tp}")
         if num_layers < pp:
@@ -105,11 +124,12 @@ class ParallelLayout:
     def coord(self, rank: int) -> RankCoord:
         if not 0 <= rank < self.world_size:
             raise MTNLGError(f"rank {rank} is outside the world of {self.world_size}")
-        tp, dp = self.tensor_parallel, self.data_parallel
-        return RankCoord(pp=rank // (tp * dp), dp=(rank // tp) % dp, tp=rank % tp)
+        tp, cp, dp = self.tensor_parallel, self.context_parallel, self.data_parallel
+        return RankCoord(pp=rank // (tp * cp * dp), dp=(rank // (tp * cp)) % dp, tp=rank % tp, cp=(rank // tp) % cp)
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return pp * self.data_parallel * self.tensor_parallel + dp * self.tensor_parallel + tp
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        tp_size, cp_size = self.tensor_parallel, self.context_parallel
+        return ((pp * self.data_parallel + dp) * cp_size + cp) * tp_size + tp
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -118,36 +138,45 @@ class ParallelLayout:
         return rank % self.ranks_per_node
 
     # ------------------------------------------------------------------ groups (lists of global ranks)
+    def _coords(self, *axes: str):
+        sizes = {"pp": self.pipeline_parallel, "dp": self.data_parallel, "cp": self.context_parallel}
+        sizes["tp"] = self.tensor_parallel
+        return itertools.product(*(range(sizes[a]) for a in axes))
+
+    def _grid(self, outer: tuple[str, ...], inner: tuple[str, ...]) -> list[list[int]]:
+        """One group per coordinate of the `outer` axes, holding the ranks of every coordinate of the `inner` ones."""
+        groups = []
+        for fixed in self._coords(*outer):
+            ranks = []
+            for varying in self._coords(*inner):
+                at = dict(zip(outer, fixed, strict=True)) | dict(zip(inner, varying, strict=True))
+                ranks.append(self.rank(at["pp"], at["dp"], at["tp"], at["cp"]))
+            groups.append(ranks)
+        return groups
+
     def tensor_parallel_groups(self) -> list[list[int]]:
-        """Same (pp, dp), tp = 0..TP-1: consecutive ranks."""
-        return [
-            [self.rank(p, d, t) for t in range(self.tensor_parallel)]
-            for p in range(self.pipeline_parallel)
-            for d in range(self.data_parallel)
-        ]
+        """Same (pp, dp, cp), tp = 0..TP-1: consecutive ranks."""
+        return self._grid(("pp", "dp", "cp"), ("tp",))
+
+    def context_parallel_groups(self) -> list[list[int]]:
+        """Same (pp, dp, tp): the ranks holding the chunks of one sequence."""
+        return self._grid(("pp", "dp", "tp"), ("cp",))
 
     def data_parallel_groups(self) -> list[list[int]]:
-        """Same (pp, tp): the replicas of one model shard (ZeRO partitions across these)."""
-        return [
-            [self.rank(p, d, t) for d in range(self.data_parallel)]
-            for p in range(self.pipeline_parallel)
-            for t in range(self.tensor_parallel)
-        ]
+        """Same (pp, cp, tp): the replicas that read different batches."""
+        return self._grid(("pp", "cp", "tp"), ("dp",))
+
+    def replica_groups(self) -> list[list[int]]:
+        """Same (pp, tp): every rank holding this weight shard, DP x CP (gradients averaged, ZeRO partitioned)."""
+        return self._grid(("pp", "tp"), ("dp", "cp"))
 
     def pipeline_parallel_groups(self) -> list[list[int]]:
-        """Same (dp, tp): the stages of one pipeline."""
-        return [
-            [self.rank(p, d, t) for p in range(self.pipeline_parallel)]
-            for d in range(self.data_parallel)
-            for t in range(self.tensor_parallel)
-        ]
+        """Same (dp, cp, tp): the stages of one pipeline."""
+        return self._grid(("dp", "cp", "tp"), ("pp",))
 
     def model_parallel_groups(self) -> list[list[int]]:
-        """Same dp: the pp x tp ranks of one replica, ordered by model-parallel rank pp * TP + tp."""
-        return [
-            [self.rank(p, d, t) for p in range(self.pipeline_parallel) for t in range(self.tensor_parallel)]
-            for d in range(self.data_parallel)
-        ]
+        """Same (dp, cp): the pp x tp ranks of one replica, ordered by model-parallel rank pp * TP + tp."""
+        return self._grid(("dp", "cp"), ("pp", "tp"))
 
     @staticmethod
     def _group_of(groups: list[list[int]], rank: int) -> list[int]:
@@ -156,30 +185,49 @@ class ParallelLayout:
     def groups_of(self, rank: int) -> dict[str, list[int]]:
         return {
             "tp": self._group_of(self.tensor_parallel_groups(), rank),
+            "cp": self._group_of(self.context_parallel_groups(), rank),
             "dp": self._group_of(self.data_parallel_groups(), rank),
+            "replica": self._group_of(self.replica_groups(), rank),
             "pp": self._group_of(self.pipeline_parallel_groups(), rank),
             "mp": self._group_of(self.model_parallel_groups(), rank),
         }
 
     # ------------------------------------------------------------------ the printed table
     def table(self) -> str:
+        cp = self.context_parallel > 1  # the CP column and group appear only when there is context parallelism
+        axes = f"dp {self.data_parallel} x " + (f"cp {self.context_parallel} x " if cp else "")
         head = (
-            f"layout: world {self.world_size} = pp {self.pipeline_parallel} x dp {self.data_parallel} x "
+            f"layout: world {self.world_size} = pp {self.pipeline_parallel} x {axes}"
             f"tp {self.tensor_parallel} on {self.num_nodes} node(s) of {self.ranks_per_node} rank(s)"
         )
         rows = [
             head,
-            f"{'rank':>5} {'node':>5} {'local':>5} {'pp':>3} {'dp':>3} {'tp':>3}  "
-            f"{'tp group':<16} {'dp group':<16} {'pp group':<16}",
-        ]
+            f"{'rank':>5} {'node':>5} {'local':>5} {'pp':>3} {'dp':>3} " + (f"{'cp':>3} " if cp else "")
+            + f"{'tp':>3}  {'tp group':<16} " + (f"{'cp group':<16} " if cp else "")
+            + f"{'dp group':<16} {'pp group':<16}",
+        ]  # fmt: skip
         fmt = lambda g: ",".join(map(str, g))  # noqa: E731
         for r in range(self.world_size):
             c, g = self.coord(r), self.groups_of(r)
             rows.append(
-                f"{r:>5} {self.node(r):>5} {self.local_rank(r):>5} {c.pp:>3} {c.dp:>3} {c.tp:>3}  "
-                f"{fmt(g['tp']):<16} {fmt(g['dp']):<16} {fmt(g['pp']):<16}"
-            )
+                f"{r:>5} {self.node(r):>5} {self.local_rank(r):>5} {c.pp:>3} {c.dp:>3} " + (f"{c.cp:>3} " if cp else "")
+                + f"{c.tp:>3}  {fmt(g['tp']):<16} " + (f"{fmt(g['cp']):<16} " if cp else "")
+                + f"{fmt(g['dp']):<16} {fmt(g['pp']):<16}"
+            )  # fmt: skip
         return "\n".join(rows)
+
+
+def kv_head_copies(num_kv_heads: int, tensor_parallel: int) -> int:
+    """How many TP ranks hold each key/value head: 1 when TP divides the KV heads, TP / KV heads when TP is a
+    multiple of them (each rank then holds a copy of the one its query heads use)."""
+    if num_kv_heads % tensor_parallel == 0:
+        return 1
+    if tensor_parallel % num_kv_heads == 0:
+        return tensor_parallel // num_kv_heads
+    raise MTNLGError(
+        f"tensor_parallel {tensor_parallel} neither divides num_kv_heads {num_kv_heads} nor is a multiple of it "
+        f"(key/value heads are split over TP, or each replicated over TP / num_kv_heads ranks)"
+    )
 
 
 def gpus_per_node_from_env(default: int | None = None) -> int | None:
@@ -199,7 +247,10 @@ class ProcessGroups:
     data_parallel_group: object = None
     pipeline_parallel_group: object = None
     model_parallel_group: object = None
+    context_parallel_group: object = None  # None without context parallelism
+    replica_group: object = None  # DP x CP: the data-parallel group itself without context parallelism
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    kv_head_groups: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def create(cls, layout: ParallelLayout, backend: str | None = None) -> ProcessGroups:
@@ -207,16 +258,24 @@ class ProcessGroups:
         if dist.get_world_size() != layout.world_size:
             raise MTNLGError(f"layout is for {layout.world_size} ranks but the world has {dist.get_world_size()}")
         mine = cls(layout=layout, rank=rank, coord=layout.coord(rank), ranks=layout.groups_of(rank))
-        for attr, groups in (
+        kinds = [
             ("tensor_parallel_group", layout.tensor_parallel_groups()),
             ("data_parallel_group", layout.data_parallel_groups()),
             ("pipeline_parallel_group", layout.pipeline_parallel_groups()),
             ("model_parallel_group", layout.model_parallel_groups()),
-        ):
+        ]
+        if layout.context_parallel > 1:
+            kinds += [
+                ("context_parallel_group", layout.context_parallel_groups()),
+                ("replica_group", layout.replica_groups()),
+            ]
+        for attr, groups in kinds:
             for ranks in groups:  # every rank takes part in creating every group
                 group = dist.new_group(ranks, backend=backend)
                 if rank in ranks:
                     setattr(mine, attr, group)
+        if layout.context_parallel == 1:
+            mine.replica_group = mine.data_parallel_group
         return mine
 
     @classmethod
@@ -224,6 +283,20 @@ class ProcessGroups:
         """The 1 x 1 x 1 layout of one process, which needs (and makes) no torch.distributed group."""
         layout = ParallelLayout(1)
         return cls(layout=layout, rank=0, coord=layout.coord(0), ranks=layout.groups_of(0))
+
+    def kv_head_group(self, copies: int):
+        """The group of this rank's TP ranks that hold a copy of its key/value heads (runs of `copies` consecutive
+        TP ranks). Collective: every rank creates every group, in the same order; made once per copies."""
+        made = self.kv_head_groups.get(copies)
+        if made is None:
+            tp_groups = self.layout.tensor_parallel_groups()
+            runs = [ranks[i : i + copies] for ranks in tp_groups for i in range(0, len(ranks), copies)]
+            for ranks in runs:
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    made = group
+            self.kv_head_groups[copies] = made
+        return made
 
     @property
     def tensor_parallel_rank(self) -> int:
@@ -240,6 +313,23 @@ class ProcessGroups:
     @property
     def data_parallel_size(self) -> int:
         return self.layout.data_parallel
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self.coord.cp
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.layout.context_parallel
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place among the DP x CP ranks holding its weight shard (ZeRO's data-parallel rank)."""
+        return self.coord.dp * self.layout.context_parallel + self.coord.cp
+
+    @property
+    def replica_size(self) -> int:
+        return self.layout.replicas
 
     @property
     def pipeline_parallel_rank(self) -> int:

@@ -11,8 +11,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtnlg_lightning.parallel.layout import ProcessGroups
-from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
+from mtnlg_lightning.model import cross_entropy
+from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
+from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
+from mtnlg_lightning.parallel.pipeline import (
+    PipelineChunks,
+    PipelineRunner,
+    layers_per_stage,
+    split_into_stages,
+    stages_held_by_rank,
+)
+from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
 from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 
@@ -27,12 +36,26 @@ class PipelineParallelSettings:
     last_stage_layers: int | None = None
 
 
+def check_model_fits(
+    layout: ParallelLayout, config, pipeline: PipelineParallelSettings, sequence_parallel: bool = False
+) -> None:
+    """Every check of a layout against a model that needs only its shape (training and inference alike): whole
+    query and key/value heads and equal vocabulary slices per TP rank, >= 1 block per pipeline stage, the sequence
+    cut evenly by sequence parallelism."""
+    kv_heads = None if config.fused_qkv else config.num_kv_heads
+    layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers, kv_heads)
+    if sequence_parallel:
+        check_sequence_length(config.seq_len, layout.tensor_parallel)
+    stages = layout.pipeline_parallel * pipeline.virtual_stages
+    layers_per_stage(config.num_layers, stages, pipeline.first_stage_layers, pipeline.last_stage_layers)
+
+
 @dataclass
 class ParallelGPT:
     """This rank's part of the model and how to run it."""
 
     model: nn.Module  # the TP-sharded model, this rank's stage, or `PipelineChunks` of its virtual stages
-    loss_fn: object | None  # the vocab-parallel cross-entropy under TP (None: keep the module's own)
+    loss_fn: object | None  # the vocab-parallel (TP) and/or chunked (CP) cross-entropy; None: the module's own
     pipeline: PipelineRunner | None  # the schedule runner when pipelined
     tied_embedding: TiedEmbedding | None  # this rank's end of the embedding / LM-head tie across stages
 
@@ -43,6 +66,7 @@ def parallelize_gpt(
     device: torch.device,
     pipeline: PipelineParallelSettings,
     sequence_parallel: bool = False,
+    context_parallel_kernel: str = "auto",
 ) -> ParallelGPT:
     """Split `model` into this rank's pipeline stage(s), shard them over the TP group (with Megatron's sequence
     parallelism when asked: a stage boundary then carries the sequence shard) and link the tied embedding across
@@ -70,10 +94,13 @@ def parallelize_gpt(
             pipeline.schedule,
             device,
             groups.pipeline_parallel_group,
-            layout.rank(last_pp, groups.coord.dp, groups.coord.tp),
+            layout.rank(last_pp, groups.coord.dp, groups.coord.tp, groups.coord.cp),
             is_first=any(m.embed is not None for m in stage_models),
             is_last=any(m.lm_head is not None for m in stage_models),
         )
+    config = model.config
+    copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, groups.tensor_parallel_size)
+    kv_group = groups.kv_head_group(copies) if copies > 1 else None  # collective: every rank makes every group
     for stage_model in stage_models:
         apply_tensor_parallel(
             stage_model,
@@ -81,10 +108,17 @@ def parallelize_gpt(
             groups.tensor_parallel_rank,
             groups.tensor_parallel_size,
             sequence_parallel=sequence_parallel,
+            kv_group=kv_group,
         )
+    if layout.context_parallel > 1:
+        ring = Ring(groups.context_parallel_group, groups.ranks["cp"], groups.context_parallel_rank)
+        for stage_model in stage_models:
+            apply_context_parallel(stage_model, ring, context_parallel_kernel)
     if runner is not None:  # after TP sharding: the tie links the final (vocabulary-sharded) tensors
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
     loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if groups.tensor_parallel_size > 1 else None
+    if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
+        loss_fn = ContextParallelLoss(loss_fn or cross_entropy, groups.context_parallel_rank, layout.context_parallel)
     if len(stage_models) > 1:
         model = PipelineChunks(stage_models)
     else:

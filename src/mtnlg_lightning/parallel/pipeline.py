@@ -74,8 +74,8 @@ def stages_held_by_rank(schedule: str, pp_size: int, virtual_stages: int) -> lis
 def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> nn.Module:
     """Prune `model` (in place) to the blocks of `stage_index`, keeping embed on stage 0 and norm/head on the last.
 
-    The last stage (when it is not also the first) keeps `lm_head` with its weight turned into a plain tensor
-    slot that `tied_embedding.TiedEmbedding` fills every step."""
+    The last stage (when it is not also the first) keeps `lm_head`: untied, with its own weight; tied, with its
+    weight turned into a plain tensor slot that `tied_embedding.TiedEmbedding` fills every step."""
     num_stages = len(layer_counts)
     first = sum(layer_counts[:stage_index])
     owned = {str(i) for i in range(first, first + layer_counts[stage_index])}
@@ -83,16 +83,36 @@ def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> 
         if name not in owned:
             del model.blocks[name]
     is_first, is_last = stage_index == 0, stage_index == num_stages - 1
-    if is_last and not is_first:
+    if is_last and not is_first and model.config.tie_embeddings:
         weight = model.lm_head.weight
         del model.lm_head.weight  # no longer a parameter: a per-step copy of the first stage's embedding
         model.lm_head.weight = weight.detach().clone().requires_grad_(True)
     if not is_first:
         model.embed = None
+        model.register_forward_pre_hook(_send_back_contiguous_gradients)
     if not is_last:
         model.norm = None
         model.lm_head = None
     return model
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity forward; the gradient made contiguous backward. torch's stages receive a gradient into a buffer
+    laid out as the sender's tensor was, and gloo receives into contiguous buffers only; some blocks' input
+    gradients come out strided (a sequence-parallel reduce-scatter's view, through RMSNorm's backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _send_back_contiguous_gradients(module, args):
+    """A forward pre-hook of every stage but the first: its input's gradient goes back to the previous stage."""
+    return (_ContiguousGradient.apply(args[0]), *args[1:])
 
 
 def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:
@@ -100,7 +120,7 @@ def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:
     parameter again, as in the single-process model. Returns whether it did."""
     firsts = [m for m in stage_models if m.embed is not None]
     lasts = [m for m in stage_models if m.lm_head is not None]
-    if not (firsts and lasts) or firsts[0] is lasts[0]:
+    if not (firsts and lasts) or firsts[0] is lasts[0] or not firsts[0].config.tie_embeddings:
         return False
     del lasts[0].lm_head.weight
     lasts[0].lm_head.weight = firsts[0].embed.wte.weight

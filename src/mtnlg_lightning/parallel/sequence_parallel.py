@@ -194,6 +194,13 @@ def mark_sequence_parallel(param: nn.Parameter, group) -> None:
     if getattr(param, "sequence_parallel", False):
         return
     param.sequence_parallel = True
+    sum_gradient_over(param, group)
+
+
+def sum_gradient_over(param: nn.Parameter, group) -> None:
+    """Each rank of `group` holds a copy of `param` that sees only its share of the work (a sequence slice, its
+    heads): sum the copies' gradients as autograd produces them, before any optimizer, ZeRO bucket or clipping
+    sees them, so the copies stay equal."""
     if param.requires_grad:
         param.register_hook(_all_reduce_grad_hook(group))
 

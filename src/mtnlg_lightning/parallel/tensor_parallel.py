@@ -1,16 +1,20 @@
 """Megatron-style tensor parallelism on plain tensors (so DeepSpeed's ZeRO can flatten and partition them).
 
 Names say what is sharded along which axis:
-- `ColumnParallelLinear`: weight [out/TP, in], output features split (QKV by whole heads, MLP fc1).
-- `RowParallelLinear`: weight [out, in/TP], input features split, partial outputs summed (attn proj, MLP fc2);
-  its bias is replicated and added once after the sum.
+- `ColumnParallelLinear`: weight [out/TP, in], output features split (q/k/v by whole heads, MLP fc1, gate, up).
+  With grouped-query attention and TP > KV heads, each rank holds the one key/value head its query heads use, a copy
+  shared with the other ranks of its group (as Megatron-style replication in vLLM): the copies' gradients, each from
+  its rank's query heads, are summed over the sharing ranks, and the global norm counts the head once.
+- `RowParallelLinear`: weight [out, in/TP], input features split, partial outputs summed (attn proj, MLP fc2,
+  down); its bias is replicated and added once after the sum.
 - `VocabParallelEmbedding`: weight [V/TP, H], vocabulary rows split; the LM head reuses that shard (tied).
 - `vocab_parallel_cross_entropy`: the loss over vocabulary-split logits without gathering them.
 
 The conjugate f/g functions (Megatron paper, Fig. 3) over the TP group: `copy_to_tensor_parallel_region` (f) is
 identity forward / all-reduce backward; `reduce_from_tensor_parallel_region` (g) is all-reduce forward / identity
-backward: one all-reduce per sublayer each way. Sharded parameters carry `tensor_model_parallel = True` and
-`partition_dim` (DeepSpeed counts them once per TP rank in the global grad norm; replicated ones only on TP rank 0).
+backward: one all-reduce per sublayer each way. Sharded parameters carry `tensor_model_parallel = True`,
+`partition_dim` and which of how many shards they are (`partition_index`, `partition_count`: the checkpoint's box);
+DeepSpeed and `clip.py` count them on each TP rank in the global grad norm, replicated ones only on TP rank 0.
 
 `apply_tensor_parallel(model, tp_group)` (tensor parallelism only; `parallelize.py` applies every transform) shards
 a built GPT from outside by copying the right slices of its weights, so a TP run starts from exactly the
@@ -21,17 +25,21 @@ input instead of f, row-parallel layers reduce-scatter instead of g.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
     SequenceParallelDropout,
     all_gather_linear,
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,
     scatter_output_to_sequence,
+    sum_gradient_over,
 )
 
 
@@ -73,10 +81,13 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTensorParallelRegion.apply(x, group)
 
 
-def _mark_sharded(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
-    param.tensor_model_parallel = True
+def _mark_sharded(param: nn.Parameter, partition_dim: int, index: int, count: int, counted: bool = True):
+    """`param` is shard `index` of `count` along `partition_dim`; `counted`: this rank adds it to the global grad
+    norm (False on all but one of the ranks holding a copy of the same shard)."""
+    param.tensor_model_parallel = counted
     param.partition_dim = partition_dim
     param.partition_stride = 1
+    param.partition_index, param.partition_count = index, count
     return param
 
 
@@ -93,15 +104,21 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight_shard: torch.Tensor, bias_shard: torch.Tensor | None, group, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=0)
-        self.bias = _mark_sharded(nn.Parameter(bias_shard), partition_dim=0) if bias_shard is not None else None
+        self.weight = nn.Parameter(weight_shard)
+        self.bias = nn.Parameter(bias_shard) if bias_shard is not None else None
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False
+        cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False, copies: int = 1
     ) -> ColumnParallelLinear:
-        bias = _shard(linear.bias, 0, rank, size) if linear.bias is not None else None
-        return cls(_shard(linear.weight, 0, rank, size), bias, group, sequence_parallel)
+        """Rank `rank` of `size` takes shard rank // copies of size / copies: with copies > 1, consecutive ranks
+        share a shard (a key/value head replicated over the ranks of its query heads)."""
+        index, count = rank // copies, size // copies
+        bias = _shard(linear.bias, 0, index, count) if linear.bias is not None else None
+        layer = cls(_shard(linear.weight, 0, index, count), bias, group, sequence_parallel)
+        for param in layer.parameters():
+            _mark_sharded(param, 0, index, count, counted=rank % copies == 0)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -118,7 +135,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, weight_shard: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=1)
+        self.weight = nn.Parameter(weight_shard)
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
         if sequence_parallel and self.bias is not None:
             mark_sequence_parallel(self.bias, group)
@@ -127,7 +144,9 @@ class RowParallelLinear(nn.Module):
     def from_linear(
         cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False
     ) -> RowParallelLinear:
-        return cls(_shard(linear.weight, 1, rank, size), linear.bias, group, sequence_parallel)
+        layer = cls(_shard(linear.weight, 1, rank, size), linear.bias, group, sequence_parallel)
+        _mark_sharded(layer.weight, 1, rank, size)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = (
@@ -144,12 +163,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.vocab_start, self.vocab_end = vocab_start, vocab_start + weight_shard.shape[0]
-        self.weight = _mark_sharded(nn.Parameter(weight_shard), partition_dim=0)
+        self.weight = nn.Parameter(weight_shard)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group, rank: int, size: int) -> VocabParallelEmbedding:
         shard = _shard(embedding.weight, 0, rank, size)
-        return cls(shard, rank * shard.shape[0], group)
+        layer = cls(shard, rank * shard.shape[0], group)
+        _mark_sharded(layer.weight, 0, rank, size)
+        return layer
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
@@ -159,10 +180,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """Logits for this rank's vocabulary slice, tied to the `VocabParallelEmbedding` shard (same Parameter).
+    """Logits for this rank's vocabulary slice: a tied head shares the `VocabParallelEmbedding` shard (same
+    Parameter), an untied one holds its own shard of the head's rows.
 
-    On a last pipeline stage without the embedding, `weight` is a plain tensor: the per-step copy of the first
-    stage's shard that `tied_embedding.TiedEmbedding` fills (not a parameter: the optimizer sees the embedding once)."""
+    On a last pipeline stage without the embedding, a tied head's `weight` is a plain tensor: the per-step copy of
+    the first stage's shard that `tied_embedding.TiedEmbedding` fills (not a parameter: the optimizer sees the
+    embedding once)."""
 
     def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False):
         super().__init__()
@@ -227,26 +250,50 @@ class VocabParallelCrossEntropy:
 
 
 # ------------------------------------------------------------------------------------ apply_tensor_parallel
-def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, group, rank: int, size: int, sequence_parallel: bool = False, kv_group=None
+) -> nn.Module:
     """Shard a built GPT across the TP `group` in place (Megatron's split) and return it.
 
-    Attention: QKV column-parallel (the [heads, 3, head_dim] output layout makes contiguous shards whole heads),
-    proj row-parallel. MLP: fc1 column, fc2 row. Word embedding vocab-parallel with the LM head tied to its shard.
-    LayerNorms, position embeddings and row-parallel biases stay replicated. Parts a pipeline stage does not own
-    (None) are skipped. size == 1 leaves the model untouched.
+    Attention: a fused QKV column-parallel (the [heads, 3, head_dim] output layout makes contiguous shards whole
+    heads), or separate q, k, v column-parallel (k and v by whole key/value heads, replicated when TP exceeds them:
+    `kv_group` is then the ranks sharing this rank's key/value head, over which their gradients are summed); proj
+    row-parallel. q/k norms replicated, their gradients (each from this rank's heads) summed over TP. MLP: fc1,
+    gate, up column; fc2, down row. Word embedding vocab-parallel; the LM head tied to its shard or (untied) its
+    own vocab-parallel shard. Norms, position embeddings and row-parallel biases stay replicated. Parts a pipeline
+    stage does not own (None) are skipped. size == 1 leaves the model untouched.
 
     sequence_parallel: the embedding output is cut to this rank's sequence slice, blocks and the final norm run on
-    slices (the LayerNorm and row-parallel-bias gradients summed over TP; the blocks' dropout masks sliced from
+    slices (the norm and row-parallel-bias gradients summed over TP; the blocks' dropout masks sliced from
     whole-sequence ones), the LM head gathers the sequence.
     """
     if size == 1:
         return model
     sp = sequence_parallel
+    config = model.config
+    copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, size)
+    column = partial(ColumnParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
+    row = partial(RowParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     for block in model.blocks.values():
-        block.attn.qkv = ColumnParallelLinear.from_linear(block.attn.qkv, group, rank, size, sp)
-        block.attn.proj = RowParallelLinear.from_linear(block.attn.proj, group, rank, size, sp)
-        block.mlp.fc1 = ColumnParallelLinear.from_linear(block.mlp.fc1, group, rank, size, sp)
-        block.mlp.fc2 = RowParallelLinear.from_linear(block.mlp.fc2, group, rank, size, sp)
+        attn, mlp = block.attn, block.mlp
+        if config.fused_qkv:
+            attn.qkv = column(attn.qkv)
+        else:
+            attn.q = column(attn.q)
+            attn.k, attn.v = column(attn.k, copies=copies), column(attn.v, copies=copies)
+            if copies > 1 and kv_group is not None:
+                for param in [*attn.k.parameters(), *attn.v.parameters()]:
+                    sum_gradient_over(param, kv_group)
+        if hasattr(attn, "q_norm") and group is not None:
+            for param in [*attn.q_norm.parameters(), *attn.k_norm.parameters()]:
+                sum_gradient_over(param, group)
+        attn.proj = row(attn.proj)
+        for name in ("fc1", "gate", "up"):
+            if hasattr(mlp, name):
+                setattr(mlp, name, column(getattr(mlp, name)))
+        for name in ("fc2", "down"):
+            if hasattr(mlp, name):
+                setattr(mlp, name, row(getattr(mlp, name)))
         if sp:
             for param in [*block.ln1.parameters(), *block.ln2.parameters()]:
                 mark_sequence_parallel(param, group)
@@ -262,10 +309,12 @@ def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int, sequenc
             mark_sequence_parallel(param, group)
     head = getattr(model, "lm_head", None)
     if head is not None:
-        if embed is not None:
+        if embed is not None and config.tie_embeddings:
             model.lm_head = VocabParallelLMHead(embed.wte.weight, group, sp)
-        else:  # last pipeline stage: shard the embedding copy like the embedding itself
+        else:  # untied, or the last pipeline stage's copy of the tied embedding: sharded like the embedding
             shard = _shard(head.weight, 0, rank, size).requires_grad_(head.weight.requires_grad)
+            if isinstance(head.weight, nn.Parameter):
+                shard = _mark_sharded(nn.Parameter(shard), 0, rank, size)
             model.lm_head = VocabParallelLMHead(shard, group, sp)
     return model
 

@@ -10,6 +10,8 @@ for it. The step calls the three hooks (`after_backward`, `after_update`, `after
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,6 +39,8 @@ class TiedEmbedding:
         """Collectively create the tie of every (dp, tp) coordinate; this rank's end, or None when it holds neither
         end or both (V-shaped schedules keep the single-process parameter sharing). Call after TP sharding: the
         tensors are the final ones."""
+        if not stage_models[0].config.tie_embeddings:  # an untied head is a parameter of the last stage alone
+            return None
         group, first_rank, last_rank = _embedding_group(groups.layout, schedule, virtual_stages, groups.rank)
         if group is None:
             return None
@@ -91,7 +95,7 @@ class TiedEmbedding:
 
 
 def _embedding_group(layout: ParallelLayout, schedule: str, virtual_stages: int, rank: int):
-    """Collectively create the {first stage, last stage} groups (one per (dp, tp)); return this rank's and the two
+    """Collectively create the {first stage, last stage} groups (one per (dp, cp, tp)); return this rank's and the two
     ranks, or (None, None, None) when one rank holds both ends (V-shaped schedules) or there is no pipeline."""
     pp = layout.pipeline_parallel
     placement = stages_held_by_rank(schedule, pp, virtual_stages)
@@ -101,10 +105,11 @@ def _embedding_group(layout: ParallelLayout, schedule: str, virtual_stages: int,
     if pp == 1 or first_pp == last_pp:
         return None, None, None
     mine = (None, None, None)
-    for d in range(layout.data_parallel):
-        for t in range(layout.tensor_parallel):
-            ends = [layout.rank(first_pp, d, t), layout.rank(last_pp, d, t)]
-            group = dist.new_group(ends)  # every rank takes part in creating every group
-            if rank in ends:
-                mine = (group, ends[0], ends[1])
+    for d, c, t in itertools.product(
+        range(layout.data_parallel), range(layout.context_parallel), range(layout.tensor_parallel)
+    ):
+        ends = [layout.rank(first_pp, d, t, c), layout.rank(last_pp, d, t, c)]
+        group = dist.new_group(ends)  # every rank takes part in creating every group
+        if rank in ends:
+            mine = (group, ends[0], ends[1])
     return mine

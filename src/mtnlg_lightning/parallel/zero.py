@@ -48,14 +48,15 @@ class ModelParallelUnit:
 
     groups: ProcessGroups
 
+    # ZeRO's "data parallel" is every rank holding this weight shard: DP x CP (Megatron's dp_cp group).
     def get_data_parallel_group(self):
-        return self.groups.data_parallel_group
+        return self.groups.replica_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.groups.data_parallel_rank
+        return self.groups.replica_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.groups.data_parallel_size
+        return self.groups.replica_size
 
     def get_model_parallel_group(self):
         return self.groups.model_parallel_group

@@ -49,6 +49,7 @@ class Implementation:
     scatter_gather: bool = False  # pipeline sends split across the TP ranks (1/t of the bytes per GPU)
     recompute_modes: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: bool = True  # whether SP is available
+    context_parallel: bool = True  # whether CP (ring attention over a split sequence) is available
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_virtual_stages: int = 4
     # Pipeline layouts the software accepts. Megatron-LM splits layers evenly: num_layers divisible by the stages
@@ -79,6 +80,7 @@ IMPLEMENTATIONS = {
         scatter_gather=True,
         recompute_modes=("none", "full"),
         sequence_parallel=False,
+        context_parallel=False,
         zero_stages=(0,),
         even_layer_split=True,
         interleave_min_pp=3,
@@ -92,6 +94,7 @@ IMPLEMENTATIONS = {
         scatter_gather=True,
         recompute_modes=("none", "full"),
         sequence_parallel=False,
+        context_parallel=False,
         zero_stages=(0, 1),
         max_virtual_stages=1,
     ),
@@ -132,6 +135,12 @@ class Layout:
     zero_stage: int = 1
     recompute: str = "full"
     sequence_parallel: bool = False
+    cp: int = 1  # context parallelism: each sequence's tokens split over cp ranks, attention by a ring
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weight shard (DP x CP): gradients are reduced and ZeRO partitions over them."""
+        return self.dp * self.cp
 
 
 @dataclass
@@ -145,10 +154,11 @@ class Breakdown:
     bubble: float
     dp_comm: float
     optimizer: float
+    cp_comm: float = 0.0  # the ring's key/value exchange not hidden under the attention it overlaps
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer + self.cp_comm
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -160,11 +170,14 @@ def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 
 def _layer_gemm_shapes(config: ModelConfig, t: int) -> list[tuple[float, float]]:
-    """(K, N) of the four weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens): QKV and FC1 are
-    column-parallel (N sharded), the attention projection and FC2 row-parallel (K sharded). The backward's
-    data- and weight-gradient GEMMs permute the same three dimensions."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    return [(h, 3 * h / t), (h / t, h), (h, f / t), (f / t, h)]
+    """(K, N) of the weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens): q/k/v, FC1 (or
+    SwiGLU's gate and up) are column-parallel (N sharded), the attention projection and FC2 (down) row-parallel
+    (K sharded); key/value heads may be fewer (grouped-query) or replicated. The backward's data- and
+    weight-gradient GEMMs permute the same three dimensions."""
+    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    q, kv = config.num_heads * hd / t, max(config.num_kv_heads / t, 1.0) * hd
+    wide = [(h, f / t)] * (2 if config.mlp == "swiglu" else 1)
+    return [(h, q + 2 * kv), (q, h), *wide, (f / t, h)]
 
 
 def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation, layout: Layout) -> dict:
@@ -173,23 +186,28 @@ def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation,
     f = config.ffn_hidden_size
     peak = gpu.peak_tflops * 1e12
     hbm = gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency
-    tokens = b * s
+    local = s / layout.cp  # this rank's tokens of each sequence; its queries still meet every key
+    tokens = b * local
     gemm = sum(
         2 * tokens * k * n / (peak * gpu.gemm_fraction(min(tokens, k, n))) for k, n in _layer_gemm_shapes(config, t)
     )
-    attention = 4 * b * s * s * h / t / (peak * gpu.attention_efficiency)
+    attention = 4 * b * local * s * a * config.head_dim / t / (peak * gpu.attention_efficiency)
     # Elementwise bf16 traffic, in elements: LayerNorms + bias/dropout/residual (replicated over TP unless SP),
     # bias+GeLU on the f-wide activation (sharded); unfused attention: scale/mask/softmax + dropout on the scores.
     # 6 elements per token and hidden unit for the replicated part: what sequence parallelism saved in
     # Korthikanti et al.'s Table 4 (22B, TP 8: 7.7 -> 7.2 ms forward per layer).
     replicated = 6 * tokens * h / (t if layout.sequence_parallel else 1)
     sharded = 2 * tokens * f / t
-    scores = 4.5 * b * a * s * s / t if impl.attention == "unfused" else 0.0
+    scores = 4.5 * b * a * local * s / t if impl.attention == "unfused" else 0.0
     elementwise = (replicated + sharded) * BF16 / hbm
     score_traffic = scores * BF16 / hbm
     overhead = gpu.kernel_overhead_us * 1e-6
-    forward = gemm + attention + elementwise + score_traffic + overhead
-    backward = 2 * (gemm + attention + elementwise + score_traffic) + overhead
+    # The ring (context parallelism) runs CP block kernels instead of one and merges each block's fp32 output into
+    # the running one (read both, write one): what CP costs over DP at the same tokens per GPU.
+    ring_merges = (layout.cp - 1) * 3 * tokens * a * config.head_dim / t * 4 / hbm if layout.cp > 1 else 0.0
+    overhead *= layout.cp
+    forward = gemm + attention + elementwise + score_traffic + ring_merges + overhead
+    backward = 2 * (gemm + attention + elementwise + score_traffic + ring_merges) + overhead
     recompute = {"full": forward, "selective": attention + score_traffic, "none": 0.0}[layout.recompute]
     # TP: 2 all-reduce-equivalents forward, 2 backward, 2 more when the full forward is recomputed.
     one = _allreduce_seconds(tokens * h * BF16, t, gpu.nvlink_gbps * 1e9 * gpu.nvlink_efficiency)
@@ -199,12 +217,33 @@ def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation,
     elif impl.tp_overlap == "backward":
         bwd_comm = max(0.0, bwd_comm - gemm)  # under the weight-gradient GEMMs
     tp_comm = fwd_comm * (2 if layout.recompute == "full" else 1) + bwd_comm
-    return {"forward": forward, "backward": backward, "recompute": recompute, "tp_comm": tp_comm}
+    return {
+        "forward": forward,
+        "backward": backward,
+        "recompute": recompute,
+        "tp_comm": tp_comm,
+        "attention": attention + score_traffic,
+    }
+
+
+def _ring_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout, gpus_per_node: int, attention: float) -> float:
+    """Exposed seconds of one layer's ring exchange for one micro-batch (context parallelism): the forward passes
+    a key/value chunk CP-1 times, the backward the chunk again and its gradient CP times; each overlaps the block
+    attention it feeds. Inside a node while TP x CP fits it (NVLink), else over the network."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    kv_heads = max(config.num_kv_heads / layout.tp, 1.0)
+    chunk = 2 * layout.micro_batch * config.seq_len / cp * kv_heads * config.head_dim * BF16  # k and v
+    inside = layout.tp * cp <= gpus_per_node
+    bandwidth = gpu.nvlink_gbps * gpu.nvlink_efficiency if inside else gpu.network_gbps * gpu.network_efficiency
+    forward, backward = (cp - 1) * chunk / (bandwidth * 1e9), (2 * cp - 1) * chunk / (bandwidth * 1e9)
+    return max(0.0, forward - attention) + max(0.0, backward - 2 * attention)
 
 
 def _head_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout) -> float:
     """LM head on the last stage for one micro-batch: logits GEMM forward + 2 backward, fp32 cross-entropy."""
-    t, tokens, h = layout.tp, layout.micro_batch * config.seq_len, config.hidden_size
+    t, tokens, h = layout.tp, layout.micro_batch * config.seq_len / layout.cp, config.hidden_size
     vocab = config.padded_vocab_size(t) / t
     gemm = 3 * 2 * tokens * h * vocab / (gpu.peak_tflops * 1e12 * gpu.gemm_fraction(min(tokens, h, vocab)))
     cross_entropy = 6 * tokens * vocab * 4 / (gpu.hbm_tbps * 1e12 * gpu.hbm_efficiency)
@@ -212,11 +251,12 @@ def _head_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout) -> float:
 
 
 def dp_bandwidth(gpu: GPUSpec, layout: Layout, gpus_per_node: int) -> float:
-    """Bus bandwidth (bytes/s) of a data-parallel collective. Ranks are laid out (pp, dp, tp) with TP innermost,
-    so a node holds gpus_per_node / tp members of each DP group; NCCL drives one NIC per member."""
+    """Bus bandwidth (bytes/s) of a gradient collective over the DP x CP replicas. Ranks are laid out
+    (pp, dp, cp, tp) with TP innermost, so a node holds gpus_per_node / tp members of each replica group; NCCL
+    drives one NIC per member."""
     members_per_node = max(1, gpus_per_node // layout.tp)
     nvlink = gpu.nvlink_gbps * 1e9 * gpu.nvlink_efficiency
-    if layout.dp <= members_per_node:
+    if layout.replicas <= members_per_node:
         return nvlink
     return min(nvlink, members_per_node * gpu.network_gbps * 1e9 * gpu.network_efficiency)
 
@@ -243,6 +283,7 @@ def iteration_breakdown(
     accumulate = params_per_gpu * impl.grad_accumulation_bytes / hbm if m > 1 else 0.0
     stage_compute = [n * per_layer + (head if i == p - 1 else 0.0) + accumulate for i, n in enumerate(layers_per_gpu)]
     stage_tp = [n * layer["tp_comm"] for n in layers_per_gpu]
+    ring = _ring_seconds(config, gpu, layout, gpus_per_node, layer["attention"])
     slowest = max(range(p), key=lambda i: stage_compute[i] + stage_tp[i])
 
     # Pipeline sends: activations of one micro-batch, forward and backward, at each of the v chunk boundaries
@@ -251,8 +292,8 @@ def iteration_breakdown(
     pp_comm = send = 0.0
     if p > 1:
         shard = layout.tp if (impl.scatter_gather or layout.sequence_parallel) else 1
-        nbytes = layout.micro_batch * config.seq_len * config.hidden_size * BF16 / shard
-        crosses_node = layout.tp * d >= gpus_per_node
+        nbytes = layout.micro_batch * config.seq_len / layout.cp * config.hidden_size * BF16 / shard
+        crosses_node = layout.tp * layout.cp * d >= gpus_per_node
         bandwidth = (gpu.network_gbps * gpu.network_efficiency if crosses_node else gpu.nvlink_gbps) * 1e9
         send = nbytes / bandwidth
         pp_comm = m * 2 * v * send
@@ -260,7 +301,7 @@ def iteration_breakdown(
         # iteration (Megatron's embedding group), V·h/t values per TP rank over that rank's own link.
         # The first and last stage are (p-1)·t·d ranks apart: on different nodes once that spans a node.
         embedding = config.padded_vocab_size(layout.tp) * config.hidden_size / layout.tp * impl.grad_reduce_bytes
-        apart = (p - 1) * layout.tp * d >= gpus_per_node
+        apart = (p - 1) * layout.tp * layout.cp * d >= gpus_per_node
         link = (gpu.network_gbps * gpu.network_efficiency if apart else gpu.nvlink_gbps) * 1e9
         pp_comm += _allreduce_seconds(embedding, 2, link)
 
@@ -269,8 +310,10 @@ def iteration_breakdown(
     busy = stage_compute[slowest] + stage_tp[slowest]
     bubble = (p - 1) / v * busy + 2 * (p - 1) * send if p > 1 else 0.0
 
-    # Data parallelism: gradients reduced (all-reduce, or reduce-scatter + parameter all-gather under ZeRO).
+    # Data parallelism: gradients reduced (all-reduce, or reduce-scatter + parameter all-gather under ZeRO) over
+    # every replica of the weights, DP x CP.
     dp_comm = 0.0
+    d = layout.replicas
     if d > 1:
         bandwidth = dp_bandwidth(gpu, layout, gpus_per_node)
         grads = params_per_gpu * impl.grad_reduce_bytes
@@ -291,6 +334,7 @@ def iteration_breakdown(
 
     shard = d if layout.zero_stage >= 1 else 1
     optimizer = params_per_gpu / shard * OPTIMIZER_BYTES_PER_PARAM / hbm
+    cp_comm = m * layers_per_gpu[slowest] * ring
     return Breakdown(
         compute=m * stage_compute[slowest],
         recompute=m * layers_per_gpu[slowest] * layer["recompute"],
@@ -299,4 +343,5 @@ def iteration_breakdown(
         bubble=bubble,
         dp_comm=dp_comm,
         optimizer=optimizer,
+        cp_comm=cp_comm,
     )

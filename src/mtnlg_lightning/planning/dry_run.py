@@ -11,6 +11,7 @@ from mtnlg_lightning.config import count_parameters, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import ALIASES, GPUS
 from mtnlg_lightning.model import build_model
+from mtnlg_lightning.parallel.context_parallel import check_context_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout
 from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
 from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
@@ -71,13 +72,21 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
         raise MTNLGError(f"trainer.devices must be a number of devices per node for a dry run, got {devices!r}")
     world = nodes * devices
     tp, pp = int(strategy.get("tensor_parallel", 1)), int(strategy.get("pipeline_parallel", 1))
+    cp = int(strategy.get("context_parallel", 1))
     schedule = strategy.get("pipeline_schedule", "1f1b")
     virtual = strategy.get("virtual_pipeline_stages") or (2 if schedule in MULTI_STAGE else 1)
-    layout = ParallelLayout(
-        world, tp, pp, strategy.get("gpus_per_node") or devices, bool(strategy.get("allow_tp_across_nodes", False))
-    )
+    gpus_per_node, across = strategy.get("gpus_per_node") or devices, bool(strategy.get("allow_tp_across_nodes", False))
+    layout = ParallelLayout(world, tp, pp, gpus_per_node, across, cp)
     model_config = get_config(model_args.get("preset", "tiny"), **(model_args.get("model_overrides") or {}))
     layout.validate_model(model_config.num_heads, model_config.padded_vocab_size(tp), model_config.num_layers)
+    check_context_parallel(
+        cp,
+        model_config.seq_len,
+        tp,
+        bool(strategy.get("sequence_parallel", False)),
+        strategy.get("context_parallel_kernel", "auto"),
+        model_config.attention_dropout,
+    )
     counts = layers_per_stage(
         model_config.num_layers, pp * virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
     )
@@ -120,13 +129,14 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
             layers=counts if virtual == 1 else None,
             virtual_stages=virtual,
             sequence_parallel=sp,
+            cp=cp,
         )
 
     estimate = estimate_with(sequence_parallel)
     # Sequence parallelism shards the LayerNorm/dropout/residual activations over TP (Korthikanti et al. 2022):
     # show the memory per GPU both ways so the choice is visible.
     sp_lines = []
-    if tp > 1 and model_config.seq_len % tp == 0:
+    if tp > 1 and (model_config.seq_len // cp) % tp == 0:
         without, with_sp = estimate_with(False), estimate_with(True)
         sp_lines.append(
             f"  sequence par. memory per GPU without SP {without.total_gb:,.1f} GB (activations "
@@ -140,7 +150,9 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
         f"  model        {model_config.name}: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
         f"{model_config.num_heads} heads, seq {model_config.seq_len}, vocab {model_config.vocab_size} -> "
         f"{model_config.padded_vocab_size(tp)} padded; {total_params / 1e9:,.1f}B parameters",
-        f"  layout       world {world} = {nodes} node(s) x {devices}: pp {pp} x dp {layout.data_parallel} x tp {tp}; "
+        f"  layout       world {world} = {nodes} node(s) x {devices}: pp {pp} x dp {layout.data_parallel} x "
+        + (f"cp {cp} (each sequence's {model_config.seq_len} tokens in 2 x {cp} chunks) x " if cp > 1 else "")
+        + f"tp {tp}; "
         f"TP groups inside a node: {'yes' if tp <= layout.ranks_per_node else 'NO'}",
         f"  stages       {pp * virtual} ({schedule}, {virtual} per rank); blocks per stage "
         f"{counts[0] if len(set(counts)) == 1 else counts}",

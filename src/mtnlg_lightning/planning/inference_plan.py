@@ -16,7 +16,12 @@ from dataclasses import asdict, dataclass
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
-from mtnlg_lightning.planning.planner import MEMORY_BUDGET, activation_bytes_per_layer, params_per_stage
+from mtnlg_lightning.planning.planner import (
+    MEMORY_BUDGET,
+    activation_bytes_per_layer,
+    kv_heads_per_rank,
+    params_per_stage,
+)
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TP_DEGREES = (1, 2, 4, 8, 16)
@@ -45,8 +50,9 @@ class InferencePlan:
 
 
 def kv_cache_bytes(config: ModelConfig, layers: int, batch: int, length: int, tp: int, dtype: str = "bf16") -> float:
-    """Keys and values of `layers` layers for `batch` x `length` tokens, one TP rank's heads."""
-    return 2 * layers * batch * length * (config.hidden_size / tp) * DTYPE_BYTES[dtype]
+    """Keys and values of `layers` layers for `batch` x `length` tokens, one TP rank's key/value heads (2 x layers
+    x kv_heads x head_dim x bytes per token: grouped-query attention caches only its key/value heads)."""
+    return 2 * layers * batch * length * kv_heads_per_rank(config, tp) * config.head_dim * DTYPE_BYTES[dtype]
 
 
 def inference_plan(

@@ -28,16 +28,27 @@ STATE_BYTES = {
 }
 
 
+def kv_heads_per_rank(config: ModelConfig, tp: int) -> float:
+    """Key/value heads one TP rank holds: a share of them, or one replicated head when TP exceeds them."""
+    return max(config.num_kv_heads / tp, 1.0)
+
+
 def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -> list[int]:
-    """Parameters held by one TP rank of each pipeline stage (tied embedding counted on first and last stage)."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    per_layer_sharded = (3 * h * h + 3 * h + h * h + h * f + f + f * h) // tp
-    per_layer_replicated = h + h + 4 * h  # row-parallel biases, 2 LayerNorms (weight + bias)
-    per_layer = per_layer_sharded + per_layer_replicated
+    """Parameters held by one TP rank of each pipeline stage (a tied embedding counted on the first and the last
+    stage, where the last holds its copy): q, o and MLP matrices sharded over TP, key/value heads sharded or
+    replicated (`kv_heads_per_rank`), norms and row-parallel biases replicated."""
+    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    q, kv = config.num_heads * hd // tp, int(kv_heads_per_rank(config, tp) * hd)
+    matrices = 3 if config.mlp == "swiglu" else 2
+    per_layer = h * (q + 2 * kv) + q * h + matrices * h * f // tp
+    per_layer += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
+    norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
+    per_layer += 2 * norm + 2 * hd * config.qk_norm
     vocab = config.padded_vocab_size(tp) * h // tp
     counts = [n * per_layer for n in layers]
-    counts[0] += vocab + config.max_position_embeddings * h
-    counts[-1] += 2 * h + (vocab if pp > 1 else 0)  # final norm; head copy of the tied embedding
+    counts[0] += vocab + (config.max_position_embeddings * h if config.position_embedding == "learned" else 0)
+    head = vocab if (pp > 1 or not config.tie_embeddings) else 0  # the tied copy, or an untied head
+    counts[-1] += norm + head
     return counts
 
 
@@ -65,14 +76,21 @@ def activation_bytes_per_layer(
     seq_len: int | None = None,
     sequence_parallel: bool = False,
 ) -> float:
-    """Stored activation bytes of one transformer layer for one micro-batch (bf16), Korthikanti et al. 2022:
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t)) with TP + SP (t = 1: 34 + 5as/h);
-    selective recompute drops the 5as/h attention-score term; full recompute keeps only the layer input."""
+    """Stored activation bytes of one transformer layer for one micro-batch (bf16), Korthikanti et al. 2022. For
+    the GPT block: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t)) with TP + SP (t = 1:
+    34 + 5as/h); selective recompute drops the 5as/h attention-score term; full recompute keeps only the layer input.
+    The same accounting for any block: the 10 replicated s·b·h (2 norm inputs, the q/k/v and MLP inputs, 2 dropout
+    masks) and, sharded over TP, q and k for QK^T, v, the projection's input, and the MLP's wide tensors (GELU: its
+    input and output, 2 x F/h; SwiGLU: gate, up, silu(gate) and their product, 4 x F/h)."""
     s, b, h, a = seq_len or config.seq_len, micro_batch, config.hidden_size, config.num_heads
+    hd, f = config.head_dim, config.ffn_hidden_size
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return 2 * s * b * h / (tp if sp else 1)  # only the layer input is kept
-    kept = 34 / tp if sp else 10 + 24 / tp
+    q, kv = a * hd / tp, kv_heads_per_rank(config, tp) * hd
+    wide = (4 if config.mlp == "swiglu" else 2) * 2 * f / tp
+    sharded = (2 * (q + kv) + 2 * kv + 2 * q + wide) / h  # GPT: 24 / t
+    kept = 10 / tp + sharded if sp else 10 + sharded
     if recompute == "selective":
         return s * b * h * kept
     return s * b * h * (kept + 5 * a * s / (h * tp))
@@ -114,13 +132,14 @@ class Plan:
     breakdown: dict
     rampup_seconds: float | None = None
     rampup_steps: int | None = None
+    cp: int = 1  # context-parallel ranks per sequence
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @property
-    def layout_key(self) -> tuple[int, int, int]:
-        return self.tp, self.pp, self.dp
+    def layout_key(self) -> tuple[int, int, int, int]:
+        return self.tp, self.cp, self.pp, self.dp
 
 
 def validate_layout(config: ModelConfig, tp: int, pp: int, dp: int, global_batch: int, micro_batch: int, virtual=1):
@@ -156,7 +175,11 @@ def plan(
     sequence_parallel: bool = False,
     implementation: str | Implementation = "mtnlg-lightning",
     rampup: tuple[int, int, int] | list[int] | None = None,
+    cp: int = 1,
 ) -> Plan:
+    """One layout: memory per GPU and the time of one iteration. `cp`: context-parallel ranks per sequence (each
+    holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
+    over dp x cp under ZeRO; the ring's key/value exchange costed in `cost_model`)."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     gpu_name = gpu if isinstance(gpu, str) else "custom"
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
@@ -165,6 +188,8 @@ def plan(
     if sequence_parallel and config.seq_len % tp:
         raise MTNLGError(f"sequence parallelism needs seq_len {config.seq_len} divisible by tensor_parallel {tp}")
     validate_layout(config, tp, pp, dp, global_batch, micro_batch, virtual_stages)
+    if cp < 1 or (cp > 1 and config.seq_len % (2 * cp)):
+        raise MTNLGError(f"seq_len {config.seq_len} is not divisible by 2 x context_parallel {cp}")
     if virtual_stages > 1 and layers:
         raise MTNLGError("explicit layers per stage and virtual stages cannot be combined")
     chunks = layers or balanced_layers(config.num_layers, pp * virtual_stages)
@@ -178,26 +203,29 @@ def plan(
     # 1F1B: stage i keeps activations of min(pp - i, m) micro-batches in flight; interleaving adds (p-1)/(p·v).
     in_flight = [min(pp - i, num_microbatches) for i in range(pp)]
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1.0
-    per_layer = activation_bytes_per_layer(config, micro_batch, tp, recompute, sequence_parallel=sequence_parallel)
+    local = config.seq_len // cp  # the tokens of each sequence this rank holds
+    per_layer = activation_bytes_per_layer(
+        config, micro_batch, tp, recompute, seq_len=local, sequence_parallel=sequence_parallel
+    )
     # Working set while (re)computing one layer, plus fp32 logits of the last stage.
     working = (
-        activation_bytes_per_layer(config, micro_batch, tp, "none", sequence_parallel=sequence_parallel)
+        activation_bytes_per_layer(config, micro_batch, tp, "none", seq_len=local, sequence_parallel=sequence_parallel)
         if recompute != "none"
         else 0
     )
-    logits = 4 * config.seq_len * micro_batch * config.padded_vocab_size(tp) / tp
+    logits = 4 * local * micro_batch * config.padded_vocab_size(tp) / tp
     totals, activations, states = [], [], []
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
-        state = model_state_bytes(stage_params[i], dp, zero_stage, precision)
+        state = model_state_bytes(stage_params[i], dp * cp, zero_stage, precision)
         activations.append(act)
         states.append(state)
         totals.append(act + state)
     worst = max(range(pp), key=lambda i: totals[i])
 
-    layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel)
+    layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
     breakdown = iteration_breakdown(config, spec, layout, global_batch, per_gpu, max(stage_params), gpus_per_node, impl)
-    gpus = tp * pp * dp
+    gpus = tp * cp * pp * dp
     model_flops = flops_per_iteration(config, global_batch)
     seconds = breakdown.total
     rampup_seconds = rampup_steps = None
@@ -244,6 +272,7 @@ def plan(
         breakdown=breakdown.as_dict(),
         rampup_seconds=rampup_seconds,
         rampup_steps=rampup_steps,
+        cp=cp,
     )
 
 
@@ -269,18 +298,23 @@ def search(
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
     recompute_modes: tuple[str, ...] | None = None,
 ) -> list[Plan]:
-    """Every valid layout (tp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest first.
+    """Every valid layout (tp, cp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest
+    first.
 
-    TP stays inside a node; ZeRO-3 is not combined with pipelining (as the strategy); interleaving needs the
-    micro-batch count to be a multiple of the stages (as Megatron's schedule); pipelines the implementation cannot
-    run (`Implementation.runs_pipeline`: Megatron's even layer split, no interleaving on 2 stages) are skipped."""
+    TP stays inside a node; CP (where the implementation has it) divides the sequence into 2 x CP chunks; ZeRO-3 is
+    not combined with pipelining (as the strategy); interleaving needs the micro-batch count to be a multiple of
+    the stages (as Megatron's schedule); pipelines the implementation cannot run (`Implementation.runs_pipeline`:
+    Megatron's even layer split, no interleaving on 2 stages) are skipped."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and gpus_per_node % t == 0 and config.num_heads % t == 0]
-    for tp in tps:
-        for pp in _divisors(num_gpus // tp) if num_gpus % tp == 0 else []:
-            dp = num_gpus // (tp * pp)
+    cps = [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (impl.context_parallel and config.seq_len % (2 * c) == 0)]
+    for tp, cp in itertools.product(tps, cps):
+        if num_gpus % (tp * cp):
+            continue
+        for pp in _divisors(num_gpus // (tp * cp)):
+            dp = num_gpus // (tp * cp * pp)
             if pp > config.num_layers:
                 continue
             virtuals = [
@@ -288,8 +322,8 @@ def search(
                 for v in range(1, impl.max_virtual_stages + 1)
                 if (v == 1 or pp > 1) and impl.runs_pipeline(config.num_layers, pp, v)
             ]
-            sps = (False, True) if tp > 1 and impl.sequence_parallel and config.seq_len % tp == 0 else (False,)
-            zeros = [z for z in impl.zero_stages if (dp > 1 or z == 0) and not (z == 3 and pp > 1)]
+            sps = (False, True) if tp > 1 and impl.sequence_parallel and (config.seq_len // cp) % tp == 0 else (False,)
+            zeros = [z for z in impl.zero_stages if (dp * cp > 1 or z == 0) and not (z == 3 and pp > 1)]
             for micro, v, recompute, sp, zero in itertools.product(micro_batches, virtuals, modes, sps, zeros):
                 if global_batch % (micro * dp):
                     continue
@@ -298,7 +332,7 @@ def search(
                     continue
                 candidate = plan(
                     config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero,
-                    precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl,
+                    precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl, cp=cp,
                 )  # fmt: skip
                 if candidate.fits:
                     plans.append(candidate)
@@ -324,6 +358,7 @@ def format_breakdown(p: Plan) -> str:
         ("PP comm", b["pp_comm"]),
         ("bubble", b["bubble"]),
         ("DP comm", b["dp_comm"]),
+        ("CP ring", b.get("cp_comm", 0.0)),
         ("optimizer", b["optimizer"]),
     ]
     return ", ".join(f"{name} {seconds:.3g} s ({seconds / total:.0%})" for name, seconds in parts if seconds > 0)
@@ -333,7 +368,8 @@ def format_plan(p: Plan) -> str:
     gb = lambda x: f"{x:,.1f} GB"  # noqa: E731
     schedule = f"interleaved 1F1B, {p.virtual_stages} chunks per GPU" if p.virtual_stages > 1 else "1F1B"
     lines = [
-        f"model {p.model} on {p.gpu}: TP {p.tp} x PP {p.pp} x DP {p.dp} = {p.gpus} GPUs, micro-batch {p.micro_batch}, "
+        f"model {p.model} on {p.gpu}: TP {p.tp} x {f'CP {p.cp} x ' if p.cp > 1 else ''}PP {p.pp} x DP {p.dp} = "
+        f"{p.gpus} GPUs, micro-batch {p.micro_batch}, "
         f"global batch {p.global_batch} ({p.num_microbatches} micro-batches per pipeline)",
         f"  layers per stage     {p.layers_per_stage if len(set(p.layers_per_stage)) > 1 else p.layers_per_stage[0]}"
         f" ({schedule})",

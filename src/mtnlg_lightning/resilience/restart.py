@@ -11,25 +11,9 @@ import torch.distributed as dist
 
 from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.checkpoint.format import read_manifest
+from mtnlg_lightning.resilience.attempt import ATTEMPT_ID_ENV, RESTART_CAUSE_ENV, restart_cause, restart_count
 
-RESTART_CAUSE_ENV = "MTNLG_RESTART_CAUSE"  # set by resilience/launch.py for the workers it restarts
-
-
-def restart_count() -> int:
-    """0 on the first run; k on torchrun's k-th restart of the group or SLURM's k-th requeue of the job."""
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 0
-
-
-def restart_cause() -> str:
-    if os.environ.get(RESTART_CAUSE_ENV):
-        return os.environ[RESTART_CAUSE_ENV]
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return "cause not reported by plain torchrun; mtnlg_lightning.resilience.launch reports it"
-    return "requeued by SLURM"
+__all__ = ["RESTART_CAUSE_ENV", "restart_cause", "restart_count"]  # their home is attempt.py; imported from here too
 
 
 def process_group_store(timeout: timedelta) -> dict:
@@ -38,12 +22,14 @@ def process_group_store(timeout: timedelta) -> dict:
     torchrun (torch >= 2.4) shares its agent's TCPStore with the workers and keeps that store across restarts, without
     a per-attempt prefix. gloo's full-mesh connect publishes each rank's address under fixed keys, so a restarted rank
     can read the address of a peer from the previous attempt and fail with `connectFullMesh ... Connection refused`
-    (reproduced: 2 ranks, one killed, the first restart failed this way). Prefixing the keys with the restart count
-    makes every attempt start from an empty namespace. Outside torchrun's shared store: nothing to do.
+    (reproduced: 2 ranks, one killed, the first restart failed this way). Prefixing the keys with the attempt makes
+    every attempt start from an empty namespace: the launcher's id of the start where there is one (a restart for a
+    node that joined keeps torchrun's restart count), else torchrun's restart count. Outside torchrun's shared
+    store: nothing to do.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.environ.get(ATTEMPT_ID_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world_size = int(os.environ["WORLD_SIZE"])
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
@@ -114,7 +100,8 @@ def _step_of(path: Path) -> int:
 
 
 def report_restart(trainer) -> None:
-    """The one line an operator greps for: `restart k: resumed from step N (cause)`."""
-    count = restart_count()
-    if count > 0 and trainer.is_global_zero:
-        print(f"restart {count}: resumed from step {trainer.global_step} ({restart_cause()})", flush=True)
+    """Rank 0 of a restarted group says what happened, once: `restart k: resumed from step N (cause); ...`, in the
+    log and in `restarts.jsonl` beside the checkpoints (`restart_record.py`)."""
+    from mtnlg_lightning.resilience.restart_record import report_restart as report
+
+    report(trainer, checkpoint_dirs(trainer))

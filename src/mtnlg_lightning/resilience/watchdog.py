@@ -1,17 +1,25 @@
 """Hang detection: the training loop beats a heartbeat; a watchdog thread ends a rank that stops progressing.
 
 Each phase has its own limit (seconds without a heartbeat): `startup` (process start to the end of the first step:
-building, loading a checkpoint, the first step), `step`, `save`, `eval`. When a limit passes, the rank prints which
-phase stalled and the collective its main thread waits in, dumps every thread's Python stack (faulthandler), and
-exits with `ExitCode.HANG` (124) so the launcher restarts the group from the newest checkpoint. A rank that is itself
-frozen (SIGSTOP, a dead GPU) cannot do this: its peers, blocked in a collective with it, do it for it.
+building, loading a checkpoint, the first step), `step` (batch start to batch end), `data` (batch end to the next
+batch start: the data wait and the work between steps), `save`, `eval`. Limits learn (`phase_limits.py`): a phase
+starts from its cap (config key, environment, default) and, once seen, gets 5 x the longest interval seen in it,
+never below a floor (30 s; 120 s at start-up) nor above the cap. The longest intervals travel with the checkpoint,
+so a restarted run starts with them, start-up included.
+
+When a limit passes, the rank prints the phase, how long it waited, the limit and how it was learned, the collective
+its main thread waits in, dumps every thread's Python stack (faulthandler), and exits with `ExitCode.HANG` (124) so
+the launcher restarts the group from the newest checkpoint. A rank that is itself frozen (SIGSTOP, a dead GPU)
+cannot do this: its peers, blocked in a collective with it, do it for it.
 
 The process groups' collective timeout follows the same limits (phase limit + COLLECTIVE_MARGIN_S, so the watchdog's
-diagnosis comes first and the collective timeout stays a backstop): the startup limit at initialisation, tightened to
-the step limit after the first step (as torchtitan does), widened to the save / eval limit for those phases.
+diagnosis comes first and the collective timeout stays a backstop): the startup limit at initialisation, then the
+limit of each phase (tightened after the first step, as torchtitan does).
 
-Environment variables override the config keys, so an operator can set them in a batch script:
-MTNLG_STARTUP_TIMEOUT, MTNLG_STEP_TIMEOUT, MTNLG_SAVE_TIMEOUT, MTNLG_EVAL_TIMEOUT (seconds).
+Environment variables override the config keys (the caps), so an operator can set them in a batch script:
+MTNLG_STARTUP_TIMEOUT, MTNLG_STEP_TIMEOUT, MTNLG_DATA_TIMEOUT, MTNLG_SAVE_TIMEOUT, MTNLG_EVAL_TIMEOUT (seconds).
+Work of another size inside a phase (a downstream evaluation between steps, a loss-spike rewind's checkpoint load,
+the wait for a background checkpoint write) beats with `heartbeat.heartbeat(phase, what)` and is learned apart.
 """
 
 from __future__ import annotations
@@ -28,34 +36,29 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
-from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.resilience.attempt import restart_count
 from mtnlg_lightning.resilience.exit_codes import ExitCode
+from mtnlg_lightning.resilience.heartbeat import unwatch, watch
+from mtnlg_lightning.resilience.phase_limits import (
+    DEFAULT_CAPS,
+    ENV_VARS,
+    FLOORS,
+    PHASES,
+    RESUMING_STARTUP,
+    SAFETY_FACTOR,
+    PhaseLimits,
+    resolve_limits,
+)
+from mtnlg_lightning.resilience.rank_status import read_statuses, status_dir, write_status
 
-# Defaults for GPU clusters: MT-NLG's step took ~30-60 s on 4,480 A100s; a 530B checkpoint with Adam state is
-# ~8.5 TB, minutes on a parallel file system; start-up includes loading that checkpoint.
-DEFAULT_LIMITS = {"startup": 1800.0, "step": 300.0, "save": 1800.0, "eval": 600.0}
-ENV_VARS = {phase: f"MTNLG_{phase.upper()}_TIMEOUT" for phase in DEFAULT_LIMITS}
+DEFAULT_LIMITS = DEFAULT_CAPS  # the caps; a phase starts from its cap until it has been seen
 COLLECTIVE_MARGIN_S = 30.0
-
-
-def resolve_limits(configured: dict[str, float]) -> dict[str, float]:
-    """The configured limits with the environment's overrides; bad values are a configuration error."""
-    limits = {}
-    for phase, value in configured.items():
-        raw = os.environ.get(ENV_VARS[phase], "")
-        source = ENV_VARS[phase] if raw else f"{phase}_timeout"
-        try:
-            limits[phase] = float(raw) if raw else float(value)
-        except ValueError:
-            raise MTNLGError(f"{source} must be a number of seconds, got {raw!r}") from None
-        if limits[phase] <= 0:
-            raise MTNLGError(f"{source} must be > 0 seconds, got {limits[phase]:g}")
-    return limits
+__all__ = ["ENV_VARS", "FLOORS", "PHASES", "SAFETY_FACTOR", "HangWatchdog", "resolve_limits"]
 
 
 def startup_collective_timeout() -> timedelta:
-    """The process groups' timeout at initialisation (before any callback is known): the startup limit."""
-    return timedelta(seconds=resolve_limits({"startup": DEFAULT_LIMITS["startup"]})["startup"] + COLLECTIVE_MARGIN_S)
+    """The process groups' timeout at initialisation (before any callback is known): the startup cap."""
+    return timedelta(seconds=resolve_limits({"startup": DEFAULT_CAPS["startup"]})["startup"] + COLLECTIVE_MARGIN_S)
 
 
 _KEEP_TIMEOUT: set[int] = set()  # ids of groups with a timeout of their own (the background checkpoint writer's)
@@ -67,8 +70,8 @@ def keep_own_timeout(group) -> None:
 
 
 def save_collective_timeout() -> timedelta:
-    """The timeout of the background checkpoint writer's group: the save limit."""
-    return timedelta(seconds=resolve_limits({"save": DEFAULT_LIMITS["save"]})["save"] + COLLECTIVE_MARGIN_S)
+    """The timeout of the background checkpoint writer's group: the save cap."""
+    return timedelta(seconds=resolve_limits({"save": DEFAULT_CAPS["save"]})["save"] + COLLECTIVE_MARGIN_S)
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -105,58 +108,120 @@ def waiting_collective(thread_id: int) -> str | None:
 
 class HangWatchdog(Callback):
     """Added to every `mtnlg fit` (`model.watchdog: false` leaves it out); add it to `trainer.callbacks` to change
-    the limits (seconds): startup_timeout, step_timeout, save_timeout, eval_timeout."""
+    the caps (seconds: startup_timeout, step_timeout, data_timeout, save_timeout, eval_timeout), the safety factor
+    or the floors ({phase: seconds})."""
 
     def __init__(
         self,
-        startup_timeout: float = DEFAULT_LIMITS["startup"],
-        step_timeout: float = DEFAULT_LIMITS["step"],
-        save_timeout: float = DEFAULT_LIMITS["save"],
-        eval_timeout: float = DEFAULT_LIMITS["eval"],
+        startup_timeout: float = DEFAULT_CAPS["startup"],
+        step_timeout: float = DEFAULT_CAPS["step"],
+        data_timeout: float = DEFAULT_CAPS["data"],
+        save_timeout: float = DEFAULT_CAPS["save"],
+        eval_timeout: float = DEFAULT_CAPS["eval"],
+        safety_factor: float = SAFETY_FACTOR,
+        floors: dict[str, float] | None = None,
         poll_interval: float = 1.0,
     ):
-        self.configured = {"startup": startup_timeout, "step": step_timeout, "save": save_timeout, "eval": eval_timeout}
-        self.limits = resolve_limits(self.configured)
+        configured = {
+            "startup": startup_timeout,
+            "step": step_timeout,
+            "data": data_timeout,
+            "save": save_timeout,
+            "eval": eval_timeout,
+        }
+        self.limits = PhaseLimits(configured, safety_factor, floors)
         self.poll_interval = poll_interval
-        self.phase, self.since, self.step = "startup", time.monotonic(), 0
+        self.key, self.since, self.last_beat, self.step = "startup", time.monotonic(), time.time(), 0
         self._first_step_done = False
+        self._resuming = False
         self._collective_limit: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.rank = 0
+        self.rank, self.local_rank, self.host = 0, 0, socket.gethostname()
+        self._status: dict = {}
+        self._written: tuple | None = None
+        self._step_seconds = [0.0, 0]  # sum and count of this process's steps, for the mean in the status
+        self.hang: str | None = None
 
     # ------------------------------------------------------------------ heartbeats
-    def beat(self, phase: str | None = None, step: int | None = None) -> None:
+    def beat(self, phase: str | None = None, step: int | None = None, what: str | None = None) -> None:
+        """The interval since the last heartbeat ends (and is learned, under the key it ran in); `phase` starts."""
         with self._lock:
-            if phase is not None and (phase != "step" or self._first_step_done):
-                self.phase = phase
+            now = time.monotonic()
+            elapsed = now - self.since
+            self.limits.observe(self.key, elapsed)
+            if self.key == "step":
+                self._step_seconds = [self._step_seconds[0] + elapsed, self._step_seconds[1] + 1]
+            if phase is not None:
+                if phase in ("startup", "step") and not self._first_step_done:
+                    self.key = self._startup_key()
+                else:
+                    self.key = phase if what is None else f"{phase}:{what}"
             if step is not None:
                 self.step = step
-            self.since = time.monotonic()
+            self.since, self.last_beat = now, time.time()
         self._follow_collective_timeout()
+        self._publish_status()
+
+    def _startup_key(self) -> str:
+        return RESUMING_STARTUP if self._resuming else "startup"
+
+    def current_limit(self) -> float:
+        return self.limits.limit(self.key)
 
     def _follow_collective_timeout(self) -> None:
-        limit = self.limits[self.phase] + COLLECTIVE_MARGIN_S
+        limit = self.current_limit() + COLLECTIVE_MARGIN_S
         if limit != self._collective_limit:
             self._collective_limit = limit
             set_collective_timeout(limit)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.limits = resolve_limits(self.configured)  # the environment of this process, not the parser's
-        self.rank = trainer.global_rank
+        self.limits.reload_caps()  # the environment of this process, not the parser's
+        self.rank, self.local_rank = trainer.global_rank, trainer.local_rank
+        self._learn_from_the_runs_before(trainer)
+        self._status = self._status_header(trainer)
         self.beat("startup")
+        watch(self)
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._watch, name="mtnlg-watchdog", daemon=True)
             self._thread.start()
+
+    def _learn_from_the_runs_before(self, trainer) -> None:
+        """A restarted run starts with the limits learned before it, start-up included, from the checkpoint it will
+        resume (the one `resilience/restart.py` resolves), read before loading it, and from the statuses the
+        attempt before left on this node: a checkpoint holds what was learned until it was taken, not its own save
+        nor anything after it (a run that resumes from step 4 after a fault in the save of step 6 would otherwise
+        never have seen a save)."""
+        from mtnlg_lightning.resilience.restart import checkpoint_dirs, newest_checkpoint
+
+        count = restart_count()
+        if count == 0:
+            return
+        for status in read_statuses(status_dir(), count - 1):
+            self.limits.load_state_dict(status.get("learned") or {})
+        path = newest_checkpoint(checkpoint_dirs(trainer))
+        if path is None:
+            return
+        try:
+            from mtnlg_lightning.checkpoint.format import read_meta
+
+            state = read_meta(path).get("callbacks", {}).get(self.state_key)
+        except Exception:  # noqa: BLE001 - the load checks this checkpoint and reports it; here it only informs
+            return
+        if isinstance(state, dict):
+            self.load_state_dict(state)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._status["resumed_step"] = int(trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.beat("step", trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._first_step_done = True
-        self.beat("step", trainer.global_step)
+        self.beat("data", trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self.beat("save")
@@ -168,7 +233,15 @@ class HangWatchdog(Callback):
         self.beat("eval")
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self.beat("step" if self._first_step_done else "startup")
+        self.beat("data" if self._first_step_done else "startup")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """Training is over: what is left (loggers uploading, the last background write) has no phase to learn
+        from. The watching ends; collectives get the start-up cap again, as before the first step."""
+        self.stop()
+        set_collective_timeout(self.limits.caps["startup"] + COLLECTIVE_MARGIN_S)
+        if trainer.is_global_zero:
+            print(f"mtnlg watchdog: learned limits at step {trainer.global_step}: {self.limits.summary()}", flush=True)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.stop()
@@ -177,29 +250,93 @@ class HangWatchdog(Callback):
         self.stop()
 
     def stop(self) -> None:
+        unwatch(self)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
 
+    # ------------------------------------------------------------------ what travels with the checkpoint
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"limits": self.limits.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        with self._lock:
+            self.limits.load_state_dict(state_dict.get("limits", {}))
+            self._resuming = True
+            if not self._first_step_done:
+                self.key = self._startup_key()
+        self._follow_collective_timeout()
+
     # ------------------------------------------------------------------ the watchdog thread
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_interval):
             with self._lock:
-                phase, waited, step = self.phase, time.monotonic() - self.since, self.step
-            if waited > self.limits[phase]:
-                self._fire(phase, waited, step)
+                key, waited, step, limit = self.key, time.monotonic() - self.since, self.step, self.current_limit()
+            if waited > limit:
+                self._fire(key, waited, step, limit)
 
-    def _fire(self, phase: str, waited: float, step: int) -> None:
-        limit = self.limits[phase]
+    def _status_header(self, trainer) -> dict:
+        from mtnlg_lightning.resilience.restart_record import layout_of
+
+        try:
+            layout = layout_of(trainer)
+        except Exception:  # noqa: BLE001 - a strategy without these attributes: the status goes without a layout
+            layout = None
+        return {
+            "attempt": restart_count(),
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "started": time.time(),
+            "layout": layout,
+        }
+
+    def _publish_status(self) -> None:
+        """This rank's phase, step and last progress, in its node-local status file when they changed (at every
+        heartbeat that changes them: a local temporary file, ~0.1 ms; it must be current when a kill -9 lands)."""
+        directory = status_dir()
+        if directory is None or not self._status:
+            return
+        with self._lock:
+            changed = (self.key, self.step, self.hang)
+            total, count = self._step_seconds
+            status = {
+                **self._status,
+                "phase": self.key,
+                "step": self.step,
+                "last_beat": self.last_beat,
+                "mean_step_s": total / count if count else None,
+                "hang": self.hang,
+                "learned": self.limits.state_dict(),
+            }
+        if changed == self._written:
+            return
+        try:
+            write_status(directory, status["attempt"], self.local_rank, status)
+            self._written = changed
+        except OSError:
+            pass  # a full or read-only temporary folder must not end the run; the launcher then knows less
+
+    def diagnosis(self, key: str, waited: float, step: int, limit: float) -> str:
+        """The first line of a hang's report: which rank, where, the phase, the limit and how it was learned."""
+        return (
+            f"mtnlg watchdog: rank {self.rank} on {self.host} (pid {os.getpid()}): no progress in {key} for "
+            f"{waited:.0f} s at step {step} (limit {limit:.0f} s, {self.limits.how(key)}; {self.limits.cap(key)})"
+        )
+
+    def _fire(self, key: str, waited: float, step: int, limit: float) -> None:
         where = waiting_collective(threading.main_thread().ident)
+        self.hang = f"no progress in {key} for {waited:.0f} s (limit {limit:.0f} s) at step {step}"
         lines = [
-            f"mtnlg watchdog: rank {self.rank} on {socket.gethostname()} (pid {os.getpid()}): no progress in "
-            f"{phase} for {waited:.0f} s (limit {limit:g} s, {ENV_VARS[phase]}) at step {step}",
+            self.diagnosis(key, waited, step, limit),
             f"mtnlg watchdog: waiting in {where}" if where else "mtnlg watchdog: not in a torch.distributed call",
             f"mtnlg watchdog: stacks of every thread follow; exiting with {int(ExitCode.HANG)} (hang)",
         ]
         print("\n".join(lines), file=sys.stderr, flush=True)
+        self._publish_status()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(int(ExitCode.HANG))

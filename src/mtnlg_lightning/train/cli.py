@@ -11,9 +11,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError, one_line, run_main
 from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.parallel.context_parallel import check_context_parallel
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
@@ -38,6 +40,7 @@ class MTNLGCLI(LightningCLI):
         config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
         if config is not None:
             check_strategy_extras(config.trainer.strategy)
+            check_context_parallel_run(config.trainer.strategy, config.model)
 
     def before_instantiate_classes(self) -> None:
         """`trainer.precision: null` picks the fastest correct precision for the machine (`default_precision`);
@@ -71,6 +74,26 @@ def check_strategy_extras(strategy) -> None:
         zero_stage = (getattr(strategy, "init_args", None) or {}).get("zero_stage", 1)
         if isinstance(zero_stage, int) and zero_stage >= 1:
             require_extra("deepspeed", f"zero_stage {zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
+
+
+def check_context_parallel_run(strategy, model) -> None:
+    """What context parallelism needs of the run (the sequence cut into 2 x CP chunks, a kernel returning its
+    log-sum-exp, no attention dropout): one line right after parsing, before any process starts."""
+    args = (getattr(strategy, "init_args", None) or {}) if str(getattr(strategy, "class_path", "")) else {}
+    cp = args.get("context_parallel", 1)
+    if not str(getattr(strategy, "class_path", "")).endswith("MegatronDeepSpeedStrategy") or not isinstance(cp, int):
+        return
+    if model.get("init_from"):  # the architecture comes from the source: checked once it is read
+        return
+    config = get_config(model.get("preset", "tiny"), **(model.get("model_overrides") or {}))
+    check_context_parallel(
+        cp,
+        config.seq_len,
+        args.get("tensor_parallel", 1),
+        bool(args.get("sequence_parallel", False)),
+        args.get("context_parallel_kernel", "auto"),
+        config.attention_dropout,
+    )
 
 
 def check_accelerator(accelerator) -> None:

@@ -1,4 +1,4 @@
-"""Model FLOPs per iteration (Megatron's formula), achieved TFLOP/s and MFU."""
+"""Model FLOPs per token and per iteration of any block (GPT, Llama, Qwen), achieved TFLOP/s and MFU."""
 
 from __future__ import annotations
 
@@ -11,14 +11,31 @@ PEAK_BF16_FLOPS = {name: spec.peak_tflops * 1e12 for name, spec in GPUS.items()}
 }
 
 
+def matmul_parameters(config: ModelConfig) -> int:
+    """Weights that multiply activations per token: every block's projections and MLP matrices, and the LM head
+    (the embedding lookup and the norms do no matmul). Grouped-query attention shrinks k and v; SwiGLU has three
+    matrices."""
+    h, hd = config.hidden_size, config.head_dim
+    attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, o and k, v
+    mlp = (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
+    return config.num_layers * (attention + mlp) + h * config.padded_vocab_size()
+
+
+def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
+    """2 FLOPs per matmul weight, plus attention's QK^T and AV over the whole sequence (2 x 2 x S x heads x
+    head_dim per layer, counted without the causal half as Megatron and PaLM count it)."""
+    s = seq_len or config.seq_len
+    attention = 4 * s * config.num_heads * config.head_dim * config.num_layers
+    return 2 * matmul_parameters(config) + attention
+
+
 def flops_per_iteration(
     config: ModelConfig, batch_size: int, seq_len: int | None = None, recompute: bool = False
 ) -> float:
-    """72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (Narayanan et al. 2021); 96 instead of 72 with full recompute."""
+    """Model FLOPs of one training step: 3 forwards' worth (forward + backward), 4 with full recompute. For the GPT
+    block this is Megatron's 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (Narayanan et al. 2021; 96 with recompute)."""
     s = seq_len or config.seq_len
-    h, L, V = config.hidden_size, config.num_layers, config.padded_vocab_size()
-    factor = 96 if recompute else 72
-    return factor * batch_size * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    return (4 if recompute else 3) * batch_size * s * forward_flops_per_token(config, s)
 
 
 def peak_flops_for(device_name: str | None, override_tflops: float | None = None) -> float | None:

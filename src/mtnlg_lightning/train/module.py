@@ -9,14 +9,13 @@ from contextlib import nullcontext
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.model import build_model, compile_blocks
+from mtnlg_lightning.model import build_model, compile_blocks, cross_entropy
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
@@ -34,10 +33,6 @@ from mtnlg_lightning.train.step_interfaces import (
     apply_unless_vetoed,
 )
 from mtnlg_lightning.train.training_position import TrainingPosition
-
-
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 class MTNLGModule(L.LightningModule):

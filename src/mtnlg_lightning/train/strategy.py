@@ -32,11 +32,16 @@ from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
+from mtnlg_lightning.parallel.context_parallel import KERNELS, check_context_parallel
 from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
-from mtnlg_lightning.parallel.parallelize import ParallelGPT, PipelineParallelSettings, parallelize_gpt
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, layers_per_stage, schedule_class
-from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
+from mtnlg_lightning.parallel.parallelize import (
+    ParallelGPT,
+    PipelineParallelSettings,
+    check_model_fits,
+    parallelize_gpt,
+)
+from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, schedule_class
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 from mtnlg_lightning.parallel.zero import (
     ModelParallelUnit,
@@ -65,6 +70,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         gpus_per_node: int | None = None,
         allow_tp_across_nodes: bool = False,
         sequence_parallel: bool = False,
+        context_parallel: int = 1,
+        context_parallel_kernel: str = "auto",
         deepspeed_config: dict | None = None,
         print_layout: bool = True,
         process_group_backend: str | None = None,
@@ -87,6 +94,11 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             allow_tp_across_nodes: accept TP groups that span nodes (slow: TP all-reduces leave NVLink).
             sequence_parallel: Megatron sequence parallelism (needs tensor_parallel > 1, seq_len divisible by it):
                 LayerNorm/dropout/residual activations sharded along the sequence over the TP group.
+            context_parallel: ranks that split each sequence (`parallel/context_parallel.py`: 2 x CP chunks, rank r
+                holding chunks r and 2CP-1-r; ring attention over the whole sequence); seq_len divisible by 2 x CP.
+                Placed after TP, before DP; gradients are averaged and ZeRO partitions over DP x CP.
+            context_parallel_kernel: the ring's block attention: auto (flash on CPU and on CUDA in bf16/fp16,
+                memory-efficient on CUDA in fp32), flash, efficient; it must return its log-sum-exp.
             deepspeed_config: extra DeepSpeed config merged over the generated one (e.g. ZeRO bucket sizes).
             print_layout: rank 0 prints the rank -> node / (pp, dp, tp) / groups table at start-up.
             process_group_backend: default nccl on CUDA, gloo on CPU.
@@ -104,6 +116,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.parallel: ParallelGPT | None = None  # this rank's model part, set once by setup
         self.gpus_per_node, self.allow_tp_across_nodes = gpus_per_node, allow_tp_across_nodes
         self.sequence_parallel = sequence_parallel
+        self.context_parallel, self.context_parallel_kernel = context_parallel, context_parallel_kernel
         self.extra_deepspeed_config = deepspeed_config or {}
         self.print_layout = print_layout
         self._process_group_backend = process_group_backend
@@ -177,6 +190,10 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             )
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise MTNLGError("sequence_parallel shards over the tensor-parallel group: it needs tensor_parallel > 1")
+        if self.context_parallel > 1 and self.context_parallel_kernel not in KERNELS:
+            raise MTNLGError(
+                f"context_parallel_kernel {self.context_parallel_kernel!r} is not one of {', '.join(KERNELS)}"
+            )
 
     def _configure_launcher(self) -> None:
         self._check_arguments()
@@ -188,6 +205,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 self.pipeline_parallel,
                 self.gpus_per_node or self.num_processes or None,
                 self.allow_tp_across_nodes,
+                self.context_parallel,
             )
             lightning_compat.use_subprocess_launcher(self)
 
@@ -217,15 +235,25 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def _build_layout(self) -> ParallelLayout:
         gpus_per_node = self.gpus_per_node or gpus_per_node_from_env(self.num_processes or None)
         layout = ParallelLayout(
-            self.world_size, self.tensor_parallel, self.pipeline_parallel, gpus_per_node, self.allow_tp_across_nodes
+            self.world_size,
+            self.tensor_parallel,
+            self.pipeline_parallel,
+            gpus_per_node,
+            self.allow_tp_across_nodes,
+            self.context_parallel,
         )
         config = getattr(self.lightning_module, "config", None)
         if config is not None:
-            layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers)
-            if self.sequence_parallel:
-                check_sequence_length(config.seq_len, self.tensor_parallel)
-            stages = self.pipeline_parallel * self.virtual_pipeline_stages
-            layers_per_stage(config.num_layers, stages, self.first_stage_layers, self.last_stage_layers)
+            check_model_fits(layout, config, self.pipeline_settings, self.sequence_parallel)
+            dropout = config.attention_dropout
+            check_context_parallel(
+                self.context_parallel,
+                config.seq_len,
+                self.tensor_parallel,
+                self.sequence_parallel,
+                self.context_parallel_kernel,
+                dropout,
+            )
         return layout
 
     def set_world_ranks(self) -> None:
@@ -240,7 +268,12 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         module = self.lightning_module
         if self.parallel is None:
             self.parallel = parallelize_gpt(
-                module.model, self.groups, self.root_device, self.pipeline_settings, self.sequence_parallel
+                module.model,
+                self.groups,
+                self.root_device,
+                self.pipeline_settings,
+                self.sequence_parallel,
+                self.context_parallel_kernel,
             )
             module.model = self.parallel.model
             if self.parallel.loss_fn is not None:

@@ -1,0 +1,230 @@
+"""Model-space weights <-> Hugging Face `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM`, both ways,
+exactly (no arithmetic on values), and their `config.json` <-> `ModelConfig`.
+
+Names differ, layouts mostly do not: Linear weights are [out, in] on both sides, and the rotary layout is Hugging
+Face's (the first half of each head's dims pairs with the second) on both sides, so q and k need no permutation. A
+model with as many key/value heads as query heads keeps one fused q/k/v projection here, rows laid out
+[heads, 3, head_dim] (a tensor-parallel shard holds whole heads), made of Hugging Face's three.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.errors import MTNLGError
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+BLOCK = {  # ours under blocks.N. -> theirs under model.layers.N.
+    "ln1": "input_layernorm",
+    "ln2": "post_attention_layernorm",
+    "attn.q": "self_attn.q_proj",
+    "attn.k": "self_attn.k_proj",
+    "attn.v": "self_attn.v_proj",
+    "attn.proj": "self_attn.o_proj",
+    "attn.q_norm": "self_attn.q_norm",
+    "attn.k_norm": "self_attn.k_norm",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.up": "mlp.up_proj",
+    "mlp.down": "mlp.down_proj",
+}
+EMBEDDING, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+CONSTANT_BUFFERS = ("rotary_emb.inv_freq",)  # older files carry RoPE's frequencies: constants, not weights
+
+
+def holds(config: ModelConfig) -> bool:
+    """Whether the block is one of these families' (RoPE, RMSNorm, SwiGLU, no bias but maybe on q/k/v)."""
+    return (
+        config.position_embedding == "rope"
+        and config.norm == "rmsnorm"
+        and config.mlp == "swiglu"
+        and not config.bias
+        and not (config.qk_norm and config.qkv_bias)
+    )
+
+
+def label(config: ModelConfig) -> str:
+    return {"llama": "Llama", "qwen2": "Qwen 2", "qwen3": "Qwen 3"}[model_type(config)]
+
+
+def model_type(config: ModelConfig) -> str:
+    return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+def _rope(cfg: dict, where: Path) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5's `rope_parameters` or 4's `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    scaling = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in params.items() if k != "type"}}
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
+        raise MTNLGError(f"{where}: rope_theta is {theta!r}, expected a positive number")
+    return float(theta), scaling
+
+
+def read_config(cfg: dict, path: Path) -> ModelConfig:
+    """The architecture of a Llama / Qwen 2 / Qwen 3 `config.json`; what this decoder does not have is one line."""
+    where = path / "config.json"
+    kind = cfg["model_type"]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        value = cfg.get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise MTNLGError(f"{where}: {key} is {value!r}, expected an integer >= 1")
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (this decoder's SwiGLU uses silu)")
+    if cfg.get("use_sliding_window"):
+        problems.append("sliding-window attention")
+    if cfg.get("mlp_bias"):
+        problems.append("MLP biases")
+    if kind != "qwen2" and cfg.get("attention_bias"):
+        problems.append("attention biases on every projection")
+    if problems:
+        raise MTNLGError(f"{path}: a {kind} model with {', '.join(problems)} cannot be imported")
+    theta, scaling = _rope(cfg, where)
+    heads = cfg["num_attention_heads"]
+    positions = cfg.get("max_position_embeddings") or 2048
+    return ModelConfig(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        seq_len=positions,
+        max_position_embeddings=positions,
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        attention_dropout=cfg.get("attention_dropout", 0.0),
+        layernorm_eps=cfg.get("rms_norm_eps", 1e-6),
+        init_std=cfg.get("initializer_range", 0.02),
+        position_embedding="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm="rmsnorm",
+        mlp="swiglu",
+        qk_norm=kind == "qwen3",
+        bias=False,
+        qkv_bias=kind == "qwen2",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        name=cfg.get("_name_or_path") or path.name,
+    )
+
+
+def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None, dtype: str):
+    """The transformers config of `config`'s family (`model_type`)."""
+    kind = model_type(config)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.layernorm_eps,
+        initializer_range=config.init_std,
+        attention_dropout=config.attention_dropout,
+        rope_theta=config.rope_theta,
+        rope_scaling=dict(config.rope_scaling) if config.rope_scaling else None,
+        tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=eod_id,
+        eos_token_id=eod_id,
+        architectures=[ARCHITECTURES[kind]],
+        dtype=dtype,
+    )
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, attention_bias=False)
+    return transformers.Qwen2Config(**common)
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each model-space tensor of `config` and the Hugging Face tensor(s) it is made of, in their file order."""
+    out = {"embed.wte.weight": (EMBEDDING,)}
+    attention = ("attn.qkv",) if config.fused_qkv else ("attn.q", "attn.k", "attn.v")
+    for i in range(config.num_layers):
+        mine, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        parts = ["ln1", *attention, "attn.proj", "ln2", "mlp.gate", "mlp.up", "mlp.down"]
+        if config.qk_norm:
+            parts[parts.index("attn.proj") + 1 : parts.index("attn.proj") + 1] = ["attn.q_norm", "attn.k_norm"]
+        for part in parts:
+            kinds = ["weight"] + (["bias"] if part in attention and config.qkv_bias else [])
+            for kind in kinds:
+                if part == "attn.qkv":
+                    out[f"{mine}{part}.{kind}"] = tuple(
+                        f"{theirs}{BLOCK[p]}.{kind}" for p in ("attn.q", "attn.k", "attn.v")
+                    )
+                else:
+                    out[f"{mine}{part}.{kind}"] = (f"{theirs}{BLOCK[part]}.{kind}",)
+    out["norm.weight"] = (NORM,)
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = (HEAD,)
+    return out
+
+
+def _fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's q, k, v rows -> ours [heads, 3, head_dim] (weight or bias)."""
+    rest = q.shape[1:]
+    return torch.stack([t.reshape(heads, -1, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
+
+
+def _split(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rest = qkv.shape[1:]
+    return tuple(t.reshape(-1, *rest) for t in qkv.reshape(heads, 3, -1, *rest).unbind(dim=1))
+
+
+def from_hf(name: str, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    return _fuse(*tensors, config.num_heads) if len(tensors) == 3 else tensors[0]
+
+
+def ours_shape(name: str, shapes: list[tuple[int, ...]], config: ModelConfig) -> tuple[int, ...]:
+    return (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) == 3 else tuple(shapes[0])
+
+
+def tensor_specs(weights, config: ModelConfig, vocab: int, dtype: torch.dtype) -> list[TensorSpec]:
+    """The Hugging Face tensors, each produced rows at a time from boxes of our model-space tensors (a fused
+    q/k/v, small next to the rest, is read whole and split)."""
+    specs = []
+    for ours, theirs in sources(config).items():
+        shape = weights.shape(ours)
+        if ours in ("embed.wte.weight", "lm_head.weight"):  # the padded rows and any past the tokenizer's: never
+            shape = (vocab, *shape[1:])
+        if len(theirs) == 3:
+            for index, name in enumerate(theirs):
+                part_shape = (shape[0] // 3, *shape[1:])
+                specs.append(TensorSpec(name, part_shape, dtype, _qkv_rows(weights, ours, shape, index, config)))
+        else:
+            specs.append(TensorSpec(theirs[0], shape, dtype, _box_rows(weights, ours, shape)))
+    return specs
+
+
+def _box_rows(weights, name: str, shape: tuple[int, ...]):
+    def rows(r0: int, r1: int) -> torch.Tensor:
+        return weights.read_box(name, (r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:]))
+
+    return rows
+
+
+def _qkv_rows(weights, name: str, shape: tuple[int, ...], index: int, config: ModelConfig):
+    def rows(r0: int, r1: int) -> torch.Tensor:
+        return _split(weights.read_box(name, (0,) * len(shape), shape), config.num_heads)[index][r0:r1]
+
+    return rows
+
+
+def normalize(name: str) -> str:
+    return name
+
+
+def is_constant(name: str) -> bool:
+    """RoPE's frequencies, which older files carry: constants, not weights."""
+    return name.endswith(CONSTANT_BUFFERS)

@@ -1,0 +1,283 @@
+"""Context parallelism: each sequence cut over a context-parallel (CP) group, attention over the whole sequence.
+
+Load balance (Megatron's scheme): a sequence of S tokens is cut into 2 x CP chunks of c = S / (2 x CP); CP rank r
+holds chunks r and 2CP-1-r, so every rank has the same causal work (an early chunk sees few keys, a late one many).
+Each rank embeds, projects and scores only its 2c tokens, at the positions of the original sequence
+(`positions`); the loss of the whole sequence is the mean of the ranks' equal-sized token means, which is what
+averaging the gradients over the data- and context-parallel ranks gives (`ProcessGroups.replica_group`).
+
+Attention is a ring (p2p): the ranks pass their key/value chunks around the CP group; at step i rank r holds those
+of rank s = r - i (mod CP) and attends to them as causality allows:
+- i = 0, its own chunks: causal attention over its 2c tokens (chunk r before chunk 2CP-1-r, as in the sequence);
+- s < r: both of its query chunks see s's first chunk whole, neither sees s's second (it comes later);
+- s > r: only its second query chunk sees anything: both of s's chunks, whole.
+Each block's result comes with its log-sum-exp; the partial results merge exactly (online softmax). The backward
+is exact too: it runs the same ring, each block's gradient computed against the final output and log-sum-exp,
+dq kept, dk/dv travelling around the ring with their key/value chunk until they reach its owner. Only key/value
+heads travel (grouped-query attention expands them locally). The next chunk's send/receive is posted before the
+current block is computed, so communication overlaps compute where the backend progresses it in the background.
+
+Block kernels return their log-sum-exp: torch's flash attention on CPU and CUDA (bf16/fp16), memory-efficient
+attention on CUDA (fp32); torch's math path returns none, so it cannot run a ring (`check_context_parallel`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mtnlg_lightning.errors import MTNLGError
+
+SEQUENCE_DIM = 1  # [B, S, ...]
+KERNELS = ("auto", "flash", "efficient", "math")
+
+
+# ---------------------------------------------------------------------------------------------- the split
+def chunk_indices(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks (of 2 x CP) of a sequence that CP rank `cp_rank` holds."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def split_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """This rank's two chunks of `x` along `dim`, in sequence order."""
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    first, second = chunk_indices(cp_rank, cp_size)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def local_positions(cp_rank: int, cp_size: int, start: int, length: int, device) -> torch.Tensor:
+    """The positions in the whole sequence of the `length` tokens this rank holds (its two chunks)."""
+    c = length // 2
+    first, second = chunk_indices(cp_rank, cp_size)
+    chunks = [torch.arange(i * c, (i + 1) * c, device=device) for i in (first, second)]
+    return start + torch.cat(chunks)
+
+
+def check_context_parallel(
+    context_parallel: int, seq_len: int, tensor_parallel: int, sequence_parallel: bool, kernel: str, dropout: float
+) -> None:
+    """What a CP layout needs of the model and the run (one line each)."""
+    if context_parallel == 1:
+        return
+    if kernel not in KERNELS:
+        raise MTNLGError(f"context_parallel_kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "math":
+        raise MTNLGError(
+            "context_parallel needs an attention kernel that returns its log-sum-exp to merge the ring's blocks: "
+            "'math' (torch's math path) returns none; use auto, flash or efficient"
+        )
+    if seq_len % (2 * context_parallel):
+        raise MTNLGError(
+            f"seq_len {seq_len} is not divisible by 2 x context_parallel = {2 * context_parallel} (each rank holds "
+            f"2 of the sequence's 2 x CP chunks)"
+        )
+    if sequence_parallel and (seq_len // context_parallel) % tensor_parallel:
+        raise MTNLGError(
+            f"sequence_parallel: a context-parallel rank's {seq_len // context_parallel} tokens are not divisible "
+            f"by tensor_parallel {tensor_parallel}"
+        )
+    if dropout:
+        raise MTNLGError("context_parallel runs attention without dropout: set attention_dropout to 0")
+
+
+# ---------------------------------------------------------------------------------------------- block kernels
+class BlockKernel:
+    """Attention of a block of queries over a block of keys/values, returning its log-sum-exp [B, H, Lq] (fp32),
+    and the matching backward given the final output and log-sum-exp of the rows."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @staticmethod
+    def pick(kernel: str, device: torch.device, dtype: torch.dtype) -> BlockKernel:
+        if kernel == "auto":
+            kernel = "efficient" if device.type == "cuda" and dtype == torch.float32 else "flash"
+        return BlockKernel(kernel)
+
+    def forward(self, q, k, v, causal: bool):
+        if q.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        if self.name == "flash":
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+            return out, lse
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., : q.shape[2]]  # the kernel pads its log-sum-exp rows
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool):
+        if q.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, 0.0, causal
+            )
+        if self.name == "flash":
+            sizes = (q.shape[2], k.shape[2])
+            empty = torch.empty(0, device=q.device)
+            none = torch.zeros((), dtype=torch.long, device=q.device)
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                grad, q, k, v, out, lse, empty, empty, *sizes, 0.0, causal, none, none
+            )
+        padded = F.pad(lse, (0, -lse.shape[-1] % 32))
+        none = torch.zeros((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, None, out, padded, none, none, 0.0, [True, True, True, False], causal
+        )
+        return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------- the ring
+class Ring:
+    """This rank's neighbours in its CP group (global ranks): it sends to the next and receives from the previous."""
+
+    def __init__(self, group, ranks: list[int], cp_rank: int):
+        self.group, self.cp_rank, self.size = group, cp_rank, len(ranks)
+        self.next, self.previous = ranks[(cp_rank + 1) % self.size], ranks[(cp_rank - 1) % self.size]
+
+    def shift(self, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+        """Post the sends of `tensors` to the next rank and the receives of the previous rank's; (works, received)
+        for `wait`."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
+        return dist.batch_isend_irecv(ops), received
+
+    @staticmethod
+    def wait(works) -> None:
+        for work in works:
+            work.wait()
+
+    def blocks(self, step: int, length: int):
+        """(query rows, key/value rows, causal) of the block this rank computes at `step`, over its 2c local rows
+        and the 2c rows of the key/value chunks it then holds (those of rank cp_rank - step); None: nothing."""
+        c = length // 2
+        source = (self.cp_rank - step) % self.size
+        if step == 0:
+            return slice(0, length), slice(0, length), True
+        if source < self.cp_rank:
+            return slice(0, length), slice(0, c), False
+        return slice(c, length), slice(0, length), False
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _reduce(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_expand`: each key/value head's query-group copies summed."""
+    if groups == 1:
+        return t
+    B, H, S, D = t.shape
+    return t.view(B, H // groups, groups, S, D).sum(dim=2)
+
+
+def _merge(out, lse, block_out, block_lse, rows) -> None:
+    """Fold a block's result into the running output and log-sum-exp of `rows`, exactly (online softmax)."""
+    old, new = lse[..., rows], torch.logaddexp(lse[..., rows], block_lse)
+    kept, added = (old - new).exp().unsqueeze(-1), (block_lse - new).exp().unsqueeze(-1)
+    out[:, :, rows] = out[:, :, rows] * kept + block_out * added
+    lse[..., rows] = new
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, kernel: BlockKernel):
+        groups = q.shape[1] // k.shape[1]
+        length = q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        held_k, held_v = k, v
+        for step in range(ring.size):
+            works, (next_k, next_v) = ring.shift([held_k, held_v]) if step < ring.size - 1 else ([], (None, None))
+            rows, cols, causal = ring.blocks(step, length)
+            block_out, block_lse = kernel.forward(
+                q[:, :, rows].contiguous(),
+                _expand(held_k[:, :, cols], groups).contiguous(),
+                _expand(held_v[:, :, cols], groups).contiguous(),
+                causal,
+            )
+            _merge(out, lse, block_out.float(), block_lse.float(), rows)
+            Ring.wait(works)
+            held_k, held_v = next_k, next_v
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.kernel = ring, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, kernel = ctx.ring, ctx.kernel
+        groups, length = q.shape[1] // k.shape[1], q.shape[2]
+        grad = grad.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        held_k, held_v = k, v
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            works, (next_k, next_v) = ring.shift([held_k, held_v]) if not last else ([], (None, None))
+            rows, cols, causal = ring.blocks(step, length)
+            block_k, block_v = _expand(held_k[:, :, cols], groups), _expand(held_v[:, :, cols], groups)
+            block_dq, block_dk, block_dv = kernel.backward(
+                *(t[:, :, rows].contiguous() for t in (grad, q)),
+                block_k.contiguous(),
+                block_v.contiguous(),
+                out[:, :, rows].contiguous(),
+                lse[..., rows].contiguous(),
+                causal,
+            )
+            dq[:, :, rows] += block_dq.float()
+            dk[:, :, cols] += _reduce(block_dk.float(), groups)
+            dv[:, :, cols] += _reduce(block_dv.float(), groups)
+            Ring.wait(works)
+            # The key/value chunk goes on; its gradient so far goes with it, and after the last step reaches its owner.
+            moved, (dk, dv) = ring.shift([dk, dv])
+            Ring.wait(moved)
+            held_k, held_v = next_k, next_v
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class RingAttentionCore(nn.Module):
+    """The attention core of a block under context parallelism (it replaces `model.AttentionCore`)."""
+
+    def __init__(self, ring: Ring, kernel: str = "auto"):
+        super().__init__()
+        self.ring, self.kernel = ring, kernel
+
+    def forward(self, q, k, v, dropout_p: float = 0.0):
+        kernel = BlockKernel.pick(self.kernel, q.device, q.dtype)
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, kernel)
+
+
+# ---------------------------------------------------------------------------------------------- applied from outside
+def _split_tokens(cp_rank: int, cp_size: int, module, args):
+    """A forward pre-hook of the stage holding the embedding: the tokens [B, S] become this rank's chunks."""
+    tokens = args[0]
+    if tokens.dtype in (torch.int32, torch.int64):
+        tokens = split_sequence(tokens, cp_rank, cp_size)
+    return (tokens, *args[1:])
+
+
+def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -> nn.Module:
+    """Shard a built GPT (or pipeline stage) over the CP group in place: its blocks attend through the ring, its
+    positions are those of this rank's chunks, and the stage with the embedding keeps only their tokens."""
+    if ring.size == 1:
+        return model
+    for block in model.blocks.values():
+        block.attn.core = RingAttentionCore(ring, kernel)
+    model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)
+    if getattr(model, "embed", None) is not None:
+        model.register_forward_pre_hook(functools.partial(_split_tokens, ring.cp_rank, ring.size))
+    return model
+
+
+class ContextParallelLoss:
+    """A loss over this rank's chunks of the targets (the mean over its tokens; the ranks' token counts are equal, so
+    averaging over the CP group gives the whole sequence's mean)."""
+
+    def __init__(self, loss_fn, cp_rank: int, cp_size: int):
+        self.loss_fn, self.cp_rank, self.cp_size = loss_fn, cp_rank, cp_size
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, split_sequence(labels, self.cp_rank, self.cp_size))
