@@ -12,7 +12,7 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS, SAMPLED, check_study, run_study
 from mtnlg_lightning.evaluation.bias.tables import study_table
-from mtnlg_lightning.evaluation.suite import markdown, read_suite, run_suite, table_rows, write_table
+from mtnlg_lightning.evaluation.suite import markdown, read_suite, run_suite, table_paths, table_rows, write_table
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.inference.load import resolve_tokenizer
 from mtnlg_lightning.inference.scoring import Scorer
@@ -35,11 +35,15 @@ def check_args(args) -> None:
         raise MTNLGError("--limit and --stride must be at least 1")
     if args.batch_size < 1:
         raise MTNLGError("--batch-size must be >= 1")
-    if args.output:
-        inputs = [args.checkpoint, args.data, args.fewshot_data, args.tokenizer]
-        check_output(args.output, inputs, replaces_dir=False)
-        if os.path.isdir(args.output):
-            raise MTNLGError(f"--output {args.output} is a directory; name a JSON file")
+    inputs = [args.checkpoint, args.data, args.fewshot_data, args.tokenizer]
+    inputs += [item.partition("=")[2] for item in args.task_data or []]
+    outputs = [("--output", args.output), ("--plot", args.plot)]
+    outputs += [("--table", path) for path in (table_paths(args.table) if args.table else [])]
+    for flag, path in outputs:
+        if path:
+            check_output(path, inputs, replaces_dir=False)
+            if os.path.isdir(path):
+                raise MTNLGError(f"{flag} {path} is a directory; name a file")
     if sum(map(bool, (args.task, args.harness_tasks, args.suite))) > 1:
         raise MTNLGError("name one of --task, --harness-tasks or --suite per run")
     if args.table and not args.suite:
