@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True, help="the jsonl file to write (atomically)")
     p.add_argument("--count", type=int, default=200, help="passages at most")
     p.add_argument("--split", default="969,30,1", help="the trainer's data.split: held-out = valid + test documents")
-    p.add_argument("--min-words", type=int, default=20)
-    p.add_argument("--max-words", type=int, default=80)
+    p.add_argument("--min-words", type=int, default=20, help="shortest passage in words (default: %(default)s)")
+    p.add_argument("--max-words", type=int, default=80, help="longest passage in words (default: %(default)s)")
     args = p.parse_args(argv)
     build_demo_data(progress=False)
     with open(demo_dir() / "python_docs.jsonl", encoding="utf-8") as f:

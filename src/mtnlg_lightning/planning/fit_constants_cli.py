@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         prog="mtnlg-fit-planner-constants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("family", choices=sorted(FAMILIES))
-    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--top", type=int, default=10, help="print the best N settings (default: %(default)s)")
     args = parser.parse_args(argv)
     names = FAMILIES[args.family]
     _, runs = load_runs()

@@ -43,13 +43,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="mtnlg-validate-planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", default=str(DEFAULT_PATH), help="published runs YAML (default: the repository's)")
+    parser.add_argument("--runs", default=None, help="published runs YAML (default: the one shipped with the planner)")
     parser.add_argument("--no-rank", action="store_true", help="skip the search ranking (faster)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a Markdown table")
     args = parser.parse_args(argv)
 
     def body() -> None:
-        _, runs = load_runs(args.runs)
+        _, runs = load_runs(args.runs or DEFAULT_PATH)
         rows = validation_table(runs, with_rank=not args.no_rank)
         print(json.dumps(rows, indent=1) if args.json else markdown(rows, not args.no_rank))
 
