@@ -126,6 +126,9 @@ def main() -> int:
     check_extra_message([str(BIN / "mtnlg-extract"), "crawl.warc.gz", "-o", "crawl_out"], work, "crawl")
     train = [quality, "train", "--positive", "corpus.jsonl", "--negative", "corpus.jsonl", "--model", "m.npz"]
     check_extra_message(train, work, "crawl")
+    # object storage: a URL needs fsspec and s3fs (local paths above needed neither)
+    check_extra_message([str(BIN / "mtnlg-dedup"), "s3://corpora/web.jsonl", "-o", "s3_out"], work, "cloud")
+    check_extra_message([*prep, "--output-prefix", "s3://corpora/data/corpus"], work, "cloud")
     print(f"core install: every core command ran and every optional command named its extra ({work})")
     return 0
 

@@ -85,3 +85,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     rank = {name: position for position, name in enumerate(LONGEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a module is kept
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 endpoint on 127.0.0.1 for the session (tests/object_store.py), this process's environment (and
+    so every tool it starts) pointed at it while it runs; skipped without moto[server], boto3 and s3fs."""
+    for module in ("moto.server", "boto3", "s3fs"):
+        pytest.importorskip(module)
+    from object_store import moto_server
+
+    with moto_server() as store:
+        yield store

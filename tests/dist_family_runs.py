@@ -5,7 +5,8 @@
 
 A run is FAMILY_LAYOUT: FAMILY a random Hugging Face directory the test made (`--model.init_from`) or `gpt` (the
 tiny preset), LAYOUT the strategy spelled like tp2, pp2, cp2, tp2_pp2_dp2_zero1, with _sp for sequence
-parallelism (DP is what is left); context-parallel runs train on sequences of 256 tokens. Suffixes:
+parallelism, _interleaved for the interleaved 1F1B schedule (4 blocks), _acfull for full activation checkpointing
+(DP is what is left); context-parallel runs train on sequences of 256 tokens. Suffixes:
 _ckpt trains 6 steps saving at 3 and 6; _from_LAYOUT resumes that layout's step-3 checkpoint (in OUT_DIR or
 MTNLG_TEST_FROM_DIR). `eval_FAMILY_LAYOUT` evaluates the step-6 checkpoint of FAMILY_LAYOUT_ckpt with `mtnlg-eval`
 in that layout. Rank 0 writes OUT_DIR/NAME.pt for pytest (losses, grad norms, parameters at step 5).
@@ -42,8 +43,10 @@ def layout_kwargs(layout: str) -> dict:
         key = part.rstrip("0123456789")
         if key in keys:
             kwargs[keys[key]] = int(part[len(key) :])
-    if layout.endswith("_sp") or "_sp_" in layout:
+    if "sp" in layout.split("_"):
         kwargs["sequence_parallel"] = True
+    if "interleaved" in layout.split("_"):
+        kwargs["pipeline_schedule"] = "interleaved_1f1b"
     return kwargs
 
 
@@ -75,8 +78,31 @@ def train(name: str, out: Path, world: int) -> dict:
     else:
         strategy, micro_batch = strategy_of(layout)
     source, seq_len = FAMILY_DIRS.get(family), LONG if "cp" in layout.split("_from_")[0] else None
+    parts = layout.split("_")
+    if "acfull" in parts:  # activation checkpointing of every block
+        from mtnlg_lightning.callbacks import ActivationCheckpointing
+
+        extra["callbacks"] = [ActivationCheckpointing(mode="full")]
+    if "interleaved" in parts:  # 2 virtual stages per rank: 4 blocks
+        extra["model_overrides"] = {"num_layers": 4}
+    if "downstream" in parts:  # DownstreamEval scores a long document in the training layout after step 2
+        evaluation = downstream_eval(out)
+        extra |= {"callbacks": [evaluation], "max_steps": 2}
     rec, _ = tiny_run(strategy, devices=world, micro_batch_size=micro_batch, init_from=source, seq_len=seq_len, **extra)
-    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
+    found = {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
+    return found | ({"downstream": evaluation.last} if "downstream" in parts else {})
+
+
+def downstream_eval(out: Path):
+    """`DownstreamEval` of the perplexity of EVAL_TEXT (longer than the model's positions) every 2 steps."""
+    from mtnlg_lightning.data.builtin_corpus import build_demo_data
+    from mtnlg_lightning.evaluation.callback import DownstreamEval
+
+    text = out / "downstream_text.txt"
+    if int(os.environ.get("RANK", "0")) == 0:  # read after the first steps, which every rank has to sync
+        text.write_text(EVAL_TEXT)
+    tokenizer = build_demo_data(progress=False)[1]
+    return DownstreamEval(task="perplexity", data=str(text), tokenizer=tokenizer, every_n_steps=2)
 
 
 def evaluate(name: str, out: Path) -> dict:

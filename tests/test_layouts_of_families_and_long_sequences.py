@@ -10,8 +10,9 @@ sequence parallelism on and off. The tp2 checkpoint resumes in tp4, evaluates in
 numbers, and exports to a directory transformers loads with our logits.
 
 Context parallelism (issue 35): the tiny GPT (learned positions) and the Llama model (RoPE, GQA) on sequences of 256
-tokens in cp2, cp4, tp2 x cp2 (sequence parallelism on and off), cp2 x pp2, cp2 x dp2 ZeRO-1 and cp2 ZeRO-3
-(ZeRO partitions over the CP ranks, which hold the same weights) like one process; a cp2 x dp2 checkpoint resumes
+tokens in cp2, cp4, tp2 x cp2 (sequence parallelism on and off), cp2 x pp2 (1F1B and interleaved), cp2 x dp2
+ZeRO-1, cp2 ZeRO-3 (ZeRO partitions over the CP ranks, which hold the same weights) and cp2 with full activation
+checkpointing like one process; a cp2 x dp2 checkpoint resumes
 in one process with the uninterrupted losses, and evaluates (perplexity of a document longer than the model's
 positions) in a cp2 x dp2 layout with the single-process numbers.
 
@@ -38,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 2e-5
 LONG = 256  # the context-parallel runs' sequence length (dist_family_runs.LONG)
 WORLD2 = ["llama_tp2_ckpt", "llama_tp2_sp", "llama_pp2", "qwen3_tp2", "eval_llama_tp2"]
-WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3"]
+WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3", "llama_cp2_acfull", "gpt_cp2_downstream"]
 WORLD4 = [
     "llama_tp4",
     "llama_tp4_sp",
@@ -48,7 +49,7 @@ WORLD4 = [
     "llama_tp4_from_tp2",  # resumes world2's llama_tp2_ckpt
 ]
 WORLD4 += ["gpt_tp2_cp2", "llama_tp2_cp2", "llama_tp2_cp2_sp", "gpt_cp2_pp2", "llama_cp2_pp2", "llama_cp2_dp2_zero1"]
-WORLD4 += ["gpt_cp4", "llama_cp4", "gpt_cp2_dp2_zero1_ckpt", "eval_gpt_cp2_dp2_zero1"]
+WORLD4 += ["gpt_cp4", "llama_cp4", "gpt_cp2_dp2_zero1_ckpt", "eval_gpt_cp2_dp2_zero1", "gpt_cp2_pp2_interleaved"]
 WORLD8 = ["llama_tp2_pp2_dp2_zero1", "llama_tp2_pp2_dp2_zero1_sp"]
 
 
@@ -87,14 +88,24 @@ def references(family_dirs):
     found = {}
     runs = [("llama", family_dirs["llama"], 6, None), ("qwen3", family_dirs["qwen3"], 5, None)]
     runs += [("gpt@long", None, 6, LONG), ("llama@long", family_dirs["llama"], 5, LONG)]
+    runs += [("gpt4@long", None, 5, LONG)]  # 4 blocks: the interleaved pipeline's
     for name, source, steps, seq_len in runs:
-        rec, _ = tiny_run(max_steps=steps, capture_steps=(CAPTURE_STEP, steps), init_from=source, seq_len=seq_len)
+        blocks = {"num_layers": 4} if name.startswith("gpt4") else None
+        rec, _ = tiny_run(
+            max_steps=steps,
+            capture_steps=(CAPTURE_STEP, steps),
+            init_from=source,
+            seq_len=seq_len,
+            model_overrides=blocks,
+        )
         found[name] = {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
     return found
 
 
 def reference_of(name: str) -> str:
     family, layout = name.split("_", 1)
+    if "interleaved" in layout:
+        return f"{family}4@long"
     return f"{family}@long" if "cp" in layout else family
 
 
@@ -142,6 +153,8 @@ def test_the_layout_trains_like_one_process(name, world, references, world2, wor
         ("gpt_cp2", 2),
         ("llama_cp2", 2),
         ("llama_cp2_zero3", 2),
+        ("llama_cp2_acfull", 2),  # full activation checkpointing: the ring runs again in the recomputation
+        ("gpt_cp2_pp2_interleaved", 4),
         ("gpt_tp2_cp2", 4),
         ("llama_tp2_cp2", 4),
         ("llama_tp2_cp2_sp", 4),
@@ -164,6 +177,16 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process_with_the_uninterru
     uninterrupted = references["gpt@long"]
     assert len(resumed.losses) == 3 and max_rel(resumed.losses, uninterrupted["losses"][3:6]) <= LOSS_RTOL
     assert max_param_diff(resumed.params[6], uninterrupted["params"][6]) <= PARAM_ATOL
+
+
+def test_downstream_eval_scores_in_the_context_parallel_layout_what_one_process_scores(world2, tmp_path):
+    from dist_family_runs import downstream_eval
+
+    single = downstream_eval(tmp_path)
+    tiny_run(max_steps=2, seq_len=LONG, callbacks=[single])
+    in_layout = world2["gpt_cp2_downstream"]["downstream"]
+    assert in_layout.keys() == single.last.keys() == {"perplexity_loss", "perplexity_ppl"}
+    assert abs(in_layout["perplexity_ppl"] / single.last["perplexity_ppl"] - 1) <= 1e-5
 
 
 def test_a_long_document_evaluates_in_a_context_parallel_layout_with_the_single_process_numbers(world4, tmp_path):

@@ -24,6 +24,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "crawl": ("warcio", "justext", "pycld2", "lxml_html_clean", "sklearn"),
     "trafilatura": ("trafilatura",),
     "corpora": ("zstandard", "pyarrow"),
+    "cloud": ("fsspec", "s3fs"),
     "bias": ("textblob", "vaderSentiment"),
 }
 

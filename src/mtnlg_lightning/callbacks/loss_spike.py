@@ -18,8 +18,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.heartbeat import heartbeat
 from mtnlg_lightning.outputs import atomic_write
-from mtnlg_lightning.resilience.heartbeat import heartbeat
 
 Action = Literal["log", "skip", "rewind"]
 SIGNALS = ("loss", "grad_norm")

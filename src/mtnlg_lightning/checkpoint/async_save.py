@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from mtnlg_lightning.resilience.heartbeat import heartbeat
+from mtnlg_lightning.heartbeat import heartbeat
 
 
 class BackgroundSaver:

@@ -6,10 +6,17 @@ from mtnlg_lightning.corpora.formats import COMPRESSIONS
 from mtnlg_lightning.corpora.records import POLICIES
 
 FORMATS_HELP = "JSON lines plain, gzip or zstd (told from the bytes, not the name), JSON arrays of records, parquet"
+URLS_HELP = (
+    "paths or URLs (s3://bucket/corpus/, gs://..., https://... to read; the [cloud] extra; credentials from the "
+    "AWS_* variables or the fsspec config)"
+)
 INPUTS_HELP = (
-    "files, folders (searched recursively for *.jsonl, *.json, *.parquet, *.gz, *.zst) or globs, in any mix; "
+    "files, folders (searched recursively for *.jsonl, *.json, *.parquet, *.gz, *.zst) or globs, in any mix, "
+    + URLS_HELP
+    + "; "
     + FORMATS_HELP
 )
+OUTPUT_URL_HELP = "a URL (s3://bucket/out) is written in a local scratch folder and committed there when complete"
 
 
 def add_bad_record_arg(p) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.corpora.cli_args import OUTPUT_URL_HELP
 from mtnlg_lightning.corpora.engine import available_cores
 from mtnlg_lightning.errors import EXIT_BAD_INPUT
 from mtnlg_lightning.extras import install_hint, missing_modules
@@ -56,8 +57,8 @@ def tool_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def add_output_dir_arg(p, help: str) -> None:
-    """-o/--output-dir OUT, required: the folder a data tool writes its outputs and report into."""
-    p.add_argument("--output-dir", "-o", required=True, metavar="OUT", help=help)
+    """-o/--output-dir OUT, required: the folder (or URL prefix) a data tool writes its outputs and report into."""
+    p.add_argument("--output-dir", "-o", required=True, metavar="OUT", help=f"{help}; {OUTPUT_URL_HELP}")
 
 
 def add_text_key_arg(p) -> None:
@@ -83,7 +84,8 @@ def add_engine_args(p, what: str) -> None:
         choices=["local", "ray"],
         default="local",
         help="'local': this machine, --workers processes; 'ray': every stage as Ray tasks on a cluster (inputs and "
-        "the output directory must be on storage all nodes see); outputs are byte-identical either way",
+        "the output on storage all nodes see: a shared file system, or URLs of an object store, where each worker "
+        "keeps its own copy of the run's work files); outputs are byte-identical either way",
     )
     p.add_argument(
         "--ray-address",

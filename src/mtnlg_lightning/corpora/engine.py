@@ -2,8 +2,9 @@
 
 A task is ``fn(shared, item)`` with ``fn`` a module-level function, ``shared`` read-only data every task of the
 stage needs (settings, a task n-gram index) and ``item`` one partition (a shard, a band, a range of pairs).
-Tasks read and write files on storage every worker sees (the run's work directory) and are idempotent, so a
-retried or resumed task rewrites the same bytes. ``map`` yields results in task order, which is what makes the
+Tasks read and write files on storage every worker sees (the run's work directory; with an output URL on Ray, each
+worker's copy of it, kept in step through the store by :mod:`.mirror`) and are idempotent, so a retried or resumed
+task rewrites the same bytes. ``map`` yields results in task order, which is what makes the
 outputs independent of the engine and of the number of workers.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.corpora.mapcache import clear_maps
+from mtnlg_lightning.corpora.mirror import MirrorDriver, WorkMirror, relocate, scan
 from mtnlg_lightning.extras import install_hint
 
 Task = Callable[[Any, Any], Any]
@@ -97,8 +99,13 @@ class LocalEngine:
 _ray_shared: dict[str, Any] = {}
 
 
-def _ray_call(fn: Task, shared_box: list, items: list) -> list:
-    """Run ``fn`` over a chunk of a stage's items in one Ray task (a Ray task costs milliseconds to schedule)."""
+# Set only inside Ray worker processes of a mirrored run: the manifest this process last brought its copy to.
+_ray_synced: dict[str, str] = {}
+
+
+def _ray_call(fn: Task, shared_box: list, items: list, mirror_box: list | None = None):
+    """Run ``fn`` over a chunk of a stage's items in one Ray task (a Ray task costs milliseconds to schedule).
+    With a mirror (``mirror_box``), on this process's copy of the work folder: returns (results, files written)."""
     import ray  # optional extra [ray]: imported on use
 
     ref = shared_box[0]  # boxed, so that Ray hands over the reference instead of a fresh copy for every task
@@ -107,7 +114,18 @@ def _ray_call(fn: Task, shared_box: list, items: list) -> list:
         _ray_shared.clear()
         _ray_shared[key] = ray.get(ref)
     try:
-        return [fn(_ray_shared[key], item) for item in items]
+        if mirror_box is None:
+            return [fn(_ray_shared[key], item) for item in items]
+        mirror, manifest = ray.get(mirror_box[0])
+        root = mirror.worker_root()
+        if _ray_synced.get(root) != mirror_box[0].hex():
+            mirror.sync(root, manifest)
+            _ray_synced.clear()
+            _ray_synced[root] = mirror_box[0].hex()
+        before = scan(root)
+        shared = relocate(_ray_shared[key], mirror.local_root, root)
+        results = [fn(shared, relocate(item, mirror.local_root, root)) for item in items]
+        return results, mirror.upload_new(root, before)
     finally:
         clear_maps()  # a Ray worker outlives the run: keep no map of a work directory that will be removed
 
@@ -123,7 +141,13 @@ class RayEngine:
     name = "ray"
     TASKS_PER_CPU = 4
 
-    def __init__(self, address: str | None = None, num_cpus: int | None = None, max_retries: int = 3):
+    def __init__(
+        self,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        max_retries: int = 3,
+        mirror: WorkMirror | None = None,
+    ):
         try:
             import ray  # optional extra [ray]: imported on use
         except ImportError:
@@ -149,6 +173,7 @@ class RayEngine:
             self.started_here = True
         self._remote = ray.remote(max_retries=max_retries)(_ray_call)
         self._put: tuple[Any, Any] | None = None  # (shared object, its object ref): stages sharing it put it once
+        self.mirror = MirrorDriver(mirror) if mirror is not None else None
 
     @property
     def cpus(self) -> int:
@@ -165,16 +190,23 @@ class RayEngine:
         # CPU with half again as many items as the other (20 shards on 2 CPUs: chunks of 3,3,3,3,3,3,2).
         chunks = max(1, min(len(items), self.TASKS_PER_CPU * max(1, self.cpus)))
         bounds = [len(items) * c // chunks for c in range(chunks + 1)]
-        futures = [self._remote.remote(fn, [shared_ref], items[a:b]) for a, b in itertools.pairwise(bounds)]
+        mirror_box = None
+        if self.mirror is not None and items:  # the workers' copies brought to the driver's folder first
+            mirror_box = [ray.put((self.mirror.mirror, self.mirror.publish()))]
+        futures = [self._remote.remote(fn, [shared_ref], items[a:b], mirror_box) for a, b in itertools.pairwise(bounds)]
         done = 0
         try:
             for f in futures:
                 try:
-                    yield from ray.get(f)
+                    results = ray.get(f)
                 except ray.exceptions.RayTaskError as err:
                     cause = getattr(err, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else err) from None
+                if mirror_box is not None:
+                    results, written = results
+                    self.mirror.receive(written)
                 done += 1
+                yield from results
         finally:
             if done < len(futures):  # error, interrupt or a consumer that left: settle the rest before returning
                 self._settle(futures[done:])
@@ -195,9 +227,13 @@ class RayEngine:
             self.started_here = False
 
 
-def make_engine(engine: str, workers: int, ray_address: str | None = None) -> LocalEngine | RayEngine:
+def make_engine(
+    engine: str, workers: int, ray_address: str | None = None, mirror: WorkMirror | None = None
+) -> LocalEngine | RayEngine:
+    """The engine of a run; ``mirror``: the Ray workers work on copies of the work folder kept in step through the
+    store (a run whose output is a URL; the local engine works in the folder itself)."""
     if engine == "local":
         return LocalEngine(workers)
     if engine == "ray":
-        return RayEngine(ray_address)
+        return RayEngine(ray_address, mirror=mirror)
     raise InputError(f"unknown engine {engine!r}; choose local or ray")

@@ -13,7 +13,8 @@ import io
 from dataclasses import dataclass
 from typing import IO
 
-from mtnlg_lightning.errors import InputError, MTNLGError
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.storage import CorpusError
 from mtnlg_lightning.extras import install_hint
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -25,13 +26,6 @@ COMPRESSIONS = ("none", "gzip", "zstd")
 GZIP_LEVEL = 1
 ZSTD_LEVEL = 1
 _SUFFIX = {"gzip": ".gz", "zstd": ".zst"}
-
-
-class CorpusError(InputError, MTNLGError):
-    """Bad corpus input (a missing file, a bad record, a missing optional package): one line, exit status 2.
-
-    Both the curation tools' :class:`InputError` and the data tools' :class:`MTNLGError`, so every CLI prints
-    it the way it prints its own errors."""
 
 
 @dataclass(frozen=True)
@@ -57,21 +51,36 @@ def need(module: str, path: str, what: str):
 
 
 def open_read(path: str, compression: str) -> IO[bytes]:
-    """A binary stream of the decompressed bytes (read in blocks: memory bounded whatever the file size)."""
+    """A binary stream of the decompressed bytes of a file or URL (read in blocks: memory bounded whatever the
+    file size; a URL streams in ranged requests)."""
     if compression == "gzip":
-        return gzip.open(path, "rb")
+        return _OwningGzip(storage.open_binary(path))
     if compression == "zstd":
         zstd = need("zstandard", path, "zstd")
-        raw = open(path, "rb")  # noqa: SIM115 - closed with the reader (closefd)
+        raw = storage.open_binary(path)
         return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
-    return open(path, "rb")
+    return storage.open_binary(path)
+
+
+class _OwningGzip(gzip.GzipFile):
+    """A gzip reader that closes the stream it reads (``gzip.open`` does so only for a file it opened itself)."""
+
+    def __init__(self, raw: IO[bytes]):
+        super().__init__(fileobj=raw, mode="rb")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
 
 
 def detect(path: str) -> Format:
     """What ``path`` holds, from its first bytes; raises :class:`CorpusError` (one line) when it cannot be read
     or the package its format needs is missing (checked here, before any work starts)."""
     try:
-        with open(path, "rb") as f:
+        with storage.open_binary(path) as f:
             head = f.read(4)
     except IsADirectoryError:
         raise CorpusError(f"{path}: is a directory, expected a data file") from None

@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import mtnlg_lightning.corpora.commit as commit
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning import outputs
 from mtnlg_lightning.corpora.records import SKIP_HINT, BadRecord, check_line, locate
 from mtnlg_lightning.errors import InputError, MTNLGError
@@ -23,6 +25,13 @@ from mtnlg_lightning.errors import InputError, MTNLGError
 def check_input_files(paths: list[str]) -> None:
     """Fail early (before any output is written) on missing, unreadable or empty input files."""
     for path in paths:
+        if storage.is_url(path):
+            found = storage.info(path)  # one line for a missing bucket or key, refused credentials
+            if found.is_dir:
+                raise InputError(f"{path}: is a directory, expected a JSONL file")
+            if found.size == 0:
+                raise InputError(f"{path}: empty input (no records)")
+            continue
         if not os.path.exists(path):
             raise InputError(f"{path}: no such file")
         if os.path.isdir(path):
@@ -81,7 +90,7 @@ class ShardRecords:
 def iter_lines(path: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
     """Yield ``(byte_offset, raw_line)`` for lines that *start* in ``[start, end)`` (``start`` must be a
     line start). Raw lines keep their trailing newline."""
-    with open(path, "rb") as f:
+    with storage.open_binary(path) as f:
         f.seek(start)
         pos = start
         for line in f:
@@ -102,9 +111,9 @@ def iter_records(path: str, text_key: str = "text") -> Iterator[tuple[int, dict,
 
 def line_starts_plan(path: str, target_bytes: int) -> list[tuple[int, int]]:
     """Split a file into byte ranges of about ``target_bytes`` aligned to line starts."""
-    size = os.path.getsize(path)
+    size = storage.getsize(path)
     bounds = [0]
-    with open(path, "rb") as f:
+    with storage.open_binary(path) as f:
         while True:
             nxt = bounds[-1] + max(1, target_bytes)
             if nxt >= size:
@@ -128,7 +137,7 @@ def shard_size(total_bytes: int, max_bytes: int, cpus: int, min_bytes: int = 1 <
 def count_lines_before(path: str, offset: int) -> int:
     """Number of newline characters before ``offset`` (used to turn shard-local line numbers into global ones)."""
     n = 0
-    with open(path, "rb") as f:
+    with storage.open_binary(path) as f:
         remaining = offset
         while remaining > 0:
             chunk = f.read(min(remaining, 1 << 20))
@@ -144,9 +153,9 @@ atomic_write = outputs.atomic_write
 
 
 def guard_output(path: str, inputs: list[str]) -> None:
-    """`outputs.check_output` for an output file, as the curation tools' `InputError`."""
+    """`outputs.check_output` for an output file or URL, as the curation tools' `InputError`."""
     try:
-        outputs.check_output(path, inputs, replaces_dir=False)
+        commit.check_output(path, inputs, replaces_dir=False)
     except MTNLGError as error:
         raise InputError(str(error)) from None
 

@@ -12,6 +12,7 @@ import codecs
 import json
 from collections.abc import Iterable, Iterator
 
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect, need, open_read
 from mtnlg_lightning.corpora.records import BadRecord, BadRecordPolicy, Record, locate, parse_line, text_of
 from mtnlg_lightning.corpora.sources import InputFile
@@ -22,8 +23,9 @@ _BLOCK = 1 << 20
 
 def parquet_file(path: str):
     pq = need("pyarrow.parquet", path, "parquet")
+    source = storage.open_random_access(path) if storage.is_url(path) else path
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(source)
     except Exception as err:  # pyarrow.ArrowInvalid: not a parquet file after all, or truncated
         raise CorpusError(f"{path}: cannot read parquet: {' '.join(str(err).split())}") from None
 

@@ -1,7 +1,8 @@
 """Any input as plain JSON lines, one line per record, for the tools that work on byte ranges of plain files.
 
 The curation tools address documents by (file, byte offset) and split files into byte ranges; a compressed file
-has no byte ranges to split. A non-plain input is therefore decompressed once into the run's work directory (one
+has no byte ranges to split, and an object in a store answers each byte range with a request. A non-plain input,
+and any input named by a URL, is therefore streamed once into the run's work directory as plain JSON lines (one
 task per file, in parallel) and everything after runs on that copy. Line ``n`` of the copy is record ``n`` of the
 input (blank lines of JSON lines are kept), so line numbers in messages and reports are the input's own, and
 the kept lines map back to the input's rows when the output is written in its format.
@@ -13,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.formats import Format, detect, open_read
 from mtnlg_lightning.corpora.jsonl import atomic_write
 from mtnlg_lightning.corpora.readers import iter_raw
@@ -23,7 +25,7 @@ from mtnlg_lightning.corpora.sources import expand_inputs
 class CorpusInput:
     """One input file of a curation run."""
 
-    path: str  # absolute
+    path: str  # absolute, or a URL
     label: str  # as the user can find it, for messages
     name: str  # output-relative name
     fmt: Format
@@ -32,7 +34,15 @@ class CorpusInput:
 def resolve_inputs(specs: list[str]) -> list[CorpusInput]:
     """Files, folders and globs to input files with their formats (a missing package is reported here, before
     any work starts)."""
-    return [CorpusInput(os.path.abspath(f.path), f.path, f.name, detect(f.path)) for f in expand_inputs(specs)]
+    return [
+        CorpusInput(f.path if storage.is_url(f.path) else os.path.abspath(f.path), f.path, f.name, detect(f.path))
+        for f in expand_inputs(specs)
+    ]
+
+
+def needs_copy(inp: CorpusInput) -> bool:
+    """Whether the run works on a plain copy of ``inp`` rather than the file itself."""
+    return not inp.fmt.plain_jsonl or storage.is_url(inp.path)
 
 
 def _stage_task(_shared, job: tuple) -> int:
@@ -40,18 +50,18 @@ def _stage_task(_shared, job: tuple) -> int:
 
 
 def plain_copies(inputs: list[CorpusInput], work_dir: str, engine, columns: list[str] | None = None) -> list[str]:
-    """The plain JSON lines to work on for every input: the input itself when it is plain JSON lines, else its
-    copy under ``work_dir`` (made by ``engine``, one task per file; a copy already there is kept)."""
+    """The plain JSON lines to work on for every input: the input itself when it is a local plain JSON-lines file,
+    else its copy under ``work_dir`` (made by ``engine``, one task per file; a copy already there is kept)."""
     paths, jobs = [], []
     for i, inp in enumerate(inputs):
-        if inp.fmt.plain_jsonl:
+        if not needs_copy(inp):
             paths.append(inp.path)
             continue
         dest = os.path.join(work_dir, f"f{i:05d}.jsonl")
         paths.append(dest)
         if not os.path.exists(dest):
             jobs.append((inp.path, inp.fmt, dest, columns))
-    jobs.sort(key=lambda j: -os.path.getsize(j[0]))  # the largest first: the workers finish together
+    jobs.sort(key=lambda j: -storage.getsize(j[0]))  # the largest first: the workers finish together
     if jobs:  # none: no engine call at all (on Ray even an empty stage costs a task)
         for _ in engine.map(_stage_task, jobs):
             pass

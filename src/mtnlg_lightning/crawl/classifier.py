@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.jsonl import atomic_write
 
 FORMAT = "mtnlg-quality-classifier/1"
@@ -54,7 +55,7 @@ class QualityModel:
 
     @classmethod
     def load(cls, path: str) -> QualityModel:
-        with np.load(path, allow_pickle=False) as z:
+        with storage.open_random_access(path) as f, np.load(f, allow_pickle=False) as z:
             config = json.loads(str(z["config"]))
             if config.get("format") != FORMAT:
                 raise ValueError(f"{path}: not a {FORMAT} model")

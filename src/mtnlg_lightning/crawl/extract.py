@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.commit import destination
 from mtnlg_lightning.corpora.jsonl import dumps_line
 from mtnlg_lightning.crawl.html_text import page_text
 from mtnlg_lightning.crawl.language import BAD_CHARS, identify_language
@@ -209,14 +211,13 @@ def extract_part(settings: ExtractSettings, item: Part, on_record=None) -> dict:
 
 # --- a run -------------------------------------------------------------------------------------------------------
 
+REPORT_NAME = "extract_report.json"
 WARC_SUFFIXES = (".warc.wet.gz", ".warc.wet", ".warc.gz", ".wet.gz", ".arc.gz", ".warc", ".wet", ".gz")
 
 
 def shard_name(path: str) -> str:
     """OUT/<input name without its WARC suffixes>.jsonl"""
-    import os
-
-    name = os.path.basename(path)
+    name = storage.basename(path)
     for suffix in WARC_SUFFIXES:
         if name.endswith(suffix):
             name = name[: -len(suffix)]
@@ -225,18 +226,21 @@ def shard_name(path: str) -> str:
 
 
 def check_inputs(paths: list[str]) -> None:
+    """Every input a readable, non-empty WARC/WET file or URL, and no two writing the same shard; one line each."""
     import os
 
     from mtnlg_lightning.corpora.jsonl import InputError
 
     seen: dict[str, str] = {}
     for path in paths:
-        if not os.path.isfile(path):
+        if storage.is_url(path):
+            if storage.info(path).is_dir:
+                raise InputError(f"{path}: not a file")
+        elif not os.path.isfile(path):
             raise InputError(f"{path}: no such file" if not os.path.exists(path) else f"{path}: not a file")
-        if not os.access(path, os.R_OK):
+        elif not os.access(path, os.R_OK):
             raise InputError(f"{path}: not readable")
-        with open(path, "rb") as f:
-            head = f.read(512)
+        head = storage.read_bytes(path, 0, 512)
         if not head:
             raise InputError(f"{path}: empty input (no records)")
         if not (head.startswith(b"\x1f\x8b") or head.startswith(b"WARC/")):
@@ -276,6 +280,8 @@ def run_extract(
     from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
 
     check_inputs(inputs)
+    dest = destination(output_dir)  # a URL: written in a scratch folder, committed at the end
+    output_dir = dest.local
     os.makedirs(output_dir, exist_ok=True)
     t0 = time.perf_counter()
     runner = make_engine(engine, workers, ray_address)
@@ -350,7 +356,8 @@ def run_extract(
         "seconds": round(time.perf_counter() - t0, 3),
         "files": files,
     }
-    write_json_atomic(os.path.join(output_dir, "extract_report.json"), report, fsync=True)
+    write_json_atomic(os.path.join(output_dir, REPORT_NAME), report, fsync=True)
+    dest.publish([f["output"] for f in files.values()] + [REPORT_NAME])
     return report
 
 

@@ -1,10 +1,11 @@
-"""``mtnlg-extract`` / ``python tools/extract.py``: WARC/WET files to JSON lines of text with their language."""
+"""``mtnlg-extract``: WARC/WET files to JSON lines of text with their language."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from mtnlg_lightning.corpora.cli_args import URLS_HELP
 from mtnlg_lightning.corpora.cli_common import (
     INTERRUPTED,
     add_engine_args,
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
             "responses are counted and passed over. Output is the same bytes whatever --workers and --engine."
         ),
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="WARC or WET files, gzip (.warc.gz) or plain")
+    p.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="WARC or WET files, gzip (.warc.gz) or plain, " + URLS_HELP
+    )
     add_output_dir_arg(
         p,
         "directory for the JSONL shards and extract_report.json (created if missing; shards are replaced atomically)",

@@ -1,7 +1,8 @@
 """The runs behind ``mtnlg-quality``: annotate with heuristic signals, train the classifier, score, filter.
 
 Every command reads JSON lines through :func:`read_documents` only, and writes OUT/<input name> atomically (one
-output per input, records in input order, every field of the input kept).
+output per input, records in input order, every field of the input kept). Inputs, OUT and the model may be URLs
+(an output URL is written in a scratch folder and committed when complete: :mod:`mtnlg_lightning.corpora.commit`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.commit import Destination, destination, output_file
 from mtnlg_lightning.corpora.jsonl import (
     InputError,
     atomic_write,
@@ -44,11 +47,12 @@ def check_io(inputs: list[str], output_dir: str | None) -> None:
         return
     names: dict[str, str] = {}
     for path in inputs:
-        name = os.path.basename(path)
+        name = storage.basename(path)
         if name in names:
-            raise InputError(f"{path} and {names[name]} would both write {os.path.join(output_dir, name)}")
+            raise InputError(f"{path} and {names[name]} would both write {storage.join(output_dir, name)}")
         names[name] = path
-        if os.path.abspath(os.path.join(output_dir, name)) == os.path.abspath(path):
+        out = storage.join(output_dir, name)
+        if out == path or (not storage.is_url(out) and os.path.abspath(out) == os.path.abspath(path)):
             raise InputError(f"{path}: the output would replace the input; choose another --output-dir")
 
 
@@ -60,25 +64,29 @@ def _rewrite(inputs, output_dir, text_key, progress, desc, transform) -> dict:
     """Apply ``transform(record, text) -> record | None`` to every document; None drops it. Returns the count of
     documents in and out."""
     os.makedirs(output_dir, exist_ok=True)
-    bar = _bar(sum(os.path.getsize(p) for p in inputs), desc, progress)
+    sizes = [storage.getsize(p) for p in inputs]
+    bar = _bar(sum(sizes), desc, progress)
     documents = kept = 0
-    for path in inputs:
-        with atomic_write(os.path.join(output_dir, os.path.basename(path)), "wb", fsync=True) as out:
+    for path, size in zip(inputs, sizes, strict=True):
+        with atomic_write(os.path.join(output_dir, storage.basename(path)), "wb", fsync=True) as out:
             for _, record, text in read_documents(path, text_key):
                 documents += 1
                 result = transform(record, text)
                 if result is not None:
                     kept += 1
                     out.write(dumps_line(result))
-        bar.update(os.path.getsize(path))
+        bar.update(size)
     bar.close()
     return {"documents": documents, "kept": kept}
 
 
-def _write_report(output_dir: str, command: str, t0: float, **figures) -> dict:
-    """OUT/quality_<command>_report.json, written atomically: the command, its figures, the seconds since `t0`."""
+def _write_report(dest: Destination, inputs: list[str], command: str, t0: float, **figures) -> dict:
+    """OUT/quality_<command>_report.json, written atomically, after the outputs (for a URL, all committed then):
+    the command, its figures, the seconds since `t0`."""
     report = {"command": command, **figures, "seconds": round(time.perf_counter() - t0, 3)}
-    write_json_atomic(os.path.join(output_dir, f"quality_{command}_report.json"), report, fsync=True)
+    name = f"quality_{command}_report.json"
+    write_json_atomic(os.path.join(dest.local, name), report, fsync=True)
+    dest.publish([storage.basename(p) for p in inputs] + [name])
     return report
 
 
@@ -90,6 +98,7 @@ def annotate(inputs, output_dir, rule_settings: dict, text_key="text", progress=
     nothing is dropped. Report: documents failing each rule (a document failing several rules counts under each)
     and documents failing any rule (counted once)."""
     check_io(inputs, output_dir)
+    dest = destination(output_dir)
     t0 = time.perf_counter()
     per_rule: Counter = Counter({name: 0 for name in rule_settings})
     failing = Counter()
@@ -101,9 +110,10 @@ def annotate(inputs, output_dir, rule_settings: dict, text_key="text", progress=
         failing["any"] += bool(failed)
         return {**record, SIGNALS_KEY: signals, FAILED_KEY: failed}
 
-    counts = _rewrite(inputs, output_dir, text_key, progress, "annotate", transform)
+    counts = _rewrite(inputs, dest.local, text_key, progress, "annotate", transform)
     return _write_report(
-        output_dir,
+        dest,
+        inputs,
         "annotate",
         t0,
         documents=counts["documents"],
@@ -166,7 +176,8 @@ def train_model(
                 **binary_metrics(predicted, [True] * n_pos + [False] * n_neg),
             }
     model = train(pos, neg, n_features, max_ngram, c, seed)
-    model.save(model_path)
+    with output_file(model_path) as local:
+        model.save(local)
     report.update(model=model_path, n_features=n_features, max_ngram=max_ngram, c=c, seed=seed)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
@@ -176,25 +187,30 @@ def score(inputs, output_dir, model_path: str, text_key="text", batch: int = 512
     """Add ``quality_score`` (P(curated), in [0, 1]) to every document."""
     check_io(inputs, output_dir)
     model = load_model(model_path)
+    dest = destination(output_dir)
     t0 = time.perf_counter()
-    os.makedirs(output_dir, exist_ok=True)
-    bar = _bar(sum(os.path.getsize(p) for p in inputs), "score", progress)
+    os.makedirs(dest.local, exist_ok=True)
+    sizes = [storage.getsize(p) for p in inputs]
+    bar = _bar(sum(sizes), "score", progress)
     documents = 0
     histogram = [0] * 10
-    for path in inputs:
-        with atomic_write(os.path.join(output_dir, os.path.basename(path)), "wb", fsync=True) as out:
+    for path, size in zip(inputs, sizes, strict=True):
+        with atomic_write(os.path.join(dest.local, storage.basename(path)), "wb", fsync=True) as out:
             for chunk in batched(read_documents(path, text_key), batch):
                 documents += len(chunk)
                 for (_, record, _), s in zip(chunk, model.scores([text for _, _, text in chunk]), strict=True):
                     histogram[min(9, int(s * 10))] += 1
                     out.write(dumps_line({**record, SCORE_KEY: round(float(s), 6)}))
-        bar.update(os.path.getsize(path))
+        bar.update(size)
     bar.close()
-    return _write_report(output_dir, "score", t0, documents=documents, score_histogram_tenths=histogram)
+    return _write_report(dest, inputs, "score", t0, documents=documents, score_histogram_tenths=histogram)
 
 
 def load_model(path: str) -> QualityModel:
-    if not os.path.isfile(path):
+    if storage.is_url(path):
+        if storage.info(path).is_dir:
+            raise InputError(f"{path}: no such model file")
+    elif not os.path.isfile(path):
         raise InputError(f"{path}: no such model file")
     try:
         return QualityModel.load(path)
@@ -222,6 +238,7 @@ def filter_documents(
     Report: documents dropped by each criterion (a document failing several counts under each) and in total
     (once)."""
     check_io(inputs, output_dir)
+    dest = destination(output_dir)
     t0 = time.perf_counter()
     dropped_by: Counter = Counter()
     if threshold is not None:
@@ -255,9 +272,10 @@ def filter_documents(
         dropped_by.update(reasons)
         return None if reasons else record
 
-    counts = _rewrite(inputs, output_dir, text_key, progress, "filter", transform)
+    counts = _rewrite(inputs, dest.local, text_key, progress, "filter", transform)
     return _write_report(
-        output_dir,
+        dest,
+        inputs,
         "filter",
         t0,
         documents=counts["documents"],

@@ -1,10 +1,11 @@
-"""``mtnlg-quality`` / ``python tools/quality.py``: heuristic rules, the quality classifier, scoring, filtering."""
+"""``mtnlg-quality``: heuristic rules, the quality classifier, scoring, filtering."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from mtnlg_lightning.corpora.cli_args import URLS_HELP
 from mtnlg_lightning.corpora.cli_common import (
     INTERRUPTED,
     add_output_dir_arg,
@@ -70,7 +71,9 @@ def _rules_epilog() -> str:
 
 
 def _add_io(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="+", metavar="IN.jsonl", help="JSON lines files, one document per line")
+    p.add_argument(
+        "inputs", nargs="+", metavar="IN.jsonl", help="JSON lines files, one document per line, " + URLS_HELP
+    )
     add_output_dir_arg(
         p, "directory for OUT/<input name> (written atomically; must not be the inputs' directory) and the report"
     )
@@ -136,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--positive", nargs="+", required=True, metavar="POS.jsonl", help="curated (good) documents")
     t.add_argument("--negative", nargs="+", required=True, metavar="NEG.jsonl", help="raw crawl (bad) documents")
-    t.add_argument("--model", required=True, metavar="MODEL.npz", help="where to save the model (atomically)")
+    t.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL.npz",
+        help="where to save the model (atomically), a path or a URL",
+    )
     add_text_key_arg(t)
     t.add_argument(
         "--holdout",
@@ -156,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         "every document (all fields kept).",
     )
     _add_io(s)
-    s.add_argument("--model", required=True, metavar="MODEL.npz", help="a model saved by 'mtnlg-quality train'")
+    s.add_argument(
+        "--model", required=True, metavar="MODEL.npz", help="a model saved by 'mtnlg-quality train' (a path or a URL)"
+    )
     s.add_argument("--batch", type=positive_int, default=512, help="documents vectorised at a time")
 
     f = sub.add_parser(

@@ -15,6 +15,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import mtnlg_lightning.corpora.storage as storage
+
 GZIP_MAGIC = b"\x1f\x8b\x08"
 WARC_LINE = b"WARC/1."
 _SCAN_BLOCK = 1 << 20
@@ -60,8 +62,7 @@ def next_record_start(f, start: int, gzipped: bool) -> int | None:
 
 
 def is_gzipped(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(3) == GZIP_MAGIC
+    return storage.read_bytes(path, 0, 3) == GZIP_MAGIC
 
 
 def iter_records(path: str) -> Iterator[tuple[int, object]]:
@@ -71,7 +72,7 @@ def iter_records(path: str) -> Iterator[tuple[int, object]]:
 
     gzipped = is_gzipped(path)
     number = 0
-    with open(path, "rb") as f:
+    with storage.open_binary(path) as f:
         base = 0
         while True:
             f.seek(base)

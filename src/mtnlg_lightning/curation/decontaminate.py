@@ -5,7 +5,8 @@ any number of inputs (files, folders, globs) and ``output_dir``: one output per 
 files keep their paths below it), in the input's format; n-grams are counted over every input together (a common
 phrase is common in the whole corpus). Work files live in ``<output dir>/.decontaminate-work-<output name>/``; a
 killed run re-run with the same arguments resumes (finished shards of either pass are kept). Every output appears
-complete or not at all, then ``report.json``, written last.
+complete or not at all, then ``report.json``, written last. Outputs named by URLs are made in a local scratch
+folder (where a killed run resumes) and committed there at the end (:mod:`mtnlg_lightning.corpora.commit`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
+from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
@@ -62,16 +66,23 @@ class DecontamConfig:
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
     def out_dir(self) -> str:
-        return os.path.abspath(self.output_dir) if self.output_dir else os.path.dirname(os.path.abspath(self.output))
+        """The output folder, or URL prefix."""
+        if self.output_dir:
+            return self.output_dir.rstrip("/") if storage.is_url(self.output_dir) else os.path.abspath(self.output_dir)
+        return storage.parent(self.output)
 
     def report_path(self) -> str:
-        return self.report or os.path.join(self.out_dir(), "report.json")
+        return self.report or storage.join(self.out_dir(), "report.json")
+
+    def local_dir(self) -> str:
+        """Where the run writes: the output folder, or for a URL a scratch folder its outputs are committed from."""
+        out = self.out_dir()
+        return scratch_dir(self.output or out) if storage.is_url(out) else out
 
     def work_dir(self) -> str:
         if self.output_dir:
-            return os.path.join(self.out_dir(), ".decontaminate-work")
-        out = os.path.abspath(self.output)
-        return os.path.join(os.path.dirname(out), f".decontaminate-work-{os.path.basename(out)}")
+            return os.path.join(self.local_dir(), ".decontaminate-work")
+        return os.path.join(self.local_dir(), f".decontaminate-work-{storage.basename(self.output)}")
 
     def settings(self) -> dict:
         return {
@@ -91,8 +102,16 @@ class DecontamConfig:
 
 
 def _file_stat(path: str) -> dict:
+    if storage.is_url(path):
+        found = storage.info(path)
+        return {"path": path, "size": found.size, "version": found.version}
     st = os.stat(path)
     return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _written_at(target: str, local_dir: str, name: str) -> str:
+    """The local file a run writes for ``target``: the target itself, or for a URL a file in the scratch folder."""
+    return os.path.join(local_dir, name) if storage.is_url(target) else target
 
 
 class DecontamJob:
@@ -101,6 +120,7 @@ class DecontamJob:
         self.hooks = hooks or StageHooks()
         self.work = cfg.work_dir()
         self.out_dir = cfg.out_dir()
+        self.local_dir = cfg.local_dir()
         self.created_dirs: list[str] = []
 
     def validate(self) -> None:
@@ -108,6 +128,9 @@ class DecontamJob:
         BadRecordPolicy(cfg.on_bad_record)  # checks the name
         if (cfg.output is None) == (cfg.output_dir is None):
             raise InputError("name either --output (one input file) or --output-dir (one output per input)")
+        for target in (cfg.output or cfg.output_dir, cfg.report):
+            if storage.is_url(target):
+                check_writable(target)
         self.sources = resolve_inputs(cfg.inputs)
         if cfg.output is not None:
             if len(self.sources) != 1:
@@ -117,7 +140,7 @@ class DecontamJob:
                 )
             self.outputs = [cfg.output]
         else:
-            if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            if storage.exists(self.out_dir) and not storage.isdir(self.out_dir):
                 raise InputError(f"--output-dir {cfg.output_dir} is a file, expected a directory")
             names = [output_name(f.name, f.fmt, cfg.output_compression) for f in self.sources]
             seen: dict[str, str] = {}
@@ -128,10 +151,10 @@ class DecontamJob:
                         "would collide"
                     )
                 seen[name] = source.label
-            self.outputs = [os.path.join(self.out_dir, n) for n in names]
+            self.outputs = [storage.join(self.out_dir, n) for n in names]
         inputs = [f.path for f in self.sources]
         for path in (*self.outputs, cfg.report_path()):
-            if os.path.isdir(path):
+            if storage.isdir(path):
                 raise InputError(f"{path} is a directory, expected a file to write")
             guard_output(path, [*inputs, *cfg.tasks])  # an output file is never an input file
         guard_output(cfg.report_path(), self.outputs)
@@ -156,7 +179,7 @@ class DecontamJob:
                 plan = None
         if plan is None:
             shutil.rmtree(self.work, ignore_errors=True)
-            d = self.out_dir
+            d = self.local_dir
             while not os.path.isdir(d):  # remember what we create, to remove it again after bad input
                 self.created_dirs.append(d)
                 d = os.path.dirname(d)
@@ -174,8 +197,16 @@ class DecontamJob:
             for i, (s, e) in enumerate(ranges)
         ]
 
+    def mirror(self) -> WorkMirror | None:
+        """With an output URL on Ray: the work folder's twin in the store, for workers on other machines."""
+        if storage.is_url(self.out_dir) and self.cfg.engine == "ray":
+            return WorkMirror(self.local_dir, storage.join(self.out_dir, MIRROR_PREFIX))
+        return None
+
     def cleanup_after_error(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+        if self.mirror() is not None:
+            storage.remove(self.mirror().remote_root, recursive=True)
         for d in self.created_dirs:  # innermost first
             try:
                 os.rmdir(d)
@@ -188,7 +219,7 @@ class DecontamJob:
         t0 = time.perf_counter()
         index = load_tasks(cfg.tasks, cfg.max_ngram, cfg.min_ngram)
         t_tasks = time.perf_counter() - t0
-        engine = make_engine(cfg.engine, cfg.workers, cfg.ray_address)
+        engine = make_engine(cfg.engine, cfg.workers, cfg.ray_address, self.mirror())
         try:
             try:
                 shards = self.prepare(engine)
@@ -216,17 +247,53 @@ class DecontamJob:
                 raise
         finally:
             engine.close()
-        if os.path.exists(cfg.report_path()):  # replaced last: the old one never describes the new output
-            os.unlink(cfg.report_path())
-        for f, (output, source) in enumerate(zip(self.outputs, self.sources, strict=True)):
+        report_path = cfg.report_path()
+        if not storage.is_url(report_path) and os.path.exists(report_path):
+            os.unlink(report_path)  # replaced last: the old one never describes the new output
+        names = [self._name(output) for output in self.outputs]
+        written = [_written_at(o, self.local_dir, n) for o, n in zip(self.outputs, names, strict=True)]
+        for f, (output, source) in enumerate(zip(written, self.sources, strict=True)):
             concatenate_parts(ctx, output, source, cfg.output_compression, f)
         self.hooks.point("publish:1")
         report = self.build_report(ctx, runner, t_tasks)
-        write_json_atomic(cfg.report_path(), report, fsync=True)
+        report_written = _written_at(report_path, self.local_dir, ".report.json")
+        write_json_atomic(report_written, report, fsync=True)
+        remote = [(w, o) for w, o in zip(written, self.outputs, strict=True) if storage.is_url(o)]
+        if storage.is_url(report_path):  # the report marks the result complete: removed first, committed last
+            remote.append((report_written, report_path))
+        commit(remote, markers=1 if storage.is_url(report_path) else 0, point=self.hooks.point)
+        if report_written != report_path:
+            os.unlink(report_written)
         shutil.rmtree(self.work, ignore_errors=True)
+        if storage.is_url(self.out_dir):
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+        if self.mirror() is not None:
+            storage.remove(self.mirror().remote_root, recursive=True)
         return report
 
+    def _name(self, output: str) -> str:
+        """An output's path below the output folder (its base name with --output)."""
+        if self.cfg.output is not None:
+            return storage.basename(output)
+        return output[len(self.out_dir) :].lstrip("/" + os.sep)
+
     def build_report(self, ctx: DecontamContext, runner: StageRunner, t_tasks: float) -> dict:
+        """`report.json` (or `--report`), written after the outputs are complete:
+
+        tool             "mtnlg-decontaminate"
+        settings         input, output(s), tasks, n-gram lengths, window, min_piece, max_splits,
+                         frequent_threshold, workers, engine
+        tasks            task_texts per task, ngrams (how many), ngrams_by_length
+        frequent_ngrams  ignored (n-grams in >= frequent_threshold documents), top: [{ngram, documents, tasks}]
+        documents        in, records_out, clean, trimmed, split, dropped_too_many_splits, dropped_no_piece_left,
+                         bad_records_skipped, matches_removed, chars_removed
+        hits             documents, per_task {documents, matches}, list: [{file, line, id, ngrams: [{ngram,
+                         tasks}]}] (the first ones; list_truncated says whether there are more)
+        bad_records      skipped records by reason
+        input_files, input_format(s), bytes_in
+        timings_s        load_tasks, count_pass, clean_pass; mb_per_s, mb_per_s_per_worker
+        resumed_stages   the passes a resumed run found finished
+        """
         cfg, index = self.cfg, ctx.index
         count, clean = runner.stats["count"], runner.stats["clean"]
         outcome = Counter(clean["outcome"])

@@ -1,11 +1,17 @@
-"""``mtnlg-decontaminate`` / ``python tools/decontaminate.py``: remove downstream-task n-grams from training data."""
+"""``mtnlg-decontaminate``: remove downstream-task n-grams from training data."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from mtnlg_lightning.corpora.cli_args import FORMATS_HELP, add_bad_record_arg, add_output_compression_arg
+from mtnlg_lightning.corpora.cli_args import (
+    FORMATS_HELP,
+    OUTPUT_URL_HELP,
+    URLS_HELP,
+    add_bad_record_arg,
+    add_output_compression_arg,
+)
 from mtnlg_lightning.corpora.cli_common import (
     INTERRUPTED,
     add_engine_args,
@@ -45,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="TASKS.jsonl",
         help='task files, folders or globs, records {"task": name, "text": ...} ("task" defaults to the file name '
-        "without suffixes); " + FORMATS_HELP,
+        "without suffixes), " + URLS_HELP + "; " + FORMATS_HELP,
     )
     p.add_argument(
         "--input",
@@ -53,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="TRAIN",
         help="training data: one file with --output; any number of files, folders or globs with --output-dir; "
+        + URLS_HELP
+        + "; "
         + FORMATS_HELP,
     )
     add_bad_record_arg(p)
@@ -62,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         metavar="OUT.jsonl",
         help="decontaminated records of the one input file: the source fields, text replaced by each piece, plus "
-        "split_id",
+        "split_id; " + OUTPUT_URL_HELP,
     )
     out.add_argument(
         "--output-dir",
@@ -73,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--report",
         default=None,
         metavar="REPORT.json",
-        help="where to write the report (default: report.json in the output's directory)",
+        help="where to write the report, a path or a URL (default: report.json in the output's directory)",
     )
     add_text_key_arg(p)
     p.add_argument("--id-key", default="id", help="JSON key with a document id, quoted in the report's hit list")

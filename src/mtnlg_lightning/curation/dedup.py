@@ -6,6 +6,9 @@ The stages and their tasks are in :mod:`.dedup_stages`; the runner (done markers
 Every file is written atomically, so a killed run re-run with the same output directory resumes at the first
 unfinished stage (finished tasks kept); a run with different inputs or settings starts clean. ``report.json``
 is written last: an output directory without it is never a finished result.
+
+An output URL (``s3://bucket/dedup/``) is written the same way: the run works in a local scratch folder (where a
+killed run resumes) and commits its outputs there at the end (:mod:`mtnlg_lightning.corpora.commit`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
+from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
 from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
 from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
@@ -95,7 +101,10 @@ class DedupJob:
         self.cfg = cfg
         self.hooks = hooks or StageHooks()
         self.out = cfg.output_dir
-        self.work = os.path.join(self.out, WORK_DIR_NAME)
+        self.remote = storage.is_url(self.out)
+        # where the run writes: the output folder, or for a URL a scratch folder its outputs are committed from
+        self.local_out = scratch_dir(self.out) if self.remote else self.out
+        self.work = os.path.join(self.local_out, WORK_DIR_NAME)
         self.created_out = False
 
     # -- setup / validation ------------------------------------------------------------------------------
@@ -118,9 +127,11 @@ class DedupJob:
             if name in (DUPLICATES_NAME, REPORT_NAME):
                 raise InputError(f"{p}: input file name {name!r} collides with an output file name")
             seen[name] = p
-        if os.path.exists(self.out) and not os.path.isdir(self.out):
+        if self.remote:
+            check_writable(self.out)
+        if storage.exists(self.out) and not storage.isdir(self.out):
             raise InputError(f"--output-dir {self.out} is a file, expected a directory")
-        for output in self.output_files() + [os.path.join(self.out, REPORT_NAME)]:
+        for output in self.output_files() + [storage.join(self.out, REPORT_NAME)]:
             guard_output(output, self.paths)  # an output file is never an input file
         if not 0.0 < cfg.threshold <= 1.0:
             raise InputError(f"--threshold must be in (0, 1], got {cfg.threshold}")
@@ -147,8 +158,12 @@ class DedupJob:
     def fingerprint(self) -> dict:
         files = []
         for p in self.paths:
-            st = os.stat(p)
-            files.append({"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            if storage.is_url(p):
+                found = storage.info(p)
+                files.append({"path": p, "size": found.size, "version": found.version})
+            else:
+                st = os.stat(p)
+                files.append({"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
         return {
             "format": FORMAT_VERSION,
             "inputs": files,
@@ -157,26 +172,34 @@ class DedupJob:
         }
 
     def output_files(self) -> list[str]:
-        return [os.path.join(self.out, n) for n in self.out_names] + [os.path.join(self.out, DUPLICATES_NAME)]
+        return [storage.join(self.out, n) for n in self.out_names + [DUPLICATES_NAME]]
+
+    def _finished_report(self) -> dict | None:
+        """The report of a finished run in the output folder, if there is one and every output it names is there."""
+        report_path = storage.join(self.out, REPORT_NAME)
+        if not storage.exists(report_path):
+            return None
+        try:
+            report = json.loads(storage.read_bytes(report_path))
+        except (OSError, ValueError):
+            return None
+        if report.get("fingerprint") != self.fp or not all(storage.exists(p) for p in self.output_files()):
+            return None
+        return report
 
     def prepare(self, engine) -> dict | None:
         """Decide between 'already complete', 'resume' and 'start clean'. Returns the report if complete."""
         fp = self.fingerprint()
         self.fp = fp
-        report_path = os.path.join(self.out, REPORT_NAME)
-        if not os.path.isdir(self.out):
-            os.makedirs(self.out)
+        if not os.path.isdir(self.local_out):
+            os.makedirs(self.local_out)
             self.created_out = True
         work_cfg = os.path.join(self.work, "config.json")
-        if not self.cfg.force and not os.path.exists(self.work) and os.path.exists(report_path):
-            try:
-                with open(report_path) as f:
-                    report = json.load(f)
-                if report.get("fingerprint") == fp and all(os.path.exists(p) for p in self.output_files()):
-                    report["already_complete"] = True
-                    return report
-            except (OSError, ValueError):
-                pass
+        if not self.cfg.force and not os.path.exists(self.work):
+            report = self._finished_report()
+            if report is not None:
+                report["already_complete"] = True
+                return report
         resume = False
         if os.path.exists(self.work):
             try:
@@ -233,17 +256,27 @@ class DedupJob:
             estimate_margin=cfg.estimate_margin,
         )
 
+    def mirror(self) -> WorkMirror | None:
+        """With an output URL on Ray: the work folder's twin in the store, for workers on other machines."""
+        if self.remote and self.cfg.engine == "ray":
+            return WorkMirror(self.local_out, storage.join(self.out, MIRROR_PREFIX))
+        return None
+
     def cleanup_after_error(self) -> None:
-        """Bad input: leave nothing of this run behind (its work folder, the output folder if it made it); the
-        previous outputs, if any, are untouched."""
+        """Bad input: leave nothing of this run behind (its work folder, the output folder if it made it, the work
+        folder's twin in the store); the previous outputs, if any, are untouched."""
         shutil.rmtree(self.work, ignore_errors=True)
+        if self.mirror() is not None:
+            storage.remove(self.mirror().remote_root, recursive=True)
         if self.created_out:
             try:
-                os.rmdir(self.out)
+                os.rmdir(self.local_out)
             except OSError:
                 pass
 
     def publish(self, runner: StageRunner) -> dict:
+        if self.remote:
+            return self.commit(runner)
         final = os.path.join(self.work, "final")
         report_path = os.path.join(self.out, REPORT_NAME)
         if os.path.exists(report_path):  # the old report must not describe a mix of old and new outputs
@@ -261,7 +294,41 @@ class DedupJob:
             shutil.rmtree(self.work, ignore_errors=True)
         return report
 
+    def commit(self, runner: StageRunner) -> dict:
+        """Outputs, duplicates.jsonl and the report (last) from the scratch folder to the output URL; the previous
+        result there stays whole until the final copies."""
+        final = os.path.join(self.work, "final")
+        report = self.build_report(runner)
+        write_json_atomic(os.path.join(final, REPORT_NAME), report)
+        names = self.out_names + [DUPLICATES_NAME, REPORT_NAME]
+        commit([(os.path.join(final, n), storage.join(self.out, n)) for n in names], point=self.hooks.point)
+        if not self.cfg.keep_work:
+            shutil.rmtree(self.local_out, ignore_errors=True)
+            if self.mirror() is not None:
+                storage.remove(self.mirror().remote_root, recursive=True)
+        return report
+
     def build_report(self, runner: StageRunner) -> dict:
+        """`OUT/report.json`, written last (its presence means the run is complete):
+
+        tool             "mtnlg-dedup"
+        fingerprint      the inputs (paths, sizes, modification times) and settings a resume must match
+        settings         every setting of the run (shingles, threshold, permutations, seed, priority, engine, ...)
+        banding          bands, rows_per_band, the formula and the candidate probability at several Jaccards
+        inputs           per input file: file, format, output, docs_in, docs_out
+        totals           docs_in, docs_out, exact_duplicates_removed, near_duplicates_removed, bytes_in,
+                         bad_records_skipped
+        bad_records      skipped records by reason
+        clusters         clusters, docs_in_clusters, largest_cluster, size_histogram
+        pairs            candidate_pairs, rejected_by_estimate, jaccard_computed, skipped_already_connected,
+                         verified_pairs, rejected_pairs
+        signature_bytes_per_doc, signature_shards {total, reused}
+        timings_s        seconds per stage; total_s, docs_per_s
+        resumed_stages   the stages a resumed run found finished
+
+        Beside it: the deduplicated files (one per input, its name) and `duplicates.jsonl` (one line per removed
+        document: the removed document, the kept one of its cluster, the MinHash estimate and the exact Jaccard).
+        """
         st = runner.stats
         timings = {s: round(st[s]["seconds"], 3) for s in STAGES}
         total = sum(st[s]["seconds"] for s in STAGES)
@@ -322,7 +389,8 @@ class DedupJob:
 
     def run(self) -> dict:
         self.validate()
-        engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address)  # before touching OUT
+        # before touching OUT
+        engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address, self.mirror())
         try:
             runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.hooks)
             try:

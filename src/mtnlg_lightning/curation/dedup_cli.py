@@ -1,4 +1,4 @@
-"""``mtnlg-dedup`` / ``python tools/dedup.py``: fuzzy deduplication of JSONL corpora."""
+"""``mtnlg-dedup``: fuzzy deduplication of JSONL corpora."""
 
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-work",
         action="store_true",
-        help="keep the stage files in OUT/.dedup-work after success (for inspection)",
+        help="keep the stage files in OUT/.dedup-work after success (for inspection; for an output URL, in its "
+        "local scratch folder under $MTNLG_CACHE/scratch)",
     )
     add_quiet_arg(p)
     return p

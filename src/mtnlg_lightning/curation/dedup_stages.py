@@ -344,13 +344,16 @@ def _record_id(ctx: DedupContext, line: bytes, fi: int, lineno: int) -> object:
     return rec[ctx.id_key] if ctx.id_key in rec else f"{ctx.names[fi]}:{lineno}"
 
 
-def filter_shard(ctx: DedupContext, job: tuple[int, str, int]) -> tuple[int, int, int, bytes]:
+def kept_part_path(ctx: DedupContext, shard: Shard) -> str:
+    return ctx.path("kept", shard.name + ".jsonl")
+
+
+def filter_shard(ctx: DedupContext, s: int) -> tuple[int, int, int, bytes]:
     """One signature shard's part of the filter: write its kept records (unchanged bytes, same order, a final
-    newline added where the input's last line had none) at byte ``out_offset`` of the output file being built,
-    and return (docs kept, exact and near duplicates removed, this shard's duplicates.jsonl lines). A line names
-    the removed document, its keeper (read by (file, offset) when it is in another shard), the MinHash estimate
-    and the exact Jaccard (the verified pair's, else computed from the two documents)."""
-    s, out_path, out_offset = job
+    newline added where the input's last line had none) to its own part file, and return (docs kept, exact and
+    near duplicates removed, this shard's duplicates.jsonl lines). A line names the removed document, its keeper
+    (read by (file, offset) when it is in another shard), the MinHash estimate and the exact Jaccard (the verified
+    pair's, else computed from the two documents)."""
     shard = ctx.shards[s]
     docs = ctx.docs()
     n = len(docs)
@@ -367,12 +370,8 @@ def filter_shard(ctx: DedupContext, job: tuple[int, str, int]) -> tuple[int, int
     kept = [data[o : o + ln] for o, ln in zip(rel[keep].tolist(), lens[keep].tolist(), strict=True)]
     if kept and not kept[-1].endswith(b"\n"):
         kept[-1] += b"\n"
-    if kept:
-        fd = os.open(out_path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"".join(kept), out_offset)
-        finally:
-            os.close(fd)
+    with atomic_write(kept_part_path(ctx, shard)) as f:
+        f.write(b"".join(kept))
     rm = np.flatnonzero(~keep)
     if not len(rm):
         return int(keep.sum()), 0, 0, b""
@@ -441,14 +440,12 @@ def filter_shard(ctx: DedupContext, job: tuple[int, str, int]) -> tuple[int, int
     return int(keep.sum()), int(kind_exact.sum()), int((~kind_exact).sum()), b"".join(out)
 
 
-def publish_output(ctx: DedupContext, job: tuple[int, str]) -> None:
-    """Input ``fi``'s kept records (plain JSON lines at ``partial``) to ``final/<output name>`` in the input's
-    format: moved as they are for plain JSON lines, compressed or made a JSON array, or, for parquet, the
-    input's kept rows with its schema."""
-    fi, partial = job
+def publish_output(ctx: DedupContext, fi: int) -> None:
+    """Input ``fi``'s kept records (its shards' part files, in order) to ``final/<output name>`` in the input's
+    format: plain JSON lines as they are, compressed or made a JSON array, or, for parquet, the input's kept rows
+    with its schema."""
     dest = ctx.path("final", ctx.out_names[fi])
-    if not os.path.exists(partial):  # published by an earlier, interrupted run
-        return
+    parts = [kept_part_path(ctx, shard) for shard in ctx.shards if shard.file_idx == fi]
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     fmt = ctx.formats[fi]
     if fmt.kind == "parquet":
@@ -457,64 +454,33 @@ def publish_output(ctx: DedupContext, job: tuple[int, str]) -> None:
         keep = np.flatnonzero((np.asarray(docs.file_idx) == fi) & kept)
         filter_parquet(ctx.sources[fi], dest, np.asarray(docs.lines)[keep].astype(np.int64) - 1)
     else:
-        out = Format(fmt.kind, ctx.output_compression or fmt.compression)
-        if out.plain_jsonl:
-            fd = os.open(partial, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(partial, dest)
-            return
-        encode_jsonl(partial, dest, out)
-    os.unlink(partial)
+        encode_jsonl(parts, dest, Format(fmt.kind, ctx.output_compression or fmt.compression))
+    for part in parts:
+        os.unlink(part)
 
 
 class FilterStage(ContextStage[DedupContext]):
-    """Kept records and duplicates.jsonl, one task per signature shard (so also parallel for one input file):
-    the driver sizes every shard's kept bytes from the document table, creates each output at its final size,
-    the tasks write their ranges in place and return their duplicates.jsonl lines, in document order."""
+    """Kept records and duplicates.jsonl, one task per signature shard (so also parallel for one input file): each
+    writes its shard's kept records to a part file of its own and returns its duplicates.jsonl lines, in document
+    order; then one task per input joins its parts into the output. No file is written by two tasks, so the tasks
+    may run on machines that share no file system (:mod:`mtnlg_lightning.corpora.mirror`)."""
 
     name = "filter"
 
     def run(self, runner: StageRunner) -> dict:
         ctx = self.ctx
-        final = ctx.path("final")
-        os.makedirs(final, exist_ok=True)
-        docs = ctx.docs()
-        n = len(docs)
-        keeper = load_map(clusters_path(ctx, "keeper"))
-        keep = np.asarray(keeper) == np.arange(n)
-        nbytes = np.where(keep, np.asarray(docs.lengths).astype(np.int64), 0)
-        end = np.asarray(docs.offsets).astype(np.int64) + np.asarray(docs.lengths)
-        file_idx = np.asarray(docs.file_idx)
-        for fi, path in enumerate(ctx.inputs):  # a last line without a newline gets one in the output
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    last = np.flatnonzero((file_idx == fi) & (end == size))
-                    nbytes[last] += keep[last]
-        starts = np.asarray(docs.shard_starts)
-        cum = np.concatenate(([0], np.cumsum(nbytes)))
-        shard_bytes = cum[starts[1:]] - cum[starts[:-1]]
-        partial = [os.path.join(final, f".f{fi:05d}.partial") for fi in range(len(ctx.inputs))]
-        file_bytes = np.zeros(len(ctx.inputs), np.int64)
-        jobs = []
-        for s, shard in enumerate(ctx.shards):
-            jobs.append((s, partial[shard.file_idx], int(file_bytes[shard.file_idx])))
-            file_bytes[shard.file_idx] += shard_bytes[s]
-        for p, size in zip(partial, file_bytes.tolist(), strict=True):
-            with open(p, "wb") as f:
-                f.truncate(size)
+        os.makedirs(ctx.path("final"), exist_ok=True)
+        os.makedirs(ctx.path("kept"), exist_ok=True)
+        file_idx = np.asarray(ctx.docs().file_idx)
+        jobs = list(range(len(ctx.shards)))
         per_file = np.zeros((len(ctx.inputs), 3), np.int64)  # kept, exact removed, near removed
         with atomic_write(ctx.path("final", DUPLICATES_NAME), fsync=True) as out:
-            for (s, _, _), (kept, n_exact, n_near, lines) in zip(
+            for s, (kept, n_exact, n_near, lines) in zip(
                 jobs, runner.map(self.name, filter_shard, jobs, ctx), strict=True
             ):
                 per_file[ctx.shards[s].file_idx] += (kept, n_exact, n_near)
                 out.write(lines)
-        for _ in runner.engine.map(publish_output, list(enumerate(partial)), ctx):
+        for _ in runner.engine.map(publish_output, list(range(len(ctx.inputs))), ctx):
             pass
         counts = np.bincount(file_idx, minlength=len(ctx.inputs))
         inputs = [

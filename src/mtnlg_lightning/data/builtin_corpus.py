@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import sys
 import sysconfig
 from pathlib import Path
 
+from mtnlg_lightning.corpora.storage import cache_root
 from mtnlg_lightning.data.preprocess import preprocess_jsonl
 from mtnlg_lightning.data.tokenizer import train_bpe
 from mtnlg_lightning.outputs import atomic_write
 
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 DEMO_VOCAB_SIZE = 4096
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MTNLG_CACHE", Path.home() / ".cache" / "mtnlg_lightning"))
 
 
 def demo_dir() -> Path:

@@ -9,9 +9,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mtnlg_lightning.corpora.storage import is_url
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
-from mtnlg_lightning.data.indexed import IndexedDataset
+from mtnlg_lightning.data.indexed import REMOTE_BLOCK_KB, REMOTE_CACHE_MB, IndexedDataset, default_block_cache
+from mtnlg_lightning.data.tokenizer import local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
 
 SPLITS = ("train", "valid", "test")
@@ -71,10 +73,14 @@ class GPTDataModule(L.LightningDataModule):
         num_workers: int = 0,
         eval_samples: int | None = None,
         tokenizer: str | None = None,
+        remote_cache_dir: str | None = None,
+        remote_cache_mb: int = REMOTE_CACHE_MB,
+        remote_block_kb: int = REMOTE_BLOCK_KB,
     ):
         """
         Args:
-            datasets: dataset prefixes (PREFIX.bin/PREFIX.idx written by tools/preprocess_data.py).
+            datasets: dataset prefixes (PREFIX.bin/PREFIX.idx written by mtnlg-preprocess), paths or URLs
+                (s3://bucket/data/pile_text_document: read by ranged requests through the block cache, no copy).
             weights: blend weight per dataset (normalised; default equal). MT-NLG blended 15 datasets.
             builtin_corpus: "python-docs" builds (once, cached) the offline demo corpus instead of `datasets`.
             split: train/valid/test split of each dataset's documents, Megatron style.
@@ -84,6 +90,10 @@ class GPTDataModule(L.LightningDataModule):
             tokenizer: the tokenizer the datasets were made with (a tokenizer.json, or a directory holding one);
                 copied into every checkpoint so export, generation and evaluation find it (the built-in corpus
                 brings its own).
+            remote_cache_dir: where the token blocks of datasets named by URLs are cached (default: the project
+                cache's remote-data/blocks; ranks and loader workers of a node may share it).
+            remote_cache_mb: the most MiB of token blocks that cache holds (least recently used go first).
+            remote_block_kb: the size of one block: one ranged request each.
         """
         super().__init__()
         if builtin_corpus not in (None, "python-docs"):
@@ -97,6 +107,7 @@ class GPTDataModule(L.LightningDataModule):
         self.builtin_corpus, self.split, self.seed = builtin_corpus, split, seed
         self.num_workers, self.eval_samples = num_workers, eval_samples
         self.tokenizer = tokenizer
+        self.remote_cache = (remote_cache_dir, remote_cache_mb, remote_block_kb)
         self.blends: dict[str, BlendedDataset] = {}
 
     @property
@@ -104,10 +115,11 @@ class GPTDataModule(L.LightningDataModule):
         """The tokenizer.json of the data, if known."""
         if self.builtin_corpus:
             return build_demo_data(progress=False)[1]
-        if self.tokenizer and os.path.isdir(self.tokenizer):
-            candidate = os.path.join(self.tokenizer, "tokenizer.json")
+        tokenizer = local_tokenizer(self.tokenizer) if self.tokenizer else None  # a URL: a copy in the cache
+        if tokenizer and os.path.isdir(tokenizer):
+            candidate = os.path.join(tokenizer, "tokenizer.json")
             return candidate if os.path.isfile(candidate) else None
-        return self.tokenizer
+        return tokenizer
 
     def prepare_data(self) -> None:
         if self.builtin_corpus:
@@ -131,9 +143,12 @@ class GPTDataModule(L.LightningDataModule):
             self.prefixes, self.weights = [build_demo_data(progress=False)[0]], [1.0]
         seq_len = self._module.config.seq_len
         vocab = self._module.config.padded_vocab_size()
-        indexed = [IndexedDataset(p) for p in self.prefixes]
-        for ds in indexed:  # a full scan is cheap up to a few hundred million tokens; skipped above that
-            if 0 < ds.num_tokens <= 256_000_000 and int(ds.tokens.max()) >= vocab:
+        cache = None
+        if any(is_url(p) for p in self.prefixes):
+            cache = default_block_cache(*self.remote_cache)
+        indexed = [IndexedDataset(p, cache) for p in self.prefixes]
+        for ds in indexed:  # a full scan is cheap up to a few hundred million local tokens; skipped above that
+            if not ds.remote and 0 < ds.num_tokens <= 256_000_000 and int(ds.tokens.max()) >= vocab:
                 raise MTNLGError(
                     f"{ds.prefix} holds token ids >= the model's vocabulary {vocab}; "
                     f"set model.vocab_size to the tokenizer's size"

@@ -10,15 +10,22 @@ Megatron's --split-sentences datasets), so num_document_indices is the number of
 Multimodal indexes are read (their modes in `modes`, one int8 per sequence) and kept by a merge; training reads
 the tokens and ignores the modes. Megatron is told by its caller whether an index is multimodal; here the file's
 size tells (the two layouts differ by num_sequences bytes).
+
+A PREFIX may be a URL (``s3://bucket/data/pile_text_document``): the index is fetched whole into the cache (12
+bytes per sequence, needed by every sample), the tokens are read by ranged requests through a bounded cache of
+blocks (:mod:`mtnlg_lightning.corpora.block_cache`), so a run starts without copying the corpus.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 
 import numpy as np
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.block_cache import BlockCache, RemoteArray
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import StagedFile
 
@@ -36,6 +43,33 @@ DTYPE_CODES = {
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
+DATASET_SUFFIXES = (".bin", ".idx")  # the index last: written (and committed) last, it marks a dataset complete
+# the token-block cache of datasets read from URLs, unless the data module says otherwise: its bound and the size of
+# one ranged read (a few MiB: one request per block costs ~ms, and a block serves many consecutive samples)
+REMOTE_CACHE_MB = 16384
+REMOTE_BLOCK_KB = 4096
+
+
+def remote_data_dir() -> str:
+    return str(storage.cache_root() / "remote-data")
+
+
+def default_block_cache(
+    directory: str | None = None, max_mb: int = REMOTE_CACHE_MB, block_kb: int = REMOTE_BLOCK_KB
+) -> BlockCache:
+    """The token-block cache of datasets read from URLs: ``directory`` (default: the project cache's
+    ``remote-data/blocks``) holding at most ``max_mb`` MiB of blocks of ``block_kb`` KiB."""
+    return BlockCache(directory or os.path.join(remote_data_dir(), "blocks"), max_mb << 20, block_kb << 10)
+
+
+def fetch_index(url: str) -> str:
+    """A local copy of the remote index ``url`` (fetched again only when the remote file changes)."""
+    version = storage.info(url).version
+    digest = hashlib.sha256(f"{url}@{version}".encode()).hexdigest()[:24]
+    local = os.path.join(remote_data_dir(), "index", f"{digest}.idx")
+    if not os.path.exists(local):
+        storage.download(url, local)
+    return local
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -127,30 +161,35 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Read-only view; `dataset[i]` is sequence i as a numpy array (a memmap slice, no copy)."""
+    """Read-only view; `dataset[i]` is sequence i as a numpy array (a memmap slice, no copy; for a URL, read
+    through ``cache``, default :func:`default_block_cache`)."""
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike, cache: BlockCache | None = None):
         self.prefix = str(prefix)
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
+        remote = storage.is_url(self.prefix)
         for path in (idx_path, bin_path):
-            if not os.path.exists(path):
-                raise MTNLGError(f"missing dataset file {path} (write it with tools/preprocess_data.py)")
+            if not storage.exists(path):
+                raise MTNLGError(f"missing dataset file {path} (write it with mtnlg-preprocess)")
+        if remote:
+            idx_url, idx_path = idx_path, fetch_index(idx_path)
         idx_size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_BYTES)
+        shown = idx_url if remote else idx_path  # messages name the file the user named
         if len(header) < HEADER_BYTES or header[: len(MAGIC)] != MAGIC:
-            raise MTNLGError(f"{idx_path} is not a Megatron MMIDIDX index file (bad or truncated header)")
+            raise MTNLGError(f"{shown} is not a Megatron MMIDIDX index file (bad or truncated header)")
         offset = len(MAGIC)
         (version,) = struct.unpack_from("<Q", header, offset)
         (code,) = struct.unpack_from("<B", header, offset + 8)
         (num_sequences,) = struct.unpack_from("<Q", header, offset + 9)
         (num_docs,) = struct.unpack_from("<Q", header, offset + 17)
         if version != VERSION or code not in DTYPE_CODES:
-            raise MTNLGError(f"{idx_path}: unsupported index version {version} or dtype code {code}")
+            raise MTNLGError(f"{shown}: unsupported index version {version} or dtype code {code}")
         text_only = HEADER_BYTES + num_sequences * (4 + 8) + num_docs * 8
         if idx_size not in (text_only, text_only + num_sequences):
             raise MTNLGError(
-                f"{idx_path} is truncated or corrupt: {idx_size} bytes, header implies {text_only} "
+                f"{shown} is truncated or corrupt: {idx_size} bytes, header implies {text_only} "
                 f"(or {text_only + num_sequences} with Megatron's multimodal modes)"
             )
         self.dtype = np.dtype(DTYPE_CODES[code])
@@ -176,13 +215,23 @@ class IndexedDataset:
             or (np.diff(self.doc_idx) < 0).any()
         ):
             raise MTNLGError(
-                f"{idx_path} is corrupt: its document indices must rise from 0 to the {num_sequences} sequences"
+                f"{shown} is corrupt: its document indices must rise from 0 to the {num_sequences} sequences"
             )
         expected_bin = int(self.sizes.astype(np.int64).sum()) * self.dtype.itemsize
-        bin_size = os.path.getsize(bin_path)
+        bin_size = storage.getsize(bin_path)
         if bin_size != expected_bin:
             raise MTNLGError(f"{bin_path} is truncated or corrupt: {bin_size} bytes, index implies {expected_bin}")
-        self.tokens = np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
+        if not bin_size:
+            self.tokens = np.zeros(0, self.dtype)
+        elif remote:
+            self.tokens = RemoteArray(bin_path, self.dtype, cache or default_block_cache())
+        else:
+            self.tokens = np.memmap(bin_path, mode="r", dtype=self.dtype)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the tokens are read from a URL (through the block cache), not from a local memory map."""
+        return isinstance(self.tokens, RemoteArray)
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -4,15 +4,35 @@ multimodal modes with them; token bytes copied in blocks (memory holds one block
 
 from __future__ import annotations
 
-from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter
+import tempfile
+
+from mtnlg_lightning.corpora.block_cache import BlockCache
+from mtnlg_lightning.corpora.commit import output_files
+from mtnlg_lightning.data.indexed import DATASET_SUFFIXES, IndexedDataset, IndexedDatasetWriter
 from mtnlg_lightning.errors import MTNLGError
+
+MERGE_CACHE_BYTES = 64 << 20
 
 
 def merge_datasets(prefixes: list[str], output_prefix: str) -> tuple[int, int]:
-    """Concatenate the datasets at ``prefixes`` into ``output_prefix``; returns (documents, tokens)."""
+    """Concatenate the datasets at ``prefixes`` into ``output_prefix`` (paths or URLs; an output URL is written
+    locally and committed there, the .idx last); returns (documents, tokens)."""
     if not prefixes:
         raise MTNLGError("nothing to merge: no dataset prefixes given")
-    datasets = [IndexedDataset(p) for p in prefixes]
+    with output_files(output_prefix, DATASET_SUFFIXES) as local_prefix:
+        return _merge(prefixes, local_prefix)
+
+
+def _merge(prefixes: list[str], output_prefix: str) -> tuple[int, int]:
+    # a dataset read from a URL streams through a cache of its own, dropped with the merge: the tokens are read
+    # once, in order, and must not push a training run's blocks out of the shared cache
+    with tempfile.TemporaryDirectory(prefix="mtnlg-merge-blocks-") as blocks:
+        cache = BlockCache(blocks, max_bytes=MERGE_CACHE_BYTES)
+        datasets = [IndexedDataset(p, cache) for p in prefixes]
+        return _append_all(prefixes, datasets, output_prefix)
+
+
+def _append_all(prefixes: list[str], datasets: list[IndexedDataset], output_prefix: str) -> tuple[int, int]:
     dtype, multimodal = datasets[0].dtype, datasets[0].modes is not None
     for p, d in zip(prefixes, datasets, strict=True):
         if d.dtype != dtype:

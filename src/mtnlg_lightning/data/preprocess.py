@@ -5,7 +5,8 @@ plain/gzip/zstd, JSON arrays, parquet). The work is split into read tasks: a com
 task, a plain JSON-lines file is split into byte ranges at line starts (``range_bytes``), so that one large file
 keeps every worker busy. With several workers each task writes its own part dataset and the parts are merged in
 task order, so the output is byte-identical whatever the number of workers; memory holds a batch of texts per
-worker, never a file.
+worker, never a file. Inputs, the tokenizer and the output prefix may be URLs: inputs stream in ranged requests,
+an output URL is written locally and committed when complete (the ``.idx`` last).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.commit import output_files
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect
 from mtnlg_lightning.corpora.jsonl import count_lines_before, iter_lines, line_starts_plan
 from mtnlg_lightning.corpora.readers import batched, iter_records
@@ -34,8 +37,8 @@ from mtnlg_lightning.corpora.records import (
     locate,
 )
 from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
-from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
-from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.data.indexed import DATASET_SUFFIXES, IndexedDataset, IndexedDatasetWriter, best_dtype
+from mtnlg_lightning.data.tokenizer import Tokenizer, local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
 
 RANGE_BYTES = 64 << 20
@@ -60,7 +63,7 @@ class ReadTask:
 
     @property
     def size(self) -> int:
-        return (self.end - self.start) if self.end is not None else os.path.getsize(self.file.path)
+        return (self.end - self.start) if self.end is not None else storage.getsize(self.file.path)
 
 
 def plan_read_tasks(inputs: list[str], range_bytes: int = RANGE_BYTES) -> list[ReadTask]:
@@ -68,7 +71,7 @@ def plan_read_tasks(inputs: list[str], range_bytes: int = RANGE_BYTES) -> list[R
     tasks = []
     for f in expand_inputs(inputs):
         fmt = detect(f.path)
-        if fmt.plain_jsonl and os.path.getsize(f.path) > range_bytes:
+        if fmt.plain_jsonl and storage.getsize(f.path) > range_bytes:
             tasks += [ReadTask(f, fmt, s, e) for s, e in line_starts_plan(f.path, range_bytes)]
         else:
             tasks.append(ReadTask(f, fmt))
@@ -154,11 +157,20 @@ def preprocess(
     on_bad_record: str = "error",
     range_bytes: int = RANGE_BYTES,
 ) -> PreprocessSummary:
-    """Tokenize ``inputs`` (files, folders, globs) into ``output_prefix``.bin/.idx, atomically."""
+    """Tokenize ``inputs`` (files, folders, globs) into ``output_prefix``.bin/.idx, atomically (a URL: written
+    locally, committed there when complete)."""
+    with output_files(output_prefix, DATASET_SUFFIXES) as local_prefix:
+        return _preprocess(
+            inputs, tokenizer_path, local_prefix, json_key, workers, progress, on_bad_record, range_bytes
+        )
+
+
+def _preprocess(inputs, tokenizer_path, output_prefix, json_key, workers, progress, on_bad_record, range_bytes):
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     start = time.perf_counter()
     policy = BadRecordPolicy(on_bad_record)
     tasks = plan_read_tasks(inputs, range_bytes)
+    tokenizer_path = local_tokenizer(tokenizer_path)  # fetched once, not by every worker
     tokenizer = Tokenizer(tokenizer_path)
     dtype = best_dtype(tokenizer.vocab_size)
     input_bytes = sum(t.size for t in tasks)

@@ -1,7 +1,9 @@
-"""GPT-2-style byte-level BPE through HF `tokenizers`. Files come from the user (nothing is downloaded)."""
+"""GPT-2-style byte-level BPE through HF `tokenizers`. Files come from the user: a path, or a URL of the user's own
+store (fetched into the cache, by version); nothing is downloaded from anywhere else."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -9,6 +11,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.corpora.commit import output_file
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import atomic_path
 
@@ -21,7 +25,7 @@ class Tokenizer:
     """Wraps a `tokenizers.Tokenizer`; `eod_id` is the end-of-document token appended after every document."""
 
     def __init__(self, path: str | os.PathLike):
-        path = Path(path)
+        path = Path(local_tokenizer(os.fspath(path)))
         try:
             if path.is_dir() and (path / "tokenizer.json").exists():
                 path = path / "tokenizer.json"
@@ -34,7 +38,7 @@ class Tokenizer:
             else:
                 raise MTNLGError(
                     f"no tokenizer at {path}: give a tokenizer.json file, or a directory holding tokenizer.json "
-                    f"or vocab.json + merges.txt (train one with tools/train_tokenizer.py)"
+                    f"or vocab.json + merges.txt (train one with mtnlg-train-tokenizer)"
                 )
         except MTNLGError:
             raise
@@ -78,9 +82,36 @@ def train_bpe(texts, vocab_size: int, output: str | os.PathLike, min_frequency: 
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    output = Path(output)
-    if output.suffix != ".json":
-        output = output / "tokenizer.json"
-    with atomic_path(output) as tmp:
+    output = os.fspath(output)
+    if not output.endswith(".json"):
+        output = storage.join(output, "tokenizer.json")
+    with output_file(output) as local, atomic_path(local) as tmp:
         tok.save(tmp)
-    return Tokenizer(output)
+        trained = Tokenizer(tmp)
+    return trained
+
+
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+
+
+def local_tokenizer(path: str) -> str:
+    """``path`` itself, or for a URL (a tokenizer.json, or a prefix holding tokenizer.json or vocab.json +
+    merges.txt) a local copy in the cache, fetched again only when the remote file changes."""
+    if not storage.is_url(path):
+        return path
+    if not storage.info(path).is_dir:
+        files = {storage.basename(path): path}
+    else:
+        for names in TOKENIZER_FILES:
+            urls = {n: storage.join(path, n) for n in names}
+            if all(storage.exists(u) for u in urls.values()):
+                files = urls
+                break
+        else:
+            raise MTNLGError(f"no tokenizer at {path}: it holds neither tokenizer.json nor vocab.json + merges.txt")
+    versions = "|".join(f"{u}@{storage.info(u).version}" for u in files.values())
+    local = storage.cache_root() / "tokenizers" / hashlib.sha256(versions.encode()).hexdigest()[:16]
+    for name, url in files.items():
+        if not (local / name).exists():
+            storage.download(url, str(local / name))
+    return str(local / next(iter(files))) if len(files) == 1 else str(local)

@@ -18,6 +18,7 @@ import sys
 from mtnlg_lightning.evaluation import evaluate, tasks
 from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS
 from mtnlg_lightning.inference.runs import run
+from mtnlg_lightning.shipped_configs import config_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument(
         "--strategy",
+        type=config_argument("strategy"),
         help="evaluate in a layout: a strategy YAML of `mtnlg fit` (configs/strategy/*.yaml: TP, PP, schedule, "
         "sequence parallelism; DP = devices / (TP x PP); ZeRO settings do not apply). Each rank reads only its "
         "slice of the model; the printed results are the same in every layout",

@@ -27,7 +27,8 @@ from mtnlg_lightning.evaluation.bias.wordlists import read_study
 from mtnlg_lightning.pipeline import crawl as crawl_stages
 from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
 from mtnlg_lightning.pipeline.report import Check, write_report
-from mtnlg_lightning.pipeline.stages import REPO, StageRecord, run_tool
+from mtnlg_lightning.pipeline.stages import StageRecord, run_tool
+from mtnlg_lightning.shipped_configs import CONFIG_DIR
 
 RUNS = ("contaminated", "decontaminated")  # A and B of the experiment
 EVAL_SETS = ("planted", "control")
@@ -41,7 +42,7 @@ class PipelineSettings:
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
     crawl: crawl_stages.CrawlSpec | None = field(default_factory=crawl_stages.CrawlSpec)  # None: start at JSONL
     vocab_size: int = 4096
-    config: Path = REPO / "configs" / "pipeline.yaml"
+    config: Path = CONFIG_DIR / "pipeline.yaml"
     prompt: str = "The file is opened"
     plot: bool = True
     bias_continuations: int = 100  # per prompt of the bias study (the paper's 800 takes ~8x longer)
@@ -410,7 +411,14 @@ class Pipeline:
         tok_dir = self.out / "tokenizer"
         clean = self.out / "decontaminate" / self.zst
         record, _ = self.stage(
-            "tokenizer", "train_tokenizer.py", "--input", clean, "--vocab-size", self.s.vocab_size, "--output", tok_dir
+            "tokenizer",
+            "mtnlg-train-tokenizer",
+            "--input",
+            clean,
+            "--vocab-size",
+            self.s.vocab_size,
+            "--output",
+            tok_dir,
         )
         vocab = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
         record.documents_in, record.bytes_in = count_lines(clean), self.by_name("decontaminate").bytes_out
@@ -421,7 +429,7 @@ class Pipeline:
             source, prefix = self.out / upstream / self.zst, self.out / "data" / run
             record, _ = self.stage(
                 f"preprocess-{run}",
-                "preprocess_data.py",
+                "mtnlg-preprocess",
                 "--input",
                 source,
                 "--tokenizer",
@@ -678,12 +686,25 @@ def read_metrics(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+def prepare_out_dir(out_dir: Path | str, overwrite: bool) -> None:
     """Refuse an OUT_DIR that is not empty (without --overwrite), or whose replacement would delete what it must
-    not (an input: the built-in corpus cache; ., ~, /). Nothing is removed here: `tools/pipeline.py` runs in
-    `outputs.kept_until_done`, so the previous result goes only when the new run has finished."""
+    not (an input: the built-in corpus cache; ., ~, /; for a URL, a whole bucket). Nothing is removed here:
+    `mtnlg-pipeline` runs in `outputs.kept_until_done`, or for a URL in a scratch folder committed at the end, so
+    the previous result goes only when the new run has finished."""
+    import mtnlg_lightning.corpora.storage as storage
+    from mtnlg_lightning.corpora.commit import check_output, check_writable
     from mtnlg_lightning.data.builtin_corpus import cache_root
-    from mtnlg_lightning.outputs import check_output
+
+    if storage.is_url(out_dir):
+        check_writable(out_dir)
+        if storage.exists(out_dir) and not storage.isdir(out_dir):
+            raise MTNLGError(f"{out_dir} is an object; name a prefix for the pipeline's outputs")
+        if storage.isdir(out_dir):
+            if not overwrite:
+                raise MTNLGError(f"{out_dir} is not empty: pass --overwrite to replace it, or name another prefix")
+            check_output(out_dir, [], replaces_dir=True)
+        return
+    out_dir = Path(out_dir)
 
     if out_dir.exists() and not out_dir.is_dir():
         raise MTNLGError(f"{out_dir} is a file; name a directory for the pipeline's outputs")

@@ -181,8 +181,57 @@ def plan(
     holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
     over dp x cp under ZeRO; the ring's key/value exchange costed in `cost_model`)."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
-    gpu_name = gpu if isinstance(gpu, str) else "custom"
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
+    per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
+                              virtual_stages, layers)  # fmt: skip
+    layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
+    stage_params = params_per_stage(config, tp, pp, per_gpu)
+    memory = _memory(config, layout, global_batch, per_gpu, stage_params, precision)
+    breakdown = iteration_breakdown(config, spec, layout, global_batch, per_gpu, max(stage_params), gpus_per_node, impl)
+    gpus = tp * cp * pp * dp
+    model_flops = flops_per_iteration(config, global_batch)
+    seconds = breakdown.total
+    rampup_seconds, rampup_steps = _rampup(
+        config, spec, layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl
+    )
+    return Plan(
+        model=config.name,
+        gpu=gpu if isinstance(gpu, str) else "custom",
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        gpus=gpus,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        num_microbatches=global_batch // (micro_batch * dp),
+        virtual_stages=virtual_stages,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
+        zero_stage=zero_stage,
+        layers_per_stage=per_gpu,
+        params_per_gpu=max(stage_params),
+        model_state_gb=memory["state"] / 1e9,
+        activation_gb=memory["activations"] / 1e9,
+        total_gb=memory["total"] / 1e9,
+        gpu_memory_gb=spec.memory_gb,
+        fits=memory["total"] <= MEMORY_BUDGET * spec.memory_gb * 1e9,
+        tp_within_node=tp <= gpus_per_node and gpus_per_node % tp == 0,
+        bubble=breakdown.bubble / seconds,
+        flops_per_iteration=flops_per_iteration(config, global_batch, recompute=recompute == "full"),
+        iteration_seconds=seconds,
+        tflops_per_gpu=model_flops / seconds / gpus / 1e12,
+        mfu=model_flops / seconds / gpus / (spec.peak_tflops * 1e12),
+        breakdown=breakdown.as_dict(),
+        rampup_seconds=rampup_seconds,
+        rampup_steps=rampup_steps,
+        cp=cp,
+    )
+
+
+def _checked_layers(
+    config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel, virtual_stages, layers
+) -> list[int]:
+    """Blocks per pipeline rank (all its virtual chunks), after every check a layout must pass (one line each)."""
     if recompute not in RECOMPUTE_MODES:
         raise MTNLGError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if sequence_parallel and config.seq_len % tp:
@@ -196,84 +245,51 @@ def plan(
     if len(chunks) != pp * virtual_stages or sum(chunks) != config.num_layers:
         raise MTNLGError(f"layers per stage {chunks} must be {pp} counts summing to {config.num_layers}")
     # Chunk j of an interleaved schedule lives on pipeline rank j % pp.
-    per_gpu = [sum(chunks[j] for j in range(i, len(chunks), pp)) for i in range(pp)]
-    num_microbatches = global_batch // (micro_batch * dp)
-    stage_params = params_per_stage(config, tp, pp, per_gpu)
+    return [sum(chunks[j] for j in range(i, len(chunks), pp)) for i in range(pp)]
 
+
+def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage_params, precision) -> dict:
+    """Model states, activations and their total (bytes) on the fullest pipeline stage."""
+    tp, pp, micro = layout.tp, layout.pp, layout.micro_batch
+    local = config.seq_len // layout.cp  # the tokens of each sequence this rank holds
+    num_microbatches = global_batch // (micro * layout.dp)
     # 1F1B: stage i keeps activations of min(pp - i, m) micro-batches in flight; interleaving adds (p-1)/(p·v).
     in_flight = [min(pp - i, num_microbatches) for i in range(pp)]
-    interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1.0
-    local = config.seq_len // cp  # the tokens of each sequence this rank holds
-    per_layer = activation_bytes_per_layer(
-        config, micro_batch, tp, recompute, seq_len=local, sequence_parallel=sequence_parallel
-    )
+    v = layout.virtual_stages
+    interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
+    sp = layout.sequence_parallel
+    per_layer = activation_bytes_per_layer(config, micro, tp, layout.recompute, seq_len=local, sequence_parallel=sp)
     # Working set while (re)computing one layer, plus fp32 logits of the last stage.
-    working = (
-        activation_bytes_per_layer(config, micro_batch, tp, "none", seq_len=local, sequence_parallel=sequence_parallel)
-        if recompute != "none"
-        else 0
-    )
-    logits = 4 * local * micro_batch * config.padded_vocab_size(tp) / tp
-    totals, activations, states = [], [], []
+    working = 0.0
+    if layout.recompute != "none":
+        working = activation_bytes_per_layer(config, micro, tp, "none", seq_len=local, sequence_parallel=sp)
+    logits = 4 * local * micro * config.padded_vocab_size(tp) / tp
+    stages = []
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
-        state = model_state_bytes(stage_params[i], dp * cp, zero_stage, precision)
-        activations.append(act)
-        states.append(state)
-        totals.append(act + state)
-    worst = max(range(pp), key=lambda i: totals[i])
+        state = model_state_bytes(stage_params[i], layout.replicas, layout.zero_stage, precision)
+        stages.append((act + state, act, state))
+    total, act, state = max(stages)
+    return {"state": state, "activations": act, "total": total}
 
-    layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
-    breakdown = iteration_breakdown(config, spec, layout, global_batch, per_gpu, max(stage_params), gpus_per_node, impl)
-    gpus = tp * cp * pp * dp
-    model_flops = flops_per_iteration(config, global_batch)
-    seconds = breakdown.total
-    rampup_seconds = rampup_steps = None
-    if rampup:
-        schedule = BatchSizeSchedule(global_batch, *rampup)
-        schedule.check_divisible(micro_batch, dp)
-        rampup_seconds, rampup_steps, consumed, cache = 0.0, 0, 0, {}
-        while consumed < schedule.rampup_samples:
-            batch = schedule.batch_size_at_samples(consumed)
-            if batch not in cache:
-                cache[batch] = iteration_breakdown(
-                    config, spec, layout, batch, per_gpu, max(stage_params), gpus_per_node, impl
-                ).total
-            rampup_seconds += cache[batch]
-            rampup_steps += 1
-            consumed += batch
-    return Plan(
-        model=config.name,
-        gpu=gpu_name,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        gpus=gpus,
-        micro_batch=micro_batch,
-        global_batch=global_batch,
-        num_microbatches=num_microbatches,
-        virtual_stages=virtual_stages,
-        recompute=recompute,
-        sequence_parallel=sequence_parallel,
-        zero_stage=zero_stage,
-        layers_per_stage=per_gpu,
-        params_per_gpu=max(stage_params),
-        model_state_gb=states[worst] / 1e9,
-        activation_gb=activations[worst] / 1e9,
-        total_gb=totals[worst] / 1e9,
-        gpu_memory_gb=spec.memory_gb,
-        fits=totals[worst] <= MEMORY_BUDGET * spec.memory_gb * 1e9,
-        tp_within_node=tp <= gpus_per_node and gpus_per_node % tp == 0,
-        bubble=breakdown.bubble / seconds,
-        flops_per_iteration=flops_per_iteration(config, global_batch, recompute=recompute == "full"),
-        iteration_seconds=seconds,
-        tflops_per_gpu=model_flops / seconds / gpus / 1e12,
-        mfu=model_flops / seconds / gpus / (spec.peak_tflops * 1e12),
-        breakdown=breakdown.as_dict(),
-        rampup_seconds=rampup_seconds,
-        rampup_steps=rampup_steps,
-        cp=cp,
-    )
+
+def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl):
+    """(seconds, steps) of the batch ramp-up, each batch size timed once; (None, None) without one."""
+    if not rampup:
+        return None, None
+    schedule = BatchSizeSchedule(global_batch, *rampup)
+    schedule.check_divisible(layout.micro_batch, layout.dp)
+    seconds, steps, consumed, cache = 0.0, 0, 0, {}
+    while consumed < schedule.rampup_samples:
+        batch = schedule.batch_size_at_samples(consumed)
+        if batch not in cache:
+            cache[batch] = iteration_breakdown(
+                config, spec, layout, batch, per_gpu, max(stage_params), gpus_per_node, impl
+            ).total
+        seconds += cache[batch]
+        steps += 1
+        consumed += batch
+    return seconds, steps
 
 
 def tflops_from_time(

@@ -36,9 +36,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
+from mtnlg_lightning.heartbeat import unwatch, watch
 from mtnlg_lightning.resilience.attempt import restart_count
 from mtnlg_lightning.resilience.exit_codes import ExitCode
-from mtnlg_lightning.resilience.heartbeat import unwatch, watch
 from mtnlg_lightning.resilience.phase_limits import (
     DEFAULT_CAPS,
     ENV_VARS,
