@@ -6,6 +6,14 @@ local file), each at its numbers of shots, with the metric the table shows. The 
 shots over the rows that have it (`num_fewshot`; its own seeded draw of the examples, as `lm_eval` on the command
 line). The table has the paper's shape: a row per task, columns zero-, one- and few-shot (the largest other k), as
 markdown and JSON (`--table STEM`: STEM.md and STEM.json).
+
+A suite file (YAML): `name` (optional; default the file's stem), `include_path` (optional: a folder of local harness
+task YAMLs, relative to the file) and `tasks`, a list of rows, each with `row` (the table's name of the task), `group`
+(optional), `metric` (the metric the table shows), `shots` (a list of numbers of in-context examples) and either
+`harness: TASK` or `native: lambada|hans` with `data: FILE` (relative to the file; or `--task-data ROW=FILE`).
+The table's JSON: {"suite", "file", "columns": ["zero-shot", "one-shot", "few-shot"], "rows": [{"task", "group",
+"metric", "harness" or "native", "zero_shot", "one_shot", "few_shot", "few_shot_k"}]} (null: not run); `--output`
+holds every metric of every row and number of shots under "results" and the same rows under "table".
 """
 
 from __future__ import annotations
