@@ -6,16 +6,17 @@ huge single line) are tested with their reader (issue 27), not here."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import tool_main
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 sys.path.insert(0, str(ROOT))  # the repository root: benchmarks
 # Imported here, outside any test's captured stderr: Lightning binds its log handler to sys.stderr on import.
 import mtnlg_lightning.train.cli  # noqa: E402, F401
@@ -23,23 +24,9 @@ from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
 
 
 def _main(tool: str):
-    if tool == "mtnlg":
-        from mtnlg_lightning.train.cli import main
-    elif tool == "mtnlg-dedup":
-        from mtnlg_lightning.curation.dedup_cli import main
-    elif tool == "mtnlg-decontaminate":
-        from mtnlg_lightning.curation.decontaminate_cli import main
-    elif tool == "mtnlg-eval":
-        from mtnlg_lightning.evaluation.cli import main
-    elif tool == "mtnlg-generate":
-        from mtnlg_lightning.inference.generate_cli import main
-    elif tool == "mtnlg-export-hf":
-        from mtnlg_lightning.interop.export_cli import main
-    elif tool == "consolidate_checkpoint.py":
-        from mtnlg_lightning.checkpoint.consolidate import main
-    else:
-        main = tool_main(tool.removesuffix(".py"))
-    return main
+    """The main of a console script, as [project.scripts] names it."""
+    module, function = SCRIPTS[tool].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +68,7 @@ FIT = ["fit", "--config", "{tiny}", "--trainer.default_root_dir", "{out}"]
 # (tool, arguments, stdin, exit code, what the error line says)
 ROWS = [
     # mtnlg
-    ("mtnlg", ["fit", "--config", "{missing}"], None, 2, "File does not exist"),
+    ("mtnlg", ["fit", "--config", "{missing}"], None, 2, "missing.jsonl: no such file, and no shipped config"),
     ("mtnlg", ["fit", "--config", "{adir}"], None, 2, "Path is not a file"),
     ("mtnlg", ["fit", "--config", "{latin1}"], None, 2, "not UTF-8"),
     ("mtnlg", [*FIT, "--trainer.accelerator", "quantum"], None, 2, "unknown trainer.accelerator"),
@@ -165,40 +152,40 @@ ROWS = [
     ("mtnlg-export-hf", ["{ckpt}", "{ckpt}", "--overwrite"], None, 2, "is the input"),
     ("mtnlg-export-hf", ["{ckpt}", "{out}", "--dtype", "fp8"], None, 2, "invalid choice"),
     # tools/preprocess_data.py
-    ("preprocess_data.py", ["--input", "{missing}", *PRE], None, 2, "does not exist"),
-    ("preprocess_data.py", ["--input", "{adir}", *PRE], None, 2, "is a directory"),
-    ("preprocess_data.py", ["--input", "{empty}", *PRE], None, 2, "is empty"),
+    ("mtnlg-preprocess", ["--input", "{missing}", *PRE], None, 2, "does not exist"),
+    ("mtnlg-preprocess", ["--input", "{adir}", *PRE], None, 2, "is a directory"),
+    ("mtnlg-preprocess", ["--input", "{empty}", *PRE], None, 2, "is empty"),
     (
-        "preprocess_data.py",
+        "mtnlg-preprocess",
         ["--input", "{good}", "--tokenizer", "{missing}", "--output-prefix", "{out}/d"],
         None,
         2,
         "no tokenizer",
     ),
-    ("preprocess_data.py", ["--input", "{good}", *PRE, "--workers", "0"], None, 2, "positive"),
+    ("mtnlg-preprocess", ["--input", "{good}", *PRE, "--workers", "0"], None, 2, "positive"),
     # tools/train_tokenizer.py
-    ("train_tokenizer.py", ["--input", "{missing}", "--output", "{out}/t.json"], None, 2, "does not exist"),
-    ("train_tokenizer.py", ["--input", "{adir}", "--output", "{out}/t.json"], None, 2, "is a directory"),
-    ("train_tokenizer.py", ["--input", "{empty}", "--output", "{out}/t.json"], None, 2, "is empty"),
-    ("train_tokenizer.py", ["--input", "{good}", "--output", "{good}"], None, 2, "is the input"),
+    ("mtnlg-train-tokenizer", ["--input", "{missing}", "--output", "{out}/t.json"], None, 2, "does not exist"),
+    ("mtnlg-train-tokenizer", ["--input", "{adir}", "--output", "{out}/t.json"], None, 2, "is a directory"),
+    ("mtnlg-train-tokenizer", ["--input", "{empty}", "--output", "{out}/t.json"], None, 2, "is empty"),
+    ("mtnlg-train-tokenizer", ["--input", "{good}", "--output", "{good}"], None, 2, "is the input"),
     (
-        "train_tokenizer.py",
+        "mtnlg-train-tokenizer",
         ["--input", "{good}", "--output", "{out}/t.json", "--vocab-size", "0"],
         None,
         2,
         "integer >= 2",
     ),
     # tools/consolidate_checkpoint.py
-    ("consolidate_checkpoint.py", ["{missing}", "{out}/m.safetensors"], None, 2, "does not exist"),
-    ("consolidate_checkpoint.py", ["{emptydir}", "{out}/m.safetensors"], None, 2, "no manifest"),
-    ("consolidate_checkpoint.py", ["{plain}", "{out}/m.safetensors"], None, 2, "not a checkpoint folder"),
-    ("consolidate_checkpoint.py", ["{ckpt}", "{adir}"], None, 2, "is a directory"),
-    ("consolidate_checkpoint.py", ["{ckpt}", "{ckpt}/meta.pt"], None, 2, "lies inside the input"),
+    ("mtnlg-consolidate", ["{missing}", "{out}/m.safetensors"], None, 2, "does not exist"),
+    ("mtnlg-consolidate", ["{emptydir}", "{out}/m.safetensors"], None, 2, "no manifest"),
+    ("mtnlg-consolidate", ["{plain}", "{out}/m.safetensors"], None, 2, "not a checkpoint folder"),
+    ("mtnlg-consolidate", ["{ckpt}", "{adir}"], None, 2, "is a directory"),
+    ("mtnlg-consolidate", ["{ckpt}", "{ckpt}/meta.pt"], None, 2, "lies inside the input"),
     # tools/pipeline.py
-    ("pipeline.py", ["{plain}"], None, 2, "is a file"),
-    ("pipeline.py", ["{nonempty}"], None, 2, "not empty"),
-    ("pipeline.py", [".", "--overwrite"], None, 2, "current directory"),
-    ("pipeline.py", ["{out}", "--steps", "0"], None, 2, "positive integer"),
+    ("mtnlg-pipeline", ["{plain}"], None, 2, "is a file"),
+    ("mtnlg-pipeline", ["{nonempty}"], None, 2, "not empty"),
+    ("mtnlg-pipeline", [".", "--overwrite"], None, 2, "current directory"),
+    ("mtnlg-pipeline", ["{out}", "--steps", "0"], None, 2, "positive integer"),
 ]
 
 
@@ -238,7 +225,6 @@ def test_bad_input_is_one_line_and_an_exit_code(
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if "error" in line.lower()]  # (info lines, argparse usage aside)
-    prog = tool.removesuffix(".py")
-    assert len(lines) == 1 and re.match(rf"({re.escape(prog)}|{re.escape(tool)}): error: ", lines[0]), err
+    assert len(lines) == 1 and lines[0].startswith(f"{tool}: error: "), err
     assert says in lines[0] and got == code, (got, lines[0])
     assert (files / "nonempty" / "keep.txt").read_text() == "mine"

@@ -49,7 +49,7 @@ def test_index_file_is_megatron_mmidIdx_format(tmp_path):
 def test_missing_bin_is_a_clear_error(tmp_path):
     write_docs(tmp_path / "d", [[1, 2, 3]])
     os.remove(tmp_path / "d.bin")
-    with pytest.raises(MTNLGError, match=r"missing dataset file .*d\.bin \(write it with tools/preprocess_data.py\)"):
+    with pytest.raises(MTNLGError, match=r"missing dataset file .*d\.bin \(write it with mtnlg-preprocess\)"):
         IndexedDataset(tmp_path / "d")
 
 

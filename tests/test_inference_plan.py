@@ -74,4 +74,4 @@ def test_plan_cli_answers_how_many_gpus_to_evaluate():
     assert found["h200"][0]["gpus"] == 1 and found["h200"][0]["fits"]
     bad = run_plan("--inference", "--gpu", "h200,b9000")
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.startswith("plan: error: unknown gpu 'b9000'") and len(bad.stderr.splitlines()) == 1
+    assert bad.stderr.startswith("mtnlg-plan: error: unknown gpu 'b9000'") and len(bad.stderr.splitlines()) == 1

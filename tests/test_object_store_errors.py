@@ -76,7 +76,7 @@ def test_every_tool_names_a_missing_object_in_one_line(bucket, tool, args, tmp_p
 
         code, prog = quality_cli.main(argv), "mtnlg-quality"
     else:
-        code, prog = tool_main(tool)(argv), tool
+        code, prog = tool_main(tool)(argv), {"preprocess_data": "mtnlg-preprocess"}.get(tool, "mtnlg-train-tokenizer")
     assert code == 2
     assert f"s3://{bucket}/in/gone.jsonl" in one_line_error(capsys, prog)
 
@@ -133,6 +133,6 @@ def test_the_pipeline_keeps_its_overwrite_rules_for_an_output_prefix(bucket, cap
     pytest.importorskip("transformers")  # the pipeline's export stage, checked before anything else
     pipeline = tool_main("pipeline")
     assert pipeline([f"s3://{bucket}/in", "--smoke", "--no-plot"]) == 2  # not empty, no --overwrite
-    assert "pass --overwrite" in one_line_error(capsys, "pipeline")
+    assert "pass --overwrite" in one_line_error(capsys, "mtnlg-pipeline")
     assert pipeline([f"s3://{bucket}", "--smoke", "--no-plot", "--overwrite"]) == 2
-    assert "whole bucket" in one_line_error(capsys, "pipeline")
+    assert "whole bucket" in one_line_error(capsys, "mtnlg-pipeline")

@@ -92,7 +92,7 @@ def test_dry_run_rejects_a_layout_that_does_not_fit_with_one_line(tmp_path):
     )
     assert out.returncode == 2
     assert out.stderr.strip() == (
-        "dry_run: error: tensor_parallel 16 is larger than a node (8 ranks per node): TP "
+        "mtnlg-dry-run: error: tensor_parallel 16 is larger than a node (8 ranks per node): TP "
         "groups would cross nodes; lower tensor_parallel or set allow_tp_across_nodes: true"
     )
 

@@ -218,12 +218,12 @@ def test_plan_cli_search_explains_its_top_layouts_and_takes_a_model_by_dimension
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--tp", "3"], "plan: error: num_heads 128 is not divisible by tensor_parallel 3"),
-        (["--pp", "106"], "plan: error: pipeline_parallel 106 x virtual stages 1 is more stages than"),
-        (["--gpu", "v100"], "plan: error: unknown gpu 'v100'; known GPUs: a100, a100-40g, a100-80g, h100"),
-        (["--layers", "4"], "plan: error: a model by dimensions needs --hidden, --heads, --seq"),
-        (["--model", "gpt9"], "plan: error: unknown model preset 'gpt9'"),
-        (["--write-config", "/nonexistent/dir/x.yaml"], "plan: error: --write-config: folder /nonexistent/dir"),
+        (["--tp", "3"], "mtnlg-plan: error: num_heads 128 is not divisible by tensor_parallel 3"),
+        (["--pp", "106"], "mtnlg-plan: error: pipeline_parallel 106 x virtual stages 1 is more stages than"),
+        (["--gpu", "v100"], "mtnlg-plan: error: unknown gpu 'v100'; known GPUs: a100, a100-40g, a100-80g, h100"),
+        (["--layers", "4"], "mtnlg-plan: error: a model by dimensions needs --hidden, --heads, --seq"),
+        (["--model", "gpt9"], "mtnlg-plan: error: unknown model preset 'gpt9'"),
+        (["--write-config", "/nonexistent/dir/x.yaml"], "mtnlg-plan: error: --write-config: folder /nonexistent/dir"),
     ],
 )
 def test_plan_cli_bad_input_is_one_line_with_exit_status_2(args, message):

@@ -1,6 +1,6 @@
-"""The planner's cost model against published runs (validation/published_runs.yaml), one set of constants per GPU:
-every run's throughput predicted within +-15%, and searching each published configuration's model, GPU count and
-batch ranks the published layout in the top 3 or within 5% of the best predicted time."""
+"""The planner's cost model against published runs (mtnlg_lightning/planning/published_runs.yaml), one set
+of constants per GPU: every run's throughput predicted within +-15%, and searching each published configuration's
+model, GPU count and batch ranks the published layout in the top 3 or within 5% of the best predicted time."""
 
 import subprocess
 import sys

@@ -72,7 +72,7 @@ def test_preprocess_reports_a_bad_line_with_its_number_and_writes_nothing(tmp_pa
     assert (
         out.stderr.strip()
         .splitlines()[-1]
-        .startswith(f"preprocess_data: error: {corpus}:2: invalid JSON: Expecting value")
+        .startswith(f"mtnlg-preprocess: error: {corpus}:2: invalid JSON: Expecting value")
     )
     assert not list(tmp_path.glob("o.*"))
 

@@ -1,50 +1,13 @@
 #!/usr/bin/env python
-"""Check a training config without GPUs: the rank layout, every pipeline stage built on the meta device (no
-memory) and TP-sharded, the batch arithmetic over the whole ramp-up, and the planner's memory per GPU.
+"""`mtnlg-dry-run` from a checkout (the console script of `pip install`).
 
-    python tools/dry_run.py --config configs/mtnlg_530b.yaml [--config more.yaml ...] [--gpu a100-80g]
-"""
+The code is mtnlg_lightning.planning.dry_run_cli."""
 
-import argparse
 import sys
 
 import _bootstrap  # noqa: F401
 
-from mtnlg_lightning.errors import run_main
-from mtnlg_lightning.gpus import gpu_names
-from mtnlg_lightning.planning.dry_run import dry_run
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--config",
-        action="append",
-        required=True,
-        help="a `mtnlg fit` YAML config; repeat to merge several, later ones win (as the CLI)",
-    )
-    parser.add_argument(
-        "--gpu",
-        default="a100-80g",
-        choices=gpu_names(),
-        help="GPU type for the memory check (default a100-80g, MT-NLG's DGX A100)",
-    )
-    parser.add_argument(
-        "--recompute",
-        default=None,
-        choices=("none", "selective", "full"),
-        help="activation recompute for the memory estimate (default: from the config's "
-        "ActivationCheckpointing callback, else none)",
-    )
-    args = parser.parse_args(argv)
-
-    def body() -> int:
-        report = dry_run(args.config, args.gpu, args.recompute)
-        print(report)
-        return 0
-
-    return run_main("dry_run", body)
-
+from mtnlg_lightning.planning.dry_run_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,11 +5,11 @@ bandwidth per GPU and direction) and the DGX reference designs (one InfiniBand N
 DGX A100, 8 x NDR 400 Gb/s on DGX H100/H200).
 
 Efficiency constants say how much of a figure real kernels reach. They were fitted once per GPU generation
-against the published runs in `validation/published_runs.yaml` (A100: Narayanan et al. 2021, MT-NLG 2022,
+against the published runs in `mtnlg_lightning/planning/published_runs.yaml` (A100: Narayanan et al. 2021, MT-NLG 2022,
 Korthikanti et al. 2022; H100: Megatron-Core r0.8.0's H100 table) and are checked there by
 `tests/test_planner_validation.py`. H200 is an H100 chip with more and faster HBM, so it shares H100's constants.
 
-Add a GPU with `--gpu-spec FILE.yaml` (tools/plan.py): a mapping of name -> the fields of `GPUSpec`; missing
+Add a GPU with `--gpu-spec FILE.yaml` (mtnlg-plan): a mapping of name -> the fields of `GPUSpec`; missing
 efficiency fields default to the A100 fit.
 """
 
@@ -49,7 +49,7 @@ class GPUSpec:
 # Fitted (grid search over gemm_efficiency, gemm_half_width, attention_efficiency, hbm_efficiency, maximising the
 # published runs within +-15%, then the smallest worst error): A100 on its 22 runs, H100 on its 9. The fit was made
 # with one width (h/t) for every GEMM of a layer. With each GEMM's own narrowest dimension (cost_model) the same
-# search (tools/fit_planner_constants.py) is flat: many settings reach a worst error of ~11% on A100 (13.5% with
+# search (mtnlg-fit-planner-constants) is flat: many settings reach a worst error of ~11% on A100 (13.5% with
 # these) and ~8% on H100 (12.0%), all runs stay within +-15% either way, and the best A100 settings leave the
 # search's ranking of the published layouts as it is; so these constants were kept.
 _A100 = dict(

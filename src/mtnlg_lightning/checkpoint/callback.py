@@ -13,7 +13,12 @@ from mtnlg_lightning.checkpoint.commit import newest_complete
 
 class ModelCheckpoint(LightningModelCheckpoint):
     """As Lightning's, with `save_last: link` by default (a link to the newest complete checkpoint, made after it
-    is complete). Set `dirpath` so that a restarted job finds the checkpoints of the runs before it."""
+    is complete). Set `dirpath` so that a restarted job finds the checkpoints of the runs before it.
+
+    Args:
+        save_last: `link` (default): `last.ckpt` links the newest complete checkpoint; true: a copy of it as well
+            (the bytes twice); false or null: no `last.ckpt`. The other keys are Lightning's ModelCheckpoint's.
+    """
 
     def __init__(self, *args, save_last: bool | str | None = "link", **kwargs):
         super().__init__(*args, save_last=save_last, **kwargs)

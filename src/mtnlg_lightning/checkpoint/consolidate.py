@@ -1,4 +1,4 @@
-"""`tools/consolidate_checkpoint.py CKPT OUT`: one model-space file of a checkpoint of any layout."""
+"""`mtnlg-consolidate CKPT OUT`: one model-space file of a checkpoint of any layout."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def consolidate(checkpoint: Path, output: Path, optimizer: bool = False, max_sha
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="consolidate_checkpoint.py",
+        prog="mtnlg-consolidate",
         description="Write a checkpoint of any layout (TP/PP/DP/ZeRO) as one model-space safetensors file, "
         "keyed by the single-process parameter names (vocabulary unpadded, tied head stored once).",
     )
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['bytes'] / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s"
         )
 
-    return run_main("consolidate_checkpoint", body)
+    return run_main("mtnlg-consolidate", body)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``mtnlg-extract`` / ``python tools/extract.py``: WARC/WET files to JSON lines of text with their language."""
+"""``mtnlg-extract``: WARC/WET files to JSON lines of text with their language."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``mtnlg-quality`` / ``python tools/quality.py``: heuristic rules, the quality classifier, scoring, filtering."""
+"""``mtnlg-quality``: heuristic rules, the quality classifier, scoring, filtering."""
 
 from __future__ import annotations
 

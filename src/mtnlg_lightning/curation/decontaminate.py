@@ -279,6 +279,22 @@ class DecontamJob:
         return output[len(self.out_dir) :].lstrip("/" + os.sep)
 
     def build_report(self, ctx: DecontamContext, runner: StageRunner, t_tasks: float) -> dict:
+        """`report.json` (or `--report`), written after the outputs are complete:
+
+        tool             "mtnlg-decontaminate"
+        settings         input, output(s), tasks, n-gram lengths, window, min_piece, max_splits,
+                         frequent_threshold, workers, engine
+        tasks            task_texts per task, ngrams (how many), ngrams_by_length
+        frequent_ngrams  ignored (n-grams in >= frequent_threshold documents), top: [{ngram, documents, tasks}]
+        documents        in, records_out, clean, trimmed, split, dropped_too_many_splits, dropped_no_piece_left,
+                         bad_records_skipped, matches_removed, chars_removed
+        hits             documents, per_task {documents, matches}, list: [{file, line, id, ngrams: [{ngram,
+                         tasks}]}] (the first ones; list_truncated says whether there are more)
+        bad_records      skipped records by reason
+        input_files, input_format(s), bytes_in
+        timings_s        load_tasks, count_pass, clean_pass; mb_per_s, mb_per_s_per_worker
+        resumed_stages   the passes a resumed run found finished
+        """
         cfg, index = self.cfg, ctx.index
         count, clean = runner.stats["count"], runner.stats["clean"]
         outcome = Counter(clean["outcome"])

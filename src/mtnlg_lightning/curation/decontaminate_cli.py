@@ -1,4 +1,4 @@
-"""``mtnlg-decontaminate`` / ``python tools/decontaminate.py``: remove downstream-task n-grams from training data."""
+"""``mtnlg-decontaminate``: remove downstream-task n-grams from training data."""
 
 from __future__ import annotations
 

@@ -311,6 +311,26 @@ class DedupJob:
         return report
 
     def build_report(self, runner: StageRunner) -> dict:
+        """`OUT/report.json`, written last (its presence means the run is complete):
+
+        tool             "mtnlg-dedup"
+        fingerprint      the inputs (paths, sizes, modification times) and settings a resume must match
+        settings         every setting of the run (shingles, threshold, permutations, seed, priority, engine, ...)
+        banding          bands, rows_per_band, the formula and the candidate probability at several Jaccards
+        inputs           per input file: file, format, output, docs_in, docs_out
+        totals           docs_in, docs_out, exact_duplicates_removed, near_duplicates_removed, bytes_in,
+                         bad_records_skipped
+        bad_records      skipped records by reason
+        clusters         clusters, docs_in_clusters, largest_cluster, size_histogram
+        pairs            candidate_pairs, rejected_by_estimate, jaccard_computed, skipped_already_connected,
+                         verified_pairs, rejected_pairs
+        signature_bytes_per_doc, signature_shards {total, reused}
+        timings_s        seconds per stage; total_s, docs_per_s
+        resumed_stages   the stages a resumed run found finished
+
+        Beside it: the deduplicated files (one per input, its name) and `duplicates.jsonl` (one line per removed
+        document: the removed document, the kept one of its cluster, the MinHash estimate and the exact Jaccard).
+        """
         st = runner.stats
         timings = {s: round(st[s]["seconds"], 3) for s in STAGES}
         total = sum(st[s]["seconds"] for s in STAGES)

@@ -1,4 +1,4 @@
-"""``mtnlg-dedup`` / ``python tools/dedup.py``: fuzzy deduplication of JSONL corpora."""
+"""``mtnlg-dedup``: fuzzy deduplication of JSONL corpora."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class GPTDataModule(L.LightningDataModule):
     ):
         """
         Args:
-            datasets: dataset prefixes (PREFIX.bin/PREFIX.idx written by tools/preprocess_data.py), paths or URLs
+            datasets: dataset prefixes (PREFIX.bin/PREFIX.idx written by mtnlg-preprocess), paths or URLs
                 (s3://bucket/data/pile_text_document: read by ranged requests through the block cache, no copy).
             weights: blend weight per dataset (normalised; default equal). MT-NLG blended 15 datasets.
             builtin_corpus: "python-docs" builds (once, cached) the offline demo corpus instead of `datasets`.

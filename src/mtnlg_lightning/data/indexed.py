@@ -170,7 +170,7 @@ class IndexedDataset:
         remote = storage.is_url(self.prefix)
         for path in (idx_path, bin_path):
             if not storage.exists(path):
-                raise MTNLGError(f"missing dataset file {path} (write it with tools/preprocess_data.py)")
+                raise MTNLGError(f"missing dataset file {path} (write it with mtnlg-preprocess)")
         if remote:
             idx_url, idx_path = idx_path, fetch_index(idx_path)
         idx_size = os.path.getsize(idx_path)

@@ -38,7 +38,7 @@ class Tokenizer:
             else:
                 raise MTNLGError(
                     f"no tokenizer at {path}: give a tokenizer.json file, or a directory holding tokenizer.json "
-                    f"or vocab.json + merges.txt (train one with tools/train_tokenizer.py)"
+                    f"or vocab.json + merges.txt (train one with mtnlg-train-tokenizer)"
                 )
         except MTNLGError:
             raise

@@ -21,6 +21,7 @@ from mtnlg_lightning.inference.decode import generate_over_replicas
 from mtnlg_lightning.inference.load import resolve_tokenizer
 from mtnlg_lightning.inference.runs import run
 from mtnlg_lightning.inference.sampling import POSITIONS
+from mtnlg_lightning.shipped_configs import config_argument
 
 PROMPTS_ENV = "MTNLG_GENERATE_PROMPTS"
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="auto: bf16 on GPU")
     p.add_argument(
         "--strategy",
+        type=config_argument("strategy"),
         help="generate in a layout: a strategy YAML of `mtnlg fit` (TP, PP, schedule; DP = devices / (TP x PP)); "
         "the prompts (and samples) are dealt over the data-parallel replicas",
     )

@@ -1,5 +1,5 @@
 """`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of its family (GPT-2, Llama,
-Qwen 2, Qwen 3; also tools/export_hf.py).
+Qwen 2, Qwen 3).
 
 The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUTPUT_DIR)`.

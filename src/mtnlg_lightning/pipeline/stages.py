@@ -1,7 +1,7 @@
 """Running one tool of the pipeline as its own process, with its output kept in a log file.
 
-Each stage is the real command a user would type (the console scripts' modules run with this interpreter, the
-tools/ scripts with their paths), so the pipeline exercises exactly what the README documents.
+Each stage is the real command a user would type (a console script, its module run with this interpreter), so the
+pipeline exercises exactly what the documentation shows.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from pathlib import Path
 
 from mtnlg_lightning.errors import MTNLGError
 
-REPO = Path(__file__).resolve().parents[3]
-TOOLS = REPO / "tools"
 # console script -> module it runs (pyproject's [project.scripts]); run as `python -m` so the pipeline needs no PATH
 CONSOLE_SCRIPTS = {
     "mtnlg": "mtnlg_lightning.train.cli",
@@ -28,6 +26,8 @@ CONSOLE_SCRIPTS = {
     "mtnlg-generate": "mtnlg_lightning.inference.generate_cli",
     "mtnlg-extract": "mtnlg_lightning.crawl.extract_cli",
     "mtnlg-quality": "mtnlg_lightning.crawl.quality_cli",
+    "mtnlg-train-tokenizer": "mtnlg_lightning.data.tokenizer_cli",
+    "mtnlg-preprocess": "mtnlg_lightning.data.preprocess_cli",
 }
 
 
@@ -72,17 +72,14 @@ def _mb(value) -> str:
 
 
 def tool_argv(tool: str, *args: str) -> list[str]:
-    """`mtnlg-dedup a b` -> [python, -m, module, a, b]; `tools/x.py a` -> [python, REPO/tools/x.py, a]."""
-    if tool in CONSOLE_SCRIPTS:
-        return [sys.executable, "-m", CONSOLE_SCRIPTS[tool], *args]
-    return [sys.executable, str(TOOLS / tool), *args]
+    """`mtnlg-dedup a b` -> [python, -m, mtnlg_lightning.curation.dedup_cli, a, b]."""
+    return [sys.executable, "-m", CONSOLE_SCRIPTS[tool], *args]
 
 
 def shown(tool: str, args: list[str], cwd: Path) -> str:
     """The command as a user would type it, paths relative to the working directory where they lie below it."""
-    head = tool if tool in CONSOLE_SCRIPTS else f"python tools/{tool}"
     words = [os.path.relpath(a, cwd) if os.path.isabs(a) and a.startswith(str(cwd) + os.sep) else a for a in args]
-    return " ".join([head, shlex.join(words)])
+    return " ".join([tool, shlex.join(words)])
 
 
 def run_tool(record: StageRecord, tool: str, args: list[str], log_dir: Path, index: int, cwd: Path) -> str:

@@ -65,7 +65,7 @@ def inference_plan(
     dtype: str = "bf16",
 ) -> InferencePlan:
     """Memory per GPU of evaluating or generating with `config` in TP x PP (DP replicas only multiply it)."""
-    # parallel/pipeline.py imports torch (seconds); the planner (tools/plan.py) answers without it.
+    # parallel/pipeline.py imports torch (seconds); the planner (mtnlg-plan) answers without it.
     from mtnlg_lightning.parallel.pipeline import layers_per_stage
 
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)

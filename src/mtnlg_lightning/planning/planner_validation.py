@@ -1,5 +1,5 @@
 """The planner against published runs: predicted vs published throughput, and where search ranks the published
-layout. The runs live in `validation/published_runs.yaml` with their sources."""
+layout. The runs live in `mtnlg_lightning/planning/published_runs.yaml` with their sources."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
 from mtnlg_lightning.planning.planner import Plan, best_per_layout, plan, search
 from mtnlg_lightning.train.flops import flops_per_iteration
 
-DEFAULT_PATH = Path(__file__).resolve().parents[3] / "validation" / "published_runs.yaml"
+DEFAULT_PATH = Path(__file__).with_name("published_runs.yaml")
 METRICS = ("tflops_per_gpu_with_recompute", "model_tflops_per_gpu", "iteration_seconds")
 UNITS = {
     "tflops_per_gpu_with_recompute": "{:g} TFLOP/s (recompute counted)",

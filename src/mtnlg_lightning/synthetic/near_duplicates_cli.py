@@ -1,4 +1,4 @@
-"""``python tools/make_near_dup_corpus.py``: write a labelled near-duplicate corpus (and its ground truth)."""
+"""``mtnlg-make-near-dup-corpus``: write a labelled near-duplicate corpus (and its ground truth)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mtnlg_lightning.synthetic.near_duplicates import ground_truth_pairs, make_n
 
 def build_parser() -> argparse.ArgumentParser:
     p = tool_parser(
-        "make_near_dup_corpus",
+        "mtnlg-make-near-dup-corpus",
         (
             "Generate English-like documents (Zipf vocabulary) in families of near-duplicates with known edits "
             "(substitutions/insertions/deletions, boilerplate, excerpts, paragraph shuffles, exact copies). Each "
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {len(pairs)} within-family pairs to {args.truth}")
         return 0
 
-    return run_main("make_near_dup_corpus", body, INTERRUPTED)
+    return run_main("mtnlg-make-near-dup-corpus", body, INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule
@@ -19,6 +20,7 @@ from mtnlg_lightning.parallel.context_parallel import check_context_parallel
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
+from mtnlg_lightning.shipped_configs import resolve_cli_args
 from mtnlg_lightning.train.module import MTNLGModule
 
 
@@ -148,12 +150,15 @@ def main(args: list[str] | None = None) -> int:
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
 
     def body() -> int:
+        registered = {"auto", *StrategyRegistry.available_strategies()}
+        if args is None:  # the command line, its config names resolved (LightningCLI reads sys.argv itself)
+            sys.argv[1:] = resolve_cli_args(sys.argv[1:], registered)
         try:
             cli = MTNLGCLI(
                 MTNLGModule,
                 GPTDataModule,
                 save_config_kwargs={"overwrite": True},
-                args=args,
+                args=None if args is None else resolve_cli_args(args, registered),
                 parser_class=OneLineParser,
             )
         except MisconfigurationException as error:  # Lightning's word for a bad trainer setting

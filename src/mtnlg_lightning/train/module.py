@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from contextlib import nullcontext
 
 import lightning as L
@@ -34,6 +35,10 @@ from mtnlg_lightning.train.step_interfaces import (
 )
 from mtnlg_lightning.train.training_position import TrainingPosition
 
+# Lightning (2.6) warns that a checkpoint saved under manual optimization holds the weights after the step's
+# update: that is what a resume from step N needs here (the update is part of step N), so the warning is noise.
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning)
+
 
 class MTNLGModule(L.LightningModule):
     def __init__(
@@ -61,7 +66,8 @@ class MTNLGModule(L.LightningModule):
     ):
         """
         Args:
-            preset: model preset name (tiny, demo, gpt3-125m, gpt3-1.3b, gpt3-175b, mtnlg-530b).
+            preset: model preset name (tiny, demo, gpt3-*, mtnlg-530b; demo-llama, llama3.*, qwen3-8b: the presets
+                table of the reference).
             model_overrides: ModelConfig fields to change, e.g. {num_layers: 5, vocab_size: 50257}.
             micro_batch_size: sequences per forward/backward on one rank.
             global_batch_size: sequences per optimizer step over all data-parallel ranks (layout-independent).
@@ -79,8 +85,11 @@ class MTNLGModule(L.LightningModule):
                 (`resilience.watchdog.HangWatchdog`; add that callback yourself to change its limits).
             straggler_every_n_steps: log the slowest rank's step time every N steps and name a rank slower than
                 1.5x the median (`resilience.stragglers.StragglerMonitor`); 0 disables.
-            init_from: start from these weights (fresh optimizer): a Hugging Face GPT-2 directory or a project
-                checkpoint; the architecture comes from it (see mtnlg_lightning.interop.init_from).
+            init_from: start from these weights (fresh optimizer): a Hugging Face directory (GPT-2, Llama, Qwen 2/3)
+                or a project checkpoint; the architecture comes from it (see mtnlg_lightning.interop.init_from).
+            compile: torch.compile each transformer block after the strategy has sharded it (faster steps on a
+                GPU after a compile at the first step; bf16 with fp32 master weights is kept).
+            compile_backend: torch.compile's backend (inductor; aot_eager to debug).
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
