@@ -130,6 +130,8 @@ def run_job(prog: str, job: Callable[[], dict], summary: Callable[[dict], str], 
     def body() -> int:
         report = job()
         print(summary(report))
+        if report.get("resumed_stages"):  # a resumable job's: the stages a killed run had finished
+            print("  resumed    " + ", ".join(report["resumed_stages"]))
         print(f"  outputs    {outputs(report)}")
         return 0
 

@@ -90,12 +90,6 @@ def _write_report(dest: Destination, inputs: list[str], command: str, t0: float,
     return report
 
 
-def _rewrite_and_report(dest: Destination, inputs, command: str, t0: float, text_key, progress, transform, figures):
-    """`_rewrite` every input into OUT, then the report: the documents read and `figures(counts)`."""
-    counts = _rewrite(inputs, dest.local, text_key, progress, command, transform)
-    return _write_report(dest, inputs, command, t0, documents=counts["documents"], **figures(counts))
-
-
 # --- annotate ----------------------------------------------------------------------------------------------------
 
 
@@ -116,15 +110,18 @@ def annotate(inputs, output_dir, rule_settings: dict, text_key="text", progress=
         failing["any"] += bool(failed)
         return {**record, SIGNALS_KEY: signals, FAILED_KEY: failed}
 
-    def figures(counts: dict) -> dict:
-        return {
-            "failing_any_rule": failing["any"],
-            "passing_every_rule": counts["documents"] - failing["any"],
-            "failing_by_rule": dict(per_rule),
-            "rules": rule_settings,
-        }
-
-    return _rewrite_and_report(dest, inputs, "annotate", t0, text_key, progress, transform, figures)
+    counts = _rewrite(inputs, dest.local, text_key, progress, "annotate", transform)
+    return _write_report(
+        dest,
+        inputs,
+        "annotate",
+        t0,
+        documents=counts["documents"],
+        failing_any_rule=failing["any"],
+        passing_every_rule=counts["documents"] - failing["any"],
+        failing_by_rule=dict(per_rule),
+        rules=rule_settings,
+    )
 
 
 # --- train / score -----------------------------------------------------------------------------------------------
@@ -275,16 +272,19 @@ def filter_documents(
         dropped_by.update(reasons)
         return None if reasons else record
 
-    def figures(counts: dict) -> dict:
-        return {
-            "kept": counts["kept"],
-            "dropped": counts["documents"] - counts["kept"],
-            "dropped_by": dict(dropped_by),
-            "threshold": threshold,
-            "pareto_alpha": pareto_alpha,
-            "languages": list(languages),
-            "seed": seed,
-            "rules": rule_settings,
-        }
-
-    return _rewrite_and_report(dest, inputs, "filter", t0, text_key, progress, transform, figures)
+    counts = _rewrite(inputs, dest.local, text_key, progress, "filter", transform)
+    return _write_report(
+        dest,
+        inputs,
+        "filter",
+        t0,
+        documents=counts["documents"],
+        kept=counts["kept"],
+        dropped=counts["documents"] - counts["kept"],
+        dropped_by=dict(dropped_by),
+        threshold=threshold,
+        pareto_alpha=pareto_alpha,
+        languages=list(languages),
+        seed=seed,
+        rules=rule_settings,
+    )

@@ -175,78 +175,15 @@ def _rule_settings(args, parser):
         parser.error(str(err))
 
 
-def _print_counts(title: str, counts: dict, total: int) -> None:
-    print(f"  {title}")
-    width = max((len(k) for k in counts), default=0)
-    for name, n in counts.items():
-        print(f"    {name:<{width}}  {n:>8}  ({n / max(1, total):.1%})")
-
-
-def _annotate(args, settings, progress: bool) -> None:
-    r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)
-    print(f"{PROG} annotate: {r['documents']} documents in {r['seconds']:.1f} s")
-    _print_counts(
-        "failing each rule (a document failing several counts under each):",
-        r["failing_by_rule"],
-        r["documents"],
-    )
-    print(f"  failing any rule  {r['failing_any_rule']}  passing every rule  {r['passing_every_rule']}")
-
-
-def _train(args, settings, progress: bool) -> None:
-    r = quality.train_model(
-        args.positive,
-        args.negative,
-        args.model,
-        args.text_key,
-        args.holdout,
-        args.features,
-        args.max_ngram,
-        args.c,
-        args.seed,
-    )
-    print(f"{PROG} train: {r['positives']} positive, {r['negatives']} negative documents in {r['seconds']:.1f} s")
-    if "holdout" in r:
-        h = r["holdout"]
-        print(
-            f"  held out {h['documents']}: precision {h['precision']:.3f} recall {h['recall']:.3f} "
-            f"accuracy {h['accuracy']:.3f}"
-        )
-    print(f"  model      {args.model}")
-
-
-def _score(args, settings, progress: bool) -> None:
-    r = quality.score(args.inputs, args.output_dir, args.model, args.text_key, args.batch, progress)
-    print(f"{PROG} score: {r['documents']} documents in {r['seconds']:.1f} s")
-    print(f"  scores by tenths 0.0..1.0: {r['score_histogram_tenths']}")
-
-
-def _filter(args, settings, progress: bool) -> None:
-    r = quality.filter_documents(
-        args.inputs,
-        args.output_dir,
-        args.threshold,
-        args.pareto,
-        args.seed,
-        settings,
-        args.text_key,
-        progress,
-        args.languages,
-    )
-    print(f"{PROG} filter: kept {r['kept']} of {r['documents']} documents, dropped {r['dropped']}")
-    _print_counts("dropped by (a document failing several counts under each):", r["dropped_by"], r["documents"])
-
-
 @dataclass(frozen=True)
 class Command:
     """A subcommand: its line in the tool's help, its own help's description (with the heuristic rules listed below
-    it, or not), the function adding its flags and the one running it."""
+    it, or not) and the function adding its flags."""
 
     help: str
     description: str
     lists_rules: bool
     flags: Callable[[argparse.ArgumentParser], None]
-    run: Callable[..., None]
 
 
 COMMANDS = {
@@ -257,7 +194,6 @@ COMMANDS = {
         "each) and failing any (counted once). Nothing is dropped: use 'filter --heuristics'.",
         True,
         _annotate_flags,
-        _annotate,
     ),
     "train": Command(
         "train the quality classifier on positive and negative documents",
@@ -267,7 +203,6 @@ COMMANDS = {
         "arrays (loading it never runs code).",
         False,
         _train_flags,
-        _train,
     ),
     "score": Command(
         "add quality_score (the classifier's P(curated)) to every document",
@@ -275,7 +210,6 @@ COMMANDS = {
         "(all fields kept).",
         False,
         _score_flags,
-        _score,
     ),
     "filter": Command(
         "keep documents by score threshold, Pareto rule and/or heuristic rules",
@@ -285,9 +219,15 @@ COMMANDS = {
         "(a document failing several is counted under each) and in total (once).",
         True,
         _filter_flags,
-        _filter,
     ),
 }
+
+
+def _print_counts(title: str, counts: dict, total: int) -> None:
+    print(f"  {title}")
+    width = max((len(k) for k in counts), default=0)
+    for name, n in counts.items():
+        print(f"    {name:<{width}}  {n:>8}  ({n / max(1, total):.1%})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +244,56 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         if args.command in ("train", "score"):  # scikit-learn; annotate and filter need only the core install
             require_extra("crawl", f"{PROG} {args.command}")
-        COMMANDS[args.command].run(args, settings, progress=not getattr(args, "quiet", False))
+        progress = not getattr(args, "quiet", False)
+        if args.command == "annotate":
+            r = quality.annotate(args.inputs, args.output_dir, settings, args.text_key, progress)
+            print(f"{PROG} annotate: {r['documents']} documents in {r['seconds']:.1f} s")
+            _print_counts(
+                "failing each rule (a document failing several counts under each):",
+                r["failing_by_rule"],
+                r["documents"],
+            )
+            print(f"  failing any rule  {r['failing_any_rule']}  passing every rule  {r['passing_every_rule']}")
+        elif args.command == "train":
+            r = quality.train_model(
+                args.positive,
+                args.negative,
+                args.model,
+                args.text_key,
+                args.holdout,
+                args.features,
+                args.max_ngram,
+                args.c,
+                args.seed,
+            )
+            print(
+                f"{PROG} train: {r['positives']} positive, {r['negatives']} negative documents in {r['seconds']:.1f} s"
+            )
+            if "holdout" in r:
+                h = r["holdout"]
+                print(
+                    f"  held out {h['documents']}: precision {h['precision']:.3f} recall {h['recall']:.3f} "
+                    f"accuracy {h['accuracy']:.3f}"
+                )
+            print(f"  model      {args.model}")
+        elif args.command == "score":
+            r = quality.score(args.inputs, args.output_dir, args.model, args.text_key, args.batch, progress)
+            print(f"{PROG} score: {r['documents']} documents in {r['seconds']:.1f} s")
+            print(f"  scores by tenths 0.0..1.0: {r['score_histogram_tenths']}")
+        else:
+            r = quality.filter_documents(
+                args.inputs,
+                args.output_dir,
+                args.threshold,
+                args.pareto,
+                args.seed,
+                settings,
+                args.text_key,
+                progress,
+                args.languages,
+            )
+            print(f"{PROG} filter: kept {r['kept']} of {r['documents']} documents, dropped {r['dropped']}")
+            _print_counts("dropped by (a document failing several counts under each):", r["dropped_by"], r["documents"])
         if args.command != "train":
             print(f"  outputs    {args.output_dir}/ (one file per input, quality_{args.command}_report.json)")
         return 0

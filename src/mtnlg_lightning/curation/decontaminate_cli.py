@@ -162,8 +162,6 @@ def format_summary(report: dict) -> str:
         f"  time       tasks {tm['load_tasks']:.2f}s  count {tm['count_pass']:.2f}s  clean {tm['clean_pass']:.2f}s"
         f"  -> {report['mb_per_s']} MB/s ({report['mb_per_s_per_worker']} MB/s per worker)"
     )
-    if report.get("resumed_stages"):
-        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
     return "\n".join(lines)
 
 

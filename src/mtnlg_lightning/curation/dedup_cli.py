@@ -213,8 +213,6 @@ def format_summary(report: dict) -> str:
         + "  ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
         + f"  total {report['total_s']:.2f}s  ({report['docs_per_s']} docs/s)",
     ]
-    if report.get("resumed_stages"):
-        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
     return "\n".join(lines)
 
 
