@@ -87,14 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 otherwise)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "selective", "full"])
     args = benchmark_args(ap, argv)
-    common = dict(
-        preset=args.preset,
-        steps=args.steps,
-        batch=args.batch,
-        device=args.device,
-        bf16=args.bf16,
-        activation_checkpointing=args.activation_checkpointing,
-    )
+    common = {k: getattr(args, k) for k in ("preset", "steps", "batch", "device", "bf16", "activation_checkpointing")}
     eager = measure(backend="eager", **common)
     result = {"preset": args.preset, "device": args.device, "bf16": args.bf16, "eager": eager, "compiled": {}}
     print(f"# bench_compile: {args.preset} ({eager['parameters'] / 1e6:.1f}M parameters) on {args.device}, "

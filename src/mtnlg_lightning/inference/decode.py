@@ -29,6 +29,15 @@ from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 OnToken = Callable[[int, list[int]], None]  # (sequence, its tokens so far)
 
 
+DECODING = ("max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def decoding_of(settings) -> dict:
+    """How to decode, as generate_batch's keyword arguments, from the same-named attributes of `settings` (a
+    command's parsed flags, a study's sampling settings)."""
+    return {name: getattr(settings, name) for name in DECODING}
+
+
 def sequence_seed(seed: int, sequence: int) -> int:
     """The seed of one sequence's generator: distinct per (seed, sequence), the same in every layout."""
     return (seed * 1_000_003 + sequence) % 2**63

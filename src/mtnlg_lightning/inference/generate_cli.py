@@ -17,7 +17,7 @@ import os
 import sys
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.inference.decode import generate_over_replicas
+from mtnlg_lightning.inference.decode import decoding_of, generate_over_replicas
 from mtnlg_lightning.inference.load import resolve_tokenizer
 from mtnlg_lightning.inference.runs import run
 from mtnlg_lightning.inference.sampling import POSITIONS
@@ -117,13 +117,10 @@ def generate_and_print(args, prompts: list[str], model, plan) -> None:
     result = generate_over_replicas(
         model,
         [tokenizer.encode(p) for p in prompts for _ in range(samples)],
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
         eos_id=tokenizer.eod_id,
         seed=args.seed,
         on_token=stream,
+        **decoding_of(args),
     )
     if not speaks:
         return

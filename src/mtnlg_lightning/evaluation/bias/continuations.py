@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.bias.wordlists import Prompt
-from mtnlg_lightning.inference.decode import generate_over_replicas
+from mtnlg_lightning.inference.decode import decoding_of, generate_over_replicas
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,8 @@ def sample_continuations(model, tokenizer, prompts: list[Prompt], sampling: Samp
             [encoded[j] for j in batch],
             seed=sampling.seed,
             first_sequence=start,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
             eos_id=tokenizer.eod_id,
+            **decoding_of(sampling),
         )
         for j, tokens in zip(batch, made.tokens, strict=True):
             texts[j].append(tokenizer.decode(tokens))

@@ -7,6 +7,7 @@ and reports. Everything that needs no weights (the word lists, the sampling sett
 
 from __future__ import annotations
 
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.bias.continuations import Sampling, sample_continuations
 from mtnlg_lightning.evaluation.bias.wordlists import Study, read_study
@@ -17,15 +18,7 @@ SAMPLED = ("cooccurrence", "sentiment")
 
 
 def sampling_of(args) -> Sampling:
-    return Sampling(
-        continuations=args.num_continuations,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        batch_size=args.batch_size,
-    )
+    return fields_from(Sampling, args, continuations=args.num_continuations)
 
 
 def check_study(args, tasks: list[str]) -> Study:
