@@ -1,1 +1,2 @@
-"""Getting models in and out: Hugging Face GPT-2 directories (export, import) and model sources for generation."""
+"""Getting models in and out: Hugging Face directories of GPT-2, Llama and Qwen 2/3 (export, import, read as a model
+source) and their key mappings."""

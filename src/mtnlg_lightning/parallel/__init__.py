@@ -1,1 +1,2 @@
-"""Parallelism applied from outside the model: layout, tensor parallelism, ZeRO (and pipelining, part 2)."""
+"""Parallelism applied from outside the model: the rank layout and process groups, tensor, sequence, context and
+pipeline parallelism, the tied embedding, gradient clipping and DeepSpeed ZeRO."""

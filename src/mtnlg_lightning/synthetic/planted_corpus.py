@@ -42,7 +42,7 @@ NGRAM = 13  # the decontamination n-gram: a control passage may share none with 
 @dataclass
 class CorpusSpec:
     """What the raw corpus holds. The defaults are the full pipeline's; `smoke()` is the reduced run's
-    (`tools/pipeline.py --smoke`)."""
+    (`mtnlg-pipeline --smoke`)."""
 
     eval_passages: int = 128  # cloze passages in the evaluation set: half planted, half control
     plant_copies: int = 6  # training documents each planted passage is copied into (< decontamination's

@@ -29,7 +29,7 @@ WARC_NAME = "crawl.warc.gz"
 @dataclass
 class CrawlSpec:
     """What the crawl adds around the corpus pages. The defaults are the full pipeline's; `smoke()` is the reduced
-    run's (`tools/pipeline.py --smoke`)."""
+    run's (`mtnlg-pipeline --smoke`)."""
 
     junk_fraction: float = 0.15  # junk pages, as a share of the corpus pages
     pages_per_language: int = 4  # pages in each of the seven other languages
