@@ -150,15 +150,15 @@ def main(args: list[str] | None = None) -> int:
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
 
     def body() -> int:
-        argv = resolve_cli_args(
-            sys.argv[1:] if args is None else args, {"auto", *StrategyRegistry.available_strategies()}
-        )
+        registered = {"auto", *StrategyRegistry.available_strategies()}
+        if args is None:  # the command line, its config names resolved (LightningCLI reads sys.argv itself)
+            sys.argv[1:] = resolve_cli_args(sys.argv[1:], registered)
         try:
             cli = MTNLGCLI(
                 MTNLGModule,
                 GPTDataModule,
                 save_config_kwargs={"overwrite": True},
-                args=argv,
+                args=None if args is None else resolve_cli_args(args, registered),
                 parser_class=OneLineParser,
             )
         except MisconfigurationException as error:  # Lightning's word for a bad trainer setting

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from contextlib import nullcontext
 
 import lightning as L
@@ -33,6 +34,10 @@ from mtnlg_lightning.train.step_interfaces import (
     apply_unless_vetoed,
 )
 from mtnlg_lightning.train.training_position import TrainingPosition
+
+# Lightning (2.6) warns that a checkpoint saved under manual optimization holds the weights after the step's
+# update: that is what a resume from step N needs here (the update is part of step N), so the warning is noise.
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization", category=UserWarning)
 
 
 class MTNLGModule(L.LightningModule):
