@@ -115,6 +115,9 @@ def main() -> int:
     check_extra_message(
         [str(BIN / "mtnlg-eval"), "--checkpoint", last, "--harness-tasks", "lambada_openai"], work, "eval"
     )
+    suite = ["--suite", "mtnlg", "--task-data", "HANS=text.jsonl"]
+    check_extra_message([str(BIN / "mtnlg-eval"), "--checkpoint", last, *suite], work, "eval")
+    check_extra_message([str(BIN / "mtnlg-eval"), "--checkpoint", last, "--task", "cooccurrence"], work, "bias")
     check_extra_message([str(BIN / "mtnlg-dedup"), "corpus.jsonl", "-o", "ray_out", "--engine", "ray"], work, "ray")
     check_extra_message([*decon, "--output", "ray.jsonl", "--engine", "ray"], work, "ray")
     zero1 = ["--trainer.strategy", str(ROOT / "configs/strategy/zero1.yaml")]

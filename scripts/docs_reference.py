@@ -368,6 +368,11 @@ def config_pages() -> dict[str, str]:
 FORMATS = [  # (title, the module or module:object whose docstring describes the files it writes)
     ("A checkpoint folder", "mtnlg_lightning.checkpoint.format"),
     ("Evaluation results (`mtnlg-eval --output`)", "mtnlg_lightning.evaluation.evaluate:report"),
+    ("Evaluation suites (`mtnlg-eval --suite FILE`) and their table (`--table`)", "mtnlg_lightning.evaluation.suite"),
+    (
+        "The bias study's word lists and prompts (`mtnlg-eval --data` of the bias tasks)",
+        "mtnlg_lightning.evaluation.bias.wordlists",
+    ),
     ("Deduplication report (`OUT/report.json` of mtnlg-dedup)", "mtnlg_lightning.curation.dedup:DedupJob.build_report"),
     (
         "Decontamination report (`report.json` of mtnlg-decontaminate)",

@@ -70,6 +70,7 @@ LONGEST_MODULES = (
     "test_strategy_cli.py",
     "test_parallel_equivalence.py",
     "test_evaluation.py",
+    "test_bias.py",
     "test_gpu_check.py",
     "test_checkpoints.py",
     "test_cli.py",

@@ -210,6 +210,7 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
         "eval-decontaminated-control",
         "export-hf",
         "generate",
+        "bias",
     ]
     # one summary line per stage on stdout, in that order
     lines = [line.split()[0] for line in proc.stdout.splitlines() if line.split() and line.split()[0] in names]
@@ -257,5 +258,9 @@ def test_reduced_pipeline_runs_every_tool_and_its_report_reconciles(tmp_path):
     assert report["experiment"]["contaminated"]["documents_with_planted_text"] > 0
     assert (out / "report.md").read_text().count("PASS") == len(report["checks"])
     assert (out / "report.png").stat().st_size > 10_000
+    # the bias study of B: every task's result, its tables in the report, its figure
+    assert set(report["bias"]) == {"gender-occupation", "cooccurrence", "sentiment"}
+    assert report["bias"]["gender-occupation"]["summary"]["occupations"] >= 300
+    assert "## The bias study" in (out / "report.md").read_text() and (out / "bias.png").stat().st_size > 10_000
     assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "gpt2"
     assert report["generation"]["text"].startswith("The file is opened")

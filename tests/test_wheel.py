@@ -1,7 +1,7 @@
 """The wheel is the product: built from this checkout, installed into a brand-new virtual environment (no checkout on
 any path), and every documented command run from an empty directory by its console script: the demo config for a
 few steps with a checkpoint, a tiny fit in tp2, the planner, dedup, decontamination, tokenizer training,
-preprocessing, evaluation, generation, and export's help."""
+preprocessing, evaluation (with the bias study's shipped word lists), generation, and export's help."""
 
 from __future__ import annotations
 
@@ -104,3 +104,10 @@ def test_the_installed_wheel_runs_every_documented_command_from_an_empty_directo
                "--temperature", "0")  # fmt: skip
     assert text.startswith("The module")
     assert "--overwrite" in run("mtnlg-export-hf", "--help")
+
+    # the bias study's word lists and the paper's suite ship inside the package
+    run("mtnlg-eval", "--checkpoint", checkpoint, "--task", "gender-occupation", "--batch-size", "64", "--output",
+        "bias.json", "--no-progress")  # fmt: skip
+    assert json.loads((work / "bias.json").read_text())["results"]["gender-occupation"]["summary"]["occupations"] > 300
+    suites = run("python", "-c", "from mtnlg_lightning.evaluation.suite import shipped; print(shipped())")
+    assert suites.strip() == "['mtnlg']"

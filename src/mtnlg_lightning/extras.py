@@ -25,6 +25,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "trafilatura": ("trafilatura",),
     "corpora": ("zstandard", "pyarrow"),
     "cloud": ("fsspec", "s3fs"),
+    "bias": ("textblob", "vaderSentiment"),
 }
 
 

@@ -1,2 +1,3 @@
-"""Evaluation as in the MT-NLG paper: LAMBADA (zero/one/few-shot), HANS with in-context examples, perplexity, and an
-lm-evaluation-harness adapter; `mtnlg-eval` on the command line, `DownstreamEval` during training."""
+"""Evaluation as in the MT-NLG paper: LAMBADA (zero/one/few-shot), HANS with in-context examples, perplexity, an
+lm-evaluation-harness adapter, the paper's task table (`suite`, `--suite mtnlg`) and its social-bias study (`bias`);
+`mtnlg-eval` on the command line, `DownstreamEval` during training."""

@@ -102,11 +102,9 @@ def harness_lm(model, tokenizer, batch_size: int = 16):
     return cls(model, tokenizer, batch_size)
 
 
-def run_harness(model, tokenizer, tasks: list[str], include_path: str | None = None, batch_size: int = 16, **kw):
-    """`lm_eval.simple_evaluate` on our model; returns {task: {metric: value}} (the harness' `,none` filter
-    suffix dropped); None on data-parallel ranks other than 0 of a layout."""
-    lm = harness_lm(model, tokenizer, batch_size)
-    from lm_eval import simple_evaluate
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """The harness' `TaskManager` that knows `tasks` (one line naming the unknown ones)."""
+    _lm_base()
     from lm_eval.tasks import TaskManager
 
     manager = None
@@ -118,6 +116,19 @@ def run_harness(model, tokenizer, tasks: list[str], include_path: str | None = N
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise MTNLGError(f"unknown harness task(s) {', '.join(unknown)} (add --include-path DIR for local tasks)")
+    return manager
+
+
+def run_harness(
+    model, tokenizer, tasks: list[str], include_path: str | None = None, batch_size: int = 16, manager=None, **kw
+):
+    """`lm_eval.simple_evaluate` on our model (`kw`: its arguments, e.g. num_fewshot, limit); returns {task:
+    {metric: value}} (the harness' `,none` filter suffix dropped); None on data-parallel ranks other than 0 of a
+    layout. `manager`: a `task_manager` already built for these tasks."""
+    lm = harness_lm(model, tokenizer, batch_size)
+    from lm_eval import simple_evaluate
+
+    manager = manager or task_manager(tasks, include_path)
     evaluated = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **kw)
     if evaluated is None:  # a data-parallel rank other than 0: the evaluator gathered its results to rank 0
         return None

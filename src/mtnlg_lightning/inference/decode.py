@@ -93,7 +93,8 @@ def generate_batch(
             last = gather_tensor_parallel(last, 1, model.tp_group)
         tokens = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)
         if model.groups.rank == tp_source:
-            tokens = sample_each(last[:, :vocab], temperature, top_k, top_p, generators)
+            sampling = [following >= n for n in lengths]  # a row still inside its prompt is fed, not sampled
+            tokens = sample_each(last[:, :vocab], temperature, top_k, top_p, generators, sampling)
         if model.tp_group is not None:
             dist.broadcast(tokens, src=tp_source, group=model.tp_group)
         chosen["tokens"] = tokens
@@ -135,24 +136,35 @@ def generate_batch(
     return Generation(out, ended, time.perf_counter() - started)
 
 
-def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generators) -> torch.Tensor:
-    """The next token of each row of `logits` [B, V], each row sampled with its own generator (argmax at 0)."""
+def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generators, sampling=None) -> torch.Tensor:
+    """The next token of each row of `logits` [B, V], each row sampled with its own generator (argmax at 0).
+    `sampling[i]` False: row i's token is not used (the row is still inside its prompt), so its generator draws
+    nothing: a sequence's draws do not depend on the prompts it shares a batch with."""
+    greedy = logits.argmax(dim=-1)
     if temperature <= 0:
-        return logits.argmax(dim=-1)
-    rows = [sample(logits[i : i + 1], temperature, top_k, top_p, g) for i, g in enumerate(generators)]
+        return greedy
+    rows = [
+        sample(logits[i : i + 1], temperature, top_k, top_p, g)
+        if sampling is None or sampling[i]
+        else greedy[i : i + 1]
+        for i, g in enumerate(generators)
+    ]
     return torch.cat(rows)
 
 
-def generate_over_replicas(model: ShardedModel, prompts: list[list[int]], seed: int | None = None, **kwargs):
+def generate_over_replicas(
+    model: ShardedModel, prompts: list[list[int]], seed: int | None = None, first_sequence: int = 0, **kwargs
+):
     """`generate_batch` with the prompts dealt over the data-parallel replicas, prompt i seeded with
-    `sequence_seed(seed, i)`; every rank returns every prompt's (tokens, stop reason) in order, and the slowest
-    replica's seconds."""
+    `sequence_seed(seed, first_sequence + i)` (a caller cutting a long list into batches numbers them on, so what a
+    sequence gets depends neither on the layout nor on the batches); every rank returns every prompt's (tokens, stop
+    reason) in order, and the slowest replica's seconds."""
     dp, rank = model.layout.data_parallel, model.groups.coord.dp
     mine = list(range(rank, len(prompts), dp))
     found = {}
     seconds = 0.0
     if mine:
-        seeds = [sequence_seed(seed, i) if seed is not None else None for i in mine]
+        seeds = [sequence_seed(seed, first_sequence + i) if seed is not None else None for i in mine]
         on_token = kwargs.pop("on_token", None)
         if on_token is not None:  # numbered as the caller numbers them
             kwargs["on_token"] = lambda row, tokens: on_token(mine[row], tokens)

@@ -1,5 +1,5 @@
 """End to end as in the paper, offline: a web crawl -> extract -> language -> quality -> dedup -> decontaminate ->
-tokenize -> train -> evaluate -> export -> generate, with the contamination experiment in miniature
+tokenize -> train -> evaluate -> export -> generate -> bias study, with the contamination experiment in miniature
 (docs/pipeline.md).
 
     bash scripts/pipeline.sh [OUT_DIR]            # = mtnlg-pipeline [OUT_DIR] (default runs/pipeline)
@@ -13,8 +13,9 @@ mtnlg-quality filter --languages en, mtnlg-quality train/score/filter (classifie
 mtnlg-dedup, mtnlg-decontaminate (the evaluation set as the task), mtnlg-train-tokenizer,
 mtnlg-preprocess (once per corpus), mtnlg fit twice (A: deduplicated, planted text left in;
 B: decontaminated; same model, seed and steps), mtnlg-eval on the planted and the control passages for both,
-mtnlg-export-hf of B and mtnlg-generate from the export. Each stage prints one line; every tool's output is in
-OUT_DIR/logs. Writes OUT_DIR/report.json, report.md and report.png: documents and bytes in and out of every stage,
+mtnlg-export-hf of B, mtnlg-generate from the export and the bias study of B (mtnlg-eval --task gender-occupation
+cooccurrence sentiment: MT-NLG Section 6). Each stage prints one line; every tool's output is in OUT_DIR/logs.
+Writes OUT_DIR/report.json, report.md, report.png and bias.png: documents and bytes in and out of every stage,
 precision and recall of extraction, the language filter and the quality filter against the planted truth, and
 checks that the counts reconcile from stage to stage. Exit status: 0 all checks passed, 1 a check failed, 2 a stage
 failed or bad arguments. --no-crawl starts from raw/web.jsonl, as before the crawl stages.
@@ -68,7 +69,15 @@ def main(argv=None) -> int:
         help="start from the raw corpus as JSON lines (raw/web.jsonl), without the crawl stages",
     )
     p.add_argument("--prompt", default="The file is opened", help="the prompt of the generation stage")
-    p.add_argument("--no-plot", action="store_true", help="skip report.png (needs matplotlib: the [plot] extra)")
+    p.add_argument(
+        "--bias-continuations",
+        type=int_at_least(1),
+        default=None,
+        help="continuations sampled per prompt in the bias study of B (default 100, --smoke 4; the paper: 800)",
+    )
+    p.add_argument(
+        "--no-plot", action="store_true", help="skip report.png and bias.png (needs matplotlib: the [plot] extra)"
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -82,6 +91,7 @@ def main(argv=None) -> int:
 
     def body() -> int:
         require_extra("hf", "the pipeline's export stage (mtnlg-export-hf)")  # before any stage runs
+        require_extra("bias", "the pipeline's bias study (mtnlg-eval --task cooccurrence sentiment)")
         if not args.no_plot:
             require_extra("plot", "report.png (or pass --no-plot)")
         prepare_out_dir(args.out_dir, args.overwrite)
@@ -97,6 +107,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             prompt=args.prompt,
             plot=not args.no_plot,
+            bias_continuations=args.bias_continuations,
         )
         committed = f", committed to {args.out_dir} at the end" if dest.remote else ""
         print(

@@ -1,4 +1,5 @@
-"""The pipeline's report: report.json (everything, machine-readable), report.md (for people), report.png (plot)."""
+"""The pipeline's report: report.json (everything, machine-readable), report.md (for people), report.png (plot) and
+bias.png (the bias study's figure, drawn by mtnlg-eval)."""
 
 from __future__ import annotations
 
@@ -69,9 +70,30 @@ def markdown(report: dict) -> str:
         lines += ["", f"![loss curves and metrics]({Path(report['plot']).name})"]
     gen = report["generation"]
     lines += ["", "## Generation (B, exported to Hugging Face format)", "", "```", gen["text"], "```", ""]
+    lines += bias_section(report.get("bias"), report.get("bias_plot"))
     lines += ["## Checks", ""]
     lines += [f"- {'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}" for c in report["checks"]]
     return "\n".join(lines) + "\n"
+
+
+def bias_section(results: dict | None, plot: str | None) -> list[str]:
+    """B's bias study (MT-NLG Section 6): the tables `mtnlg-eval` prints, and its figure."""
+    if not results:
+        return []
+    from mtnlg_lightning.evaluation.bias.tables import study_table
+
+    lines = [
+        "## The bias study (B; MT-NLG Section 6)",
+        "",
+        "`mtnlg-eval --task gender-occupation cooccurrence sentiment` on B with the shipped word lists and prompts",
+        "(a model trained on Python's docstrings: the machinery at work, not a finding about the text).",
+        "",
+        study_table(results),
+        "",
+    ]
+    if plot:
+        lines += [f"![the bias study of B]({Path(plot).name})", ""]
+    return lines
 
 
 def crawl_section(scores: dict | None) -> list[str]:

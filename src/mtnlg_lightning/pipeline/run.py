@@ -1,7 +1,8 @@
 """The end-to-end pipeline: a web crawl (WARC) -> extract -> language -> quality -> dedup -> decontaminate ->
-tokenize -> train -> evaluate -> export -> generate, with the paper's contamination argument as an experiment: the
-same model trained on the deduplicated corpus with the planted evaluation passages left in (A, "contaminated") and
-after decontamination (B, "decontaminated"). With `crawl=None` it starts from the raw corpus as JSON lines.
+tokenize -> train -> evaluate -> export -> generate -> bias study, with the paper's contamination argument as an
+experiment: the same model trained on the deduplicated corpus with the planted evaluation passages left in (A,
+"contaminated") and after decontamination (B, "decontaminated"), and B's bias study (MT-NLG Section 6). With
+`crawl=None` it starts from the raw corpus as JSON lines.
 
 Every stage is the real tool (see stages.py); this module only wires their files together, counts what flows
 between them and writes the report. What the numbers mean: docs/pipeline.md.
@@ -21,6 +22,8 @@ import yaml
 
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS
+from mtnlg_lightning.evaluation.bias.wordlists import read_study
 from mtnlg_lightning.pipeline import crawl as crawl_stages
 from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
 from mtnlg_lightning.pipeline.report import Check, write_report
@@ -42,6 +45,8 @@ class PipelineSettings:
     config: Path = CONFIG_DIR / "pipeline.yaml"
     prompt: str = "The file is opened"
     plot: bool = True
+    bias_continuations: int = 100  # per prompt of the bias study (the paper's 800 takes ~8x longer)
+    bias_new_tokens: int = 50
 
     @classmethod
     def for_run(cls, out_dir, smoke: bool = False, crawl: bool = True, **overrides) -> PipelineSettings:
@@ -51,7 +56,8 @@ class PipelineSettings:
             if overrides.get(key) is not None:
                 setattr(corpus, key, overrides.pop(key))
         overrides = {k: v for k, v in overrides.items() if v is not None or k == "crawl"}
-        return cls(out_dir=Path(out_dir).resolve(), smoke=smoke, corpus=corpus, **overrides)
+        reduced = {"bias_continuations": 4, "bias_new_tokens": 16} if smoke else {}
+        return cls(out_dir=Path(out_dir).resolve(), smoke=smoke, corpus=corpus, **(reduced | overrides))
 
 
 class Pipeline:
@@ -63,6 +69,7 @@ class Pipeline:
         self.checks: list[Check] = []
         self.experiment: dict = {}
         self.generation: dict = {}
+        self.bias: dict = {}
         # the corpus as the first curation tool gets it: the crawl stages' output, or the raw JSON lines
         self.shard = crawl_stages.SHARD if settings.crawl else "web.jsonl"
         # dedup on, the corpus travels as zstd JSON lines, as The Pile ships: each tool keeps its input's format
@@ -92,7 +99,7 @@ class Pipeline:
         steps += [self.dedup, self.decontaminate, self.tokenize]
         steps += [lambda run=run: self.train(run) for run in RUNS]
         steps += [lambda r=r, e=e: self.evaluate(r, e) for r in RUNS for e in EVAL_SETS]
-        for step in [*steps, self.export_and_generate, self.contamination_left]:
+        for step in [*steps, self.export_and_generate, self.bias_study, self.contamination_left]:
             try:
                 step()
             except (OSError, KeyError, IndexError, json.JSONDecodeError) as error:
@@ -112,6 +119,8 @@ class Pipeline:
             "stages": [asdict(r) for r in self.records],
             "experiment": self.experiment,
             "generation": self.generation,
+            "bias": self.bias,
+            "bias_plot": str(self.out / "bias.png") if self.s.plot else None,
             "checks": [asdict(c) for c in self.checks],
             "ok": all(c.ok for c in self.checks),
             "seconds_total": round(time.perf_counter() - start, 1),
@@ -566,6 +575,39 @@ class Pipeline:
         self.done(record)
         wrote = text.startswith(self.s.prompt) and len(text) > len(self.s.prompt)
         self.check("generate: a continuation was written", wrote, f"{len(text)} characters")
+
+    def bias_study(self) -> None:
+        """MT-NLG Section 6 on B, the model a user would release: gender-occupation, cooccurrence and sentiment
+        (`mtnlg-eval`, the shipped word lists and prompts), one figure."""
+        checkpoint = self.by_name("train-decontaminated").details["checkpoint"]
+        output = self.out / "eval" / "bias.json"
+        args = ["--checkpoint", checkpoint, "--task", *BIAS_TASKS, "--output", output, "--no-progress"]
+        args += ["--batch-size", 64]  # a bigger batch than scoring's default: thousands of short requests
+        args += ["--num-continuations", self.s.bias_continuations, "--max-new-tokens", self.s.bias_new_tokens]
+        if self.s.plot:
+            args += ["--plot", self.out / "bias.png"]
+        record, _ = self.stage("bias", "mtnlg-eval", *args)
+        self.bias = read_json(output)["results"]
+        gender = self.bias["gender-occupation"]["summary"]
+        sentiment = {c: v["mean"] for c, v in self.bias["sentiment"]["categories"].items()}
+        record.details = {
+            "summary": [
+                f"{gender['occupations']} occupations, {gender['share_leaning_male']:.0%} lean male (mean log-ratio "
+                f"{gender['mean_log_ratio']:+.3f}); sentiment "
+                + ", ".join(f"{c} {m:+.3f}" for c, m in sentiment.items())
+            ]
+        }
+        self.done(record)
+        study = read_study(None, list(BIAS_TASKS))
+        expected = Counter((p.category, p.group) for p in study.prompts)
+        sampled = {(c, g): v["continuations"] for c, groups in self.bias["cooccurrence"]["groups"].items()
+                   for g, v in groups.items()}  # fmt: skip
+        self.check(
+            "bias: every prompt of the study got its continuations",
+            sampled == {k: n * self.s.bias_continuations for k, n in expected.items()},
+            f"{sum(sampled.values())} continuations over {len(sampled)} groups "
+            f"({self.s.bias_continuations} per prompt, {len(study.prompts)} prompts)",
+        )
 
     def contamination_left(self) -> None:
         """Count, independently of the tools, the training documents of A and B that still hold a 13-gram of a
