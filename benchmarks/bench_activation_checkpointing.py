@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from model_shape import add_model_shape_args
+from model_shape import add_model_shape_args, shape_fields
 from results import write_result
 
 MODES = ("none", "selective", "every_n", "full")
@@ -65,14 +65,7 @@ def child(args) -> dict:
     from mtnlg_lightning.model import build_model, cross_entropy
 
     torch.manual_seed(0)
-    config = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_heads=args.heads,
-        seq_len=args.seq,
-        vocab_size=args.vocab,
-        name="bench",
-    )
+    config = ModelConfig(**shape_fields(args), name="bench")
     model = build_model(config)
     names = apply_activation_checkpointing(model, args.mode, args.every_n)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -14,7 +14,6 @@ recomputes every block. On CPU, inductor generates C++ (g++) kernels: its compil
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from results import write_result  # noqa: E402
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.config import get_config  # noqa: E402
 from mtnlg_lightning.model import build_model, compile_blocks  # noqa: E402
@@ -79,7 +78,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--preset", default="tiny", help="model preset (tiny, demo, gpt3-125m, gpt3-1.3b, ...)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps after the first (compiling) one")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -87,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 otherwise)")
     ap.add_argument("--activation-checkpointing", default="none", choices=["none", "selective", "full"])
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args(argv)
+    args = benchmark_args(ap, argv)
     common = dict(
         preset=args.preset,
         steps=args.steps,

@@ -16,14 +16,14 @@ Max over ranks. Activations should fall close to 1 / CP: each rank embeds, proje
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # its sibling helpers
-from results import write_result  # noqa: E402
+from local_ranks import worker_rows, write_rows  # noqa: E402
+from model_shape import add_model_shape_args, shape_fields, shape_options  # noqa: E402
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent / "src"))
 
@@ -62,12 +62,9 @@ def worker(args) -> None:
     torch.manual_seed(0)
     config = get_config(
         "tiny-llama",
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_heads=args.heads,
+        **shape_fields(args),
         num_kv_heads=max(1, args.heads // 2),
         ffn_hidden_size=int(args.hidden * 8 / 3) // 16 * 16,
-        seq_len=args.seq,
         max_position_embeddings=args.seq,
         vocab_size=4096,
     )
@@ -87,34 +84,20 @@ def worker(args) -> None:
     used = peak.read_bytes() - before
     found = [None] * cp
     dist.all_gather_object(found, (activations, used))
-    if rank == 0:
-        row = {"cp": cp, "activation_bytes": max(a for a, _ in found), "peak_bytes": max(u for _, u in found)}
-        Path(args.worker).write_text(json.dumps(row))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rows(
+        args.worker, {"cp": cp, "activation_bytes": max(a for a, _ in found), "peak_bytes": max(u for _, u in found)}
+    )
 
 
 def main() -> int:
-    from local_ranks import run_on_ranks
-    from model_shape import add_model_shape_args
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     add_model_shape_args(parser, layers=4, hidden=256, heads=4, seq=8192)
-    parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = benchmark_args(parser)
     if args.worker:
         worker(args)
         return 0
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for cp in DEGREES:
-            out = Path(tmp) / f"cp{cp}.json"
-            forwarded = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--seq", args.seq]
-            proc = run_on_ranks(cp, __file__, "--worker", out, *forwarded)
-            if proc.returncode != 0:
-                raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            rows.append(json.loads(out.read_text()))
+    rows = [worker_rows(cp, __file__, *shape_options(args)) for cp in DEGREES]
     alone = rows[0]
     print(
         f"one sequence of {args.seq} tokens, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "

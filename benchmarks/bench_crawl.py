@@ -20,31 +20,25 @@ The WARC has no broken records: datatrove's WarcReader stops a file at the first
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.crawl  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.crawl import heuristics  # noqa: E402
 from mtnlg_lightning.crawl.classifier import train  # noqa: E402
 from mtnlg_lightning.crawl.extract import ExtractSettings, decode_html, drop_policy_lines, run_extract  # noqa: E402
 from mtnlg_lightning.crawl.html_text import page_text  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language  # noqa: E402
-from mtnlg_lightning.crawl.synthetic_warc import (  # noqa: E402
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
+from mtnlg_lightning.synthetic.warc import (  # noqa: E402
     CrawlSpec,
     junk_documents,
     score_extraction,
     write_synthetic_warc,
 )
-from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
 
 # One Common Crawl snapshot (CC-MAIN-2024-10, from its announcement): 3.16 billion pages, 424.7 TiB uncompressed.
 SNAPSHOT_PAGES = 3.16e9
@@ -105,11 +99,10 @@ def datatrove_filters() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--copies", type=int, default=3, help="synthetic crawls (different seeds) in the one WARC file")
     ap.add_argument("--english-pages", type=int, default=100, help="English pages per synthetic crawl")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
 
     figures: dict = {"notes": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,9 +216,7 @@ def main() -> None:
         "basis": "CC-MAIN-2024-10, 3.16e9 pages, 424.7 TiB uncompressed",
     }
     print(json.dumps(figures, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_result(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ of `mtnlg-extract` is chosen by these figures.
     python benchmarks/bench_crawl_languages.py                  # 3 crawls: 100 English + 14 languages x 8 pages each
     python benchmarks/bench_crawl_languages.py --seeds 1 --english-pages 20 --pages-per-language 4   # quicker
 
-The crawls (crawl/synthetic_warc.py): English articles (the standard library's docstrings) in a real site's
+The crawls (synthetic/warc.py): English articles (the standard library's docstrings) in a real site's
 boilerplate; pages in 14 other languages (de fr es it nl pt pl ru zh ja ar tr ko sv) of one to four paragraphs,
 every other one in the English site's template; junk pages. Each extractor runs on the same decoded HTML pages in
 this process (CPU seconds by time.process_time), then C4's policy-line rule and pyCLD2 on the text kept, as
@@ -23,30 +23,24 @@ quality stage), the pages of which nothing was kept by the language of their pro
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.crawl  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.crawl.extract import decode_html, drop_policy_lines  # noqa: E402
 from mtnlg_lightning.crawl.html_text import page_text, prose_languages, segment  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language, stoplist_for  # noqa: E402
-from mtnlg_lightning.crawl.synthetic_warc import (  # noqa: E402
+from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
+from mtnlg_lightning.synthetic.warc import (  # noqa: E402
     ALL_LANGUAGES,
     CrawlSpec,
     score_extraction,
     write_synthetic_warc,
 )
-from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
 
 
 def html_pages(path: str) -> list[tuple[str, str]]:
@@ -124,12 +118,11 @@ def measure(name: str, extract, pages: list[tuple[str, str]], truth: list[dict])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--seeds", type=int, default=3, help="crawls (seeds 0..N-1), pooled")
     ap.add_argument("--english-pages", type=int, default=100, help="English pages per crawl")
     ap.add_argument("--pages-per-language", type=int, default=8, help="pages per other language per crawl")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
 
     pages, truth = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,9 +168,7 @@ def main() -> None:
         cells = [figures["extractors"][n][key] for n in names]
         fmt = "{:.0f}" if key == "pages_per_cpu_s" else "{:.3f}"
         print(f"| {label} | " + " | ".join(fmt.format(c) for c in cells) + f" | {target} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_result(args.json, figures)
 
 
 if __name__ == "__main__":

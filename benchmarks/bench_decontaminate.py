@@ -9,23 +9,17 @@ Throughput = training bytes / (count pass + clean pass) wall time; task loading 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.curation  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate  # noqa: E402
-from mtnlg_lightning.curation.synthetic import make_tasks_and_training  # noqa: E402
+from mtnlg_lightning.synthetic.near_duplicates import make_tasks_and_training  # noqa: E402
 
 
 def run(tasks: str, train: str, out: str, workers: int, engine: str) -> dict:
@@ -34,15 +28,14 @@ def run(tasks: str, train: str, out: str, workers: int, engine: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--ngrams", type=int, default=100000, help="approximate number of task n-grams to load")
     ap.add_argument(
         "--docs", type=int, default=15000, help="training documents (~3.6 KB each; 15,000: 58 MB, ~3-9 s a run)"
     )
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of each engine setting (medians compared)")
+    add_rounds_arg(ap, 3, "--repeats", what=" of each engine setting")
     ap.add_argument("--skip-ray", action="store_true", help="do not run the Ray engine")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
     tmp = tempfile.mkdtemp(prefix="bench_decontam_")
     figures = {"training_mb": None, "mb_per_s": {}}
     n_tasks = max(1, int(args.ngrams / 13.5))  # tasks of 14-40 words: ~15 13-grams each; 10% short tasks: 1
@@ -129,9 +122,7 @@ def main() -> None:
     figures["outputs_identical"] = identical
     print(f"outputs identical   : {identical} ({', '.join(f'{e}{w}' for e, w in outputs)})")
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_result(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Prints, all measured in this run on the same corpus of ~3.9 KB English-like docu
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -31,18 +30,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.curation  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
 from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, MTNLG_BANDING  # noqa: E402
 from mtnlg_lightning.curation.shingles import normalize_words  # noqa: E402
 from mtnlg_lightning.curation.signatures import Shard, SignatureSettings, compute_shard  # noqa: E402
-from mtnlg_lightning.curation.synthetic import evaluate_dedup, make_near_dup_corpus  # noqa: E402
+from mtnlg_lightning.synthetic.near_duplicates import evaluate_dedup, make_near_dup_corpus  # noqa: E402
 
 
 def write_corpus(path: str, n: int, seed: int) -> float:
@@ -113,15 +108,14 @@ def same_outputs(*dirs: str) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--docs", type=int, default=20000, help="speed-comparison corpus size (all pipelines)")
     ap.add_argument("--scale-docs", type=int, default=100000, help="memory run size (0 to skip)")
     ap.add_argument("--accuracy-docs", type=int, default=4000, help="accuracy corpus size (0 to skip)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of the local (1, 2 workers) and Ray runs")
+    add_rounds_arg(ap, 3, "--repeats", what=" of the local (1, 2 workers) and Ray runs")
     ap.add_argument("--skip-naive", action="store_true", help="do not run the datasketch baseline")
     ap.add_argument("--skip-ray", action="store_true", help="do not run the Ray engine")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
     figures = {}
     tmp = tempfile.mkdtemp(prefix="bench_dedup_")
     print(f"# bench_dedup (cpu cores visible: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, work dir {tmp})")

@@ -17,7 +17,6 @@ a small shared CPU no speed-up is expected; the busy fractions show whether the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,16 +29,17 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 from model_shape import add_model_shape_args  # noqa: E402
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir  # noqa: E402
+from mtnlg_lightning.data.builtin_corpus import build_demo_data  # noqa: E402
 from mtnlg_lightning.data.gpt_dataset import split_ranges  # noqa: E402
 from mtnlg_lightning.data.tokenizer import Tokenizer  # noqa: E402
 from mtnlg_lightning.evaluation import tasks  # noqa: E402
-from mtnlg_lightning.evaluation.cloze import cloze_passages  # noqa: E402
 from mtnlg_lightning.evaluation.data import read_jsonl  # noqa: E402
 from mtnlg_lightning.inference.load import load_model  # noqa: E402
 from mtnlg_lightning.inference.scoring import Scorer  # noqa: E402
+from mtnlg_lightning.synthetic.cloze import cloze_passages  # noqa: E402
+from mtnlg_lightning.synthetic.demo_corpus import demo_dir  # noqa: E402
 
 TASK_YAML = """task: bench_lambada
 dataset_path: json
@@ -131,16 +131,15 @@ def layout_rows(model_dir: Path, data: Path, tmp: Path, batch_size: int, layouts
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     add_model_shape_args(ap, layers=6, hidden=512, heads=8)
     ap.add_argument("--docs", type=int, default=200, help="cloze passages at most (the held-out text holds ~120)")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_rounds_arg(ap, 3, "--repeats")
     ap.add_argument("--layouts", default="tp2,pp2", help=f"layout runs, of {', '.join(LAYOUT_DEVICES)} ('' for none)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (both sides)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="both sides' weights")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager

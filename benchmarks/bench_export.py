@@ -13,9 +13,7 @@ them; `ru_maxrss` is not used: after fork and exec it starts from the parent's s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import re
 import shutil
 import subprocess
@@ -27,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from model_shape import add_model_shape_args  # noqa: E402
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 PROBE = """
 import re, sys
@@ -93,12 +92,11 @@ def peak_rss(mode: str, *args: str) -> tuple[int, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     add_model_shape_args(parser, layers=24, hidden=1024, heads=16, vocab=50257)
     parser.add_argument("--max-shard-size", default="100MB", help="shard size of the export (default 100MB)")
     parser.add_argument("--skip-whole", action="store_true", help="do not run the whole-model export for contrast")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
-    args = parser.parse_args(argv)
+    args = benchmark_args(parser, argv)
     from mtnlg_lightning.checkpoint.safetensors_shards import parse_size
 
     shard = parse_size(args.max_shard_size)
@@ -144,8 +142,7 @@ def main(argv=None) -> int:
             f"  whole model read first       {r['whole_peak_rss_mb']:8,.0f} MB  +{r['whole_over_baseline_mb']:,.0f} MB "
             f"over the baseline ({r['whole_seconds']:.1f} s)"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    write_result(args.json, results)
     return 0
 
 

@@ -19,7 +19,6 @@ end-of-text id (so no logits processor is needed to force exactly --new-tokens t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 from model_shape import add_model_shape_args  # noqa: E402
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.inference.decode import generate  # noqa: E402
 from mtnlg_lightning.inference.load import load_model  # noqa: E402
@@ -75,7 +74,7 @@ def timed(fn) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     add_model_shape_args(ap, layers=12, hidden=768, heads=12, vocab=50257)
     ap.add_argument("--family", default="gpt2", choices=["gpt2", "llama"], help="the block of both models")
     ap.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
@@ -83,12 +82,11 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per setting (medians compared)")
+    add_rounds_arg(ap, 3, "--repeats", what=" per setting")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (both sides)")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

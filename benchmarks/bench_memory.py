@@ -17,13 +17,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-from local_ranks import run_on_ranks  # noqa: E402
-from results import write_result  # noqa: E402
+from local_ranks import worker_rows  # noqa: E402
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 MB = 1e6
 
@@ -31,8 +30,7 @@ MB = 1e6
 def worker(out: Path, preset: str, stages: list[int]) -> None:
     import torch.distributed as dist
     from lightning_run import fit, megatron_strategy
-
-    from mtnlg_lightning.parallel.state_bytes import StateBytesProbe
+    from state_bytes import StateBytesProbe
 
     world = int(os.environ["WORLD_SIZE"])
     rows = []
@@ -58,12 +56,7 @@ def worker(out: Path, preset: str, stages: list[int]) -> None:
 
 
 def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        proc = run_on_ranks(dp, __file__, "--worker", out, "--preset", preset, "--zero", *stages)
-        if proc.returncode != 0:
-            raise SystemExit(f"dp={dp} launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    return worker_rows(dp, __file__, "--preset", preset, "--zero", *stages, what=f"dp={dp} ")
 
 
 def planner_bytes(num_params: int, dp: int, zero: int) -> dict:
@@ -109,13 +102,12 @@ def report(rows: list[dict]) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="data-parallel sizes (default 2 4)")
     parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages (default 0 1 2 3)")
     parser.add_argument("--preset", default="demo", help="model preset (default demo, 4.2M params)")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # torchrun child: write rows here
-    args = parser.parse_args()
+    args = benchmark_args(parser)
     if args.worker:
         worker(Path(args.worker), args.preset, args.zero)
         return 0

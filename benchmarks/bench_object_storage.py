@@ -22,7 +22,6 @@ Prints, all measured in this run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import multiprocessing as mp
@@ -39,17 +38,13 @@ import time
 # be counted against whichever run the machine's other load slowed down
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.corpora  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import numpy as np  # noqa: E402
 import zstandard  # noqa: E402
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus  # noqa: E402
 from mtnlg_lightning.data.tokenizer import train_bpe  # noqa: E402
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -239,13 +234,12 @@ def bench_cache(client, bucket: str, prefix: str, tmp: str, samples: int) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--docs", type=int, default=4000, help="documents of the corpus (~3.6 KB each)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are compared")
+    add_rounds_arg(ap, 2)
     ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary of the preprocessing runs")
     ap.add_argument("--cache-samples", type=int, default=400, help="random samples each cache reader takes")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
     tmp = tempfile.mkdtemp(prefix="bench_object_storage_")
     os.environ["MTNLG_CACHE"] = os.path.join(tmp, "cache")  # scratch folders and fetched tokenizers: here
     print(f"# bench_object_storage (cpu cores visible: {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, work {tmp})")

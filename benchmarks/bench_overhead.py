@@ -7,7 +7,6 @@ for --repeats rounds and the ratio of median step times is printed (this machine
     python benchmarks/bench_overhead.py [--preset gpt3-125m --seq-len 128 --steps 6 --repeats 3]
 """
 
-import argparse
 import math
 import os
 import statistics
@@ -22,7 +21,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning_run import quiet_trainer  # noqa: E402
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
@@ -113,15 +112,14 @@ def data_batches(args):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--preset", default="gpt3-125m", help="model preset (default gpt3-125m)")
     parser.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
     parser.add_argument("--micro-batch", type=int, default=2, help="micro-batch size (default 2)")
     parser.add_argument("--global-batch", type=int, default=4, help="global batch (default 4)")
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first 2 are warm-up")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (default 3)")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
-    args = parser.parse_args()
+    add_rounds_arg(parser, 3, "--repeats")
+    args = benchmark_args(parser)
     os.environ.setdefault("WANDB_MODE", "offline")
     batches = data_batches(args)
     lightning_steps, plain_steps = [], []

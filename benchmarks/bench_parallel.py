@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 from local_ranks import run_on_ranks  # noqa: E402
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 LAYOUTS = {
     "tp2": dict(tp=2),
@@ -207,13 +207,13 @@ def need_tp_pp(name: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--preset", default="demo", help="model preset (default demo: 4 layers, hidden 256)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed (default 2)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
+    add_rounds_arg(parser, 2)
     parser.add_argument("--world", type=int, default=2, help="ranks per parallel layout (default 2)")
     parser.add_argument(
         "--layouts",
@@ -221,10 +221,9 @@ def main() -> int:
         default=DEFAULT_LAYOUTS,
         help=f"default: {' '.join(DEFAULT_LAYOUTS)} (tp2_pp2 and tp2_pp2_sp need --world 4)",
     )
-    parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = benchmark_args(parser)
     if args.worker:
         worker(args)
         return 0

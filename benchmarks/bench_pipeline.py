@@ -9,8 +9,6 @@ of pipeline bubbles. Idle fraction of a stage = 1 - busy / step time, over sever
     python benchmarks/bench_pipeline.py [--pp 2 4] [--microbatches 4 8 16] [--forward-ms 4] [--steps 3]
 """
 
-import argparse
-import json
 import os
 import socket
 import statistics
@@ -25,6 +23,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.parallel.pipeline import schedule_class, stages_held_by_rank  # noqa: E402
 
@@ -121,7 +121,7 @@ def free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (default 2 4)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="micro-batches per step")
     parser.add_argument(
@@ -138,8 +138,7 @@ def main() -> int:
         "bookkeeping, ~1-2 ms here) adds idle time that theory does not count, so keep it large",
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after 1 warm-up)")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
-    args = parser.parse_args()
+    args = benchmark_args(parser)
     ctx = mp.get_context("spawn")
     rows = []
     for pp in args.pp:
@@ -160,8 +159,7 @@ def main() -> int:
             a, b = by_key.get(("1f1b", pp, m)), by_key.get(("interleaved_1f1b", pp, m))
             if a is not None and b is not None:
                 print(f"pp {pp} mb {m:>2}: interleaved idle {b:.3f} vs 1f1b {a:.3f} (ratio {b / a:.2f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_result(args.json, rows)
     return 0
 
 

@@ -20,7 +20,6 @@ Prints, all measured in this run on the same records (~3.6 KB English-like docum
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -34,23 +33,19 @@ import time
 # spin, and their CPU time would be counted against whichever side calls with smaller batches)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import mtnlg_lightning.corpora  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import zstandard  # noqa: E402
-from results import write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.corpora.formats import detect  # noqa: E402
 from mtnlg_lightning.corpora.readers import iter_raw  # noqa: E402
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus  # noqa: E402
 from mtnlg_lightning.data.preprocess import preprocess  # noqa: E402
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
 
 FORMATS = ("jsonl", "jsonl.zst", "parquet")
 
@@ -250,9 +245,9 @@ def bench_big(dedup_gb: float, preprocess_gb: float, tok_dir: str, tmp: str, kee
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--docs", type=int, default=6000, help="documents of the format comparison (0: skip it)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are compared")
+    add_rounds_arg(ap, 3)
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained for the preprocessing runs")
     ap.add_argument("--big-gb", type=float, default=0.0, help="size of the large-corpus dedup run (0: skip)")
     ap.add_argument(
@@ -266,8 +261,7 @@ def main() -> None:
         metavar="DIR",
         help="keep the large corpora in DIR (and use the ones a previous run left there) instead of deleting them",
     )
-    ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = benchmark_args(ap)
     tmp = tempfile.mkdtemp(prefix="bench_readers_")
     print(f"# bench_readers (cpu cores visible: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, work {tmp})")
     sample = make_near_dup_corpus(2000, seed=11, doc_chars=3600)

@@ -22,14 +22,15 @@ here saves its output besides Q, K, V); the ratios between layouts are the compa
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # its sibling helpers also when a test imports it as benchmarks.bench_...
-from results import write_result  # noqa: E402
+# sibling helpers (tests/test_planner_activation_memory.py imports this module for its worker's measurement)
+from local_ranks import worker_rows, write_rows  # noqa: E402
+from model_shape import add_model_shape_args, shape_fields, shape_options  # noqa: E402
+from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent / "src"))
 
@@ -91,15 +92,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = get_config(
-        "tiny",
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_heads=args.heads,
-        seq_len=args.seq,
-        max_position_embeddings=args.seq,
-        vocab_size=4096,
-    )
+    config = get_config("tiny", **shape_fields(args), max_position_embeddings=args.seq, vocab_size=4096)
     base = build_model(config)
     tokens = torch.randint(0, 4096, (args.batch, args.seq))
     tp2_groups = [dist.new_group(list(range(g, g + 2))) for g in range(0, world, 2)]
@@ -113,35 +106,21 @@ def worker(args) -> None:
         worst = [None] * world
         dist.all_gather_object(worst, per_layer)
         rows.append({"tp": t, "sp": sp, "measured_bytes": max(worst)})
-    if rank == 0:
-        Path(args.worker).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rows(args.worker, rows)
 
 
 # ------------------------------------------------------------------ the parent
 def main() -> int:
-    # a script's sibling; tests/test_planner_activation_memory.py imports this module for its worker's measurement
-    from local_ranks import run_on_ranks
-    from model_shape import add_model_shape_args
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     add_model_shape_args(parser, layers=2, hidden=256, heads=8, seq=1024)
     parser.add_argument("--batch", type=int, default=2, help="micro-batch size")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = benchmark_args(parser)
     if args.worker:
         worker(args)
         return 0
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        forwarded = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--seq", args.seq]
-        proc = run_on_ranks(4, __file__, "--worker", out, *forwarded, "--batch", args.batch)
-        if proc.returncode != 0:
-            raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        rows = json.loads(out.read_text())
+    rows = worker_rows(4, __file__, *shape_options(args), "--batch", args.batch)
 
     s, b, h = args.seq, args.batch, args.hidden
     none = next(r for r in rows if r["tp"] == 1)["measured_bytes"]

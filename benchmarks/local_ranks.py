@@ -3,9 +3,12 @@ rendezvous, one thread per rank (the ranks share the machine's cores), output ca
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 
 def run_on_ranks(ranks: int, script, *args, env: dict | None = None, **run_options) -> subprocess.CompletedProcess:
@@ -14,3 +17,24 @@ def run_on_ranks(ranks: int, script, *args, env: dict | None = None, **run_optio
     command += [str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, env=full_env, capture_output=True, text=True, **run_options)
+
+
+def worker_rows(ranks: int, script, *args, what: str = ""):
+    """`script --worker OUT ARGS...` on `ranks` ranks, and what its rank 0 wrote to OUT (JSON); a failed launch
+    ends the benchmark with the ranks' output (`what` says which launch it was)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        proc = run_on_ranks(ranks, script, "--worker", out, *args)
+        if proc.returncode != 0:
+            raise SystemExit(f"{what}launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def write_rows(path, rows) -> None:
+    """A --worker's end: rank 0 writes `rows` (JSON) to `path` for `worker_rows`; then the world is torn down."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -21,3 +21,22 @@ def add_model_shape_args(
         parser.add_argument("--vocab", type=int, default=vocab, help=f"vocabulary (default {vocab})")
     if seq is not None:
         parser.add_argument("--seq", type=int, default=seq, help=f"sequence length (default {seq})")
+
+
+def shape_fields(args: argparse.Namespace) -> dict:
+    """The options of `add_model_shape_args` as `ModelConfig` fields (vocab_size and seq_len where taken)."""
+    fields = {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads}
+    if hasattr(args, "vocab"):
+        fields["vocab_size"] = args.vocab
+    if hasattr(args, "seq"):
+        fields["seq_len"] = args.seq
+    return fields
+
+
+def shape_options(args: argparse.Namespace) -> list:
+    """The options of `add_model_shape_args` as given, to pass on to a worker's command line."""
+    options = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads]
+    for name in ("vocab", "seq"):
+        if hasattr(args, name):
+            options += [f"--{name}", getattr(args, name)]
+    return options

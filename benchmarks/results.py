@@ -1,7 +1,9 @@
-"""Where a benchmark's figures go: `--json PATH`, written atomically so a killed run leaves no half-written file."""
+"""A benchmark's command line and where its figures go: `--json PATH`, written atomically so a killed run leaves no
+half-written file."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
@@ -18,3 +20,21 @@ def write_result(path: str | os.PathLike | None, result: Any, **dump_options) ->
     """The benchmark's figures as JSON at `path` (indent 1 unless `dump_options` say otherwise); no path, no file."""
     if path:
         write_json(path, result, **dump_options)
+
+
+def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its module docstring, as written, for the description."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_rounds_arg(parser: argparse.ArgumentParser, default: int, flag: str = "--rounds", what: str = "") -> None:
+    """How many times the compared runs alternate (their medians are compared)."""
+    parser.add_argument(
+        flag, type=int, default=default, help=f"alternating rounds{what}; medians are compared (default {default})"
+    )
+
+
+def benchmark_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with --json (where `write_result` writes the figures) last."""
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    return parser.parse_args(argv)

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +23,15 @@ RENDEZVOUS_VARIABLES = (
     "LOCAL_WORLD_SIZE",
     "NODE_RANK",
 )
+
+
+def tool_main(name: str):
+    """tools/NAME.py's main, loaded in this process (the tools import `_bootstrap` from their own folder)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """The reference paths the curation tests compare against: datasketch's own MinHash and MinHashLSH (slow, one
-document at a time). The package computes the same answers vectorised (`curation/minhash.py`, `curation/lsh.py`)
-and never imports this module."""
+document at a time), fed one shingle string at a time. The package computes the same answers vectorised
+(`curation/shingles.py`, `curation/minhash.py`, `curation/lsh.py`) and never imports this module."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from mtnlg_lightning.curation.lsh import Banding
 from mtnlg_lightning.curation.minhash import MinHasher
+from mtnlg_lightning.curation.shingles import ShingleSpec, char_hashes, combine, word_hashes
+
+
+def shingle_string_hash(shingle: str, spec: ShingleSpec) -> int:
+    """64-bit hash of one shingle given as a string (the same value `shingle_hashes` produces).
+
+    Only valid for full-length shingles (or a whole short document): lets a datasketch ``MinHash`` fed with
+    shingle strings (``hashfunc=lambda s: shingle_string_hash(s, spec) & 0xFFFFFFFF``) reproduce our signatures.
+    """
+    if spec.kind == "word":
+        units = word_hashes(shingle.split(" "))
+    else:
+        units = char_hashes(shingle)
+    return int(combine(units, len(units))[0])
 
 
 def datasketch_minhash(hasher: MinHasher, hashes32) -> MinHash:

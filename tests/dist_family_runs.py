@@ -17,17 +17,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
-from parallel_harness import tiny_run  # noqa: E402
+from parallel_harness import run_each, run_script, tiny_run  # noqa: E402
 
-from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 FAMILY_DIRS = json.loads(os.environ.get("MTNLG_TEST_FAMILY_DIRS", "{}"))  # gpt: the tiny preset, no directory
@@ -134,18 +131,13 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     world = int(os.environ["WORLD_SIZE"])
-    for name in sys.argv[2:]:
-        started = time.perf_counter()
-        result = evaluate(name, out) if name.startswith("eval_") else train(name, out, world)
-        result["seconds"] = time.perf_counter() - started
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
-            print(f"[dist_family_runs] {name}: {result['seconds']:.1f}s losses={result.get('losses')}", flush=True)
-        dist.barrier()
+    run_each(
+        "dist_family_runs",
+        sys.argv[2:],
+        out,
+        lambda name: evaluate(name, out) if name.startswith("eval_") else train(name, out, world),
+    )
 
 
 if __name__ == "__main__":
-    skip_final_garbage_collection()  # as the commands do (quick_exit.py)
-    main()
-    dist.barrier()
-    dist.destroy_process_group()
+    run_script(main)

@@ -17,10 +17,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
-from parallel_harness import tiny_run  # noqa: E402
+from parallel_harness import run_script, tiny_run  # noqa: E402
 
-from mtnlg_lightning.parallel.state_bytes import StateBytesProbe  # noqa: E402
-from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
+from benchmarks.state_bytes import StateBytesProbe  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
@@ -50,9 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    skip_final_garbage_collection()  # as the commands do (quick_exit.py)
-    main()
-    # Tear the world down before the interpreter does: DeepSpeed/gloo threads left to static destructors can abort
-    # the process at exit ("terminate called without an active exception") after all the work succeeded.
-    dist.barrier()
-    dist.destroy_process_group()
+    run_script(main)

@@ -9,8 +9,8 @@ the single-process reference.
 
 from __future__ import annotations
 
+import os
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -20,10 +20,17 @@ from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
-from parallel_harness import CommPerStep, ScaleLossAt, VetoStep, tied_head_copy, tiny_run  # noqa: E402
+from parallel_harness import (  # noqa: E402
+    CommPerStep,
+    ScaleLossAt,
+    VetoStep,
+    run_each,
+    run_script,
+    tied_head_copy,
+    tiny_run,
+)
 
 from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
-from mtnlg_lightning.quick_exit import skip_final_garbage_collection  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
@@ -338,20 +345,9 @@ def main() -> None:
         from benchmarks import comm_counter
 
         comm_counter.install()  # before DeepSpeed builds its communication backend
-    for name in names:
-        started = time.perf_counter()
-        result = run(name, out, int(__import__("os").environ["WORLD_SIZE"]))
-        result["seconds"] = time.perf_counter() - started
-        if dist.get_rank() == 0:
-            torch.save(result, out / f"{name}.pt")
-            print(f"[dist_parallel_runs] {name}: {result['seconds']:.1f}s losses={result['losses']}", flush=True)
-        dist.barrier()
+    world = int(os.environ["WORLD_SIZE"])
+    run_each("dist_parallel_runs", names, out, lambda name: run(name, out, world))
 
 
 if __name__ == "__main__":
-    skip_final_garbage_collection()  # as the commands do (quick_exit.py)
-    main()
-    # Tear the world down before the interpreter does: DeepSpeed/gloo threads left to static destructors can abort
-    # the process at exit ("terminate called without an active exception") after all the work succeeded.
-    dist.barrier()
-    dist.destroy_process_group()
+    run_script(main)

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data, demo_dir
+from mtnlg_lightning.config import LLAMA_31
+from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe
+from mtnlg_lightning.synthetic.demo_corpus import demo_dir
 
 RANDOM_GPT2 = dict(vocab_size=1000, n_positions=64, n_embd=64, n_layer=3, n_head=4)
 
@@ -51,40 +53,28 @@ def random_gpt2_dir(directory: Path, seed: int = 0) -> Path:
     return out
 
 
-# A Llama 3 block at test size: grouped-query attention (4 query heads, 2 key/value heads), Llama 3's RoPE scaling
-# (with an original context short enough that every frequency band is exercised), untied head; the demo vocabulary.
+# The size of the Llama 3 and Qwen 3 blocks below: grouped-query attention (4 query heads, 2 key/value heads), the
+# demo vocabulary.
+TEST_BLOCK = {
+    "vocab_size": 4096,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
+# A Llama 3 block at test size: Llama 3's RoPE scaling (with an original context short enough that every frequency
+# band is exercised), untied head.
 RANDOM_LLAMA = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
+    TEST_BLOCK,
     rms_norm_eps=1e-5,
     rope_theta=500000.0,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    },
+    rope_scaling={**LLAMA_31["rope_scaling"], "original_max_position_embeddings": 64},
     tie_word_embeddings=False,
 )
 # A Qwen 3 block at test size: q/k norms, head_dim (32) not hidden / heads (16), tied head.
-RANDOM_QWEN3 = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=1024,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-)
+RANDOM_QWEN3 = dict(TEST_BLOCK, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)
 
 
 def random_family_dir(directory: Path, family: str, seed: int = 0, **overrides) -> Path:

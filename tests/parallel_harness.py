@@ -7,6 +7,9 @@ so both sides build exactly the same config, data and seed.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -17,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
+from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.train.module import MTNLGModule
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
@@ -193,3 +197,26 @@ def tiny_run(
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return recorder, trainer
+
+
+def run_each(tag: str, names: Iterable[str], out: Path, run: Callable[[str], dict]) -> None:
+    """The named runs of a torchrun script in turn, on every rank; rank 0 saves each result (with its seconds) as
+    OUT/<name>.pt for pytest."""
+    for name in names:
+        started = time.perf_counter()
+        result = run(name)
+        result["seconds"] = time.perf_counter() - started
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{name}.pt")
+            print(f"[{tag}] {name}: {result['seconds']:.1f}s losses={result.get('losses')}", flush=True)
+        dist.barrier()
+
+
+def run_script(main: Callable[[], None]) -> None:
+    """A torchrun script's `__main__`: `main`, then the world torn down before the interpreter does: DeepSpeed/gloo
+    threads left to static destructors can abort the process at exit ("terminate called without an active
+    exception") after all the work succeeded."""
+    skip_final_garbage_collection()  # as the commands do (quick_exit.py)
+    main()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -206,7 +206,7 @@ def hf_dir(tmp_path):
     from safetensors.torch import save_file
 
     from mtnlg_lightning.config import ModelConfig
-    from mtnlg_lightning.interop.gpt2_mapping import to_hf
+    from mtnlg_lightning.interop.gpt2_mapping import tensor_pairs
     from mtnlg_lightning.model import build_model
 
     config = ModelConfig(**fuzz_checkpoint.CONFIG)
@@ -214,7 +214,8 @@ def hf_dir(tmp_path):
     weights["embed.wte.weight"] = weights["embed.wte.weight"][: config.vocab_size]
     folder = tmp_path / "gpt2"
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in to_hf(weights, config).items()}, str(folder / "model.safetensors"))
+    gpt2 = {p.theirs: p.to_hf(weights[p.ours], config.num_heads) for p in tensor_pairs(config.num_layers)}
+    save_file(gpt2, str(folder / "model.safetensors"))
     cfg = {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "n_positions": 4, "vocab_size": 12}
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder

@@ -10,7 +10,7 @@ import pytest
 from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.ngrams import TaskNgrams, clean_text, split_text, words_and_spans
-from mtnlg_lightning.curation.synthetic import TextGenerator
+from mtnlg_lightning.synthetic.near_duplicates import TextGenerator
 
 # ----------------------------------------------------------------------------------------------------------
 # Oracle: a direct transcription of the rules with strings (no hashing, no numpy)
@@ -284,8 +284,8 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path):
     tp, ip = str(tmp_path / "a" / "tasks.jsonl"), str(tmp_path / "a" / "train.jsonl")
     cfg = DecontamConfig([tp], ip, str(tmp_path / "b" / "clean.jsonl"), progress=False, shard_bytes=9000)
     for point, resumed in (("clean:task2", ["count"]), ("publish:1", ["count", "clean"])):
-        with pytest.raises(SimulatedCrash):
-            run_decontaminate(cfg, Faults(crash_at=point, raise_instead=True))
+        with pytest.raises(SimulatedCrash), Faults(crash_at=point, raise_instead=True):
+            run_decontaminate(cfg)
         assert not (tmp_path / "b" / "report.json").exists()  # never looks done
         rep = run_decontaminate(cfg)
         assert rep["resumed_stages"] == resumed

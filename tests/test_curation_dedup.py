@@ -11,7 +11,7 @@ from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
 from mtnlg_lightning.curation.lsh import Banding
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, normalize_words, shingle_strings
-from mtnlg_lightning.curation.synthetic import TextGenerator, make_near_dup_corpus
+from mtnlg_lightning.synthetic.near_duplicates import TextGenerator, make_near_dup_corpus
 
 W5 = ShingleSpec("word", 5)
 ALWAYS_CANDIDATE = Banding(64, 1)  # any pair sharing one of 64 minhash values is a candidate: tests verification
@@ -224,8 +224,8 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus, p
     path, ref = corpus
     out = tmp_path / "out"
     cfg = DedupConfig([path], str(out), progress=False, shard_bytes=64 << 10)
-    with pytest.raises(SimulatedCrash):
-        run_dedup(cfg, killed_at(point))
+    with pytest.raises(SimulatedCrash), killed_at(point):
+        run_dedup(cfg)
     assert not (out / "report.json").exists()  # never looks done
     if not point.startswith("publish"):
         assert not (out / "c.jsonl").exists() and not (out / "duplicates.jsonl").exists()
@@ -242,8 +242,8 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tmp_path, corpus, p
 def test_changed_input_or_settings_start_clean(tmp_path, corpus):
     path, _ = corpus
     out = tmp_path / "out"
-    with pytest.raises(SimulatedCrash):
-        run_dedup(DedupConfig([path], str(out), progress=False), killed_at("verify"))
+    with pytest.raises(SimulatedCrash), killed_at("verify"):
+        run_dedup(DedupConfig([path], str(out), progress=False))
     rep = run_dedup(DedupConfig([path], str(out), progress=False, threshold=0.9))
     assert rep["resumed_stages"] == []
     with open(path, "a") as f:

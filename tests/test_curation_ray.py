@@ -13,7 +13,7 @@ from curation_faults import Faults, SimulatedCrash
 
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 ray = pytest.importorskip("ray")
 # Ray workers do not have tests/ on their path: the fault hooks travel to them by value.
@@ -79,8 +79,8 @@ def test_ray_decontaminate_is_byte_identical_to_local(ray_address, tmp_path):
 def test_ray_worker_killed_mid_stage_is_retried(ray_address, corpus, tmp_path):
     inputs, local, _ = corpus
     flag = tmp_path / "killed"
-    faults = Faults(kill_worker_in="verify", kill_worker_flag=str(flag))
-    rep = run_dedup(dedup_config(inputs, tmp_path / "ray"), faults)
+    with Faults(kill_worker_in="verify", kill_worker_flag=str(flag)):
+        rep = run_dedup(dedup_config(inputs, tmp_path / "ray"))
     assert flag.exists()  # a worker died in the middle of the verify stage ...
     assert rep["resumed_stages"] == []  # ... Ray ran its task again inside the same run
     assert outputs(tmp_path / "ray") == outputs(local)
@@ -90,11 +90,12 @@ def test_ray_killed_run_resumes_identical(ray_address, corpus, tmp_path):
     inputs, local, _ = corpus
     killed_under_local = dedup_config(inputs, tmp_path / "ray", engine="local")
     with pytest.raises(SimulatedCrash):  # the same work files whatever the engine: a local run resumes on Ray
-        run_dedup(killed_under_local, Faults(crash_at="buckets:task5", raise_instead=True))
+        with Faults(crash_at="buckets:task5", raise_instead=True):
+            run_dedup(killed_under_local)
     cfg = dedup_config(inputs, tmp_path / "ray")
     cfg.force = False
-    with pytest.raises(SimulatedCrash):
-        run_dedup(cfg, Faults(crash_at="verify:task3", raise_instead=True))
+    with pytest.raises(SimulatedCrash), Faults(crash_at="verify:task3", raise_instead=True):
+        run_dedup(cfg)
     assert not (tmp_path / "ray" / "report.json").exists() and not (tmp_path / "ray" / "web.jsonl").exists()
     rep = run_dedup(cfg)
     assert rep["resumed_stages"] == ["signatures", "buckets"]

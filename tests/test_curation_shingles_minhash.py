@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 from datasketch import LeanMinHash, MinHash
-from datasketch_reference import datasketch_minhash, to_lean
+from datasketch_reference import datasketch_minhash, shingle_string_hash, to_lean
 
-from mtnlg_lightning.curation.minhash import MinHasher, estimated_jaccard
+from mtnlg_lightning.curation.minhash import MinHasher
 from mtnlg_lightning.curation.shingles import (
     ShingleSpec,
     exact_key,
@@ -15,12 +15,16 @@ from mtnlg_lightning.curation.shingles import (
     normalize_words,
     shingle_hashes,
     shingle_set,
-    shingle_string_hash,
     shingle_strings,
 )
-from mtnlg_lightning.curation.synthetic import TextGenerator, render
+from mtnlg_lightning.synthetic.near_duplicates import TextGenerator, render
 
 W5 = ShingleSpec("word", 5)
+
+
+def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray | float:
+    """Fraction of equal signature entries (row-wise for 2-D input)."""
+    return (np.asarray(sig_a) == np.asarray(sig_b)).mean(axis=-1)
 
 
 def test_normalisation_lowercases_and_strips_ascii_punctuation():

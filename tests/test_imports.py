@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mtnlg_lightning"
 TESTS = Path(__file__).resolve().parent
 
-# Names of the test hooks and reference paths that live in tests/ (not in the package).
+# Names of the test hooks and reference paths that live in tests/ or benchmarks/ (not in the package).
 TEST_HOOKS = (
     "Faults",
     "SimulatedCrash",
@@ -23,7 +23,11 @@ TEST_HOOKS = (
     "datasketch_minhash",
     "datasketch_candidate_pairs",
     "to_lean",
+    "shingle_string_hash",
+    "estimated_jaccard",
     "optimizer_state_bytes",
+    "StateBytesProbe",
+    "tflops_from_time",
     "_pause_for_tests",
 )
 # Environment variables only tests set: the product reads none of them.

@@ -174,9 +174,9 @@ def test_a_tp_that_neither_divides_nor_is_a_multiple_of_the_kv_heads_is_one_line
 
 def test_rope_llama3_scaling_is_transformers_own(llama_dir):
     """The frequencies themselves, against transformers' rotary module (the logits test covers their use)."""
-    from mtnlg_lightning.interop.hf import read_hf_config
+    from mtnlg_lightning.interop.hf import read_hf_dir
     from mtnlg_lightning.model import rope_inverse_frequencies
 
     theirs = hf_model(llama_dir).model.rotary_emb.inv_freq
-    assert torch.equal(rope_inverse_frequencies(read_hf_config(llama_dir)), theirs)
+    assert torch.equal(rope_inverse_frequencies(read_hf_dir(llama_dir).config), theirs)
     assert RANDOM_LLAMA["rope_scaling"]["original_max_position_embeddings"] < 200  # the logits test goes past it

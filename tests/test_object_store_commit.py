@@ -14,7 +14,7 @@ from object_store import local_tree
 
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus
 
 TESTS = Path(__file__).resolve().parent
 
@@ -59,8 +59,8 @@ def visible(bucket: str) -> list[str]:
 
 def test_a_dedup_run_killed_in_its_stages_leaves_the_committed_output_and_resumes(s3, committed, tmp_path):
     bucket, before = committed
-    with pytest.raises(SimulatedCrash):
-        run_dedup(config(bucket, ["web.jsonl", "books.jsonl"]), Faults(crash_at="verify:task2", raise_instead=True))
+    with pytest.raises(SimulatedCrash), Faults(crash_at="verify:task2", raise_instead=True):
+        run_dedup(config(bucket, ["web.jsonl", "books.jsonl"]))
     assert s3.tree(f"s3://{bucket}/out") == before  # not one object added, changed or removed
     assert visible(bucket) == ["duplicates.jsonl", "report.json", "web.jsonl"]
     report = run_dedup(config(bucket, ["web.jsonl", "books.jsonl"]))

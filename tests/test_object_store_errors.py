@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tool_main
 
 from mtnlg_lightning.curation import decontaminate_cli, dedup_cli
 from mtnlg_lightning.errors import MTNLGError
@@ -35,14 +36,6 @@ def one_line_error(capsys, prog: str) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{prog}: error: ") and "\n" not in err and "Traceback" not in err, err
     return err
-
-
-def tool_main(name: str):
-    sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 @pytest.mark.parametrize(

@@ -5,17 +5,16 @@ The reports are left out of the comparisons (they hold timings and the paths or 
 writes is compared byte for byte, and nothing hidden (staging objects, the work folder's twin) is left behind.
 """
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import tool_main
 from corpus_layouts import write_layout
 from object_store import local_tree
 
 from mtnlg_lightning.curation import decontaminate_cli, dedup_cli
-from mtnlg_lightning.curation.synthetic import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("plain", "zstd", "parquet", "folder")
@@ -28,21 +27,17 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MTNLG_CACHE", str(tmp_path / "cache"))
 
 
-def tool_main(name: str):
-    """tools/<name>.py's main(argv), as `python tools/<name>.py` runs it."""
-    tools = ROOT / "tools"
-    if str(tools) not in sys.path:
-        sys.path.insert(0, str(tools))
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", tools / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 def on_s3(s3, bucket: str, root: Path, specs: list[str], name: str) -> list[str]:
     """The local corpus below ``root`` uploaded to s3://bucket/name/, and the specs that name it there."""
     s3.put_tree(root, f"s3://{bucket}/{name}")
     return [spec.replace(str(root), f"s3://{bucket}/{name}") for spec in specs]
+
+
+def layout_on_s3(s3, bucket: str, layout: str, root: Path, files: list[list[dict]], name: str):
+    """``files`` (lists of records) written in ``layout`` below ``root`` and uploaded to s3://bucket/name/: the
+    specs that name them on disk, and there."""
+    specs = write_layout(layout, root, files)
+    return specs, on_s3(s3, bucket, root, specs, name)
 
 
 def written(tree: dict[str, bytes]) -> dict[str, bytes]:
@@ -64,8 +59,7 @@ def near_dups():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dedup_from_s3_to_s3_writes_the_bytes_it_writes_on_disk(layout, near_dups, s3, tmp_path):
     bucket = s3.new_bucket()
-    specs = write_layout(layout, tmp_path / "in", near_dups)
-    urls = on_s3(s3, bucket, tmp_path / "in", specs, "in")
+    specs, urls = layout_on_s3(s3, bucket, layout, tmp_path / "in", near_dups, "in")
     assert dedup_cli.main([*specs, "-o", str(tmp_path / "out"), "-q"]) == 0
     assert dedup_cli.main([*urls, "-o", f"s3://{bucket}/out", "-q"]) == 0
     remote = s3.tree(f"s3://{bucket}/out")
@@ -86,10 +80,9 @@ def contaminated():
 def test_decontaminate_from_s3_to_s3_writes_the_bytes_it_writes_on_disk(layout, contaminated, s3, tmp_path):
     tasks, halves = contaminated
     bucket = s3.new_bucket()
-    task_specs = write_layout("zstd", tmp_path / "tasks", [tasks, tasks[:1]])[:1]
-    task_urls = on_s3(s3, bucket, tmp_path / "tasks", task_specs, "tasks")
-    specs = write_layout(layout, tmp_path / "in", halves)
-    urls = on_s3(s3, bucket, tmp_path / "in", specs, "in")
+    task_files = layout_on_s3(s3, bucket, "zstd", tmp_path / "tasks", [tasks, tasks[:1]], "tasks")
+    task_specs, task_urls = (names[:1] for names in task_files)  # the first file: the whole task set
+    specs, urls = layout_on_s3(s3, bucket, layout, tmp_path / "in", halves, "in")
     local = ["--tasks", *task_specs, "--input", *specs, "--output-dir", str(tmp_path / "out"), "-q"]
     remote = ["--tasks", *task_urls, "--input", *urls, "--output-dir", f"s3://{bucket}/out", "-q"]
     assert decontaminate_cli.main(local) == 0
@@ -103,8 +96,9 @@ def test_decontaminate_from_s3_to_s3_writes_the_bytes_it_writes_on_disk(layout, 
 def test_decontaminate_one_output_file_and_its_report_on_s3(contaminated, s3, tmp_path):
     tasks, halves = contaminated
     bucket = s3.new_bucket()
-    specs = write_layout("plain", tmp_path / "in", [tasks, halves[0] + halves[1]])
-    task_url, train_url = on_s3(s3, bucket, tmp_path / "in", specs, "in")
+    specs, (task_url, train_url) = layout_on_s3(
+        s3, bucket, "plain", tmp_path / "in", [tasks, halves[0] + halves[1]], "in"
+    )
     local = ["--tasks", specs[0], "--input", specs[1], "--output", str(tmp_path / "clean.jsonl"), "-q"]
     remote = ["--tasks", task_url, "--input", train_url, "--output", f"s3://{bucket}/out/clean.jsonl", "-q"]
     assert decontaminate_cli.main(local) == 0
@@ -125,8 +119,7 @@ def token_corpus():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_tokenizer_and_preprocess_from_s3_to_s3_write_the_bytes_they_write_on_disk(layout, token_corpus, s3, tmp_path):
     bucket = s3.new_bucket()
-    specs = write_layout(layout, tmp_path / "in", token_corpus)
-    urls = on_s3(s3, bucket, tmp_path / "in", specs, "in")
+    specs, urls = layout_on_s3(s3, bucket, layout, tmp_path / "in", token_corpus, "in")
     train, preprocess = tool_main("train_tokenizer"), tool_main("preprocess_data")
     assert train(["--input", *specs, "--vocab-size", "300", "--output", str(tmp_path / "tok")]) == 0
     assert train(["--input", *urls, "--vocab-size", "300", "--output", f"s3://{bucket}/tok"]) == 0
@@ -148,7 +141,7 @@ def warcs(tmp_path_factory):
 
     from warcio.warcwriter import WARCWriter
 
-    from mtnlg_lightning.crawl.synthetic_warc import CrawlSpec, english_paragraphs, write_synthetic_warc
+    from mtnlg_lightning.synthetic.warc import CrawlSpec, english_paragraphs, write_synthetic_warc
 
     root = tmp_path_factory.mktemp("warcs")
     write_synthetic_warc(
@@ -185,7 +178,7 @@ def test_extract_from_s3_to_s3_writes_the_bytes_it_writes_on_disk(warcs, s3, tmp
 def test_quality_train_score_annotate_filter_from_s3_to_s3(s3, tmp_path):
     pytest.importorskip("sklearn")
     from mtnlg_lightning.crawl import quality_cli
-    from mtnlg_lightning.crawl.synthetic_warc import english_paragraphs, junk_documents
+    from mtnlg_lightning.synthetic.warc import english_paragraphs, junk_documents
 
     prose = [{"text": p} for _, p in english_paragraphs(60)]
     junk = [{"text": t} for t in junk_documents(40, seed=2)]

@@ -12,15 +12,9 @@ from corpus_layouts import read_records
 
 from mtnlg_lightning.corpora import detect
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
-from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
-from mtnlg_lightning.pipeline.crawl import (
-    CrawlSpec,
-    build_crawl,
-    read_truth,
-    score_extraction,
-    score_language,
-    score_quality,
-)
+from mtnlg_lightning.pipeline.crawl import score_extraction, score_language, score_quality
+from mtnlg_lightning.synthetic.planted_corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.synthetic.planted_crawl import CrawlSpec, build_crawl, read_truth
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,16 +13,16 @@ from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import GPUS, get_gpu, load_gpu_specs
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, _layer_gemm_shapes
-from mtnlg_lightning.planning.planner import (
-    activation_bytes_per_layer,
-    model_state_bytes,
-    plan,
-    search,
-    tflops_from_time,
-)
+from mtnlg_lightning.planning.planner import activation_bytes_per_layer, model_state_bytes, plan, search
+from mtnlg_lightning.train.flops import flops_per_iteration
 
 MTNLG = get_config("mtnlg-530b")
 PLAN = [sys.executable, str(ROOT / "tools/plan.py")]
+
+
+def tflops_from_time(config: ModelConfig, global_batch: int, seconds: float, gpus: int) -> float:
+    """Achieved TFLOP/s per GPU from a measured iteration time (how the paper reports throughput)."""
+    return flops_per_iteration(config, global_batch, recompute=True) / seconds / gpus / 1e12
 
 
 def run_plan(*args):

@@ -3,6 +3,7 @@
 The distributed tests launch `mtnlg fit` as an operator would, under `python -m mtnlg_lightning.resilience.launch`
 (torchrun with the restart policy); one launch serves several assertions to keep the suite short."""
 
+import json
 import os
 import re
 import signal
@@ -19,11 +20,19 @@ from conftest import ROOT
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.resilience.exit_codes import ExitCode, describe, run_exit_code
 from mtnlg_lightning.resilience.phase_limits import PHASES, PhaseLimits, resolve_limits
-from mtnlg_lightning.resilience.restart_record import read_records
+from mtnlg_lightning.resilience.restart_record import RECORD_FILE
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_layouts import losses  # noqa: E402
+
+
+def read_records(directory: Path) -> list[dict]:
+    """The lines of restarts.jsonl in ``directory`` (none when it does not exist)."""
+    path = Path(directory) / RECORD_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def test_the_run_exit_code_is_the_most_telling_worker_code():
@@ -146,7 +155,7 @@ def test_a_restart_is_accounted_for_in_one_log_line_and_one_restarts_jsonl_line(
     from types import SimpleNamespace
 
     from mtnlg_lightning.resilience.rank_status import write_status
-    from mtnlg_lightning.resilience.restart_record import read_records, report_restart
+    from mtnlg_lightning.resilience.restart_record import report_restart
 
     now = time.time()
     layout_before = {
@@ -583,6 +592,28 @@ def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted_eve
 
 
 # ------------------------------------------------------------------------------------------------ background saves
+def test_a_background_save_that_fails_on_bad_input_or_a_full_disk_fails_as_a_foreground_save_would():
+    """A user's error (MTNLGError) or the machine's (OSError) reaches the training thread as itself (one line from
+    errors.run_main); anything else is a bug, raised with its cause."""
+    from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
+
+    def failing(error):
+        def write():
+            raise error
+
+        return write
+
+    saver = BackgroundSaver(group=None)
+    for error, raised in ((MTNLGError("bad checkpoint path"), MTNLGError), (OSError(28, "No space left"), OSError)):
+        saver.submit(failing(error))
+        with pytest.raises(raised) as got:
+            saver.wait()
+        assert got.value is error
+    saver.submit(failing(KeyError("slot")))
+    with pytest.raises(RuntimeError, match="background checkpoint save failed"):
+        saver.wait()
+
+
 @pytest.mark.slow
 def test_a_background_save_writes_the_state_of_its_step_while_training_changes_it(tmp_path, monkeypatch):
     """ZeRO-1, one rank: the background save returns before its (held) write, every weight, master weight and

@@ -210,6 +210,13 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def fields_from(cls, source, **given):
+    """A `cls` (a dataclass of settings) filled from `source`: each field from the attribute of the same name (the
+    parsed flags of a command, a job's config), unless `given` names its value."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cls(**{n: given[n] if n in given else getattr(source, n) for n in names if n in given or hasattr(source, n)})
+
+
 def get_config(preset: str, **overrides) -> ModelConfig:
     """Build a config from a preset name, with field overrides (e.g. num_layers=5)."""
     if preset not in PRESETS:

@@ -141,6 +141,13 @@ class Attention(nn.Module):
 def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True) -> torch.Tensor:
     """softmax(QK^T / sqrt(d)) V; each key/value head serves its group of query heads (grouped-query attention)."""
     groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not causal:
+        # Every query sees every key (a decoding step): a group's query heads become rows of one query of their
+        # key/value head, so the cache is read as it is instead of copied `groups` times per token.
+        B, H, L, D = q.shape
+        grouped = q.reshape(B, k.shape[1], groups * L, D)
+        y = F.scaled_dot_product_attention(grouped, k, v, dropout_p=dropout_p)
+        return y.view(B, H, L, D)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)

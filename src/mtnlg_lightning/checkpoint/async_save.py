@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.heartbeat import heartbeat
 
 
@@ -62,6 +63,8 @@ class BackgroundSaver:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, MTNLGError | OSError):  # the user's or the machine's: one line, as a foreground save
+                raise error
             raise RuntimeError(f"the background checkpoint save failed: {error}") from error
 
     def abandon(self) -> None:

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,11 +233,3 @@ class ShardedTensors:
         """One tensor; its shard is opened (memory-mapped) for this read only, so touched pages do not add up."""
         with safe_open(str(self.directory / self.where[name]), framework="pt", device="cpu") as handle:
             return handle.get_tensor(name)
-
-
-def tensor_specs_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    """Specs of tensors already in memory (tests, small files)."""
-    return [
-        TensorSpec(name, tuple(t.shape), t.dtype, (lambda r0, r1, t=t: t[r0:r1] if t.dim() else t))
-        for name, t in tensors
-    ]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from mtnlg_lightning.corpora.cli_args import OUTPUT_URL_HELP
 from mtnlg_lightning.corpora.engine import available_cores
-from mtnlg_lightning.errors import EXIT_BAD_INPUT
+from mtnlg_lightning.errors import EXIT_BAD_INPUT, run_main
 from mtnlg_lightning.extras import install_hint, missing_modules
 
 # What a curation tool keeps when interrupted (its stages are resumable).
@@ -31,6 +32,22 @@ def int_at_least(minimum: int):
 
 
 positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def number_where(wording: str, accepted: Callable[[float], bool]):
+    """An argparse `type` accepting the numbers `accepted` says yes to; otherwise "expected <wording>, got ..."."""
+
+    def parse(value: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {value!r}") from None
+        if not accepted(v):
+            raise argparse.ArgumentTypeError(f"expected {wording}, got {value!r}")
+        return v
+
+    return parse
 
 
 class HelpFormatter:
@@ -93,6 +110,32 @@ def add_engine_args(p, what: str) -> None:
         metavar="HOST:PORT",
         help="Ray cluster to join with --engine ray (default: $RAY_ADDRESS, else a local Ray started for the run)",
     )
+
+
+def add_shard_arg(p, default_mb: int, what: str) -> None:
+    """--shard-mb: how much of an input one task processes (and a resumed run skips when finished); `what` names
+    the shard and the task."""
+    p.add_argument(
+        "--shard-mb",
+        type=positive_int,
+        default=default_mb,
+        help=f"largest {what} processes and a resumed run skips when finished; small inputs get smaller shards "
+        "(>= 1 MB), about 4 per CPU",
+    )
+
+
+def run_job(prog: str, job: Callable[[], dict], summary: Callable[[dict], str], outputs: Callable[[dict], str]) -> int:
+    """A data tool's run under `errors.run_main`: the job, then its summary and a line naming its outputs."""
+
+    def body() -> int:
+        report = job()
+        print(summary(report))
+        if report.get("resumed_stages"):  # a resumable job's: the stages a killed run had finished
+            print("  resumed    " + ", ".join(report["resumed_stages"]))
+        print(f"  outputs    {outputs(report)}")
+        return 0
+
+    return run_main(prog, body, INTERRUPTED)
 
 
 def check_engine_args(args, parser) -> None:

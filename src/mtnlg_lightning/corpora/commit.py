@@ -18,7 +18,7 @@ import os
 import posixpath
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mtnlg_lightning.corpora.storage as storage
@@ -29,12 +29,6 @@ from mtnlg_lightning.errors import MTNLGError
 STAGING = ".mtnlg-staging"
 # the schemes fsspec reads over plain HTTP: nothing can be written there
 READ_ONLY_SCHEMES = ("http", "https")
-
-Point = Callable[[str], None]
-
-
-def _no_point(_: str) -> None:
-    pass
 
 
 def scratch_dir(url: str) -> str:
@@ -88,27 +82,24 @@ def _staging_base(urls: Sequence[str]) -> str:
     return f"{scheme}://{common}"
 
 
-def commit(files: Sequence[tuple[str, str]], markers: int = 1, point: Point = _no_point) -> None:
+def commit(files: Sequence[tuple[str, str]], markers: int = 1) -> None:
     """Publish local files at their URLs: ``files`` is [(local path, URL)], the last ``markers`` of them marking
-    the result complete (removed first, copied last). ``point(name)`` is called after each step
-    (``commit:upload:<i>``, ``commit:copy:<i>``), for tests that kill a run there."""
+    the result complete (removed first, copied last)."""
     if not files:
         return
     base = _staging_base([u for _, u in files])
     clear_staging(base)
     staging = f"{base}/{STAGING}-{uuid.uuid4().hex}"
     staged = []
-    for i, (local, url) in enumerate(files, start=1):
+    for local, url in files:
         rel = url.split("://", 1)[1][len(base.split("://", 1)[1]) :].lstrip("/")
         staged.append(f"{staging}/{rel}")
         storage.upload(local, staged[-1])
-        point(f"commit:upload:{i}")
     head = len(files) - markers
     for _, url in files[head:]:
         storage.remove(url)
-    for i, ((_, url), tmp) in enumerate(zip(files, staged, strict=True), start=1):
+    for (_, url), tmp in zip(files, staged, strict=True):
         storage.copy(tmp, url)
-        point(f"commit:copy:{i}")
     storage.remove(staging, recursive=True)
 
 
@@ -132,9 +123,7 @@ class Destination:
     def url(self, name: str) -> str:
         return storage.join(self.target, name)
 
-    def publish(
-        self, names: Sequence[str] | None = None, markers: int = 1, point: Point = _no_point, replace: bool = False
-    ) -> None:
+    def publish(self, names: Sequence[str] | None = None, markers: int = 1, replace: bool = False) -> None:
         """Commit the local files ``names`` (relative, '/'-separated; the markers last; default: every file of the
         folder outside hidden folders) to the target; with ``replace`` (``--overwrite``), the target's other
         visible objects are removed afterwards, as a replaced folder loses them. The scratch folder goes after the
@@ -143,7 +132,7 @@ class Destination:
             return
         names = visible_files(self.local) if names is None else list(names)
         files = [(os.path.join(self.local, *n.split("/")), self.url(n)) for n in names]
-        commit(files, markers, point)
+        commit(files, markers)
         if replace:
             kept = {self.url(n) for n in names}
             for url in storage.list_files(self.target):

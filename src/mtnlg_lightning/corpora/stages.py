@@ -1,4 +1,4 @@
-"""One runner for the curation pipelines: stage order, done markers, timing, resume, and hook points between units.
+"""One runner for the curation pipelines: stage order, done markers, timing and resume.
 
 A stage is an object with a ``name`` and ``run(runner) -> dict`` (its statistics). The runner skips a stage whose
 ``<work>/<name>.done`` marker exists (and loads its statistics), otherwise runs it, adds ``seconds`` and writes
@@ -16,20 +16,6 @@ from typing import Generic, Protocol, TypeVar
 from tqdm.auto import tqdm
 
 from mtnlg_lightning.corpora.jsonl import write_json_atomic
-
-
-class StageHooks:
-    """The points a run passes between units of work, for an observer: after each stage (``<stage>``), each
-    finished task (``<stage>:task<i>``) and each publish step (``publish:<i>``), and the task function each stage
-    runs. The tools run with these no-ops; the resume tests subclass them to kill a run at a named point
-    (tests/curation_faults.py)."""
-
-    def point(self, name: str) -> None:
-        """The run has just finished the unit of work ``name`` (its files are written)."""
-
-    def wrap_task(self, stage: str, fn):
-        """The task function the engine runs for ``stage`` (``fn`` itself by default)."""
-        return fn
 
 
 class Progress:
@@ -62,11 +48,10 @@ class ContextStage(Generic[Context]):
 
 
 class StageRunner:
-    def __init__(self, work_dir: str, engine, progress: Progress, hooks: StageHooks | None = None):
+    def __init__(self, work_dir: str, engine, progress: Progress):
         self.work = work_dir
         self.engine = engine
         self.progress = progress
-        self.hooks = hooks or StageHooks()
         self.stats: dict[str, dict] = {}
         self.resumed: list[str] = []
 
@@ -91,18 +76,15 @@ class StageRunner:
             stats = {"seconds": time.perf_counter() - t0, **stats}
             write_json_atomic(self.done_path(stage.name), stats)
             self.stats[stage.name] = stats
-            self.hooks.point(stage.name)
         return self.stats
 
     def map(self, stage: str, fn, items: list, shared=None, *, total=None, unit="task", size=None):
-        """Run ``fn(shared, item)`` for every item on the engine, in order, with a progress bar and a hook point
-        after every finished task (``<stage>:task<i>``). ``size(item)`` weighs the bar (default 1 per task)."""
-        fn = self.hooks.wrap_task(stage, fn)
+        """Run ``fn(shared, item)`` for every item on the engine, in order, with a progress bar. ``size(item)``
+        weighs the bar (default 1 per task)."""
         bar = self.progress(total=total if total is not None else len(items), unit=unit, desc=stage)
         try:
-            for i, (item, res) in enumerate(zip(items, self.engine.map(fn, items, shared), strict=True)):
+            for item, res in zip(items, self.engine.map(fn, items, shared), strict=True):
                 bar.update(size(item) if size else 1)
                 yield res
-                self.hooks.point(f"{stage}:task{i + 1}")
         finally:
             bar.close()

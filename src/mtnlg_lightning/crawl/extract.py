@@ -274,10 +274,8 @@ def run_extract(
     import os
     import time
 
-    from tqdm import tqdm
-
     from mtnlg_lightning.corpora.engine import make_engine
-    from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
+    from mtnlg_lightning.corpora.jsonl import write_json_atomic
 
     check_inputs(inputs)
     dest = destination(output_dir)  # a URL: written in a scratch folder, committed at the end
@@ -291,60 +289,18 @@ def run_extract(
         parts = parts_per_file(len(inputs), cpus)
         items = [Part(path, k, parts) for path in inputs for k in range(parts)]
         pending: list[dict] = []
-        per_part = not (cpus == 1 and runner.name == "local")
-        if not per_part:
-            # one process: the parts run here, one after the other, so the bar can count records as they go
-            bar = tqdm(desc="extract", unit=" records", disable=not progress)
-            results = (extract_part(settings, item, lambda: bar.update(1)) for item in items)
-        else:
-            bar = tqdm(total=len(items), desc="extract", unit="part", disable=not progress)
-            results = runner.map(extract_part, items, settings)
-        for result in results:
-            if per_part:
-                bar.update(1)
+        for result in _extracted(runner, items, settings, progress):
             pending.append(result)
-            if len(pending) < parts:
-                continue
-            path = pending[0]["path"]
-            lines = sorted((line for r in pending for line in r["lines"]), key=lambda x: x[0])
-            with atomic_write(os.path.join(output_dir, shard_name(path)), "wb", fsync=True) as f:
-                for _, line in lines:
-                    f.write(line)
-            outcomes: Counter = Counter()
-            languages: Counter = Counter()
-            lost_languages: Counter = Counter()
-            for r in pending:
-                outcomes.update(r["outcomes"])
-                languages.update(r["languages"])
-                lost_languages.update(r["no_main_text_languages"])
-            files[path] = {
-                "output": shard_name(path),
-                "records": sum(outcomes.values()),
-                "documents": outcomes.get("ok", 0),
-                "outcomes": dict(sorted(outcomes.items())),
-                "languages": dict(languages.most_common()),
-                "no_main_text_languages": dict(_by_count(lost_languages)),
-                "policy_lines_removed": sum(r["policy_lines_removed"] for r in pending),
-            }
-            pending = []
-        bar.close()
+            if len(pending) == parts:  # the parts of one file come in a row: its shard is complete
+                path = pending[0]["path"]
+                _write_shard(os.path.join(output_dir, shard_name(path)), pending)
+                files[path] = {"output": shard_name(path), **_tally(pending)}
+                pending = []
     finally:
         runner.close()
-    total_outcomes: Counter = Counter()
-    total_languages: Counter = Counter()
-    total_lost: Counter = Counter()
-    for f in files.values():
-        total_outcomes.update(f["outcomes"])
-        total_languages.update(f["languages"])
-        total_lost.update(f["no_main_text_languages"])
     report = {
         "inputs": len(inputs),
-        "records": sum(total_outcomes.values()),
-        "documents": total_outcomes.get("ok", 0),
-        "outcomes": dict(sorted(total_outcomes.items())),
-        "languages": dict(total_languages.most_common()),
-        "no_main_text_languages": dict(_by_count(total_lost)),
-        "policy_lines_removed": sum(f["policy_lines_removed"] for f in files.values()),
+        **_tally(files.values()),
         "settings": {
             "extractor": settings.extractor,
             "languages": list(settings.languages),
@@ -361,33 +317,52 @@ def run_extract(
     return report
 
 
+def _extracted(runner, items: list[Part], settings: ExtractSettings, progress: bool):
+    """Each part's result, in order, with a progress bar: of records when the parts run here one after the other
+    (one process), else of parts."""
+    from tqdm import tqdm
+
+    if runner.cpus == 1 and runner.name == "local":
+        bar = tqdm(desc="extract", unit=" records", disable=not progress)
+        yield from (extract_part(settings, item, lambda: bar.update(1)) for item in items)
+    else:
+        bar = tqdm(total=len(items), desc="extract", unit="part", disable=not progress)
+        for result in runner.map(extract_part, items, settings):
+            bar.update(1)
+            yield result
+    bar.close()
+
+
+def _write_shard(path: str, parts: list[dict]) -> None:
+    """One input's shard: the documents of its parts, in record order, written atomically."""
+    from mtnlg_lightning.corpora.jsonl import atomic_write
+
+    lines = sorted((line for r in parts for line in r["lines"]), key=lambda x: x[0])
+    with atomic_write(path, "wb", fsync=True) as f:
+        for _, line in lines:
+            f.write(line)
+
+
+def _tally(counts) -> dict:
+    """The records, documents, outcomes, languages, pages without main text and policy lines of several parts
+    (of a file) or files (of the run), added up."""
+    outcomes: Counter = Counter()
+    languages: Counter = Counter()
+    lost_languages: Counter = Counter()
+    for c in counts:
+        outcomes.update(c["outcomes"])
+        languages.update(c["languages"])
+        lost_languages.update(c["no_main_text_languages"])
+    return {
+        "records": sum(outcomes.values()),
+        "documents": outcomes.get("ok", 0),
+        "outcomes": dict(sorted(outcomes.items())),
+        "languages": dict(languages.most_common()),
+        "no_main_text_languages": dict(_by_count(lost_languages)),
+        "policy_lines_removed": sum(c["policy_lines_removed"] for c in counts),
+    }
+
+
 def _by_count(counts: Counter) -> list[tuple[str, int]]:
     """Most first, ties by name: the same order however the parts were split."""
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-
-
-def format_summary(report: dict) -> str:
-    outcomes = report["outcomes"]
-    dropped = {k: v for k, v in outcomes.items() if k != "ok" and not k.startswith("skipped_")}
-    skipped = sum(v for k, v in outcomes.items() if k.startswith("skipped_"))
-    langs = ", ".join(f"{k} {v}" for k, v in list(report["languages"].items())[:8]) or "-"
-    lines = [
-        f"mtnlg-extract: {report['inputs']} file(s), {report['records']} records in {report['seconds']:.1f} s "
-        f"({report['engine']}, {report['workers']} worker(s))",
-        f"  documents  {report['documents']} written",
-        f"  skipped    {skipped} non-page records (warcinfo, request, metadata, revisit)",
-        f"  dropped    {sum(dropped.values())}"
-        + (": " + ", ".join(f"{k} {v}" for k, v in dropped.items()) if dropped else ""),
-        f"  languages  {langs}",
-        f"  lines      {report['policy_lines_removed']} cookie/privacy/JavaScript lines removed (C4's rule)",
-    ]
-    lost = report.get("no_main_text_languages") or {}
-    if lost:
-        other = "trafilatura" if report["settings"]["extractor"] == "justext" else "justext"
-        lines.append(
-            f"  no text    {sum(lost.values())} pages whose every paragraph {report['settings']['extractor']} judged "
-            "boilerplate, by the language of their prose: "
-            + ", ".join(f"{k} {v}" for k, v in list(lost.items())[:12])
-            + f" (counted as {NO_MAIN_TEXT}; --extractor {other} judges differently)"
-        )
-    return "\n".join(lines)

@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.corpora.cli_args import URLS_HELP
 from mtnlg_lightning.corpora.cli_common import (
-    INTERRUPTED,
     add_engine_args,
     add_output_dir_arg,
     add_quiet_arg,
     check_engine_args,
     positive_int,
+    run_job,
     tool_parser,
 )
-from mtnlg_lightning.crawl.extract import EXTRACTORS, ExtractSettings, format_summary, run_extract
-from mtnlg_lightning.errors import run_main
+from mtnlg_lightning.crawl.extract import EXTRACTORS, NO_MAIN_TEXT, ExtractSettings, run_extract
 
 PROG = "mtnlg-extract"
 
@@ -83,24 +83,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def format_summary(report: dict) -> str:
+    outcomes = report["outcomes"]
+    dropped = {k: v for k, v in outcomes.items() if k != "ok" and not k.startswith("skipped_")}
+    skipped = sum(v for k, v in outcomes.items() if k.startswith("skipped_"))
+    langs = ", ".join(f"{k} {v}" for k, v in list(report["languages"].items())[:8]) or "-"
+    lines = [
+        f"mtnlg-extract: {report['inputs']} file(s), {report['records']} records in {report['seconds']:.1f} s "
+        f"({report['engine']}, {report['workers']} worker(s))",
+        f"  documents  {report['documents']} written",
+        f"  skipped    {skipped} non-page records (warcinfo, request, metadata, revisit)",
+        f"  dropped    {sum(dropped.values())}"
+        + (": " + ", ".join(f"{k} {v}" for k, v in dropped.items()) if dropped else ""),
+        f"  languages  {langs}",
+        f"  lines      {report['policy_lines_removed']} cookie/privacy/JavaScript lines removed (C4's rule)",
+    ]
+    lost = report.get("no_main_text_languages") or {}
+    if lost:
+        other = "trafilatura" if report["settings"]["extractor"] == "justext" else "justext"
+        lines.append(
+            f"  no text    {sum(lost.values())} pages whose every paragraph {report['settings']['extractor']} judged "
+            "boilerplate, by the language of their prose: "
+            + ", ".join(f"{k} {v}" for k, v in list(lost.items())[:12])
+            + f" (counted as {NO_MAIN_TEXT}; --extractor {other} judges differently)"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_engine_args(args, parser)
-    settings = ExtractSettings(
-        extractor=args.extractor,
-        languages=args.languages,
-        min_chars=args.min_chars,
-        policy_lines=args.keep_policy_lines,
-    )
+    settings = fields_from(ExtractSettings, args, policy_lines=args.keep_policy_lines)
 
-    def body() -> int:
+    def extract() -> dict:
         from mtnlg_lightning.extras import require_extra
 
         require_extra("crawl", PROG)
         if args.extractor == "trafilatura":
             require_extra("trafilatura", f"{PROG} --extractor trafilatura")
-        report = run_extract(
+        return run_extract(
             args.inputs,
             args.output_dir,
             settings,
@@ -109,11 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             ray_address=args.ray_address,
             progress=not args.quiet,
         )
-        print(format_summary(report))
-        print(f"  outputs    {args.output_dir}/ (one .jsonl per input, extract_report.json)")
-        return 0
 
-    return run_main(PROG, body, INTERRUPTED)
+    outputs = f"{args.output_dir}/ (one .jsonl per input, extract_report.json)"
+    return run_job(PROG, extract, format_summary, lambda report: outputs)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,21 @@ def _english(language: str) -> bool:
     return language in ("", "en")
 
 
+def _repetition_rule(unit: str, earlier: str) -> Rule:
+    """Gopher's rule on repeated lines or paragraphs: the fraction of `unit`s repeating `earlier` above
+    max_<unit>s (0.3), or their characters' fraction above max_chars (0.2)."""
+    units = f"{unit}s"
+    return Rule(
+        f"duplicate_{units}",
+        f"fraction of {units} repeating {earlier} above max_{units} (Gopher 0.3), or their characters above "
+        "max_chars (0.2)",
+        {f"max_{units}": 0.3, "max_chars": 0.2},
+        lambda s, p, _: (
+            s[f"duplicate_{unit}_fraction"] > p[f"max_{units}"] or s[f"duplicate_{unit}_char_fraction"] > p["max_chars"]
+        ),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "word_count",
@@ -145,25 +160,8 @@ RULES: tuple[Rule, ...] = (
         {"min": 2},
         lambda s, p, lang: _english(lang) and s["stop_words"] < p["min"],
     ),
-    Rule(
-        "duplicate_lines",
-        "fraction of lines repeating an earlier line above max_lines (Gopher 0.3), or their characters above "
-        "max_chars (0.2)",
-        {"max_lines": 0.3, "max_chars": 0.2},
-        lambda s, p, _: (
-            s["duplicate_line_fraction"] > p["max_lines"] or s["duplicate_line_char_fraction"] > p["max_chars"]
-        ),
-    ),
-    Rule(
-        "duplicate_paragraphs",
-        "fraction of paragraphs repeating an earlier one above max_paragraphs (Gopher 0.3), or their characters "
-        "above max_chars (0.2)",
-        {"max_paragraphs": 0.3, "max_chars": 0.2},
-        lambda s, p, _: (
-            s["duplicate_paragraph_fraction"] > p["max_paragraphs"]
-            or s["duplicate_paragraph_char_fraction"] > p["max_chars"]
-        ),
-    ),
+    _repetition_rule("line", "an earlier line"),
+    _repetition_rule("paragraph", "an earlier one"),
     Rule(
         "top_ngrams",
         "characters in the most frequent word n-gram above max_N for N = 2, 3, 4 (Gopher 0.20, 0.18, 0.16)",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from mtnlg_lightning.corpora.cli_args import URLS_HELP
 from mtnlg_lightning.corpora.cli_common import (
@@ -11,6 +13,7 @@ from mtnlg_lightning.corpora.cli_common import (
     add_output_dir_arg,
     add_quiet_arg,
     add_text_key_arg,
+    number_where,
     positive_int,
     tool_parser,
 )
@@ -35,14 +38,8 @@ def _assignment(value: str) -> tuple[str, float]:
         ) from None
 
 
-def _fraction(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        v = -1.0
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}")
-    return v
+_fraction = number_where("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+_positive_float = number_where("a positive number", lambda v: v > 0)
 
 
 def _languages(value: str) -> tuple[str, ...]:
@@ -50,16 +47,6 @@ def _languages(value: str) -> tuple[str, ...]:
     if not codes:
         raise argparse.ArgumentTypeError(f"expected ISO 639-1 codes separated by commas, e.g. en,de; got {value!r}")
     return codes
-
-
-def _positive_float(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        v = 0.0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return v
 
 
 def _rules_epilog() -> str:
@@ -101,42 +88,33 @@ def _add_rules(p: argparse.ArgumentParser) -> None:
     )
 
 
+DESCRIPTION = (
+    "Quality of crawled text. 'annotate' measures the Gopher/C4 heuristic signals of every document and "
+    "records the rules it fails (nothing is dropped); 'train' fits GPT-3's quality classifier (logistic "
+    "regression on hashed word n-grams) on curated (positive) and raw-crawl (negative) documents; 'score' "
+    "adds quality_score; 'filter' keeps documents by score threshold, by GPT-3's Pareto rule, and/or by "
+    "the heuristic rules re-applied to the stored signals with any thresholds, without re-scoring."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = tool_parser(
-        PROG,
-        (
-            "Quality of crawled text. 'annotate' measures the Gopher/C4 heuristic signals of every document and "
-            "records the rules it fails (nothing is dropped); 'train' fits GPT-3's quality classifier (logistic "
-            "regression on hashed word n-grams) on curated (positive) and raw-crawl (negative) documents; 'score' "
-            "adds quality_score; 'filter' keeps documents by score threshold, by GPT-3's Pareto rule, and/or by "
-            "the heuristic rules re-applied to the stored signals with any thresholds, without re-scoring."
-        ),
-    )
+    p = tool_parser(PROG, DESCRIPTION)
     sub = p.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="annotate | train | score | filter (COMMAND --help)"
     )
-    fmt = argparse.RawDescriptionHelpFormatter
+    for name, command in COMMANDS.items():
+        listing = {"epilog": _rules_epilog(), "formatter_class": argparse.RawDescriptionHelpFormatter}
+        shown = listing if command.lists_rules else {}
+        command.flags(sub.add_parser(name, help=command.help, description=command.description, **shown))
+    return p
 
-    a = sub.add_parser(
-        "annotate",
-        help="add quality_signals and quality_failed (the heuristic rules failed) to every document",
-        description="Add quality_signals (what the rules measure) and quality_failed (names of the rules the "
-        "document fails) to every document; report the documents failing each rule (a document failing several "
-        "is counted under each) and failing any (counted once). Nothing is dropped: use 'filter --heuristics'.",
-        epilog=_rules_epilog(),
-        formatter_class=fmt,
-    )
+
+def _annotate_flags(a: argparse.ArgumentParser) -> None:
     _add_io(a)
     _add_rules(a)
 
-    t = sub.add_parser(
-        "train",
-        help="train the quality classifier on positive and negative documents",
-        description="Fit logistic regression (scikit-learn, classes balanced) on hashed word 1..N-gram features: "
-        "--positive documents (curated text) against --negative ones (raw crawl), as GPT-3. A share of each side "
-        "is held out first to report precision and recall, then the model is fit on everything and saved as "
-        ".npz of plain arrays (loading it never runs code).",
-    )
+
+def _train_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--positive", nargs="+", required=True, metavar="POS.jsonl", help="curated (good) documents")
     t.add_argument("--negative", nargs="+", required=True, metavar="NEG.jsonl", help="raw crawl (bad) documents")
     t.add_argument(
@@ -157,29 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--c", type=_positive_float, default=1.0, help="inverse L2 regularisation strength (C)")
     t.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the solver")
 
-    s = sub.add_parser(
-        "score",
-        help="add quality_score (the classifier's P(curated)) to every document",
-        description="Add quality_score, the classifier's probability that the document is curated-like text, to "
-        "every document (all fields kept).",
-    )
+
+def _score_flags(s: argparse.ArgumentParser) -> None:
     _add_io(s)
     s.add_argument(
         "--model", required=True, metavar="MODEL.npz", help="a model saved by 'mtnlg-quality train' (a path or a URL)"
     )
     s.add_argument("--batch", type=positive_int, default=512, help="documents vectorised at a time")
 
-    f = sub.add_parser(
-        "filter",
-        help="keep documents by score threshold, Pareto rule and/or heuristic rules",
-        description="Keep the documents that pass every criterion given. --threshold and --pareto read "
-        "quality_score (from 'score'); --heuristics re-applies the rules to quality_signals (from 'annotate'; "
-        "measured on the fly when absent) with the thresholds of --set/--disable. The report counts the "
-        "documents dropped by each criterion (a document failing several is counted under each) and in total "
-        "(once).",
-        epilog=_rules_epilog(),
-        formatter_class=fmt,
-    )
+
+def _filter_flags(f: argparse.ArgumentParser) -> None:
     _add_io(f)
     f.add_argument("--threshold", type=_fraction, default=None, help="keep when quality_score >= this")
     f.add_argument(
@@ -201,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
         "filter re-run without re-extracting",
     )
     _add_rules(f)
-    return p
 
 
 def _rule_settings(args, parser):
@@ -209,6 +173,54 @@ def _rule_settings(args, parser):
         return rule_settings(dict(args.overrides), set(args.disable))
     except ValueError as err:
         parser.error(str(err))
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its line in the tool's help, its own help's description (with the heuristic rules listed below
+    it, or not) and the function adding its flags."""
+
+    help: str
+    description: str
+    lists_rules: bool
+    flags: Callable[[argparse.ArgumentParser], None]
+
+
+COMMANDS = {
+    "annotate": Command(
+        "add quality_signals and quality_failed (the heuristic rules failed) to every document",
+        "Add quality_signals (what the rules measure) and quality_failed (names of the rules the document fails) to "
+        "every document; report the documents failing each rule (a document failing several is counted under "
+        "each) and failing any (counted once). Nothing is dropped: use 'filter --heuristics'.",
+        True,
+        _annotate_flags,
+    ),
+    "train": Command(
+        "train the quality classifier on positive and negative documents",
+        "Fit logistic regression (scikit-learn, classes balanced) on hashed word 1..N-gram features: --positive "
+        "documents (curated text) against --negative ones (raw crawl), as GPT-3. A share of each side is held out "
+        "first to report precision and recall, then the model is fit on everything and saved as .npz of plain "
+        "arrays (loading it never runs code).",
+        False,
+        _train_flags,
+    ),
+    "score": Command(
+        "add quality_score (the classifier's P(curated)) to every document",
+        "Add quality_score, the classifier's probability that the document is curated-like text, to every document "
+        "(all fields kept).",
+        False,
+        _score_flags,
+    ),
+    "filter": Command(
+        "keep documents by score threshold, Pareto rule and/or heuristic rules",
+        "Keep the documents that pass every criterion given. --threshold and --pareto read quality_score (from "
+        "'score'); --heuristics re-applies the rules to quality_signals (from 'annotate'; measured on the fly when "
+        "absent) with the thresholds of --set/--disable. The report counts the documents dropped by each criterion "
+        "(a document failing several is counted under each) and in total (once).",
+        True,
+        _filter_flags,
+    ),
+}
 
 
 def _print_counts(title: str, counts: dict, total: int) -> None:

@@ -3,6 +3,6 @@ decontamination (Megatron-LM filter_ngrams semantics). CLIs: ``mtnlg-dedup``, ``
 
 Submodules: ``shingles`` (normalisation, vectorised shingle hashing), ``minhash`` (datasketch-exact MinHash),
 ``lsh`` (bands x rows), ``signatures`` / ``verify`` / ``dedup`` (restartable stages), ``decontaminate``,
-``jsonl`` (validated reading, atomic writing), ``synthetic`` (labelled corpora with their ground truth, to
-measure the tools on: ``mtnlg-make-near-dup-corpus``, docs/curation.md; the benchmarks use it too).
+(records and atomic output: ``mtnlg_lightning.corpora``). The labelled corpora the tools are measured on are in
+``mtnlg_lightning.synthetic`` (``mtnlg-make-near-dup-corpus``, docs/curation.md).
 """

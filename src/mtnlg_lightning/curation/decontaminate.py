@@ -21,14 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 
 import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.corpora.commit import check_writable, commit, scratch_dir
 from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
-from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
+from mtnlg_lightning.corpora.records import BadRecordPolicy
 from mtnlg_lightning.corpora.sources import expand_inputs
-from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
+from mtnlg_lightning.corpora.stages import Progress, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
 from mtnlg_lightning.curation.decontaminate_stages import CleanStage, CountStage, DecontamContext, concatenate_parts
 from mtnlg_lightning.curation.ngrams import load_tasks
@@ -115,9 +116,8 @@ def _written_at(target: str, local_dir: str, name: str) -> str:
 
 
 class DecontamJob:
-    def __init__(self, cfg: DecontamConfig, hooks: StageHooks | None = None):
+    def __init__(self, cfg: DecontamConfig):
         self.cfg = cfg
-        self.hooks = hooks or StageHooks()
         self.work = cfg.work_dir()
         self.out_dir = cfg.out_dir()
         self.local_dir = cfg.local_dir()
@@ -226,20 +226,11 @@ class DecontamJob:
             except InputError:
                 self.cleanup_after_error()
                 raise
-            ctx = DecontamContext(
-                work=self.work,
-                input=", ".join(cfg.inputs),
-                shards=tuple(shards),
-                index=index,
-                text_key=cfg.text_key,
-                id_key=cfg.id_key,
-                window=cfg.window,
-                min_piece=cfg.min_piece,
-                max_splits=cfg.max_splits,
-                frequent_threshold=cfg.frequent_threshold,
-                on_bad_record=cfg.on_bad_record,
+            # the keys, the removal settings and the bad-record policy from the config's fields of the same name
+            ctx = fields_from(
+                DecontamContext, cfg, work=self.work, input=", ".join(cfg.inputs), shards=tuple(shards), index=index
             )
-            runner = StageRunner(self.work, engine, Progress(cfg.progress), self.hooks)
+            runner = StageRunner(self.work, engine, Progress(cfg.progress))
             try:
                 runner.run([CountStage(ctx), CleanStage(ctx)])
             except InputError:
@@ -247,21 +238,31 @@ class DecontamJob:
                 raise
         finally:
             engine.close()
-        report_path = cfg.report_path()
-        if not storage.is_url(report_path) and os.path.exists(report_path):
-            os.unlink(report_path)  # replaced last: the old one never describes the new output
+        return self.publish(ctx, runner, t_tasks)
+
+    def assemble_outputs(self, ctx: DecontamContext) -> list[str]:
+        """Each output from its cleaned parts, where the run writes it (the target itself, or for a URL a file in the
+        scratch folder); returns those paths."""
         names = [self._name(output) for output in self.outputs]
         written = [_written_at(o, self.local_dir, n) for o, n in zip(self.outputs, names, strict=True)]
         for f, (output, source) in enumerate(zip(written, self.sources, strict=True)):
-            concatenate_parts(ctx, output, source, cfg.output_compression, f)
-        self.hooks.point("publish:1")
+            concatenate_parts(ctx, output, source, self.cfg.output_compression, f)
+        return written
+
+    def publish(self, ctx: DecontamContext, runner: StageRunner, t_tasks: float) -> dict:
+        """The outputs, then the report, which marks the result complete: on disk it is replaced last, for URLs
+        it is committed last."""
+        report_path = self.cfg.report_path()
+        if not storage.is_url(report_path) and os.path.exists(report_path):
+            os.unlink(report_path)  # replaced last: the old one never describes the new output
+        written = self.assemble_outputs(ctx)
         report = self.build_report(ctx, runner, t_tasks)
         report_written = _written_at(report_path, self.local_dir, ".report.json")
         write_json_atomic(report_written, report, fsync=True)
         remote = [(w, o) for w, o in zip(written, self.outputs, strict=True) if storage.is_url(o)]
         if storage.is_url(report_path):  # the report marks the result complete: removed first, committed last
             remote.append((report_written, report_path))
-        commit(remote, markers=1 if storage.is_url(report_path) else 0, point=self.hooks.point)
+        commit(remote, markers=1 if storage.is_url(report_path) else 0)
         if report_written != report_path:
             os.unlink(report_written)
         shutil.rmtree(self.work, ignore_errors=True)
@@ -300,27 +301,7 @@ class DecontamJob:
         freq = np.load(ctx.path("frequency.npy"))
         with open(ctx.path("hits.json")) as f:
             hits = json.load(f)
-        per_task_docs: Counter = Counter()
-        per_task_matches: Counter = Counter()
-        for h in hits:
-            tasks_hit = set()
-            for gid in h["ngrams"]:
-                for t in index.tasks_of(gid):
-                    per_task_matches[t] += 1
-                    tasks_hit.add(t)
-            per_task_docs.update(tasks_hit)
-        hit_list = [
-            {
-                "file": h["file"],
-                "line": h["line"],
-                "id": h["id"],
-                "ngrams": [{"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]],
-            }
-            for h in hits[:HIT_LIST_LIMIT]
-        ]
         by_len = Counter(len(g) for g in index.ngrams)
-        frequent = np.flatnonzero(freq >= cfg.frequent_threshold)
-        top = frequent[np.argsort(-freq[frequent], kind="stable")][:20]
         size = count["bytes"]
         t_count, t_clean = count["seconds"], clean["seconds"]
         scan_s = t_count + t_clean
@@ -341,13 +322,7 @@ class DecontamJob:
                 "ngrams": len(index),
                 "ngrams_by_length": {str(k): v for k, v in sorted(by_len.items())},
             },
-            "frequent_ngrams": {
-                "ignored": int(len(frequent)),
-                "top": [
-                    {"ngram": index.ngram_text(int(g)), "documents": int(freq[g]), "tasks": index.tasks_of(int(g))}
-                    for g in top
-                ],
-            },
+            "frequent_ngrams": _frequent_report(index, freq, cfg.frequent_threshold),
             "documents": {
                 "in": count["docs"],
                 "records_out": outcome["pieces_out"],
@@ -360,14 +335,7 @@ class DecontamJob:
                 "matches_removed": outcome["matches"],
                 "chars_removed": outcome["chars_removed"],
             },
-            "hits": {
-                "documents": len(hits),
-                "per_task": {
-                    t: {"documents": per_task_docs[t], "matches": per_task_matches[t]} for t in index.task_names
-                },
-                "list": hit_list,
-                "list_truncated": len(hits) > len(hit_list),
-            },
+            "hits": _hits_report(index, hits),
             "bad_records": count["bad_records"],
             "input_files": [f.label for f in self.sources],
             "input_format": str(self.sources[0].fmt) if len(self.sources) == 1 else None,
@@ -384,36 +352,47 @@ class DecontamJob:
         }
 
 
-def run_decontaminate(cfg: DecontamConfig, hooks: StageHooks | None = None) -> dict:
-    """Run (or resume) both passes; returns the report (also written to ``cfg.report_path()``)."""
-    return DecontamJob(cfg, hooks).run()
+def _frequent_report(index, freq: np.ndarray, threshold: int) -> dict:
+    """The task n-grams ignored as common phrases (found in >= `threshold` documents), the 20 most frequent named."""
+    frequent = np.flatnonzero(freq >= threshold)
+    top = frequent[np.argsort(-freq[frequent], kind="stable")][:20]
+    return {
+        "ignored": int(len(frequent)),
+        "top": [
+            {"ngram": index.ngram_text(int(g)), "documents": int(freq[g]), "tasks": index.tasks_of(int(g))} for g in top
+        ],
+    }
 
 
-def format_summary(report: dict) -> str:
-    d = report["documents"]
-    s = report["settings"]
-    t = report["tasks"]
-    lines = [
-        "mtnlg-decontaminate summary",
-        f"  tasks      {sum(t['task_texts'].values())} texts from {len(t['task_texts'])} tasks -> {t['ngrams']} n-grams"
-        f" (by length {t['ngrams_by_length']})",
-        f"  frequent   {report['frequent_ngrams']['ignored']} n-grams in >= {s['frequent_threshold']}"
-        " documents ignored",
-        f"  documents  {d['in']} in -> {d['records_out']} records out: {d['clean']} clean, {d['trimmed']} trimmed,"
-        f" {d['split']} split, {d['dropped_too_many_splits']} dropped (> {s['max_splits']} pieces),"
-        f" {d['dropped_no_piece_left']} dropped (no piece > {s['min_piece']} chars)",
-        f"  removed    {d['matches_removed']} matches, {d['chars_removed']} chars",
+def _hits_report(index, hits: list[dict]) -> dict:
+    """The documents a task n-gram was found in: their number, per task (documents and matches), and the first
+    HIT_LIST_LIMIT of them with their n-grams."""
+    per_task_docs: Counter = Counter()
+    per_task_matches: Counter = Counter()
+    for h in hits:
+        tasks_hit = set()
+        for gid in h["ngrams"]:
+            for t in index.tasks_of(gid):
+                per_task_matches[t] += 1
+                tasks_hit.add(t)
+        per_task_docs.update(tasks_hit)
+    hit_list = [
+        {
+            "file": h["file"],
+            "line": h["line"],
+            "id": h["id"],
+            "ngrams": [{"ngram": index.ngram_text(g), "tasks": index.tasks_of(g)} for g in h["ngrams"]],
+        }
+        for h in hits[:HIT_LIST_LIMIT]
     ]
-    if d.get("bad_records_skipped"):
-        lines.append(f"  bad        {format_bad(report['bad_records'])}")
-    per = report["hits"]["per_task"]
-    if per:
-        lines.append("  per task   " + ", ".join(f"{k}: {v['documents']} docs" for k, v in per.items()))
-    tm = report["timings_s"]
-    lines.append(
-        f"  time       tasks {tm['load_tasks']:.2f}s  count {tm['count_pass']:.2f}s  clean {tm['clean_pass']:.2f}s"
-        f"  -> {report['mb_per_s']} MB/s ({report['mb_per_s_per_worker']} MB/s per worker)"
-    )
-    if report.get("resumed_stages"):
-        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
-    return "\n".join(lines)
+    return {
+        "documents": len(hits),
+        "per_task": {t: {"documents": per_task_docs[t], "matches": per_task_matches[t]} for t in index.task_names},
+        "list": hit_list,
+        "list_truncated": len(hits) > len(hit_list),
+    }
+
+
+def run_decontaminate(cfg: DecontamConfig) -> dict:
+    """Run (or resume) both passes; returns the report (also written to ``cfg.report_path()``)."""
+    return DecontamJob(cfg).run()

@@ -24,8 +24,8 @@ from mtnlg_lightning.corpora.engine import make_engine
 from mtnlg_lightning.corpora.formats import output_name
 from mtnlg_lightning.corpora.jsonl import InputError, guard_output, line_starts_plan, shard_size, write_json_atomic
 from mtnlg_lightning.corpora.mirror import MIRROR_PREFIX, WorkMirror
-from mtnlg_lightning.corpora.records import BadRecordPolicy, format_bad
-from mtnlg_lightning.corpora.stages import Progress, StageHooks, StageRunner
+from mtnlg_lightning.corpora.records import BadRecordPolicy
+from mtnlg_lightning.corpora.stages import Progress, StageRunner
 from mtnlg_lightning.corpora.staging import plain_copies, resolve_inputs
 from mtnlg_lightning.curation.dedup_stages import DUPLICATES_NAME, DedupContext, dedup_stages
 from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, DEFAULT_MAX_NEIGHBORS, Banding
@@ -97,9 +97,8 @@ class DedupJob:
     """One dedup run over an output directory: decides resume / start clean / already complete, runs the
     stages on an engine, publishes the outputs and writes the report last."""
 
-    def __init__(self, cfg: DedupConfig, hooks: StageHooks | None = None):
+    def __init__(self, cfg: DedupConfig):
         self.cfg = cfg
-        self.hooks = hooks or StageHooks()
         self.out = cfg.output_dir
         self.remote = storage.is_url(self.out)
         # where the run writes: the output folder, or for a URL a scratch folder its outputs are committed from
@@ -281,18 +280,21 @@ class DedupJob:
         report_path = os.path.join(self.out, REPORT_NAME)
         if os.path.exists(report_path):  # the old report must not describe a mix of old and new outputs
             os.unlink(report_path)
-        for i, name in enumerate(self.out_names + [DUPLICATES_NAME]):
-            src = os.path.join(final, name)
-            if os.path.exists(src):  # absent: already moved by an earlier, interrupted publish
-                dest = os.path.join(self.out, name)
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                os.replace(src, dest)
-            self.hooks.point(f"publish:{i + 1}")
+        for name in self.out_names + [DUPLICATES_NAME]:
+            self.move_output(final, name)
         report = self.build_report(runner)
         write_json_atomic(os.path.join(self.out, REPORT_NAME), report, fsync=True)
         if not self.cfg.keep_work:
             shutil.rmtree(self.work, ignore_errors=True)
         return report
+
+    def move_output(self, final: str, name: str) -> None:
+        """One output from the work folder into OUT (one step of the publish)."""
+        src = os.path.join(final, name)
+        if os.path.exists(src):  # absent: already moved by an earlier, interrupted publish
+            dest = os.path.join(self.out, name)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(src, dest)
 
     def commit(self, runner: StageRunner) -> dict:
         """Outputs, duplicates.jsonl and the report (last) from the scratch folder to the output URL; the previous
@@ -301,7 +303,7 @@ class DedupJob:
         report = self.build_report(runner)
         write_json_atomic(os.path.join(final, REPORT_NAME), report)
         names = self.out_names + [DUPLICATES_NAME, REPORT_NAME]
-        commit([(os.path.join(final, n), storage.join(self.out, n)) for n in names], point=self.hooks.point)
+        commit([(os.path.join(final, n), storage.join(self.out, n)) for n in names])
         if not self.cfg.keep_work:
             shutil.rmtree(self.local_out, ignore_errors=True)
             if self.mirror() is not None:
@@ -392,7 +394,7 @@ class DedupJob:
         # before touching OUT
         engine = make_engine(self.cfg.engine, self.cfg.workers, self.cfg.ray_address, self.mirror())
         try:
-            runner = StageRunner(self.work, engine, Progress(self.cfg.progress), self.hooks)
+            runner = StageRunner(self.work, engine, Progress(self.cfg.progress))
             try:
                 done = self.prepare(engine)
                 if done is not None:
@@ -406,43 +408,6 @@ class DedupJob:
         return self.publish(runner)
 
 
-def run_dedup(cfg: DedupConfig, hooks: StageHooks | None = None) -> dict:
+def run_dedup(cfg: DedupConfig) -> dict:
     """Run (or resume) the whole pipeline; returns the report dict (also written to ``OUT/report.json``)."""
-    return DedupJob(cfg, hooks).run()
-
-
-def format_summary(report: dict) -> str:
-    t = report["totals"]
-    p = report["pairs"]
-    s = report["settings"]
-    b = report["banding"]
-    lines = [
-        "mtnlg-dedup " + ("(already complete, nothing to do)" if report.get("already_complete") else "summary"),
-        f"  settings   threshold {s['threshold']}  {b['bands']} bands x {b['rows_per_band']} rows"
-        f" ({s['num_perm']} perms)"
-        f"  shingle {s['shingle']}  scheme {s['scheme']}  seed {s['seed']}",
-        "  P(cand)    " + "  ".join(f"J={j}: {v:.3f}" for j, v in b["candidate_probability"].items()),
-    ]
-    bad = report.get("bad_records") or {}
-    if sum(bad.values()):
-        lines.append(f"  bad        {format_bad(bad)}")
-    for x in report["inputs"]:
-        lines.append(
-            f"  {x['file']}: {x['docs_in']} in, {x['docs_out']} out"
-            f" (-{x['exact_duplicates_removed']} exact, -{x['near_duplicates_removed']} near)"
-        )
-    c = report["clusters"]
-    lines += [
-        f"  total      {t['docs_in']} in, {t['docs_out']} out, removed {t['exact_duplicates_removed']} exact"
-        f" + {t['near_duplicates_removed']} near duplicates",
-        f"  clusters   {c['clusters']} (docs in clusters {c['docs_in_clusters']}, largest {c['largest_cluster']})",
-        f"  pairs      {p['candidate_pairs']} candidates ({p['rejected_by_estimate']} rejected by estimate),"
-        f" {p['jaccard_computed']} exact Jaccard computed,"
-        f" {p['verified_pairs']} verified, {p['rejected_pairs']} rejected",
-        "  time       "
-        + "  ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
-        + f"  total {report['total_s']:.2f}s  ({report['docs_per_s']} docs/s)",
-    ]
-    if report.get("resumed_stages"):
-        lines.append("  resumed    " + ", ".join(report["resumed_stages"]))
-    return "\n".join(lines)
+    return DedupJob(cfg).run()

@@ -356,7 +356,6 @@ def filter_shard(ctx: DedupContext, s: int) -> tuple[int, int, int, bytes]:
     pair's, else computed from the two documents)."""
     shard = ctx.shards[s]
     docs = ctx.docs()
-    n = len(docs)
     lo, hi = (int(x) for x in docs.shard_starts[s : s + 2])
     keeper = load_map(clusters_path(ctx, "keeper"))
     ids = np.arange(lo, hi, dtype=np.int64)
@@ -375,15 +374,26 @@ def filter_shard(ctx: DedupContext, s: int) -> tuple[int, int, int, bytes]:
     rm = np.flatnonzero(~keep)
     if not len(rm):
         return int(keep.sum()), 0, 0, b""
-    removed = ids[rm]
-    keepers = kp[rm]
-    exact_rep = docs.exact_rep
-    rep_r, rep_k = np.asarray(exact_rep[removed]), np.asarray(exact_rep[keepers])
+    removed, keepers = ids[rm], kp[rm]
+    rep_r, rep_k = np.asarray(docs.exact_rep[removed]), np.asarray(docs.exact_rep[keepers])
     kind_exact = rep_r == rep_k
     est = estimated_jaccard_pairs(ctx.signatures(docs), np.stack([removed, keepers], axis=1))
+    exact_j = _exact_jaccards(ctx, docs, removed, keepers, rep_r, rep_k)
+
+    def in_shard(d: int) -> bytes | None:
+        return data[int(rel[d - lo]) : int(rel[d - lo]) + int(lens[d - lo])] if lo <= d < hi else None
+
+    lines = _duplicates_jsonl(ctx, docs, removed, keepers, kind_exact, est, exact_j, in_shard)
+    return int(keep.sum()), int(kind_exact.sum()), int((~kind_exact).sum()), lines
+
+
+def _exact_jaccards(ctx: DedupContext, docs, removed, keepers, rep_r, rep_k) -> np.ndarray:
+    """The exact Jaccard of each removed document and its keeper: 1 for exact duplicates (same representative),
+    the verified edge's for a near pair, else (connected through a chain) computed from the two documents."""
     exact_j = np.ones(len(removed))
-    near = np.flatnonzero(~kind_exact)
+    near = np.flatnonzero(rep_r != rep_k)
     if len(near):
+        n = len(docs)
         edge_codes = load_map(clusters_path(ctx, "edge_codes"))
         edge_j = load_map(clusters_path(ctx, "edge_jaccard"))
         q = np.minimum(rep_r[near], rep_k[near]) * np.int64(n) + np.maximum(rep_r[near], rep_k[near])
@@ -395,6 +405,12 @@ def filter_shard(ctx: DedupContext, s: int) -> tuple[int, int, int, bytes]:
             with ctx.store(docs) as store:
                 for i in todo.tolist():
                     exact_j[i] = store.jaccard(int(removed[i]), int(keepers[i]))
+    return exact_j
+
+
+def _duplicates_jsonl(ctx: DedupContext, docs, removed, keepers, kind_exact, est, exact_j, in_shard) -> bytes:
+    """One duplicates.jsonl line per removed document. A document's id is read from its record: from the shard's
+    bytes (`in_shard(d)`) when it lies in this shard, else from its input file; each document's once."""
     file_idx, lines, offsets, lengths = docs.file_idx, docs.lines, docs.offsets, docs.lengths
     id_of: dict[int, object] = {}
     handles: dict[int, object] = {}
@@ -404,10 +420,8 @@ def filter_shard(ctx: DedupContext, s: int) -> tuple[int, int, int, bytes]:
         if got is not id_of:
             return got
         fi = int(file_idx[d])
-        if lo <= d < hi:
-            o = int(rel[d - lo])
-            line = data[o : o + int(lens[d - lo])]
-        else:
+        line = in_shard(d)
+        if line is None:
             fh = handles.get(fi)
             if fh is None:
                 fh = handles[fi] = open(ctx.inputs[fi], "rb")  # noqa: SIM115 - closed below
@@ -437,7 +451,7 @@ def filter_shard(ctx: DedupContext, s: int) -> tuple[int, int, int, bytes]:
     finally:
         for fh in handles.values():
             fh.close()
-    return int(keep.sum()), int(kind_exact.sum()), int((~kind_exact).sum()), b"".join(out)
+    return b"".join(out)
 
 
 def publish_output(ctx: DedupContext, fi: int) -> None:

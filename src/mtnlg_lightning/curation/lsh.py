@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mtnlg_lightning.curation.shingles import fmix64
+from mtnlg_lightning.curation.shingles import fmix
 
 _BAND_MULT = np.uint64(0xA24BAED4963EE407)
 DEFAULT_MAX_NEIGHBORS = 64
@@ -51,7 +51,7 @@ def band_key(cols: np.ndarray, band: int) -> np.ndarray:
     k = np.full(cols.shape[0], (band * 0x632BE59BD9B4E019 + 1) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
     for c in range(cols.shape[1]):
         k = (k ^ cols[:, c]) * _BAND_MULT
-    return fmix64(k)
+    return fmix(k)
 
 
 def band_keys(sigs: np.ndarray, banding: Banding) -> np.ndarray:

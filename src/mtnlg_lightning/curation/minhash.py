@@ -3,7 +3,7 @@
 Hash scheme (named explicitly, as datasketch>=2 requires):
 
 * ``"affine32"`` (datasketch 2.x default, our default): the 32-bit input hash ``h`` is pre-mixed with the
-  MurmurHash3 32-bit finaliser, then permutation ``k`` is ``a_k * fmix32(h) + b_k mod 2^32`` (``a_k`` odd).
+  MurmurHash3 32-bit finaliser, then permutation ``k`` is ``a_k * fmix(h) + b_k mod 2^32`` (``a_k`` odd).
 * ``"legacy"`` (datasketch < 2.0): ``((a_k * h + b_k) mod (2^61 - 1)) & 0xFFFFFFFF`` where ``a_k * h + b_k``
   is first computed in uint64 *with wrap-around*, exactly as datasketch's numpy code does.
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from datasketch import MinHash
 
+from mtnlg_lightning.curation.shingles import fmix
+
 SCHEMES = ("affine32", "legacy")
 MAX_HASH32 = np.uint32(0xFFFFFFFF)
 _MERSENNE = np.uint64((1 << 61) - 1)
@@ -30,14 +32,6 @@ _ROWS_PER_CHUNK = 2048
 # blocks of 8, 16, 32 and 64 permutations 12,795, 13,805, 16,191 and 11,595 docs/s.
 _BATCH_ROWS = 8192
 _PERM_BLOCK = 32
-
-
-def fmix32(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
 
 
 def _mod_mersenne61(t: np.ndarray) -> np.ndarray:
@@ -83,7 +77,7 @@ class MinHasher:
         if len(hashes32) == 0:
             return out
         if self.scheme == "affine32":
-            hv = fmix32(np.asarray(hashes32).astype(np.uint32, copy=False))
+            hv = fmix(np.asarray(hashes32).astype(np.uint32, copy=False))
             for s in range(0, len(hv), _ROWS_PER_CHUNK):
                 chunk = hv[s : s + _ROWS_PER_CHUNK]
                 buf = self._buf[: len(chunk)]
@@ -124,7 +118,7 @@ class MinHasher:
             if rows > _BATCH_ROWS:  # one long document: the chunked single-document path bounds the memory
                 out[i] = self.signature(docs[i])
             elif len(nonempty):
-                hv = fmix32(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))[None, :]
+                hv = fmix(np.concatenate(docs[i:j]).astype(np.uint32, copy=False))[None, :]
                 starts = np.concatenate(([0], np.cumsum(lens[i:j])[:-1]))[nonempty]
                 rows_out = i + nonempty
                 for p, a, b in self._blocks:
@@ -134,9 +128,3 @@ class MinHasher:
                     out[rows_out, p : p + len(a)] = np.minimum.reduceat(perm, starts, axis=1).T
             i = j
         return out
-
-
-def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray | float:
-    """Fraction of equal signature entries (row-wise for 2-D input)."""
-    eq = np.asarray(sig_a) == np.asarray(sig_b)
-    return eq.mean(axis=-1)

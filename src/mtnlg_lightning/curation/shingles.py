@@ -56,13 +56,21 @@ def normalize_chars(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def fmix64(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3 64-bit finaliser (a bijection), element-wise on a uint64 array."""
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(0xFF51AFD7ED558CCD)
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(0xC4CEB9FE1A85EC53)
-    return h ^ (h >> np.uint64(33))
+# MurmurHash3's finaliser for each word size: shift, multiplier, shift, multiplier, shift
+_FMIX = {
+    np.dtype(np.uint32): tuple(np.uint32(c) for c in (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)),
+    np.dtype(np.uint64): tuple(np.uint64(c) for c in (33, 0xFF51AFD7ED558CCD, 33, 0xC4CEB9FE1A85EC53, 33)),
+}
+
+
+def fmix(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's finaliser (a bijection), element-wise on a uint32 or uint64 array: its 32- or 64-bit form."""
+    s1, m1, s2, m2, s3 = _FMIX[h.dtype]
+    h = h ^ (h >> s1)
+    h = h * m1
+    h = h ^ (h >> s2)
+    h = h * m2
+    return h ^ (h >> s3)
 
 
 def word_hashes(words: list[str]) -> np.ndarray:
@@ -72,7 +80,7 @@ def word_hashes(words: list[str]) -> np.ndarray:
 
 def char_hashes(norm: str) -> np.ndarray:
     cps = np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
-    return fmix64(cps * _CHAR_MULT + _CHAR_ADD)
+    return fmix(cps * _CHAR_MULT + _CHAR_ADD)
 
 
 def combine(unit_hashes: np.ndarray, n: int) -> np.ndarray:
@@ -86,7 +94,7 @@ def combine(unit_hashes: np.ndarray, n: int) -> np.ndarray:
     for j in range(1, n):
         out *= _COMBINE_MULT
         out += unit_hashes[j : j + length]
-    return fmix64(out)
+    return fmix(out)
 
 
 def tokens(text: str, spec: ShingleSpec) -> tuple[str, np.ndarray]:
@@ -152,16 +160,3 @@ def jaccard_strings(a: set[str], b: set[str]) -> float:
     if not a and not b:
         return 1.0
     return len(a & b) / len(a | b)
-
-
-def shingle_string_hash(shingle: str, spec: ShingleSpec) -> int:
-    """64-bit hash of one shingle given as a string (the same value :func:`shingle_hashes` produces).
-
-    Only valid for full-length shingles (or a whole short document): lets a datasketch ``MinHash`` fed with
-    shingle strings (``hashfunc=lambda s: shingle_string_hash(s, spec) & 0xFFFFFFFF``) reproduce our signatures.
-    """
-    if spec.kind == "word":
-        units = word_hashes(shingle.split(" "))
-    else:
-        units = char_hashes(shingle)
-    return int(combine(units, len(units))[0])

@@ -14,7 +14,7 @@ from mtnlg_lightning.corpora.commit import check_output
 from mtnlg_lightning.errors import run_main
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mtnlg-preprocess", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -56,6 +56,11 @@ def main(argv=None) -> int:
     )
     add_bad_record_arg(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.input and not args.tokenizer:
         parser.error("--input needs --tokenizer")

@@ -10,7 +10,6 @@ The project's GPT is GPT-2's architecture; only names and layouts differ:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,31 +95,8 @@ def tensor_pairs(num_layers: int) -> list[TensorPair]:
     return pairs
 
 
-def to_hf(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Model-space weights -> GPT-2 state dict (`transformer.*`, tied `lm_head` omitted as `save_pretrained` does)."""
-    return {p.theirs: p.to_hf(weights[p.ours], config.num_heads) for p in tensor_pairs(config.num_layers)}
-
-
 # GPT-2 files may carry the causal-mask buffers (`attn.bias`, `attn.masked_bias`): constants, not weights.
 CONSTANT_BUFFERS = ("attn.bias", "attn.masked_bias")
-
-
-def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """GPT-2 state dict (with or without the `transformer.` prefix) -> model-space weights."""
-    state = {k.removeprefix("transformer."): v for k, v in state.items()}
-    head = state.pop("lm_head.weight", None)
-    if head is not None and not torch.equal(head, state.get("wte.weight", head)):
-        raise MTNLGError("the source's lm_head is not tied to its word embedding; this GPT ties them")
-    out = {}
-    for pair in tensor_pairs(config.num_layers):
-        key = pair.theirs.removeprefix("transformer.")
-        if key not in state:
-            raise MTNLGError(f"the source has no tensor {key!r} (not a GPT-2 model of {config.num_layers} layers?)")
-        out[pair.ours] = pair.from_hf(state.pop(key), config.num_heads)
-    leftover = sorted(k for k in state if not k.endswith(CONSTANT_BUFFERS))
-    if leftover:
-        raise MTNLGError(f"the source has tensors this GPT does not use: {', '.join(leftover[:5])}")
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ the family

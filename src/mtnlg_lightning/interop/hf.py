@@ -49,11 +49,6 @@ def is_hf_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
-def read_hf_config(path: str | Path) -> ModelConfig:
-    """The architecture of a Hugging Face directory as a `ModelConfig`; an unsupported one is one line naming it."""
-    return _family_and_config(Path(path))[1]
-
-
 def _family_and_config(path: Path):
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))

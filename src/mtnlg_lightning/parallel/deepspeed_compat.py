@@ -4,8 +4,9 @@ Two jobs need DeepSpeed's internals: running a backward that torch's pipeline sc
 `engine.backward`) under ZeRO-2, and reading or writing one parameter's slice of the ZeRO partitions for the
 layout-independent checkpoints beyond what `deepspeed.utils.safe_get_full_*` offers (ZeRO-1/2 fragments without a
 collective, re-linking the fragments after the moments are created). The version range is pinned in
-`pyproject.toml`; when a release moves a name, `tests/test_framework_compat.py` fails naming it, and this module is
-the only place to change.
+`pyproject.toml`; `tests/test_framework_compat.py` lists every private name used here (with who needs it) and
+checks them against the installed DeepSpeed: when a release moves one, it fails naming it, and this module is the
+only place to change.
 """
 
 from __future__ import annotations
@@ -13,26 +14,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-
-# "module:attribute.path" -> who needs it. Attributes DeepSpeed sets on live objects (a parameter's `ds_id`, an
-# optimizer's `_hp_optimizer_states_linked`) are checked on a small engine by the test instead; they are named in
-# RUNTIME_NAMES.
-PRIVATE_NAMES = {
-    "deepspeed.runtime.engine:DeepSpeedEngine._backward_prologue": "engine_backward",
-    "deepspeed.runtime.engine:DeepSpeedEngine._backward_epilogue": "engine_backward",
-    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.clear_backward_seen_flag": "engine_backward",
-    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state": (
-        "relink_moment_fragments"
-    ),
-    "deepspeed.runtime.bf16_optimizer:BF16_Optimizer._lazy_init_hp_params_optimizer_state": "relink_moment_fragments",
-}
-RUNTIME_NAMES = {
-    "engine._running_engine_backward": "engine_backward",
-    "ZeRO-1/2 optimizer._hp_optimizer_states_linked": "relink_moment_fragments",
-    "ZeRO-1/2 parameter._hp_mapping (lp_fragment_address, get_optim_state_fragment)": "fragment_mapping",
-    "ZeRO-3 parameter.ds_id, .ds_tensor, .ds_shape": "is_partitioned, local_partition, full_shape",
-    "ZeRO-3 optimizer.fp32_partitioned_groups_flat": "fp32_flat_partitions",
-}
 
 
 @contextmanager

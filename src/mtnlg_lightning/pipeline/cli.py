@@ -30,7 +30,7 @@ from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.extras import require_extra
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -44,22 +44,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="the reduced run: 160 pages, 8+8 passages, tiny model, 20 steps"
     )
-    p.add_argument(
-        "--steps",
-        type=int_at_least(1),
-        default=None,
-        help="training steps of each run (default: configs/pipeline.yaml's 400)",
-    )
-    p.add_argument(
+    add_count(p, "--steps", 1, "training steps of each run (default: configs/pipeline.yaml's 400)")
+    add_count(
+        p,
         "--plant-copies",
-        type=int_at_least(1),
-        default=None,
-        help="training documents each planted passage is copied into (default 6; keep it below "
-        "mtnlg-decontaminate's --frequent-threshold 10, or decontamination ignores its n-grams)",
+        1,
+        "training documents each planted passage is copied into (default 6; keep it below mtnlg-decontaminate's "
+        "--frequent-threshold 10, or decontamination ignores its n-grams)",
     )
-    p.add_argument(
-        "--eval-passages", type=int_at_least(2), default=None, help="cloze passages, half planted (default 128)"
-    )
+    add_count(p, "--eval-passages", 2, "cloze passages, half planted (default 128)")
     p.add_argument(
         "--seed", type=int, default=None, help="seed of the corpus: selection, planting, copies (default 1234)"
     )
@@ -69,11 +62,11 @@ def main(argv=None) -> int:
         help="start from the raw corpus as JSON lines (raw/web.jsonl), without the crawl stages",
     )
     p.add_argument("--prompt", default="The file is opened", help="the prompt of the generation stage")
-    p.add_argument(
+    add_count(
+        p,
         "--bias-continuations",
-        type=int_at_least(1),
-        default=None,
-        help="continuations sampled per prompt in the bias study of B (default 100, --smoke 4; the paper: 800)",
+        1,
+        "continuations sampled per prompt in the bias study of B (default 100, --smoke 4; the paper: 800)",
     )
     p.add_argument(
         "--no-plot", action="store_true", help="skip report.png and bias.png (needs matplotlib: the [plot] extra)"
@@ -84,7 +77,16 @@ def main(argv=None) -> int:
         help="replace OUT_DIR if it is not empty (the previous one is kept aside until the run succeeds; refused "
         "for ., ~, / and folders holding an input)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def add_count(p: argparse.ArgumentParser, flag: str, minimum: int, help: str) -> None:
+    """A count that replaces the run's own (the corpus preset's or the config's) when given."""
+    p.add_argument(flag, type=int_at_least(minimum), default=None, help=help)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     import mtnlg_lightning.corpora.storage as storage
     from mtnlg_lightning.corpora.commit import destination, visible_files
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
@@ -122,19 +124,25 @@ def main(argv=None) -> int:
             names = [n for n in visible_files(dest.local) if n != "report.json"] + ["report.json"]
             dest.publish(names, markers=1, replace=args.overwrite)
             out = args.out_dir
-        failed = [c for c in report["checks"] if not c["ok"]]
-        passed = len(report["checks"]) - len(failed)
-        gap = report["experiment"]["planted_gap"]
-        print(
-            f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
-            f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
-            f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {storage.join(str(out), 'report.md')}"
-        )
-        for check in failed:
-            print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
-        return 1 if failed else 0
+        return outcome(report, storage.join(str(out), "report.md"))
 
     return run_main("mtnlg-pipeline", body)
+
+
+def outcome(report: dict, report_md: str) -> int:
+    """The run's last line (time, checks, the planted gap, where the report is), each failed check on stderr; the
+    exit status: 1 when a check failed."""
+    failed = [c for c in report["checks"] if not c["ok"]]
+    passed = len(report["checks"]) - len(failed)
+    gap = report["experiment"]["planted_gap"]
+    print(
+        f"pipeline: done in {report['seconds_total']:.0f} s; checks {passed}/{len(report['checks'])} passed; "
+        f"planted acc A-B {gap['acc_contaminated_minus_decontaminated']:+.4f}, planted perplexity B/A "
+        f"{gap['perplexity_decontaminated_over_contaminated']:.2f}x; report: {report_md}"
+    )
+    for check in failed:
+        print(f"pipeline: check FAILED: {check['name']}: {check['detail']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

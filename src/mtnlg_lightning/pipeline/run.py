@@ -25,10 +25,11 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS
 from mtnlg_lightning.evaluation.bias.wordlists import read_study
 from mtnlg_lightning.pipeline import crawl as crawl_stages
-from mtnlg_lightning.pipeline.corpus import CorpusSpec, build_corpus, ngram_set
 from mtnlg_lightning.pipeline.report import Check, write_report
 from mtnlg_lightning.pipeline.stages import StageRecord, run_tool
 from mtnlg_lightning.shipped_configs import CONFIG_DIR
+from mtnlg_lightning.synthetic.planted_corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.synthetic.planted_crawl import WARC_NAME, CrawlSpec, build_crawl, read_truth
 
 RUNS = ("contaminated", "decontaminated")  # A and B of the experiment
 EVAL_SETS = ("planted", "control")
@@ -40,7 +41,7 @@ class PipelineSettings:
     smoke: bool = False  # the reduced run of the test suite: a smaller corpus, the tiny model, a few steps
     steps: int | None = None  # training steps of each run (default: the config's, or 20 for --smoke)
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
-    crawl: crawl_stages.CrawlSpec | None = field(default_factory=crawl_stages.CrawlSpec)  # None: start at JSONL
+    crawl: CrawlSpec | None = field(default_factory=CrawlSpec)  # None: start at JSONL
     vocab_size: int = 4096
     config: Path = CONFIG_DIR / "pipeline.yaml"
     prompt: str = "The file is opened"
@@ -51,7 +52,7 @@ class PipelineSettings:
     @classmethod
     def for_run(cls, out_dir, smoke: bool = False, crawl: bool = True, **overrides) -> PipelineSettings:
         corpus = CorpusSpec.smoke() if smoke else CorpusSpec()
-        overrides["crawl"] = (crawl_stages.CrawlSpec.smoke() if smoke else crawl_stages.CrawlSpec()) if crawl else None
+        overrides["crawl"] = (CrawlSpec.smoke() if smoke else CrawlSpec()) if crawl else None
         for key in ("plant_copies", "eval_passages", "seed"):
             if overrides.get(key) is not None:
                 setattr(corpus, key, overrides.pop(key))
@@ -129,7 +130,7 @@ class Pipeline:
         return report
 
     def build_corpus(self) -> None:
-        record = StageRecord("corpus", "build_corpus (mtnlg_lightning.pipeline.corpus)")
+        record = StageRecord("corpus", "build_corpus (mtnlg_lightning.synthetic.planted_corpus)")
         t0 = time.perf_counter()
         summary = build_corpus(self.out, self.s.corpus)
         record.seconds = time.perf_counter() - t0
@@ -152,16 +153,16 @@ class Pipeline:
 
     # --- the crawl stages (settings.crawl) ---------------------------------------------------------------------
     def build_crawl(self) -> None:
-        record = StageRecord("crawl", "build_crawl (mtnlg_lightning.pipeline.crawl)")
+        record = StageRecord("crawl", "build_crawl (mtnlg_lightning.synthetic.planted_crawl)")
         t0 = time.perf_counter()
-        summary = crawl_stages.build_crawl(self.out, self.s.crawl, self.s.corpus.seed)
+        summary = build_crawl(self.out, self.s.crawl, self.s.corpus.seed)
         record.seconds = time.perf_counter() - t0
         corpus = self.by_name("corpus")
         record.documents_in, record.bytes_in = corpus.documents_out, corpus.bytes_out
         record.documents_out, record.bytes_out, record.details = summary["records"], summary["bytes"], summary
         self.records.append(record)
         self.done(record)
-        self.truth = crawl_stages.read_truth(self.out)
+        self.truth = read_truth(self.out)
         self.url_ids = crawl_stages.corpus_ids(self.truth)
         self.check(
             "crawl: one English page per corpus document",
@@ -170,7 +171,7 @@ class Pipeline:
         )
 
     def extract(self) -> None:
-        warc, out = self.out / "raw" / crawl_stages.WARC_NAME, self.out / "extract"
+        warc, out = self.out / "raw" / WARC_NAME, self.out / "extract"
         record, _ = self.stage("extract", "mtnlg-extract", warc, "--output-dir", out, "--quiet")
         report = read_json(out / "extract_report.json")
         docs = crawl_stages.read_documents(out / self.shard)
@@ -693,7 +694,7 @@ def prepare_out_dir(out_dir: Path | str, overwrite: bool) -> None:
     the previous result goes only when the new run has finished."""
     import mtnlg_lightning.corpora.storage as storage
     from mtnlg_lightning.corpora.commit import check_output, check_writable
-    from mtnlg_lightning.data.builtin_corpus import cache_root
+    from mtnlg_lightning.corpora.storage import cache_root
 
     if storage.is_url(out_dir):
         check_writable(out_dir)

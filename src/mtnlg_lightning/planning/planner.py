@@ -292,13 +292,6 @@ def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, stage_p
     return seconds, steps
 
 
-def tflops_from_time(
-    config: ModelConfig, global_batch: int, seconds: float, gpus: int, recompute: bool = True
-) -> float:
-    """Achieved TFLOP/s per GPU from a measured iteration time (how the paper reports throughput)."""
-    return flops_per_iteration(config, global_batch, recompute=recompute) / seconds / gpus / 1e12
-
-
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 

@@ -172,10 +172,3 @@ def report_restart(trainer, checkpoint_dirs: list[Path]) -> dict | None:
         local.mkdir(parents=True, exist_ok=True)
         write_json(local / f"attempt{count}_restart.json", record)
     return record
-
-
-def read_records(directory: Path) -> list[dict]:
-    path = Path(directory) / RECORD_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

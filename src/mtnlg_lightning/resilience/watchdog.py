@@ -51,7 +51,6 @@ from mtnlg_lightning.resilience.phase_limits import (
 )
 from mtnlg_lightning.resilience.rank_status import read_statuses, status_dir, write_status
 
-DEFAULT_LIMITS = DEFAULT_CAPS  # the caps; a phase starts from its cap until it has been seen
 COLLECTIVE_MARGIN_S = 30.0
 __all__ = ["ENV_VARS", "FLOORS", "PHASES", "SAFETY_FACTOR", "HangWatchdog", "resolve_limits"]
 

@@ -2,31 +2,15 @@
 
 Lightning offers no public way to write a custom multi-process strategy that starts its own process groups, to count
 an optimizer step that its `LightningOptimizer` wrapper did not make, or to change how `ckpt_path="last"` is found.
-These few names do it. When a Lightning release moves one, `tests/test_framework_compat.py` fails naming it and the
-file that needs it, and this module is the only place to change (`PRIVATE_NAMES` lists them all, with the public
-version range of `pyproject.toml` that was checked).
+These few names do it. `tests/test_framework_compat.py` lists them all (with who needs each) and checks them against
+the installed Lightning: when a release moves one, it fails naming it and the file that needs it, and this module
+is the only place to change (the version range that was checked is pinned in `pyproject.toml`).
 """
 
 from __future__ import annotations
 
 from lightning.fabric.utilities import distributed as _fabric_distributed
 from lightning.pytorch.strategies.launchers import subprocess_script as _subprocess_script
-
-# "module:attribute.path" -> who needs it. `Name()` stands for an instance made with no arguments. The overridden
-# hooks are listed too: a rename would silently bypass them.
-PRIVATE_NAMES = {
-    "lightning.fabric.utilities.distributed:_distributed_is_initialized": "train/strategy.py",
-    "lightning.fabric.utilities.distributed:_get_default_process_group_backend_for_device": "train/strategy.py",
-    "lightning.fabric.utilities.distributed:_init_dist_connection": "train/strategy.py",
-    "lightning.fabric.utilities.distributed:_sync_ddp": "train/strategy.py",
-    "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher": "train/strategy.py",
-    "lightning.pytorch.strategies:DDPStrategy()._launcher": "train/strategy.py",
-    "lightning.pytorch.strategies:ParallelStrategy._configure_launcher": "train/strategy.py (overrides it)",
-    "lightning.pytorch.strategies:ParallelStrategy._reset_optimizers_and_schedulers": "train/strategy.py",
-    "lightning.pytorch.cli:LightningCLI._parse_ckpt_path": "train/cli.py (overrides it)",
-    "lightning.pytorch.callbacks:ModelCheckpoint._find_last_checkpoints": "checkpoint/callback.py (overrides it)",
-    "lightning.pytorch:Trainer().fit_loop.epoch_loop.manual_optimization.optim_step_progress": "training_position.py",
-}
 
 
 def distributed_is_initialized() -> bool:

@@ -16,7 +16,6 @@ beside the corpus so that the pipeline's report can check the tools against it.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,9 +25,9 @@ import numpy as np
 from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line, write_json_atomic
 from mtnlg_lightning.curation.ngrams import words_of
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
-from mtnlg_lightning.data.builtin_corpus import demo_dir, stdlib_documents
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.evaluation.cloze import cloze_passages
+from mtnlg_lightning.synthetic.cloze import cloze_passages
+from mtnlg_lightning.synthetic.demo_corpus import demo_documents
 
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 BOILERPLATE = (
@@ -42,7 +41,8 @@ NGRAM = 13  # the decontamination n-gram: a control passage may share none with 
 
 @dataclass
 class CorpusSpec:
-    """What the raw corpus holds. The defaults are the full pipeline's; `smoke()` is the test suite's."""
+    """What the raw corpus holds. The defaults are the full pipeline's; `smoke()` is the reduced run's
+    (`tools/pipeline.py --smoke`)."""
 
     eval_passages: int = 128  # cloze passages in the evaluation set: half planted, half control
     plant_copies: int = 6  # training documents each planted passage is copied into (< decontamination's
@@ -74,15 +74,6 @@ def pages_of(module_id: str, text: str, page_chars: int) -> list[dict]:
     if current:
         pages.append(current)
     return [{"id": f"{module_id}#{i}", "text": "\n\n".join(p)} for i, p in enumerate(pages)]
-
-
-def source_documents() -> list[dict]:
-    """The demo corpus' module documents (read from the demo cache when it is built, else extracted)."""
-    cached = demo_dir() / "python_docs.jsonl"
-    if cached.exists():
-        with open(cached, encoding="utf-8") as f:
-            return [json.loads(line) for line in f]
-    return list(stdlib_documents())
 
 
 def ngram_set(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
@@ -144,20 +135,7 @@ def build_corpus(out_dir: str | Path, spec: CorpusSpec) -> dict:
     return the summary (counts and bytes) that the pipeline reports."""
     out = Path(out_dir)
     rng = np.random.default_rng(spec.seed)
-    modules = source_documents()
-    order = rng.permutation(len(modules))
-    total_chars = sum(len(m["text"]) for m in modules)
-    held_out, training_modules, held_chars = [], [], 0
-    for i in order.tolist():
-        if held_chars < spec.held_out_fraction * total_chars and len(modules[i]["text"]) < 0.05 * total_chars:
-            held_out.append(modules[i])
-            held_chars += len(modules[i]["text"])
-        else:
-            training_modules.append(modules[i])
-    pages = [p for m in training_modules for p in pages_of(m["id"], m["text"], spec.page_chars)]
-    if spec.max_pages is not None:
-        keep = sorted(rng.choice(len(pages), size=min(spec.max_pages, len(pages)), replace=False).tolist())
-        pages = [pages[i] for i in keep]
+    held_out, pages = _held_out_and_pages(spec, rng)
 
     # Cloze passages from the held-out modules whose 13-grams occur nowhere in the training pages (the standard
     # library repeats some docstrings across modules: such a passage would not be a clean control), nor in another
@@ -174,30 +152,8 @@ def build_corpus(out_dir: str | Path, spec: CorpusSpec) -> dict:
     )
 
     filler = sorted({w for p in pages for w in p["text"].split() if w.isalpha() and 4 <= len(w) <= 9})
-    plants: dict[str, list[dict]] = {}
-    for index, passage in enumerate(planted):
-        hosts = rng.choice(len(pages), size=spec.plant_copies, replace=False).tolist()
-        for host in hosts:
-            edited = bool(rng.random() < spec.edited_fraction)
-            text = lightly_edited(passage, rng, filler) if edited else passage
-            pages[host]["text"] = insert_at_paragraph(pages[host]["text"], text, rng)
-            plants.setdefault(pages[host]["id"], []).append({"passage": index, "edited": edited})
-
-    clean = [i for i, p in enumerate(pages) if p["id"] not in plants]
-    n_exact = round(spec.exact_dup_fraction * len(clean))
-    n_near = round(spec.near_dup_fraction * len(clean))
-    sources = rng.permutation(clean).tolist()
-    long_sources = [i for i in sources[n_exact:] if len(pages[i]["text"]) >= 2500][:n_near]
-    copies, duplicates = [], []
-    for i in sources[:n_exact]:
-        copies.append({"id": pages[i]["id"] + "@mirror", "text": pages[i]["text"]})
-        duplicates.append({"id": copies[-1]["id"], "of": pages[i]["id"], "kind": "exact", "jaccard": 1.0})
-    word5 = ShingleSpec("word", 5)
-    for i in long_sources:
-        text = near_copy(pages[i]["text"], rng, filler)
-        copies.append({"id": pages[i]["id"] + "@near", "text": text})
-        jaccard = jaccard_strings(shingle_strings(pages[i]["text"], word5), shingle_strings(text, word5))
-        duplicates.append({"id": copies[-1]["id"], "of": pages[i]["id"], "kind": "near", "jaccard": round(jaccard, 4)})
+    plants = _plant(pages, planted, spec, rng, filler)
+    copies, duplicates = _duplicates(pages, plants, spec, rng, filler)
 
     records = pages + copies
     records = [records[i] for i in rng.permutation(len(records)).tolist()]
@@ -221,10 +177,64 @@ def build_corpus(out_dir: str | Path, spec: CorpusSpec) -> dict:
         "control_passages": len(control),
         "planted_copies": sum(len(v) for v in plants.values()),
         "edited_copies": sum(h["edited"] for v in plants.values() for h in v),
-        "exact_duplicates": n_exact,
-        "near_duplicates": len(long_sources),
+        "exact_duplicates": sum(d["kind"] == "exact" for d in duplicates),
+        "near_duplicates": sum(d["kind"] == "near" for d in duplicates),
         "near_duplicate_min_jaccard": min((d["jaccard"] for d in duplicates if d["kind"] == "near"), default=None),
     }
+
+
+def _held_out_and_pages(spec: CorpusSpec, rng: np.random.Generator) -> tuple[list[dict], list[dict]]:
+    """Whole modules held out (about `held_out_fraction` of the text, none over 5% of it), and the training pages
+    the other modules are cut into (`max_pages` of them, when set)."""
+    modules = demo_documents()
+    order = rng.permutation(len(modules))
+    total_chars = sum(len(m["text"]) for m in modules)
+    held_out, training_modules, held_chars = [], [], 0
+    for i in order.tolist():
+        if held_chars < spec.held_out_fraction * total_chars and len(modules[i]["text"]) < 0.05 * total_chars:
+            held_out.append(modules[i])
+            held_chars += len(modules[i]["text"])
+        else:
+            training_modules.append(modules[i])
+    pages = [p for m in training_modules for p in pages_of(m["id"], m["text"], spec.page_chars)]
+    if spec.max_pages is not None:
+        keep = sorted(rng.choice(len(pages), size=min(spec.max_pages, len(pages)), replace=False).tolist())
+        pages = [pages[i] for i in keep]
+    return held_out, pages
+
+
+def _plant(pages: list[dict], planted: list[str], spec: CorpusSpec, rng, filler: list[str]) -> dict[str, list[dict]]:
+    """Each planted passage into `plant_copies` pages (verbatim or lightly edited); page id -> what it holds."""
+    plants: dict[str, list[dict]] = {}
+    for index, passage in enumerate(planted):
+        hosts = rng.choice(len(pages), size=spec.plant_copies, replace=False).tolist()
+        for host in hosts:
+            edited = bool(rng.random() < spec.edited_fraction)
+            text = lightly_edited(passage, rng, filler) if edited else passage
+            pages[host]["text"] = insert_at_paragraph(pages[host]["text"], text, rng)
+            plants.setdefault(pages[host]["id"], []).append({"passage": index, "edited": edited})
+    return plants
+
+
+def _duplicates(pages: list[dict], plants: dict, spec: CorpusSpec, rng, filler: list[str]) -> tuple[list, list]:
+    """Exact and near copies of pages that hold no planted text (near ones of pages of 2.5 KB or more): the copies,
+    and what each one copies."""
+    clean = [i for i, p in enumerate(pages) if p["id"] not in plants]
+    n_exact = round(spec.exact_dup_fraction * len(clean))
+    n_near = round(spec.near_dup_fraction * len(clean))
+    sources = rng.permutation(clean).tolist()
+    long_sources = [i for i in sources[n_exact:] if len(pages[i]["text"]) >= 2500][:n_near]
+    copies, duplicates = [], []
+    for i in sources[:n_exact]:
+        copies.append({"id": pages[i]["id"] + "@mirror", "text": pages[i]["text"]})
+        duplicates.append({"id": copies[-1]["id"], "of": pages[i]["id"], "kind": "exact", "jaccard": 1.0})
+    word5 = ShingleSpec("word", 5)
+    for i in long_sources:
+        text = near_copy(pages[i]["text"], rng, filler)
+        copies.append({"id": pages[i]["id"] + "@near", "text": text})
+        jaccard = jaccard_strings(shingle_strings(pages[i]["text"], word5), shingle_strings(text, word5))
+        duplicates.append({"id": copies[-1]["id"], "of": pages[i]["id"], "kind": "near", "jaccard": round(jaccard, 4)})
+    return copies, duplicates
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

@@ -74,10 +74,10 @@ def english_paragraphs(count: int, min_words: int = 35, min_chars: int = 200) ->
 
 # --- other languages: paragraphs written for this test bed ------------------------------------------------------
 
-# Four short news, recipe, science and society paragraphs per language, data in synthetic_paragraphs.json. Their
+# Four short news, recipe, science and society paragraphs per language, data in warc_paragraphs.json. Their
 # lengths are the language's own: ~250-300 characters in alphabetic scripts, ~80-130 in Chinese, Japanese and Korean.
 FOREIGN_PARAGRAPHS: dict[str, list[str]] = json.loads(
-    Path(__file__).with_name("synthetic_paragraphs.json").read_text("utf-8")
+    Path(__file__).with_name("warc_paragraphs.json").read_text("utf-8")
 )
 # The crawl's other languages by default (the pipeline's crawl and the tests written before the rest were added).
 EUROPEAN_LANGUAGES = ("de", "fr", "es", "it", "nl", "pt", "pl")
@@ -86,8 +86,8 @@ ALL_LANGUAGES = tuple(FOREIGN_PARAGRAPHS)
 
 # Each language's boilerplate: cookie banner (English also a long consent text, the one most sites show: long and
 # full of stop words, so jusText takes it for prose), navigation, footer lines, sidebar heading and links, newsletter
-# box, byline words, share buttons. Translations are data: synthetic_boilerplate.json beside this file.
-_BOILERPLATE: dict[str, dict] = json.loads(Path(__file__).with_name("synthetic_boilerplate.json").read_text("utf-8"))
+# box, byline words, share buttons. Translations are data: warc_boilerplate.json beside this file.
+_BOILERPLATE: dict[str, dict] = json.loads(Path(__file__).with_name("warc_boilerplate.json").read_text("utf-8"))
 
 
 def _escape(text: str) -> str:
@@ -248,7 +248,33 @@ def write_synthetic_warc(
     from warcio.warcwriter import WARCWriter
 
     rng = np.random.default_rng(spec.seed)
-    pages: list[tuple[str, str, list[str], str | None, str]] = []  # (language, title, body, id, template language)
+    events = _events(_pages(spec, rng, english_pages), spec)
+    order = rng.permutation(len(events))
+    buf = io.BytesIO()
+    writer = WARCWriter(buf, gzip=True)
+    info = writer.create_warcinfo_record(Path(path).name, {"software": "mtnlg synthetic crawl"})
+    info.rec_headers.replace_header("WARC-Date", CRAWL_DATE)
+    info.rec_headers.replace_header("WARC-Record-ID", _record_id(f"warcinfo:{spec.seed}"))
+    writer.write_record(info)
+    truth = []
+    for n, i in enumerate(order):
+        kind, what = events[i]
+        url = f"https://site{n % 17}.example/{spec.seed}/{kind}/{n}"
+        truth.append({"url": url, "kind": kind, **_write_event(writer, buf, url, kind, what, rng)})
+    Path(path).write_bytes(buf.getvalue())
+    with open(f"{path}.truth.jsonl", "w", encoding="utf-8") as f:
+        for t in truth:
+            f.write(json.dumps(t, ensure_ascii=False) + "\n")
+    return truth
+
+
+# a page: (language, title, body paragraphs, corpus id or None, language of its site template)
+Page = tuple[str, str, list[str], str | None, str]
+
+
+def _pages(spec: CrawlSpec, rng: np.random.Generator, english_pages: list[dict] | None) -> list[Page]:
+    """The English pages (given, or cut from the standard library's paragraphs), then each other language's."""
+    pages: list[Page] = []
     if english_pages is None:
         lo, hi = spec.paragraphs_per_page
         paragraphs = english_paragraphs(spec.english_pages * hi)
@@ -271,10 +297,11 @@ def write_synthetic_warc(
             body = [paras[i] for i in order]
             english = spec.foreign_template == "english" or (spec.foreign_template == "alternate" and k % 2 == 1)
             pages.append((lang, _title(body[0]), body, None, "en" if english else lang))
+    return pages
 
-    buf = io.BytesIO()
-    writer = WARCWriter(buf, gzip=True)
-    truth: list[dict] = []
+
+def _events(pages: list[Page], spec: CrawlSpec) -> list[tuple[str, object]]:
+    """Every record of the crawl as (kind, what), before shuffling: the pages, junk, non-HTML, non-2xx, broken."""
     events: list[tuple[str, object]] = [("page", p) for p in pages]
     events += [("junk", JUNK_KINDS[i % len(JUNK_KINDS)]) for i in range(spec.junk_pages)]
     events += [("not_html", kind) for kind in ("image/jpeg", "application/pdf", "application/json", "text/css")]
@@ -284,50 +311,39 @@ def write_synthetic_warc(
             ("broken", reason)
             for reason in ("bad_http_headers", "content_decoding", "undecodable", "empty_payload", "unreadable_record")
         ]
-    order = rng.permutation(len(events))
-    info = writer.create_warcinfo_record(Path(path).name, {"software": "mtnlg synthetic crawl"})
-    info.rec_headers.replace_header("WARC-Date", CRAWL_DATE)
-    info.rec_headers.replace_header("WARC-Record-ID", _record_id(f"warcinfo:{spec.seed}"))
-    writer.write_record(info)
-    for n, i in enumerate(order):
-        kind, what = events[i]
-        url = f"https://site{n % 17}.example/{spec.seed}/{kind}/{n}"
-        if kind == "page":
-            lang, title, body, page_id, template = what
-            html, boilerplate = page_html(template, title, body, rng)
-            _http_response(writer, url, html.encode("utf-8"), [("Content-Type", "text/html; charset=utf-8")])
-            truth.append(
-                {"url": url, "kind": kind, "language": lang, "title": title, "body": body, "boilerplate": boilerplate}
-                | ({"id": page_id} if page_id is not None else {})
-                | ({"template": template} if template != lang else {})
-            )
-        elif kind == "junk":
-            text = junk_text(what, rng)
-            html = (
-                "<html><body>" + "".join(f"<div>{_escape(line)}</div>" for line in text.split("\n")) + "</body></html>"
-            )
-            _http_response(writer, url, html.encode("utf-8"), [("Content-Type", "text/html")])
-            truth.append({"url": url, "kind": kind, "junk": what, "text": text})
-        elif kind == "not_html":
-            payload = {
-                "image/jpeg": b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 256, 300, dtype=np.uint8)),
-                "application/pdf": b"%PDF-1.4\n1 0 obj << /Type /Catalog >> endobj\n%%EOF",
-                "application/json": b'{"items": [1, 2, 3]}',
-                "text/css": b"body { margin: 0 }",
-            }[what]
-            _http_response(writer, url, payload, [("Content-Type", what)])
-            truth.append({"url": url, "kind": kind, "reason": "not_html"})
-        elif kind == "not_2xx":
-            _http_response(writer, url, b"<html><body>moved</body></html>", [("Content-Type", "text/html")], what)
-            truth.append({"url": url, "kind": kind, "reason": "http_status_not_2xx"})
-        else:
-            _write_broken(writer, buf, url, what)
-            truth.append({"url": url, "kind": kind, "reason": what})
-    Path(path).write_bytes(buf.getvalue())
-    with open(f"{path}.truth.jsonl", "w", encoding="utf-8") as f:
-        for t in truth:
-            f.write(json.dumps(t, ensure_ascii=False) + "\n")
-    return truth
+    return events
+
+
+def _write_event(writer, buf: io.BytesIO, url: str, kind: str, what, rng: np.random.Generator) -> dict:
+    """One record at `url`; returns its truth beyond the url and kind."""
+    if kind == "page":
+        lang, title, body, page_id, template = what
+        html, boilerplate = page_html(template, title, body, rng)
+        _http_response(writer, url, html.encode("utf-8"), [("Content-Type", "text/html; charset=utf-8")])
+        return (
+            {"language": lang, "title": title, "body": body, "boilerplate": boilerplate}
+            | ({"id": page_id} if page_id is not None else {})
+            | ({"template": template} if template != lang else {})
+        )
+    if kind == "junk":
+        text = junk_text(what, rng)
+        html = "<html><body>" + "".join(f"<div>{_escape(line)}</div>" for line in text.split("\n")) + "</body></html>"
+        _http_response(writer, url, html.encode("utf-8"), [("Content-Type", "text/html")])
+        return {"junk": what, "text": text}
+    if kind == "not_html":
+        payload = {
+            "image/jpeg": b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 256, 300, dtype=np.uint8)),
+            "application/pdf": b"%PDF-1.4\n1 0 obj << /Type /Catalog >> endobj\n%%EOF",
+            "application/json": b'{"items": [1, 2, 3]}',
+            "text/css": b"body { margin: 0 }",
+        }[what]
+        _http_response(writer, url, payload, [("Content-Type", what)])
+        return {"reason": "not_html"}
+    if kind == "not_2xx":
+        _http_response(writer, url, b"<html><body>moved</body></html>", [("Content-Type", "text/html")], what)
+        return {"reason": "http_status_not_2xx"}
+    _write_broken(writer, buf, url, what)
+    return {"reason": what}
 
 
 def _write_broken(writer, buf: io.BytesIO, url: str, reason: str) -> None:
