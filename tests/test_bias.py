@@ -66,7 +66,7 @@ def test_planted_associations_are_recovered_and_the_control_model_shows_no_lean(
     gap = sum(control[o] for o in female) / 3 - sum(control[o] for o in male) / 3
     planted_gap = sum(planted[o] for o in female) / 3 - sum(planted[o] for o in male) / 3
     assert abs(gap) < 0.1 and planted_gap > 2, (gap, planted_gap)
-    for name, ratios in (("planted", planted), ("control", control)):  # the figures the README quotes (pytest -s)
+    for name, ratios in (("planted", planted), ("control", control)):  # the figures the docs quote (pytest -s)
         print(name, " ".join(f"{o} {r:+.2f}" for o, r in sorted(ratios.items(), key=lambda item: item[1])))
 
 

@@ -1,6 +1,7 @@
 """The planner's cost model against published training runs (mtnlg_lightning/planning/published_runs.yaml):
 predicted vs published throughput per run, and where a search over the same model, GPU count and batch ranks the
-published layout. Prints a Markdown table (the README's), or JSON.
+published layout. Prints a Markdown table (the one on the documentation's
+"Plan a layout" page), or JSON.
 
     mtnlg-validate-planner [--runs FILE] [--no-rank] [--json]
 """
