@@ -53,6 +53,10 @@ def worker(out: Path, preset: str, stages: list[int]) -> None:
         rows.append({"zero": zero, "dp": world, "num_params": numel, "per_rank": per_rank})
     if dist.get_rank() == 0:
         out.write_text(json.dumps(rows))
+    # Leave together and tear the group down here: a rank whose gloo threads were still live at interpreter exit
+    # aborted ("terminate called without an active exception") and torchrun failed the whole launch.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
