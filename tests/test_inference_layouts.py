@@ -120,6 +120,26 @@ def test_layout_evaluation_and_generation_equal_one_process(layout, checkpoints,
             }
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_generate_and_eval_print_the_same_bytes_in_one_process_and_in_tp2_x_pp2(checkpoint, inputs, tmp_path, capfd):  # noqa: F811
+    tp2_pp2 = tmp_path / "tp2_pp2.yaml"
+    tp2_pp2.write_text(
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\n"
+        "init_args: {tensor_parallel: 2, pipeline_parallel: 2}\n"
+    )
+    common = ["--checkpoint", str(checkpoint), "--tokenizer", inputs["tokenizer"], "--dtype", "fp32"]
+    sampling = ["--prompt", PROMPTS[1], "--max-new-tokens", "12", "--num-samples", "2", "--temperature", "0.8"]
+    scoring = ["--no-progress", "--task", "lambada", "--data", inputs["cloze"], "--shots", "0", "1"]
+    printed = {}
+    for layout, where in {"one process": [], "tp2 x pp2": ["--strategy", str(tp2_pp2), "--devices", "4"]}.items():
+        assert generate_main([*common, *sampling, "--seed", "7", *where]) == 0
+        assert eval_main([*common, *scoring, *where, "--output", str(tmp_path / "results.json")]) == 0
+        printed[layout] = capfd.readouterr().out
+    assert "--- prompt 1 sample 2 ---" in printed["one process"] and "lambada 1-shot" in printed["one process"]
+    assert printed["tp2 x pp2"] == printed["one process"]
+
+
 def test_bad_layouts_and_checkpoints_are_one_line_before_any_weight_is_read(checkpoint, tmp_path, capsys):  # noqa: F811
     tp3 = tmp_path / "tp3.yaml"
     tp3.write_text(

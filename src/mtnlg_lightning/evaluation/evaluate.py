@@ -121,10 +121,13 @@ def busy_by_rank(model) -> list[float]:
 
 
 def table(results: dict) -> str:
+    """One line per task and setting. Floats to 6 significant digits: what an fp32 reduction reproduces in every
+    layout (a layout sums in another order, ~1e-7 relative apart), so the printed table does not depend on the
+    layout; `--output` keeps the full values."""
     lines = []
     for task, by_setting in results.items():
         for setting, metrics in by_setting.items():
-            shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+            shown = "  ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
             label = f"{task} {setting}-shot" if setting != "-" else task
             lines.append(f"{label:<24} {shown}")
     return "\n".join(lines)
