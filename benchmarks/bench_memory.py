@@ -14,14 +14,13 @@ plus DeepSpeed's fp32 master partition under ZeRO >= 1), and the paper's bf16 mi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-from local_ranks import worker_rows  # noqa: E402
+from local_ranks import worker_rows, write_rows  # noqa: E402
 from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 MB = 1e6
@@ -51,12 +50,7 @@ def worker(out: Path, preset: str, stages: list[int]) -> None:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, probe.result.as_dict())
         rows.append({"zero": zero, "dp": world, "num_params": numel, "per_rank": per_rank})
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(rows))
-    # Leave together and tear the group down here: a rank whose gloo threads were still live at interpreter exit
-    # aborted ("terminate called without an active exception") and torchrun failed the whole launch.
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rows(out, rows)
 
 
 def launch(dp: int, preset: str, stages: list[int]) -> list[dict]:
