@@ -316,7 +316,6 @@ def memory_run(world: int):
         data_parallel_group=singles[me],
         pipeline_parallel_group=singles[me],
         model_parallel_group=singles[me],
-        replica_group=singles[me],  # ZeRO shards over DP x CP; CP is 1 here
     )
     module = trainer.lightning_module
     from mtnlg_lightning.model import build_model

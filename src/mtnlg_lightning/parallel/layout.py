@@ -248,9 +248,17 @@ class ProcessGroups:
     pipeline_parallel_group: object = None
     model_parallel_group: object = None
     context_parallel_group: object = None  # None without context parallelism
-    replica_group: object = None  # DP x CP: the data-parallel group itself without context parallelism
+    data_context_parallel_group: object = None  # DP x CP; None without context parallelism (see replica_group)
     ranks: dict[str, list[int]] = field(default_factory=dict)
     kv_head_groups: dict[int, object] = field(default_factory=dict)
+
+    @property
+    def replica_group(self):
+        """The ranks holding this rank's weight shard, over which gradients are averaged and ZeRO partitions: DP x CP
+        (Megatron's dp_cp group); without context parallelism the data-parallel group itself."""
+        if self.layout.context_parallel == 1:
+            return self.data_parallel_group
+        return self.data_context_parallel_group
 
     @classmethod
     def create(cls, layout: ParallelLayout, backend: str | None = None) -> ProcessGroups:
@@ -267,15 +275,13 @@ class ProcessGroups:
         if layout.context_parallel > 1:
             kinds += [
                 ("context_parallel_group", layout.context_parallel_groups()),
-                ("replica_group", layout.replica_groups()),
+                ("data_context_parallel_group", layout.replica_groups()),
             ]
         for attr, groups in kinds:
             for ranks in groups:  # every rank takes part in creating every group
                 group = dist.new_group(ranks, backend=backend)
                 if rank in ranks:
                     setattr(mine, attr, group)
-        if layout.context_parallel == 1:
-            mine.replica_group = mine.data_parallel_group
         return mine
 
     @classmethod
