@@ -9,7 +9,9 @@ random rank while a checkpoint is being written, and SIGSTOP of a random rank (c
 - every logged step's loss equals an uninterrupted run of the same layout within rel 1e-5;
 - no fault makes the run redo more steps than the save interval (with `--async-save`: two intervals, since a fault
   during a background write falls back to the checkpoint before it);
-- the hang is caught within its limit (`--step-timeout`) plus a few seconds.
+- the hang is caught within the limit of the phase it struck plus a few seconds: the watchdog's own report names
+  the phase and its limit (a step's is `--step-timeout`; a save's, a validation's and the data's are the limits the
+  run learns, at least their 30 s floor).
 It prints the time each recovery took (fault to the first step of the restarted group). The suite runs a reduced
 drill: `tests/test_resilience.py` (2 ranks, one SIGSTOP).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import random
 import re
@@ -31,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
 FAULTS = ("kill", "kill", "kill-during-save", "stop")
+# the watchdog's report as it fires: `no progress in save for 31 s at step 24 (limit 30 s, ...`
+WATCHDOG_FIRED = re.compile(r"no progress in (\S+) for [\d.]+ s at step (\d+) \(limit ([\d.]+) s")
 
 
 def fit_command(args, save_dir: Path, ckpt: Path, probe: Path, restarts: int, hold_s: float) -> list[str]:
@@ -91,7 +96,7 @@ def wait_for(condition, timeout: float, what: str, job: subprocess.Popen):
         time.sleep(0.05)
 
 
-def inject(args, job, probe: Path, ckpt: Path, fault: str, rng: random.Random) -> dict:
+def inject(args, job, probe: Path, ckpt: Path, log: Path, fault: str, rng: random.Random) -> dict:
     """Wait for a moment to strike, strike, and wait for the restarted group's first step."""
     pids, step = wait_for(
         lambda: (lambda p, s: (p, s) if s >= 0 else None)(*progress(probe, args.ranks)), 600, "the group to run", job
@@ -109,16 +114,27 @@ def inject(args, job, probe: Path, ckpt: Path, fault: str, rng: random.Random) -
         wait_for(lambda: progress(probe, args.ranks)[1] >= later, 600, f"step {later}", job)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the next step
     pid = pids[victim]
+    log_seen = log.stat().st_size
     struck = time.monotonic()
     os.kill(pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
     _, at = progress(probe, args.ranks)
-    caught = None
+    caught = phase = limit = None
     if fault == "stop":
         others = [p for r, p in pids.items() if r != victim]
         wait_for(lambda: any(not _alive(p) for p in others), 600, "the watchdog", job)
         caught = time.monotonic() - struck
+        fired = wait_for(lambda: WATCHDOG_FIRED.search(_read_from(log, log_seen)), 30, "the watchdog's report", job)
+        phase, limit = fired.group(1), float(fired.group(3))
     wait_for(lambda: _new_attempt_stepped(probe, args.ranks, pids), 900, "the restarted group's first step", job)
-    return {"fault": fault, "rank": victim, "at_step": at, "recovery_s": time.monotonic() - struck, "caught_s": caught}
+    recovery = time.monotonic() - struck
+    record = {"fault": fault, "rank": victim, "at_step": at, "recovery_s": recovery}
+    return record | {"caught_s": caught, "phase": phase, "limit_s": limit}
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
 
 
 def _alive(pid: int) -> bool:
@@ -142,9 +158,11 @@ def run(args, work: Path, faults: list[str], rng: random.Random) -> tuple[int, l
     records = []
     try:
         for fault in faults:
-            records.append(inject(args, job, probe, ckpt, fault, rng))
+            records.append(inject(args, job, probe, ckpt, log, fault, rng))
             r = records[-1]
-            caught = f", caught after {r['caught_s']:.1f} s" if r["caught_s"] is not None else ""
+            caught = ""
+            if r["caught_s"] is not None:
+                caught = f", caught after {r['caught_s']:.1f} s (in {r['phase']}, limit {r['limit_s']:g} s)"
             print(
                 f"  {r['fault']:<17} rank {r['rank']} at step {r['at_step']}: recovered in {r['recovery_s']:.1f} s"
                 f"{caught}",
@@ -194,14 +212,14 @@ def main() -> None:
     reference = {s: v for attempt in losses_by_attempt(work / "reference" / "logs") for s, v in attempt.items()}
     attempts = losses_by_attempt(work / "faults" / "logs")
     log = (work / "faults" / "log").read_text()
-    restarts = [
-        (int(k), int(n), cause) for k, n, cause in re.findall(r"restart (\d+): resumed from step (\d+) \((.*)\)", log)
-    ]
+    restarts_file = work / "faults" / "ckpt" / "restarts.jsonl"  # the launcher's record of each restart
+    lines = restarts_file.read_text().splitlines() if restarts_file.exists() else []
+    restarts = [(r["restart"], r["resumed_step"], r["cause"]) for r in map(json.loads, lines)]
     problems = []
     if code != 0:
         problems.append(f"the run ended with exit {code}, not 0")
     if len(restarts) != len(faults):
-        problems.append(f"{len(restarts)} restart lines for {len(faults)} faults")
+        problems.append(f"{len(restarts)} restarts recorded in restarts.jsonl for {len(faults)} faults")
     merged = {s: v for attempt in attempts for s, v in attempt.items()}
     if sorted(merged) != sorted(reference):
         problems.append(f"logged steps {sorted(merged)} differ from the uninterrupted run's")
@@ -216,8 +234,15 @@ def main() -> None:
             if redone > allowed:
                 problems.append(f"restart {index + 1} redid {redone} steps, more than {allowed}")
     for record in records:
-        if record["caught_s"] is not None and record["caught_s"] > args.step_timeout + 5:
-            problems.append(f"the hang was caught after {record['caught_s']:.1f} s (limit {args.step_timeout:g} s)")
+        if record["caught_s"] is None:
+            continue
+        if record["phase"] == "step" and record["limit_s"] != args.step_timeout:
+            problems.append(f"the step's limit was {record['limit_s']:g} s, not --step-timeout {args.step_timeout:g} s")
+        if record["caught_s"] > record["limit_s"] + 5:
+            problems.append(
+                f"the hang in {record['phase']} was caught after {record['caught_s']:.1f} s "
+                f"(limit {record['limit_s']:g} s)"
+            )
     if "connectFullMesh" in log:
         problems.append("a restart hit gloo connectFullMesh errors")
     print(

@@ -126,8 +126,8 @@ def build_record(trainer, count: int, now: float | None = None) -> dict:
 
 
 def record_line(record: dict) -> str:
-    """`restart k: resumed from step N (cause); R steps redone, T s lost` (the cause last in parentheses: the
-    fault drill and the operators' greps read it there)."""
+    """`restart k: resumed from step N (cause); R steps redone, T s lost` (the cause last in parentheses, where
+    operators' greps read it; `started from scratch (no complete checkpoint)` when there was nothing to resume)."""
     if record["resumed_from"]:
         where = f"resumed from step {record['resumed_step']}"
     else:
