@@ -59,8 +59,8 @@ RAMPUP = [2, 2, 12]
 BF16 = "bf16_"  # run-name prefix: the same run in bf16-mixed precision
 COMPILED = "compiled_"  # run-name prefix: the same run with every block torch.compile'd (`model.compile: true`)
 # aot_eager: Dynamo's capture and AOTAutograd's joint forward/backward graph, where composition with the layouts
-# can break, without inductor's C++ code generation (minutes per rank on this 2-core machine; its numerics are
-# checked in one process by test_compiled_blocks_with_inductor_train_like_eager, marked slow).
+# can break, without inductor's C++ code generation (paid again by every rank of every compiled layout on 2 shared
+# cores; its numerics are checked in one process by test_compiled_blocks_with_inductor_train_like_eager, marked slow).
 COMPILE_BACKEND = "aot_eager"
 # Runs whose torch.distributed traffic is counted per group (benchmarks/comm_counter.py) at their last step.
 COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}

@@ -368,12 +368,18 @@ def bf16_reference_for(layout: str, bf16_reference, world1) -> dict:
 
 def test_bf16_tolerances_are_the_noise_of_reordered_sums(bf16_reference, world1):
     autocast, zero = bf16_reference, {4: world1["bf16_zero1"], 2: world1["bf16_zero1_mb2"]}
-    for pair in (autocast, zero):  # micro-batches of 4 vs 2: the same sums in another order
+    for name, pair in (("autocast", autocast), ("zero1", zero)):  # micro-batches of 4 vs 2: sums in another order
+        print(  # the measured spread the docs quote (pytest -rA shows it)
+            f"bf16 reordered sums ({name}): update {update_error(pair[2], pair[4]):.2e}, "
+            f"losses {max_rel(pair[2]['losses'], pair[4]['losses']):.2e}, "
+            f"grad norms {max_rel(pair[2]['grad_norms'], pair[4]['grad_norms']):.2e}"
+        )
         assert update_error(pair[2], pair[4]) <= BF16_UPDATE_RTOL / 2
         assert max_rel(pair[2]["losses"], pair[4]["losses"]) <= BF16_LOSS_RTOL / 10
         assert max_rel(pair[2]["grad_norms"], pair[4]["grad_norms"]) <= BF16_GRAD_NORM_RTOL / 5
     # The two numerics (weights stored in bf16, or fp32 under autocast) differ by more than the tolerance: it
     # separates them, so it also catches a layout that computes something other than its reference.
+    print(f"bf16 the two numerics: update {update_error(zero[4], autocast[4]):.2e}")
     assert update_error(zero[4], autocast[4]) > BF16_UPDATE_RTOL
     assert any(norm > GRAD_CLIP for norm in zero[4]["grad_norms"])  # clipping triggered: the global norm matters
 
@@ -394,8 +400,13 @@ def test_bf16_layout_trains_like_one_bf16_process(layout, world, bf16_reference,
     run = {2: world2, 8: world8}[world][layout]
     ref = bf16_reference_for(layout, bf16_reference, world1)
     steps = CAPTURE_STEP
-    assert max_rel(run["losses"][:steps], ref["losses"][:steps]) <= BF16_LOSS_RTOL
-    assert max_rel(run["grad_norms"][:steps], ref["grad_norms"][:steps]) <= BF16_GRAD_NORM_RTOL
+    losses, grad_norms = (
+        max_rel(run["losses"][:steps], ref["losses"][:steps]),
+        max_rel(run["grad_norms"][:steps], ref["grad_norms"][:steps]),
+    )
+    # the measured errors the docs quote (pytest -rA shows them)
+    print(f"bf16 {layout}: update {update_error(run, ref):.2e}, losses {losses:.2e}, grad norms {grad_norms:.2e}")
+    assert losses <= BF16_LOSS_RTOL and grad_norms <= BF16_GRAD_NORM_RTOL
     assert run["lrs"][:steps] == pytest.approx(ref["lrs"][:steps], rel=1e-7)
     assert update_error(run, ref) <= BF16_UPDATE_RTOL
 
@@ -493,7 +504,8 @@ def test_compiled_blocks_train_like_eager_one_process(layout, reference, world2)
 @pytest.mark.slow
 def test_compiled_blocks_with_inductor_train_like_eager(reference):
     """Inductor's generated kernels (fused, re-ordered sums) in one process: fp32 within 1e-5 of eager. Slow on
-    CPU: the first compilation runs g++ for each kernel (minutes on 2 cores; cached in /tmp/torchinductor_*)."""
+    CPU: the first compilation runs g++ for each kernel (~12 s here with an empty cache; cached in
+    /tmp/torchinductor_*)."""
     rec, _ = tiny_run(max_steps=CAPTURE_STEP, compile_backend="inductor")
     assert max_rel(rec.losses, reference["losses"][:CAPTURE_STEP]) <= LOSS_RTOL
     assert max_param_diff(rec.params[CAPTURE_STEP], reference["params"][CAPTURE_STEP]) <= PARAM_ATOL
