@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import random
 import re
@@ -32,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from mtnlg_lightning.resilience.restart_record import read_records  # noqa: E402 - the launcher's restarts.jsonl
+
 LOSS_RTOL = 1e-5
 FAULTS = ("kill", "kill", "kill-during-save", "stop")
 # the watchdog's report as it fires: `no progress in save for 31 s at step 24 (limit 30 s, ...`
@@ -212,9 +214,7 @@ def main() -> None:
     reference = {s: v for attempt in losses_by_attempt(work / "reference" / "logs") for s, v in attempt.items()}
     attempts = losses_by_attempt(work / "faults" / "logs")
     log = (work / "faults" / "log").read_text()
-    restarts_file = work / "faults" / "ckpt" / "restarts.jsonl"  # the launcher's record of each restart
-    lines = restarts_file.read_text().splitlines() if restarts_file.exists() else []
-    restarts = [(r["restart"], r["resumed_step"], r["cause"]) for r in map(json.loads, lines)]
+    restarts = [(r["restart"], r["resumed_step"], r["cause"]) for r in read_records(work / "faults" / "ckpt")]
     problems = []
     if code != 0:
         problems.append(f"the run ended with exit {code}, not 0")

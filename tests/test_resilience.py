@@ -3,7 +3,6 @@
 The distributed tests launch `mtnlg fit` as an operator would, under `python -m mtnlg_lightning.resilience.launch`
 (torchrun with the restart policy); one launch serves several assertions to keep the suite short."""
 
-import json
 import os
 import re
 import signal
@@ -20,19 +19,11 @@ from conftest import ROOT
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.resilience.exit_codes import ExitCode, describe, run_exit_code
 from mtnlg_lightning.resilience.phase_limits import PHASES, PhaseLimits, resolve_limits
-from mtnlg_lightning.resilience.restart_record import RECORD_FILE
+from mtnlg_lightning.resilience.restart_record import read_records
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_layouts import losses  # noqa: E402
-
-
-def read_records(directory: Path) -> list[dict]:
-    """The lines of restarts.jsonl in ``directory`` (none when it does not exist)."""
-    path = Path(directory) / RECORD_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def test_the_run_exit_code_is_the_most_telling_worker_code():

@@ -152,6 +152,14 @@ def append_record(directory: Path, record: dict) -> Path:
     return path
 
 
+def read_records(directory: Path) -> list[dict]:
+    """The records of `directory/restarts.jsonl`, oldest first (none when it does not exist)."""
+    path = Path(directory) / RECORD_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def report_restart(trainer, checkpoint_dirs: list[Path]) -> dict | None:
     """Rank 0 of a restarted group: the line in the log (and the layout change, once), the line in restarts.jsonl
     beside the checkpoint it resumed (else in the run's first checkpoint folder), and a copy for the launcher's
