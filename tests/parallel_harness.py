@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.data.datamodule import GPTDataModule
+from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.train.module import MTNLGModule
@@ -102,6 +103,33 @@ class ScaleLossAt(Callback):
         original, factor = self._original, self.factor
         poisoned = int(batch["consumed_samples"]) == self.consumed_samples
         pl_module.loss_fn = (lambda logits, labels: original(logits, labels) * factor) if poisoned else original
+
+
+class IgnoreLabels(Callback):
+    """Sets labels to IGNORE_INDEX on a share of each sample's positions, a share that differs by sample (about a
+    quarter to three quarters), so micro-batches and data-parallel ranks hold different counts of trained labels.
+    Which positions depends only on the sample's place in the stream, never on the layout: every layout trains on
+    the same labels."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch["labels"] = ignore_some_labels(batch["labels"], sample_index(trainer, batch))
+
+
+def sample_index(trainer, batch) -> list[int]:
+    """The stream positions of this rank's rows (data-parallel rank r holds the r-th contiguous slice)."""
+    local = len(batch["labels"])
+    first = int(batch["consumed_samples"]) + getattr(trainer.strategy, "data_parallel_rank", 0) * local
+    return list(range(first, first + local))
+
+
+def ignore_some_labels(labels: torch.Tensor, samples: list[int]) -> torch.Tensor:
+    labels = labels.clone()
+    for row, sample in enumerate(samples):
+        generator = torch.Generator().manual_seed(sample)
+        share = 0.25 + 0.5 * torch.rand((), generator=generator).item()
+        ignored = torch.rand(labels.shape[1], generator=generator) < share
+        labels[row, ignored.to(labels.device)] = IGNORE_INDEX
+    return labels
 
 
 class CommPerStep(Callback):

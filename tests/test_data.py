@@ -133,11 +133,20 @@ def test_step_batches_shard_the_global_batch_by_data_parallel_rank_and_follow_th
     sizes = [int(b["global_batch_size"]) for b in shards[0]]
     assert sizes == [4, 4, 4, 8, 8, 8, 8]
     for step in range(len(sizes)):
-        rows = np.concatenate([shards[r][step]["tokens"][:, 0].numpy() for r in range(2)])
+        rows = np.concatenate([shards[r][step]["input_ids"][:, 0].numpy() for r in range(2)])
         start = int(shards[0][step]["consumed_samples"])
         assert rows.tolist() == list(range(start, start + sizes[step]))
     resumed = list(StepBatches(dataset, ramp.batch_size_at_samples, 12, 44, 1, 2))
     assert [int(b["consumed_samples"]) for b in resumed] == [12, 20, 28, 36]
+
+
+def test_a_batch_carries_inputs_labels_shifted_by_one_and_positions():
+    """The shift from inputs to targets happens once, in the data: labels[t] = the token after input_ids[t]."""
+    windows = [np.arange(10 * i, 10 * i + 6) for i in range(4)]  # seq_len 5: windows of 6 tokens
+    batch = next(iter(StepBatches(windows, lambda _: 4, 0, 4, 0, 1)))
+    assert batch["input_ids"].tolist() == [list(range(10 * i, 10 * i + 5)) for i in range(4)]
+    assert batch["labels"].tolist() == [list(range(10 * i + 1, 10 * i + 6)) for i in range(4)]
+    assert batch["position_ids"].tolist() == [list(range(5))] * 4
 
 
 def test_tokenizer_trained_here_round_trips_text_and_has_an_eod(tmp_path):

@@ -35,11 +35,6 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=config.layernorm_eps, bias=config.bias)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The language-modelling loss: mean token cross-entropy of logits [B, S, V] against labels [B, S], in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
 # ---------------------------------------------------------------------------------------------- rotary positions
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """theta^(-2i/d) per pair of dims, rescaled as the config's rope_scaling says (Hugging Face's definitions)."""
@@ -73,19 +68,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Rotary:
     """The rotation of one forward's positions, for every block of a model (or pipeline stage): cos, sin [S, hd]
-    computed in fp32 as Hugging Face computes them, once per forward, for the sequence the attention sees (a
-    sequence-parallel block's q/k projection gathers the whole sequence from its shards)."""
+    (or [B, 1, S, hd] for per-row `position_ids`) computed in fp32 as Hugging Face computes them, once per forward,
+    for the sequence the attention sees (a sequence-parallel block's q/k projection gathers the whole sequence from
+    its shards)."""
 
-    def __init__(self, model: GPT, start: int):
-        self.model, self.start = model, start
+    def __init__(self, model: GPT, start: int, position_ids: torch.Tensor | None = None):
+        self.model, self.start, self.position_ids = model, start, position_ids
         self._made: tuple | None = None
 
     def __call__(self, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (length, device, dtype)
         if self._made is None or self._made[0] != key:
-            positions = self.model.positions(self.start, length, device)
-            freqs = positions.float()[:, None] * self.model.rope_inverse_frequencies(device)[None, :]
+            positions = self.position_ids
+            if positions is None:
+                positions = self.model.positions(self.start, length, device)
+            freqs = positions.float()[..., None] * self.model.rope_inverse_frequencies(device)
             angles = torch.cat((freqs, freqs), dim=-1)
+            if angles.dim() == 3:  # [B, S, hd]: one row of positions per sequence, broadcast over the heads
+                angles = angles.unsqueeze(1)
             self._made = (key, angles.cos().to(dtype), angles.sin().to(dtype))
         return self._made[1], self._made[2]
 
@@ -255,16 +255,22 @@ class GPT(nn.Module):
             self._rope_inv_freq = rope_inverse_frequencies(self.config).to(device)
         return self._rope_inv_freq
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
+        `position_ids` [B, S]: each token's position (the data's; packed documents restart theirs); None: 0..S-1.
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
         needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
         start = cache.start if cache is not None else 0
         if self.embed is not None:
-            h = self.embed(tokens, self.positions(start, tokens.shape[1], tokens.device))
+            positions = position_ids
+            if positions is None:
+                positions = self.positions(start, tokens.shape[1], tokens.device)
+            h = self.embed(tokens, positions)
         else:
             h = tokens
-        rotary = Rotary(self, start) if self.config.position_embedding == "rope" else None
+        rotary = Rotary(self, start, position_ids) if self.config.position_embedding == "rope" else None
         for name, block in self.blocks.items():
             h = block(h, rotary, cache.layer(name)) if cache is not None else block(h, rotary)
         if cache is not None and self.lm_head is not None:

@@ -20,7 +20,8 @@ SPLITS = ("train", "valid", "test")
 
 
 class StepBatches(IterableDataset):
-    """Yields, for each optimizer step, this data-parallel rank's share of the global batch.
+    """Yields, for each optimizer step, this data-parallel rank's share of the global batch
+    (`language_modelling_batch`, with the step's `consumed_samples` and `global_batch_size`).
 
     The global batch of a step is the contiguous sample range [consumed, consumed + batch size) of the blend,
     where the batch size comes from the ramp-up schedule; DP rank r takes the r-th contiguous slice (as
@@ -56,10 +57,19 @@ class StepBatches(IterableDataset):
             first = consumed + self.dp_rank * local
             rows = [self.dataset[i % len(self.dataset)] for i in range(first, first + local)]
             yield {
-                "tokens": torch.from_numpy(np.stack(rows)),
+                **language_modelling_batch(torch.from_numpy(np.stack(rows))),
                 "consumed_samples": torch.tensor(consumed),
                 "global_batch_size": torch.tensor(size),
             }
+
+
+def language_modelling_batch(windows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Windows of seq_len + 1 tokens [B, S + 1] as the model trains on them: `input_ids` [B, S], `labels` [B, S]
+    (each position's next token: the one shift of the project) and `position_ids` [B, S] (0..S-1: a window of the
+    document stream is one sequence)."""
+    input_ids, labels = windows[:, :-1], windows[:, 1:]
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return {"input_ids": input_ids.contiguous(), "labels": labels.contiguous(), "position_ids": positions.contiguous()}
 
 
 class GPTDataModule(L.LightningDataModule):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.loss import counted_labels
 
 SEQUENCE_DIM = 1  # [B, S, ...]
 KERNELS = ("auto", "flash", "efficient", "math")
@@ -251,12 +252,15 @@ class RingAttentionCore(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- applied from outside
-def _split_tokens(cp_rank: int, cp_size: int, module, args):
-    """A forward pre-hook of the stage holding the embedding: the tokens [B, S] become this rank's chunks."""
+def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
+    """A forward pre-hook of the stage holding the embedding: the tokens [B, S], and their `position_ids` when
+    given, become this rank's chunks."""
     tokens = args[0]
     if tokens.dtype in (torch.int32, torch.int64):
         tokens = split_sequence(tokens, cp_rank, cp_size)
-    return (tokens, *args[1:])
+    if kwargs.get("position_ids") is not None:
+        kwargs = {**kwargs, "position_ids": split_sequence(kwargs["position_ids"], cp_rank, cp_size)}
+    return (tokens, *args[1:]), kwargs
 
 
 def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -> nn.Module:
@@ -268,16 +272,20 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
         block.attn.core = RingAttentionCore(ring, kernel)
     model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)
     if getattr(model, "embed", None) is not None:
-        model.register_forward_pre_hook(functools.partial(_split_tokens, ring.cp_rank, ring.size))
+        model.register_forward_pre_hook(functools.partial(_split_tokens, ring.cp_rank, ring.size), with_kwargs=True)
     return model
 
 
 class ContextParallelLoss:
-    """A loss over this rank's chunks of the targets (the mean over its tokens; the ranks' token counts are equal, so
-    averaging over the CP group gives the whole sequence's mean)."""
+    """The loss of this rank's chunks of the targets, as a share of the whole sequence's: the token mean over its
+    chunks times (its counted labels x CP / the sequence's). Averaged over the CP group (as the gradients are) it is
+    the token mean of the whole sequence, however the ignored labels fall between the chunks; with every label
+    counted, the ranks' counts are equal and the factor is exactly 1.0."""
 
     def __init__(self, loss_fn, cp_rank: int, cp_size: int):
         self.loss_fn, self.cp_rank, self.cp_size = loss_fn, cp_rank, cp_size
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, split_sequence(labels, self.cp_rank, self.cp_size))
+        mine = split_sequence(labels, self.cp_rank, self.cp_size)
+        share = torch.div(counted_labels(mine) * self.cp_size, counted_labels(labels).clamp(min=1))
+        return self.loss_fn(logits, mine) * share

@@ -1,7 +1,16 @@
-"""Apply the layout to a single-process GPT in one step: pipeline split, tensor-parallel sharding, tied embedding.
+"""Every transform of a built, single-process GPT, in one function and one fixed order (`parallelize_gpt`).
 
-As torchtitan's `parallelize_llama`, parallelism is applied from outside to a plain model; the strategy calls
-`parallelize_gpt` once and wires the result into Lightning.
+As torchtitan's `parallelize_llama`, parallelism is applied from outside to a plain model. The order, each step
+working on what the one before made:
+  1. pipeline split: this rank's stages (blocks under their global names; embedding first, head last);
+  2. tensor parallelism, with sequence parallelism: Linear/Embedding layers swapped for sharded ones;
+  3. context parallelism: ring attention cores, this rank's chunks of the sequence;
+  4. activation checkpointing: of the blocks or attention cores as they now are (a ring core included);
+  5. compilation: each block, lazily, so what wraps or shards it is traced at its first call;
+  6. the tied embedding linked across the first and last stages (after the sharding: it links the final tensors);
+then the ZeRO hand-off, which needs the optimizer: the strategy gives model and optimizer to DeepSpeed in its
+`setup`. Model converters (adapters) go before step 1. The 3D strategy calls this in its `setup`; under Lightning's
+own strategies (one device, DDP) the module calls it without process groups (steps 4 and 5 only).
 """
 
 from __future__ import annotations
@@ -11,7 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtnlg_lightning.model import cross_entropy
+from mtnlg_lightning.loss import cross_entropy
+from mtnlg_lightning.model import compile_blocks
+from mtnlg_lightning.parallel.activation_checkpointing import NO_RECOMPUTE, Recompute
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
 from mtnlg_lightning.parallel.pipeline import (
@@ -50,6 +61,9 @@ def check_model_fits(
     layers_per_stage(config.num_layers, stages, pipeline.first_stage_layers, pipeline.last_stage_layers)
 
 
+ONE_STAGE = PipelineParallelSettings()
+
+
 @dataclass
 class ParallelGPT:
     """This rank's part of the model and how to run it."""
@@ -62,65 +76,76 @@ class ParallelGPT:
 
 def parallelize_gpt(
     model: nn.Module,
-    groups: ProcessGroups,
+    groups: ProcessGroups | None,
     device: torch.device,
-    pipeline: PipelineParallelSettings,
+    pipeline: PipelineParallelSettings = ONE_STAGE,
     sequence_parallel: bool = False,
     context_parallel_kernel: str = "auto",
+    recompute: Recompute = NO_RECOMPUTE,
+    compile_backend: str | None = None,
 ) -> ParallelGPT:
-    """Split `model` into this rank's pipeline stage(s), shard them over the TP group (with Megatron's sequence
-    parallelism when asked: a stage boundary then carries the sequence shard) and link the tied embedding across
-    the first and last stages. `model` must hold full (unsharded) weights; it is modified in place."""
-    layout = groups.layout
-    runner, tied = None, None
+    """This rank's part of `model` with every transform applied in the module docstring's order. `groups` None:
+    one process, no model parallelism. `model` must hold full (unsharded) weights; it is modified in place."""
+    layout = groups.layout if groups is not None else ParallelLayout(1)
+    runner = None
     stage_models = [model]
     if layout.pipeline_parallel > 1:
-        stage_models, indices, _ = split_into_stages(
-            model,
-            layout.pipeline_parallel,
-            groups.pipeline_parallel_rank,
-            pipeline.schedule,
-            pipeline.virtual_stages,
-            pipeline.first_stage_layers,
-            pipeline.last_stage_layers,
-        )
-        num_stages = layout.pipeline_parallel * pipeline.virtual_stages
-        placement = stages_held_by_rank(pipeline.schedule, layout.pipeline_parallel, pipeline.virtual_stages)
-        last_pp = next(r for r, stages in enumerate(placement) if num_stages - 1 in stages)
-        runner = PipelineRunner(
-            stage_models,
-            indices,
-            num_stages,
-            pipeline.schedule,
-            device,
-            groups.pipeline_parallel_group,
-            layout.rank(last_pp, groups.coord.dp, groups.coord.tp, groups.coord.cp),
-            is_first=any(m.embed is not None for m in stage_models),
-            is_last=any(m.lm_head is not None for m in stage_models),
-        )
-    config = model.config
-    copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, groups.tensor_parallel_size)
-    kv_group = groups.kv_head_group(copies) if copies > 1 else None  # collective: every rank makes every group
-    for stage_model in stage_models:
-        apply_tensor_parallel(
-            stage_model,
-            groups.tensor_parallel_group,
-            groups.tensor_parallel_rank,
-            groups.tensor_parallel_size,
-            sequence_parallel=sequence_parallel,
-            kv_group=kv_group,
-        )
+        stage_models, runner = _split_pipeline(model, groups, device, pipeline)
+    if layout.tensor_parallel > 1:
+        config = model.config
+        copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, groups.tensor_parallel_size)
+        kv_group = groups.kv_head_group(copies) if copies > 1 else None  # collective: every rank makes every group
+        for stage_model in stage_models:
+            apply_tensor_parallel(
+                stage_model,
+                groups.tensor_parallel_group,
+                groups.tensor_parallel_rank,
+                groups.tensor_parallel_size,
+                sequence_parallel=sequence_parallel,
+                kv_group=kv_group,
+            )
     if layout.context_parallel > 1:
         ring = Ring(groups.context_parallel_group, groups.ranks["cp"], groups.context_parallel_rank)
         for stage_model in stage_models:
             apply_context_parallel(stage_model, ring, context_parallel_kernel)
-    if runner is not None:  # after TP sharding: the tie links the final (vocabulary-sharded) tensors
+    for stage_model in stage_models:
+        recompute.apply(stage_model)
+        if compile_backend is not None:
+            compile_blocks(stage_model, compile_backend)
+    tied = None
+    if runner is not None:
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
-    loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if groups.tensor_parallel_size > 1 else None
+    loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if layout.tensor_parallel > 1 else None
     if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
         loss_fn = ContextParallelLoss(loss_fn or cross_entropy, groups.context_parallel_rank, layout.context_parallel)
-    if len(stage_models) > 1:
-        model = PipelineChunks(stage_models)
-    else:
-        model = stage_models[0]
+    model = PipelineChunks(stage_models) if len(stage_models) > 1 else stage_models[0]
     return ParallelGPT(model, loss_fn, runner, tied)
+
+
+def _split_pipeline(model: nn.Module, groups: ProcessGroups, device, pipeline: PipelineParallelSettings):
+    """This rank's stage models and the runner of their schedule."""
+    layout = groups.layout
+    stage_models, indices, _ = split_into_stages(
+        model,
+        layout.pipeline_parallel,
+        groups.pipeline_parallel_rank,
+        pipeline.schedule,
+        pipeline.virtual_stages,
+        pipeline.first_stage_layers,
+        pipeline.last_stage_layers,
+    )
+    num_stages = layout.pipeline_parallel * pipeline.virtual_stages
+    placement = stages_held_by_rank(pipeline.schedule, layout.pipeline_parallel, pipeline.virtual_stages)
+    last_pp = next(r for r, stages in enumerate(placement) if num_stages - 1 in stages)
+    runner = PipelineRunner(
+        stage_models,
+        indices,
+        num_stages,
+        pipeline.schedule,
+        device,
+        groups.pipeline_parallel_group,
+        layout.rank(last_pp, groups.coord.dp, groups.coord.tp, groups.coord.cp),
+        is_first=any(m.embed is not None for m in stage_models),
+        is_last=any(m.lm_head is not None for m in stage_models),
+    )
+    return stage_models, runner

@@ -160,14 +160,28 @@ def split_into_stages(
     return models, indices, counts
 
 
+def check_default_positions(position_ids: torch.Tensor | None) -> None:
+    """The stages after the first receive hidden states only, so they compute the positions 0..S-1 themselves:
+    position ids that restart within a row (packed documents) cannot reach them yet. One line instead of a model
+    that silently rotates by the wrong positions."""
+    if position_ids is None:
+        return
+    default = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    if not torch.equal(position_ids, default.expand_as(position_ids)):
+        raise MTNLGError(
+            "position_ids other than 0..seq_len-1 (packed documents) do not reach the later pipeline stages yet: "
+            "use pipeline_parallel 1 for this data"
+        )
+
+
 class PipelineRunner:
     """Drives this rank's stages through a `torch.distributed.pipelining` schedule for one step.
 
     The schedule object depends on the number of micro-batches, which the batch ramp-up changes, so one is built
-    (lazily) per count. The loss function divides by that count, so the accumulated gradients are the mean over
-    the step's micro-batches without the schedule rescaling them (ZeRO-2 moves gradients out of `.grad` during the
-    backward, where a later rescale could not reach). `backward_context` wraps every stage backward (the DeepSpeed
-    engine's per-micro-batch bookkeeping under ZeRO-2)."""
+    (lazily) per count. The step's loss function weights and divides each micro-batch's loss itself, so the
+    accumulated gradients are the step's token mean without the schedule rescaling them (ZeRO-2 moves gradients
+    out of `.grad` during the backward, where a later rescale could not reach). `backward_context` wraps every
+    stage backward (the DeepSpeed engine's per-micro-batch bookkeeping under ZeRO-2)."""
 
     def __init__(
         self,
@@ -215,7 +229,7 @@ class PipelineRunner:
             cls = schedule_class(name)
 
             def loss_fn(output, target):
-                return self._loss_fn(output, target) / num_microbatches
+                return self._loss_fn(output, target)
 
             try:
                 self._schedules[num_microbatches] = cls(
@@ -232,16 +246,21 @@ class PipelineRunner:
                 ) from None
         return self._schedules[num_microbatches]
 
-    def run(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool = True) -> torch.Tensor:
-        """One step (train: forward + backward of every micro-batch; else forward only). Returns the mean loss
-        over the micro-batches on every rank of the pipeline."""
-        if tokens.shape[0] % micro_batch_size:
-            raise MTNLGError(f"local batch {tokens.shape[0]} is not a multiple of micro_batch_size {micro_batch_size}")
-        schedule = self._schedule(tokens.shape[0] // micro_batch_size)
+    def run(self, batch: dict, micro_batch_size: int, loss_fn, train: bool = True) -> torch.Tensor:
+        """One step over the batch's `input_ids` and `labels` (train: forward + backward of every micro-batch; else
+        forward only). `loss_fn(output, labels)` is a micro-batch's share of the step's loss (already divided by the
+        micro-batch count: the gradients are summed as they are). Returns the step's loss (the sum of those shares)
+        on every rank of the pipeline."""
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        check_default_positions(batch.get("position_ids"))
+        if input_ids.shape[0] % micro_batch_size:
+            raise MTNLGError(
+                f"local batch {input_ids.shape[0]} is not a multiple of micro_batch_size {micro_batch_size}"
+            )
+        schedule = self._schedule(input_ids.shape[0] // micro_batch_size)
         self._loss_fn = loss_fn
-        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        args = (inputs,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": []} if self.is_last else {}
+        args = (input_ids.contiguous(),) if self.is_first else ()
+        kwargs = {"target": labels.contiguous(), "losses": []} if self.is_last else {}
         if train:
             schedule.step(*args, **kwargs)
         else:
@@ -250,6 +269,6 @@ class PipelineRunner:
         if self.is_last:
             loss = torch.stack([loss.detach().float() for loss in kwargs["losses"]]).sum()
         else:
-            loss = torch.zeros((), device=tokens.device)
+            loss = torch.zeros((), device=input_ids.device)
         dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
         return loss

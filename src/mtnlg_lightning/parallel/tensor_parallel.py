@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
     SequenceParallelDropout,
@@ -234,9 +235,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
-    """Mean token loss of vocabulary-split logits [B, S, V/TP] against labels [B, S] (same on every TP rank)."""
+    """Token-mean loss of vocabulary-split logits [B, S, V/TP] against labels [B, S] (same on every TP rank); an
+    ignored label (`loss.IGNORE_INDEX`) lies outside every rank's slice, and its loss is masked out of the mean."""
     per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), labels.flatten(), group)
-    return per_token.mean()
+    return token_mean(per_token, labels.flatten())
 
 
 class VocabParallelCrossEntropy:

@@ -9,8 +9,8 @@ The optimizer is the LightningModule's own (`configure_optimizers`: torch AdamW 
 what DeepSpeed builds for `"torch_adam": true`), handed to DeepSpeed as a client optimizer, and its LambdaLR keeps
 driving the learning rate per step: one recipe for every strategy. The caller's `engine.step()` is the
 accumulation boundary (`gradient_accumulation_steps: 1`, `managed_gradient_accumulation: false`): step() does the
-DP reduction, the clipping by the global norm, the update and zero_grad. `engine_update` is that step with the
-update veto around it.
+DP reduction, the clipping by the global norm, the update and zero_grad. `engine_update` is that step, with a
+snapshot to undo it when the caller's veto comes.
 """
 
 from __future__ import annotations
@@ -154,22 +154,21 @@ def base_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def engine_update(engine, model: torch.nn.Module, veto, device: torch.device) -> torch.Tensor:
-    """One update through the engine: reduce, clip, apply in its one `step()`; the pre-clip global norm, which a
-    veto needs, is only known after it, so a vetoable update is snapshotted first and undone when vetoed."""
-    undo = UpdateSnapshot(model, engine.optimizer) if veto is not None else None
+def engine_update(engine, model: torch.nn.Module, undoable: bool, device: torch.device):
+    """One update through the engine: reduce, clip, apply in its one `step()`. The pre-clip global norm, which a
+    veto needs, is only known after it, so an `undoable` update is snapshotted first. Returns the norm and the
+    snapshot (None unless undoable): the caller restores it when the update is vetoed."""
+    snapshot = UpdateSnapshot(model, engine.optimizer) if undoable else None
     engine.step()
     grad_norm = torch.tensor(float(engine.get_global_grad_norm()), device=device)
-    if undo is not None and veto(grad_norm):
-        undo.restore()
-    return grad_norm
+    return grad_norm, snapshot
 
 
 class UpdateSnapshot:
     """A copy of everything `engine.step()` changes on this rank, so a vetoed update can be undone exactly.
 
     DeepSpeed reduces, clips and updates in one call, so the pre-clip norm a veto needs is only known after the
-    update: `engine_update` snapshots (only when some callback can veto), steps, asks, and restores if vetoed.
+    update: `engine_update` snapshots (only when some callback can veto) and steps; the caller restores it if vetoed.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer):

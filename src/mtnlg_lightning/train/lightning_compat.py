@@ -51,3 +51,10 @@ def set_optimizer_steps(trainer, step: int) -> None:
     delta = int(step) - progress.total.completed
     progress.total.ready = progress.total.completed = int(step)
     progress.current.ready = progress.current.completed = max(0, progress.current.completed + delta)
+
+
+def strategy_of(module):
+    """The strategy of the Trainer `module` is attached to, or None outside a Trainer (`LightningModule.trainer`
+    raises there: a tool may build a module's model on its own)."""
+    trainer = module._trainer
+    return trainer.strategy if trainer is not None else None

@@ -3,36 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
-from contextlib import nullcontext
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import nn
 
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.model import build_model, compile_blocks, cross_entropy
+from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
+from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
+from mtnlg_lightning.parallel.activation_checkpointing import Recompute
+from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
+from mtnlg_lightning.train import lightning_compat
 from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
 from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.optimizer_recipe import build_adamw
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
-from mtnlg_lightning.train.step_interfaces import (
-    GradientUpdater,
-    ModelBuiltHook,
-    PipelineExecutor,
-    UpdateVeto,
-    Veto,
-    apply_unless_vetoed,
-)
+from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 from mtnlg_lightning.train.training_position import TrainingPosition
 
 # Lightning (2.6) warns that a checkpoint saved under manual optimization holds the weights after the step's
@@ -63,6 +60,8 @@ class MTNLGModule(L.LightningModule):
         init_from: str | None = None,
         compile: bool = False,
         compile_backend: str = "inductor",
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every_n: int = 2,
     ):
         """
         Args:
@@ -90,6 +89,10 @@ class MTNLGModule(L.LightningModule):
             compile: torch.compile each transformer block after the strategy has sharded it (faster steps on a
                 GPU after a compile at the first step; bf16 with fp32 master weights is kept).
             compile_backend: torch.compile's backend (inductor; aot_eager to debug).
+            activation_checkpointing: what the backward recomputes instead of keeping: none, full (every block),
+                selective (the attention core, Megatron's) or every_n (blocks 0, n, 2n, ...); applied with the
+                layout (`parallel/parallelize.py`). The `ActivationCheckpointing` callback sets it too.
+            activation_checkpointing_every_n: the n of every_n.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
@@ -121,26 +124,31 @@ class MTNLGModule(L.LightningModule):
         self._peak_flops: float | None = None  # per-device peak FLOP/s for MFU, resolved once per fit
         self._peak_memory: StepPeakMemory | None = None
         self._restart_train_data = False
+        self.recompute = Recompute(activation_checkpointing, activation_checkpointing_every_n)
+        if compile_backend not in COMPILE_BACKENDS:
+            raise MTNLGError(f"model.compile_backend {compile_backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
+        self.compile_with = compile_backend if compile else None  # the backend each block is compiled with
+        self.runner: LocalRunner | MegatronDeepSpeedStrategy | None = None  # the step's parts, set by `setup`
 
     def configure_model(self) -> None:
-        if self.model is None:
-            self.model = build_model(self.config)
-            if self.hparams.get("init_from"):
-                load_init_weights(self.model, self.hparams.init_from)
-            # Transforms that must come before any strategy wraps the model (e.g. activation checkpointing).
-            trainer = self._trainer
-            for callback in trainer.callbacks if trainer is not None else []:
-                if isinstance(callback, ModelBuiltHook):
-                    callback.on_model_built(trainer, self)
-            if self.hparams.get("compile"):  # lazy: the strategy's sharding happens before the first call
-                compile_blocks(self.model, self.hparams.get("compile_backend", "inductor"))
+        if self.model is not None:
+            return
+        model = build_model(self.config)
+        if self.hparams.get("init_from"):
+            load_init_weights(model, self.hparams.init_from)
+        strategy = lightning_compat.strategy_of(self)
+        if isinstance(strategy, MegatronDeepSpeedStrategy):  # it applies the layout in its setup (collectives)
+            self.model = model
+        else:  # one process, or Lightning's DDP: no layout, only recomputation and compilation
+            self.model = parallelize_gpt(model, None, model_device(model), recompute=self.recompute,
+                                         compile_backend=self.compile_with).model  # fmt: skip
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
     def configure_callbacks(self):
         # A callback the user configured in `trainer.callbacks` is kept (Lightning would replace it by type).
-        present = self._trainer.callbacks if self._trainer is not None else []
+        present = self.trainer.callbacks
         defaults = [Preemption()] if self.hparams.preemption else []
         if self.hparams.watchdog and not any(isinstance(cb, HangWatchdog) for cb in present):
             defaults.append(HangWatchdog())
@@ -150,9 +158,12 @@ class MTNLGModule(L.LightningModule):
         return defaults
 
     def setup(self, stage: str) -> None:
-        # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too
-        # (the 3D strategy writes it itself, sharded).
         strategy = self.trainer.strategy
+        if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
+            self.runner = strategy
+            return
+        self.runner = LocalRunner(self, strategy)
+        # Lightning's own single-process and DDP strategies write the layout-independent checkpoint format too.
         if type(strategy) in (SingleDeviceStrategy, DDPStrategy):
             strategy.checkpoint_io = ModelSpaceCheckpointIO(self)
 
@@ -178,13 +189,16 @@ class MTNLGModule(L.LightningModule):
         # The optimizer itself, not Lightning's wrapper: its step is not Lightning's to count (see below); under ZeRO
         # it is the engine's optimizer, which the engine steps.
         optimizer = self.trainer.optimizers[0]
-        tokens = batch["tokens"]
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
-        loss = self.forward_backward(tokens)
-        grad_norm = self.updater.update(optimizer, self.grad_clip, self._veto(loss))
+        loss = self.runner.forward_backward(batch, self.micro_batch_size, self.step_loss(batch["labels"]))
+        vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
+        update = self.runner.update(optimizer, self.grad_clip, undoable=bool(vetoers))
+        # Every vetoer is asked (each observes the step); every rank gets the same answers.
+        votes = [cb.should_skip_update(self.trainer, self, loss, update.grad_norm) for cb in vetoers]
+        update.finish(vetoed=any(votes))
         self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
-        self._log_step(loss, grad_norm, lr, global_batch)
+        self._log_step(loss, update.grad_norm, lr, global_batch)
         return loss
 
     @property
@@ -192,43 +206,12 @@ class MTNLGModule(L.LightningModule):
         """Samples of the blended stream consumed so far (the data position's; read-only here)."""
         return self.position.consumed_samples
 
-    @property
-    def updater(self) -> GradientUpdater:
-        """The update primitive: the strategy's own (model parallelism, ZeRO), else the local one for Lightning's
-        single-process and DDP strategies (DDP has reduced the gradients in the backward already)."""
-        strategy = self.trainer.strategy
-        return strategy if isinstance(strategy, GradientUpdater) else _LocalUpdater(self.model, strategy)
-
-    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Accumulate gradients over this rank's micro-batches; return their mean loss (detached)."""
-        strategy = self.trainer.strategy
-        if isinstance(strategy, PipelineExecutor) and strategy.is_pipelined:  # the schedule runs the micro-batches
-            return strategy.run_pipeline(tokens, self.micro_batch_size, self.loss_fn, train=True)
-        forward = self.updater.forward_module
-        no_sync = getattr(strategy, "block_backward_sync", None)  # Lightning's DDP: reduce once, after the last
-        chunks = tokens.split(self.micro_batch_size)
-        total = torch.zeros((), device=tokens.device)
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
-            with nullcontext() if last or no_sync is None else no_sync():
-                loss = self.loss_fn(forward(chunk[:, :-1]), chunk[:, 1:])
-                self.manual_backward(loss / len(chunks))
-            total += loss.detach()
-        return total / len(chunks)
-
-    def _veto(self, loss: torch.Tensor) -> Veto | None:
-        """The `UpdateVeto` callbacks as one question for the update primitive; None when no callback can veto (an
-        engine then keeps no undo)."""
-        vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
-        if not vetoers:
-            return None
-
-        def veto(grad_norm: torch.Tensor) -> bool:
-            # Every vetoer is asked (each observes the step), every rank gets the same answers.
-            votes = [cb.should_skip_update(self.trainer, self, loss, grad_norm) for cb in vetoers]
-            return any(votes)
-
-        return veto
+    def step_loss(self, labels: torch.Tensor) -> StepLoss:
+        """A micro-batch's loss in this step (`loss.StepLoss`): its token mean weighted by its share of the labels
+        counted over the whole global batch (one all-reduce of a count per step)."""
+        counted = self.trainer.strategy.reduce(counted_labels(labels), reduce_op="sum")
+        micro_batches = -(-len(labels) // self.micro_batch_size)
+        return StepLoss(self.loss_fn, micro_batches, self.trainer.world_size, int(counted))
 
     def restart_train_data(self) -> None:
         """Restart the train data stream at the data position after a callback moved it (loss-spike rewind, recorded
@@ -284,19 +267,15 @@ class MTNLGModule(L.LightningModule):
 
     # ---------------------------------------------------------------- evaluation
     def _eval_loss(self, batch) -> torch.Tensor:
-        """Mean loss over the batch's micro-batches, forward only."""
-        strategy = self.trainer.strategy
-        tokens = batch["tokens"]
-        if isinstance(strategy, PipelineExecutor) and strategy.is_pipelined:
-            return strategy.run_pipeline(tokens, self.micro_batch_size, self.loss_fn, train=False)
-        chunks = tokens.split(self.micro_batch_size)
-        return torch.stack([self.loss_fn(self.model(c[:, :-1]), c[:, 1:]) for c in chunks]).mean()
+        """The batch's token-mean loss, forward only."""
+        return self.runner.evaluate(batch, self.micro_batch_size, self.step_loss(batch["labels"]))
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._eval_loss(batch), prog_bar=True, sync_dist=True, batch_size=len(batch["tokens"]))
+        size = len(batch["labels"])
+        self.log("val_loss", self._eval_loss(batch), prog_bar=True, sync_dist=True, batch_size=size)
 
     def test_step(self, batch, batch_idx):
-        self.log("test_loss", self._eval_loss(batch), sync_dist=True, batch_size=len(batch["tokens"]))
+        self.log("test_loss", self._eval_loss(batch), sync_dist=True, batch_size=len(batch["labels"]))
 
     # ---------------------------------------------------------------- checkpoint state
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -307,17 +286,5 @@ class MTNLGModule(L.LightningModule):
         self.configure_model()
 
 
-class _LocalUpdater:
-    """The update under Lightning's own strategies (one process; DDP has reduced the gradients in the backward)."""
-
-    def __init__(self, model: torch.nn.Module, strategy):
-        self.model, self.strategy = model, strategy
-
-    @property
-    def forward_module(self) -> torch.nn.Module:
-        return self.model
-
-    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
-        apply_unless_vetoed(self.strategy, optimizer, grad_norm, veto)
-        return grad_norm
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

@@ -1,72 +1,109 @@
-"""The small interfaces between the training step (owned by `MTNLGModule`), strategies and callbacks.
+"""The parts of a training step that a strategy supplies, and the one path the module (`MTNLGModule`) runs them by.
 
-The module runs the step: forward/backward, then one `update()` (reduce, clip, veto, apply or discard). A strategy
-that parallelises the model supplies these primitives through the protocols below and never calls back into the
-module; callbacks take part through two hooks. Each is checked with `isinstance`.
+Every step, in every layout: `runner.forward_backward(batch, micro_batch_size, step_loss)` accumulates the
+gradients of this rank's micro-batches, `runner.update(optimizer, max_norm, undoable)` reduces and clips them and
+returns an `Update` holding the pre-clip norm; the module asks the callbacks that may veto (`UpdateVeto`) with that
+norm and hands their answer down: `update.finish(vetoed)` applies or discards. The runner is the 3D strategy
+itself, or `LocalRunner` under Lightning's own strategies (one device, DDP), chosen once when the module is set up.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BATCH_FIELDS = ("input_ids", "labels", "position_ids")  # what the data gives a micro-batch (data/datamodule.py)
 
 
-@runtime_checkable
-class PipelineExecutor(Protocol):
-    """A strategy whose pipeline schedule runs the micro-batches (forward and backward interleaved by stage)."""
-
-    @property
-    def is_pipelined(self) -> bool: ...
-
-    def run_pipeline(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn: LossFn, train: bool) -> torch.Tensor:
-        """This rank's share of one step through the schedule; the mean micro-batch loss on every pipeline rank."""
-        ...
+def micro_batches_of(batch: dict, micro_batch_size: int):
+    """(input_ids, labels, position_ids) of each micro-batch of a rank's batch."""
+    return zip(*(batch[field].split(micro_batch_size) for field in BATCH_FIELDS), strict=True)
 
 
-Veto = Callable[[torch.Tensor], bool]  # given the pre-clip global grad norm: True discards this step's update
+def count_micro_batches(batch: dict, micro_batch_size: int) -> int:
+    return -(-len(batch["labels"]) // micro_batch_size)
 
 
-@runtime_checkable
-class GradientUpdater(Protocol):
-    """A strategy that owns the gradient reduction, clipping and optimizer update (a ZeRO engine, DP all-reduce)."""
-
-    @property
-    def forward_module(self) -> nn.Module:
-        """What runs a micro-batch forward on this rank (the engine under ZeRO, else the sharded model)."""
-        ...
-
-    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
-        """The one update of a step, after the backward: reduce the gradients over the data-parallel replicas, clip
-        them by the global norm, ask `veto(pre-clip norm)`, then apply the update or discard it, and leave the
-        gradients cleared. Returns the pre-clip norm (the same on every rank). Does not count the step: the caller
-        does (`training_position.TrainingPosition.step_taken`), applied or vetoed."""
-        ...
+def accumulate(forward: nn.Module, backward, batch: dict, micro_batch_size: int, step_loss: LossFn, no_sync=None):
+    """Forward and backward every micro-batch, each loss divided by their count (the gradients add up to the step's
+    mean); `no_sync` (Lightning's DDP) defers the gradient reduction to the last. Returns the step's loss."""
+    micro_batches = count_micro_batches(batch, micro_batch_size)
+    total = torch.zeros((), device=batch["labels"].device)
+    for i, (input_ids, labels, position_ids) in enumerate(micro_batches_of(batch, micro_batch_size)):
+        last = i == micro_batches - 1
+        with nullcontext() if last or no_sync is None else no_sync():
+            loss = step_loss(forward(input_ids, position_ids=position_ids), labels)
+            backward(loss / micro_batches)
+        total += loss.detach()
+    return total / micro_batches
 
 
-def apply_unless_vetoed(strategy, optimizer, grad_norm: torch.Tensor, veto: Veto | None) -> None:
-    """The end of `update` for optimizers that step after the norm is known (not a fused engine): the update is
-    applied through Lightning's precision plugin (which runs the `on_before_optimizer_step` hooks) unless vetoed;
-    the gradients are cleared either way. Lightning's `LightningOptimizer.step()` is not used: it would count a
-    step, and the step is counted once, by the caller."""
-    if veto is None or not veto(grad_norm):
+@torch.no_grad()
+def evaluate(model: nn.Module, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
+    """The batch's loss, forward only."""
+    micro = micro_batches_of(batch, micro_batch_size)
+    return torch.stack([step_loss(model(i, position_ids=p), labels) for i, labels, p in micro]).mean()
+
+
+class Update:
+    """One step's update, reduced and clipped, waiting for the veto: `grad_norm` is the pre-clip global norm (the
+    same on every rank); `finish(vetoed)` applies the update or discards it and leaves the gradients cleared.
+    `after` runs once it is finished, applied or not (the last stage's copy of a tied embedding)."""
+
+    def __init__(self, grad_norm: torch.Tensor, apply: Callable[[], None], discard: Callable[[], None], after=None):
+        self.grad_norm = grad_norm
+        self._apply, self._discard, self._after = apply, discard, after
+
+    def finish(self, vetoed: bool) -> None:
+        (self._discard if vetoed else self._apply)()
+        if self._after is not None:
+            self._after()
+
+
+def optimizer_update(strategy, optimizer, grad_norm: torch.Tensor, after=None) -> Update:
+    """The update of an optimizer that steps after the norm is known (not a fused engine): applied through
+    Lightning's precision plugin (which runs the `on_before_optimizer_step` hooks). Lightning's
+    `LightningOptimizer.step()` is not used: it would count a step, and the step is counted once, by the module."""
+
+    def apply() -> None:
         strategy.optimizer_step(optimizer, closure=_no_closure)
-    optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
+
+    def discard() -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    return Update(grad_norm, apply, discard, after)
 
 
 def _no_closure() -> None:  # the backward already ran: the optimizer step re-evaluates nothing
     return None
 
 
-@runtime_checkable
-class ModelBuiltHook(Protocol):
-    """A callback that transforms the model right after it is built, before any strategy wraps or shards it."""
+class LocalRunner:
+    """The step's parts under Lightning's own strategies: one process, or DDP (which reduces the gradients in the
+    backward: `block_backward_sync` defers that to the last micro-batch)."""
 
-    def on_model_built(self, trainer, pl_module) -> None: ...
+    def __init__(self, module, strategy):
+        self.module, self.strategy = module, strategy
+
+    def forward_backward(self, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
+        no_sync = getattr(self.strategy, "block_backward_sync", None)
+        model, backward = self.module.model, self.module.manual_backward
+        return accumulate(model, backward, batch, micro_batch_size, step_loss, no_sync)
+
+    def evaluate(self, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
+        return evaluate(self.module.model, batch, micro_batch_size, step_loss)
+
+    def update(self, optimizer, max_norm: float | None, undoable: bool) -> Update:
+        parameters = self.module.model.parameters()
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm else math.inf)
+        return optimizer_update(self.strategy, optimizer, grad_norm)
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ At start-up every rank builds the same `ParallelLayout` (pp, dp, tp; TP innermos
 model, creates its process groups and rank 0 prints the table. `setup` applies the layout (`parallelize_gpt`) and
 either keeps the module's optimizer with a plain DP all-reduce (`zero_stage: 0`) or hands model shard + optimizer
 to DeepSpeed ZeRO over the DP group (1, 2, 3). The module owns the training step; this class supplies its
-primitives (`step_interfaces.PipelineExecutor`, `GradientUpdater`). Works under Lightning's launcher, torchrun and
+parts (`step_interfaces`: forward_backward, evaluate, update). Works under Lightning's launcher, torchrun and
 SLURM (Lightning's cluster environments).
 """
 
@@ -52,7 +52,7 @@ from mtnlg_lightning.parallel.zero import (
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
 from mtnlg_lightning.train import lightning_compat
-from mtnlg_lightning.train.step_interfaces import Veto, apply_unless_vetoed
+from mtnlg_lightning.train.step_interfaces import Update, accumulate, count_micro_batches, evaluate, optimizer_update
 
 
 class MegatronDeepSpeedStrategy(ParallelStrategy):
@@ -274,6 +274,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 self.pipeline_settings,
                 self.sequence_parallel,
                 self.context_parallel_kernel,
+                module.recompute,
+                module.compile_with,
             )
             module.model = self.parallel.model
             if self.parallel.loss_fn is not None:
@@ -344,21 +346,35 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    # ------------------------------------------------------------------ step primitives (step_interfaces.py)
-    @property
-    def is_pipelined(self) -> bool:
-        return self.pipeline is not None
-
-    def run_pipeline(self, tokens: torch.Tensor, micro_batch_size: int, loss_fn, train: bool) -> torch.Tensor:
-        """The schedule runs this rank's micro-batches (Lightning's backward is not used); the loss, computed on the
-        last stage, is broadcast along the pipeline."""
-        loss = self.pipeline.run(tokens, micro_batch_size, loss_fn, train=train)
-        if train and self.tied_embedding is not None:
+    # ------------------------------------------------------------------ the step's parts (step_interfaces.py)
+    def forward_backward(self, batch: dict, micro_batch_size: int, step_loss) -> torch.Tensor:
+        """Accumulate this rank's micro-batches: through the pipeline schedule (Lightning's backward unused; the
+        loss, computed on the last stage, broadcast along the pipeline), else one by one (through the engine under
+        ZeRO)."""
+        if self.pipeline is None:
+            return accumulate(self.forward_module, self._backward, batch, micro_batch_size, step_loss)
+        loss = self.pipeline.run(batch, micro_batch_size, self._pipeline_loss(batch, micro_batch_size, step_loss))
+        if self.tied_embedding is not None:
             self.tied_embedding.after_backward()
         return loss
 
+    def evaluate(self, batch: dict, micro_batch_size: int, step_loss) -> torch.Tensor:
+        if self.pipeline is None:
+            return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss)
+        loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
+        return self.pipeline.run(batch, micro_batch_size, loss_fn, train=False)
+
+    @staticmethod
+    def _pipeline_loss(batch: dict, micro_batch_size: int, step_loss):
+        micro_batches = count_micro_batches(batch, micro_batch_size)
+        return lambda output, labels: step_loss(output, labels) / micro_batches
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.backward(loss, None)
+
     @property
     def forward_module(self) -> torch.nn.Module:
+        """What runs a micro-batch forward on this rank: the engine under ZeRO, else the sharded model."""
         return self.engine if self.engine is not None else self.lightning_module.model
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
@@ -371,20 +387,20 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def update(self, optimizer, max_norm: float | None, veto: Veto | None) -> torch.Tensor:
-        """Reduce over DP, clip by the global norm (TP shards counted once each, all stages), veto, apply or discard;
-        the pre-clip norm. ZeRO: the engine's one fused `step()` (`zero.engine_update`, undone when vetoed); plain
-        DP: one flat all-reduce and the clipping here, then the module's optimizer. Either way the last stage's
-        LM-head copy then receives the (updated or unchanged) embedding."""
+    def update(self, optimizer, max_norm: float | None, undoable: bool) -> Update:
+        """Reduce over DP, clip by the global norm (TP shards counted once each, all stages); the update waits for
+        the veto. ZeRO: the engine's one fused `step()` has applied it already (`zero.engine_update`; a snapshot
+        taken when `undoable` restores it when vetoed); plain DP: one flat all-reduce and the clipping here, then
+        the module's optimizer. Either way the last stage's LM-head copy then receives the (updated or unchanged)
+        embedding."""
         model = self.lightning_module.model
+        after = self.tied_embedding.after_update if self.tied_embedding is not None else None
         if self.engine is not None:
-            grad_norm = engine_update(self.engine, model, veto, self.root_device)
-        else:
-            grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, self.groups, self.root_device)
-            apply_unless_vetoed(self, optimizer, grad_norm, veto)
-        if self.tied_embedding is not None:
-            self.tied_embedding.after_update()
-        return grad_norm
+            grad_norm, snapshot = engine_update(self.engine, model, undoable, self.root_device)
+            discard = snapshot.restore if snapshot is not None else _nothing
+            return Update(grad_norm, apply=_nothing, discard=discard, after=after)
+        grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, self.groups, self.root_device)
+        return optimizer_update(self, optimizer, grad_norm, after)
 
     # ------------------------------------------------------------------ checkpoints: model space, any layout
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -424,3 +440,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self.background_saver is not None:
             self.background_saver.abandon()  # the peers may be gone: never wait on the writer's collectives
+
+
+def _nothing() -> None:  # the engine has applied the update already; without a snapshot there is nothing to undo
+    return None
