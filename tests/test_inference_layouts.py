@@ -160,7 +160,8 @@ def test_bad_layouts_and_checkpoints_are_one_line_before_any_weight_is_read(chec
     cases = [
         ([str(checkpoint), str(tp3), "3"], "num_heads 4 is not divisible by tensor_parallel 3"),
         ([str(checkpoint), str(pp3), "3"], "num_layers 2 is fewer than pipeline_parallel 3 stages"),
-        ([str(checkpoint), tp2, "3"], "--devices 3 is not a multiple of tensor_parallel 2 x pipeline_parallel 1 = 2"),
+        # the trainer's message (parallel/config.py): inference checks a layout as `mtnlg fit` does
+        ([str(checkpoint), tp2, "3"], "world size 3 is not divisible by tensor_parallel 2 x pipeline_parallel 1 = 2"),
         ([str(other), tp2, "2"], f"checkpoint {other}: embed.wte.weight has shape [4096, 64], but its model_config"),
     ]
     for (path, strategy, devices), message in cases:

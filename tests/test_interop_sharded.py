@@ -90,7 +90,7 @@ def test_init_from_the_sharded_directory_starts_training_from_its_weights(sharde
             self.first, self.losses = None, []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.first = batch["tokens"].clone() if self.first is None else self.first
+            self.first = {k: batch[k].clone() for k in ("input_ids", "labels")} if self.first is None else self.first
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(trainer.callback_metrics["train_loss"]))
@@ -107,8 +107,8 @@ def test_init_from_the_sharded_directory_starts_training_from_its_weights(sharde
     trainer.fit(module, GPTDataModule(**recipe["data"]))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(sharded_export).eval()
     with torch.no_grad():
-        logits = hf_model(seen.first[:, :-1]).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seen.first[:, 1:].flatten()).item()
+        logits = hf_model(seen.first["input_ids"]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seen.first["labels"].flatten()).item()
     assert len(seen.losses) == 3 and seen.losses[0] == pytest.approx(expected, rel=1e-5)
     assert all(math.isfinite(loss) for loss in seen.losses)
     moved = module.model.blocks["0"].mlp.fc1.weight.detach() - hf_model.transformer.h[0].mlp.c_fc.weight.t()

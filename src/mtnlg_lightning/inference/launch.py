@@ -1,9 +1,11 @@
-"""The layout of an inference run and its processes: a training strategy YAML read for TP / PP / schedule / SP,
-the checks that need no weights, and `--devices N` starting N local ranks (or the ranks torchrun / srun started).
+"""The layout of an inference run and its processes: a training strategy YAML read for TP / PP / schedule / SP / CP
+(`parallel/config.py`, as training reads it), the checks that need no weights, and `--devices N` starting N local
+ranks (or the ranks torchrun / srun started).
 
     mtnlg-eval --checkpoint CKPT --strategy configs/strategy/tp2_pp2_dp2.yaml --devices 8 ...
 
-Data parallelism is what is left: DP = world size / (TP x PP). ZeRO settings do not apply (nothing is trained).
+Data parallelism is what is left: DP = world size / (TP x CP x PP). ZeRO settings do not apply (nothing is
+trained), but a strategy training would refuse is refused here too.
 """
 
 from __future__ import annotations
@@ -12,103 +14,24 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.parallel.context_parallel import check_context_parallel
-from mtnlg_lightning.parallel.layout import ParallelLayout
-from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings, check_model_fits
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, schedule_class
-
-STRATEGY_CLASS = "MegatronDeepSpeedStrategy"
+from mtnlg_lightning.parallel.config import ParallelConfig, read_strategy_file
+from mtnlg_lightning.parallel.layout import ParallelLayout, gpus_per_node_from_env
 
 
-@dataclass(frozen=True)
-class InferenceLayout:
-    """What an inference run takes from a strategy file."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    pipeline: PipelineParallelSettings = PipelineParallelSettings()
-    sequence_parallel: bool = False
-    context_parallel: int = 1
-    context_parallel_kernel: str = "auto"
-
-    @property
-    def model_parallel(self) -> int:
-        """Ranks of one replica: TP x CP x PP (DP is what is left)."""
-        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
-
-    def describe(self, world_size: int) -> dict:
-        """The layout as results.json records it."""
-        return {
-            "world_size": world_size,
-            "tensor_parallel": self.tensor_parallel,
-            "pipeline_parallel": self.pipeline_parallel,
-            "data_parallel": world_size // self.model_parallel,
-            "pipeline_schedule": self.pipeline.schedule,
-            "virtual_pipeline_stages": self.pipeline.virtual_stages,
-            "sequence_parallel": self.sequence_parallel,
-            "context_parallel": self.context_parallel,
-        }
+def read_strategy(path: str | None) -> ParallelConfig:
+    """The layout of a `trainer.strategy` YAML (configs/strategy/*.yaml), read as training reads it; None: one
+    replica, no model parallelism. Strategies other than ours (ddp, single_device) are data parallelism only."""
+    return ParallelConfig() if path is None else read_strategy_file(path)
 
 
-def read_strategy(path: str | None) -> InferenceLayout:
-    """The layout of a `trainer.strategy` YAML (configs/strategy/*.yaml); None: one replica, no model parallelism.
-    Strategies other than ours (ddp, single_device) are data parallelism only."""
-    if path is None:
-        return InferenceLayout()
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise MTNLGError(f"strategy file {path} does not exist")
-    try:
-        spec = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise MTNLGError(f"strategy file {path} is not valid YAML ({str(error).splitlines()[0]})") from None
-    if isinstance(spec, str):  # `strategy: ddp` style
-        return InferenceLayout()
-    if not isinstance(spec, dict):
-        raise MTNLGError(f"strategy file {path} must hold a mapping with class_path and init_args")
-    if not str(spec.get("class_path", "")).endswith(STRATEGY_CLASS):
-        return InferenceLayout()
-    args = spec.get("init_args") or {}
-    schedule = args.get("pipeline_schedule", "1f1b")
-    schedule_class(schedule)  # an unknown name fails with the known ones
-    virtual = args.get("virtual_pipeline_stages") or (2 if schedule in MULTI_STAGE else 1)
-    layout = InferenceLayout(
-        tensor_parallel=int(args.get("tensor_parallel", 1)),
-        pipeline_parallel=int(args.get("pipeline_parallel", 1)),
-        pipeline=PipelineParallelSettings(
-            schedule, virtual, args.get("first_stage_layers"), args.get("last_stage_layers")
-        ),
-        sequence_parallel=bool(args.get("sequence_parallel", False)),
-        context_parallel=int(args.get("context_parallel", 1)),
-        context_parallel_kernel=str(args.get("context_parallel_kernel", "auto")),
-    )
-    if min(layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel) < 1:
-        raise MTNLGError(f"{path}: tensor_parallel, pipeline_parallel and context_parallel must be >= 1")
-    return layout
-
-
-def check_layout(layout: InferenceLayout, world_size: int, config) -> ParallelLayout:
-    """Every check that needs only the model's shape: world size, heads, vocabulary and layers against the layout
-    (the sequence length is the request's, not the model's: context parallelism pads it to its chunks)."""
-    tp, pp, cp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel
-    if world_size % layout.model_parallel:
-        axes = f"tensor_parallel {tp}" + (f" x context_parallel {cp}" if cp > 1 else "")
-        raise MTNLGError(
-            f"--devices {world_size} is not a multiple of {axes} x pipeline_parallel {pp} = {layout.model_parallel}"
-        )
-    grid = ParallelLayout(world_size, tp, pp, gpus_per_node=None, context_parallel=cp)
-    check_model_fits(grid, config, layout.pipeline, layout.sequence_parallel)
-    if cp > 1:
-        check_context_parallel(cp, 2 * cp * tp, tp, layout.sequence_parallel, layout.context_parallel_kernel, 0.0)
-    return grid
+def check_layout(layout: ParallelConfig, world_size: int, config) -> ParallelLayout:
+    """Every check that needs only the model's shape, as training makes them (`ParallelConfig.validate`), except
+    that the sequence is the request's, not the model's: its width is padded to what SP and CP cut."""
+    return layout.validate(config, world_size, inference=True, gpus_per_node=gpus_per_node_from_env())
 
 
 # ------------------------------------------------------------------------------------------- processes

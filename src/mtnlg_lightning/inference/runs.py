@@ -18,7 +18,6 @@ import torch
 from mtnlg_lightning.checkpoint.model_state import ModelState
 from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.inference.launch import (
-    InferenceLayout,
     check_layout,
     finish,
     init_distributed,
@@ -29,6 +28,7 @@ from mtnlg_lightning.inference.launch import (
 )
 from mtnlg_lightning.inference.load import load, pick_device, pick_dtype
 from mtnlg_lightning.interop.hf import read_source
+from mtnlg_lightning.parallel.config import ParallelConfig
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 
@@ -36,7 +36,7 @@ from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 @dataclass
 class Plan:
     source: ModelState  # the architecture, tokenizer and (lazily read) weights
-    layout: InferenceLayout
+    layout: ParallelConfig
     grid: ParallelLayout
     world_size: int
 

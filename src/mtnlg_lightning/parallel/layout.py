@@ -108,17 +108,10 @@ class ParallelLayout:
     def validate_model(
         self, num_heads: int, padded_vocab_size: int, num_layers: int, num_kv_heads: int | None = None
     ) -> None:
-        """The model must split evenly: whole query heads, whole (or shared) key/value heads and equal vocabulary
-        slices per TP rank, >= 1 block per stage."""
-        tp, pp = self.tensor_parallel, self.pipeline_parallel
-        if num_heads % tp:
-            raise MTNLGError(f"num_heads {num_heads} is not divisible by tensor_parallel {tp}")
-        if num_kv_heads is not None:
-            kv_head_copies(num_kv_heads, tp)
-        if padded_vocab_size % tp:
-            raise MTNLGError(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_parallel {tp}")
-        if num_layers < pp:
-            raise MTNLGError(f"num_layers {num_layers} is fewer than pipeline_parallel {pp} stages")
+        """The model must split evenly over this layout (`check_model_split`)."""
+        check_model_split(
+            self.tensor_parallel, self.pipeline_parallel, num_heads, padded_vocab_size, num_layers, num_kv_heads
+        )
 
     # ------------------------------------------------------------------ coordinates
     def coord(self, rank: int) -> RankCoord:
@@ -215,6 +208,27 @@ class ParallelLayout:
                 + f"{fmt(g['dp']):<16} {fmt(g['pp']):<16}"
             )  # fmt: skip
         return "\n".join(rows)
+
+
+def check_model_split(
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    num_heads: int,
+    padded_vocab_size: int,
+    num_layers: int,
+    num_kv_heads: int | None = None,
+) -> None:
+    """Whole query heads, whole (or shared) key/value heads and equal vocabulary slices per TP rank, >= 1 block
+    per pipeline stage."""
+    tp, pp = tensor_parallel, pipeline_parallel
+    if num_heads % tp:
+        raise MTNLGError(f"num_heads {num_heads} is not divisible by tensor_parallel {tp}")
+    if num_kv_heads is not None:
+        kv_head_copies(num_kv_heads, tp)
+    if padded_vocab_size % tp:
+        raise MTNLGError(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_parallel {tp}")
+    if num_layers < pp:
+        raise MTNLGError(f"num_layers {num_layers} is fewer than pipeline_parallel {pp} stages")
 
 
 def kv_head_copies(num_kv_heads: int, tensor_parallel: int) -> int:
@@ -323,10 +337,6 @@ class ProcessGroups:
     @property
     def context_parallel_rank(self) -> int:
         return self.coord.cp
-
-    @property
-    def context_parallel_size(self) -> int:
-        return self.layout.context_parallel
 
     @property
     def replica_rank(self) -> int:

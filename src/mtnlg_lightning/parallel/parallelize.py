@@ -23,43 +23,12 @@ from torch import nn
 from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import compile_blocks
 from mtnlg_lightning.parallel.activation_checkpointing import NO_RECOMPUTE, Recompute
+from mtnlg_lightning.parallel.config import PipelineParallelSettings
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
-from mtnlg_lightning.parallel.pipeline import (
-    PipelineChunks,
-    PipelineRunner,
-    layers_per_stage,
-    split_into_stages,
-    stages_held_by_rank,
-)
-from mtnlg_lightning.parallel.sequence_parallel import check_sequence_length
+from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
 from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
-
-
-@dataclass(frozen=True)
-class PipelineParallelSettings:
-    """How the model is cut into pipeline stages and scheduled."""
-
-    schedule: str = "1f1b"
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved and V-shaped schedules hold several)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-
-
-def check_model_fits(
-    layout: ParallelLayout, config, pipeline: PipelineParallelSettings, sequence_parallel: bool = False
-) -> None:
-    """Every check of a layout against a model that needs only its shape (training and inference alike): whole
-    query and key/value heads and equal vocabulary slices per TP rank, >= 1 block per pipeline stage, the sequence
-    cut evenly by sequence parallelism."""
-    kv_heads = None if config.fused_qkv else config.num_kv_heads
-    layout.validate_model(config.num_heads, config.padded_vocab_size(), config.num_layers, kv_heads)
-    if sequence_parallel:
-        check_sequence_length(config.seq_len, layout.tensor_parallel)
-    stages = layout.pipeline_parallel * pipeline.virtual_stages
-    layers_per_stage(config.num_layers, stages, pipeline.first_stage_layers, pipeline.last_stage_layers)
-
 
 ONE_STAGE = PipelineParallelSettings()
 

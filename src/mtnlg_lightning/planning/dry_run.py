@@ -12,15 +12,13 @@ from mtnlg_lightning.config import ModelConfig, count_parameters, deep_merge, ge
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import ALIASES, GPUS
 from mtnlg_lightning.model import build_model
-from mtnlg_lightning.parallel.context_parallel import check_context_parallel
+from mtnlg_lightning.parallel.config import ParallelConfig
 from mtnlg_lightning.parallel.layout import ParallelLayout
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, layers_per_stage, split_into_stages
+from mtnlg_lightning.parallel.pipeline import split_into_stages
 from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mtnlg_lightning.planning.inference_plan import inference_report
 from mtnlg_lightning.planning.planner import format_plan, plan
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
-
-STRATEGY = "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
 
 
 def load_configs(paths: list[str]) -> dict:
@@ -35,12 +33,6 @@ def load_configs(paths: list[str]) -> dict:
     return merged
 
 
-def _init_args(section, name: str) -> dict:
-    if not isinstance(section, dict) or section.get("class_path") != STRATEGY:
-        raise MTNLGError(f"trainer.strategy must be {STRATEGY} for a dry run, got {name!r}")
-    return section.get("init_args") or {}
-
-
 def _check_keys(args: dict, cls, where: str) -> None:
     known = set(inspect.signature(cls.__init__).parameters) - {"self"}
     unknown = sorted(set(args) - known)
@@ -48,13 +40,20 @@ def _check_keys(args: dict, cls, where: str) -> None:
         raise MTNLGError(f"{where} has unknown key(s) {unknown}; valid: {sorted(known)}")
 
 
-def _stage_parameters(model_config, pp: int, pp_rank: int, schedule: str, virtual: int, strategy: dict, tp: int) -> int:
+def _stage_parameters(model_config, parallel: ParallelConfig, pp_rank: int) -> int:
     full = build_model(model_config, device="meta")
+    pipeline = parallel.pipeline
     stage_models, _, _ = split_into_stages(
-        full, pp, pp_rank, schedule, virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
+        full,
+        parallel.pipeline_parallel,
+        pp_rank,
+        pipeline.schedule,
+        pipeline.virtual_stages,
+        pipeline.first_stage_layers,
+        pipeline.last_stage_layers,
     )
     for stage in stage_models:
-        apply_tensor_parallel(stage, None, 0, tp)
+        apply_tensor_parallel(stage, None, 0, parallel.tensor_parallel)
     return sum(p.numel() for stage in stage_models for p in stage.parameters())
 
 
@@ -62,16 +61,11 @@ def _stage_parameters(model_config, pp: int, pp_rank: int, schedule: str, virtua
 class _Setup:
     """What a config asks for, checked: the world and its layout, the model, the pipeline stages, the batches."""
 
-    strategy: dict
+    parallel: ParallelConfig
     nodes: int
     devices: int
-    tp: int
-    pp: int
-    cp: int
     layout: ParallelLayout
     model_config: ModelConfig
-    schedule: str
-    virtual: int  # stages per pipeline rank
     counts: list[int]  # blocks per stage
     micro: int
     batches: BatchSizeSchedule
@@ -79,6 +73,23 @@ class _Setup:
     @property
     def world(self) -> int:
         return self.nodes * self.devices
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_parallel
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pipeline_parallel
+
+    @property
+    def cp(self) -> int:
+        return self.parallel.context_parallel
+
+    @property
+    def virtual(self) -> int:
+        """Stages per pipeline rank."""
+        return self.parallel.virtual_pipeline_stages
 
     def micro_batches(self, batch: int) -> int:
         """Micro-batches per pipeline for a global batch of `batch` sequences."""
@@ -88,15 +99,13 @@ class _Setup:
 def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | None = None) -> str:
     config = load_configs(config_paths)
     trainer, model_args = config.get("trainer") or {}, config.get("model") or {}
-    strategy = _init_args(trainer.get("strategy"), str(trainer.get("strategy")))
-    # The module and the strategy import Lightning (seconds): a config that fails to load is reported first.
+    parallel = ParallelConfig.from_strategy(trainer.get("strategy"))  # read as `mtnlg fit` reads it
+    # The module imports Lightning (seconds): a config that fails to load is reported first.
     from mtnlg_lightning.train.module import MTNLGModule
-    from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
-    _check_keys(strategy, MegatronDeepSpeedStrategy, "trainer.strategy.init_args")
     _check_keys(model_args, MTNLGModule, "model")
-    setup = _setup(trainer, strategy, model_args)
-    recompute = recompute or _recompute_mode(trainer.get("callbacks") or [])
+    setup = _setup(trainer, parallel, model_args)
+    recompute = recompute or _recompute_mode(model_args, trainer.get("callbacks") or [])
     return "\n".join(
         [
             f"dry run of {', '.join(config_paths)}: OK",
@@ -107,35 +116,19 @@ def dry_run(config_paths: list[str], gpu: str = "a100-80g", recompute: str | Non
     )
 
 
-def _setup(trainer: dict, strategy: dict, model_args: dict) -> _Setup:
-    """The layout, the model and the batch schedule of the config, each checked as the trainer would."""
+def _setup(trainer: dict, parallel: ParallelConfig, model_args: dict) -> _Setup:
+    """The layout, the model and the batch schedule of the config, each checked as the trainer checks them."""
     nodes, devices = int(trainer.get("num_nodes", 1)), trainer.get("devices", 1)
     if not isinstance(devices, int):
         raise MTNLGError(f"trainer.devices must be a number of devices per node for a dry run, got {devices!r}")
-    tp, pp = int(strategy.get("tensor_parallel", 1)), int(strategy.get("pipeline_parallel", 1))
-    cp = int(strategy.get("context_parallel", 1))
-    schedule = strategy.get("pipeline_schedule", "1f1b")
-    virtual = strategy.get("virtual_pipeline_stages") or (2 if schedule in MULTI_STAGE else 1)
-    gpus_per_node, across = strategy.get("gpus_per_node") or devices, bool(strategy.get("allow_tp_across_nodes", False))
-    layout = ParallelLayout(nodes * devices, tp, pp, gpus_per_node, across, cp)
     model_config = get_config(model_args.get("preset", "tiny"), **(model_args.get("model_overrides") or {}))
-    layout.validate_model(model_config.num_heads, model_config.padded_vocab_size(tp), model_config.num_layers)
-    check_context_parallel(
-        cp,
-        model_config.seq_len,
-        tp,
-        bool(strategy.get("sequence_parallel", False)),
-        strategy.get("context_parallel_kernel", "auto"),
-        model_config.attention_dropout,
-    )
-    counts = layers_per_stage(
-        model_config.num_layers, pp * virtual, strategy.get("first_stage_layers"), strategy.get("last_stage_layers")
-    )
+    layout = parallel.validate(model_config, nodes * devices, gpus_per_node=devices)
     micro = int(model_args.get("micro_batch_size", 8))
     ramp = model_args.get("rampup_batch_size") or [None, None, 0]
     batches = BatchSizeSchedule(int(model_args.get("global_batch_size", 8)), *ramp)
     batches.check_divisible(micro, layout.data_parallel)
-    return _Setup(strategy, nodes, devices, tp, pp, cp, layout, model_config, schedule, virtual, counts, micro, batches)
+    counts = parallel.stage_layers(model_config.num_layers)
+    return _Setup(parallel, nodes, devices, layout, model_config, counts, micro, batches)
 
 
 def _parameters_per_stage(s: _Setup) -> list[int]:
@@ -144,18 +137,20 @@ def _parameters_per_stage(s: _Setup) -> list[int]:
     and the last rank are all the kinds."""
     uniform_middle = s.virtual == 1 and len(set(s.counts[1:-1])) <= 1
     ranks = sorted({0, min(1, s.pp - 1), s.pp - 1}) if uniform_middle else list(range(s.pp))
-    params_of = {r: _stage_parameters(s.model_config, s.pp, r, s.schedule, s.virtual, s.strategy, s.tp) for r in ranks}
+    params_of = {r: _stage_parameters(s.model_config, s.parallel, r) for r in ranks}
     return [params_of.get(r, params_of.get(min(1, s.pp - 1))) for r in range(s.pp)]
 
 
-def _recompute_mode(callbacks: list) -> str:
-    """The activation recompute of the config's ActivationCheckpointing callback (none without one)."""
+def _recompute_mode(model_args: dict, callbacks: list) -> str:
+    """The activation recompute the run applies: an ActivationCheckpointing callback's mode (it sets the model's),
+    else the model's `activation_checkpointing` (none without either)."""
     modes = [
-        (c.get("init_args") or {}).get("mode")
+        (c.get("init_args") or {}).get("mode", "selective")
         for c in callbacks
         if isinstance(c, dict) and c.get("class_path", "").endswith("ActivationCheckpointing")
     ]
-    return modes[0] if modes and modes[0] in ("full", "selective") else "none"
+    mode = modes[0] if modes else model_args.get("activation_checkpointing", "none")
+    return mode if mode in ("full", "selective") else "none"
 
 
 def _summary_lines(s: _Setup, params_per_stage: list[int]) -> list[str]:
@@ -166,12 +161,12 @@ def _summary_lines(s: _Setup, params_per_stage: list[int]) -> list[str]:
     return [
         f"  model        {config.name}: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads, seq {config.seq_len}, vocab {config.vocab_size} -> "
-        f"{config.padded_vocab_size(s.tp)} padded; {count_parameters(config) / 1e9:,.1f}B parameters",
+        f"{config.padded_vocab_size()} padded; {count_parameters(config) / 1e9:,.1f}B parameters",
         f"  layout       world {s.world} = {s.nodes} node(s) x {s.devices}: pp {s.pp} x dp {layout.data_parallel} x "
         + (f"cp {s.cp} (each sequence's {config.seq_len} tokens in 2 x {s.cp} chunks) x " if s.cp > 1 else "")
         + f"tp {s.tp}; "
         f"TP groups inside a node: {'yes' if s.tp <= layout.ranks_per_node else 'NO'}",
-        f"  stages       {s.pp * s.virtual} ({s.schedule}, {s.virtual} per rank); blocks per stage "
+        f"  stages       {s.pp * s.virtual} ({s.parallel.pipeline_schedule}, {s.virtual} per rank); blocks per stage "
         f"{s.counts[0] if len(set(s.counts)) == 1 else s.counts}",
         f"  params/GPU   first {params_per_stage[0] / 1e9:.3f}B, middle "
         f"{params_per_stage[len(params_per_stage) // 2] / 1e9:.3f}B, last {params_per_stage[-1] / 1e9:.3f}B "
@@ -185,7 +180,7 @@ def _summary_lines(s: _Setup, params_per_stage: list[int]) -> list[str]:
 
 def _memory_lines(s: _Setup, gpu: str, recompute: str) -> list[str]:
     """The planner's estimate for the config; with TP, the memory per GPU with and without sequence parallelism."""
-    sequence_parallel = bool(s.strategy.get("sequence_parallel", False))
+    sequence_parallel = s.parallel.sequence_parallel
 
     def estimate_with(sp: bool):
         return plan(
@@ -198,7 +193,7 @@ def _memory_lines(s: _Setup, gpu: str, recompute: str) -> list[str]:
             s.batches.global_batch_size,
             s.micro,
             recompute,
-            int(s.strategy.get("zero_stage", 1)),
+            s.parallel.zero_stage,
             layers=s.counts if s.virtual == 1 else None,
             virtual_stages=s.virtual,
             sequence_parallel=sp,

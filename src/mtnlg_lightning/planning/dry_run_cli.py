@@ -34,8 +34,8 @@ def main(argv=None) -> int:
         "--recompute",
         default=None,
         choices=("none", "selective", "full"),
-        help="activation recompute for the memory estimate (default: from the config's "
-        "ActivationCheckpointing callback, else none)",
+        help="activation recompute for the memory estimate (default: the config's model.activation_checkpointing "
+        "or ActivationCheckpointing callback, else none)",
     )
     args = parser.parse_args(argv)
 

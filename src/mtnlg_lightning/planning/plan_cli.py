@@ -3,6 +3,8 @@
 Check one layout (memory per GPU, time per iteration with its breakdown):
     mtnlg-plan --model mtnlg-530b --tp 8 --pp 35 --dp 16 --gpu a100-80g --global-batch 1920 \\
         --micro-batch 1 --recompute full --rampup 32 32 5859375
+The layout of a strategy file, checked as `mtnlg fit` checks it, on a cluster of --gpus:
+    mtnlg-plan --model gpt3-1.3b --strategy configs/strategy/tp2_pp2_dp2.yaml --gpus 16 --global-batch 512
 Rank every layout of a cluster that fits, and explain the top ones; write the best as a strategy config:
     mtnlg-plan --model gpt3-1.3b --gpus 16 --global-batch 512 --search --write-config best.yaml
     mtnlg fit --config my_run.yaml --trainer.strategy best.yaml --model.micro_batch_size ... (printed)
@@ -25,6 +27,7 @@ from pathlib import Path
 from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
+from mtnlg_lightning.parallel.config import STRATEGY_PATHS, ParallelConfig, read_strategy_file
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
@@ -54,10 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hardware.add_argument("--gpu-spec", help="YAML file adding GPU types (fields of gpus.GPUSpec)")
     hardware.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: the NVLink domain (default 8)")
-    hardware.add_argument("--gpus", type=int, help="cluster size for --search (default: tp x pp x dp)")
+    hardware.add_argument(
+        "--gpus", type=int, help="cluster size (default: tp x cp x pp x dp); checking one layout, DP is what is left"
+    )
     layout = parser.add_argument_group(
-        "layout (checked as given; with --search only the batch, precision and implementation apply, and tp x pp x dp "
-        "is the default --gpus)"
+        "layout (checked as the trainer checks it; with --search only the batch, precision and implementation apply, "
+        "and tp x cp x pp x dp is the default --gpus)"
+    )
+    layout.add_argument(
+        "--strategy",
+        metavar="FILE",
+        help="a strategy YAML (configs/strategy/*.yaml, a --write-config output): its layout replaces --tp, --pp, "
+        "--cp, --virtual-stages, --sequence-parallel and --zero-stage",
     )
     layout.add_argument("--tp", type=int, default=8, help="tensor-parallel size, inside a node (default 8)")
     layout.add_argument("--pp", type=int, default=35, help="pipeline-parallel stages (default 35)")
@@ -118,13 +129,13 @@ def model_config(args) -> ModelConfig:
 
 
 def strategy_yaml(p: Plan, gpus_per_node: int) -> str:
-    schedule = "interleaved_1f1b" if p.virtual_stages > 1 else "1f1b"
+    schedule = planned_config(p.tp, p.pp, p.cp, p.virtual_stages, p.zero_stage, p.sequence_parallel).pipeline_schedule
     lines = [
         f"# Written by mtnlg-plan: {p.model} on {p.gpus} x {p.gpu}, global batch {p.global_batch}; predicted "
         f"{p.iteration_seconds:.3g} s per iteration (MFU {p.mfu:.0%}), {p.total_gb:.1f} GB per GPU.",
         f"#   mtnlg fit --config YOUR_RUN.yaml --trainer.strategy THIS_FILE --model.micro_batch_size {p.micro_batch} "
         f"--model.global_batch_size {p.global_batch}",
-        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy",
+        f"class_path: {STRATEGY_PATHS[0]}",
         "init_args:",
         f"  tensor_parallel: {p.tp}",
         f"  pipeline_parallel: {p.pp}",
@@ -206,6 +217,52 @@ def print_inference(args, config: ModelConfig, extra) -> None:
         print(inference_report(config, names, args.batch, args.length, args.dtype, args.gpus_per_node, extra))
 
 
+def planned_config(tp: int, pp: int, cp: int, virtual: int, zero_stage: int, sp: bool) -> ParallelConfig:
+    """A layout as the planner models it: interleaved 1F1B when a rank holds several stages (as written by
+    --write-config)."""
+    return ParallelConfig(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        pipeline_schedule="interleaved_1f1b" if virtual > 1 else "1f1b",
+        virtual_pipeline_stages=virtual,
+        zero_stage=zero_stage,
+        sequence_parallel=sp,
+        context_parallel=cp,
+    )
+
+
+def parallel_config(args) -> ParallelConfig:
+    """The layout to check: the strategy file's, read as the trainer reads it, else the layout flags'."""
+    if args.strategy:
+        return read_strategy_file(args.strategy)
+    return planned_config(args.tp, args.pp, args.cp, args.virtual_stages, args.zero_stage, args.sequence_parallel)
+
+
+def plan_layout(args, config: ModelConfig, gpu) -> Plan:
+    """One layout, first validated as the trainer validates it (`ParallelConfig.validate`), then planned."""
+    parallel = parallel_config(args)
+    world = args.gpus or parallel.tensor_parallel * parallel.context_parallel * parallel.pipeline_parallel * args.dp
+    layout = parallel.validate(config, world, gpus_per_node=args.gpus_per_node)
+    explicit = parallel.first_stage_layers is not None or parallel.last_stage_layers is not None
+    layers = parallel.stage_layers(config.num_layers) if explicit and parallel.virtual_pipeline_stages == 1 else None
+    return plan(
+        config, layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel, layout.ranks_per_node, gpu,
+        args.global_batch, args.micro_batch, args.recompute, parallel.zero_stage, precision=args.precision,
+        layers=layers, virtual_stages=parallel.virtual_pipeline_stages, sequence_parallel=parallel.sequence_parallel,
+        implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel,
+    )  # fmt: skip
+
+
+def trainer_runs(p: Plan, config: ModelConfig, gpus_per_node: int) -> bool:
+    """Whether the trainer accepts a searched layout (`ParallelConfig.validate`)."""
+    parallel = planned_config(p.tp, p.pp, p.cp, p.virtual_stages, p.zero_stage, p.sequence_parallel)
+    try:
+        parallel.validate(config, p.gpus, gpus_per_node=gpus_per_node)
+    except MTNLGError:
+        return False
+    return True
+
+
 def run(args) -> None:
     config = model_config(args)
     extra = load_gpu_specs(args.gpu_spec) if args.gpu_spec else None
@@ -216,7 +273,9 @@ def run(args) -> None:
     gpu = get_gpu(args.gpu, extra)
     if args.search:
         gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
+        ParallelConfig().layout(gpus, args.gpus_per_node)  # a cluster of whole nodes
         plans = search(config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation)
+        plans = [p for p in plans if trainer_runs(p, config, args.gpus_per_node)]
         for p in plans:
             p.gpu = args.gpu
         if not plans:
@@ -230,12 +289,7 @@ def run(args) -> None:
         else:
             print_search(plans, args, gpus, config.name)
     else:
-        chosen = plan(
-            config, args.tp, args.pp, args.dp, args.gpus_per_node, gpu, args.global_batch, args.micro_batch,
-            args.recompute, args.zero_stage, precision=args.precision, virtual_stages=args.virtual_stages,
-            sequence_parallel=args.sequence_parallel, implementation=args.implementation, rampup=args.rampup,
-            cp=args.cp,
-        )  # fmt: skip
+        chosen = plan_layout(args, config, gpu)
         chosen.gpu = args.gpu
         print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))
     if args.write_config:

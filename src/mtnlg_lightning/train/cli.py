@@ -16,7 +16,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError, one_line, run_main
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.parallel.context_parallel import check_context_parallel
+from mtnlg_lightning.parallel.config import ParallelConfig
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
@@ -41,8 +41,7 @@ class MTNLGCLI(LightningCLI):
         super().parse_arguments(parser, args)
         config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
         if config is not None:
-            check_strategy_extras(config.trainer.strategy)
-            check_context_parallel_run(config.trainer.strategy, config.model)
+            check_parallel_run(config.trainer.strategy, config.model)
 
     def before_instantiate_classes(self) -> None:
         """`trainer.precision: null` picks the fastest correct precision for the machine (`default_precision`);
@@ -69,33 +68,19 @@ class MTNLGCLI(LightningCLI):
         config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
 
 
-def check_strategy_extras(strategy) -> None:
-    """A ZeRO stage needs DeepSpeed: say so right after parsing, before the seed line, data or processes."""
-    class_path = getattr(strategy, "class_path", None) or ""
-    if class_path.endswith("MegatronDeepSpeedStrategy"):
-        zero_stage = (getattr(strategy, "init_args", None) or {}).get("zero_stage", 1)
-        if isinstance(zero_stage, int) and zero_stage >= 1:
-            require_extra("deepspeed", f"zero_stage {zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
-
-
-def check_context_parallel_run(strategy, model) -> None:
-    """What context parallelism needs of the run (the sequence cut into 2 x CP chunks, a kernel returning its
-    log-sum-exp, no attention dropout): one line right after parsing, before any process starts."""
-    args = (getattr(strategy, "init_args", None) or {}) if str(getattr(strategy, "class_path", "")) else {}
-    cp = args.get("context_parallel", 1)
-    if not str(getattr(strategy, "class_path", "")).endswith("MegatronDeepSpeedStrategy") or not isinstance(cp, int):
-        return
-    if model.get("init_from"):  # the architecture comes from the source: checked once it is read
-        return
-    config = get_config(model.get("preset", "tiny"), **(model.get("model_overrides") or {}))
-    check_context_parallel(
-        cp,
-        config.seq_len,
-        args.get("tensor_parallel", 1),
-        bool(args.get("sequence_parallel", False)),
-        args.get("context_parallel_kernel", "auto"),
-        config.attention_dropout,
-    )
+def check_parallel_run(strategy, model) -> None:
+    """The strategy's layout (`parallel.config.ParallelConfig`) checked right after parsing, before the seed line,
+    data or processes, as the dry run, the planner and inference check it: its arguments and, for a model the
+    config describes, the model's split; then the DeepSpeed a ZeRO stage needs. The world is checked by the
+    strategy, once Lightning has counted the devices."""
+    spec = strategy.as_dict() if hasattr(strategy, "as_dict") else strategy  # jsonargparse's Namespace
+    parallel = ParallelConfig.from_strategy(spec)
+    model_config = None  # a model from `init_from` has its architecture in the source: checked once it is read
+    if not model.get("init_from"):
+        model_config = get_config(model.get("preset", "tiny"), **(model.get("model_overrides") or {}))
+    parallel.validate(model_config)
+    if parallel.zero_stage >= 1:
+        require_extra("deepspeed", f"zero_stage {parallel.zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
 
 
 def check_accelerator(accelerator) -> None:

@@ -5,12 +5,13 @@
         class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy
         init_args: {tensor_parallel: 2, zero_stage: 1}
 
-At start-up every rank builds the same `ParallelLayout` (pp, dp, tp; TP innermost), validates it against the
-model, creates its process groups and rank 0 prints the table. `setup` applies the layout (`parallelize_gpt`) and
-either keeps the module's optimizer with a plain DP all-reduce (`zero_stage: 0`) or hands model shard + optimizer
-to DeepSpeed ZeRO over the DP group (1, 2, 3). The module owns the training step; this class supplies its
-parts (`step_interfaces`: forward_backward, evaluate, update). Works under Lightning's launcher, torchrun and
-SLURM (Lightning's cluster environments).
+The layout's arguments become one `parallel.config.ParallelConfig` (the dry run, the planner and inference read
+strategy files into the same one). At start-up every rank builds the same `ParallelLayout` (pp, dp, tp; TP
+innermost) by validating that config against the model and the world, creates its process groups and rank 0
+prints the table. `setup` applies the layout (`parallelize_gpt`) and either keeps the module's optimizer with a
+plain DP all-reduce (`zero_stage: 0`) or hands model shard + optimizer to DeepSpeed ZeRO over the DP group (1, 2,
+3). The module owns the training step; this class supplies its parts (`step_interfaces`: forward_backward,
+evaluate, update). Works under Lightning's launcher, torchrun and SLURM (Lightning's cluster environments).
 """
 
 from __future__ import annotations
@@ -29,19 +30,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
 from mtnlg_lightning.checkpoint.commit import remove_checkpoint
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
-from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
-from mtnlg_lightning.parallel.context_parallel import KERNELS, check_context_parallel
+from mtnlg_lightning.parallel.config import ParallelConfig, PipelineParallelSettings
 from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
-from mtnlg_lightning.parallel.parallelize import (
-    ParallelGPT,
-    PipelineParallelSettings,
-    check_model_fits,
-    parallelize_gpt,
-)
-from mtnlg_lightning.parallel.pipeline import MULTI_STAGE, V_SHAPED, PipelineRunner, schedule_class
+from mtnlg_lightning.parallel.parallelize import ParallelGPT, parallelize_gpt
+from mtnlg_lightning.parallel.pipeline import PipelineRunner
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 from mtnlg_lightning.parallel.zero import (
     ModelParallelUnit,
@@ -77,6 +72,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         async_save: bool = False,
+        expert_parallel: int = 1,
     ) -> None:
         """
         Args:
@@ -107,16 +103,26 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 (+30 s): the step limit after the first step, the save and eval limits for those.
             async_save: checkpoints are copied to host memory at the save and written in the background while
                 training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
+            expert_parallel: ranks that split a mixture-of-experts layer's experts; 1 (no model has experts yet).
         """
         super().__init__()
-        self.tensor_parallel, self.pipeline_parallel, self.zero_stage = tensor_parallel, pipeline_parallel, zero_stage
-        self.pipeline_schedule = pipeline_schedule
-        self.virtual_pipeline_stages = virtual_pipeline_stages or (2 if pipeline_schedule in MULTI_STAGE else 1)
-        self.first_stage_layers, self.last_stage_layers = first_stage_layers, last_stage_layers
+        # Checked later (`_check_arguments`): the CLI's argument parser would bury a message raised here.
+        self.parallel_config = ParallelConfig(
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            pipeline_schedule=pipeline_schedule,
+            virtual_pipeline_stages=virtual_pipeline_stages,
+            first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            context_parallel=context_parallel,
+            context_parallel_kernel=context_parallel_kernel,
+            expert_parallel=expert_parallel,
+            gpus_per_node=gpus_per_node,
+            allow_tp_across_nodes=allow_tp_across_nodes,
+        )
         self.parallel: ParallelGPT | None = None  # this rank's model part, set once by setup
-        self.gpus_per_node, self.allow_tp_across_nodes = gpus_per_node, allow_tp_across_nodes
-        self.sequence_parallel = sequence_parallel
-        self.context_parallel, self.context_parallel_kernel = context_parallel, context_parallel_kernel
         self.extra_deepspeed_config = deepspeed_config or {}
         self.print_layout = print_layout
         self._process_group_backend = process_group_backend
@@ -165,49 +171,36 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
-    def _check_arguments(self) -> None:
+    # ------------------------------------------------------------------ the layout (`self.parallel_config`)
+    @property
+    def pipeline_parallel(self) -> int:
+        return self.parallel_config.pipeline_parallel
+
+    @property
+    def context_parallel_kernel(self) -> str:
+        return self.parallel_config.context_parallel_kernel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel_config.sequence_parallel
+
+    @property
+    def zero_stage(self) -> int:
+        return self.parallel_config.zero_stage
+
+    def _check_arguments(self, world_size: int | None = None, gpus_per_node: int | None = None) -> None:
         # Here rather than in __init__: the CLI's argument parser would bury the message in its own report.
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise MTNLGError(f"zero_stage {self.zero_stage} is not one of 0 (plain DP), 1, 2, 3")
+        self.parallel_config.validate(world_size=world_size, gpus_per_node=gpus_per_node)
         if self.zero_stage >= 1:  # before any process is launched or data is built
             require_extra("deepspeed", f"zero_stage {self.zero_stage} (DeepSpeed ZeRO; zero_stage 0 does without it)")
-        schedule_class(self.pipeline_schedule)  # unknown names fail here with the list of known ones
-        multi = self.pipeline_schedule in MULTI_STAGE
-        if multi != (self.virtual_pipeline_stages > 1):
-            raise MTNLGError(
-                f"pipeline_schedule {self.pipeline_schedule} takes "
-                f"{'2 or more' if multi else '1'} virtual_pipeline_stages, got {self.virtual_pipeline_stages}"
-            )
-        if self.pipeline_parallel > 1 and self.zero_stage == 3:
-            raise MTNLGError(
-                "zero_stage 3 partitions parameters a pipeline stage needs whole: use zero_stage 1 or "
-                "2 with pipeline_parallel > 1"
-            )
-        if self.pipeline_schedule in V_SHAPED and self.zero_stage == 2:
-            raise MTNLGError(
-                f"pipeline_schedule {self.pipeline_schedule} splits the backward in two, which ZeRO-2's "
-                f"gradient bookkeeping does not follow: use zero_stage 0 or 1 with it"
-            )
-        if self.sequence_parallel and self.tensor_parallel == 1:
-            raise MTNLGError("sequence_parallel shards over the tensor-parallel group: it needs tensor_parallel > 1")
-        if self.context_parallel > 1 and self.context_parallel_kernel not in KERNELS:
-            raise MTNLGError(
-                f"context_parallel_kernel {self.context_parallel_kernel!r} is not one of {', '.join(KERNELS)}"
-            )
 
     def _configure_launcher(self) -> None:
-        self._check_arguments()
-        if not self.cluster_environment.creates_processes_externally:
-            # Lightning will spawn the ranks: check the layout first, so a bad one is one line from one process.
-            ParallelLayout(
-                self.num_nodes * self.num_processes,
-                self.tensor_parallel,
-                self.pipeline_parallel,
-                self.gpus_per_node or self.num_processes or None,
-                self.allow_tp_across_nodes,
-                self.context_parallel,
-            )
-            lightning_compat.use_subprocess_launcher(self)
+        if self.cluster_environment.creates_processes_externally:
+            self._check_arguments()
+            return
+        # Lightning will spawn the ranks: check the layout first, so a bad one is one line from one process.
+        self._check_arguments(self.num_nodes * self.num_processes, self.num_processes or None)
+        lightning_compat.use_subprocess_launcher(self)
 
     def setup_environment(self) -> None:
         self._check_arguments()
@@ -233,28 +226,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             rank_zero_info(self.layout.table())
 
     def _build_layout(self) -> ParallelLayout:
-        gpus_per_node = self.gpus_per_node or gpus_per_node_from_env(self.num_processes or None)
-        layout = ParallelLayout(
-            self.world_size,
-            self.tensor_parallel,
-            self.pipeline_parallel,
-            gpus_per_node,
-            self.allow_tp_across_nodes,
-            self.context_parallel,
-        )
-        config = getattr(self.lightning_module, "config", None)
-        if config is not None:
-            check_model_fits(layout, config, self.pipeline_settings, self.sequence_parallel)
-            dropout = config.attention_dropout
-            check_context_parallel(
-                self.context_parallel,
-                config.seq_len,
-                self.tensor_parallel,
-                self.sequence_parallel,
-                self.context_parallel_kernel,
-                dropout,
-            )
-        return layout
+        gpus_per_node = gpus_per_node_from_env(self.num_processes or None)
+        config = getattr(self.lightning_module, "config", None)  # the model, when the module has one to check
+        return self.parallel_config.validate(config, self.world_size, gpus_per_node=gpus_per_node)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -314,9 +288,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
 
     @property
     def pipeline_settings(self) -> PipelineParallelSettings:
-        return PipelineParallelSettings(
-            self.pipeline_schedule, self.virtual_pipeline_stages, self.first_stage_layers, self.last_stage_layers
-        )
+        return self.parallel_config.pipeline
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
