@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling helpers, also when a test imports it as benchmarks.*
 from model_shape import add_model_shape_args  # noqa: E402
 from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
 
