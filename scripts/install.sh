@@ -11,15 +11,4 @@ fi
 extras=${1:-}
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-if [ "$extras" = dev ]; then
-  # In a fresh environment pip's resolver backtracks for many minutes (measured: > 6 min) between moto's boto3, which
-  # wants the newest botocore, and s3fs's aiobotocore, which pins botocore narrowly. Settle botocore with the cloud
-  # extra first, then hold it while the rest resolves (~1 min).
-  "$PYTHON" -m pip install -q -e ".[cloud]"
-  held=$(mktemp)
-  trap 'rm -f "$held"' EXIT
-  "$PYTHON" -m pip freeze | grep -i '^botocore==' > "$held" || true
-  "$PYTHON" -m pip install -q -e "$spec" -c "$held"
-else
-  "$PYTHON" -m pip install -q -e "$spec"
-fi
+"$PYTHON" -m pip install -q -e "$spec"
