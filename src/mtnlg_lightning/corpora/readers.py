@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.formats import CorpusError, Format, detect, need, open_read
 from mtnlg_lightning.corpora.records import BadRecord, BadRecordPolicy, Record, locate, parse_line, text_of
-from mtnlg_lightning.corpora.sources import InputFile
+from mtnlg_lightning.corpora.sources import InputFile, expand_inputs
 
 PARQUET_BATCH_ROWS = 1024
 _BLOCK = 1 << 20
@@ -127,6 +127,25 @@ def iter_records(
                 continue
             rid = rec.get(id_key) if id_key else None
             yield Record(text, rid if rid is not None else f"{file.name}:{n}", file.name, n, rec)
+
+
+def iter_objects(specs: list[str]) -> Iterator[tuple[str, dict]]:
+    """(place, record) of every record of the files `specs` names (files, folders, globs, URLs), in order: the
+    readers of task and fine-tuning files, which stop at the first record that is no JSON object (one line naming
+    its file and line, row or item)."""
+    for file in expand_inputs(specs):
+        fmt = detect(file.path)
+        for n, item in iter_raw(file.path, fmt):
+            where = locate(file.path, fmt.kind, n)
+            try:
+                record = parse_line(item) if isinstance(item, bytes) else item
+            except BadRecord as err:
+                detail = str(err).removeprefix("invalid JSON: ")
+                wording = f"not valid JSON ({detail})" if err.reason == "malformed_json" else detail
+                raise CorpusError(f"{where}: {wording}") from None
+            if not isinstance(record, dict):
+                raise CorpusError(f"{where}: expected a JSON object")
+            yield where, record
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:

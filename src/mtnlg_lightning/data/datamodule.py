@@ -27,10 +27,14 @@ class StepBatches(IterableDataset):
     where the batch size comes from the ramp-up schedule; DP rank r takes the r-th contiguous slice (as
     Megatron's pretraining sampler). Tensor- and pipeline-parallel ranks with the same DP rank get the same data.
     With several loader workers, worker w produces steps w, w+W, ...: the DataLoader's round-robin keeps order.
+    `collate` turns the rank's samples into its batch (default: token windows, `window_batch`).
     """
 
-    def __init__(self, dataset, batch_size_at, start_samples: int, end_samples: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self, dataset, batch_size_at, start_samples: int, end_samples: int, dp_rank: int, dp_size: int, collate=None
+    ):
         self.dataset, self.batch_size_at = dataset, batch_size_at
+        self.collate = collate or window_batch
         self.start_samples, self.end_samples = start_samples, end_samples
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
@@ -57,10 +61,14 @@ class StepBatches(IterableDataset):
             first = consumed + self.dp_rank * local
             rows = [self.dataset[i % len(self.dataset)] for i in range(first, first + local)]
             yield {
-                **language_modelling_batch(torch.from_numpy(np.stack(rows))),
+                **self.collate(rows),
                 "consumed_samples": torch.tensor(consumed),
                 "global_batch_size": torch.tensor(size),
             }
+
+
+def window_batch(windows: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    return language_modelling_batch(torch.from_numpy(np.stack(windows)))
 
 
 def language_modelling_batch(windows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -72,7 +80,60 @@ def language_modelling_batch(windows: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids.contiguous(), "labels": labels.contiguous(), "position_ids": positions.contiguous()}
 
 
-class GPTDataModule(L.LightningDataModule):
+class StepDataModule(L.LightningDataModule):
+    """What every data module of the trainer shares: samples per split (`splits`, filled by `setup`) served as
+    `StepBatches` of this data-parallel rank, each rank's samples turned into a batch by `collate`."""
+
+    collate = None  # StepBatches' default: token windows
+
+    def __init__(self):
+        super().__init__()
+        self.splits: dict = {}
+
+    # The recipe (sequence length, batch schedule) is owned by the LightningModule, the data position by its
+    # `TrainingPosition`, the DP layout by the strategy.
+    @property
+    def _module(self):
+        return self.trainer.lightning_module
+
+    def _dp(self) -> tuple[int, int]:
+        strategy = self.trainer.strategy
+        return (
+            getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
+            getattr(strategy, "data_parallel_size", self.trainer.world_size),
+        )
+
+    def train_dataloader(self):
+        module = self._module
+        dp_rank, dp_size = self._dp()
+        module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
+        samples = self.splits["train"]
+        start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
+        steps = StepBatches(
+            samples, module.batch_schedule.batch_size_at_samples, start, len(samples), dp_rank, dp_size, self.collate
+        )
+        return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
+
+    def _eval_dataloader(self, name: str):
+        if name not in self.splits:
+            return []
+        dp_rank, dp_size = self._dp()
+        # Evaluation batches are global batches (as Megatron's eval iterations): the same micro-batch count per
+        # rank as training, which pipeline schedules need.
+        size = self._module.batch_schedule.global_batch_size
+        samples = self.splits[name]
+        end = len(samples) - len(samples) % size
+        batches = StepBatches(samples, lambda _: size, 0, end, dp_rank, dp_size, self.collate)
+        return DataLoader(batches, batch_size=None, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return self._eval_dataloader("valid")
+
+    def test_dataloader(self):
+        return self._eval_dataloader("test")
+
+
+class GPTDataModule(StepDataModule):
     def __init__(
         self,
         datasets: list[str] | None = None,
@@ -118,7 +179,6 @@ class GPTDataModule(L.LightningDataModule):
         self.num_workers, self.eval_samples = num_workers, eval_samples
         self.tokenizer = tokenizer
         self.remote_cache = (remote_cache_dir, remote_cache_mb, remote_block_kb)
-        self.blends: dict[str, BlendedDataset] = {}
 
     @property
     def tokenizer_file(self) -> str | None:
@@ -135,18 +195,10 @@ class GPTDataModule(L.LightningDataModule):
         if self.builtin_corpus:
             build_demo_data()
 
-    # The recipe (sequence length, batch schedule) is owned by the LightningModule, the data position by its
-    # `TrainingPosition`, the DP layout by the strategy.
     @property
-    def _module(self):
-        return self.trainer.lightning_module
-
-    def _dp(self) -> tuple[int, int]:
-        strategy = self.trainer.strategy
-        return (
-            getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
-            getattr(strategy, "data_parallel_size", self.trainer.world_size),
-        )
+    def blends(self) -> dict[str, BlendedDataset]:
+        """The blended samples of each split."""
+        return self.splits
 
     def setup(self, stage: str | None = None) -> None:
         if self.builtin_corpus:
@@ -184,29 +236,3 @@ class GPTDataModule(L.LightningDataModule):
                 for ds, r, n in zip(indexed, ranges, needed, strict=True)
             ]
             self.blends[name] = BlendedDataset(parts, self.weights, counts[name])
-
-    def train_dataloader(self):
-        module = self._module
-        dp_rank, dp_size = self._dp()
-        module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
-        blend = self.blends["train"]
-        start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
-        steps = StepBatches(blend, module.batch_schedule.batch_size_at_samples, start, len(blend), dp_rank, dp_size)
-        return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
-
-    def _eval_dataloader(self, name: str):
-        if name not in self.blends:
-            return []
-        dp_rank, dp_size = self._dp()
-        # Evaluation batches are global batches (as Megatron's eval iterations): the same micro-batch count per
-        # rank as training, which pipeline schedules need.
-        size = self._module.batch_schedule.global_batch_size
-        blend = self.blends[name]
-        batches = StepBatches(blend, lambda _: size, 0, len(blend) - len(blend) % size, dp_rank, dp_size)
-        return DataLoader(batches, batch_size=None, num_workers=self.num_workers)
-
-    def val_dataloader(self):
-        return self._eval_dataloader("valid")
-
-    def test_dataloader(self):
-        return self._eval_dataloader("test")

@@ -36,30 +36,16 @@ def read_tsv(path: Path, fields: tuple[str, ...]) -> list[dict]:
 def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
     """Records of a file, folder or glob in any corpus format (JSON lines plain/gzip/zstd, JSON arrays, parquet;
     :mod:`mtnlg_lightning.corpora`), each with non-empty string ``fields``."""
-    from mtnlg_lightning.corpora.formats import detect
-    from mtnlg_lightning.corpora.readers import iter_raw
-    from mtnlg_lightning.corpora.records import BadRecord, locate, parse_line
-    from mtnlg_lightning.corpora.sources import expand_inputs
+    from mtnlg_lightning.corpora.readers import iter_objects
 
     if not Path(path).exists() and not any(c in str(path) for c in "*?["):
         raise MTNLGError(f"{path} does not exist")
     records = []
-    for file in expand_inputs([str(path)]):
-        fmt = detect(file.path)
-        for number, item in iter_raw(file.path, fmt):
-            where = locate(file.path, fmt.kind, number)
-            try:
-                record = parse_line(item) if isinstance(item, bytes) else item
-            except BadRecord as exc:
-                detail = str(exc).removeprefix("invalid JSON: ")
-                wording = f"not valid JSON ({detail})" if exc.reason == "malformed_json" else detail
-                raise MTNLGError(f"{where}: {wording}") from None
-            if not isinstance(record, dict):
-                raise MTNLGError(f"{where}: expected a JSON object")
-            missing = [k for k in fields if not isinstance(record.get(k), str) or not record[k].strip()]
-            if missing:
-                raise MTNLGError(f"{where}: missing or empty text field(s) {', '.join(missing)}")
-            records.append(record)
+    for where, record in iter_objects([str(path)]):
+        missing = [k for k in fields if not isinstance(record.get(k), str) or not record[k].strip()]
+        if missing:
+            raise MTNLGError(f"{where}: missing or empty text field(s) {', '.join(missing)}")
+        records.append(record)
     if not records:
         raise MTNLGError(f"{path} holds no records")
     return records

@@ -1,0 +1,308 @@
+"""Chat templates: a conversation to the token ids `transformers`' `apply_chat_template` gives, and which of them
+are trained.
+
+The template is the model directory's own (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`),
+a named one (`NAMED_TEMPLATES`), a `.jinja` file or the template text itself. It is rendered as transformers renders
+it (Jinja's immutable sandbox, `trim_blocks` and `lstrip_blocks`, its `tojson`, `raise_exception`, `strftime_now`
+and `{% generation %}` tag, the directory's named special tokens as variables), and the text is encoded by the
+directory's `tokenizer.json` through `tokenizers` (no special tokens added: the template writes them), so the ids
+equal `apply_chat_template(messages, tokenize=True)` without transformers installed.
+
+Which tokens are trained (the assistant's, the end-of-turn token included):
+- a template with `{% generation %}` tags marks the assistant text itself; a token is trained when it overlaps a
+  marked span (as transformers' `return_assistant_tokens_mask`);
+- any other template: each assistant turn is the text that rendering `messages[:i + 1]` adds to rendering
+  `messages[:i]` with the generation prompt (the turn's header is the prompt, so it is not trained), less the
+  whitespace after its end-of-turn token (torchtune's render-and-diff, on characters so that tokenization in context
+  cannot shift it: trl#1550).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from mtnlg_lightning.errors import MTNLGError
+
+# The named special tokens a template sees as variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+
+# Templates by name, with `{% generation %}` around what the assistant says (its end-of-turn token included), so
+# that their masks come from the tags.
+NAMED_TEMPLATES = {
+    # ChatML (Qwen 2/2.5/3 without reasoning, many others): no default system message.
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}"
+        "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+        "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    # Llama 3 / 3.1 / 3.2 instruct turns (without 3.1's dated system preamble).
+    "llama3": (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+        "{% if message['role'] == 'assistant' %}"
+        "{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+        "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+}
+
+
+class _GenerationTracker(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body, and while tracking records the body's character
+    span in the output so far (transformers' AssistantTracker does the same)."""
+
+    tags = {"generation"}
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        self._tracking: ContextVar = ContextVar("generation_tracking", default=None)
+        environment.extend(track_generation=self.track)
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_generation", []), [], [], body).set_lineno(lineno)
+
+    def _generation(self, caller):
+        text = caller()
+        tracking = self._tracking.get()
+        if tracking is not None:
+            blocks, spans = tracking
+            start = sum(len(block) for block in blocks)
+            spans.append((start, start + len(text)))
+        return text
+
+    @contextmanager
+    def track(self, blocks: list[str], spans: list[tuple[int, int]]):
+        token = self._tracking.set((blocks, spans))
+        try:
+            yield
+        finally:
+            self._tracking.reset(token)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON (as transformers renders them).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+def compile_template(text: str) -> jinja2.Template:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    try:
+        return environment.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as error:
+        raise MTNLGError(f"the chat template does not parse: {error.message} (line {error.lineno})") from None
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with its `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise MTNLGError(f"cannot read {path}: {error}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def directory_template(directory: Path, config: dict) -> str | None:
+    """The directory's template as transformers picks it: `chat_template.jinja` first, else `chat_template` in
+    tokenizer_config.json (a string, or a list of named templates of which `default` is used)."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+        if "default" not in named:
+            raise MTNLGError(
+                f"{directory}/tokenizer_config.json has several chat templates ({', '.join(map(str, named))}) and "
+                f"none named 'default'; choose one with data.chat_template"
+            )
+        template = named["default"]
+    return template if isinstance(template, str) else None
+
+
+def resolve_template(directory: Path, config: dict, choice: str | None) -> str:
+    """The template text for `data.chat_template`: None (the directory's own), a name of NAMED_TEMPLATES, a path
+    to a .jinja file, or the template text itself."""
+    if choice is None:
+        template = directory_template(directory, config)
+        if template is None:
+            raise MTNLGError(
+                f"{directory} has no chat template (no chat_template.jinja, none in tokenizer_config.json); "
+                f"set data.chat_template to one of {', '.join(NAMED_TEMPLATES)}, a .jinja file or the template text"
+            )
+        return template
+    if choice in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[choice]
+    if "{{" in choice or "{%" in choice:
+        return choice
+    if os.path.isfile(choice):
+        return Path(choice).read_text(encoding="utf-8")
+    raise MTNLGError(
+        f"data.chat_template {choice!r} is no template name ({', '.join(NAMED_TEMPLATES)}), no file and no Jinja text"
+    )
+
+
+def _plain_messages(messages: Sequence[dict]) -> list[dict]:
+    """The messages as transformers hands them to the template: keys holding None dropped (templates handle a
+    missing key, not a None), and the reasoning aliased under the names templates read."""
+    plain = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning") if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        plain.append(message)
+    return plain
+
+
+@dataclass
+class EncodedChat:
+    ids: list[int]
+    trained: list[bool]  # per token: part of what the assistant says (its end-of-turn token included)
+
+
+class ChatTokenizer:
+    """A model directory's tokenizer and chat template: `encode(messages)` gives the ids `apply_chat_template`
+    gives and the assistant mask."""
+
+    def __init__(self, directory: str | os.PathLike, chat_template: str | None = None):
+        self.directory = Path(directory)
+        tokenizer_file = self.directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise MTNLGError(f"{self.directory} holds no tokenizer.json (the fine-tuning data is encoded with it)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises plain Exceptions on malformed files
+            raise MTNLGError(f"cannot load {tokenizer_file}: {error}") from None
+        config_file = self.directory / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        legacy_file = self.directory / "special_tokens_map.json"
+        legacy = _read_json(legacy_file) if legacy_file.is_file() else {}
+        self.special_tokens = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            value = _token_text(config.get(name)) or _token_text(legacy.get(name))
+            if value is not None:
+                self.special_tokens[name] = value
+        self.template_text = resolve_template(self.directory, config, chat_template)
+        self.template = compile_template(self.template_text)
+        self.has_generation_tags = bool(GENERATION_TAG.search(self.template_text))
+
+    @property
+    def tokenizer_file(self) -> str:
+        return str(self.directory / "tokenizer.json")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        """The id that fills padding positions (never trained, never attended to from a document)."""
+        for name in ("pad_token", "eos_token"):
+            token = self.special_tokens.get(name)
+            if token is not None and self.tokenizer.token_to_id(token) is not None:
+                return self.tokenizer.token_to_id(token)
+        return 0
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False, spans: list | None = None) -> str:
+        """The template's text for `messages`; with `spans` (a list), the `{% generation %}` spans are added to it."""
+        variables = dict(
+            messages=_plain_messages(messages),
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+        if spans is None:
+            return self.template.render(**variables)
+        blocks: list[str] = []
+        with self.template.environment.track_generation(blocks, spans):
+            for block in self.template.generate(**variables):
+                blocks.append(block)
+        return "".join(blocks)
+
+    def encode(self, messages: Sequence[dict], train_on: str = "assistant") -> EncodedChat:
+        """Ids and mask of one conversation; raises jinja2 / ValueError from the template (the caller names the
+        record)."""
+        spans: list[tuple[int, int]] = []
+        text = self.render(messages, spans=spans if self.has_generation_tags else None)
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        if train_on == "all":
+            return EncodedChat(list(encoding.ids), [True] * len(encoding.ids))
+        if not self.has_generation_tags:
+            spans = self._assistant_spans(messages, text)
+        return EncodedChat(list(encoding.ids), _tokens_in_spans(encoding.offsets, spans))
+
+    def _assistant_spans(self, messages: Sequence[dict], full: str) -> list[tuple[int, int]]:
+        """Each assistant turn's characters by rendering prefixes: what `messages[:i + 1]` adds to `messages[:i]`
+        with the generation prompt, less the whitespace after the end-of-turn token."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            if not (through.startswith(before) and full.startswith(through)):
+                raise ValueError(
+                    f"the template renders turn {i + 1} differently once later turns follow (it cannot be masked "
+                    f"by rendering prefixes); use a template with {{% generation %}} tags or data.train_on all"
+                )
+            end = len(through.rstrip())
+            if end > len(before):
+                spans.append((len(before), end))
+        return spans
+
+
+def _tokens_in_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """True for each token that overlaps a character span (spans and offsets in order: one pass)."""
+    trained = [False] * len(offsets)
+    span = 0
+    for index, (start, end) in enumerate(offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        if end > spans[span][0]:
+            trained[index] = True
+    return trained
