@@ -15,6 +15,7 @@ from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_r
 from mtnlg_lightning.data.indexed import REMOTE_BLOCK_KB, REMOTE_CACHE_MB, IndexedDataset, default_block_cache
 from mtnlg_lightning.data.tokenizer import local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.loss import IGNORE_INDEX
 
 SPLITS = ("train", "valid", "test")
 
@@ -27,12 +28,23 @@ class StepBatches(IterableDataset):
     where the batch size comes from the ramp-up schedule; DP rank r takes the r-th contiguous slice (as
     Megatron's pretraining sampler). Tensor- and pipeline-parallel ranks with the same DP rank get the same data.
     With several loader workers, worker w produces steps w, w+W, ...: the DataLoader's round-robin keeps order.
+    `document_mask`: each window's documents attend only to themselves (`language_modelling_batch`).
     """
 
-    def __init__(self, dataset, batch_size_at, start_samples: int, end_samples: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self,
+        dataset,
+        batch_size_at,
+        start_samples: int,
+        end_samples: int,
+        dp_rank: int,
+        dp_size: int,
+        document_mask: bool = False,
+    ):
         self.dataset, self.batch_size_at = dataset, batch_size_at
         self.start_samples, self.end_samples = start_samples, end_samples
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.document_mask = document_mask
 
     def _steps(self, start: int | None = None):
         consumed = self.start_samples if start is None else start
@@ -55,21 +67,52 @@ class StepBatches(IterableDataset):
                 continue
             local = size // self.dp_size
             first = consumed + self.dp_rank * local
-            rows = [self.dataset[i % len(self.dataset)] for i in range(first, first + local)]
+            samples = [i % len(self.dataset) for i in range(first, first + local)]
+            windows = torch.from_numpy(np.stack([self.dataset[i] for i in samples]))
+            documents = None
+            if self.document_mask:
+                documents = torch.from_numpy(np.stack([self.dataset.document_ids(i) for i in samples]))
             yield {
-                **language_modelling_batch(torch.from_numpy(np.stack(rows))),
+                **language_modelling_batch(windows, documents),
                 "consumed_samples": torch.tensor(consumed),
                 "global_batch_size": torch.tensor(size),
             }
 
 
-def language_modelling_batch(windows: torch.Tensor) -> dict[str, torch.Tensor]:
+def language_modelling_batch(windows: torch.Tensor, documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Windows of seq_len + 1 tokens [B, S + 1] as the model trains on them: `input_ids` [B, S], `labels` [B, S]
     (each position's next token: the one shift of the project) and `position_ids` [B, S] (0..S-1: a window of the
-    document stream is one sequence)."""
+    document stream is one sequence).
+
+    With `documents` [B, S + 1] (each token's document in its window), as Llama 3 trains: `document_ids` [B, S] (the
+    input tokens'), positions restarting at 0 at each document, and no label across a boundary (a document's last
+    token does not predict the next document's first: IGNORE_INDEX)."""
     input_ids, labels = windows[:, :-1], windows[:, 1:]
-    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-    return {"input_ids": input_ids.contiguous(), "labels": labels.contiguous(), "position_ids": positions.contiguous()}
+    if documents is None:
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return {
+            "input_ids": input_ids.contiguous(),
+            "labels": labels.contiguous(),
+            "position_ids": positions.contiguous(),
+        }
+    document_ids = documents[:, :-1].contiguous()
+    labels = labels.masked_fill(documents[:, 1:] != document_ids, IGNORE_INDEX)
+    return {
+        "input_ids": input_ids.contiguous(),
+        "labels": labels.contiguous(),
+        "position_ids": positions_within_documents(document_ids),
+        "document_ids": document_ids,
+    }
+
+
+def positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: each token's place in its document (0 at a document's first token), from ids that change only where
+    a document starts."""
+    index = torch.arange(document_ids.shape[1]).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first_of_document = torch.where(starts, index, 0).cummax(dim=1).values
+    return (index - first_of_document).contiguous()
 
 
 class GPTDataModule(L.LightningDataModule):
@@ -86,6 +129,7 @@ class GPTDataModule(L.LightningDataModule):
         remote_cache_dir: str | None = None,
         remote_cache_mb: int = REMOTE_CACHE_MB,
         remote_block_kb: int = REMOTE_BLOCK_KB,
+        document_mask: bool = False,
     ):
         """
         Args:
@@ -104,6 +148,9 @@ class GPTDataModule(L.LightningDataModule):
                 cache's remote-data/blocks; ranks and loader workers of a node may share it).
             remote_cache_mb: the most MiB of token blocks that cache holds (least recently used go first).
             remote_block_kb: the size of one block: one ranged request each.
+            document_mask: attention stays within each document of a window (block-diagonal causal), positions
+                restart at each document and no label crosses a boundary, as Llama 3 trains; false (MT-NLG's): a
+                window is one sequence.
         """
         super().__init__()
         if builtin_corpus not in (None, "python-docs"):
@@ -118,6 +165,7 @@ class GPTDataModule(L.LightningDataModule):
         self.num_workers, self.eval_samples = num_workers, eval_samples
         self.tokenizer = tokenizer
         self.remote_cache = (remote_cache_dir, remote_cache_mb, remote_block_kb)
+        self.document_mask = document_mask
         self.blends: dict[str, BlendedDataset] = {}
 
     @property
@@ -191,7 +239,9 @@ class GPTDataModule(L.LightningDataModule):
         module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
         blend = self.blends["train"]
         start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
-        steps = StepBatches(blend, module.batch_schedule.batch_size_at_samples, start, len(blend), dp_rank, dp_size)
+        steps = StepBatches(
+            blend, module.batch_schedule.batch_size_at_samples, start, len(blend), dp_rank, dp_size, self.document_mask
+        )
         return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
 
     def _eval_dataloader(self, name: str):
@@ -202,7 +252,8 @@ class GPTDataModule(L.LightningDataModule):
         # rank as training, which pipeline schedules need.
         size = self._module.batch_schedule.global_batch_size
         blend = self.blends[name]
-        batches = StepBatches(blend, lambda _: size, 0, len(blend) - len(blend) % size, dp_rank, dp_size)
+        end = len(blend) - len(blend) % size
+        batches = StepBatches(blend, lambda _: size, 0, end, dp_rank, dp_size, self.document_mask)
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers)
 
     def val_dataloader(self):
