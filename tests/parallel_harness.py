@@ -18,6 +18,7 @@ from gathered_weights import full_state_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
+from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
@@ -113,6 +114,41 @@ class IgnoreLabels(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         batch["labels"] = ignore_some_labels(batch["labels"], sample_index(trainer, batch))
+
+
+class PackDocuments(Callback):
+    """Cuts each sample into documents of random lengths (3 to 24 tokens, drawn from the sample's place in the
+    stream, never the layout): `document_ids` and `position_ids` restarting at each document, and the label of each
+    document's last token (the next document's first) ignored, as a packed row carries them. `document_ids=False`:
+    the same positions and labels without the ids (attention crosses the boundaries: a negative control)."""
+
+    def __init__(self, document_ids: bool = True):
+        self.document_ids = document_ids
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        packed = pack_documents(batch["labels"], sample_index(trainer, batch))
+        if not self.document_ids:
+            del packed["document_ids"]
+        batch.update(packed)
+
+
+def pack_documents(labels: torch.Tensor, samples: list[int]) -> dict[str, torch.Tensor]:
+    rows, length = labels.shape
+    document_ids = torch.empty(rows, length, dtype=torch.long)
+    position_ids = torch.empty(rows, length, dtype=torch.long)
+    labels = labels.clone()
+    for row, sample in enumerate(samples):
+        generator = torch.Generator().manual_seed(10_000 + sample)
+        start, document = 0, 0
+        while start < length:
+            end = min(length, start + int(torch.randint(3, 25, (), generator=generator)))
+            document_ids[row, start:end] = document
+            position_ids[row, start:end] = torch.arange(end - start)
+            if end < length:  # the window's last label is the next token of its own document
+                labels[row, end - 1] = IGNORE_INDEX
+            start, document = end, document + 1
+    device = labels.device
+    return {"labels": labels, "document_ids": document_ids.to(device), "position_ids": position_ids.to(device)}
 
 
 def sample_index(trainer, batch) -> list[int]:
@@ -225,6 +261,28 @@ def tiny_run(
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return recorder, trainer
+
+
+def trained(rec: Recorder) -> dict:
+    """What the layout comparisons compare of a run: losses, pre-clip gradient norms, captured parameters."""
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+
+
+def launch_runs(script: Path, out: Path, names: list[str], ranks: int = 2) -> dict[str, dict]:
+    """One torchrun launch of `script OUT NAMES...` (a `run_each` script): each run's saved result by name."""
+    proc = run_on_ranks(ranks, script, out, *names, timeout=900, cwd=script.resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
+
+
+def assert_trains_like(run: dict, reference: dict) -> None:
+    """A layout's run reproduces one process: losses (fp32, rel 1e-6), pre-clip gradient norms, and the parameters
+    after 5 clipped Adam steps (within the fp32 noise of re-ordered sums that the layout tests allow, 2e-5)."""
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(run["grad_norms"], reference["grad_norms"], rtol=1e-5, atol=0)
+    params, expected = run["params"][5], reference["params"][5]
+    assert params.keys() == expected.keys()
+    assert max((params[k] - expected[k]).abs().max().item() for k in expected) <= 2e-5
 
 
 def run_each(tag: str, names: Iterable[str], out: Path, run: Callable[[str], dict]) -> None:

@@ -12,6 +12,9 @@ multi-head or grouped-query attention (one fused q/k/v projection laid out [head
 separate q, k, v projections for grouped-query), optional q/k norms (Qwen 3), biases or none, a tied or untied LM
 head.
 
+Packed rows (`document_ids`): attention stays within each document (block-diagonal causal, `DocumentMask`, made
+once per forward like `Rotary`): SDPA with a boolean mask, or FlexAttention with a block mask on CUDA.
+
 Decoding passes a `KVCache` to `GPT.forward` (nanoGPT / litgpt style): the same blocks then write their keys and
 values (key/value heads only) at the cache's position and attend over everything cached, so the single-process
 model, a tensor-parallel shard (local heads) and a pipeline stage (its own blocks) all decode with this one forward.
@@ -19,11 +22,13 @@ model, a tensor-parallel shard (local heads) and a pipeline stage (its own block
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
@@ -90,6 +95,66 @@ class Rotary:
         return self._made[1], self._made[2]
 
 
+# ---------------------------------------------------------------------------------------------- document masks
+# The keyword inputs of `GPT.forward` a batch may carry besides its tokens (every layout passes them on by name).
+MODEL_INPUTS = ("position_ids", "document_ids")
+MASK_KERNELS = ("auto", "sdpa", "flex", "blocks")
+
+
+def document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """[B, 1, Lq, Lk] bool: query i may see key j iff j <= i (positions in the whole sequence) and both lie in the
+    same document (`document_ids` [B, S] of the whole sequence)."""
+    queries, keys = document_ids[:, query_positions], document_ids[:, key_positions]
+    causal = key_positions[None, :] <= query_positions[:, None]
+    return (causal & (queries[:, :, None] == keys[:, None, :])).unsqueeze(1)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class DocumentMask:
+    """Block-diagonal causal attention of packed rows: `document_ids` [B, S] (tokens of one document share an id)
+    for every block of a model (or pipeline stage), built once per forward for the sequence the attention sees (a
+    sequence-parallel block gathers the whole of it). `kernel`: sdpa (a dense boolean mask), flex (FlexAttention's
+    block mask, which skips the blocks of keys no query sees), blocks (nothing built: context parallelism's ring
+    slices `document_ids` for each of its blocks), auto (flex on CUDA, sdpa elsewhere)."""
+
+    def __init__(self, document_ids: torch.Tensor, kernel: str = "auto"):
+        if kernel not in MASK_KERNELS:
+            raise MTNLGError(f"document mask kernel {kernel!r} is not one of {', '.join(MASK_KERNELS)}")
+        if kernel == "auto":
+            kernel = "flex" if document_ids.is_cuda else "sdpa"
+        self.document_ids, self.kernel = document_ids, kernel
+        self.dense = self.block_mask = None
+        B, S = document_ids.shape
+        if kernel == "sdpa":
+            positions = torch.arange(S, device=document_ids.device)
+            self.dense = document_mask(document_ids, positions, positions)
+        elif kernel == "flex":
+
+            def same_document_causal(b, h, q, k):
+                return (k <= q) & (document_ids[b, q] == document_ids[b, k])
+
+            self.block_mask = create_block_mask(same_document_causal, B, None, S, S, device=document_ids.device)
+
+    def attend(self, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d) + mask) V over the whole sequence, grouped-query heads expanded as `attention`."""
+        groups = q.shape[1] // k.shape[1]
+        if self.kernel == "flex":
+            if dropout_p:
+                raise MTNLGError("FlexAttention has no attention dropout: set attention_dropout to 0 for packed rows")
+            # Compiled on CUDA (the fused kernel); eager elsewhere (an unfused reference, forward only on CPU).
+            flex = _compiled_flex_attention() if q.is_cuda else flex_attention
+            return flex(q, k, v, block_mask=self.block_mask, enable_gqa=groups > 1)
+        if self.dense is None:
+            raise MTNLGError(f"a document mask built for {self.kernel!r} has no dense mask to attend with")
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.dense, dropout_p=dropout_p)
+
+
 # ---------------------------------------------------------------------------------------------- the block
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -124,13 +189,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None = None,
+        cache: LayerCache | None = None,
+        mask: DocumentMask | None = None,
+    ) -> torch.Tensor:
         q, k, v = self.project(x)
         if rotary is not None:
             cos, sin = rotary(q.shape[2], q.device, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
-            y = self.core(q, k, v, self.dropout if self.training else 0.0)
+            y = self.core(q, k, v, self.dropout if self.training else 0.0, mask)
         else:  # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
             k, v = cache.update(k, v)
             y = attention(q, k, v, causal=q.shape[2] > 1)
@@ -154,9 +225,11 @@ def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True) -> torch.Ten
 
 
 class AttentionCore(nn.Module):
-    """Causal attention; flash/memory-efficient kernels where available."""
+    """Causal attention; flash/memory-efficient kernels where available; within documents given a `mask`."""
 
-    def forward(self, q, k, v, dropout_p: float = 0.0):
+    def forward(self, q, k, v, dropout_p: float = 0.0, mask: DocumentMask | None = None):
+        if mask is not None:
+            return mask.attend(q, k, v, dropout_p)
         return attention(q, k, v, dropout_p)
 
 
@@ -191,8 +264,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x), rotary, cache))
+    def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
+        """rotary, cache, mask: the attention's (`Attention.forward`)."""
+        x = x + self.dropout(self.attn(self.ln1(x), rotary, cache, mask))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
@@ -212,6 +286,10 @@ class Embedding(nn.Module):
 
 
 class GPT(nn.Module):
+    # How packed rows are masked (`DocumentMask`): auto (FlexAttention on CUDA, SDPA with a dense mask elsewhere);
+    # context parallelism sets "blocks" (its ring masks block by block); tests set "flex" to run it on CPU.
+    document_mask_kernel = "auto"
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -256,10 +334,16 @@ class GPT(nn.Module):
         return self._rope_inv_freq
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
         `position_ids` [B, S]: each token's position (the data's; packed documents restart theirs); None: 0..S-1.
+        `document_ids` [B, S]: the document of each token of a packed row; attention stays within it. None: the
+        row is one sequence (plain causal attention).
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
         needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
         start = cache.start if cache is not None else 0
@@ -271,8 +355,16 @@ class GPT(nn.Module):
         else:
             h = tokens
         rotary = Rotary(self, start, position_ids) if self.config.position_embedding == "rope" else None
+        if document_ids is not None and cache is not None:
+            raise MTNLGError("document_ids are for training and scoring packed rows, not for decoding with a cache")
+        mask = None
+        if document_ids is not None:
+            kernel = self.document_mask_kernel
+            if kernel == "auto" and self.training and self.config.attention_dropout:
+                kernel = "sdpa"  # FlexAttention has no attention dropout
+            mask = DocumentMask(document_ids, kernel)
         for name, block in self.blocks.items():
-            h = block(h, rotary, cache.layer(name)) if cache is not None else block(h, rotary)
+            h = block(h, rotary, cache.layer(name)) if cache is not None else block(h, rotary, mask=mask)
         if cache is not None and self.lm_head is not None:
             h = h[:, -1:]
         if self.norm is not None:

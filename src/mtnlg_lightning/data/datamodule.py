@@ -15,6 +15,7 @@ from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_r
 from mtnlg_lightning.data.indexed import REMOTE_BLOCK_KB, REMOTE_CACHE_MB, IndexedDataset, default_block_cache
 from mtnlg_lightning.data.tokenizer import local_tokenizer
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.loss import IGNORE_INDEX
 
 SPLITS = ("train", "valid", "test")
 
@@ -27,16 +28,27 @@ class StepBatches(IterableDataset):
     where the batch size comes from the ramp-up schedule; DP rank r takes the r-th contiguous slice (as
     Megatron's pretraining sampler). Tensor- and pipeline-parallel ranks with the same DP rank get the same data.
     With several loader workers, worker w produces steps w, w+W, ...: the DataLoader's round-robin keeps order.
-    `collate` turns the rank's samples into its batch (default: token windows, `window_batch`).
+    `collate` turns the rank's samples into its batch (default: token windows, `window_batch`); `document_mask`:
+    each window's documents attend only to themselves (the samples come with their document ids:
+    `documented_window_batch`).
     """
 
     def __init__(
-        self, dataset, batch_size_at, start_samples: int, end_samples: int, dp_rank: int, dp_size: int, collate=None
+        self,
+        dataset,
+        batch_size_at,
+        start_samples: int,
+        end_samples: int,
+        dp_rank: int,
+        dp_size: int,
+        collate=None,
+        document_mask: bool = False,
     ):
         self.dataset, self.batch_size_at = dataset, batch_size_at
-        self.collate = collate or window_batch
+        self.collate = collate or (documented_window_batch if document_mask else window_batch)
         self.start_samples, self.end_samples = start_samples, end_samples
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.document_mask = document_mask
 
     def _steps(self, start: int | None = None):
         consumed = self.start_samples if start is None else start
@@ -59,7 +71,11 @@ class StepBatches(IterableDataset):
                 continue
             local = size // self.dp_size
             first = consumed + self.dp_rank * local
-            rows = [self.dataset[i % len(self.dataset)] for i in range(first, first + local)]
+            samples = [i % len(self.dataset) for i in range(first, first + local)]
+            if self.document_mask:
+                rows = [(self.dataset[i], self.dataset.document_ids(i)) for i in samples]
+            else:
+                rows = [self.dataset[i] for i in samples]
             yield {
                 **self.collate(rows),
                 "consumed_samples": torch.tensor(consumed),
@@ -71,13 +87,46 @@ def window_batch(windows: list[np.ndarray]) -> dict[str, torch.Tensor]:
     return language_modelling_batch(torch.from_numpy(np.stack(windows)))
 
 
-def language_modelling_batch(windows: torch.Tensor) -> dict[str, torch.Tensor]:
+def documented_window_batch(rows: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Windows with each token's document id (`GPTDataset.document_ids`)."""
+    windows, documents = (torch.from_numpy(np.stack(part)) for part in zip(*rows, strict=True))
+    return language_modelling_batch(windows, documents)
+
+
+def language_modelling_batch(windows: torch.Tensor, documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Windows of seq_len + 1 tokens [B, S + 1] as the model trains on them: `input_ids` [B, S], `labels` [B, S]
     (each position's next token: the one shift of the project) and `position_ids` [B, S] (0..S-1: a window of the
-    document stream is one sequence)."""
+    document stream is one sequence).
+
+    With `documents` [B, S + 1] (each token's document in its window), as Llama 3 trains: `document_ids` [B, S] (the
+    input tokens'), positions restarting at 0 at each document, and no label across a boundary (a document's last
+    token does not predict the next document's first: IGNORE_INDEX)."""
     input_ids, labels = windows[:, :-1], windows[:, 1:]
-    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-    return {"input_ids": input_ids.contiguous(), "labels": labels.contiguous(), "position_ids": positions.contiguous()}
+    if documents is None:
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return {
+            "input_ids": input_ids.contiguous(),
+            "labels": labels.contiguous(),
+            "position_ids": positions.contiguous(),
+        }
+    document_ids = documents[:, :-1].contiguous()
+    labels = labels.masked_fill(documents[:, 1:] != document_ids, IGNORE_INDEX)
+    return {
+        "input_ids": input_ids.contiguous(),
+        "labels": labels.contiguous(),
+        "position_ids": positions_within_documents(document_ids),
+        "document_ids": document_ids,
+    }
+
+
+def positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: each token's place in its document (0 at a document's first token), from ids that change only where
+    a document starts."""
+    index = torch.arange(document_ids.shape[1]).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first_of_document = torch.where(starts, index, 0).cummax(dim=1).values
+    return (index - first_of_document).contiguous()
 
 
 class StepDataModule(L.LightningDataModule):
@@ -85,6 +134,7 @@ class StepDataModule(L.LightningDataModule):
     `StepBatches` of this data-parallel rank, each rank's samples turned into a batch by `collate`."""
 
     collate = None  # StepBatches' default: token windows
+    document_mask = False  # the windows' document ids travel with them (GPTDataModule's --data.document_mask)
 
     def __init__(self):
         super().__init__()
@@ -110,7 +160,14 @@ class StepDataModule(L.LightningDataModule):
         samples = self.splits["train"]
         start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
         steps = StepBatches(
-            samples, module.batch_schedule.batch_size_at_samples, start, len(samples), dp_rank, dp_size, self.collate
+            samples,
+            module.batch_schedule.batch_size_at_samples,
+            start,
+            len(samples),
+            dp_rank,
+            dp_size,
+            self.collate,
+            self.document_mask,
         )
         return DataLoader(steps, batch_size=None, num_workers=self.num_workers)
 
@@ -123,7 +180,7 @@ class StepDataModule(L.LightningDataModule):
         size = self._module.batch_schedule.global_batch_size
         samples = self.splits[name]
         end = len(samples) - len(samples) % size
-        batches = StepBatches(samples, lambda _: size, 0, end, dp_rank, dp_size, self.collate)
+        batches = StepBatches(samples, lambda _: size, 0, end, dp_rank, dp_size, self.collate, self.document_mask)
         return DataLoader(batches, batch_size=None, num_workers=self.num_workers)
 
     def val_dataloader(self):
@@ -147,6 +204,7 @@ class GPTDataModule(StepDataModule):
         remote_cache_dir: str | None = None,
         remote_cache_mb: int = REMOTE_CACHE_MB,
         remote_block_kb: int = REMOTE_BLOCK_KB,
+        document_mask: bool = False,
     ):
         """
         Args:
@@ -165,6 +223,9 @@ class GPTDataModule(StepDataModule):
                 cache's remote-data/blocks; ranks and loader workers of a node may share it).
             remote_cache_mb: the most MiB of token blocks that cache holds (least recently used go first).
             remote_block_kb: the size of one block: one ranged request each.
+            document_mask: attention stays within each document of a window (block-diagonal causal), positions
+                restart at each document and no label crosses a boundary, as Llama 3 trains; false (MT-NLG's): a
+                window is one sequence.
         """
         super().__init__()
         if builtin_corpus not in (None, "python-docs"):
@@ -179,6 +240,7 @@ class GPTDataModule(StepDataModule):
         self.num_workers, self.eval_samples = num_workers, eval_samples
         self.tokenizer = tokenizer
         self.remote_cache = (remote_cache_dir, remote_cache_mb, remote_block_kb)
+        self.document_mask = document_mask
 
     @property
     def tokenizer_file(self) -> str | None:

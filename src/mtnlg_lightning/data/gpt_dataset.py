@@ -58,11 +58,16 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.shuffle)
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def _window(self, i: int) -> tuple[int, int, int, int]:
+        """Sample i's [start, end) in the document stream and the first and last stream documents it touches."""
         start = int(self.shuffle[i]) * self.seq_len
         end = start + self.seq_len + 1
         first = int(np.searchsorted(self.doc_starts, start, side="right")) - 1
         last = int(np.searchsorted(self.doc_starts, end - 1, side="right")) - 1
+        return start, end, first, last
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start, end, first, last = self._window(i)
         pieces = []
         for k in range(first, last + 1):
             doc = self.indexed[int(self.doc_order[k])]
@@ -70,6 +75,13 @@ class GPTDataset:
             hi = min(end - int(self.doc_starts[k]), len(doc))
             pieces.append(doc[lo:hi])
         return np.concatenate(pieces).astype(np.int64)
+
+    def document_ids(self, i: int) -> np.ndarray:
+        """The document of each of sample i's seq_len+1 tokens, numbered from 0 within the window (document
+        masking: `--data.document_mask`)."""
+        start, end, first, last = self._window(i)
+        starts_inside = self.doc_starts[first + 1 : last + 1] - start
+        return np.searchsorted(starts_inside, np.arange(end - start), side="right").astype(np.int64)
 
 
 class BlendedDataset:
@@ -108,3 +120,6 @@ class BlendedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.datasets[self.dataset_index[i]][int(self.sample_index[i])]
+
+    def document_ids(self, i: int) -> np.ndarray:
+        return self.datasets[self.dataset_index[i]].document_ids(int(self.sample_index[i]))

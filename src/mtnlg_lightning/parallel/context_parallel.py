@@ -19,6 +19,12 @@ current block is computed, so communication overlaps compute where the backend p
 
 Block kernels return their log-sum-exp: torch's flash attention on CPU and CUDA (bf16/fp16), memory-efficient
 attention on CUDA (fp32); torch's math path returns none, so it cannot run a ring (`check_context_parallel`).
+
+Packed rows (`document_ids`, whole on every CP rank: the pre-hook splits only tokens and positions): each block
+takes its part of the block-diagonal causal mask, from the positions its query and key rows hold in the whole
+sequence. A block no document boundary crosses is what the plain kernel computes (causal or whole) and runs it;
+a block whose queries see none of its keys is skipped; the others, where a boundary falls inside, run an exact
+masked kernel (`masked_block_forward`/`backward`: the scores materialised in fp32, with the log-sum-exp).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.loss import counted_labels
+from mtnlg_lightning.model import DocumentMask, document_mask
 
 SEQUENCE_DIM = 1  # [B, S, ...]
 KERNELS = ("auto", "flash", "efficient", "math")
@@ -128,6 +135,32 @@ class BlockKernel:
         return dq, dk, dv
 
 
+def _masked_scores(q, k, mask: torch.Tensor) -> torch.Tensor:
+    scores = q.float() @ k.float().transpose(-1, -2) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def masked_block_forward(q, k, v, mask: torch.Tensor):
+    """Attention of a block of queries over a block of keys under `mask` [B, 1, Lq, Lk] (True: seen), exactly, in
+    fp32, with its log-sum-exp [B, H, Lq]. A row that sees none of the keys gets output 0 and log-sum-exp -inf, so
+    merging it adds nothing."""
+    scores = _masked_scores(q, k, mask)
+    lse = scores.logsumexp(dim=-1)
+    probs = (scores - lse.masked_fill(lse.isinf(), 0.0).unsqueeze(-1)).exp()
+    return probs @ v.float(), lse
+
+
+def masked_block_backward(grad, q, k, v, out, lse, mask: torch.Tensor):
+    """The gradient of a masked block given the rows' final output and log-sum-exp (flash attention's backward,
+    written out): dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)."""
+    scale = q.shape[-1] ** -0.5
+    probs = (_masked_scores(q, k, mask) - lse.unsqueeze(-1)).exp()
+    grad = grad.float()
+    dv = probs.transpose(-1, -2) @ grad
+    dscores = probs * (grad @ v.float().transpose(-1, -2) - (grad * out.float()).sum(dim=-1, keepdim=True))
+    return dscores @ k.float() * scale, dscores.transpose(-1, -2) @ q.float() * scale, dv
+
+
 # ---------------------------------------------------------------------------------------------- the ring
 class Ring:
     """This rank's neighbours in its CP group (global ranks): it sends to the next and receives from the previous."""
@@ -160,6 +193,18 @@ class Ring:
             return slice(0, length), slice(0, c), False
         return slice(c, length), slice(0, length), False
 
+    def block_mask(self, document_ids: torch.Tensor | None, step: int, rows: slice, cols: slice, length: int):
+        """The document mask's part of the block at `step` ([B, 1, rows, cols] bool), or None where the plain
+        kernel computes the block exactly (no packed rows, or no document boundary inside the block)."""
+        if document_ids is None:
+            return None
+        device = document_ids.device
+        queries = local_positions(self.cp_rank, self.size, 0, length, device)[rows]
+        keys = local_positions((self.cp_rank - step) % self.size, self.size, 0, length, device)[cols]
+        allowed = document_mask(document_ids, queries, keys)
+        plain = keys[None, :] <= queries[:, None]  # causal on the diagonal block, every key elsewhere
+        return None if torch.equal(allowed, plain.expand_as(allowed)) else allowed
+
 
 def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
@@ -183,7 +228,7 @@ def _merge(out, lse, block_out, block_lse, rows) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, kernel: BlockKernel):
+    def forward(ctx, q, k, v, ring: Ring, kernel: BlockKernel, document_ids: torch.Tensor | None):
         groups = q.shape[1] // k.shape[1]
         length = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -192,24 +237,29 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             works, (next_k, next_v) = ring.shift([held_k, held_v]) if step < ring.size - 1 else ([], (None, None))
             rows, cols, causal = ring.blocks(step, length)
-            block_out, block_lse = kernel.forward(
-                q[:, :, rows].contiguous(),
-                _expand(held_k[:, :, cols], groups).contiguous(),
-                _expand(held_v[:, :, cols], groups).contiguous(),
-                causal,
-            )
-            _merge(out, lse, block_out.float(), block_lse.float(), rows)
+            mask = ring.block_mask(document_ids, step, rows, cols, length)
+            if mask is None or mask.any():  # else none of these queries sees any of these keys
+                block = (
+                    q[:, :, rows].contiguous(),
+                    _expand(held_k[:, :, cols], groups).contiguous(),
+                    _expand(held_v[:, :, cols], groups).contiguous(),
+                )
+                if mask is None:
+                    block_out, block_lse = kernel.forward(*block, causal)
+                else:
+                    block_out, block_lse = masked_block_forward(*block, mask)
+                _merge(out, lse, block_out.float(), block_lse.float(), rows)
             Ring.wait(works)
             held_k, held_v = next_k, next_v
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel = ring, kernel
+        ctx.ring, ctx.kernel, ctx.document_ids = ring, kernel, document_ids
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, kernel = ctx.ring, ctx.kernel
+        ring, kernel, document_ids = ctx.ring, ctx.kernel, ctx.document_ids
         groups, length = q.shape[1] // k.shape[1], q.shape[2]
         grad = grad.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -219,24 +269,28 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             works, (next_k, next_v) = ring.shift([held_k, held_v]) if not last else ([], (None, None))
             rows, cols, causal = ring.blocks(step, length)
-            block_k, block_v = _expand(held_k[:, :, cols], groups), _expand(held_v[:, :, cols], groups)
-            block_dq, block_dk, block_dv = kernel.backward(
-                *(t[:, :, rows].contiguous() for t in (grad, q)),
-                block_k.contiguous(),
-                block_v.contiguous(),
-                out[:, :, rows].contiguous(),
-                lse[..., rows].contiguous(),
-                causal,
-            )
-            dq[:, :, rows] += block_dq.float()
-            dk[:, :, cols] += _reduce(block_dk.float(), groups)
-            dv[:, :, cols] += _reduce(block_dv.float(), groups)
+            mask = ring.block_mask(document_ids, step, rows, cols, length)
+            if mask is None or mask.any():
+                block = (
+                    *(t[:, :, rows].contiguous() for t in (grad, q)),
+                    _expand(held_k[:, :, cols], groups).contiguous(),
+                    _expand(held_v[:, :, cols], groups).contiguous(),
+                    out[:, :, rows].contiguous(),
+                    lse[..., rows].contiguous(),
+                )
+                if mask is None:
+                    block_dq, block_dk, block_dv = kernel.backward(*block, causal)
+                else:
+                    block_dq, block_dk, block_dv = masked_block_backward(*block, mask)
+                dq[:, :, rows] += block_dq.float()
+                dk[:, :, cols] += _reduce(block_dk.float(), groups)
+                dv[:, :, cols] += _reduce(block_dv.float(), groups)
             Ring.wait(works)
             # The key/value chunk goes on; its gradient so far goes with it, and after the last step reaches its owner.
             moved, (dk, dv) = ring.shift([dk, dv])
             Ring.wait(moved)
             held_k, held_v = next_k, next_v
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class RingAttentionCore(nn.Module):
@@ -246,15 +300,17 @@ class RingAttentionCore(nn.Module):
         super().__init__()
         self.ring, self.kernel = ring, kernel
 
-    def forward(self, q, k, v, dropout_p: float = 0.0):
+    def forward(self, q, k, v, dropout_p: float = 0.0, mask: DocumentMask | None = None):
         kernel = BlockKernel.pick(self.kernel, q.device, q.dtype)
-        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, kernel)
+        document_ids = mask.document_ids if mask is not None else None
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, kernel, document_ids)
 
 
 # ---------------------------------------------------------------------------------------------- applied from outside
 def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
-    """A forward pre-hook of the stage holding the embedding: the tokens [B, S], and their `position_ids` when
-    given, become this rank's chunks."""
+    """A forward pre-hook of every stage: the tokens [B, S] (the stage holding the embedding; later stages receive
+    this rank's hidden states already) and the `position_ids` when given become this rank's chunks. The
+    `document_ids` stay whole: the ring masks each block from the ids of both its query and its key chunks."""
     tokens = args[0]
     if tokens.dtype in (torch.int32, torch.int64):
         tokens = split_sequence(tokens, cp_rank, cp_size)
@@ -264,15 +320,16 @@ def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
 
 
 def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -> nn.Module:
-    """Shard a built GPT (or pipeline stage) over the CP group in place: its blocks attend through the ring, its
-    positions are those of this rank's chunks, and the stage with the embedding keeps only their tokens."""
+    """Shard a built GPT (or pipeline stage) over the CP group in place: its blocks attend through the ring (packed
+    rows masked block by block), its positions are those of this rank's chunks, and the stage with the embedding
+    keeps only their tokens."""
     if ring.size == 1:
         return model
     for block in model.blocks.values():
         block.attn.core = RingAttentionCore(ring, kernel)
     model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)
-    if getattr(model, "embed", None) is not None:
-        model.register_forward_pre_hook(functools.partial(_split_tokens, ring.cp_rank, ring.size), with_kwargs=True)
+    model.document_mask_kernel = "blocks"
+    model.register_forward_pre_hook(functools.partial(_split_tokens, ring.cp_rank, ring.size), with_kwargs=True)
     return model
 
 

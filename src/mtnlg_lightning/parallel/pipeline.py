@@ -8,6 +8,11 @@ original names (so checkpoints and parameter names match the single-process mode
 
 The tied embedding across the first and last stages is `tied_embedding.TiedEmbedding`; this file only prunes the
 last stage's LM head into the slot it fills.
+
+Every stage receives the batch's `position_ids` and `document_ids` (packed rows) as keyword inputs of its forward:
+each rank passes them to the schedule's step, which cuts them into micro-batches like the tokens and hands a
+stage the micro-batch's with its activations (`torch.distributed.pipelining` passes step keyword arguments to
+every stage), so the later stages rotate and mask as the first does.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.model import MODEL_INPUTS
 
 SCHEDULES = {
     "1f1b": "Schedule1F1B",
@@ -160,20 +166,6 @@ def split_into_stages(
     return models, indices, counts
 
 
-def check_default_positions(position_ids: torch.Tensor | None) -> None:
-    """The stages after the first receive hidden states only, so they compute the positions 0..S-1 themselves:
-    position ids that restart within a row (packed documents) cannot reach them yet. One line instead of a model
-    that silently rotates by the wrong positions."""
-    if position_ids is None:
-        return
-    default = torch.arange(position_ids.shape[-1], device=position_ids.device)
-    if not torch.equal(position_ids, default.expand_as(position_ids)):
-        raise MTNLGError(
-            "position_ids other than 0..seq_len-1 (packed documents) do not reach the later pipeline stages yet: "
-            "use pipeline_parallel 1 for this data"
-        )
-
-
 class PipelineRunner:
     """Drives this rank's stages through a `torch.distributed.pipelining` schedule for one step.
 
@@ -247,12 +239,11 @@ class PipelineRunner:
         return self._schedules[num_microbatches]
 
     def run(self, batch: dict, micro_batch_size: int, loss_fn, train: bool = True) -> torch.Tensor:
-        """One step over the batch's `input_ids` and `labels` (train: forward + backward of every micro-batch; else
-        forward only). `loss_fn(output, labels)` is a micro-batch's share of the step's loss (already divided by the
-        micro-batch count: the gradients are summed as they are). Returns the step's loss (the sum of those shares)
-        on every rank of the pipeline."""
+        """One step over the batch's `input_ids` and `labels`, with its `position_ids` and `document_ids` when it
+        carries them (train: forward + backward of every micro-batch; else forward only). `loss_fn(output, labels)`
+        is a micro-batch's share of the step's loss (already divided by the micro-batch count: the gradients are
+        summed as they are). Returns the step's loss (the sum of those shares) on every rank of the pipeline."""
         input_ids, labels = batch["input_ids"], batch["labels"]
-        check_default_positions(batch.get("position_ids"))
         if input_ids.shape[0] % micro_batch_size:
             raise MTNLGError(
                 f"local batch {input_ids.shape[0]} is not a multiple of micro_batch_size {micro_batch_size}"
@@ -260,7 +251,9 @@ class PipelineRunner:
         schedule = self._schedule(input_ids.shape[0] // micro_batch_size)
         self._loss_fn = loss_fn
         args = (input_ids.contiguous(),) if self.is_first else ()
-        kwargs = {"target": labels.contiguous(), "losses": []} if self.is_last else {}
+        kwargs = {name: batch[name].contiguous() for name in MODEL_INPUTS if batch.get(name) is not None}
+        if self.is_last:
+            kwargs |= {"target": labels.contiguous(), "losses": []}
         if train:
             schedule.step(*args, **kwargs)
         else:

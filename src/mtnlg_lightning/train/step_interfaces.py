@@ -17,13 +17,21 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from mtnlg_lightning.model import MODEL_INPUTS
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-BATCH_FIELDS = ("input_ids", "labels", "position_ids")  # what the data gives a micro-batch (data/datamodule.py)
+# What the data gives a micro-batch (data/datamodule.py): always input_ids and labels; position_ids and, for packed
+# rows, document_ids when present (MODEL_INPUTS, passed to the model by name).
+BATCH_FIELDS = ("input_ids", "labels")
 
 
 def micro_batches_of(batch: dict, micro_batch_size: int):
-    """(input_ids, labels, position_ids) of each micro-batch of a rank's batch."""
-    return zip(*(batch[field].split(micro_batch_size) for field in BATCH_FIELDS), strict=True)
+    """(input_ids, labels, model_inputs) of each micro-batch of a rank's batch; model_inputs: the keyword inputs of
+    the model the batch carries (position_ids, document_ids), split alike."""
+    names = [name for name in MODEL_INPUTS if batch.get(name) is not None]
+    fields = [batch[field].split(micro_batch_size) for field in (*BATCH_FIELDS, *names)]
+    for input_ids, labels, *inputs in zip(*fields, strict=True):
+        yield input_ids, labels, dict(zip(names, inputs, strict=True))
 
 
 def count_micro_batches(batch: dict, micro_batch_size: int) -> int:
@@ -35,10 +43,10 @@ def accumulate(forward: nn.Module, backward, batch: dict, micro_batch_size: int,
     mean); `no_sync` (Lightning's DDP) defers the gradient reduction to the last. Returns the step's loss."""
     micro_batches = count_micro_batches(batch, micro_batch_size)
     total = torch.zeros((), device=batch["labels"].device)
-    for i, (input_ids, labels, position_ids) in enumerate(micro_batches_of(batch, micro_batch_size)):
+    for i, (input_ids, labels, inputs) in enumerate(micro_batches_of(batch, micro_batch_size)):
         last = i == micro_batches - 1
         with nullcontext() if last or no_sync is None else no_sync():
-            loss = step_loss(forward(input_ids, position_ids=position_ids), labels)
+            loss = step_loss(forward(input_ids, **inputs), labels)
             backward(loss / micro_batches)
         total += loss.detach()
     return total / micro_batches
@@ -48,7 +56,7 @@ def accumulate(forward: nn.Module, backward, batch: dict, micro_batch_size: int,
 def evaluate(model: nn.Module, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
     """The batch's loss, forward only."""
     micro = micro_batches_of(batch, micro_batch_size)
-    return torch.stack([step_loss(model(i, position_ids=p), labels) for i, labels, p in micro]).mean()
+    return torch.stack([step_loss(model(i, **inputs), labels) for i, labels, inputs in micro]).mean()
 
 
 class Update:
