@@ -142,7 +142,8 @@ def run_round(args, layouts: list[str], world: int, out: Path) -> list[dict]:
 
 def theory(args, layout: str) -> dict[str, float]:
     """Payload bytes per rank per step by group kind, fp32."""
-    from mtnlg_lightning.config import count_parameters, get_config
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.families import count_parameters
 
     c = get_config(args.preset)
     s, h, layers = c.seq_len, c.hidden_size, c.num_layers

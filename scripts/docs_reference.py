@@ -289,7 +289,8 @@ def field_comments(cls) -> dict[str, str]:
 
 
 def model_page() -> str:
-    from mtnlg_lightning.config import PRESETS, ModelConfig, count_parameters, get_config
+    from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
+    from mtnlg_lightning.families import count_parameters
     from mtnlg_lightning.train.module import MTNLGModule
 
     lines = ["# Configuration: `model:`", "", HEADER]

@@ -8,8 +8,9 @@ import sys
 import pytest
 from conftest import ROOT
 
-from mtnlg_lightning.config import count_parameters, get_config
+from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import count_parameters
 from mtnlg_lightning.gpus import get_gpu
 from mtnlg_lightning.planning.inference_plan import inference_plan, smallest_layouts
 from mtnlg_lightning.planning.planner import MEMORY_BUDGET

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from mtnlg_lightning.config import PRESETS, count_parameters, get_config
+from mtnlg_lightning.config import PRESETS, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import count_parameters
 from mtnlg_lightning.model import build_model
 
 

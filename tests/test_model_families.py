@@ -15,9 +15,10 @@ import pytest
 import torch
 from hf_models import RANDOM_LLAMA, random_family_dir
 
-from mtnlg_lightning.config import PRESETS, count_parameters, get_config
+from mtnlg_lightning.config import PRESETS, get_config
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.evaluation.cli import main as eval_main
+from mtnlg_lightning.families import count_parameters
 from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop import llama_mapping

@@ -228,20 +228,3 @@ def get_config(preset: str, **overrides) -> ModelConfig:
     # The position table belongs to the preset (as it would to a checkpoint): a longer seq_len is an error.
     values = {"max_position_embeddings": PRESETS[preset]["seq_len"], **PRESETS[preset], **overrides}
     return ModelConfig(**values, name=preset)
-
-
-def count_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Exact parameter count of `GPT(config)` (a tied head counted once), computed arithmetically."""
-    h, f, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    vocab = config.padded_vocab_size(tensor_parallel)
-    norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
-    embeddings = vocab * h * (1 if config.tie_embeddings else 2)
-    if config.position_embedding == "learned":
-        embeddings += config.max_position_embeddings * h
-    attention = h * (q + 2 * kv) + q * h
-    attention += (q + 2 * kv) * config.qkv_bias + h * config.bias
-    attention += 2 * config.head_dim * config.qk_norm
-    matrices = 3 if config.mlp == "swiglu" else 2
-    mlp = matrices * h * f + (f * (matrices - 1) + h) * config.bias
-    return embeddings + L * (attention + mlp + 2 * norm) + norm

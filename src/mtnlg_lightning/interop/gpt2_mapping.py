@@ -18,21 +18,11 @@ import torch
 from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import GPT, MATMUL_STYLES, hf_tensors
 
-MODEL_TYPES = ("gpt2",)
-EMBEDDING, HEAD = "transformer.wte.weight", "lm_head.weight"
+MODEL_TYPES = (GPT.hf_model_type,)
+HEAD = "lm_head.weight"
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are GeLU with the tanh approximation, as our MLP
-
-# per block: our module -> GPT-2's, and whether its weight is a Linear (transposed into Conv1D)
-BLOCK_MODULES = {
-    "ln1": ("ln_1", False),
-    "attn.qkv": ("attn.c_attn", True),
-    "attn.proj": ("attn.c_proj", True),
-    "ln2": ("ln_2", False),
-    "mlp.fc1": ("mlp.c_fc", True),
-    "mlp.fc2": ("mlp.c_proj", True),
-}
-TOP_MODULES = {"embed.wte": "wte", "embed.wpe": "wpe", "norm": "ln_f"}
 
 
 def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -44,15 +34,6 @@ def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
 def _qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
     rest = t.shape[1:]
     return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(-1, *rest)
-
-
-def name_pairs(num_layers: int):
-    """(our module, GPT-2 module under `transformer.`, is_linear) for every module holding parameters."""
-    for ours, theirs in TOP_MODULES.items():
-        yield ours, theirs, False
-    for i in range(num_layers):
-        for ours, (theirs, linear) in BLOCK_MODULES.items():
-            yield f"blocks.{i}.{ours}", f"h.{i}.{theirs}", linear
 
 
 @dataclass(frozen=True)
@@ -79,20 +60,20 @@ class TensorPair:
 
 
 def tensor_pairs(num_layers: int) -> list[TensorPair]:
-    """Every weight tensor of a GPT of `num_layers` layers (the tied head excluded), in GPT-2's order."""
+    """Every weight tensor of a GPT of `num_layers` layers (the tied head excluded), in GPT-2's order: the GPT
+    family's modules under their GPT-2 names (`families.GPT`), their Linear layers stored transposed."""
+    plan = GPT.tensor_parallel_plan()
     pairs = []
-    for ours, theirs, linear in name_pairs(num_layers):
-        for kind in ("weight", "bias"):
-            if not (ours.startswith("embed") and kind == "bias"):
-                pairs.append(
-                    TensorPair(
-                        f"{ours}.{kind}",
-                        f"transformer.{theirs}.{kind}",
-                        linear and kind == "weight",
-                        ours.endswith("attn.qkv"),
-                    )
-                )
+    for ours, (theirs,) in hf_tensors(GPT, _gpt2_block(num_layers)).items():
+        module, _, kind = ours.rpartition(".")
+        style = plan[module.split(".", 2)[2] if module.startswith("blocks.") else module]
+        pairs.append(TensorPair(ours, theirs, style in MATMUL_STYLES and kind == "weight", module.endswith("attn.qkv")))
     return pairs
+
+
+def _gpt2_block(num_layers: int) -> ModelConfig:
+    """A GPT-2 block of `num_layers` layers: its tensors' names do not depend on its sizes."""
+    return ModelConfig(num_layers=num_layers, hidden_size=8, num_heads=1, seq_len=1, vocab_size=1)
 
 
 # GPT-2 files may carry the causal-mask buffers (`attn.bias`, `attn.masked_bias`): constants, not weights.
@@ -101,22 +82,12 @@ CONSTANT_BUFFERS = ("attn.bias", "attn.masked_bias")
 
 # ------------------------------------------------------------------------------------------------ the family
 def label(config: ModelConfig) -> str:
-    return "GPT-2"
+    return GPT.label
 
 
 def holds(config: ModelConfig) -> bool:
-    """Whether the block is GPT-2's (learned positions, LayerNorm, tanh GELU, multi-head, biases, tied head)."""
-    return (
-        config.position_embedding == "learned"
-        and config.norm == "layernorm"
-        and config.mlp == "gelu"
-        and config.fused_qkv
-        and config.bias
-        and config.qkv_bias
-        and not config.qk_norm
-        and config.tie_embeddings
-        and config.head_dim * config.num_heads == config.hidden_size
-    )
+    """Whether the block is GPT-2's (`families.GPT`), with GPT-2's head size (its config.json cannot name another)."""
+    return GPT.holds(config) and config.head_dim * config.num_heads == config.hidden_size
 
 
 # GPT-2 config keys written from the model config on export (the vocabulary is the tokenizer's; import reads the
@@ -202,7 +173,7 @@ def _pairs(config: ModelConfig) -> dict[str, TensorPair]:
 
 def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each model-space tensor and the (one) GPT-2 tensor it is, in GPT-2's order."""
-    return {pair.ours: (pair.theirs,) for pair in tensor_pairs(config.num_layers)}
+    return hf_tensors(GPT, config)
 
 
 def from_hf(name: str, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:

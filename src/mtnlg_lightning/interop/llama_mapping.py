@@ -16,43 +16,25 @@ import torch
 from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import LLAMA, QWEN2, QWEN3, family_of, hf_tensors
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-BLOCK = {  # ours under blocks.N. -> theirs under model.layers.N.
-    "ln1": "input_layernorm",
-    "ln2": "post_attention_layernorm",
-    "attn.q": "self_attn.q_proj",
-    "attn.k": "self_attn.k_proj",
-    "attn.v": "self_attn.v_proj",
-    "attn.proj": "self_attn.o_proj",
-    "attn.q_norm": "self_attn.q_norm",
-    "attn.k_norm": "self_attn.k_norm",
-    "mlp.gate": "mlp.gate_proj",
-    "mlp.up": "mlp.up_proj",
-    "mlp.down": "mlp.down_proj",
-}
-EMBEDDING, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+FAMILIES = {family.hf_model_type: family for family in (LLAMA, QWEN2, QWEN3)}
+MODEL_TYPES = tuple(FAMILIES)
+HEAD = "lm_head.weight"
 CONSTANT_BUFFERS = ("rotary_emb.inv_freq",)  # older files carry RoPE's frequencies: constants, not weights
 
 
 def holds(config: ModelConfig) -> bool:
     """Whether the block is one of these families' (RoPE, RMSNorm, SwiGLU, no bias but maybe on q/k/v)."""
-    return (
-        config.position_embedding == "rope"
-        and config.norm == "rmsnorm"
-        and config.mlp == "swiglu"
-        and not config.bias
-        and not (config.qk_norm and config.qkv_bias)
-    )
+    return family_of(config) in FAMILIES.values()
 
 
 def label(config: ModelConfig) -> str:
-    return {"llama": "Llama", "qwen2": "Qwen 2", "qwen3": "Qwen 3"}[model_type(config)]
+    return family_of(config).label
 
 
 def model_type(config: ModelConfig) -> str:
-    return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+    return family_of(config).hf_model_type
 
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -136,7 +118,7 @@ def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None,
         tie_word_embeddings=config.tie_embeddings,
         bos_token_id=eod_id,
         eos_token_id=eod_id,
-        architectures=[ARCHITECTURES[kind]],
+        architectures=[FAMILIES[kind].hf_architecture],
         dtype=dtype,
     )
     if kind == "llama":
@@ -149,26 +131,7 @@ def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None,
 # ------------------------------------------------------------------------------------------------ tensors
 def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each model-space tensor of `config` and the Hugging Face tensor(s) it is made of, in their file order."""
-    out = {"embed.wte.weight": (EMBEDDING,)}
-    attention = ("attn.qkv",) if config.fused_qkv else ("attn.q", "attn.k", "attn.v")
-    for i in range(config.num_layers):
-        mine, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        parts = ["ln1", *attention, "attn.proj", "ln2", "mlp.gate", "mlp.up", "mlp.down"]
-        if config.qk_norm:
-            parts[parts.index("attn.proj") + 1 : parts.index("attn.proj") + 1] = ["attn.q_norm", "attn.k_norm"]
-        for part in parts:
-            kinds = ["weight"] + (["bias"] if part in attention and config.qkv_bias else [])
-            for kind in kinds:
-                if part == "attn.qkv":
-                    out[f"{mine}{part}.{kind}"] = tuple(
-                        f"{theirs}{BLOCK[p]}.{kind}" for p in ("attn.q", "attn.k", "attn.v")
-                    )
-                else:
-                    out[f"{mine}{part}.{kind}"] = (f"{theirs}{BLOCK[part]}.{kind}",)
-    out["norm.weight"] = (NORM,)
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = (HEAD,)
-    return out
+    return hf_tensors(family_of(config), config)
 
 
 def _fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning.families import COLUMN, HEAD_NORM, KV_COLUMN, NORM, ROW, tensor_parallel_plan
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
@@ -257,13 +258,14 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Shard a built GPT across the TP `group` in place (Megatron's split) and return it.
 
-    Attention: a fused QKV column-parallel (the [heads, 3, head_dim] output layout makes contiguous shards whole
-    heads), or separate q, k, v column-parallel (k and v by whole key/value heads, replicated when TP exceeds them:
-    `kv_group` is then the ranks sharing this rank's key/value head, over which their gradients are summed); proj
-    row-parallel. q/k norms replicated, their gradients (each from this rank's heads) summed over TP. MLP: fc1,
-    gate, up column; fc2, down row. Word embedding vocab-parallel; the LM head tied to its shard or (untied) its
-    own vocab-parallel shard. Norms, position embeddings and row-parallel biases stay replicated. Parts a pipeline
-    stage does not own (None) are skipped. size == 1 leaves the model untouched.
+    Each block's modules as its family's tensor-parallel plan says (`families.tensor_parallel_plan`): column (a
+    fused QKV, whose [heads, 3, head_dim] output layout makes contiguous shards whole heads; q; MLP fc1, gate, up),
+    column by key/value heads (k and v, replicated when TP exceeds them: `kv_group` is then the ranks sharing this
+    rank's key/value head, over which their gradients are summed), row (proj, fc2, down), head norms (q/k norms:
+    replicated, their gradients, each from this rank's heads, summed over TP), norms (replicated). Word embedding
+    vocab-parallel; the LM head tied to its shard or (untied) its own vocab-parallel shard. Position embeddings and
+    row-parallel biases stay replicated. Parts a pipeline stage does not own (None) are skipped. size == 1 leaves
+    the model untouched.
 
     sequence_parallel: the embedding output is cut to this rank's sequence slice, blocks and the final norm run on
     slices (the norm and row-parallel-bias gradients summed over TP; the blocks' dropout masks sliced from
@@ -276,31 +278,29 @@ def apply_tensor_parallel(
     copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, size)
     column = partial(ColumnParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     row = partial(RowParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
+    plan = tensor_parallel_plan(config)
     for block in model.blocks.values():
-        attn, mlp = block.attn, block.mlp
-        if config.fused_qkv:
-            attn.qkv = column(attn.qkv)
-        else:
-            attn.q = column(attn.q)
-            attn.k, attn.v = column(attn.k, copies=copies), column(attn.v, copies=copies)
-            if copies > 1 and kv_group is not None:
-                for param in [*attn.k.parameters(), *attn.v.parameters()]:
-                    sum_gradient_over(param, kv_group)
-        if hasattr(attn, "q_norm") and group is not None:
-            for param in [*attn.q_norm.parameters(), *attn.k_norm.parameters()]:
-                sum_gradient_over(param, group)
-        attn.proj = row(attn.proj)
-        for name in ("fc1", "gate", "up"):
-            if hasattr(mlp, name):
-                setattr(mlp, name, column(getattr(mlp, name)))
-        for name in ("fc2", "down"):
-            if hasattr(mlp, name):
-                setattr(mlp, name, row(getattr(mlp, name)))
-        if sp:
-            for param in [*block.ln1.parameters(), *block.ln2.parameters()]:
-                mark_sequence_parallel(param, group)
-            if isinstance(block.dropout, nn.Dropout):
-                block.dropout = SequenceParallelDropout(block.dropout.p, group)
+        for path, style in plan.items():
+            parent_path, _, name = path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            module = getattr(parent, name)
+            if style == COLUMN:
+                setattr(parent, name, column(module))
+            elif style == KV_COLUMN:
+                setattr(parent, name, column(module, copies=copies))
+                if copies > 1 and kv_group is not None:
+                    for param in getattr(parent, name).parameters():
+                        sum_gradient_over(param, kv_group)
+            elif style == ROW:
+                setattr(parent, name, row(module))
+            elif style == HEAD_NORM and group is not None:
+                for param in module.parameters():
+                    sum_gradient_over(param, group)
+            elif style == NORM and sp:
+                for param in module.parameters():
+                    mark_sequence_parallel(param, group)
+        if sp and isinstance(block.dropout, nn.Dropout):
+            block.dropout = SequenceParallelDropout(block.dropout.p, group)
     embed = getattr(model, "embed", None)
     if embed is not None:
         embed.wte = VocabParallelEmbedding.from_embedding(embed.wte, group, rank, size)

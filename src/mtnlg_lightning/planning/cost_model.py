@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.families import ROW, kv_heads_per_rank, linear_shapes_per_rank
 from mtnlg_lightning.gpus import GPUSpec
 
 BF16 = 2
@@ -170,14 +171,15 @@ def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 
 def _layer_gemm_shapes(config: ModelConfig, t: int) -> list[tuple[float, float]]:
-    """(K, N) of the weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens): q/k/v, FC1 (or
-    SwiGLU's gate and up) are column-parallel (N sharded), the attention projection and FC2 (down) row-parallel
-    (K sharded); key/value heads may be fewer (grouped-query) or replicated. The backward's data- and
-    weight-gradient GEMMs permute the same three dimensions."""
-    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
-    q, kv = config.num_heads * hd / t, max(config.num_kv_heads / t, 1.0) * hd
-    wide = [(h, f / t)] * (2 if config.mlp == "swiglu" else 1)
-    return [(h, q + 2 * kv), (q, h), *wide, (f / t, h)]
+    """(K, N) of the weight GEMMs of a layer on one TP rank (M is the micro-batch's tokens), from the family's
+    tensor-parallel plan (`families.linear_shapes_per_rank`): column-parallel layers N sharded, row-parallel K
+    sharded, key/value heads fewer (grouped-query) or replicated. The attention's input projections are one GEMM
+    (q/k/v fused, as Megatron runs them). The backward's data- and weight-gradient GEMMs permute the same three
+    dimensions."""
+    qkv, rest = [], []
+    for path, (style, n, k) in linear_shapes_per_rank(config, t).items():
+        (qkv if path.startswith("attn.") and style != ROW else rest).append((k, n))
+    return [(qkv[0][0], sum(n for _, n in qkv)), *rest]
 
 
 def _layer_pass_seconds(config: ModelConfig, gpu: GPUSpec, impl: Implementation, layout: Layout) -> dict:
@@ -233,7 +235,7 @@ def _ring_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout, gpus_per_no
     cp = layout.cp
     if cp == 1:
         return 0.0
-    kv_heads = max(config.num_kv_heads / layout.tp, 1.0)
+    kv_heads = kv_heads_per_rank(config, layout.tp)
     chunk = 2 * layout.micro_batch * config.seq_len / cp * kv_heads * config.head_dim * BF16  # k and v
     inside = layout.tp * cp <= gpus_per_node
     bandwidth = gpu.nvlink_gbps * gpu.nvlink_efficiency if inside else gpu.network_gbps * gpu.network_efficiency

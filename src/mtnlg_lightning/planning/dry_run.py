@@ -8,8 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from mtnlg_lightning.config import ModelConfig, count_parameters, deep_merge, get_config
+from mtnlg_lightning.config import ModelConfig, deep_merge, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import count_parameters
 from mtnlg_lightning.gpus import ALIASES, GPUS
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.config import ParallelConfig

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import kv_heads_per_rank, parameters_per_rank
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
 from mtnlg_lightning.train.flops import flops_per_iteration
@@ -28,27 +29,16 @@ STATE_BYTES = {
 }
 
 
-def kv_heads_per_rank(config: ModelConfig, tp: int) -> float:
-    """Key/value heads one TP rank holds: a share of them, or one replicated head when TP exceeds them."""
-    return max(config.num_kv_heads / tp, 1.0)
-
-
 def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -> list[int]:
-    """Parameters held by one TP rank of each pipeline stage (a tied embedding counted on the first and the last
-    stage, where the last holds its copy): q, o and MLP matrices sharded over TP, key/value heads sharded or
-    replicated (`kv_heads_per_rank`), norms and row-parallel biases replicated."""
-    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
-    q, kv = config.num_heads * hd // tp, int(kv_heads_per_rank(config, tp) * hd)
-    matrices = 3 if config.mlp == "swiglu" else 2
-    per_layer = h * (q + 2 * kv) + q * h + matrices * h * f // tp
-    per_layer += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
-    norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
-    per_layer += 2 * norm + 2 * hd * config.qk_norm
-    vocab = config.padded_vocab_size(tp) * h // tp
-    counts = [n * per_layer for n in layers]
-    counts[0] += vocab + (config.max_position_embeddings * h if config.position_embedding == "learned" else 0)
-    head = vocab if (pp > 1 or not config.tie_embeddings) else 0  # the tied copy, or an untied head
-    counts[-1] += norm + head
+    """Parameters held by one TP rank of each pipeline stage, from the family spec (`families.parameters_per_rank`:
+    each module as the tensor-parallel plan holds it): the blocks, the word embedding and learned positions on the
+    first stage, the final norm and the LM head on the last (a tied head counted there too when pipelined: the
+    last stage holds its copy)."""
+    block, top = parameters_per_rank(config, tp)
+    counts = [n * sum(block.values()) for n in layers]
+    counts[0] += top["embed.wte"] + top.get("embed.wpe", 0)
+    head = top["lm_head"] if (pp > 1 or not config.tie_embeddings) else 0
+    counts[-1] += top["norm"] + head
     return counts
 
 

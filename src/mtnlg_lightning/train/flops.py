@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.families import matmul_parameters
 from mtnlg_lightning.gpus import ALIASES, GPUS
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the planner's GPU table (gpus.py), under its names and aliases.
@@ -11,19 +12,10 @@ PEAK_BF16_FLOPS = {name: spec.peak_tflops * 1e12 for name, spec in GPUS.items()}
 }
 
 
-def matmul_parameters(config: ModelConfig) -> int:
-    """Weights that multiply activations per token: every block's projections and MLP matrices, and the LM head
-    (the embedding lookup and the norms do no matmul). Grouped-query attention shrinks k and v; SwiGLU has three
-    matrices."""
-    h, hd = config.hidden_size, config.head_dim
-    attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, o and k, v
-    mlp = (3 if config.mlp == "swiglu" else 2) * h * config.ffn_hidden_size
-    return config.num_layers * (attention + mlp) + h * config.padded_vocab_size()
-
-
 def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
-    """2 FLOPs per matmul weight, plus attention's QK^T and AV over the whole sequence (2 x 2 x S x heads x
-    head_dim per layer, counted without the causal half as Megatron and PaLM count it)."""
+    """2 FLOPs per matmul weight (`families.matmul_parameters`: every block's Linear layers and the LM head), plus
+    attention's QK^T and AV over the whole sequence (2 x 2 x S x heads x head_dim per layer, counted without the
+    causal half as Megatron and PaLM count it)."""
     s = seq_len or config.seq_len
     attention = 4 * s * config.num_heads * config.head_dim * config.num_layers
     return 2 * matmul_parameters(config) + attention

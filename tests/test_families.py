@@ -1,0 +1,194 @@
+"""Each model family is described once (`families.py`), and what the planner, the FLOPs, tensor parallelism and
+interop know of its shape comes from there: the counts measured on a meta-device model equal the closed forms
+written below (the block's arithmetic, stated here as the specification) and the planner's; the plan shards a Qwen 3
+block (grouped-query attention with replicated key/value heads, q/k norms) to the single-process gradients; the
+Hugging Face key lists are transformers' own; and no other source file names the families' modules."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mtnlg_lightning import families
+from mtnlg_lightning.config import PRESETS, get_config
+from mtnlg_lightning.families import count_parameters, family_of, matmul_parameters, measure
+from mtnlg_lightning.model import build_model
+from mtnlg_lightning.planning.planner import balanced_layers, params_per_stage
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mtnlg_lightning"
+
+
+def closed_form(config, tp: int) -> dict[str, int]:
+    """Parameters one of `tp` tensor-parallel ranks holds: a block, the embeddings, the final norm, the LM head."""
+    h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    q, kv = config.num_heads * hd // tp, int(max(config.num_kv_heads / tp, 1.0) * hd)
+    matrices = 3 if config.mlp == "swiglu" else 2
+    norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
+    block = h * (q + 2 * kv) + q * h + matrices * h * f // tp + 2 * norm + 2 * hd * config.qk_norm
+    block += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
+    vocab = config.padded_vocab_size(tp) * h // tp
+    positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
+    return {"block": block, "embeddings": vocab + positions, "norm": norm, "head": vocab}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_measured_count_equals_the_closed_form_and_the_planner_s(preset):
+    config = get_config(preset)
+    form = closed_form(config, 1)
+    whole = config.num_layers * form["block"] + form["embeddings"] + form["norm"]
+    whole += 0 if config.tie_embeddings else form["head"]
+    assert count_parameters(config) == whole == params_per_stage(config, 1, 1, [config.num_layers])[0]
+    for tp in (2, 4, 8):
+        if config.num_heads % tp == 0:
+            form, layers = closed_form(config, tp), balanced_layers(config.num_layers, 2)
+            first = layers[0] * form["block"] + form["embeddings"]
+            last = layers[1] * form["block"] + form["norm"] + form["head"]  # the tied head's copy too
+            assert params_per_stage(config, tp, 2, layers) == [first, last], (preset, tp)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "demo", "tiny-llama", "demo-llama"])
+def test_the_measurement_of_one_block_is_the_whole_meta_model_s(preset):
+    config = get_config(preset)
+    model = build_model(config, "meta")
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(config)
+    shapes = measure(config)
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        if module.startswith("blocks."):
+            assert shapes.block[module.split(".", 2)[2]][kind] == tuple(param.shape), name
+        else:
+            assert shapes.top[module][kind] == tuple(param.shape), name
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_matmul_weights_per_token_follow_the_closed_form(preset):
+    config = get_config(preset)
+    h, hd, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, o and k, v
+    mlp = (3 if config.mlp == "swiglu" else 2) * h * f
+    assert matmul_parameters(config) == config.num_layers * (attention + mlp) + h * config.padded_vocab_size()
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_is_one_family_whose_plan_names_each_module_of_its_block(preset):
+    config = get_config(preset)
+    family = family_of(config)
+    assert [f for f in families.FAMILIES if f.holds(config)] == [family]
+    block = build_model(dataclasses.replace(config, num_layers=1), "meta").blocks["0"]
+    with_params = {name for name, m in block.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    linears = {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    plan = families.tensor_parallel_plan(config)
+    assert set(plan) == with_params and with_params <= set(family.tensor_parallel_plan())
+    assert {path for path, style in plan.items() if style in families.MATMUL_STYLES} == linears
+
+
+def test_a_block_mixing_the_families_options_is_still_planned_and_counted():
+    config = get_config("tiny", num_kv_heads=2, mlp="swiglu", qk_norm=True)  # no published family has it
+    assert family_of(config) is None
+    assert set(families.tensor_parallel_plan(config)) >= {"attn.q", "attn.k", "mlp.gate", "attn.q_norm"}
+    assert count_parameters(config) == sum(p.numel() for p in build_model(config, "meta").parameters())
+
+
+def test_the_hugging_face_key_lists_are_transformers_own():
+    transformers = pytest.importorskip("transformers")
+    from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
+
+    cases = [
+        (get_config("tiny"), gpt2_mapping),
+        (get_config("tiny-llama"), llama_mapping),
+        (get_config("tiny-llama", tie_embeddings=True, num_kv_heads=4), llama_mapping),  # fused q/k/v, tied head
+        (get_config("tiny-llama", qkv_bias=True), llama_mapping),  # Qwen 2
+        (get_config("tiny-llama", qk_norm=True), llama_mapping),  # Qwen 3
+    ]
+    for config, mapping in cases:
+        hf_config = mapping.hf_config(transformers, config, config.vocab_size, None, "float32")
+        with torch.device("meta"):
+            theirs = transformers.AutoModelForCausalLM.from_config(hf_config)
+        names = {n for n, _ in theirs.named_parameters()} - ({mapping.HEAD} if config.tie_embeddings else set())
+        listed = [name for sources in mapping.sources(config).values() for name in sources]
+        assert sorted(listed) == sorted(names), family_of(config).name
+
+
+def test_tensor_parallel_shards_a_qwen3_block_as_its_plan_says_to_the_single_process_gradients():
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from threaded_group import run_ranks
+
+    from mtnlg_lightning.parallel.tensor_parallel import (
+        apply_tensor_parallel,
+        gather_tensor_parallel,
+        vocab_parallel_cross_entropy,
+    )
+
+    config = get_config("tiny-llama", qk_norm=True)  # 4 query heads, 2 key/value heads
+    assert family_of(config) is families.QWEN3
+    torch.manual_seed(0)
+    reference = build_model(config).double()
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    loss = F.cross_entropy(reference(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+
+    def rank_fn(rank: int, size: int):
+        group = dist.group.WORLD
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, size, 2)] if size == 4 else []
+        kv_group = pairs[rank // 2] if pairs else None  # TP 4 over 2 key/value heads: each held by 2 ranks
+        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size, kv_group=kv_group)
+        loss = vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], group)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            full = gather_tensor_parallel(p.grad, p.partition_dim, group) if hasattr(p, "partition_dim") else p.grad
+            if hasattr(p, "partition_dim") and p.partition_count < size:  # copies: keep one of each
+                full = full.chunk(size)[:: size // p.partition_count]
+                full = torch.cat(full, dim=p.partition_dim)
+            grads[name] = full
+        return loss.detach(), grads
+
+    for size in (2, 4):
+        for rank_loss, grads in run_ranks(size, lambda rank, size=size: rank_fn(rank, size)):
+            assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)  # the vocab-parallel loss runs in fp32
+            assert grads.keys() == expected.keys()
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=f"tp{size} {name}")
+
+
+def test_the_families_modules_and_hugging_face_names_are_written_in_families_py_only():
+    """One definition: outside families.py (and model.py, which builds the modules), no source file names a
+    block's module path or a Hugging Face module, and apply_tensor_parallel reads the plan instead of naming
+    projections."""
+    written = {
+        name.removeprefix(families.BLOCK)
+        for family in families.FAMILIES
+        for path, (_, theirs) in family.modules.items()
+        for name in (path, *((theirs,) if isinstance(theirs, str) else theirs or ()))
+        if "." in name
+    }
+    leaves = {name.rpartition(".")[2] for name in written}
+    leaves = {leaf for leaf in leaves if "_" in leaf}  # Hugging Face's own words (q_proj, c_attn, ln_f, ...)
+    pattern = re.compile(
+        r"[\"'](?:[\w.{}]*\.)?(" + "|".join(map(re.escape, sorted(written | leaves))) + r")[\"']", re.ASCII
+    )
+    allowed = {"families.py", "model.py"}
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name in allowed:
+            continue
+        for match in pattern.finditer(path.read_text(encoding="utf-8")):
+            found.append(f"{path.relative_to(SRC)}: {match.group(0)}")
+    # GPT-2 stores the fused q/k/v with its heads in another order: the one layout conversion, named where it is;
+    # the planner puts the word and position embeddings on the first pipeline stage, as the pipeline split does.
+    assert found == [
+        'interop/gpt2_mapping.py: "attn.qkv"',
+        'planning/planner.py: "embed.wte"',
+        'planning/planner.py: "embed.wpe"',
+    ]
+    tp_source = (SRC / "parallel" / "tensor_parallel.py").read_text(encoding="utf-8")
+    apply = tp_source[tp_source.index("def apply_tensor_parallel") : tp_source.index("def gather_tensor_parallel")]
+    assert not re.search(r"\.(qkv|q|k|v|proj|fc1|fc2|gate|up|down|q_norm|k_norm|ln1|ln2)\b", apply)
