@@ -25,10 +25,10 @@ from mtnlg_lightning.evaluation.bias.gender_occupation import gender_occupation
 from mtnlg_lightning.evaluation.bias.sentiment import sentiment
 from mtnlg_lightning.evaluation.bias.wordlists import SHIPPED, Prompt, read_study
 from mtnlg_lightning.evaluation.cli import main as eval_main
-from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.inference.requests import encode_pair
 from mtnlg_lightning.inference.scoring import Scorer
+from mtnlg_lightning.inference.sharded_model import ShardedModel
 
 ALL_TASKS = ["gender-occupation", "cooccurrence", "sentiment"]
 

@@ -23,8 +23,8 @@ import torch
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.heartbeat import heartbeat
-from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.scoring import Scorer
+from mtnlg_lightning.inference.sharded_model import ShardedModel
 
 
 class DownstreamEval(L.Callback):

@@ -104,7 +104,7 @@ def run(args, model, plan) -> None:
     busy = busy_by_rank(model)
     if model.groups.rank == 0:
         settings = {k: v for k, v in vars(args).items() if k != "no_progress"}
-        settings["layout"] = plan.layout.describe(plan.world_size)
+        settings["layout"] = plan.strategy.describe(plan.world_size)
         report(args, {"results": results, "settings": settings, "seconds": seconds, "stage_busy_fraction": busy})
 
 

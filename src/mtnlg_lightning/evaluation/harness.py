@@ -5,7 +5,7 @@
 Scores follow the harness' HF backend rules (see `scoring`), so they agree with `lm_eval --model hf` on the
 exported model.
 
-The model is an `inference.engine.ShardedModel` in any layout (a whole model in this process is taken as the
+The model is an `inference.sharded_model.ShardedModel` in any layout (a whole model in this process is taken as the
 1 x 1 x 1 one): the adapter's `rank` / `world_size` are the data-parallel ones, the evaluator deals the requests
 over the replicas and gathers on the data-parallel group, and all TP / PP ranks of a replica score (and decode) each
 request together through the pipeline (`inference.scoring.Scorer`, `inference.decode.generate_batch`).
@@ -16,9 +16,9 @@ from __future__ import annotations
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.inference.decode import generate_batch
-from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.requests import encode_pair, pair_request, rolling_requests
 from mtnlg_lightning.inference.scoring import Scorer
+from mtnlg_lightning.inference.sharded_model import ShardedModel
 
 
 def _lm_base():

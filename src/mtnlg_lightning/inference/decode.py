@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.sampling import EOS, LENGTH, POSITIONS, Generation, sample
+from mtnlg_lightning.inference.sharded_model import ShardedModel
 from mtnlg_lightning.model import KVCache
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 

@@ -12,7 +12,7 @@ import torch
 from mtnlg_lightning.checkpoint.model_state import ModelState
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.inference.engine import ShardedModel
+from mtnlg_lightning.inference.sharded_model import ShardedModel
 from mtnlg_lightning.interop.hf import read_source
 from mtnlg_lightning.parallel.layout import ProcessGroups
 from mtnlg_lightning.parallel.parallelize import PipelineParallelSettings

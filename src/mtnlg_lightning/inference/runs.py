@@ -36,18 +36,18 @@ from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 @dataclass
 class Plan:
     source: ModelState  # the architecture, tokenizer and (lazily read) weights
-    layout: ParallelConfig
-    grid: ParallelLayout
+    strategy: ParallelConfig  # what the strategy file asks for: TP, PP and its schedule, SP, CP and its kernel
+    layout: ParallelLayout  # the ranks' grid it makes with the world size (DP is what is left)
     world_size: int
 
 
-def plan(checkpoint: str, strategy: str | None, devices: int | None) -> Plan:
+def plan(checkpoint: str, strategy_file: str | None, devices: int | None) -> Plan:
     """The checks that read no weights; the run's layout."""
-    layout = read_strategy(strategy)
+    strategy = read_strategy(strategy_file)
     world = world_size_for(devices)
     source = read_source(checkpoint, verify="opened")
-    grid = check_layout(layout, world, source.config)
-    return Plan(source, layout, grid, world)
+    layout = check_layout(strategy, world, source.config)
+    return Plan(source, strategy, layout, world)
 
 
 def join(plan_: Plan, device_arg: str) -> tuple[ProcessGroups, torch.device]:
@@ -59,25 +59,25 @@ def join(plan_: Plan, device_arg: str) -> tuple[ProcessGroups, torch.device]:
     device = init_distributed(device_arg)
     if dist.get_world_size() != plan_.world_size:
         raise MTNLGError(f"the world has {dist.get_world_size()} ranks, the layout needs {plan_.world_size}")
-    return ProcessGroups.create(plan_.grid, backend=dist.get_backend()), device
+    return ProcessGroups.create(plan_.layout, backend=dist.get_backend()), device
 
 
 def load_planned(plan_: Plan, device_arg: str, dtype_arg: str, decoding: bool = False):
     """This rank's `ShardedModel` of the plan (joining the world first). `decoding`: without sequence parallelism
     (one decoded position cannot be cut over TP) and with the weights in the generation layout."""
     groups, device = join(plan_, device_arg)
-    sequence_parallel = plan_.layout.sequence_parallel and not decoding
+    strategy = plan_.strategy
+    sequence_parallel = strategy.sequence_parallel and not decoding
     dtype = pick_dtype(dtype_arg, device)
-    layout = plan_.layout
     return load(
         plan_.source,
         groups,
         device,
         dtype,
-        layout.pipeline,
+        strategy.pipeline,
         sequence_parallel,
         for_generation=decoding,
-        context_parallel_kernel=layout.context_parallel_kernel,
+        context_parallel_kernel=strategy.context_parallel_kernel,
     )
 
 
@@ -94,7 +94,7 @@ def run(prog: str, module: str, args, argv: list[str], check: Check, work: Work,
     def body() -> int:
         env = check(args)
         plan_ = plan(args.checkpoint, args.strategy, args.devices)
-        if decoding and plan_.layout.context_parallel > 1:
+        if decoding and plan_.strategy.context_parallel > 1:
             raise MTNLGError(
                 "decoding adds one position at a time, which context parallelism cannot cut into chunks: generate "
                 "with a strategy without context_parallel"

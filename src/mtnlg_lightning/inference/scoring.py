@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mtnlg_lightning.inference.engine import ShardedModel
 from mtnlg_lightning.inference.requests import Request
+from mtnlg_lightning.inference.sharded_model import ShardedModel
 
 
 def vocab_parallel_token_scores(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int, group):
