@@ -1,0 +1,194 @@
+"""LoRA: the adapter starts as its base, merges into it exactly, shards under tensor (and sequence) parallelism to
+the single-process numbers, trains only itself, and leaves as a PEFT directory that peft loads to our logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from threaded_group import run_ranks
+
+from mtnlg_lightning.config import get_config
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.model import build_model
+from mtnlg_lightning.parallel.lora import (
+    LoRAConfig,
+    LoRALinear,
+    apply_lora,
+    lora_config,
+    merge_lora,
+    shard_with_adapters,
+)
+from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from mtnlg_lightning.train.optimizer_recipe import build_adamw
+
+GPT_TINY = get_config("tiny")  # fused qkv [heads, 3, head_dim], GELU fc1/fc2, biases
+LLAMA_TINY = get_config("demo-llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=96)
+
+
+def adapted_model(config, lora: dict, seed: int = 0, random_b: bool = True) -> torch.nn.Module:
+    """A float64 model with adapters; `random_b`: B drawn too (a fresh adapter's B is zero, which hides errors)."""
+    torch.manual_seed(seed)
+    model = build_model(config).double()
+    apply_lora(model, LoRAConfig.from_dict(lora))
+    if random_b:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, LoRALinear):
+                    module.lora_b.normal_(0.0, 0.05)
+    return model
+
+
+def tokens_for(config, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+def test_targets_take_our_names_or_hugging_faces_and_default_to_every_projection():
+    everything = LoRAConfig()
+    assert everything.projections(LLAMA_TINY) == ("q", "k", "v", "proj", "gate", "up", "down")
+    assert everything.projections(GPT_TINY) == ("qkv", "proj", "fc1", "fc2")
+    hf = LoRAConfig.from_dict({"targets": ["q_proj", "v_proj", "down_proj"]})
+    assert hf.projections(LLAMA_TINY) == ("q", "v", "down")
+    assert LoRAConfig.from_dict({"targets": ["qkv", "fc2"]}).projections(GPT_TINY) == ("qkv", "fc2")
+    assert LoRAConfig.from_dict({"targets": ["c_attn", "c_proj"]}).projections(GPT_TINY) == ("qkv", "proj", "fc2")
+    fused = LoRAConfig.from_dict({"targets": ["q_proj", "k_proj", "v_proj"]})
+    assert fused.projections(GPT_TINY) == ("qkv",)
+
+
+@pytest.mark.parametrize(
+    ("values", "config", "message"),
+    [
+        ({"rank": 0}, LLAMA_TINY, "rank must be an integer > 0"),
+        ({"rank": -4}, LLAMA_TINY, "rank must be an integer > 0"),
+        ({"alpha": 0}, LLAMA_TINY, "alpha must be a number > 0"),
+        ({"dropout": 1.0}, LLAMA_TINY, "dropout must be in [0, 1)"),
+        ({"ranks": 8}, LLAMA_TINY, "unknown field(s) ['ranks']"),
+        ({"targets": ["gate_proj"]}, GPT_TINY, "targets 'gate_proj', which this model does not have"),
+        ({"targets": ["fc1"]}, LLAMA_TINY, "targets 'fc1', which this model does not have"),
+        ({"targets": ["lm_head"]}, LLAMA_TINY, "targets 'lm_head', which this model does not have"),
+        ({"targets": ["q_proj", "v_proj"]}, GPT_TINY, "target q, k and v together"),
+    ],
+)
+def test_bad_lora_settings_are_one_line(values, config, message):
+    with pytest.raises(MTNLGError) as error:
+        lora_config(values).projections(config)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_scale_is_alpha_over_rank_or_over_its_root_with_rslora():
+    assert LoRAConfig.from_dict({"rank": 16, "alpha": 32}).scale == 2.0
+    assert LoRAConfig.from_dict({"rank": 16, "alpha": 32, "rslora": True}).scale == 8.0
+
+
+# ------------------------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize("config", [GPT_TINY, LLAMA_TINY], ids=["gpt", "llama"])
+def test_a_fresh_adapter_is_the_base_model(config):
+    torch.manual_seed(0)
+    base = build_model(config).double()
+    adapted = copy.deepcopy(base)
+    assert apply_lora(adapted, LoRAConfig(rank=4)) == config.num_layers * len(LoRAConfig().projections(config))
+    tokens = tokens_for(config)
+    torch.testing.assert_close(adapted(tokens), base(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+@pytest.mark.parametrize("config", [GPT_TINY, LLAMA_TINY], ids=["gpt", "llama"])
+def test_merged_weights_give_the_adapters_logits(config, rslora):
+    adapted = adapted_model(config, {"rank": 4, "alpha": 8, "rslora": rslora})
+    tokens = tokens_for(config)
+    with torch.no_grad():
+        expected = adapted(tokens)
+        merged = merge_lora(copy.deepcopy(adapted))
+        assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+        torch.testing.assert_close(merged(tokens), expected, rtol=1e-10, atol=1e-10)
+    # and the update is W + s B A, s = alpha / r or alpha / sqrt(r)
+    adapter = adapted.blocks["0"].attn.proj
+    scale = 8 / (2 if rslora else 4)
+    delta = merged.blocks["0"].attn.proj.weight - adapter.base.weight
+    torch.testing.assert_close(delta, scale * adapter.lora_b @ adapter.lora_a)
+
+
+def test_the_base_is_frozen_and_the_optimizer_holds_state_for_the_adapter_only():
+    """Plain AdamW (fp32): exp_avg and exp_avg_sq, 8 bytes per adapter parameter and none for the base. (Under
+    ZeRO with bf16 the fp32 master adds 4: 12 bytes, measured by the ZeRO-1 test below.)"""
+    torch.manual_seed(0)
+    model = build_model(LLAMA_TINY)
+    total = sum(p.numel() for p in model.parameters())
+    apply_lora(model, LoRAConfig(rank=4))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    adapter = sum(p.numel() for p in trainable)
+    assert all(name.endswith(("lora_a", "lora_b")) for name, p in model.named_parameters() if p.requires_grad)
+    assert 0 < adapter < total / 10
+    optimizer = build_adamw(model, 1e-3, 0.1, (0.9, 0.95), 1e-8, None)
+    tokens = tokens_for(LLAMA_TINY)
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    optimizer.step()
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items() if k != "step"
+    )
+    full_finetuning = 8 * total * 4 // 4  # what AdamW would hold for every parameter
+    print(f"\nAdamW state: {state_bytes:,} bytes for {adapter:,} adapter parameters; {full_finetuning:,} for all")
+    assert state_bytes == 8 * adapter
+
+
+# ------------------------------------------------------------------------------------------------ tensor parallel
+def _gather(param: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """The model-space tensor of a TP shard (ranks sharing a copy of a shard counted once)."""
+    if not hasattr(param, "partition_dim"):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    copies = len(parts) // param.partition_count
+    return torch.cat(parts[::copies], dim=param.partition_dim)
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "sequence_parallel"),
+    [
+        (GPT_TINY, 2, False),
+        (GPT_TINY, 2, True),
+        (LLAMA_TINY, 2, False),
+        (LLAMA_TINY, 2, True),
+        (LLAMA_TINY, 4, False),  # TP above the 2 key/value heads: k and v (and their B) shared by two ranks
+    ],
+    ids=["gpt-tp2", "gpt-tp2-sp", "llama-tp2", "llama-tp2-sp", "llama-tp4-kv-copies"],
+)
+def test_tensor_parallel_adapters_give_the_single_process_loss_and_adapter_gradients(config, tp, sequence_parallel):
+    reference = adapted_model(config, {"rank": 4, "alpha": 8})
+    tokens = tokens_for(config)
+    loss = F.cross_entropy(reference(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+
+    def rank_fn(rank):
+        group = dist.group.WORLD
+        model = copy.deepcopy(reference)
+        model.zero_grad()
+        kv_group = None
+        if not config.fused_qkv and tp > config.num_kv_heads:  # the ranks sharing this rank's key/value head
+            copies = tp // config.num_kv_heads
+            pairs = [dist.new_group(list(range(s, s + copies))) for s in range(0, tp, copies)]
+            kv_group = pairs[rank // copies]
+
+        def shard():
+            apply_tensor_parallel(model, group, rank, tp, sequence_parallel, kv_group)
+
+        shard_with_adapters(model, shard, rank, tp, kv_group)
+        rank_loss = vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], group)
+        rank_loss.backward()
+        grads = {n: _gather(p, p.grad, group) for n, p in model.named_parameters() if p.requires_grad}
+        frozen_grads = [p.grad for p in model.parameters() if not p.requires_grad]
+        return rank_loss.detach(), grads, frozen_grads
+
+    for rank_loss, grads, frozen_grads in run_ranks(tp, rank_fn):
+        assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)  # the vocab-parallel loss runs in fp32
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert all(g is None for g in frozen_grads)
