@@ -192,3 +192,66 @@ def test_tensor_parallel_adapters_give_the_single_process_loss_and_adapter_gradi
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
         assert all(g is None for g in frozen_grads)
+
+
+# ------------------------------------------------------------------------------------------------ PEFT adapters
+def _our_model(source_dir) -> torch.nn.Module:
+    from mtnlg_lightning.checkpoint.model_state import load_model_space
+    from mtnlg_lightning.interop.hf import read_source
+
+    source = read_source(source_dir)
+    model = build_model(source.config)
+    load_model_space(model, source.weights)
+    return model.eval()
+
+
+def _adapter_state(model, lora: dict, base_dir):
+    """A LoRA checkpoint's `ModelState` (adapters only, the base named) of an in-memory adapted model."""
+    from mtnlg_lightning.checkpoint import ModelState
+    from mtnlg_lightning.interop.lora_base import base_reference
+
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
+    return ModelState(model.config, weights, {}, None, lora, base_reference(base_dir))
+
+
+def _peft_logits(base_dir, adapter_dir, tokens):
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+        return adapted(tokens).logits, adapted
+
+
+@pytest.mark.parametrize(
+    ("family", "lora"),
+    [
+        ("gpt2", {"rank": 4, "alpha": 8}),  # c_attn fused on both sides, Conv1D (fan_in_fan_out)
+        ("gpt2", {"rank": 4, "alpha": 8, "targets": ["c_attn", "fc2"]}),  # one of GPT-2's two c_proj
+        ("llama-mha", {"rank": 4, "alpha": 8, "rslora": True}),  # our fused qkv -> q_proj, k_proj, v_proj
+    ],
+    ids=["gpt2-all", "gpt2-c_attn-mlp.c_proj", "llama-fused-qkv-rslora"],
+)
+def test_a_peft_adapter_loads_in_peft_with_our_logits(family, lora, tmp_path):
+    from hf_models import random_family_dir, random_gpt2_dir
+
+    from mtnlg_lightning.interop.peft_adapter import write_peft_adapter
+
+    if family == "gpt2":
+        base_dir = random_gpt2_dir(tmp_path)
+    else:
+        base_dir = random_family_dir(tmp_path, "llama", num_key_value_heads=4)
+    model = _our_model(base_dir)
+    assert model.config.fused_qkv
+    apply_lora(model, LoRAConfig.from_dict(lora))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.normal_(0.0, 0.05)
+    write_peft_adapter(_adapter_state(model, lora, base_dir), tmp_path / "adapter")
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens)
+    theirs, _ = _peft_logits(base_dir, tmp_path / "adapter", tokens)
+    torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], rtol=1e-5, atol=1e-5)
