@@ -255,3 +255,117 @@ def test_a_peft_adapter_loads_in_peft_with_our_logits(family, lora, tmp_path):
         ours = model(tokens)
     theirs, _ = _peft_logits(base_dir, tmp_path / "adapter", tokens)
     torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ a LoRA run
+LORA_RUN = {"rank": 4, "alpha": 8}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """5 LoRA steps from a Hugging Face Llama directory (grouped-query: separate q, k, v) in one process, a
+    checkpoint after every step."""
+    from hf_models import random_family_dir
+    from parallel_harness import tiny_run
+
+    root = tmp_path_factory.mktemp("lora_run")
+    base_dir = random_family_dir(root, "llama")
+    rec, trainer = tiny_run(init_from=str(base_dir), lora=LORA_RUN, checkpoint_dir=root / "ckpt", checkpoint_every=1)
+    model = trainer.lightning_module.model.eval()
+    return {"root": root, "base": base_dir, "ckpt": root / "ckpt", "losses": rec.losses, "model": model}
+
+
+def test_a_lora_run_checkpoints_the_adapter_and_names_its_base(lora_run):
+    import json
+
+    from mtnlg_lightning.checkpoint import read_model_state
+    from mtnlg_lightning.interop.lora_base import content_hash
+
+    manifest = json.loads((lora_run["ckpt"] / "step=5.ckpt" / "manifest.json").read_text())
+    weights = [k for k in manifest["tensors"] if k.startswith("model/")]
+    assert weights and all(k.endswith((".lora_a", ".lora_b")) for k in weights)
+    assert manifest["lora"]["rank"] == 4
+    state = read_model_state(lora_run["ckpt"] / "step=5.ckpt")
+    assert state.base == {"path": str(lora_run["base"].resolve()), "content": content_hash(lora_run["base"])}
+    stored = sum(e["size"] for name, e in manifest["files"].items() if name.endswith(".safetensors"))
+    base = sum(f.stat().st_size for f in lora_run["base"].glob("*.safetensors"))
+    print(f"\nLoRA checkpoint {stored:,} bytes (adapters and their Adam moments); the base's weights {base:,}")
+    assert stored < base / 10
+    trained_b = [m.lora_b for m in lora_run["model"].modules() if isinstance(m, LoRALinear)]
+    assert all(b.abs().max() > 0 for b in trained_b)  # the adapters trained (B starts at zero)
+
+
+def test_a_lora_checkpoint_reads_as_its_base_with_the_adapters_merged(lora_run):
+    from mtnlg_lightning.checkpoint.model_state import load_model_space
+    from mtnlg_lightning.interop.hf import read_source
+
+    merged = read_source(lora_run["ckpt"] / "step=5.ckpt")
+    model = build_model(merged.config)
+    load_model_space(model, merged.weights)
+    tokens = tokens_for(merged.config)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens), lora_run["model"](tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_the_exported_adapter_loads_in_peft_with_our_logits_and_merges_to_our_merged_export(lora_run, tmp_path):
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    from mtnlg_lightning.interop.export_cli import main as export_main
+
+    ckpt = str(lora_run["ckpt"] / "step=5.ckpt")
+    assert export_main([ckpt, str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert export_main([ckpt, str(tmp_path / "merged")]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (4, 8.0, False)
+    assert config["base_model_name_or_path"] == str(lora_run["base"].resolve())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    pattern = r"base_model\.model\.model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.lora_[AB]\.weight"
+    assert len(keys) == 2 * 7 * 2 and all(__import__("re").fullmatch(pattern, k) for k in keys)
+
+    tokens = tokens_for(lora_run["model"].config)
+    with torch.no_grad():
+        ours = lora_run["model"](tokens)
+    theirs, adapted = _peft_logits(lora_run["base"], tmp_path / "adapter", tokens)
+    vocab = theirs.shape[-1]
+    torch.testing.assert_close(theirs, ours[..., :vocab], rtol=1e-5, atol=1e-5)
+
+    peft_merged = adapted.merge_and_unload().state_dict()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(peft_merged[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(tokens).logits, ours[..., :vocab], rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_export_of_a_checkpoint_without_lora_is_one_line(lora_run, tmp_path, capsys):
+    from mtnlg_lightning.interop.export_cli import main as export_main
+
+    assert export_main([str(lora_run["base"]), str(tmp_path / "out"), "--adapter"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds no LoRA adapter" in err and len(err.splitlines()) == 1
+
+
+def test_a_resume_continues_the_uninterrupted_losses_on_the_same_base_and_refuses_another(lora_run, tmp_path):
+    import shutil
+
+    from parallel_harness import tiny_run
+    from safetensors.torch import load_file, save_file
+
+    from mtnlg_lightning.checkpoint.format import CheckpointError  # noqa: F401 - the error's family
+
+    same = shutil.copytree(lora_run["base"], tmp_path / "same-base")  # another path, the same content
+    rec, _ = tiny_run(init_from=str(same), lora=LORA_RUN, ckpt_path=lora_run["ckpt"] / "step=3.ckpt")
+    assert rec.losses == pytest.approx(lora_run["losses"][3:], rel=1e-5)
+
+    other = shutil.copytree(lora_run["base"], tmp_path / "other-base")
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MTNLGError, match="a base directory whose content differs from the one the adapter was"):
+        tiny_run(init_from=str(other), lora=LORA_RUN, ckpt_path=lora_run["ckpt"] / "step=3.ckpt")
