@@ -122,7 +122,8 @@ def parallelize_gpt(
         if compile_backend is not None:
             compile_blocks(stage_model, compile_backend)
     tied = None
-    if runner is not None:
+    # Under LoRA the embedding is frozen: the last stage's copy made at the split stays equal to it, nothing to link.
+    if runner is not None and lora is None:
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
     loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if layout.tensor_parallel > 1 else None
     if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
