@@ -51,11 +51,14 @@ def global_name(name: str, chunked: bool) -> str:
 
 
 def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> list[Slot]:
-    """A slot per parameter of this rank's part of the model, in `named_parameters` order (the same on every
-    data-parallel replica of this part)."""
+    """A slot per trained parameter of this rank's part of the model, in `named_parameters` order (the same on
+    every data-parallel replica of this part). A frozen parameter (a LoRA run's base) is no training state: the
+    run rebuilds it from the base its checkpoint names."""
     chunked = isinstance(model, PipelineChunks)
     slots = []
     for local_name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         name = global_name(local_name, chunked)
         sharded = hasattr(param, "partition_dim") and tp_size > 1
         shape = full_shape(param)  # ZeRO-3 partitions the tensor itself

@@ -31,12 +31,20 @@ class ModelState:
         mapping: a dict, or `LazyWeights` reading each tensor from disk when it is looked up (big models).
     hparams: the `MTNLGModule` init arguments (preset, model_overrides, recipe).
     tokenizer: the tokenizer file or directory saved with the run, if any.
+    lora: a LoRA run's settings (`parallel/lora.py`): `weights` are then its adapters only
+        (`blocks.N.attn.q.lora_a`, ...), and `base` names the model they adapt: {path, content}.
     """
 
     config: ModelConfig
     weights: Mapping[str, torch.Tensor]
     hparams: dict
     tokenizer: Path | None = None
+    lora: dict | None = None
+    base: dict | None = None
+
+
+LORA_BASE = "lora_base"  # the checkpoint entry (meta) naming a LoRA run's base: {path, content}
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
 
 
 class LazyWeights(Mapping):
@@ -136,7 +144,11 @@ def _read_lightning_file(path: Path) -> ModelState:
     config = get_config(hparams.get("preset", "tiny"), **(hparams.get("model_overrides") or {}))
     weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     tokenizer = (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
-    return ModelState(config, model_space(weights, config), hparams, Path(tokenizer) if tokenizer else None)
+    lora = hparams.get("lora")
+    if lora is not None:  # the adapters; the frozen base comes from the directory the run names
+        weights = {k: v for k, v in weights.items() if k.endswith(ADAPTER_SUFFIXES)}
+    tokenizer = Path(tokenizer) if tokenizer else None
+    return ModelState(config, model_space(weights, config), hparams, tokenizer, lora, ckpt.get(LORA_BASE))
 
 
 def _read_folder(path: Path, master: bool, verify: str) -> ModelState:
@@ -149,9 +161,10 @@ def _read_folder(path: Path, master: bool, verify: str) -> ModelState:
             raise CheckpointError(problem)
     config = config_of(manifest, f"{path}/{MANIFEST}")
     weights = CheckpointWeights(reader, master)
-    hparams = dict(read_meta(path, manifest).get("hyper_parameters") or {})
+    meta = read_meta(path, manifest)
+    hparams = dict(meta.get("hyper_parameters") or {})
     tokenizer = listed_tokenizer(path, manifest)
-    return ModelState(config, weights, hparams, tokenizer)
+    return ModelState(config, weights, hparams, tokenizer, manifest.get("lora"), meta.get(LORA_BASE))
 
 
 def read_model_state(path: str | Path, master: bool = True, verify: str = "all") -> ModelState:

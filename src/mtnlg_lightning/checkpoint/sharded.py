@@ -49,12 +49,16 @@ def tokenizer_of(trainer) -> str | None:
 
 
 def checkpoint_info(module, trainer, layout: dict) -> dict:
-    return {
+    info = {
         "global_step": int(trainer.global_step),
         "consumed_samples": int(module.consumed_samples),
         "model_config": dataclasses.asdict(module.config),
         "saved_by": layout,
     }
+    lora = getattr(module, "lora", None)
+    if lora is not None:  # the stored tensors are the adapters of these settings (the frozen base is not stored)
+        info["lora"] = dataclasses.asdict(lora)
+    return info
 
 
 def balanced_owners(slots: list[Slot], replicas: int) -> list[int]:
@@ -164,6 +168,8 @@ def _shape_mismatch(manifest: dict, slots: list[Slot], config) -> str | None:
         return problem
     tensors = manifest["tensors"]
     for slot in slots:  # the boxes this layout needs exist in the stored shapes
+        if f"model/{slot.name}" not in tensors:  # e.g. an adapter of other LoRA settings, or none
+            return f"the checkpoint has no tensor {slot.name}, which this model trains (other LoRA settings?)"
         if tuple(tensors[f"model/{slot.name}"]["shape"]) != slot.global_shape:
             return f"tensor {slot.name} does not fit this layout's shards"
     return None

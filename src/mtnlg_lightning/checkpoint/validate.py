@@ -18,6 +18,7 @@ from pathlib import Path
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.model import build_model
+from mtnlg_lightning.parallel.lora import apply_lora, lora_config
 
 # The dtypes a checkpoint stores (manifest name -> safetensors name, bytes per element).
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
@@ -236,16 +237,22 @@ def config_of(manifest: dict, where: str):
 
 
 # ------------------------------------------------------------------------------------------------ model shapes
-def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config, tensor_count: int, lora: dict | None = None) -> dict[str, tuple[int, ...]]:
     """Model-space shapes of every parameter of `config` (tied head left out, vocabulary unpadded), built on the
-    meta device; a config claiming more layers than the manifest has tensors is refused before building."""
+    meta device; a config claiming more layers than the manifest has tensors is refused before building. With
+    `lora` (a LoRA run's settings), the parameters that train: the adapters (the base is frozen, not stored)."""
     if config.num_layers > tensor_count:
         raise _error(f"model_config says {config.num_layers} layers but the manifest has {tensor_count} tensors")
     try:  # meta tensors allocate nothing, but torch still refuses sizes past 2**63 bytes
         model = build_model(config, "meta")
     except (RuntimeError, OverflowError, ValueError) as error:
         raise _error(f"model_config describes a model that cannot be built ({one_line(error)})") from None
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied head is the embedding
+    if lora is not None:
+        try:
+            apply_lora(model, lora_config(lora))
+        except MTNLGError as error:
+            raise _error(f"the checkpoint's LoRA settings do not fit its model ({one_line(error)})") from None
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad or lora is None}
     for name in ("embed.wte.weight", "lm_head.weight"):
         if name in expected:
             expected[name] = (config.vocab_size, config.hidden_size)
@@ -255,7 +262,7 @@ def expected_shapes(config, tensor_count: int) -> dict[str, tuple[int, ...]]:
 def config_mismatch(manifest: dict, config, subject: str = "this model") -> str | None:
     """The first tensor whose presence or shape disagrees with `config` (weights, fp32 masters, Adam moments)."""
     tensors = manifest["tensors"]
-    expected = expected_shapes(config, len(tensors))
+    expected = expected_shapes(config, len(tensors), manifest.get("lora"))
     stored = {k.removeprefix("model/"): tuple(v["shape"]) for k, v in tensors.items() if k.startswith("model/")}
     for name in sorted(set(expected) | set(stored)):
         if name not in stored:

@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "model.safetensors when the model fits one shard, a tensor larger than this gets a shard of its own",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="of a LoRA run's checkpoint, write the adapter as a PEFT directory (adapter_config.json and "
+        "adapter_model.safetensors, which peft and vLLM load on the base) instead of the merged model",
+    )
     return p
 
 
@@ -61,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         check_output(args.output_dir, [args.checkpoint, args.tokenizer], replaces_dir=True)
         if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
             raise MTNLGError(f"{args.output_dir} is a file; name a directory to write the model in")
-        state = read_source(args.checkpoint)
+        if args.adapter:
+            return _export_adapter(args)
+        state = read_source(args.checkpoint)  # a LoRA run's: its base with the adapters merged (fp32)
         check_output(args.output_dir, [state.tokenizer], replaces_dir=True)
         summary = export_hf(
             state, args.output_dir, args.dtype, args.tokenizer, args.overwrite, max_shard_size=args.max_shard_size
@@ -81,6 +89,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_main("mtnlg-export-hf", body)
+
+
+def _export_adapter(args) -> int:
+    from mtnlg_lightning.checkpoint import read_model_state
+    from mtnlg_lightning.interop.hf import is_hf_dir
+    from mtnlg_lightning.interop.peft_adapter import write_peft_adapter
+
+    state = None if is_hf_dir(args.checkpoint) else read_model_state(args.checkpoint)
+    if state is None or state.lora is None:
+        raise MTNLGError(
+            f"{args.checkpoint} holds no LoRA adapter (--adapter exports a --model.lora run's checkpoint); "
+            f"without --adapter the whole model is written"
+        )
+    summary = write_peft_adapter(state, args.output_dir, args.dtype, args.overwrite)
+    print(
+        f"wrote {summary['output']}: a PEFT LoRA adapter of {summary['base']} ({', '.join(summary['target_modules'])}; "
+        f"{summary['parameters']:,} parameters in {summary['tensors']} tensors, {args.dtype})"
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
+from mtnlg_lightning.interop.lora_base import base_path, with_base
 from mtnlg_lightning.outputs import staged_dir
 
 FAMILIES = {kind: family for family in (gpt2_mapping, llama_mapping) for kind in family.MODEL_TYPES}
@@ -171,8 +172,12 @@ def _check_hf_shapes(path: Path, weights: Mapping[str, torch.Tensor], config: Mo
 
 def read_source(path: str | Path, verify: str = "all") -> ModelState:
     """A project checkpoint (any layout `read_model_state` reads; `verify` as there) or a Hugging Face directory:
-    its architecture, tokenizer and lazily read model-space weights (checked by name and shape, none read yet)."""
-    return read_hf_dir(path) if is_hf_dir(path) else read_model_state(path, verify=verify)
+    its architecture, tokenizer and lazily read model-space weights (checked by name and shape, none read yet). A
+    LoRA checkpoint reads as its base with the adapters merged (the base checked against the recorded hash)."""
+    state = read_hf_dir(path) if is_hf_dir(path) else read_model_state(path, verify=verify)
+    if state.lora is not None:
+        state = with_base(state, read_source(base_path(state), verify))
+    return state
 
 
 def source_config(path: str | Path) -> ModelConfig:

@@ -2,6 +2,7 @@
 
 As torchtitan's `parallelize_llama`, parallelism is applied from outside to a plain model. The order, each step
 working on what the one before made:
+  0. model converters: LoRA adapters (`lora.py`) on the full model, its base frozen;
   1. pipeline split: this rank's stages (blocks under their global names; embedding first, head last);
   2. tensor parallelism, with sequence parallelism: Linear/Embedding layers swapped for sharded ones;
   3. context parallelism: ring attention cores, this rank's chunks of the sequence;
@@ -9,13 +10,14 @@ working on what the one before made:
   5. compilation: each block, lazily, so what wraps or shards it is traced at its first call;
   6. the tied embedding linked across the first and last stages (after the sharding: it links the final tensors);
 then the ZeRO hand-off, which needs the optimizer: the strategy gives model and optimizer to DeepSpeed in its
-`setup`. Model converters (adapters) go before step 1. The 3D strategy calls this in its `setup`; under Lightning's
-own strategies (one device, DDP) the module calls it without process groups (steps 4 and 5 only).
+`setup`. The 3D strategy calls this in its `setup`; under Lightning's
+own strategies (one device, DDP) the module calls it without process groups (steps 0, 4 and 5 only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from mtnlg_lightning.parallel.activation_checkpointing import NO_RECOMPUTE, Reco
 from mtnlg_lightning.parallel.config import PipelineParallelSettings
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
+from mtnlg_lightning.parallel.lora import LoRAConfig, apply_lora, shard_with_adapters
 from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
 from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
@@ -52,10 +55,13 @@ def parallelize_gpt(
     context_parallel_kernel: str = "auto",
     recompute: Recompute = NO_RECOMPUTE,
     compile_backend: str | None = None,
+    lora: LoRAConfig | None = None,
 ) -> ParallelGPT:
     """This rank's part of `model` with every transform applied in the module docstring's order. `groups` None:
     one process, no model parallelism. `model` must hold full (unsharded) weights; it is modified in place."""
     layout = groups.layout if groups is not None else ParallelLayout(1)
+    if lora is not None:
+        apply_lora(model, lora)
     runner = None
     stage_models = [model]
     if layout.pipeline_parallel > 1:
@@ -64,15 +70,18 @@ def parallelize_gpt(
         config = model.config
         copies = 1 if config.fused_qkv else kv_head_copies(config.num_kv_heads, groups.tensor_parallel_size)
         kv_group = groups.kv_head_group(copies) if copies > 1 else None  # collective: every rank makes every group
+        rank, size = groups.tensor_parallel_rank, groups.tensor_parallel_size
         for stage_model in stage_models:
-            apply_tensor_parallel(
+            shard = partial(
+                apply_tensor_parallel,
                 stage_model,
                 groups.tensor_parallel_group,
-                groups.tensor_parallel_rank,
-                groups.tensor_parallel_size,
+                rank,
+                size,
                 sequence_parallel=sequence_parallel,
                 kv_group=kv_group,
             )
+            shard_with_adapters(stage_model, shard, rank, size, kv_group)
     if layout.context_parallel > 1:
         ring = Ring(groups.context_parallel_group, groups.ranks["cp"], groups.context_parallel_rank)
         for stage_model in stage_models:
@@ -82,7 +91,8 @@ def parallelize_gpt(
         if compile_backend is not None:
             compile_blocks(stage_model, compile_backend)
     tied = None
-    if runner is not None:
+    # Under LoRA the embedding is frozen: the last stage's copy made at the split stays equal to it, nothing to link.
+    if runner is not None and lora is None:
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
     loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if layout.tensor_parallel > 1 else None
     if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets

@@ -56,8 +56,13 @@ class ModelSpaceCheckpointIO(CheckpointIO):
             local = torch.zeros(slot.param.shape, dtype=slot.param.dtype)
             slot.fill(local, reader.read(key, slot.offsets, slot.shape, dtype=slot.param.dtype))
             by_name[slot.name] = local
-        for name, _ in module.model.named_parameters(remove_duplicate=False):
-            state_dict[f"model.{name}"] = by_name[name if name in by_name else "embed.wte.weight"]
+        for name, param in module.model.named_parameters(remove_duplicate=False):
+            if name in by_name:
+                state_dict[f"model.{name}"] = by_name[name]
+            elif not param.requires_grad:  # frozen (a LoRA base): not stored, the run rebuilt it from its base
+                state_dict[f"model.{name}"] = param.detach()
+            else:  # the tied head
+                state_dict[f"model.{name}"] = by_name["embed.wte.weight"]
         checkpoint = {**meta, "state_dict": state_dict}
         optimizer = meta.get("optimizer")
         if optimizer and optimizer.get("step") is not None:

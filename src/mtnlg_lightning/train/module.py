@@ -15,9 +15,11 @@ from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
+from mtnlg_lightning.interop.lora_base import LORA_BASE, base_reference, check_base
 from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
+from mtnlg_lightning.parallel.lora import lora_config
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
@@ -62,6 +64,7 @@ class MTNLGModule(L.LightningModule):
         compile_backend: str = "inductor",
         activation_checkpointing: str = "none",
         activation_checkpointing_every_n: int = 2,
+        lora: dict | None = None,
     ):
         """
         Args:
@@ -93,6 +96,10 @@ class MTNLGModule(L.LightningModule):
                 selective (the attention core, Megatron's) or every_n (blocks 0, n, 2n, ...); applied with the
                 layout (`parallel/parallelize.py`). The `ActivationCheckpointing` callback sets it too.
             activation_checkpointing_every_n: the n of every_n.
+            lora: train LoRA adapters on the frozen `init_from` model instead of every weight, e.g. {rank: 16,
+                alpha: 32, dropout: 0.0, targets: [q_proj, v_proj], rslora: false} (`parallel/lora.py`; targets:
+                our projection names or Hugging Face's, default every attention and MLP projection). Checkpoints
+                then hold the adapter and name the base by path and content hash.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
@@ -129,6 +136,13 @@ class MTNLGModule(L.LightningModule):
             raise MTNLGError(f"model.compile_backend {compile_backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
         self.compile_with = compile_backend if compile else None  # the backend each block is compiled with
         self.runner: LocalRunner | MegatronDeepSpeedStrategy | None = None  # the step's parts, set by `setup`
+        self.lora = lora_config(lora)
+        self.lora_base: dict | None = None  # the base the adapter trains on: {path, content}
+        if self.lora is not None:
+            self.lora.projections(self.config)  # a target the model lacks is one line now
+            if not init_from:
+                raise MTNLGError("model.lora needs model.init_from: the model directory the adapter trains on")
+            self.lora_base = base_reference(init_from)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -139,9 +153,9 @@ class MTNLGModule(L.LightningModule):
         strategy = lightning_compat.strategy_of(self)
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it applies the layout in its setup (collectives)
             self.model = model
-        else:  # one process, or Lightning's DDP: no layout, only recomputation and compilation
+        else:  # one process, or Lightning's DDP: no layout, only adapters, recomputation and compilation
             self.model = parallelize_gpt(model, None, model_device(model), recompute=self.recompute,
-                                         compile_backend=self.compile_with).model  # fmt: skip
+                                         compile_backend=self.compile_with, lora=self.lora).model  # fmt: skip
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -280,8 +294,12 @@ class MTNLGModule(L.LightningModule):
     # ---------------------------------------------------------------- checkpoint state
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint.update(self.position.state_dict())
+        if self.lora_base is not None:
+            checkpoint[LORA_BASE] = self.lora_base
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if checkpoint.get(LORA_BASE) is not None and self.lora_base is not None:
+            check_base(checkpoint[LORA_BASE], self.lora_base)
         self.position.load_state_dict(checkpoint)
         self.configure_model()
 

@@ -9,19 +9,23 @@ from __future__ import annotations
 import torch
 
 
-def decay_groups(model: torch.nn.Module) -> tuple[list, list]:
-    """AdamW's two groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not."""
+def decay_groups(model: torch.nn.Module) -> list[list]:
+    """AdamW's groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not. Only
+    parameters that train (a LoRA run's frozen base has no optimizer state), and only non-empty groups (LoRA's
+    adapters are all matrices; DeepSpeed drops an empty group, which the LR scheduler would still count)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    return decay, no_decay
+    return [group for group in (decay, no_decay) if group]
 
 
 def build_adamw(
     model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, fused: bool | None
 ) -> torch.optim.AdamW:
     """The optimizer every strategy uses (ZeRO receives it as its client optimizer)."""
-    decay, no_decay = decay_groups(model)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": params, "weight_decay": weight_decay if params[0].ndim >= 2 else 0.0}
+        for params in decay_groups(model)
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)

@@ -250,6 +250,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 self.context_parallel_kernel,
                 module.recompute,
                 module.compile_with,
+                module.lora,
             )
             module.model = self.parallel.model
             if self.parallel.loss_fn is not None:
