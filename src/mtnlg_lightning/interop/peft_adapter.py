@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mtnlg_lightning import families
 from mtnlg_lightning.checkpoint import ModelState
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
@@ -36,19 +37,16 @@ PEFT_PREFIX = "base_model.model."
 
 
 def _hf_parts(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, config, family):
-    """(Hugging Face module path, A, B) for our adapter of `module` (`blocks.N.attn.q`)."""
+    """(Hugging Face module path, A, B) for our adapter of `module` (`blocks.N.attn.q`): the module's Hugging Face
+    name from the family's spec (`families.py`); a fused q/k/v that Hugging Face keeps apart gives one adapter each."""
     _, layer, ours = module.split(".", 2)
-    if family is gpt2_mapping:
-        theirs, _ = gpt2_mapping.BLOCK_MODULES[ours]
-        if ours == "attn.qkv":
-            lora_b = gpt2_mapping._qkv_to_hf(lora_b, config.num_heads)
-        return [(f"transformer.h.{layer}.{theirs}", lora_a, lora_b)]
-    prefix = f"model.layers.{layer}."
-    if ours == "attn.qkv":
+    _, theirs = families.family_of(config).modules[f"{families.BLOCK}{ours}"]
+    if family is gpt2_mapping and ours == "attn.qkv":
+        lora_b = gpt2_mapping._qkv_to_hf(lora_b, config.num_heads)
+    if isinstance(theirs, tuple):  # q_proj, k_proj, v_proj of our one projection: A repeated, B's rows split
         parts = llama_mapping._split(lora_b, config.num_heads)
-        names = ("attn.q", "attn.k", "attn.v")
-        return [(prefix + llama_mapping.BLOCK[n], lora_a, b) for n, b in zip(names, parts, strict=True)]
-    return [(prefix + llama_mapping.BLOCK[ours], lora_a, lora_b)]
+        return [(name.format(i=layer), lora_a, b) for name, b in zip(theirs, parts, strict=True)]
+    return [(theirs.format(i=layer), lora_a, lora_b)]
 
 
 def _target_modules(modules: list[str], family) -> list[str]:
