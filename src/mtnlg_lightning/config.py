@@ -217,14 +217,19 @@ def fields_from(cls, source, **given):
     return cls(**{n: given[n] if n in given else getattr(source, n) for n in names if n in given or hasattr(source, n)})
 
 
+def reject_unknown_fields(values: dict, cls, what: str) -> None:
+    """One line naming the keys of `values` that are no field of the dataclass `cls`, and the valid ones."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise MTNLGError(f"{what} {unknown}; valid fields: {sorted(known)}")
+
+
 def get_config(preset: str, **overrides) -> ModelConfig:
     """Build a config from a preset name, with field overrides (e.g. num_layers=5)."""
     if preset not in PRESETS:
         raise MTNLGError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise MTNLGError(f"unknown model config field(s) {unknown}; valid fields: {sorted(known)}")
+    reject_unknown_fields(overrides, ModelConfig, "unknown model config field(s)")
     # The position table belongs to the preset (as it would to a checkpoint): a longer seq_len is an error.
     values = {"max_position_embeddings": PRESETS[preset]["seq_len"], **PRESETS[preset], **overrides}
     return ModelConfig(**values, name=preset)

@@ -23,7 +23,6 @@ its base weight is `blocks.N.attn.q.weight` (in memory `...attn.q.base.weight`, 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.config import ModelConfig, reject_unknown_fields
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.sequence_parallel import (
     all_gather_linear,
@@ -99,10 +98,7 @@ class LoRAConfig:
     def from_dict(cls, values: dict) -> LoRAConfig:
         if not isinstance(values, dict):
             raise MTNLGError(f"model.lora takes a mapping such as {{rank: 16, alpha: 32}}, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise MTNLGError(f"model.lora has unknown field(s) {unknown}; valid fields: {sorted(known)}")
+        reject_unknown_fields(values, cls, "model.lora has unknown field(s)")
         rank, alpha = values.get("rank", cls.rank), values.get("alpha", cls.alpha)
         dropout, targets = values.get("dropout", cls.dropout), values.get("targets")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
