@@ -57,11 +57,26 @@ def no_process_group_or_rendezvous_leaks_between_tests():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # frees the store's port
+    forget_deepspeed_groups()
     for key, value in before.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups of the last engine built in this process (`deepspeed.utils.groups`: the mpu
+    it was given, the world and data-parallel groups); a later engine in another world would broadcast over a
+    group that world no longer has ("Group ... is not registered")."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    groups.mpu = None
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+        setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
+        getattr(groups, name).clear()
 
 
 @pytest.fixture(scope="session")

@@ -182,10 +182,16 @@ def test_the_families_modules_and_hugging_face_names_are_written_in_families_py_
             continue
         for match in pattern.finditer(path.read_text(encoding="utf-8")):
             found.append(f"{path.relative_to(SRC)}: {match.group(0)}")
-    # GPT-2 stores the fused q/k/v with its heads in another order: the one layout conversion, named where it is;
-    # the planner puts the word and position embeddings on the first pipeline stage, as the pipeline split does.
+    # GPT-2 stores the fused q/k/v with its heads in another order: the one layout conversion, named where it is
+    # (the PEFT adapter writer applies it to a LoRA B too); peft's `target_modules` tells GPT-2's two `c_proj`
+    # modules apart by a dotted suffix; the planner puts the word and position embeddings on the first pipeline
+    # stage, as the pipeline split does.
     assert found == [
         'interop/gpt2_mapping.py: "attn.qkv"',
+        'interop/peft_adapter.py: "attn.qkv"',
+        'interop/peft_adapter.py: "attn.c_proj"',
+        'interop/peft_adapter.py: "mlp.c_proj"',
+        'interop/peft_adapter.py: "c_proj"',
         'planning/planner.py: "embed.wte"',
         'planning/planner.py: "embed.wpe"',
     ]

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning import families
 from mtnlg_lightning.config import ModelConfig, reject_unknown_fields
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.sequence_parallel import (
@@ -48,32 +49,26 @@ from mtnlg_lightning.parallel.tensor_parallel import (
     reduce_from_tensor_parallel_region,
 )
 
-# Our projections, by their module path inside a block.
-PROJECTIONS = {
-    "qkv": "attn.qkv",
-    "q": "attn.q",
-    "k": "attn.k",
-    "v": "attn.v",
-    "proj": "attn.proj",
-    "gate": "mlp.gate",
-    "up": "mlp.up",
-    "down": "mlp.down",
-    "fc1": "mlp.fc1",
-    "fc2": "mlp.fc2",
-}
-# Hugging Face's names (Llama / Qwen, GPT-2) for ours; GPT-2's `c_proj` is both its attention and MLP output.
-HF_NAMES = {
-    "q_proj": ("q",),
-    "k_proj": ("k",),
-    "v_proj": ("v",),
-    "o_proj": ("proj",),
-    "gate_proj": ("gate",),
-    "up_proj": ("up",),
-    "down_proj": ("down",),
-    "c_attn": ("qkv",),
-    "c_fc": ("fc1",),
-    "c_proj": ("proj", "fc2"),
-}
+
+def _projection_names() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """From the family specs (`families.py`): our projections by short name -> module path inside a block
+    (`q` -> `attn.q`), and Hugging Face's names -> ours (`q_proj` -> (`q`,); GPT-2's `c_proj` is both its attention
+    and its MLP output). A fused q/k/v that Hugging Face keeps apart has no single name there."""
+    ours: dict[str, str] = {}
+    theirs: dict[str, set[str]] = {}
+    for family in families.FAMILIES:
+        for path, (style, hf) in family.modules.items():
+            if style not in families.MATMUL_STYLES or not path.startswith(families.BLOCK):
+                continue
+            inner = path.removeprefix(families.BLOCK)
+            short = inner.rpartition(".")[2]
+            ours[short] = inner
+            if isinstance(hf, str):
+                theirs.setdefault(hf.rpartition(".")[2], set()).add(short)
+    return ours, {name: tuple(sorted(shorts)) for name, shorts in theirs.items()}
+
+
+PROJECTIONS, HF_NAMES = _projection_names()
 SEPARATE_QKV = ("q", "k", "v")
 
 
