@@ -3,9 +3,11 @@ median and the slowest rank go to the logger, and a rank slower than `factor` x 
 
 A rank's own time is measured from the end of the previous step to its first backward (data loading, host work,
 forward): the part before gradient synchronisation, where the ranks wait for the slowest one and every rank's wall
-time becomes the same. On a GPU the measured step is bracketed by `torch.cuda.synchronize()` (only on measured
-steps). Forward collectives (tensor parallelism, ZeRO-3 gathers) tie a rank to its group's slowest member, so a
-straggler there shows as its group; a pipelined step (no backward hook) is measured whole.
+time becomes the same. The one collective before the forward, the step's count of trained labels, is such a wait
+too: the module's `count_wait_s` is left out. On a GPU the measured step is bracketed by
+`torch.cuda.synchronize()` (only on measured steps). Forward collectives (tensor parallelism, ZeRO-3 gathers) tie a
+rank to its group's slowest member, so a straggler there shows as its group; a pipelined step (no backward hook) is
+measured whole.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class StragglerMonitor(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._measured and self._start is not None:
             ready = self._ready if self._ready is not None else self._now(pl_module.device)
-            self._report(trainer, pl_module, ready - self._start)
+            waited = getattr(pl_module, "count_wait_s", 0.0)  # a LightningModule of another kind waits for none
+            self._report(trainer, pl_module, ready - self._start - waited)
         self._measured = False
         self._start = self._now(pl_module.device) if self._next_is_measured(trainer) else None
 

@@ -136,6 +136,7 @@ class MTNLGModule(L.LightningModule):
             raise MTNLGError(f"model.compile_backend {compile_backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
         self.compile_with = compile_backend if compile else None  # the backend each block is compiled with
         self.runner: LocalRunner | MegatronDeepSpeedStrategy | None = None  # the step's parts, set by `setup`
+        self.count_wait_s = 0.0  # this step's wait in the all-reduce of the counted labels
         self.lora = lora_config(lora)
         self.lora_base: dict | None = None  # the base the adapter trains on: {path, content}
         if self.lora is not None:
@@ -223,9 +224,12 @@ class MTNLGModule(L.LightningModule):
     def step_loss(self, labels: torch.Tensor) -> StepLoss:
         """A micro-batch's loss in this step (`loss.StepLoss`): its token mean weighted by its share of the labels
         counted over the whole global batch (one all-reduce of a count per step)."""
-        counted = self.trainer.strategy.reduce(counted_labels(labels), reduce_op="sum")
+        started = time.perf_counter()
+        counted = int(self.trainer.strategy.reduce(counted_labels(labels), reduce_op="sum"))
+        # Waiting here is waiting for the slowest rank: `StragglerMonitor` leaves it out of this rank's own time.
+        self.count_wait_s = time.perf_counter() - started
         micro_batches = -(-len(labels) // self.micro_batch_size)
-        return StepLoss(self.loss_fn, micro_batches, self.trainer.world_size, int(counted))
+        return StepLoss(self.loss_fn, micro_batches, self.trainer.world_size, counted)
 
     def restart_train_data(self) -> None:
         """Restart the train data stream at the data position after a callback moved it (loss-spike rewind, recorded
