@@ -30,7 +30,7 @@ from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.optimizer_recipe import build_adamw
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
-from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto
+from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto, count_micro_batches
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 from mtnlg_lightning.train.training_position import TrainingPosition
 
@@ -206,7 +206,7 @@ class MTNLGModule(L.LightningModule):
         optimizer = self.trainer.optimizers[0]
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
-        loss = self.runner.forward_backward(batch, self.micro_batch_size, self.step_loss(batch["labels"]))
+        loss = self.runner.forward_backward(batch, self.micro_batch_size, self.step_loss(batch))
         vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
         update = self.runner.update(optimizer, self.grad_clip, undoable=bool(vetoers))
         # Every vetoer is asked (each observes the step); every rank gets the same answers.
@@ -221,14 +221,14 @@ class MTNLGModule(L.LightningModule):
         """Samples of the blended stream consumed so far (the data position's; read-only here)."""
         return self.position.consumed_samples
 
-    def step_loss(self, labels: torch.Tensor) -> StepLoss:
+    def step_loss(self, batch: dict) -> StepLoss:
         """A micro-batch's loss in this step (`loss.StepLoss`): its token mean weighted by its share of the labels
         counted over the whole global batch (one all-reduce of a count per step)."""
         started = time.perf_counter()
-        counted = int(self.trainer.strategy.reduce(counted_labels(labels), reduce_op="sum"))
+        counted = int(self.trainer.strategy.reduce(counted_labels(batch["labels"]), reduce_op="sum"))
         # Waiting here is waiting for the slowest rank: `StragglerMonitor` leaves it out of this rank's own time.
         self.count_wait_s = time.perf_counter() - started
-        micro_batches = -(-len(labels) // self.micro_batch_size)
+        micro_batches = count_micro_batches(batch, self.micro_batch_size)
         return StepLoss(self.loss_fn, micro_batches, self.trainer.world_size, counted)
 
     def restart_train_data(self) -> None:
@@ -286,7 +286,7 @@ class MTNLGModule(L.LightningModule):
     # ---------------------------------------------------------------- evaluation
     def _eval_loss(self, batch) -> torch.Tensor:
         """The batch's token-mean loss, forward only."""
-        return self.runner.evaluate(batch, self.micro_batch_size, self.step_loss(batch["labels"]))
+        return self.runner.evaluate(batch, self.micro_batch_size, self.step_loss(batch))
 
     def validation_step(self, batch, batch_idx):
         size = len(batch["labels"])
