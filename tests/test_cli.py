@@ -39,7 +39,12 @@ def test_fit_tiny_logs_train_loss_every_step_to_csv_and_learns(tmp_path, demo_da
 @pytest.mark.slow
 def test_fit_help_and_print_config_are_standard_lightning_cli():
     out = run_cli("fit", "--help")
-    assert out.returncode == 0 and "--model.preset" in out.stdout and "--data.datasets" in out.stdout
+    assert out.returncode == 0 and "--model.preset" in out.stdout and "--data.help" in out.stdout
+    assert "mtnlg_lightning.data.GPTDataModule" in out.stdout and "FineTuneDataModule" in out.stdout
+    out = run_cli("fit", "--data.help", "GPTDataModule")
+    assert out.returncode == 0 and "--data.datasets" in out.stdout and "--data.builtin_corpus" in out.stdout
+    out = run_cli("fit", "--data.help", "FineTuneDataModule")
+    assert out.returncode == 0 and "--data.train" in out.stdout and "--data.chat_template" in out.stdout
     out = run_cli("fit", "--print_config", "--config", "configs/demo.yaml")
     assert out.returncode == 0, out.stderr
     assert "preset: demo" in out.stdout and "builtin_corpus: python-docs" in out.stdout

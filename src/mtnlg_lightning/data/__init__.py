@@ -1,11 +1,13 @@
-# GPTDataModule imports Lightning (~8 s on a 2-core machine); the preprocessing and tokenizer tools import this
-# package without needing it, so it is loaded on first use instead of here.
-__all__ = ["GPTDataModule"]
+# The data modules import Lightning (~8 s on a 2-core machine); the preprocessing and tokenizer tools import this
+# package without needing it, so they are loaded on first use instead of here.
+__all__ = ["FineTuneDataModule", "GPTDataModule"]
+
+_MODULES = {"GPTDataModule": "datamodule", "FineTuneDataModule": "finetune"}
 
 
 def __getattr__(name: str):
-    if name == "GPTDataModule":
-        from mtnlg_lightning.data.datamodule import GPTDataModule
+    if name in _MODULES:
+        import importlib
 
-        return GPTDataModule
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

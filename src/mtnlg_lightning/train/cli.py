@@ -13,7 +13,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
 from mtnlg_lightning.config import get_config
-from mtnlg_lightning.data.datamodule import GPTDataModule
+from mtnlg_lightning.data.datamodule import GPTDataModule, StepDataModule
+from mtnlg_lightning.data.finetune import FineTuneDataModule  # noqa: F401 - a known `data` subclass in --help
 from mtnlg_lightning.errors import MTNLGError, one_line, run_main
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.config import ParallelConfig
@@ -37,6 +38,11 @@ class OneLineParser(LightningArgumentParser):
 
 
 class MTNLGCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        """`data` is any `StepDataModule`; without a `class_path` it is the pretraining `GPTDataModule`, so a config's
+        plain `data:` keys (and `--data.KEY` flags) keep meaning what they meant."""
+        parser.set_defaults({"data": {"class_path": f"{GPTDataModule.__module__}.{GPTDataModule.__qualname__}"}})
+
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
         config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
@@ -141,7 +147,8 @@ def main(args: list[str] | None = None) -> int:
         try:
             cli = MTNLGCLI(
                 MTNLGModule,
-                GPTDataModule,
+                StepDataModule,
+                subclass_mode_data=True,
                 save_config_kwargs={"overwrite": True},
                 args=None if args is None else resolve_cli_args(args, registered),
                 parser_class=OneLineParser,
