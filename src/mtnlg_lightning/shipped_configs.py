@@ -42,8 +42,9 @@ def shipped_config(value: str, folder: str = "") -> Path | None:
 
 
 def config_path(value: str, folder: str = "", flag: str = "--config") -> str:
-    """An existing file as given; else the shipped config of that name; else a one-line error that lists them."""
-    if os.path.exists(value):
+    """An existing file as given (a folder of that name is not a config); else the shipped config of that name; else
+    a one-line error that lists them."""
+    if os.path.isfile(value):
         return value
     shipped = shipped_config(value, folder)
     if shipped is not None:
@@ -99,7 +100,7 @@ def resolve_cli_args(argv: list[str], registered: set[str] = frozenset()) -> lis
 
 def _resolve_value(value: str, folder: str, flag: str, registered: set[str]) -> str:
     inline_yaml = any(mark in value for mark in (":", "{", "\n"))  # jsonargparse also takes a config as text
-    if os.path.exists(value) or value in registered or inline_yaml:
+    if os.path.isfile(value) or value in registered or inline_yaml:
         return value
     if folder == "strategy" and "." not in value and shipped_config(value, folder) is None:
         known = ", ".join(sorted(n for n in registered if "_" not in n))

@@ -53,10 +53,11 @@ def config_for_init(init_from: str, preset: str, overrides: dict | None) -> Mode
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise MTNLGError(f"unknown model config field(s) {unknown}; valid fields: {sorted(known)}")
+    origin = "model_overrides" if "seq_len" in overrides else f"preset {preset!r}"
     seq_len = overrides.pop("seq_len", PRESETS.get(preset, {}).get("seq_len", source.seq_len))
     if seq_len > source.max_position_embeddings:
         raise MTNLGError(
-            f"seq_len {seq_len} (preset {preset!r}) is above the {source.max_position_embeddings} positions of "
+            f"seq_len {seq_len} ({origin}) is above the {source.max_position_embeddings} positions of "
             f"{init_from}; set model.model_overrides '{{seq_len: {source.max_position_embeddings}}}' or less"
         )
     values = {**dataclasses.asdict(source), "seq_len": seq_len, "init_std": None, **overrides, "name": preset}

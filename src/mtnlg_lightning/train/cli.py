@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -25,6 +26,11 @@ from mtnlg_lightning.shipped_configs import resolve_cli_args
 from mtnlg_lightning.train.module import MTNLGModule
 
 
+_MISSING_INIT_ARGS = re.compile(
+    r'Parser key "(\w+)".*?class_path \'([\w.]+)\': the following arguments are required: ([\w, ]+?)(?: -| Expected|$)'
+)
+
+
 class OneLineParser(LightningArgumentParser):
     """A bad flag or config file is one `mtnlg: error:` line (jsonargparse prints the whole usage, ~70 lines)."""
 
@@ -32,6 +38,11 @@ class OneLineParser(LightningArgumentParser):
         if not self.exit_on_error:
             return super().error(message, ex)
         text = " ".join(str(message).split())
+        missing = _MISSING_INIT_ARGS.search(text)
+        if missing:  # jsonargparse's subclass-union message buries the point ~300 characters in
+            key, class_path, names = missing.groups()
+            names = ", ".join(f"--{key}.{name.strip()}" for name in names.split(","))
+            text = f"{names} required by {class_path.rsplit('.', 1)[-1]} ({key}.class_path)"
         text = text if len(text) <= 400 else text[:397] + "..."
         print(f"mtnlg: error: {text} (mtnlg SUBCOMMAND --help lists the options)", file=sys.stderr)
         sys.exit(2)
@@ -47,6 +58,7 @@ class MTNLGCLI(LightningCLI):
         super().parse_arguments(parser, args)
         config = self.config.get(self.config.get("subcommand")) if self.config.get("subcommand") else self.config
         if config is not None:
+            check_finetune_run(config.model, config.data)
             check_parallel_run(config.trainer.strategy, config.model)
 
     def before_instantiate_classes(self) -> None:
@@ -72,6 +84,21 @@ class MTNLGCLI(LightningCLI):
         of the run's checkpoint folders (`resilience/restart.py`)."""
         config = self.config_init[self.subcommand]
         config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
+
+
+def check_finetune_run(model, data) -> None:
+    """What fine-tuning needs, named before a model is built from a preset it was never meant to use."""
+    if model.get("init_from"):
+        return
+    if model.get("lora"):
+        raise MTNLGError("model.lora needs model.init_from: the model directory (or checkpoint) the adapter trains on")
+    class_path = (data.get("class_path") if data is not None else None) or ""
+    init_args = data.get("init_args") if data is not None else None
+    if class_path.endswith("FineTuneDataModule") and not (init_args and init_args.get("tokenizer")):
+        raise MTNLGError(
+            "fine-tuning needs model.init_from: the model directory (or checkpoint) to fine-tune "
+            "(or data.tokenizer, to train a fresh model on chat records)"
+        )
 
 
 def check_parallel_run(strategy, model) -> None:
