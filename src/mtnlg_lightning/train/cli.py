@@ -25,7 +25,6 @@ from mtnlg_lightning.resilience.restart import resolve_ckpt_path
 from mtnlg_lightning.shipped_configs import resolve_cli_args
 from mtnlg_lightning.train.module import MTNLGModule
 
-
 _MISSING_INIT_ARGS = re.compile(
     r'Parser key "(\w+)".*?class_path \'([\w.]+)\': the following arguments are required: ([\w, ]+?)(?: -| Expected|$)'
 )
