@@ -372,10 +372,10 @@ def test_a_resume_continues_the_uninterrupted_losses_on_the_same_base_and_refuse
         tiny_run(init_from=str(other), lora=LORA_RUN, ckpt_path=lora_run["ckpt"] / "step=3.ckpt")
 
 
-def test_zero1_holds_an_fp32_master_and_two_moments_for_the_adapter_only(lora_run):
-    """ZeRO-1 under bf16 (one process, gloo): DeepSpeed's fp32 master and Adam's two moments, 12 bytes per adapter
-    parameter, and nothing for the frozen base (DeepSpeed pads each flat partition to its alignment: a few
-    elements)."""
+@pytest.fixture(scope="module")
+def zero1_lora_state(lora_run):
+    """One LoRA step under ZeRO-1 and bf16 (one process, gloo): the optimizer's bytes (DeepSpeed's fp32 master
+    partitions and Adam's two moments), the adapter's and the model's parameters, and the model's config."""
     from parallel_harness import tiny_run
 
     from mtnlg_lightning.parallel.deepspeed_compat import fp32_flat_partitions
@@ -394,9 +394,29 @@ def test_zero1_holds_an_fp32_master_and_two_moments_for_the_adapter_only(lora_ru
     model = trainer.lightning_module.model
     adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
     everything = sum(p.numel() for p in model.parameters())
+    return {"held": held, "adapter": adapter, "everything": everything, "config": model.config}
+
+
+def test_zero1_holds_an_fp32_master_and_two_moments_for_the_adapter_only(zero1_lora_state):
+    """ZeRO-1 under bf16: DeepSpeed's fp32 master and Adam's two moments, 12 bytes per adapter parameter, and
+    nothing for the frozen base (DeepSpeed pads each flat partition to its alignment: a few elements)."""
+    held, adapter, everything = (zero1_lora_state[k] for k in ("held", "adapter", "everything"))
     print(f"\nZeRO-1 optimizer state {held:,} bytes for {adapter:,} adapter parameters (12 x = {12 * adapter:,}); "
           f"full fine-tuning of the {everything:,} parameters: {12 * everything:,}")  # fmt: skip
     assert 12 * adapter <= held <= 12 * (adapter + 64)
+
+
+def test_the_planner_sizes_the_optimizer_state_a_zero1_lora_run_holds(zero1_lora_state):
+    """`mtnlg-plan --lora` of the same model and layout (one GPU, ZeRO-1, bf16): the adapters a run trains, and
+    the optimizer bytes it holds (up to DeepSpeed's alignment padding)."""
+    from mtnlg_lightning.planning.planner import plan
+
+    planned = plan(zero1_lora_state["config"], 1, 1, 1, 1, "h100", 8, 4, "none", 1, lora=lora_config(LORA_RUN))
+    assert planned.trainable_params == zero1_lora_state["adapter"]
+    assert planned.frozen_params + planned.trainable_params == zero1_lora_state["everything"]
+    optimizer_bytes = planned.optimizer_state_gb * 1e9
+    assert optimizer_bytes == pytest.approx(12 * zero1_lora_state["adapter"], rel=1e-12)
+    assert optimizer_bytes <= zero1_lora_state["held"] <= optimizer_bytes + 12 * 64
 
 
 # ------------------------------------------------------------------------------------------------ layouts
