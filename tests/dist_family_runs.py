@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
 from parallel_harness import run_each, run_script, tiny_run  # noqa: E402
 
+from mtnlg_lightning.callbacks import ActivationCheckpointing  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 FAMILY_DIRS = json.loads(os.environ.get("MTNLG_TEST_FAMILY_DIRS", "{}"))  # gpt: the tiny preset, no directory
@@ -56,6 +57,20 @@ def strategy_of(layout: str) -> tuple[MegatronDeepSpeedStrategy, int]:
     return MegatronDeepSpeedStrategy(**kwargs, print_layout=False), micro_batch
 
 
+def layout_options(layout: str) -> dict:
+    """The `tiny_run` arguments a layout name adds: sequences of LONG tokens under context parallelism, full
+    activation checkpointing (_acfull), 4 blocks for the interleaved pipeline (2 virtual stages per rank)."""
+    parts = layout.split("_")
+    options = {}
+    if any(part.startswith("cp") for part in parts):
+        options["seq_len"] = LONG
+    if "acfull" in parts:
+        options["callbacks"] = [ActivationCheckpointing(mode="full")]
+    if "interleaved" in parts:
+        options["model_overrides"] = {"num_layers": 4}
+    return options
+
+
 def checkpoints(out: Path, family: str, layout: str) -> Path:
     return out / f"{family}_{layout}_ckpt"
 
@@ -74,18 +89,13 @@ def train(name: str, out: Path, world: int) -> dict:
         extra = dict(max_steps=6, capture_steps=(6,), ckpt_path=checkpoints(origin, family, source) / "step=3.ckpt")
     else:
         strategy, micro_batch = strategy_of(layout)
-    source, seq_len = FAMILY_DIRS.get(family), LONG if "cp" in layout.split("_from_")[0] else None
+    extra |= layout_options(layout)
     parts = layout.split("_")
-    if "acfull" in parts:  # activation checkpointing of every block
-        from mtnlg_lightning.callbacks import ActivationCheckpointing
-
-        extra["callbacks"] = [ActivationCheckpointing(mode="full")]
-    if "interleaved" in parts:  # 2 virtual stages per rank: 4 blocks
-        extra["model_overrides"] = {"num_layers": 4}
     if "downstream" in parts:  # DownstreamEval scores a long document in the training layout after step 2
         evaluation = downstream_eval(out)
         extra |= {"callbacks": [evaluation], "max_steps": 2}
-    rec, _ = tiny_run(strategy, devices=world, micro_batch_size=micro_batch, init_from=source, seq_len=seq_len, **extra)
+    source = FAMILY_DIRS.get(family)
+    rec, _ = tiny_run(strategy, devices=world, micro_batch_size=micro_batch, init_from=source, **extra)
     found = {"losses": rec.losses, "grad_norms": rec.grad_norms, "lrs": rec.lrs, "params": rec.params}
     return found | ({"downstream": evaluation.last} if "downstream" in parts else {})
 

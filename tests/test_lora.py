@@ -372,10 +372,10 @@ def test_a_resume_continues_the_uninterrupted_losses_on_the_same_base_and_refuse
         tiny_run(init_from=str(other), lora=LORA_RUN, ckpt_path=lora_run["ckpt"] / "step=3.ckpt")
 
 
-def test_zero1_holds_an_fp32_master_and_two_moments_for_the_adapter_only(lora_run):
-    """ZeRO-1 under bf16 (one process, gloo): DeepSpeed's fp32 master and Adam's two moments, 12 bytes per adapter
-    parameter, and nothing for the frozen base (DeepSpeed pads each flat partition to its alignment: a few
-    elements)."""
+@pytest.fixture(scope="module")
+def zero1_lora_state(lora_run):
+    """One LoRA step under ZeRO-1 and bf16 (one process, gloo): the optimizer's bytes (DeepSpeed's fp32 master
+    partitions and Adam's two moments), the adapter's and the model's parameters, and the model's config."""
     from parallel_harness import tiny_run
 
     from mtnlg_lightning.parallel.deepspeed_compat import fp32_flat_partitions
@@ -394,40 +394,94 @@ def test_zero1_holds_an_fp32_master_and_two_moments_for_the_adapter_only(lora_ru
     model = trainer.lightning_module.model
     adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
     everything = sum(p.numel() for p in model.parameters())
+    return {"held": held, "adapter": adapter, "everything": everything, "config": model.config}
+
+
+def test_zero1_holds_an_fp32_master_and_two_moments_for_the_adapter_only(zero1_lora_state):
+    """ZeRO-1 under bf16: DeepSpeed's fp32 master and Adam's two moments, 12 bytes per adapter parameter, and
+    nothing for the frozen base (DeepSpeed pads each flat partition to its alignment: a few elements)."""
+    held, adapter, everything = (zero1_lora_state[k] for k in ("held", "adapter", "everything"))
     print(f"\nZeRO-1 optimizer state {held:,} bytes for {adapter:,} adapter parameters (12 x = {12 * adapter:,}); "
           f"full fine-tuning of the {everything:,} parameters: {12 * everything:,}")  # fmt: skip
     assert 12 * adapter <= held <= 12 * (adapter + 64)
 
 
+def test_the_planner_sizes_the_optimizer_state_a_zero1_lora_run_holds(zero1_lora_state):
+    """`mtnlg-plan --lora` of the same model and layout (one GPU, ZeRO-1, bf16): the adapters a run trains, and
+    the optimizer bytes it holds (up to DeepSpeed's alignment padding)."""
+    from mtnlg_lightning.planning.planner import plan
+
+    planned = plan(zero1_lora_state["config"], 1, 1, 1, 1, "h100", 8, 4, "none", 1, lora=lora_config(LORA_RUN))
+    assert planned.trainable_params == zero1_lora_state["adapter"]
+    assert planned.frozen_params + planned.trainable_params == zero1_lora_state["everything"]
+    optimizer_bytes = planned.optimizer_state_gb * 1e9
+    assert optimizer_bytes == pytest.approx(12 * zero1_lora_state["adapter"], rel=1e-12)
+    assert optimizer_bytes <= zero1_lora_state["held"] <= optimizer_bytes + 12 * 64
+
+
 # ------------------------------------------------------------------------------------------------ layouts
-LAYOUTS = ("tp2_sp", "pp2", "zero1", "zero3")  # world 2: zero1 and zero3 are dp2
+LAYOUTS = ("tp2_sp", "pp2", "zero1", "zero3", "cp2", "tp2_acfull")  # world 2: zero1 and zero3 are dp2
+WORLD8 = ("tp2_pp2_dp2_zero1",)
 
 
 @pytest.fixture(scope="module")
-def lora_layout_runs(lora_run):
+def lora_run_long(lora_run):
+    """The one-process LoRA run of the context-parallel layouts: 5 steps on sequences of LONG tokens."""
+    from dist_family_runs import LONG
+    from parallel_harness import tiny_run
+
+    rec, _ = tiny_run(init_from=str(lora_run["base"]), lora=LORA_RUN, seq_len=LONG)
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+
+
+def _launch(world: int, layouts: tuple[str, ...], out, base) -> dict:
     from pathlib import Path
 
     from benchmarks.local_ranks import run_on_ranks
 
     here = Path(__file__).resolve().parent
-    out = lora_run["root"] / "layouts"
-    proc = run_on_ranks(2, here / "dist_lora_runs.py", out, lora_run["base"], *LAYOUTS, timeout=900, cwd=here.parent)
+    proc = run_on_ranks(world, here / "dist_lora_runs.py", out, base, *layouts, timeout=900, cwd=here.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in layouts}
+
+
+@pytest.fixture(scope="module")
+def lora_layout_runs(lora_run):
+    return _launch(2, LAYOUTS, lora_run["root"] / "layouts", lora_run["base"])
+
+
+@pytest.fixture(scope="module")
+def lora_world8_runs(lora_run):
+    return _launch(8, WORLD8, lora_run["root"] / "world8", lora_run["base"])
+
+
+def assert_lora_trains_like(run: dict, reference: dict) -> None:
+    """Losses (fp32, rel 1e-5), pre-clip gradient norms, the adapters after 5 clipped Adam steps and the untouched
+    base."""
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(run["grad_norms"], reference["grad_norms"], rtol=1e-5, atol=0)
+    params, expected = run["params"][5], reference["params"][5]
+    assert params.keys() == expected.keys()
+    adapters = [k for k in expected if k.endswith(("lora_a", "lora_b"))]
+    assert adapters and max((params[k] - expected[k]).abs().max().item() for k in adapters) <= 2e-5
+    assert all(torch.equal(params[k], expected[k]) for k in expected if k not in adapters)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_lora_trains_alike_in_every_layout(layout, lora_layout_runs, lora_run):
+def test_lora_trains_alike_in_every_layout(layout, lora_layout_runs, request):
     """5 LoRA steps from a Llama directory: tp2 with sequence parallelism (adapters sharded like their bases),
-    pp2, and dp2 under ZeRO-1 and ZeRO-3 (frozen base, adapter-only optimizer) reproduce one process: losses (fp32,
-    rel 1e-5), pre-clip gradient norms, the adapters after 5 clipped Adam steps and the untouched base."""
-    run = lora_layout_runs[layout]
-    torch.testing.assert_close(run["losses"], lora_run["losses"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(run["grad_norms"], lora_run["grad_norms"], rtol=1e-5, atol=0)
-    params, expected = run["params"][5], lora_run["params"][5]
-    assert params.keys() == expected.keys()
-    adapters = [k for k in expected if k.endswith(("lora_a", "lora_b"))]
-    assert adapters and max((params[k] - expected[k]).abs().max().item() for k in adapters) <= 2e-5
-    assert all(torch.equal(params[k], expected[k]) for k in expected if k not in adapters)
+    pp2, dp2 under ZeRO-1 and ZeRO-3 (frozen base, adapter-only optimizer), cp2 (against one process on the same
+    longer sequences) and tp2 with every block's activations recomputed reproduce one process."""
+    reference = request.getfixturevalue("lora_run_long" if "cp" in layout else "lora_run")
+    assert_lora_trains_like(lora_layout_runs[layout], reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", WORLD8)
+def test_lora_trains_alike_in_three_dimensions(layout, lora_world8_runs, lora_run):
+    """tp2 x pp2 x dp2 under ZeRO-1 (8 ranks): adapters sharded over TP, split into pipeline stages, their
+    optimizer state partitioned over DP, reproduce one process."""
+    assert_lora_trains_like(lora_world8_runs[layout], lora_run)

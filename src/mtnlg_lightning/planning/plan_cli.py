@@ -10,6 +10,9 @@ Rank every layout of a cluster that fits, and explain the top ones; write the be
     mtnlg fit --config my_run.yaml --trainer.strategy best.yaml --model.micro_batch_size ... (printed)
 Long sequences: which context-parallel layouts fit Llama 3.1 8B at 128k tokens on 64 H200:
     mtnlg-plan --model llama3.1-8b --seq 131072 --gpus 64 --gpu h200 --global-batch 64 --search
+LoRA fine-tuning of Llama 3.1 8B (frozen base: weights only; the adapters' gradients and optimizer state):
+    mtnlg-plan --model llama3.1-8b --seq 4096 --tp 2 --pp 1 --dp 4 --gpu h100 --global-batch 64 \\
+        --lora '{rank: 16, alpha: 32, targets: [q_proj, v_proj]}'
 A model by its dimensions instead of a preset:
     mtnlg-plan --layers 48 --hidden 6144 --heads 64 --seq 2048 --vocab 51200 --gpus 64 --search
 How many GPUs to evaluate or generate with a model (weights + KV cache of a batch; smallest TP x PP per GPU kind):
@@ -29,6 +32,7 @@ from mtnlg_lightning.errors import MTNLGError, run_main
 from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
 from mtnlg_lightning.parallel.config import STRATEGY_PATHS, ParallelConfig, read_strategy_file
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.lora_plan import parse_lora
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
 DIMENSIONS = {
@@ -95,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="mtnlg-lightning",
         choices=sorted(IMPLEMENTATIONS),
         help="training software whose fusions/overlaps to model (default: this trainer)",
+    )
+    layout.add_argument(
+        "--lora",
+        metavar="YAML",
+        help="size LoRA fine-tuning instead of full fine-tuning, settings as --model.lora takes them, e.g. "
+        "'{rank: 16, alpha: 32, targets: [q_proj, v_proj]}' (default targets: every attention and MLP projection): "
+        "the base is frozen (weights only), the adapters hold gradients and optimizer state",
     )
     infer = parser.add_argument_group("inference: how many GPUs to evaluate or generate with the model")
     infer.add_argument(
@@ -238,7 +249,7 @@ def parallel_config(args) -> ParallelConfig:
     return planned_config(args.tp, args.pp, args.cp, args.virtual_stages, args.zero_stage, args.sequence_parallel)
 
 
-def plan_layout(args, config: ModelConfig, gpu) -> Plan:
+def plan_layout(args, config: ModelConfig, gpu, lora=None) -> Plan:
     """One layout, first validated as the trainer validates it (`ParallelConfig.validate`), then planned."""
     parallel = parallel_config(args)
     world = args.gpus or parallel.tensor_parallel * parallel.context_parallel * parallel.pipeline_parallel * args.dp
@@ -249,7 +260,7 @@ def plan_layout(args, config: ModelConfig, gpu) -> Plan:
         config, layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel, layout.ranks_per_node, gpu,
         args.global_batch, args.micro_batch, args.recompute, parallel.zero_stage, precision=args.precision,
         layers=layers, virtual_stages=parallel.virtual_pipeline_stages, sequence_parallel=parallel.sequence_parallel,
-        implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel,
+        implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel, lora=lora,
     )  # fmt: skip
 
 
@@ -271,10 +282,13 @@ def run(args) -> None:
         return
     args.gpu = args.gpu or "a100-80g"
     gpu = get_gpu(args.gpu, extra)
+    lora = parse_lora(args.lora, config) if args.lora is not None else None
     if args.search:
         gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
         ParallelConfig().layout(gpus, args.gpus_per_node)  # a cluster of whole nodes
-        plans = search(config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation)
+        plans = search(
+            config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation, lora=lora
+        )
         plans = [p for p in plans if trainer_runs(p, config, args.gpus_per_node)]
         for p in plans:
             p.gpu = args.gpu
@@ -289,7 +303,7 @@ def run(args) -> None:
         else:
             print_search(plans, args, gpus, config.name)
     else:
-        chosen = plan_layout(args, config, gpu)
+        chosen = plan_layout(args, config, gpu, lora)
         chosen.gpu = args.gpu
         print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))
     if args.write_config:

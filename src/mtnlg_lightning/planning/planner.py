@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.families import kv_heads_per_rank, parameters_per_rank
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
+from mtnlg_lightning.parallel.lora import LoRAConfig
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
+from mtnlg_lightning.planning.lora_plan import format_lora, lora_summary, stage_state
 from mtnlg_lightning.train.flops import flops_per_iteration
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 
@@ -43,6 +46,11 @@ def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "bf16") -> float:
+    return sum(model_state_parts(params, dp, zero_stage, precision))
+
+
+def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "bf16") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of `params` trained parameters on one GPU."""
     b = STATE_BYTES[precision]
     weights, grads, optimizer = (params * b[k] for k in ("weights", "grads", "optimizer"))
     if precision == "fp32" and zero_stage >= 1:
@@ -55,7 +63,7 @@ def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "b
         grads /= dp
     if zero_stage >= 3:
         weights /= dp
-    return weights + grads + optimizer
+    return weights, grads, optimizer
 
 
 def activation_bytes_per_layer(
@@ -123,6 +131,11 @@ class Plan:
     rampup_seconds: float | None = None
     rampup_steps: int | None = None
     cp: int = 1  # context-parallel ranks per sequence
+    # What trains on the fullest stage's GPU: every parameter (full fine-tuning), or LoRA's adapters on a frozen base
+    trainable_params: int = 0
+    frozen_params: int = 0
+    optimizer_state_gb: float = 0.0
+    lora: dict | None = None  # LoRA's settings and bytes (`lora_plan.lora_summary`); None: full fine-tuning
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -166,17 +179,19 @@ def plan(
     implementation: str | Implementation = "mtnlg-lightning",
     rampup: tuple[int, int, int] | list[int] | None = None,
     cp: int = 1,
+    lora: LoRAConfig | None = None,
 ) -> Plan:
     """One layout: memory per GPU and the time of one iteration. `cp`: context-parallel ranks per sequence (each
     holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
-    over dp x cp under ZeRO; the ring's key/value exchange costed in `cost_model`)."""
+    over dp x cp under ZeRO; the ring's key/value exchange costed in `cost_model`). `lora`: LoRA adapters train on
+    a frozen base (`lora_plan`: its model states); activations and time are full fine-tuning's."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
                               virtual_stages, layers)  # fmt: skip
     layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
     stage_params = params_per_stage(config, tp, pp, per_gpu)
-    memory = _memory(config, layout, global_batch, per_gpu, stage_params, precision)
+    memory = _memory(config, layout, global_batch, per_gpu, stage_params, precision, lora)
     breakdown = iteration_breakdown(config, spec, layout, global_batch, per_gpu, max(stage_params), gpus_per_node, impl)
     gpus = tp * cp * pp * dp
     model_flops = flops_per_iteration(config, global_batch)
@@ -215,6 +230,10 @@ def plan(
         rampup_seconds=rampup_seconds,
         rampup_steps=rampup_steps,
         cp=cp,
+        trainable_params=memory["trained"].trainable_params,
+        frozen_params=memory["trained"].frozen_params,
+        optimizer_state_gb=memory["trained"].optimizer_bytes / 1e9,
+        lora=lora_summary(lora, config, memory["trained"]) if lora is not None else None,
     )
 
 
@@ -238,8 +257,9 @@ def _checked_layers(
     return [sum(chunks[j] for j in range(i, len(chunks), pp)) for i in range(pp)]
 
 
-def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage_params, precision) -> dict:
-    """Model states, activations and their total (bytes) on the fullest pipeline stage."""
+def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage_params, precision, lora) -> dict:
+    """Model states, activations and their total (bytes) on the fullest pipeline stage, and what trains there
+    (`lora_plan.StageState`)."""
     tp, pp, micro = layout.tp, layout.pp, layout.micro_batch
     local = config.seq_len // layout.cp  # the tokens of each sequence this rank holds
     num_microbatches = global_batch // (micro * layout.dp)
@@ -255,12 +275,13 @@ def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage
         working = activation_bytes_per_layer(config, micro, tp, "none", seq_len=local, sequence_parallel=sp)
     logits = 4 * local * micro * config.padded_vocab_size(tp) / tp
     stages = []
+    parts = partial(model_state_parts, dp=layout.replicas, zero_stage=layout.zero_stage, precision=precision)
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
-        state = model_state_bytes(stage_params[i], layout.replicas, layout.zero_stage, precision)
-        stages.append((act + state, act, state))
-    total, act, state = max(stages)
-    return {"state": state, "activations": act, "total": total}
+        trained = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora)
+        stages.append((act + trained.total, act, trained))
+    total, act, trained = max(stages, key=lambda stage: stage[:2])
+    return {"state": trained.total, "activations": act, "total": total, "trained": trained}
 
 
 def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl):
@@ -296,6 +317,7 @@ def search(
     implementation: str | Implementation = "mtnlg-lightning",
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
     recompute_modes: tuple[str, ...] | None = None,
+    lora: LoRAConfig | None = None,
 ) -> list[Plan]:
     """Every valid layout (tp, cp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest
     first.
@@ -332,6 +354,7 @@ def search(
                 candidate = plan(
                     config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero,
                     precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl, cp=cp,
+                    lora=lora,
                 )  # fmt: skip
                 if candidate.fits:
                     plans.append(candidate)
@@ -373,7 +396,8 @@ def format_plan(p: Plan) -> str:
         f"  layers per stage     {p.layers_per_stage if len(set(p.layers_per_stage)) > 1 else p.layers_per_stage[0]}"
         f" ({schedule})",
         f"  params per GPU       {p.params_per_gpu / 1e9:,.3f} B (largest stage)",
-        f"  model states         {gb(p.model_state_gb)} (ZeRO-{p.zero_stage})",
+        f"  model states         {gb(p.model_state_gb)} (ZeRO-{p.zero_stage}"
+        f"{', LoRA: frozen base and trained adapters' if p.lora else ''})",
         f"  activations          {gb(p.activation_gb)} (recompute: {p.recompute}, sequence parallel: "
         f"{'yes' if p.sequence_parallel else 'no'}, in-flight micro-batches of the fullest stage)",
         f"  total / GPU memory   {gb(p.total_gb)} / {gb(p.gpu_memory_gb)} -> {'fits' if p.fits else 'DOES NOT FIT'}"
@@ -386,6 +410,8 @@ def format_plan(p: Plan) -> str:
         f"(MFU {p.mfu:.1%})",
         f"  time breakdown       {format_breakdown(p)}",
     ]
+    if p.lora is not None:
+        lines[4:4] = format_lora(p.lora, p.frozen_params, p.trainable_params, p.zero_stage)
     if p.rampup_seconds is not None:
         lines.append(
             f"  batch ramp-up        {p.rampup_steps:,} steps in {p.rampup_seconds / 3600:,.1f} h "

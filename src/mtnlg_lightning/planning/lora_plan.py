@@ -1,0 +1,108 @@
+"""What a LoRA run holds on one GPU: the frozen base (its weights only: no gradient, no optimizer state) and the
+adapters (weights, gradients and optimizer state, as any trained parameter).
+
+The adapters are counted as `parallel/lora.py` shards them: over a column-parallel base A (r, in) is whole and
+B (out, r) split like the base's rows; over a row-parallel base A is split like its columns and B whole. Either
+way an adapter holds r x (the base's output rows + input columns on this rank), `families.linear_shapes_per_rank`
+(a key/value head replicated over several ranks brings its B rows with it). Under ZeRO the base is partitioned
+over data parallelism at stage 3 only (DeepSpeed partitions every parameter, frozen ones too); the adapters'
+gradients and optimizer state are divided as `planner.model_state_parts` divides a full model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import yaml
+
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import linear_shapes_per_rank
+from mtnlg_lightning.parallel.lora import PROJECTIONS, LoRAConfig, lora_config
+
+
+def parse_lora(text: str, config: ModelConfig) -> LoRAConfig:
+    """`--lora '{rank: 16, alpha: 32, targets: [q_proj, v_proj]}'` as `--model.lora` takes it, its targets checked
+    against `config` (one line for a bad value)."""
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise MTNLGError(f"--lora is not a YAML mapping such as '{{rank: 16, alpha: 32}}': {first}") from None
+    lora = lora_config(values)
+    lora.projections(config)
+    return lora
+
+
+def adapter_params_per_block(config: ModelConfig, tp: int, lora: LoRAConfig) -> int:
+    """Adapter parameters one of `tp` tensor-parallel ranks holds for one block."""
+    shapes = linear_shapes_per_rank(config, tp)
+    held = 0
+    for name in lora.projections(config):
+        _, rows, columns = shapes[PROJECTIONS[name]]
+        held += lora.rank * int(rows + columns)
+    return held
+
+
+@dataclass(frozen=True)
+class StageState:
+    """Model-state bytes of one pipeline stage's GPU: what trains (every parameter in full fine-tuning, the adapters
+    under LoRA) and what is frozen (nothing, or the base)."""
+
+    frozen_params: int
+    trainable_params: int
+    frozen_bytes: float  # weights only
+    weight_bytes: float  # of the trainable parameters, and their
+    grad_bytes: float
+    optimizer_bytes: float  # the fp32 master and Adam's moments (12 bytes per parameter in bf16) / DP under ZeRO
+
+    @property
+    def total(self) -> float:
+        return self.frozen_bytes + self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def stage_state(
+    parts: Callable[[int], tuple[float, float, float]],
+    params: int,
+    layers: int,
+    config: ModelConfig,
+    tp: int,
+    lora: LoRAConfig | None,
+) -> StageState:
+    """A stage's GPU holding `params` model parameters in `layers` blocks. `parts(n)`: the (weights, gradients,
+    optimizer) bytes of n trained parameters on this GPU (`planner.model_state_parts` of the layout's precision
+    and ZeRO); a frozen parameter has its weight only. `lora` None: full fine-tuning."""
+    if lora is None:
+        return StageState(0, params, 0.0, *parts(params))
+    adapters = layers * adapter_params_per_block(config, tp, lora)
+    return StageState(params, adapters, parts(params)[0], *parts(adapters))
+
+
+def lora_summary(lora: LoRAConfig, config: ModelConfig, state: StageState) -> dict:
+    """The plan's `lora` entry: the settings, the projections they target and the fullest stage's bytes."""
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "dropout": lora.dropout,
+        "rslora": lora.rslora,
+        "targets": list(lora.projections(config)),
+        "frozen_gb": state.frozen_bytes / 1e9,
+        "adapter_weights_gb": state.weight_bytes / 1e9,
+        "adapter_grads_gb": state.grad_bytes / 1e9,
+        "adapter_optimizer_gb": state.optimizer_bytes / 1e9,
+    }
+
+
+def format_lora(summary: dict, frozen_params: int, trainable_params: int, zero_stage: int) -> list[str]:
+    """The plan's LoRA lines (the fullest stage's GPU), from `lora_summary`."""
+    gb = lambda x: f"{x:,.3f} GB"  # noqa: E731
+    weights, grads, optimizer = (summary[f"adapter_{k}_gb"] for k in ("weights", "grads", "optimizer"))
+    return [
+        f"  LoRA                 rank {summary['rank']}, alpha {summary['alpha']:g}"
+        f"{' (rsLoRA)' if summary['rslora'] else ''} on {', '.join(summary['targets'])} of every block",
+        f"  frozen base          {frozen_params / 1e9:,.3f} B params per GPU: {gb(summary['frozen_gb'])} "
+        f"(weights only: no gradient, no optimizer state)",
+        f"  trainable adapters   {trainable_params / 1e6:,.3f} M params per GPU: {gb(weights + grads + optimizer)} "
+        f"(weights {gb(weights)}, gradients {gb(grads)}, optimizer state {gb(optimizer)}, ZeRO-{zero_stage})",
+    ]
