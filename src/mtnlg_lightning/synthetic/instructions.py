@@ -8,8 +8,11 @@ download); `write_instructions` writes them as OpenAI-style `messages` JSON line
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,3 +97,78 @@ def write_instructions(path: str | Path, count: int = 400, seed: int = 0) -> Pat
         for record in instruction_examples(count, seed):
             handle.write(json.dumps(record) + "\n")
     return path
+
+
+# `mtnlg-generate --chat` prints each answer of several prompts under this line
+_ANSWER_HEADER = re.compile(r"^--- prompt (\d+) sample 1 ---$", re.MULTILINE)
+
+
+def write_demo_files(directory: str | Path, train: int = 2000, questions: int = 100) -> dict[str, Path]:
+    """The fine-tuning demo's files: training and validation records, and held-out questions one a line (drawn with
+    another seed; the word tasks share their 32 words with training, the sums mostly not)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    held_out = [r["messages"][-2]["content"] for r in instruction_examples(questions, seed=2)]
+    paths = {
+        "train": write_instructions(directory / "train.jsonl", train, seed=0),
+        "valid": write_instructions(directory / "valid.jsonl", 128, seed=1),
+        "questions": directory / "questions.txt",
+    }
+    with atomic_write(paths["questions"], "w") as handle:
+        handle.write("\n".join(held_out) + "\n")
+    return paths
+
+
+def read_answers(text: str, count: int) -> list[str]:
+    """The answers of `mtnlg-generate --chat` to `count` prompts, from its output."""
+    parts = _ANSWER_HEADER.split(text)
+    answers = {int(parts[i]): parts[i + 1].strip() for i in range(1, len(parts) - 1, 2)}
+    return [answers.get(n + 1, "") for n in range(count)]
+
+
+def score(questions: list[str], runs: dict[str, list[str]], shown: int = 10) -> str:
+    """A table of the first `shown` questions with each run's answer and the right one, and each run's accuracy."""
+    names = list(runs)
+    lines = [" | ".join(["question", *names, "right answer"]), " | ".join(["---"] * (len(names) + 2))]
+    for n, question in enumerate(questions[:shown]):
+        cells = [runs[name][n].replace("\n", " ")[:28] or "(nothing)" for name in names]
+        lines.append(" | ".join([question, *cells, answer_of(question) or "?"]))
+    lines.append("")
+    for name in names:
+        right = sum(answer.strip() == answer_of(q) for q, answer in zip(questions, runs[name], strict=True))
+        lines.append(f"{name}: {right} of {len(questions)} right ({100 * right / len(questions):.0f}%)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mtnlg_lightning.synthetic.instructions",
+        description="The fine-tuning demo's synthetic instruction set (scripts/finetune_demo.sh): write its files, or "
+        "score the answers mtnlg-generate --chat gave to its held-out questions.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    write = commands.add_parser("write", help="write train.jsonl, valid.jsonl and questions.txt into DIR")
+    write.add_argument("directory", help="the folder to write into (created if missing)")
+    write.add_argument("--train", type=int, default=2000, help="training records")
+    write.add_argument("--questions", type=int, default=100, help="held-out questions")
+    scorer = commands.add_parser("score", help="a before/after table and each run's accuracy")
+    scorer.add_argument("questions", help="questions.txt, one question a line")
+    scorer.add_argument("answers", nargs="+", metavar="NAME=FILE", help="a run's name and its mtnlg-generate output")
+    args = parser.parse_args(argv)
+    if args.command == "write":
+        paths = write_demo_files(args.directory, args.train, args.questions)
+        print(
+            f"wrote {paths['train']} ({args.train} records), {paths['valid']} (128), {paths['questions']} ({args.questions})"
+        )
+        return 0
+    questions = Path(args.questions).read_text(encoding="utf-8").splitlines()
+    runs = {}
+    for item in args.answers:
+        name, _, path = item.partition("=")
+        runs[name] = read_answers(Path(path).read_text(encoding="utf-8"), len(questions))
+    print(score(questions, runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
