@@ -39,6 +39,7 @@ from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.interop.export_cli import main as export_main
+from mtnlg_lightning.interop.hf import generation_config
 from mtnlg_lightning.synthetic.instructions import instruction_examples
 from mtnlg_lightning.train.module import MTNLGModule
 
@@ -237,6 +238,9 @@ def test_an_end_marker_of_several_tokens_ends_the_answer_by_its_text(tmp_path, c
     plain = random_family_dir(tmp_path, "llama")  # the demo tokenizer: no <|im_start|>, <|im_end|>
     chatml = ChatTokenizer(plain, "chatml", option="--chat-template")
     assert chatml.end_of_turn().texts == ("<|im_end|>",)
+    generation = generation_config(transformers, Tokenizer(plain), chatml)  # what an export of it writes
+    generation.save_pretrained(tmp_path / "export")
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "export").stop_strings == ["<|im_end|>"]
     free, _ = chat(plain, "Return the", "--chat-template", "chatml", capsys=capsys)
     model, _ = load_model(plain)
     prompt = chatml.prompt_ids([{"role": "user", "content": "Return the"}])
