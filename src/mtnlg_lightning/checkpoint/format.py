@@ -33,6 +33,7 @@ from mtnlg_lightning.checkpoint.validate import (
     is_int,
     pieces_by_file,
 )
+from mtnlg_lightning.data.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from mtnlg_lightning.errors import one_line
 from mtnlg_lightning.outputs import atomic_write
 
@@ -104,15 +105,17 @@ def write_meta(directory: Path, meta: dict) -> WrittenFile:
 
 
 TOKENIZER = "tokenizer.json"
+CHAT_FILES = (CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE)  # the chat template and the special tokens it reads
 
 
-def copy_tokenizer(directory: Path, source: str | None) -> WrittenFile | None:
-    """The run's tokenizer travels with the checkpoint (export and generation need it)."""
-    if not source or not Path(source).is_file():
-        return None
-    data = Path(source).read_bytes()
-    _write_bytes(directory / TOKENIZER, data)
-    return WrittenFile(TOKENIZER, len(data), xxhash.xxh64(data).hexdigest())
+def write_carried(directory: Path, files: dict[str, bytes]) -> list[WrittenFile]:
+    """The small files that travel with the checkpoint (its tokenizer, its chat template: export and generation need
+    them), written into the staging folder (published whole with the rest) and listed, so hashed, in the manifest."""
+    written = []
+    for name, data in sorted(files.items()):
+        _write_bytes(directory / name, data)
+        written.append(WrittenFile(name, len(data), xxhash.xxh64(data).hexdigest()))
+    return written
 
 
 def write_manifest(directory: Path, files: list[WrittenFile], info: dict) -> None:
@@ -228,6 +231,17 @@ def read_meta(path: Path, manifest: dict | None = None) -> dict:
 def listed_tokenizer(path: Path, manifest: dict) -> Path | None:
     """The checkpoint's tokenizer, only if the manifest lists (and so hashes) it."""
     return Path(path) / TOKENIZER if TOKENIZER in manifest["files"] else None
+
+
+def listed_chat(path: Path, manifest: dict) -> Path | None:
+    """The checkpoint folder as the directory of its chat template and special tokens, only if the manifest lists
+    the template; both files are checked against it now (they are small)."""
+    if CHAT_TEMPLATE_FILE not in manifest["files"]:
+        return None
+    problem = verify_files(path, manifest, [name for name in CHAT_FILES if name in manifest["files"]])
+    if problem:
+        raise CheckpointError(problem)
+    return Path(path)
 
 
 class TensorReader:

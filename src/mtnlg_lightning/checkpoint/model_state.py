@@ -11,6 +11,7 @@ import torch
 from mtnlg_lightning.checkpoint.format import (
     MANIFEST,
     META,
+    listed_chat,
     listed_tokenizer,
     open_checked,
     open_verified,
@@ -33,6 +34,9 @@ class ModelState:
     tokenizer: the tokenizer file or directory saved with the run, if any.
     lora: a LoRA run's settings (`parallel/lora.py`): `weights` are then its adapters only
         (`blocks.N.attn.q.lora_a`, ...), and `base` names the model they adapt: {path, content}.
+    chat: the directory of the model's chat template and the special tokens it reads (chat_template.jinja or
+        tokenizer_config.json, as `data.chat_template.ChatTokenizer` reads them): a Hugging Face directory, or a
+        checkpoint folder whose manifest lists them; None when the source carries none.
     """
 
     config: ModelConfig
@@ -41,6 +45,7 @@ class ModelState:
     tokenizer: Path | None = None
     lora: dict | None = None
     base: dict | None = None
+    chat: Path | None = None
 
 
 LORA_BASE = "lora_base"  # the checkpoint entry (meta) naming a LoRA run's base: {path, content}
@@ -164,7 +169,8 @@ def _read_folder(path: Path, master: bool, verify: str) -> ModelState:
     meta = read_meta(path, manifest)
     hparams = dict(meta.get("hyper_parameters") or {})
     tokenizer = listed_tokenizer(path, manifest)
-    return ModelState(config, weights, hparams, tokenizer, manifest.get("lora"), meta.get(LORA_BASE))
+    chat = listed_chat(path, manifest)
+    return ModelState(config, weights, hparams, tokenizer, manifest.get("lora"), meta.get(LORA_BASE), chat)
 
 
 def read_model_state(path: str | Path, master: bool = True, verify: str = "all") -> ModelState:

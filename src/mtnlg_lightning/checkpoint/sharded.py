@@ -12,13 +12,15 @@ import torch.distributed as dist
 
 from mtnlg_lightning.checkpoint.commit import prepare_staging, publish, staging_path
 from mtnlg_lightning.checkpoint.format import (
+    TOKENIZER,
     CheckpointError,
     TensorReader,
-    copy_tokenizer,
     is_checkpoint,
+    listed_chat,
     read_manifest,
     read_meta,
     verify_files,
+    write_carried,
     write_manifest,
     write_meta,
     write_pieces,
@@ -26,6 +28,7 @@ from mtnlg_lightning.checkpoint.format import (
 from mtnlg_lightning.checkpoint.model_space import Slot, model_slots
 from mtnlg_lightning.checkpoint.state_io import collect_pieces, optimizer_meta, restore_optimizer_meta, restore_pieces
 from mtnlg_lightning.checkpoint.validate import config_mismatch
+from mtnlg_lightning.data.chat_template import directory_template_files
 
 LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
@@ -46,6 +49,31 @@ def _first_error(errors: list[str | None]) -> str | None:
 def tokenizer_of(trainer) -> str | None:
     datamodule = getattr(trainer, "datamodule", None)
     return getattr(datamodule, "tokenizer_file", None)
+
+
+def chat_files_of(trainer) -> dict[str, bytes]:
+    """The chat template a checkpoint carries: the one the fine-tuning data was rendered with, else the one of the
+    model the run started from (`init_from`: a Hugging Face directory, or a checkpoint carrying one). Copied, not
+    referred to: the checkpoint serves chats after that directory has moved or changed (a full fine-tune needs
+    nothing else of it), and its manifest hashes what it carries."""
+    chat = getattr(getattr(trainer, "datamodule", None), "chat", None)
+    if chat is not None:
+        return chat.carried_files()
+    init_from = trainer.lightning_module.hparams.get("init_from")
+    if not init_from:
+        return {}
+    if is_checkpoint(init_from):
+        folder = listed_chat(Path(init_from), read_manifest(Path(init_from)))
+        return directory_template_files(folder) if folder is not None else {}
+    return directory_template_files(init_from)
+
+
+def carried_files(trainer) -> dict[str, bytes]:
+    """The small files a checkpoint carries beside its tensors: the tokenizer and the chat template (read now: a
+    background writer writes them later)."""
+    tokenizer = tokenizer_of(trainer)
+    files = {TOKENIZER: Path(tokenizer).read_bytes()} if tokenizer and Path(tokenizer).is_file() else {}
+    return {**files, **chat_files_of(trainer)}
 
 
 def checkpoint_info(module, trainer, layout: dict) -> dict:
@@ -120,23 +148,24 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
 
 def checkpoint_header(module, checkpoint: dict, optimizer, saved_by: dict) -> tuple[dict, dict, str | None]:
     """What the publishing rank writes besides its pieces: Lightning's non-tensor entries with the optimizer's
-    hyper-parameters (meta), the manifest's info and the tokenizer to copy. A copy: the writer may run later."""
+    hyper-parameters (meta), the manifest's info and the files it carries. A copy: the writer may run later."""
     meta = {k: v for k, v in checkpoint.items() if k not in LIGHTNING_TENSOR_KEYS}
     meta["optimizer"] = copy.deepcopy(optimizer_meta(optimizer)) if optimizer is not None else None
-    return meta, checkpoint_info(module, module.trainer, saved_by), tokenizer_of(module.trainer)
+    return meta, checkpoint_info(module, module.trainer, saved_by), carried_files(module.trainer)
 
 
 def write_and_publish(staging: Path, path: Path, name: str, pieces, header, group=None, alone: bool = False) -> None:
     """The one checkpoint writer: this rank's pieces into `staging/name`; the rank holding the `header` (from
-    `checkpoint_header`) then writes the meta, the tokenizer and the manifest of every rank's files, and publishes.
+    `checkpoint_header`) then writes the meta, the carried files (tokenizer, chat template) and the manifest of every
+    rank's files, and publishes.
     `group`: the ranks writing this save (None: the world); `alone`: this process is the only writer (Lightning's
     one-process and DDP strategies save on rank 0 only)."""
     written = write_pieces(staging, name, pieces)
     files = [written] if alone else _all_gather(written, group)
     if header is not None:
-        meta, info, tokenizer = header
+        meta, info, carried = header
         files.append(write_meta(staging, meta))
-        files += [f for f in [copy_tokenizer(staging, tokenizer)] if f is not None]
+        files += write_carried(staging, carried)
         write_manifest(staging, files, info)
         publish(staging, path)
     if group is not None:

@@ -37,6 +37,9 @@ from tokenizers import Tokenizer
 
 from mtnlg_lightning.errors import MTNLGError
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+OPTION = "data.chat_template"  # the option that chooses a template, named in errors
 # The named special tokens a template sees as variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -144,32 +147,33 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def directory_template(directory: Path, config: dict) -> str | None:
+def directory_template(directory: Path, config: dict, option: str = OPTION) -> str | None:
     """The directory's template as transformers picks it: `chat_template.jinja` first, else `chat_template` in
     tokenizer_config.json (a string, or a list of named templates of which `default` is used)."""
-    if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
         if "default" not in named:
             raise MTNLGError(
                 f"{directory}/tokenizer_config.json has several chat templates ({', '.join(map(str, named))}) and "
-                f"none named 'default'; choose one with data.chat_template"
+                f"none named 'default'; choose one with {option}"
             )
         template = named["default"]
     return template if isinstance(template, str) else None
 
 
-def resolve_template(directory: Path, config: dict, choice: str | None) -> str:
-    """The template text for `data.chat_template`: None (the directory's own), a name of NAMED_TEMPLATES, a path
-    to a .jinja file, or the template text itself."""
+def resolve_template(directory: Path | None, config: dict, choice: str | None, option: str = OPTION) -> str:
+    """The template text for `option` (`data.chat_template`, `--chat-template`): None (the directory's own), a name
+    of NAMED_TEMPLATES, a path to a .jinja file, or the template text itself."""
     if choice is None:
-        template = directory_template(directory, config)
+        template = directory_template(directory, config, option) if directory is not None else None
         if template is None:
+            where = f"{directory} has" if directory is not None else "the model carries"
             raise MTNLGError(
-                f"{directory} has no chat template (no chat_template.jinja, none in tokenizer_config.json); "
-                f"set data.chat_template to one of {', '.join(NAMED_TEMPLATES)}, a .jinja file or the template text"
+                f"{where} no chat template (no chat_template.jinja, none in tokenizer_config.json); set {option} to "
+                f"one of {', '.join(NAMED_TEMPLATES)}, a .jinja file or the template text"
             )
         return template
     if choice in NAMED_TEMPLATES:
@@ -179,8 +183,52 @@ def resolve_template(directory: Path, config: dict, choice: str | None) -> str:
     if os.path.isfile(choice):
         return Path(choice).read_text(encoding="utf-8")
     raise MTNLGError(
-        f"data.chat_template {choice!r} is no template name ({', '.join(NAMED_TEMPLATES)}), no file and no Jinja text"
+        f"{option} {choice!r} is no template name ({', '.join(NAMED_TEMPLATES)}), no file and no Jinja text"
     )
+
+
+def tokenizer_config(directory: Path) -> dict:
+    """The directory's tokenizer_config.json ({} when it has none)."""
+    file = Path(directory) / TOKENIZER_CONFIG_FILE
+    return _read_json(file) if file.is_file() else {}
+
+
+def special_tokens_of(directory: Path, config: dict) -> dict[str, str]:
+    """The named special tokens a template sees, as transformers reads them: tokenizer_config.json, else the legacy
+    special_tokens_map.json."""
+    legacy_file = Path(directory) / "special_tokens_map.json"
+    legacy = _read_json(legacy_file) if legacy_file.is_file() else {}
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = _token_text(config.get(name)) or _token_text(legacy.get(name))
+        if value is not None:
+            tokens[name] = value
+    return tokens
+
+
+def template_files(template: str, special_tokens: dict[str, str]) -> dict[str, bytes]:
+    """What carries a template to another directory (a checkpoint, an export) so that it renders there as here, in
+    transformers' own file names: the template text (chat_template.jinja) and the named special tokens it reads
+    (tokenizer_config.json; with the tokenizer.json beside it, transformers' PreTrainedTokenizerFast loads it)."""
+    config = {**special_tokens, "tokenizer_class": "PreTrainedTokenizerFast"}
+    return {
+        CHAT_TEMPLATE_FILE: template.encode("utf-8"),
+        TOKENIZER_CONFIG_FILE: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"),
+    }
+
+
+def has_chat_template(directory: str | os.PathLike | None) -> bool:
+    return directory is not None and Path(directory).is_dir() and directory_template_files(directory) != {}
+
+
+def directory_template_files(directory: str | os.PathLike) -> dict[str, bytes]:
+    """`template_files` of a model directory's own template ({} when it has none)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    config = tokenizer_config(directory)
+    template = directory_template(directory, config)
+    return template_files(template, special_tokens_of(directory, config)) if template is not None else {}
 
 
 def _plain_messages(messages: Sequence[dict]) -> list[dict]:
@@ -202,35 +250,71 @@ class EncodedChat:
     trained: list[bool]  # per token: part of what the assistant says (its end-of-turn token included)
 
 
+@dataclass(frozen=True)
+class EndOfTurn:
+    """What ends the assistant's turn in generation: token ids, and the markers that are no single token of this
+    tokenizer (ChatML's `<|im_end|>` on a tokenizer without it), whose text ends the turn."""
+
+    ids: tuple[int, ...]  # the template's marker first, then the eos token's, then the extra ids
+    texts: tuple[str, ...]
+
+    def cut(self, text: str) -> str:
+        """`text` up to the first marker."""
+        ends = [text.find(marker) for marker in self.texts if marker in text]
+        return text[: min(ends)] if ends else text
+
+    def ends(self, text: str) -> bool:
+        return any(marker in text for marker in self.texts)
+
+    def shown(self, text: str) -> str:
+        """What of a turn's text so far can be shown: up to a marker, less an end that may be a marker's start."""
+        text = self.cut(text)
+        held = [n for marker in self.texts for n in range(1, len(marker)) if text.endswith(marker[:n])]
+        return text[: len(text) - max(held, default=0)]
+
+
+_PROBE = "Probe-answer"  # the assistant text whose rendering shows what the template writes after a turn
+
+
 class ChatTokenizer:
     """A model directory's tokenizer and chat template: `encode(messages)` gives the ids `apply_chat_template`
-    gives and the assistant mask."""
+    gives and the assistant mask.
 
-    def __init__(self, directory: str | os.PathLike, chat_template: str | None = None):
-        self.directory = Path(directory)
-        tokenizer_file = self.directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise MTNLGError(f"{self.directory} holds no tokenizer.json (the fine-tuning data is encoded with it)")
+    `directory`: where the template (unless `chat_template` chooses one) and the named special tokens are read
+    (None: the model carries neither; `chat_template` must name one); `tokenizer_file`: the tokenizer.json (default:
+    the directory's); `option`: the setting named in errors."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None,
+        chat_template: str | None = None,
+        tokenizer_file: str | os.PathLike | None = None,
+        option: str = OPTION,
+    ):
+        self.directory = Path(directory) if directory is not None else None
+        tokenizer_file = Path(tokenizer_file) if tokenizer_file is not None else None
+        if tokenizer_file is None and self.directory is not None:
+            tokenizer_file = self.directory / "tokenizer.json"
+        if tokenizer_file is None or not tokenizer_file.is_file():
+            raise MTNLGError(f"{tokenizer_file or directory} holds no tokenizer.json (chats are encoded with it)")
+        self._tokenizer_file = tokenizer_file
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:  # tokenizers raises plain Exceptions on malformed files
             raise MTNLGError(f"cannot load {tokenizer_file}: {error}") from None
-        config_file = self.directory / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
-        legacy_file = self.directory / "special_tokens_map.json"
-        legacy = _read_json(legacy_file) if legacy_file.is_file() else {}
-        self.special_tokens = {}
-        for name in SPECIAL_TOKEN_NAMES:
-            value = _token_text(config.get(name)) or _token_text(legacy.get(name))
-            if value is not None:
-                self.special_tokens[name] = value
-        self.template_text = resolve_template(self.directory, config, chat_template)
+        config = tokenizer_config(self.directory) if self.directory is not None else {}
+        self.special_tokens = special_tokens_of(self.directory, config) if self.directory is not None else {}
+        self.template_text = resolve_template(self.directory, config, chat_template, option)
         self.template = compile_template(self.template_text)
         self.has_generation_tags = bool(GENERATION_TAG.search(self.template_text))
 
+    def carried_files(self) -> dict[str, bytes]:
+        """The template and special tokens as files that carry them elsewhere (`template_files`)."""
+        return template_files(self.template_text, self.special_tokens)
+
     @property
     def tokenizer_file(self) -> str:
-        return str(self.directory / "tokenizer.json")
+        return str(self._tokenizer_file)
 
     @property
     def vocab_size(self) -> int:
@@ -261,6 +345,38 @@ class ChatTokenizer:
             for block in self.template.generate(**variables):
                 blocks.append(block)
         return "".join(blocks)
+
+    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The ids that ask the model for the next assistant turn: `apply_chat_template(messages,
+        add_generation_prompt=True)`'s."""
+        text = self.render(messages, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def end_of_turn(self, extra_ids: Sequence[int] = ()) -> EndOfTurn:
+        """What ends an assistant turn: the text the template writes right after an assistant's words (`<|eot_id|>`,
+        `<|im_end|>`, Mistral's eos), the eos token, and `extra_ids` (a generation_config.json's eos ids, the
+        end-of-text token). A marker that this tokenizer encodes as one token is its id, any other its text."""
+        markers = []
+        try:
+            rendered = self.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}])
+        except Exception:  # noqa: BLE001 - a template that refuses the probe: the eos token alone ends the turn
+            rendered = ""
+        if _PROBE in rendered:
+            after = rendered[rendered.rindex(_PROBE) + len(_PROBE) :].split()
+            markers += after[:1]
+        if "eos_token" in self.special_tokens:
+            markers.append(self.special_tokens["eos_token"])
+        ids, texts = [], []
+        for marker in markers:
+            encoded = self.tokenizer.encode(marker, add_special_tokens=False).ids
+            if len(encoded) == 1:
+                ids.append(encoded[0])
+            else:
+                texts.append(marker)
+        return EndOfTurn(tuple(dict.fromkeys([*ids, *extra_ids])), tuple(dict.fromkeys(texts)))
 
     def encode(self, messages: Sequence[dict], train_on: str = "assistant") -> EncodedChat:
         """Ids and mask of one conversation; raises jinja2 / ValueError from the template (the caller names the

@@ -15,7 +15,7 @@ text in every layout.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from mtnlg_lightning.model import KVCache
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 
 OnToken = Callable[[int, list[int]], None]  # (sequence, its tokens so far)
+StopText = Callable[[list[int]], bool]  # whether a sequence's tokens so far end in a stop text (a chat's end of turn)
 
 
 DECODING = ("max_new_tokens", "temperature", "top_k", "top_p")
@@ -59,12 +60,15 @@ def generate_batch(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
     seeds: list[int | None] | None = None,
     use_cache: bool = True,
     on_token: OnToken | None = None,
+    stop_text: StopText | None = None,
 ) -> Generation:
     """Continue every prompt (token ids) in one batch on this replica; every rank of it returns the `Generation`.
+    `eos_id`: the token(s) that end a sequence (left out of its tokens). `stop_text(tokens)`: whether a sequence
+    ends with the token just made (kept: the caller cuts the text), for an end marker that is several tokens.
     `seeds[i]`: the seed of prompt i's sampling (None: torch's default generator). `use_cache=False` re-runs the
     whole prefix for every token (the baseline the cache is measured against). `on_token(i, tokens)` is called as
     prompt i's tokens are made, on every rank of the replica."""
@@ -72,6 +76,7 @@ def generate_batch(
     if model.sequence_parallel:
         raise MTNLGError("decoding cuts no sequence over TP: load the model without sequence_parallel to generate")
     check_prompts(prompts, limit)
+    eos_ids = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     started = time.perf_counter()
     lengths = [len(p) for p in prompts]
     steps = [min(max_new_tokens, limit - n) for n in lengths]
@@ -118,7 +123,14 @@ def generate_batch(
         if model.is_last:
             nxt = chosen["tokens"].cpu()
             flag = all(
-                stop[i] or following >= lengths[i] and (len(out[i]) + 1 >= steps[i] or nxt[i] == eos_id)
+                stop[i]
+                or following >= lengths[i]
+                and (
+                    len(out[i]) + 1 >= steps[i]
+                    or int(nxt[i]) in eos_ids
+                    or stop_text is not None
+                    and stop_text(out[i] + [int(nxt[i])])
+                )
                 for i in range(len(prompts))
             )
             decision.copy_(torch.cat([nxt, torch.tensor([int(flag)])]))
@@ -129,14 +141,16 @@ def generate_batch(
             if following < lengths[i]:  # still inside this prompt: its own next token is fed instead
                 continue
             if not stop[i]:
-                if int(nxt[i]) == eos_id:
+                if int(nxt[i]) in eos_ids:
                     stop[i] = EOS
                 else:
                     out[i].append(int(nxt[i]))
                     sequence[i, following] = nxt[i]
                     if on_token is not None:
                         on_token(i, out[i])
-                    if len(out[i]) == steps[i]:
+                    if stop_text is not None and stop_text(out[i]):
+                        stop[i] = EOS
+                    elif len(out[i]) == steps[i]:
                         stop[i] = LENGTH if steps[i] == max_new_tokens else POSITIONS
         if finished:
             break
@@ -196,10 +210,11 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     num_samples: int = 1,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
     seed: int | None = None,
     use_cache: bool = True,
     on_token: OnToken | None = None,
+    stop_text: StopText | None = None,
 ) -> Generation:
     """Continue one prompt `num_samples` times in one batch on this replica (a whole model in this process, or a
     `ShardedModel` whose replica decodes it together), sample i seeded with `sequence_seed(seed, i)`."""
@@ -207,5 +222,15 @@ def generate(
         model = ShardedModel.whole(model)
     seeds = [sequence_seed(seed, i) if seed is not None else None for i in range(num_samples)]
     return generate_batch(
-        model, [prompt] * num_samples, max_new_tokens, temperature, top_k, top_p, eos_id, seeds, use_cache, on_token
+        model,
+        [prompt] * num_samples,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        eos_id,
+        seeds,
+        use_cache,
+        on_token,
+        stop_text,
     )

@@ -2,11 +2,14 @@
 
     mtnlg-generate --checkpoint runs/demo/checkpoints/last.ckpt --prompt "Return the" --max-new-tokens 64
     mtnlg-generate --checkpoint CKPT --strategy configs/strategy/tp2_pp2_dp2.yaml --devices 8 --prompt - < prompts
+    mtnlg-generate --checkpoint CKPT --chat --system "Answer briefly." --prompt "What is 12 + 7?" --temperature 0
 
 Decoding runs the model's own forward with a KV cache (nanoGPT / litgpt style): the prompts are run once
 (prefill), their keys and values cached per layer, so each new token costs one position instead of re-running the
 whole prefix. Every prompt and sample decodes as one batch per data-parallel replica, each sample from its own
 seeded generator: the same command prints the same text in every layout (and one process is the 1 x 1 x 1 one).
+With `--chat` each prompt is a user turn in the model's chat template and only the assistant's answer is printed
+(`inference.chat`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import sys
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.inference.chat import Chat, chat_for
 from mtnlg_lightning.inference.decode import decoding_of, generate_over_replicas
 from mtnlg_lightning.inference.load import resolve_tokenizer
 from mtnlg_lightning.inference.runs import run
@@ -27,14 +31,17 @@ PROMPTS_ENV = "MTNLG_GENERATE_PROMPTS"
 
 
 class TextStream:
-    """Prints a sample's text as its tokens arrive; holds back an incomplete UTF-8 character."""
+    """Prints a sample's text as its tokens arrive; holds back an incomplete UTF-8 character, and what `shown`
+    leaves out of the text so far (a chat's end marker, or what may be its start)."""
 
-    def __init__(self, tokenizer, file=None):
-        self.tokenizer, self.file, self.printed = tokenizer, file or sys.stdout, ""
+    def __init__(self, decode, shown=None, file=None):
+        self.decode, self.shown = decode, shown or (lambda text: text)
+        self.file, self.printed = file or sys.stdout, ""
 
     def __call__(self, sample: int, tokens: list[int]) -> None:
-        text = self.tokenizer.decode(tokens)
+        text = self.decode(tokens)
         if not text.endswith("\ufffd"):
+            text = self.shown(text)
             self.file.write(text[len(self.printed) :])
             self.file.flush()
             self.printed = text
@@ -57,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampling (same seed, same text, any layout)")
     p.add_argument("--num-samples", type=int, default=1, help="continuations per prompt")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or directory, if the checkpoint names none")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user turn in the model's chat template (with its generation prompt); only the "
+        "assistant's answer is printed, which ends at the end of its turn",
+    )
+    p.add_argument("--system", default=None, help="--chat: a system turn before each prompt")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE|TEXT",
+        help="--chat: this template instead of the model's (chatml, llama3, a .jinja file or the template text)",
+    )
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="auto: bf16 on GPU")
     p.add_argument(
@@ -84,6 +104,8 @@ def check_sampling(args) -> None:
         raise MTNLGError(f"--top-k must be at least 1 (or left out), got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise MTNLGError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not args.chat and (args.system is not None or args.chat_template is not None):
+        raise MTNLGError("--system and --chat-template go with --chat")
 
 
 def read_prompts(prompt: str) -> list[str]:
@@ -105,31 +127,39 @@ def read_prompts(prompt: str) -> list[str]:
     return prompts
 
 
-def generate_and_print(args, prompts: list[str], model, plan) -> None:
+def generate_and_print(args, prompts: list[str], model, plan, chat: Chat | None = None) -> None:
     """Decode every (prompt, sample) and print them on rank 0: a lone one streamed as `prompt + text`, several each
-    under a `--- prompt N sample M ---` line."""
-    tokenizer = resolve_tokenizer(plan.source.tokenizer, args.tokenizer)
+    under a `--- prompt N sample M ---` line. With `chat`, the prompts are user turns and the text is the answer
+    alone."""
     samples = args.num_samples
+    if chat is None:
+        tokenizer = resolve_tokenizer(plan.source.tokenizer, args.tokenizer)
+        ids, stops = [tokenizer.encode(p) for p in prompts], {"eos_id": tokenizer.eod_id}
+        decode, shown, heads = tokenizer.decode, None, prompts
+    else:
+        ids = [chat.prompt_ids(p, args.system) for p in prompts]
+        stops = {"eos_id": chat.end.ids, "stop_text": chat.stop_text()}
+        decode, shown, heads = chat.tokenizer.decode, chat.end.shown, [""] * len(prompts)
     speaks = model.groups.rank == 0
-    stream = TextStream(tokenizer) if speaks and len(prompts) * samples == 1 else None
+    stream = TextStream(decode, shown) if speaks and len(prompts) * samples == 1 else None
     if stream is not None:
-        print(prompts[0], end="", flush=True)
+        print(heads[0], end="", flush=True)
     result = generate_over_replicas(
         model,
-        [tokenizer.encode(p) for p in prompts for _ in range(samples)],
-        eos_id=tokenizer.eod_id,
+        [prompt for prompt in ids for _ in range(samples)],
         seed=args.seed,
         on_token=stream,
+        **stops,
         **decoding_of(args),
     )
     if not speaks:
         return
     for n, tokens in enumerate(result.tokens):
-        text = tokenizer.decode(tokens)
+        text = decode(tokens) if chat is None else chat.answer(tokens)
         if stream is not None:
             print(text[len(stream.printed) :])
         else:
-            print(f"--- prompt {n // samples + 1} sample {n % samples + 1} ---\n{prompts[n // samples]}{text}")
+            print(f"--- prompt {n // samples + 1} sample {n % samples + 1} ---\n{heads[n // samples]}{text}")
         if result.stop[n] == POSITIONS:
             which = "" if stream is not None else f"prompt {n // samples + 1} sample {n % samples + 1} "
             print(f"[{which}stopped at the position limit of {model.config.max_position_embeddings}]", file=sys.stderr)
@@ -154,10 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         prompts.extend(read_prompts(args.prompt))
         return {PROMPTS_ENV: json.dumps(prompts)} if args.prompt == "-" else None
 
-    def work(model, plan) -> None:
-        generate_and_print(args, prompts, model, plan)
+    chats: list[Chat] = []
 
-    return run("mtnlg-generate", "mtnlg_lightning.inference.generate_cli", args, argv, check, work, decoding=True)
+    def prepare(plan) -> None:  # a chat's tokenizer and template, and its prompts rendered, before weights load
+        if args.chat:
+            chat = chat_for(plan.source, args.checkpoint, args.tokenizer, args.chat_template)
+            for prompt in prompts:
+                chat.prompt_ids(prompt, args.system)
+            chats.append(chat)
+
+    def work(model, plan) -> None:
+        generate_and_print(args, prompts, model, plan, chats[0] if chats else None)
+
+    prog, module = "mtnlg-generate", "mtnlg_lightning.inference.generate_cli"
+    return run(prog, module, args, argv, check, work, decoding=True, prepare=prepare)
 
 
 if __name__ == "__main__":

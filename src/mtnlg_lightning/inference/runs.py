@@ -83,12 +83,22 @@ def load_planned(plan_: Plan, device_arg: str, dtype_arg: str, decoding: bool = 
 
 Check = Callable[[object], "dict[str, str] | None"]  # the command's own checks; what its ranks inherit (env)
 Work = Callable[[object, Plan], None]  # (the ShardedModel, the plan): score or decode, and report on rank 0
+Prepare = Callable[[Plan], None]  # the command's checks that need the source but no weights (e.g. its tokenizer)
 
 
-def run(prog: str, module: str, args, argv: list[str], check: Check, work: Work, decoding: bool = False) -> int:
-    """Check the arguments, plan, start the ranks (`--devices N` in a plain process: `module` is run as each of
-    them with `argv` and the environment `check` returned), load this rank's slices and `work`; the exit status
-    (2 with one line for bad input)."""
+def run(
+    prog: str,
+    module: str,
+    args,
+    argv: list[str],
+    check: Check,
+    work: Work,
+    decoding: bool = False,
+    prepare: Prepare | None = None,
+) -> int:
+    """Check the arguments, plan, `prepare` (in the launching process too), start the ranks (`--devices N` in a
+    plain process: `module` is run as each of them with `argv` and the environment `check` returned), load this
+    rank's slices and `work`; the exit status (2 with one line for bad input)."""
     skip_final_garbage_collection()  # quick_exit.py: a quicker exit
 
     def body() -> int:
@@ -99,6 +109,8 @@ def run(prog: str, module: str, args, argv: list[str], check: Check, work: Work,
                 "decoding adds one position at a time, which context parallelism cannot cut into chunks: generate "
                 "with a strategy without context_parallel"
             )
+        if prepare is not None:
+            prepare(plan_)
         if needs_launch(plan_.world_size):
             return launch_local(module, argv, plan_.world_size, env)
         model = load_planned(plan_, args.device, args.dtype, decoding)

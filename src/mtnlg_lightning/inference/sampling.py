@@ -29,6 +29,6 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
 
 @dataclass
 class Generation:
-    tokens: list[list[int]]  # new tokens per sample (the end-of-text token excluded)
-    stop: list[str]  # per sample: "<|endoftext|>", "max-new-tokens" or "position limit"
+    tokens: list[list[int]]  # new tokens per sample (an end token excluded, a stop text's tokens included)
+    stop: list[str]  # per sample: "<|endoftext|>" (an end token or stop text), "max-new-tokens" or "position limit"
     seconds: float

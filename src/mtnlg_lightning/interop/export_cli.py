@@ -22,9 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a checkpoint (any layout) to a Hugging Face directory of the family its block is (GPT-2, "
         "Llama, Qwen 2 or Qwen 3: architectures, RoPE settings, tied or untied head): config.json, "
         "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
-        "(vocabulary trimmed to the tokenizer's), tokenizer files and generation_config.json "
-        "(<|endoftext|> as bos/eos). The weights are read and written a slice at a time (memory: a few shards, "
-        "whatever the model size), to a temporary directory, then renamed.",
+        "(vocabulary trimmed to the tokenizer's), tokenizer files with the chat template the checkpoint carries "
+        "(chat_template.jinja and its special tokens) and generation_config.json (eos: the end of the "
+        "assistant's turn and <|endoftext|>; without a template <|endoftext|> as bos/eos). The weights are read "
+        "and written a slice at a time (memory: a few shards, whatever the model size), to a temporary directory, "
+        "then renamed.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="a project checkpoint (a .ckpt file or checkpoint folder)")
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer.json or directory to ship with the model (default: the one the checkpoint names)",
+        help="tokenizer.json or directory to ship with the model (default: the one the checkpoint names); a "
+        "directory with a chat template brings it",
     )
     p.add_argument(
         "--max-shard-size",
@@ -46,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter",
         action="store_true",
         help="of a LoRA run's checkpoint, write the adapter as a PEFT directory (adapter_config.json and "
-        "adapter_model.safetensors, which peft and vLLM load on the base) instead of the merged model",
+        "adapter_model.safetensors, which peft and vLLM load on the base; the tokenizer files and chat template "
+        "beside them) instead of the merged model",
     )
     return p
 
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             f"hidden {state.config.hidden_size}, "
             f"{summary['parameters']:,} parameters in {summary['dtype']} ({summary['bytes'] / 1e6:,.1f} MB in "
             f"{summary['shards']} shard{'s' if summary['shards'] > 1 else ''}), vocabulary {summary['vocab_size']}"
+            f"{_tokenizer_note(summary)}"
         )
         if summary["tokenizer"] is None:
             print(
@@ -89,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_main("mtnlg-export-hf", body)
+
+
+def _tokenizer_note(summary: dict) -> str:
+    if not summary["tokenizer"]:
+        return ""
+    return ", with its tokenizer and chat template" if summary["chat_template"] else ", with its tokenizer"
 
 
 def _export_adapter(args) -> int:
@@ -102,10 +113,11 @@ def _export_adapter(args) -> int:
             f"{args.checkpoint} holds no LoRA adapter (--adapter exports a --model.lora run's checkpoint); "
             f"without --adapter the whole model is written"
         )
-    summary = write_peft_adapter(state, args.output_dir, args.dtype, args.overwrite)
+    summary = write_peft_adapter(state, args.output_dir, args.dtype, args.overwrite, args.tokenizer)
     print(
         f"wrote {summary['output']}: a PEFT LoRA adapter of {summary['base']} ({', '.join(summary['target_modules'])}; "
         f"{summary['parameters']:,} parameters in {summary['tensors']} tensors, {args.dtype})"
+        f"{_tokenizer_note(summary)}"
     )
     return 0
 

@@ -28,6 +28,7 @@ from mtnlg_lightning.checkpoint.safetensors_shards import (
 )
 from mtnlg_lightning.checkpoint.validate import expected_shapes
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.data.chat_template import ChatTokenizer, has_chat_template
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
@@ -156,7 +157,8 @@ def read_hf_dir(path: str | Path) -> ModelState:
         raise MTNLGError(f"cannot read the weights in {path} ({type(exc).__name__}: {exc})") from None
     _check_hf_shapes(path, weights, config)
     has_tokenizer = (path / "tokenizer.json").is_file() or (path / "vocab.json").is_file()
-    return ModelState(config, weights, {"init_from": str(path)}, path if has_tokenizer else None)
+    tokenizer = path if has_tokenizer else None
+    return ModelState(config, weights, {"init_from": str(path)}, tokenizer, chat=tokenizer)
 
 
 def _check_hf_shapes(path: Path, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
@@ -196,7 +198,8 @@ def export_hf(
 ) -> dict:
     """Write `state` as a Hugging Face directory of its family (`family_of`) at `output` (temp dir, then rename),
     its weights streamed into shards of at most `max_shard_size` bytes (Hugging Face's layout). Returns a summary;
-    its `tokenizer` is None when none was known (the model is still written: pass one later or copy its files in)."""
+    its `tokenizer` is None when none was known (the model is still written: pass one later or copy its files in).
+    The tokenizer goes with the source's chat template (`state.chat`; a `tokenizer` directory's own first)."""
     transformers = _transformers()
 
     output = Path(output)
@@ -220,17 +223,9 @@ def export_hf(
     with staged_dir(output) as tmp:  # the previous output stays until this one is complete
         hf_config.save_pretrained(tmp)
         written = write_sharded(tmp, specs, shard_bytes, progress=tensor_progress(len(specs), f"writing {output.name}"))
-        transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(tmp)
-        if tok is not None:
-            tok.save(tmp / "tokenizer.json")
-            fast = transformers.PreTrainedTokenizerFast(
-                tokenizer_file=str(tmp / "tokenizer.json"),
-                bos_token=tok.eod_token,
-                eos_token=tok.eod_token,
-                unk_token=tok.eod_token,
-                model_max_length=config.max_position_embeddings,
-            )
-            fast.save_pretrained(tmp)
+        chat_dir = tokenizer if has_chat_template(tokenizer) else state.chat  # --tokenizer DIR brings its own
+        chat = write_tokenizer(tmp, tok, chat_dir, config.max_position_embeddings) if tok is not None else None
+        generation_config(transformers, tok, chat).save_pretrained(tmp)
     return {
         "output": str(output),
         "architecture": hf_config.architectures[0],
@@ -241,4 +236,40 @@ def export_hf(
         "vocab_size": vocab,
         "dtype": dtype,
         "tokenizer": str(tokenizer) if tokenizer else None,
+        "chat_template": chat is not None,
     }
+
+
+def write_tokenizer(directory: Path, tok: Tokenizer, chat_dir: Path | None, max_positions: int) -> ChatTokenizer | None:
+    """The tokenizer as transformers saves one (tokenizer.json, tokenizer_config.json), with the chat template of
+    `chat_dir` if it has one (chat_template.jinja) and that template's special tokens, exactly those it renders
+    with, so that `AutoTokenizer.from_pretrained(directory).apply_chat_template` gives our ids. Without a template,
+    the end-of-text token is bos, eos and unk (as GPT-2's). Returns the template over the written tokenizer."""
+    transformers = _transformers()
+    tok.save(directory / "tokenizer.json")
+    chat = None
+    if has_chat_template(chat_dir):
+        chat = ChatTokenizer(chat_dir, tokenizer_file=directory / "tokenizer.json")
+        settings = {**chat.special_tokens, "chat_template": chat.template_text}
+    else:
+        settings = dict(bos_token=tok.eod_token, eos_token=tok.eod_token, unk_token=tok.eod_token)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), model_max_length=max_positions, **settings
+    )
+    fast.save_pretrained(directory)
+    return chat
+
+
+def generation_config(transformers, tok: Tokenizer | None, chat: ChatTokenizer | None):
+    """generation_config.json: generation stops at the end-of-text token and, with a chat template, at the end of
+    the assistant's turn first (its token ids; `stop_strings` where the marker is no single token here, which
+    transformers' generate applies when given the tokenizer)."""
+    eod_id = tok.eod_id if tok is not None else None
+    if chat is None:
+        return transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id)
+    end = chat.end_of_turn([eod_id])
+    bos = chat.special_tokens.get("bos_token")
+    bos_id = chat.tokenizer.token_to_id(bos) if bos is not None else None
+    stops = {"stop_strings": list(end.texts)} if end.texts else {}
+    eos = list(end.ids) if len(end.ids) > 1 else end.ids[0]
+    return transformers.GenerationConfig(bos_token_id=eod_id if bos_id is None else bos_id, eos_token_id=eos, **stops)

@@ -100,7 +100,8 @@ def with_base(adapter: ModelState, base: ModelState) -> ModelState:
         raise MTNLGError(f"the LoRA base {adapter.base['path']} is another model ({different[0]} differs)")
     lora = lora_config(adapter.lora)
     merged = MergedWeights(as_lazy(base.weights), adapter.weights, lora, adapter.config)
-    return ModelState(adapter.config, merged, adapter.hparams, adapter.tokenizer or base.tokenizer)
+    tokenizer, chat = adapter.tokenizer or base.tokenizer, adapter.chat or base.chat
+    return ModelState(adapter.config, merged, adapter.hparams, tokenizer, chat=chat)
 
 
 def base_path(adapter: ModelState) -> str:

@@ -6,7 +6,10 @@
   peft fails with a KeyError, torchtune#2025);
 - `adapter_model.safetensors`: `base_model.model.<Hugging Face module>.lora_A.weight` (r, in) and `.lora_B.weight`
   (out, r), and nothing else: no `modules_to_save`, no LM head, which vLLM rejects (vllm#9280); every tensor whole,
-  in model space (not ZeRO-3's 1-D shards, peft#3251).
+  in model space (not ZeRO-3's 1-D shards, peft#3251);
+- the run's tokenizer with its chat template (tokenizer.json, tokenizer_config.json, chat_template.jinja), as
+  adapters are shared (TRL's trainer saves them beside the adapter, and vLLM's server renders a LoRA request's chat
+  with the adapter directory's tokenizer when it has one); peft itself reads only the two files above.
 
 Hugging Face's modules: a Llama / Qwen block's q_proj ... down_proj (our fused q/k/v of a model with as many
 key/value heads as query heads becomes q_proj, k_proj and v_proj: A repeated, B's rows split, which is exact);
@@ -25,9 +28,11 @@ from safetensors.torch import save_file
 
 from mtnlg_lightning import families
 from mtnlg_lightning.checkpoint import ModelState
+from mtnlg_lightning.data.chat_template import has_chat_template
+from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
-from mtnlg_lightning.interop.hf import DTYPES, family_of
+from mtnlg_lightning.interop.hf import DTYPES, family_of, write_tokenizer
 from mtnlg_lightning.interop.lora_base import base_path
 from mtnlg_lightning.outputs import staged_dir
 from mtnlg_lightning.parallel.lora import adapter_names, lora_config
@@ -92,9 +97,11 @@ def peft_config(state: ModelState, target_modules: list[str]) -> dict:
     }
 
 
-def write_peft_adapter(state: ModelState, output: str | Path, dtype: str = "fp32", overwrite: bool = False) -> dict:
+def write_peft_adapter(
+    state: ModelState, output: str | Path, dtype: str = "fp32", overwrite: bool = False, tokenizer=None
+) -> dict:
     """Write the PEFT directory (a temporary directory, then renamed). `state`: a LoRA checkpoint as
-    `read_model_state` reads it (adapters only)."""
+    `read_model_state` reads it (adapters only); `tokenizer`: instead of the one it carries."""
     output = Path(output)
     if dtype not in DTYPES:
         raise MTNLGError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -103,13 +110,21 @@ def write_peft_adapter(state: ModelState, output: str | Path, dtype: str = "fp32
     tensors, targets = adapter_tensors(state)
     tensors = {name: t.to(DTYPES[dtype]).clone() for name, t in tensors.items()}  # a repeated A: its own copy
     config = peft_config(state, targets)
+    tokenizer = tokenizer or state.tokenizer
+    chat_dir = tokenizer if has_chat_template(tokenizer) else state.chat  # a tokenizer directory brings its own
+    tokenizer = Tokenizer(tokenizer) if tokenizer is not None else None
     with staged_dir(output) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        chat = None
+        if tokenizer is not None:
+            chat = write_tokenizer(tmp, tokenizer, chat_dir, state.config.max_position_embeddings)
     return {
         "output": str(output),
         "target_modules": targets,
         "tensors": len(tensors),
         "parameters": sum(t.numel() for t in tensors.values()),
         "base": config["base_model_name_or_path"],
+        "tokenizer": tokenizer is not None,
+        "chat_template": chat is not None,
     }
