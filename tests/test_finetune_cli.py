@@ -151,3 +151,14 @@ def test_what_fine_tuning_lacks_is_one_line(chat_data, arguments, message):
     errors = [line for line in out.stderr.splitlines() if line.startswith("mtnlg: error:")]
     assert len(errors) == 1 and re.search(message, errors[0]), out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_the_fine_tuned_checkpoint_answers_a_chat_prompt(lora_cli_run, capsys):
+    from mtnlg_lightning.inference.generate_cli import main as generate
+
+    checkpoint = lora_cli_run["checkpoints"] / "last.ckpt"
+    arguments = ["--checkpoint", str(checkpoint), "--chat", "--prompt", "What is 3 + 5?", "--temperature", "0"]
+    assert generate([*arguments, "--max-new-tokens", "24"]) == 0
+    answer = capsys.readouterr().out.strip()
+    assert "<|im_start|>" not in answer and "What is 3 + 5?" not in answer  # the answer alone, in its own turn
