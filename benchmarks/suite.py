@@ -339,6 +339,64 @@ def eval_rows(d):
     ]
 
 
+def finetune_rows(d):
+    v, shares = d["variants"], d["row_shares"]
+    ours = v["ours_lora"]
+    shape = f"{d['model']['hidden']}x{d['model']['layers']} Llama, seq {d['seq_len']}"
+    peers = {
+        "trl_lora": ("TRL SFT+peft packed", ">= 1.5"),
+        "trl_lora_unpacked": ("TRL SFT+peft unpacked", ">= 1.5"),
+        "litgpt_lora": ("litgpt finetune_lora", ">= 1.0"),
+    }
+    rows, key = [], f"tokens_per_{d['unit']}"
+    per = "CPU-s" if d["unit"] == "cpu_s" else "s"
+    for name, (label, target) in peers.items():
+        if name in v:
+            rows.append(
+                (
+                    f"finetune: LoRA document tokens/{per}, ours packed vs {label} ({shape})",
+                    ours[key],
+                    v[name][key],
+                    _ratio(ours[key], v[name][key]),
+                    target,
+                )
+            )
+    if "litgpt_lora" not in v:
+        rows.append((f"finetune: litgpt not run: {d['litgpt'].get('unavailable')}", None, None, None, ""))
+    packed, unpacked = shares["packed"], shares["unpacked"]
+    for key, label in (("token_share", "document tokens"), ("trained_share", "trained tokens")):
+        rows.append(
+            (
+                f"finetune: {label} / row positions, packed vs one example per row",
+                packed[key],
+                unpacked[key],
+                _ratio(packed[key], unpacked[key]),
+                "> 1",
+            )
+        )
+    if "ours_full" in v:
+        full = v["ours_full"]
+        rows.append(
+            (
+                f"finetune: peak memory MiB, ours LoRA vs full fine-tuning ({d['device']})",
+                ours["peak_memory_bytes"] / 2**20,
+                full["peak_memory_bytes"] / 2**20,
+                _ratio(ours["peak_memory_bytes"], full["peak_memory_bytes"]),
+                "< 1",
+            )
+        )
+        rows.append(
+            (
+                "finetune: model-state MiB (params, grads, Adam moments), ours LoRA vs full fine-tuning",
+                ours["state_bytes"]["total"] / 2**20,
+                full["state_bytes"]["total"] / 2**20,
+                _ratio(ours["state_bytes"]["total"], full["state_bytes"]["total"]),
+                "< 1",
+            )
+        )
+    return rows
+
+
 def readers_rows(d):
     rows = []
     names = {"zst": ("jsonl.zst", ".jsonl.zst"), "parquet": ("parquet", "parquet")}
@@ -512,6 +570,7 @@ SUITE = [
         "generate", "bench_generate.py", ["--batches", "1", "8", "--repeats", "1", "--threads", "1"], generate_rows
     ),
     Benchmark("eval", "bench_eval.py", ["--repeats", "2"], eval_rows),
+    Benchmark("finetune", "bench_finetune.py", ["--rounds", "2", "--steps", "6"], finetune_rows),
     Benchmark("export", "bench_export.py", ["--layers", "8", "--max-shard-size", "50MB"], export_rows),
     Benchmark("crawl", "bench_crawl.py", ["--copies", "1", "--english-pages", "100"], crawl_rows),
     Benchmark("crawl_languages", "bench_crawl_languages.py", ["--seeds", "1"], crawl_languages_rows),
