@@ -161,7 +161,7 @@ def test_loss_rewards_and_gradients_equal_trls(loss_type, base_dir, policy_dir, 
     collector = ReferenceLogps(per_token_cross_entropy, len(ids), ids.device)
     with torch.no_grad():
         collector(reference(ids), target)
-    rewards = PairRewards(ids.device)
+    rewards = PairRewards(len(ids) // 2, ids.device)
     loss = PreferenceLoss(DPOConfig(beta, loss_type), per_token_cross_entropy, collector.logps, rewards)(
         policy(ids), target
     )
@@ -388,3 +388,44 @@ def test_preference_data_needs_the_dpo_objective(base_dir, tmp_path):
     data.trainer = SimpleNamespace(lightning_module=module, max_steps=2, strategy=None, global_rank=0, world_size=1)
     with pytest.raises(MTNLGError, match="set model.objective dpo"):
         data.setup("fit")
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+DPO_LAYOUTS = ("tp2", "pp2", "zero1")  # world 2: zero1 is dp2
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(base_dir, tmp_path_factory):
+    """5 full-weight DPO steps from the Llama directory: one process, then tp2, pp2 and dp2 ZeRO-1 in one
+    2-rank torchrun launch."""
+    from dist_dpo_runs import dpo_run
+
+    from benchmarks.local_ranks import run_on_ranks
+
+    root = tmp_path_factory.mktemp("dpo_runs")
+    pairs = str(write_preferences(root / "pairs.jsonl", 64))
+    runs = {"one": dpo_run(str(base_dir), pairs)}
+    here = Path(__file__).resolve().parent
+    out = root / "layouts"
+    proc = run_on_ranks(2, here / "dist_dpo_runs.py", out, base_dir, pairs, *DPO_LAYOUTS, timeout=900, cwd=here.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return runs | {name: torch.load(out / f"{name}.pt", weights_only=False) for name in DPO_LAYOUTS}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", DPO_LAYOUTS)
+def test_dpo_trains_alike_in_every_layout(layout, dpo_runs):
+    """tp2 (vocabulary-parallel log-probs), pp2 (the pairs' log-probs summed on the last stage; the reference pass
+    through the same schedule) and dp2 ZeRO-1 (a pair on one rank) reproduce one process: losses (rel 1e-5), the
+    logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam steps. The norms are compared at
+    5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the same gradients (which
+    the layouts' `parallel.clip` computes) on this model."""
+    run, one = dpo_runs[layout], dpo_runs["one"]
+    assert one["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    torch.testing.assert_close(run["losses"], one["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(run["rewards"], one["rewards"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(run["grad_norms"], one["grad_norms"], rtol=5e-5, atol=0)
+    params, expected = run["params"][5], one["params"][5]
+    assert params.keys() == expected.keys()
+    assert max((params[k] - expected[k]).abs().max().item() for k in expected) <= 2e-5

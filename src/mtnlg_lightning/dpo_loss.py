@@ -92,15 +92,26 @@ def pair_losses(
 
 
 class PairRewards:
-    """The reward sums of a step's pairs on this rank: chosen, rejected, margin, correct (margin > 0), pairs."""
+    """The rewards of a step's pairs on this rank, each pair's written at its index in the rank's batch: a loss
+    function called again for a micro-batch (a pipeline schedule's metadata pass, on placeholder outputs, comes
+    before the real one) overwrites, never adds."""
 
-    def __init__(self, device):
-        self.totals = torch.zeros(len(REWARD_NAMES) + 1, dtype=torch.float64, device=device)
+    def __init__(self, pairs: int, device):
+        self.chosen = torch.zeros(pairs, dtype=torch.float64, device=device)
+        self.rejected = torch.zeros(pairs, dtype=torch.float64, device=device)
+        self.seen = torch.zeros(pairs, dtype=torch.bool, device=device)
 
-    def add(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+    def record(self, pairs: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        self.chosen[pairs], self.rejected[pairs], self.seen[pairs] = chosen.double(), rejected.double(), True
+
+    @property
+    def totals(self) -> torch.Tensor:
+        """[chosen, rejected, margin, correct (margin > 0), pairs] summed over the pairs seen on this rank (none on a
+        pipeline stage that computes no loss)."""
+        chosen, rejected = self.chosen[self.seen], self.rejected[self.seen]
         margin = chosen - rejected
-        parts = (chosen.sum(), rejected.sum(), margin.sum(), (margin > 0).sum(), margin.new_tensor(len(margin)))
-        self.totals += torch.stack([p.double() for p in parts])
+        parts = (chosen.sum(), rejected.sum(), margin.sum(), (margin > 0).sum(), self.seen.sum())
+        return torch.stack([part.double() for part in parts])
 
     @staticmethod
     def means(totals: torch.Tensor) -> dict[str, torch.Tensor]:

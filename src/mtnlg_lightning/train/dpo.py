@@ -65,7 +65,7 @@ class PreferenceLoss:
         labels, rows = split_target(target)
         policy, tokens = sequence_logps(self.per_token_nll(logits, labels), labels)
         losses, chosen, rejected = pair_losses(self.config, policy, self.reference[rows], tokens)
-        self.rewards.add(chosen, rejected)
+        self.rewards.record(rows[0::2] // 2, chosen, rejected)  # a pair's chosen row is 2i
         return losses.mean()
 
 
@@ -154,7 +154,7 @@ class PreferenceStep:
         rows = 2 * module.micro_batch_size
         targeted = {**batch, "labels": with_row_index(batch["labels"])}
         reference = self.reference_logps(module, targeted, rows)
-        rewards = PairRewards(batch["labels"].device)
+        rewards = PairRewards(len(batch["labels"]) // 2, batch["labels"].device)
         return targeted, rows, PreferenceLoss(self.config, self.per_token_nll(module), reference, rewards)
 
     def forward_backward(self, module, batch: dict) -> torch.Tensor:
