@@ -213,7 +213,9 @@ def test_the_lora_reference_is_the_base_with_the_adapters_off(base_dir):
 
 
 # ------------------------------------------------------------------------------------------------ a fit
-def dpo_fit(base_dir: Path, tmp_path: Path, steps: int, lora: dict | None = None, callbacks=(), **module_args):
+def dpo_fit(
+    base_dir: Path, tmp_path: Path, steps: int, lora: dict | None = None, callbacks=(), ckpt_path=None, **module_args
+):
     from benchmarks.lightning_run import quiet_trainer
 
     train = write_preferences(tmp_path / "prefs.jsonl", 64)
@@ -240,8 +242,16 @@ def dpo_fit(base_dir: Path, tmp_path: Path, steps: int, lora: dict | None = None
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
-    trainer = quiet_trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[Record(), *callbacks])
-    trainer.fit(module, data)
+    checkpointing = any(isinstance(cb, L.pytorch.callbacks.ModelCheckpoint) for cb in callbacks)
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[Record(), *callbacks],
+        enable_checkpointing=checkpointing,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return logged, module
 
 
@@ -283,6 +293,22 @@ def test_the_reference_pass_of_a_lora_fit_equals_the_base_model(base_dir, tmp_pa
     dpo_fit(base_dir, tmp_path, 3, {"rank": 4, "alpha": 8}, callbacks=[CompareReference()])
     torch.testing.assert_close(seen["step"], seen["base"], rtol=1e-6, atol=1e-5)
     assert not torch.allclose(seen["policy"], seen["base"], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_full_weight_run_keeps_the_starting_weights_as_its_reference(base_dir, tmp_path):
+    """The reference is copied before the checkpoint is restored: steps 3 and 4 after a resume from step 2 are
+    those of the run that never stopped (with the resumed policy as reference, step 3 would start at ln 2)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    straight, _ = dpo_fit(base_dir, tmp_path / "straight", 4)
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    dpo_fit(base_dir, tmp_path / "first", 2, callbacks=[saving])
+    resumed, _ = dpo_fit(base_dir, tmp_path / "second", 4, ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
+    assert len(resumed) == 2
+    for after, before in zip(resumed, straight[2:], strict=True):
+        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-6)
+        assert after["rewards/margin"] == pytest.approx(before["rewards/margin"], rel=1e-5, abs=1e-7)
 
 
 # ------------------------------------------------------------------------------------------------ data

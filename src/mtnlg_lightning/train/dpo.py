@@ -10,8 +10,8 @@ targets), the loss finds each row's reference log-probability by that index.
 
 The reference model:
 - with LoRA, the base: the same modules with their adapters off (`parallel.lora.adapters_disabled`);
-- with full weights, a frozen copy of this rank's shards, taken before the first update (`ReferenceWeights`) and
-  swapped in for the reference pass only;
+- with full weights, a frozen copy of this rank's shards, taken once the layout is applied and before a checkpoint
+  is restored (`ReferenceWeights`: the starting weights, on a resume too), swapped in for the reference pass only;
 - or log-probs the data brings (`reference_logps` in the batch), used as they are.
 """
 
@@ -92,6 +92,8 @@ class ReferenceWeights:
         tensors = reference_tensors(model)
         if [t.shape for t in tensors] != [c.shape for c in self.copies]:
             raise MTNLGError("the DPO reference copy no longer matches the model's shards")
+        # Taken where the model was built; the strategy may have moved or cast it since.
+        self.copies = [copy.to(tensor.device, tensor.dtype) for tensor, copy in zip(tensors, self.copies, strict=True)]
         policy = [tensor.data for tensor in tensors]
         try:
             for tensor, copy in zip(tensors, self.copies, strict=True):
@@ -110,24 +112,18 @@ class PreferenceStep:
         self.reference_weights: ReferenceWeights | None = None
         self.rewards: PairRewards | None = None
 
-    def on_fit_start(self, module) -> None:
-        """Full-weight DPO: the reference is the model as the fit starts, before its first update."""
-        if module.lora is not None or self.reference_weights is not None:
-            return
-        if module.trainer.global_step > 0:
-            raise MTNLGError(
-                "resuming full-weight DPO would take the resumed policy as its reference: resume with "
-                "reference log-probs in the data (data.precompute_reference) or train LoRA adapters"
-            )
-        strategy = module.trainer.strategy
-        if getattr(strategy, "zero_stage", 0) >= 3:
-            raise MTNLGError("full-weight DPO under ZeRO-3 is not supported yet: use zero_stage 1 or 2, or LoRA")
-        self.reference_weights = ReferenceWeights(module.model)
+    def take_reference(self, module) -> None:
+        """Full-weight DPO: the reference is the model as its layout holds it before a checkpoint is restored into
+        it or any update (the starting weights, on a resume too)."""
+        if module.lora is None and self.reference_weights is None:
+            self.reference_weights = ReferenceWeights(module.model)
 
-    def check_layout(self, strategy) -> None:
+    def check_layout(self, module, strategy) -> None:
         config = getattr(strategy, "parallel_config", None)
         if config is not None and config.context_parallel > 1:
             raise MTNLGError("model.objective dpo does not run under context parallelism yet (context_parallel 1)")
+        if module.lora is None and getattr(strategy, "zero_stage", 0) >= 3:
+            raise MTNLGError("full-weight DPO under ZeRO-3 is not supported yet: use zero_stage 1 or 2, or LoRA")
 
     @staticmethod
     def per_token_nll(module):
@@ -138,7 +134,7 @@ class PreferenceStep:
         if module.lora is not None:
             return adapters_disabled(module.model)
         if self.reference_weights is None:
-            raise MTNLGError("full-weight DPO has no reference weights (they are taken when the fit starts)")
+            raise MTNLGError("full-weight DPO has no reference weights (they are taken when the layout is applied)")
         return self.reference_weights.swapped_into(module.model)
 
     def reference_logps(self, module, batch: dict, rows_per_micro_batch: int) -> torch.Tensor:

@@ -171,6 +171,13 @@ class MTNLGModule(L.LightningModule):
         else:  # one process, or Lightning's DDP: no layout, only adapters, recomputation and compilation
             self.model = parallelize_gpt(model, None, model_device(model), recompute=self.recompute,
                                          compile_backend=self.compile_with, lora=self.lora).model  # fmt: skip
+            self.on_layout_applied()
+
+    def on_layout_applied(self) -> None:
+        """The model is this rank's part of the layout, before a checkpoint is restored into it (the 3D strategy
+        calls this from its `setup`): full-weight DPO copies its reference here."""
+        if self.preference is not None:
+            self.preference.take_reference(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -189,7 +196,7 @@ class MTNLGModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         strategy = self.trainer.strategy
         if self.preference is not None:
-            self.preference.check_layout(strategy)
+            self.preference.check_layout(self, strategy)
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return
@@ -291,8 +298,6 @@ class MTNLGModule(L.LightningModule):
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self._peak_flops = peak_flops_for(device_name, self.hparams.peak_tflops)
-        if self.preference is not None:
-            self.preference.on_fit_start(self)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._first_loss is None and "train_loss" in self.trainer.callback_metrics:
@@ -316,6 +321,8 @@ class MTNLGModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         size = len(batch["labels"])
         self.log("val_loss", self._eval_loss(batch), prog_bar=True, sync_dist=True, batch_size=size)
+        if self.preference is not None:  # the held-out pairs' rewards
+            self.preference.log_rewards(self, prefix="val_")
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self._eval_loss(batch), sync_dist=True, batch_size=len(batch["labels"]))
