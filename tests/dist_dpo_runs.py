@@ -1,8 +1,9 @@
 """DPO runs from a Hugging Face Llama directory in the layouts named on the command line (one torchrun launch):
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_dpo_runs.py OUT_DIR BASE_DIR PAIRS_FILE tp2 pp2 zero1
+    torchrun --standalone --nproc-per-node 2 tests/dist_dpo_runs.py OUT_DIR BASE_DIR PAIRS_FILE tp2 pp2 zero1 tp2_lora
 
-Full-weight DPO (the reference: a frozen copy of each rank's shards). Rank 0 writes OUT_DIR/NAME.pt (losses, grad
+Full-weight DPO (the reference: a frozen copy of each rank's shards); a layout ending in _lora trains LoRA adapters
+(the reference: the base with the adapters off). Rank 0 writes OUT_DIR/NAME.pt (losses, grad
 norms, rewards, parameters at step 5) for pytest to compare with one process (`dpo_run` there too).
 """
 
@@ -27,6 +28,7 @@ from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E4
 
 DPO_SEQ_LEN = 128
 PAIRS_PER_STEP = 4
+DPO_LORA = {"rank": 4, "alpha": 8}
 
 
 class RewardRecorder(L.Callback):
@@ -37,8 +39,10 @@ class RewardRecorder(L.Callback):
         self.rewards.append([float(trainer.callback_metrics[name]) for name in REWARD_NAMES])
 
 
-def dpo_run(base: str, pairs: str, strategy="auto", devices: int = 1, micro_batch_size: int = 2) -> dict:
-    """5 full-weight DPO steps of 4 pairs (clipped, so the updates depend on the global gradient norm)."""
+def dpo_run(
+    base: str, pairs: str, strategy="auto", devices: int = 1, micro_batch_size: int = 2, lora: dict | None = None
+) -> dict:
+    """5 DPO steps of 4 pairs (clipped, so the updates depend on the global gradient norm)."""
     L.seed_everything(SEED, verbose=False)
     module = MTNLGModule(
         preset="tiny",
@@ -52,6 +56,7 @@ def dpo_run(base: str, pairs: str, strategy="auto", devices: int = 1, micro_batc
         grad_clip=GRAD_CLIP,
         objective="dpo",
         dpo_beta=0.5,
+        lora=lora,
         preemption=False,
         watchdog=False,
         straggler_every_n_steps=0,
@@ -73,10 +78,13 @@ def dpo_run(base: str, pairs: str, strategy="auto", devices: int = 1, micro_batc
 
 
 def train(layout: str, base: str, pairs: str) -> dict:
-    kwargs = layout_kwargs(layout)
+    lora = DPO_LORA if layout.endswith("_lora") else None
+    kwargs = layout_kwargs(layout.removesuffix("_lora"))
+    if kwargs["zero_stage"] == 3:
+        kwargs["deepspeed_config"] = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     micro_batch = 1 if kwargs["pipeline_parallel"] > 1 else 2  # a pipeline needs several micro-batches
     strategy = MegatronDeepSpeedStrategy(**kwargs, print_layout=False)
-    return dpo_run(base, pairs, strategy, int(os.environ["WORLD_SIZE"]), micro_batch)
+    return dpo_run(base, pairs, strategy, int(os.environ["WORLD_SIZE"]), micro_batch, lora)
 
 
 def main() -> None:

@@ -417,20 +417,20 @@ def test_preference_data_needs_the_dpo_objective(base_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ layouts
-DPO_LAYOUTS = ("tp2", "pp2", "zero1")  # world 2: zero1 is dp2
+DPO_LAYOUTS = ("tp2", "pp2", "zero1", "pp2_lora", "zero3_lora")  # world 2: zeroN is dp2
 
 
 @pytest.fixture(scope="module")
 def dpo_runs(base_dir, tmp_path_factory):
-    """5 full-weight DPO steps from the Llama directory: one process, then tp2, pp2 and dp2 ZeRO-1 in one
-    2-rank torchrun launch."""
-    from dist_dpo_runs import dpo_run
+    """5 DPO steps from the Llama directory, full-weight and LoRA: one process, then the layouts in one 2-rank
+    torchrun launch."""
+    from dist_dpo_runs import DPO_LORA, dpo_run
 
     from benchmarks.local_ranks import run_on_ranks
 
     root = tmp_path_factory.mktemp("dpo_runs")
     pairs = str(write_preferences(root / "pairs.jsonl", 64))
-    runs = {"one": dpo_run(str(base_dir), pairs)}
+    runs = {"one": dpo_run(str(base_dir), pairs), "one_lora": dpo_run(str(base_dir), pairs, lora=DPO_LORA)}
     here = Path(__file__).resolve().parent
     out = root / "layouts"
     proc = run_on_ranks(2, here / "dist_dpo_runs.py", out, base_dir, pairs, *DPO_LAYOUTS, timeout=900, cwd=here.parent)
@@ -443,11 +443,12 @@ def dpo_runs(base_dir, tmp_path_factory):
 @pytest.mark.parametrize("layout", DPO_LAYOUTS)
 def test_dpo_trains_alike_in_every_layout(layout, dpo_runs):
     """tp2 (vocabulary-parallel log-probs), pp2 (the pairs' log-probs summed on the last stage; the reference pass
-    through the same schedule) and dp2 ZeRO-1 (a pair on one rank) reproduce one process: losses (rel 1e-5), the
-    logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam steps. The norms are compared at
+    through the same schedule) and dp2 ZeRO-1 (a pair on one rank), and LoRA-DPO (the reference: adapters off) in
+    pp2 and dp2 ZeRO-3, reproduce one process: losses (rel 1e-5), the logged rewards, pre-clip gradient norms and
+    the weights after 5 clipped Adam steps. The norms are compared at
     5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the same gradients (which
     the layouts' `parallel.clip` computes) on this model."""
-    run, one = dpo_runs[layout], dpo_runs["one"]
+    run, one = dpo_runs[layout], dpo_runs["one_lora" if layout.endswith("_lora") else "one"]
     assert one["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     torch.testing.assert_close(run["losses"], one["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(run["rewards"], one["rewards"], rtol=1e-4, atol=1e-5)

@@ -168,5 +168,6 @@ class PreferenceStep:
     def log_rewards(self, module, prefix: str = "") -> None:
         """The step's rewards, means over the global batch's pairs (one all-reduce of five sums)."""
         totals = module.trainer.strategy.reduce(self.rewards.totals, reduce_op="sum")
+        pairs = int(self.rewards.seen.numel())
         for name, value in PairRewards.means(totals).items():
-            module.log(f"{prefix}{name}", value)
+            module.log(f"{prefix}{name}", value, batch_size=pairs)
