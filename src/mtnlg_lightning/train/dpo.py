@@ -142,8 +142,13 @@ class PreferenceStep:
         if batch.get(REFERENCE_LOGPS) is not None:
             return batch[REFERENCE_LOGPS].float()
         collector = ReferenceLogps(self.per_token_nll(module), len(batch["labels"]), batch["labels"].device)
-        with torch.no_grad(), self._reference_model(module):
-            module.runner.evaluate(batch, rows_per_micro_batch, collector)
+        training = module.model.training
+        module.model.eval()  # the reference is deterministic: no dropout (TRL's reference model is in eval mode)
+        try:
+            with torch.no_grad(), self._reference_model(module):
+                module.runner.evaluate(batch, rows_per_micro_batch, collector)
+        finally:
+            module.model.train(training)
         return collector.logps
 
     def _loss(self, module, batch: dict) -> tuple[dict, int, PreferenceLoss]:

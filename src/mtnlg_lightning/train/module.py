@@ -275,8 +275,10 @@ class MTNLGModule(L.LightningModule):
     def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
         seconds, self._step_started = now - self._step_started, now
-        tokens = global_batch * self.config.seq_len
-        flops = flops_per_iteration(self.config, global_batch)
+        # A DPO sample is a pair of sequences (the reference's forward is not counted in the FLOPs).
+        sequences = global_batch * (2 if self.preference is not None else 1)
+        tokens = sequences * self.config.seq_len
+        flops = flops_per_iteration(self.config, sequences)
         tflops = flops / seconds / self.trainer.world_size / 1e12
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
         self.log("lr", lr, prog_bar=True)
