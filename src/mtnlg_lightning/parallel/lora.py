@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +163,7 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(lora_b)
         self.scale = scale
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.enabled = True  # False: the layer is its base alone (`adapters_disabled`)
 
     @classmethod
     def around(cls, linear: nn.Linear, lora: LoRAConfig, generator: torch.Generator) -> LoRALinear:
@@ -182,6 +184,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
+        if not self.enabled:
+            return base(x)
         if isinstance(base, RowParallelLinear):  # the adapter's partial sum joins the base's in one reduction
             reduce = (
                 reduce_scatter_to_sequence_parallel_region
@@ -224,6 +228,20 @@ def _adapted(model: nn.Module):
         for attr, child in list(parent.named_children()):
             if isinstance(child, LoRALinear):
                 yield parent, attr, child
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within: every adapter of `model` is off and the model computes its base (in any layout: each sharded base
+    does its own reduction), e.g. the reference model of LoRA preference tuning, with no second copy."""
+    adapters = [adapter for _, _, adapter in _adapted(model)]
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield model
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
 
 
 def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:

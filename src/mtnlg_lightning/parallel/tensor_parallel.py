@@ -251,6 +251,11 @@ class VocabParallelCrossEntropy:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.group)
 
+    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """-log p(label) per position [B, S] (any value where the label is ignored): sequence log-probs (DPO)."""
+        per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), labels.flatten(), self.group)
+        return per_token.view_as(labels)
+
 
 # ------------------------------------------------------------------------------------ apply_tensor_parallel
 def apply_tensor_parallel(

@@ -13,6 +13,7 @@ from torch import nn
 
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
+from mtnlg_lightning.dpo_loss import objective_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.interop.lora_base import LORA_BASE, base_reference, check_base
@@ -26,6 +27,7 @@ from mtnlg_lightning.resilience.stragglers import StragglerMonitor
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
 from mtnlg_lightning.train import lightning_compat
 from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
+from mtnlg_lightning.train.dpo import PreferenceStep
 from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.optimizer_recipe import build_adamw
@@ -65,6 +67,10 @@ class MTNLGModule(L.LightningModule):
         activation_checkpointing: str = "none",
         activation_checkpointing_every_n: int = 2,
         lora: dict | None = None,
+        objective: str = "lm",
+        dpo_beta: float = 0.1,
+        dpo_loss: str = "sigmoid",
+        dpo_label_smoothing: float = 0.0,
     ):
         """
         Args:
@@ -100,6 +106,12 @@ class MTNLGModule(L.LightningModule):
                 alpha: 32, dropout: 0.0, targets: [q_proj, v_proj], rslora: false} (`parallel/lora.py`; targets:
                 our projection names or Hugging Face's, default every attention and MLP projection). Checkpoints
                 then hold the adapter and name the base by path and content hash.
+            objective: `lm` (next-token cross-entropy) or `dpo` (preference pairs from
+                `data.preferences.PreferenceDataModule`: a sample is one pair; `train/dpo.py`). The DPO reference is
+                the base with the adapters off under LoRA, else a frozen copy of the starting weights.
+            dpo_beta: DPO's beta (> 0), the strength of the pull toward the reference.
+            dpo_loss: `sigmoid` (DPO) or `ipo` (IPO: log-ratios averaged over the completion tokens).
+            dpo_label_smoothing: cDPO's assumed share of flipped labels, in [0, 0.5) (sigmoid only).
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
@@ -139,6 +151,8 @@ class MTNLGModule(L.LightningModule):
         self.count_wait_s = 0.0  # this step's wait in the all-reduce of the counted labels
         self.lora = lora_config(lora)
         self.lora_base: dict | None = None  # the base the adapter trains on: {path, content}
+        preference = objective_config(objective, dpo_beta, dpo_loss, dpo_label_smoothing)
+        self.preference = PreferenceStep(preference) if preference is not None else None
         if self.lora is not None:
             self.lora.projections(self.config)  # a target the model lacks is one line now
             if not init_from:
@@ -157,6 +171,13 @@ class MTNLGModule(L.LightningModule):
         else:  # one process, or Lightning's DDP: no layout, only adapters, recomputation and compilation
             self.model = parallelize_gpt(model, None, model_device(model), recompute=self.recompute,
                                          compile_backend=self.compile_with, lora=self.lora).model  # fmt: skip
+            self.on_layout_applied()
+
+    def on_layout_applied(self) -> None:
+        """The model is this rank's part of the layout, before a checkpoint is restored into it (the 3D strategy
+        calls this from its `setup`): full-weight DPO copies its reference here."""
+        if self.preference is not None:
+            self.preference.take_reference(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -174,6 +195,8 @@ class MTNLGModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         strategy = self.trainer.strategy
+        if self.preference is not None:
+            self.preference.check_layout(self, strategy)
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return
@@ -206,7 +229,10 @@ class MTNLGModule(L.LightningModule):
         optimizer = self.trainer.optimizers[0]
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
-        loss = self.runner.forward_backward(batch, self.micro_batch_size, self.step_loss(batch))
+        if self.preference is not None:
+            loss = self.preference.forward_backward(self, batch)
+        else:
+            loss = self.runner.forward_backward(batch, self.micro_batch_size, self.step_loss(batch))
         vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
         update = self.runner.update(optimizer, self.grad_clip, undoable=bool(vetoers))
         # Every vetoer is asked (each observes the step); every rank gets the same answers.
@@ -214,6 +240,8 @@ class MTNLGModule(L.LightningModule):
         update.finish(vetoed=any(votes))
         self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
         self._log_step(loss, update.grad_norm, lr, global_batch)
+        if self.preference is not None:
+            self.preference.log_rewards(self)
         return loss
 
     @property
@@ -247,8 +275,10 @@ class MTNLGModule(L.LightningModule):
     def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
         seconds, self._step_started = now - self._step_started, now
-        tokens = global_batch * self.config.seq_len
-        flops = flops_per_iteration(self.config, global_batch)
+        # A DPO sample is a pair of sequences (the reference's forward is not counted in the FLOPs).
+        sequences = global_batch * (2 if self.preference is not None else 1)
+        tokens = sequences * self.config.seq_len
+        flops = flops_per_iteration(self.config, sequences)
         tflops = flops / seconds / self.trainer.world_size / 1e12
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
         self.log("lr", lr, prog_bar=True)
@@ -285,12 +315,16 @@ class MTNLGModule(L.LightningModule):
 
     # ---------------------------------------------------------------- evaluation
     def _eval_loss(self, batch) -> torch.Tensor:
-        """The batch's token-mean loss, forward only."""
+        """The batch's token-mean loss (DPO: pair-mean), forward only."""
+        if self.preference is not None:
+            return self.preference.evaluate(self, batch)
         return self.runner.evaluate(batch, self.micro_batch_size, self.step_loss(batch))
 
     def validation_step(self, batch, batch_idx):
         size = len(batch["labels"])
         self.log("val_loss", self._eval_loss(batch), prog_bar=True, sync_dist=True, batch_size=size)
+        if self.preference is not None:  # the held-out pairs' rewards
+            self.preference.log_rewards(self, prefix="val_")
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self._eval_loss(batch), sync_dist=True, batch_size=len(batch["labels"]))

@@ -255,6 +255,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
             module.model = self.parallel.model
             if self.parallel.loss_fn is not None:
                 module.loss_fn = self.parallel.loss_fn
+            if hasattr(module, "on_layout_applied"):  # before a checkpoint is restored into the model
+                module.on_layout_applied()
         self.model = self.precision_plugin.convert_module(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -1,0 +1,249 @@
+"""The preference data module (`--model.objective dpo`): records of a prompt and a chosen and a rejected answer ->
+the model's chat template -> two rows per pair, each labelled on its completion tokens only -> step batches.
+
+A record is one of (the forms TRL's preference datasets take):
+- `prompt` (a string: one user turn; or a list of turns) with `chosen` and `rejected` (strings: one assistant turn
+  each; or lists of turns);
+- `messages` (the shared conversation, a list of turns) with `chosen` and `rejected`;
+- `chosen` and `rejected` alone, as whole conversations: the turns they share from the start are the prompt.
+
+A sample is one pair: `micro_batch_size` and `global_batch_size` count pairs. A rank's batch holds the pair's chosen
+row at 2i and its rejected row at 2i + 1 (`pairs_batch`). Rows are not packed: each is one sequence, padded to
+`seq_len` (attention is causal, so the padding after a sequence never reaches it), which keeps every sequence's
+log-probability exact in every layout. A completion longer than what `seq_len` leaves after the prompt is cut (its
+kept tokens are scored); a pair whose chosen and rejected are the same is skipped and counted; a prompt that leaves
+no room for a completion is one error line naming the record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mtnlg_lightning.corpora.readers import iter_objects
+from mtnlg_lightning.data.chat_records import _turns
+from mtnlg_lightning.data.chat_template import ChatTokenizer, EncodedChat
+from mtnlg_lightning.data.datamodule import StepDataModule
+from mtnlg_lightning.data.finetune import to_example
+from mtnlg_lightning.data.packing import Example, assemble_row
+from mtnlg_lightning.errors import MTNLGError, is_rank_zero
+
+# One sequence a row, padding after it: plain causal attention is exact, no document ids are needed.
+PAIR_FIELDS = ("input_ids", "labels", "position_ids")
+PREFERENCE_FORMS = "prompt (or messages) + chosen + rejected, or chosen + rejected as whole conversations"
+
+
+@dataclass
+class PreferencePair:
+    prompt: list[dict]  # the shared conversation, ending before the answers
+    chosen: list[dict]  # the preferred answer's turns
+    rejected: list[dict]
+    where: str  # FILE:LINE, for messages about this record
+
+
+def _answer(value, where: str, field: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    return _turns(value, where, field)
+
+
+def to_pair(record: dict, where: str) -> PreferencePair:
+    """The pair a record holds; one MTNLGError line naming the record and the fields seen otherwise."""
+    if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
+        seen = ", ".join(sorted(map(str, record))) if isinstance(record, dict) else type(record).__name__
+        raise MTNLGError(f"{where}: a preference record needs chosen and rejected (fields: {seen or 'none'})")
+    prompt = record.get("prompt", record.get("messages"))
+    if prompt is not None:
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _turns(prompt, where, "prompt")
+        return PreferencePair(
+            turns,
+            _answer(record["chosen"], where, "chosen"),
+            _answer(record["rejected"], where, "rejected"),
+            where,
+        )
+    if isinstance(record["chosen"], str) or isinstance(record["rejected"], str):
+        raise MTNLGError(
+            f"{where}: chosen and rejected are plain text but the record has no prompt ({PREFERENCE_FORMS})"
+        )
+    chosen, rejected = _turns(record["chosen"], where, "chosen"), _turns(record["rejected"], where, "rejected")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0 or shared == len(chosen) or shared == len(rejected):
+        raise MTNLGError(
+            f"{where}: chosen and rejected as conversations must share their first turns (the prompt) and differ after"
+        )
+    return PreferencePair(chosen[:shared], chosen[shared:], rejected[shared:], where)
+
+
+def encode_completion(chat: ChatTokenizer, prompt: list[dict], answer: list[dict]) -> tuple[EncodedChat, int]:
+    """The conversation prompt + answer with only the answer's assistant tokens trained (its end-of-turn token
+    included), and how many tokens the prompt takes (rendered with the generation prompt)."""
+    encoded = chat.encode(prompt + answer, "assistant")
+    prefix = chat.tokenizer.encode(chat.render(prompt, add_generation_prompt=True), add_special_tokens=False).ids
+    prompt_tokens = len(prefix)
+    # An assistant turn inside the shared prompt is not part of the answer: only what follows the prompt trains.
+    trained = [flag and i >= prompt_tokens for i, flag in enumerate(encoded.trained)]
+    return EncodedChat(encoded.ids, trained), prompt_tokens
+
+
+@dataclass
+class PairExamples:
+    pairs: list[tuple[Example, Example]]
+    skipped: Counter  # reason -> count
+    read: int
+
+    def summary(self, name: str) -> str | None:
+        if not self.skipped:
+            return None
+        reasons = {"identical": "chosen equal to rejected", "untrained": "no assistant tokens in an answer"}
+        parts = "; ".join(f"{n} {reasons[r]}" for r, n in sorted(self.skipped.items()))
+        return f"preference data [{name}]: skipped {sum(self.skipped.values())} of {self.read} pairs ({parts})"
+
+
+def encode_pairs(specs, chat: ChatTokenizer, seq_len: int) -> PairExamples:
+    """Every record of `specs` as a (chosen, rejected) pair of examples."""
+    pairs, skipped, read = [], Counter(), 0
+    for where, record in iter_objects([specs] if isinstance(specs, str) else list(specs)):
+        read += 1
+        pair = to_pair(record, where)
+        try:
+            (chosen, prompt_tokens), (rejected, _) = (
+                encode_completion(chat, pair.prompt, answer) for answer in (pair.chosen, pair.rejected)
+            )
+        except MTNLGError:
+            raise
+        except Exception as error:  # jinja2's errors, raise_exception's messages, a template's TypeError
+            message = " ".join(str(error).split()) or type(error).__name__
+            raise MTNLGError(f"{where}: the chat template fails on this record: {message}") from None
+        if prompt_tokens >= seq_len:
+            raise MTNLGError(
+                f"{where}: the prompt takes {prompt_tokens} tokens, leaving no room for an answer in seq_len "
+                f"{seq_len} (shorten it or raise seq_len)"
+            )
+        if chosen.ids == rejected.ids:
+            skipped["identical"] += 1
+            continue
+        examples = to_example(chosen, seq_len), to_example(rejected, seq_len)
+        if None in examples:
+            skipped["untrained"] += 1
+            continue
+        pairs.append(examples)
+    if not pairs:
+        raise MTNLGError(f"{specs}: no preference pair left to train on ({read} records read)")
+    return PairExamples(pairs, skipped, read)
+
+
+class PairRows:
+    """`count` pairs drawn epoch by epoch, each epoch in its own permutation seeded by (seed, epoch); a pair is its
+    chosen and its rejected row (`data.packing.assemble_row`, one sequence each)."""
+
+    def __init__(self, pairs: Sequence[tuple[Example, Example]], count: int, seq_len: int, pad_id: int, seed: int):
+        self.pairs, self.count, self.seq_len, self.pad_id, self.seed = pairs, count, seq_len, pad_id, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
+        return self._orders[epoch]
+
+    def __getitem__(self, index: int) -> list[dict[str, np.ndarray]]:
+        epoch, at = divmod(index, len(self.pairs))
+        return [assemble_row([example], self.seq_len, self.pad_id) for example in self.pairs[self._order(epoch)[at]]]
+
+
+def pairs_batch(pairs: Sequence[list[dict[str, np.ndarray]]]) -> dict[str, torch.Tensor]:
+    """Pairs stacked into rows [2P, seq_len], the chosen row of pair i at 2i and its rejected row at 2i + 1."""
+    rows = [row for pair in pairs for row in pair]
+    return {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in PAIR_FIELDS}
+
+
+class PreferenceDataModule(StepDataModule):
+    collate = staticmethod(pairs_batch)
+
+    def __init__(
+        self,
+        train: str | list[str],
+        valid: str | list[str] | None = None,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+        eval_samples: int | None = None,
+    ):
+        """
+        Args:
+            train: the preference records: files (JSON lines or a JSON array, plain, gzip or zstd; parquet), folders,
+                globs or URLs; each record `prompt` (or `messages`), `chosen` and `rejected` (see the module
+                docstring).
+            valid: held-out records in the same forms (none: no validation); validation logs val_loss and the
+                rewards of these pairs.
+            tokenizer: the model directory whose tokenizer.json and chat template encode the records (default: the
+                model's `init_from`).
+            chat_template: a template instead of the directory's: a name (chatml, llama3), a .jinja file, or the
+                template text.
+            seed: the seed of the pair order (each epoch its own permutation).
+            num_workers: DataLoader worker processes.
+            eval_samples: validation pairs per evaluation (default: every pair, whole global batches, at least one).
+        """
+        super().__init__()
+        self.train, self.valid, self.tokenizer, self.chat_template = train, valid, tokenizer, chat_template
+        self.seed, self.num_workers, self.eval_samples = seed, num_workers, eval_samples
+        self.chat: ChatTokenizer | None = None
+        self.skipped: dict[str, Counter] = {}
+
+    def _model_directory(self) -> str:
+        directory = self.tokenizer
+        if directory is None and self.trainer is not None:
+            directory = self._module.hparams.get("init_from")
+        if not directory:
+            raise MTNLGError(
+                "preference data needs a model directory for its tokenizer and chat template: set data.tokenizer "
+                "or model.init_from"
+            )
+        return directory
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json of the data (copied into every checkpoint)."""
+        return self.chat.tokenizer_file if self.chat is not None else None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        module = self._module
+        if module.preference is None:
+            raise MTNLGError("preference data trains the dpo objective: set model.objective dpo (or --config dpo)")
+        self.chat = ChatTokenizer(self._model_directory(), self.chat_template)
+        seq_len, vocab = module.config.seq_len, module.config.padded_vocab_size()
+        global_batch = module.batch_schedule.global_batch_size
+        for name, specs in (("train", self.train), ("valid", self.valid)):
+            if specs is None:
+                continue
+            split = encode_pairs(specs, self.chat, seq_len)
+            largest = max(int(e.input_ids.max()) for pair in split.pairs for e in pair)
+            if largest >= vocab:
+                raise MTNLGError(
+                    f"{specs}: the tokenizer of {self.chat.directory} gives id {largest}, beyond the model's "
+                    f"vocabulary {vocab}"
+                )
+            self.skipped[name] = split.skipped
+            report = split.summary(name)
+            if report and is_rank_zero():
+                print(report)
+            if name == "train":
+                max_steps = self.trainer.max_steps if self.trainer is not None else -1
+                schedule = module.batch_schedule
+                count = schedule.consumed_samples(max_steps) if max_steps and max_steps > 0 else len(split.pairs)
+                seed = self.seed
+            else:
+                count = self.eval_samples or len(split.pairs)
+                count, seed = max(global_batch, count - count % global_batch), self.seed + 1
+            self.splits[name] = PairRows(split.pairs, count, seq_len, self.chat.pad_id, seed)
