@@ -157,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "write":
         paths = write_demo_files(args.directory, args.train, args.questions)
-        print(
-            f"wrote {paths['train']} ({args.train} records), {paths['valid']} (128), {paths['questions']} ({args.questions})"
-        )
+        counts = {"train": args.train, "valid": 128, "questions": args.questions}
+        print("wrote " + ", ".join(f"{paths[name]} ({count})" for name, count in counts.items()))
         return 0
     questions = Path(args.questions).read_text(encoding="utf-8").splitlines()
     runs = {}
