@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import kv_heads_per_rank, parameters_per_rank
+from mtnlg_lightning.families import active_parameters, kv_heads_per_rank, parameters_per_rank
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
 from mtnlg_lightning.train.flops import flops_per_iteration
@@ -34,8 +34,9 @@ def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -
     each module as the tensor-parallel plan holds it): the blocks, the word embedding and learned positions on the
     first stage, the final norm and the LM head on the last (a tied head counted there too when pipelined: the
     last stage holds its copy)."""
-    block, top = parameters_per_rank(config, tp)
-    counts = [n * sum(block.values()) for n in layers]
+    blocks, top = parameters_per_rank(config, tp)
+    ends = list(itertools.accumulate(layers))
+    counts = [sum(blocks[end - n : end]) for n, end in zip(layers, ends, strict=True)]
     counts[0] += top["embed.wte"] + top.get("embed.wpe", 0)
     head = top["lm_head"] if (pp > 1 or not config.tie_embeddings) else 0
     counts[-1] += top["norm"] + head
@@ -123,6 +124,9 @@ class Plan:
     rampup_seconds: float | None = None
     rampup_steps: int | None = None
     cp: int = 1  # context-parallel ranks per sequence
+    # Parameters one token goes through (a mixture of experts' k of E experts; the whole model when dense), as
+    # `families.active_parameters` counts them; the FLOPs above count these.
+    active_params: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -215,6 +219,7 @@ def plan(
         rampup_seconds=rampup_seconds,
         rampup_steps=rampup_steps,
         cp=cp,
+        active_params=active_parameters(config),
     )
 
 
