@@ -262,3 +262,48 @@ def test_moe_models_refuse_the_layouts_not_built_yet():
         ParallelConfig(tensor_parallel=2).validate(config, 2)
     with pytest.raises(MTNLGError, match="expert_parallel 2 needs a mixture-of-experts model"):
         ParallelConfig(expert_parallel=2).validate(config, 2)
+
+
+# ------------------------------------------------------------------------------------------- training
+def test_the_training_objective_is_transformers_loss_with_router_logits(tmp_path):
+    """A Qwen 3-MoE directory with output_router_logits: our module's loss on its own forward is transformers'
+    cross-entropy + router_aux_loss_coef x its load-balancing loss (and the z-loss joins with its coefficient)."""
+    from mtnlg_lightning.loss import cross_entropy
+    from mtnlg_lightning.train.module import MTNLGModule
+
+    directory = random_moe_dir(tmp_path, "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.25)
+    module = MTNLGModule(preset="tiny", init_from=str(directory))
+    module.configure_model()
+    assert module.config.router_aux_loss_coef == 0.25
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_model(directory)(tokens, labels=tokens)
+        ours = module.loss_fn(module.model(tokens)[:, :-1], tokens[:, 1:])
+    assert theirs.aux_loss > 0
+    torch.testing.assert_close(ours, theirs.loss, rtol=1e-5, atol=0)
+    assert module.loss_fn.last["router_aux_loss"] == pytest.approx(theirs.aux_loss.item(), rel=1e-5)
+    module.config.router_z_loss_coef = module.loss_fn.z_coef = 0.5
+    with torch.no_grad():
+        with_z = module.loss_fn(module.model(tokens)[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(with_z, ours + 0.5 * module.loss_fn.last["router_z_loss"], rtol=1e-6, atol=0)
+    assert MTNLGModule(preset="tiny-llama").loss_fn is cross_entropy  # a dense model keeps the plain objective
+
+
+@pytest.mark.slow
+def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses(tmp_path, demo_data):
+    import csv
+
+    from conftest import run_cli
+
+    moe_options = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64, "router_aux_loss_coef": 0.01}
+    out = run_cli(
+        *["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "6", "--model.preset", "tiny-llama"],
+        *["--model.model_overrides", json.dumps({**moe_options, "router_z_loss_coef": 0.001})],
+        *["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = [row for row in csv.DictReader(metrics.open()) if row.get("train_loss")]
+    assert len(rows) == 6
+    assert all(float(row["router_aux_loss"]) >= 1.0 and float(row["router_z_loss"]) > 0 for row in rows)
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])

@@ -174,3 +174,22 @@ def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     aux = share.numel() * (share * probability).sum()
     z = sum(s.z_sum for s in stats) / rows
     return aux, z
+
+
+class WithRouterLosses:
+    """A micro-batch's loss `loss_fn(logits, labels)` plus router_aux_loss_coef x aux + router_z_loss_coef x z of
+    the forward that made the logits (`router_losses`): transformers' objective for these models when
+    `output_router_logits` is set. Each micro-batch's own routing: averaged over micro-batches and data-parallel
+    replicas with the language-model loss (and weighted as it is). The unscaled values of the last call are kept
+    for the logs (`last`). `holder.model` is the model whose layers routed (built after this object; a holder
+    keeps it picklable, as a lambda would not be)."""
+
+    def __init__(self, loss_fn, holder, config: ModelConfig):
+        self.loss_fn, self.holder = loss_fn, holder
+        self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.last: dict[str, torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        aux, z = router_losses(self.holder.model)
+        self.last = {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
+        return self.loss_fn(logits, labels) + self.aux_coef * aux + self.z_coef * z
