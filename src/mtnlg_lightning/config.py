@@ -55,13 +55,11 @@ class ModelConfig:
     experts_per_token: int = 1  # top k
     moe_ffn_hidden_size: int | None = None  # each expert's SwiGLU width; None -> ffn_hidden_size
     shared_expert_ffn_hidden_size: int = 0  # Qwen 2-MoE's shared expert (sigmoid-gated), 0: none
-    # Which blocks are MoE (the rest keep the dense MLP of ffn_hidden_size): every `moe_layer_step`-th (Qwen's
-    # decoder_sparse_step: layer i when (i + 1) % step == 0), not the first `first_dense_layers` (DeepSeek's
-    # first_k_dense_replace), not those listed in `dense_layers` (Qwen's mlp_only_layers).
-    moe_layer_step: int = 1
-    first_dense_layers: int = 0
-    dense_layers: list[int] | None = None
-    router: str = "softmax"
+    # Which blocks are MoE (the rest keep the dense MLP of ffn_hidden_size): all three rules hold.
+    moe_layer_step: int = 1  # every step-th block: layer i when (i + 1) % step == 0 (Qwen's decoder_sparse_step)
+    first_dense_layers: int = 0  # the first k blocks stay dense (DeepSeek's first_k_dense_replace)
+    dense_layers: list[int] | None = None  # these blocks stay dense (Qwen's mlp_only_layers)
+    router: str = "softmax"  # softmax over every expert's logit, then the top k
     norm_topk_prob: bool = False  # renormalise the k chosen probabilities (Mixtral: a softmax over the top k)
     router_aux_loss_coef: float = 0.0  # Switch / GShard load balancing, as transformers computes it
     router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
