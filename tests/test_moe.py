@@ -307,3 +307,16 @@ def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses(tmp_pa
     assert len(rows) == 6
     assert all(float(row["router_aux_loss"]) >= 1.0 and float(row["router_z_loss"]) > 0 for row in rows)
     assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    assert "moe_dropped_tokens" not in rows[0]  # dropless
+
+
+def test_dropped_tokens_are_reported_with_the_router_losses():
+    from mtnlg_lightning.train.module import MTNLGModule
+
+    overrides = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64, "capacity_factor": 0.5}
+    module = MTNLGModule(preset="tiny-llama", model_overrides=overrides)
+    module.configure_model()
+    tokens = torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(0))
+    module.loss_fn(module.model(tokens[:, :-1]), tokens[:, 1:])
+    dropped = sum(layer.stats.dropped for _, layer in moe.moe_layers(module.model))
+    assert module.loss_fn.last["moe_dropped_tokens"].item() == dropped > 0

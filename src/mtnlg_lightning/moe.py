@@ -70,7 +70,7 @@ class Experts(nn.Module):
             raise MTNLGError(f"expert kernel {self.kernel!r} is not one of {', '.join(EXPERT_KERNELS)}")
         if self.kernel == "loop":
             return False
-        # _grouped_mm takes fp32/bf16/fp16 with 16-byte-aligned rows (checked with torch 2.13 on CPU and CUDA).
+        # _grouped_mm takes fp32/bf16/fp16 with 16-byte-aligned rows (torch 2.13 on CPU; CUDA not checked here).
         widths = self.gate.weight.shape[1:]
         runs = (
             hasattr(torch, "_grouped_mm")
@@ -181,15 +181,19 @@ class WithRouterLosses:
     the forward that made the logits (`router_losses`): transformers' objective for these models when
     `output_router_logits` is set. Each micro-batch's own routing: averaged over micro-batches and data-parallel
     replicas with the language-model loss (and weighted as it is). The unscaled values of the last call are kept
-    for the logs (`last`). `holder.model` is the model whose layers routed (built after this object; a holder
-    keeps it picklable, as a lambda would not be)."""
+    for the logs (`last`), with the dropped (token, expert) pairs under a capacity factor. `holder.model` is the
+    model whose layers routed (built after this object; a holder keeps it picklable, as a lambda would not be)."""
 
     def __init__(self, loss_fn, holder, config: ModelConfig):
         self.loss_fn, self.holder = loss_fn, holder
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.capacity = config.capacity_factor is not None
         self.last: dict[str, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         aux, z = router_losses(self.holder.model)
         self.last = {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
+        if self.capacity:  # (token, expert) pairs over capacity, every layer
+            dropped = sum(layer.stats.dropped for _, layer in moe_layers(self.holder.model))
+            self.last["moe_dropped_tokens"] = torch.tensor(float(dropped))
         return self.loss_fn(logits, labels) + self.aux_coef * aux + self.z_coef * z
