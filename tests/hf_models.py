@@ -99,3 +99,47 @@ def random_family_dir(directory: Path, family: str, seed: int = 0, **overrides) 
     model.eval().save_pretrained(out)
     tokenizer.save(out / "tokenizer.json")
     return out
+
+
+# Mixtures of experts at test size (the demo vocabulary, grouped-query attention 4:2 where the family has it):
+# 4 experts, 2 per token. Qwen 3-MoE keeps layer 1 of 3 dense (mlp_only_layers) and renormalises the top k; Qwen
+# 2-MoE has a shared expert; Mixtral renormalises by design; OLMoE norms the whole q and k projections.
+MOE_BLOCK = dict(TEST_BLOCK, num_hidden_layers=3, num_experts_per_tok=2, rope_theta=10000.0)
+RANDOM_MOE = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(MOE_BLOCK, head_dim=32, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(MOE_BLOCK, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
+    "mixtral": ("MixtralConfig", dict(MOE_BLOCK, head_dim=16, num_local_experts=4, intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(MOE_BLOCK, head_dim=16, num_key_value_heads=4, num_experts=4, intermediate_size=32)),
+}
+
+
+def random_moe_dir(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A random mixture of experts of `family` (a key of RANDOM_MOE) saved with `save_pretrained` (one tensor per
+    expert, as shipped), with the demo tokenizer. Every tensor is perturbed (norms away from 1, biases and routers
+    away from their zero start) so a mapping mistake anywhere changes the logits."""
+    import transformers
+
+    _, tokenizer_path = build_demo_data(progress=False)
+    tokenizer = Tokenizer(tokenizer_path)
+    torch.manual_seed(seed)
+    config_class, values = RANDOM_MOE[family]
+    config = getattr(transformers, config_class)(
+        **{**values, **overrides}, bos_token_id=tokenizer.eod_id, eos_token_id=tokenizer.eod_id
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.add_(torch.randn_like(param) * 0.05)
+    out = directory / f"{family}-random"
+    model.eval().save_pretrained(out)
+    tokenizer.save(out / "tokenizer.json")
+    return out

@@ -30,7 +30,13 @@ def closed_form(config, tp: int) -> dict[str, int]:
     q, kv = config.num_heads * hd // tp, int(max(config.num_kv_heads / tp, 1.0) * hd)
     matrices = 3 if config.mlp == "swiglu" else 2
     norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
-    block = h * (q + 2 * kv) + q * h + matrices * h * f // tp + 2 * norm + 2 * hd * config.qk_norm
+    mlp = matrices * h * f // tp
+    if config.moe:  # the MoE presets' blocks are all MoE: a router and E experts, whole on every TP rank
+        shared = config.shared_expert_ffn_hidden_size
+        mlp = h * config.num_experts + 3 * config.num_experts * h * config.moe_ffn_hidden_size
+        mlp += 3 * h * shared // tp + h if shared else 0
+    qk_norms = 2 * hd if config.qk_norm_over == "head" else (config.num_heads + config.num_kv_heads) * hd
+    block = h * (q + 2 * kv) + q * h + mlp + 2 * norm + qk_norms * config.qk_norm
     block += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
     vocab = config.padded_vocab_size(tp) * h // tp
     positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
@@ -72,6 +78,8 @@ def test_matmul_weights_per_token_follow_the_closed_form(preset):
     h, hd, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, o and k, v
     mlp = (3 if config.mlp == "swiglu" else 2) * h * f
+    if config.moe:  # the router and the k experts a token goes to
+        mlp = h * config.num_experts + config.experts_per_token * 3 * h * config.moe_ffn_hidden_size
     assert matmul_parameters(config) == config.num_layers * (attention + mlp) + h * config.padded_vocab_size()
 
 

@@ -147,7 +147,7 @@ def llama_variant(tmp_path, family_dir, change) -> str:
             lambda c: c["rope_parameters"].update(rope_type="yarn"),
             "rope_scaling of unknown type 'yarn'; known types: default, linear, llama3",
         ),
-        (lambda c: c.update(model_type="mixtral", architectures=["MixtralForCausalLM"]), "holds a 'mixtral' model"),
+        (lambda c: c.update(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]), "holds a 'gpt_neox' model"),
     ],
 )
 def test_a_bad_model_directory_is_one_line_before_any_weight_is_read(llama_dir, tmp_path, capsys, change, message):

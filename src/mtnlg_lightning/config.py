@@ -11,6 +11,8 @@ from mtnlg_lightning.errors import MTNLGError
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
+ROUTERS = ("softmax",)  # softmax over the experts, then the top k (renormalised when norm_topk_prob)
+QK_NORMS = ("head", "projection")  # over each head's dims (Qwen 3) or the whole q / k projection (OLMoE)
 ROPE_SCALINGS = ("default", "linear", "llama3")  # Hugging Face's `rope_type` names
 
 
@@ -47,6 +49,21 @@ class ModelConfig:
     bias: bool = True  # biases of the linear layers and LayerNorms
     qkv_bias: bool | None = None  # biases of q, k, v only (Qwen 2); None -> as `bias`
     tie_embeddings: bool = True  # the LM head is the word embedding
+    qk_norm_over: str = "head"  # head (Qwen 3) | projection (OLMoE: one RMSNorm over all heads' q, one over k)
+    # Mixture of experts (`moe.py`): 0 experts is a dense MLP in every block.
+    num_experts: int = 0
+    experts_per_token: int = 1  # top k
+    moe_ffn_hidden_size: int | None = None  # each expert's SwiGLU width; None -> ffn_hidden_size
+    shared_expert_ffn_hidden_size: int = 0  # Qwen 2-MoE's shared expert (sigmoid-gated), 0: none
+    # Which blocks are MoE (the rest keep the dense MLP of ffn_hidden_size): all three rules hold.
+    moe_layer_step: int = 1  # every step-th block: layer i when (i + 1) % step == 0 (Qwen's decoder_sparse_step)
+    first_dense_layers: int = 0  # the first k blocks stay dense (DeepSeek's first_k_dense_replace)
+    dense_layers: list[int] | None = None  # these blocks stay dense (Qwen's mlp_only_layers)
+    router: str = "softmax"  # softmax over every expert's logit, then the top k
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities (Mixtral: a softmax over the top k)
+    router_aux_loss_coef: float = 0.0  # Switch / GShard load balancing, as transformers computes it
+    router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
+    capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf * tokens * k / E)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -78,6 +95,9 @@ class ModelConfig:
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise MTNLGError(f"rope needs an even head_dim, got {self.head_dim}")
         check_rope_scaling(self.rope_scaling)
+        if self.qk_norm_over not in QK_NORMS:
+            raise MTNLGError(f"model qk_norm_over {self.qk_norm_over!r} is not one of {', '.join(QK_NORMS)}")
+        check_experts(self)
         if self.seq_len > self.max_position_embeddings:
             raise MTNLGError(
                 f"seq_len {self.seq_len} is above the position table size {self.max_position_embeddings} "
@@ -90,9 +110,51 @@ class ModelConfig:
         attention has three (its key/value heads may be replicated over the tensor-parallel ranks)."""
         return self.num_kv_heads == self.num_heads
 
+    @property
+    def moe(self) -> bool:
+        """Whether any block has a mixture-of-experts layer."""
+        return bool(self.moe_layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the blocks whose MLP is a mixture of experts."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def every_layer_moe(self) -> bool:
+        return len(self.moe_layers) == self.num_layers
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (
+            self.num_experts > 0
+            and index >= self.first_dense_layers
+            and index not in (self.dense_layers or ())
+            and (index + 1) % self.moe_layer_step == 0
+        )
+
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def check_experts(config: ModelConfig) -> None:
+    """A mixture-of-experts setting the block can run (one line otherwise)."""
+    if config.num_experts == 0:
+        return
+    if config.moe_ffn_hidden_size is None:
+        config.moe_ffn_hidden_size = config.ffn_hidden_size
+    if config.num_experts < 0 or not 1 <= config.experts_per_token <= config.num_experts:
+        raise MTNLGError(
+            f"experts_per_token {config.experts_per_token} must be between 1 and num_experts {config.num_experts}"
+        )
+    if config.mlp != "swiglu":
+        raise MTNLGError("mixture-of-experts blocks have SwiGLU experts: set mlp to swiglu")
+    if config.router not in ROUTERS:
+        raise MTNLGError(f"router {config.router!r} is not one of {', '.join(ROUTERS)}")
+    if config.moe_layer_step < 1 or config.first_dense_layers < 0:
+        raise MTNLGError("moe_layer_step must be >= 1 and first_dense_layers >= 0")
+    if config.capacity_factor is not None and config.capacity_factor <= 0:
+        raise MTNLGError(f"capacity_factor must be positive or null (dropless), got {config.capacity_factor}")
 
 
 def check_rope_scaling(scaling: dict | None) -> None:
@@ -111,12 +173,10 @@ def check_rope_scaling(scaling: dict | None) -> None:
 
 
 LLAMA3_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Today's decoder block (Llama 3, Mixtral): RoPE, RMSNorm, SwiGLU, no biases, untied head.
+ROPE_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 LLAMA_31 = dict(
-    position_embedding="rope",
-    norm="rmsnorm",
-    mlp="swiglu",
-    bias=False,
-    tie_embeddings=False,
+    **ROPE_BLOCK,
     vocab_size=128256,
     rope_theta=500000.0,
     rope_scaling={
@@ -130,6 +190,31 @@ LLAMA_31 = dict(
     init_std=0.02,
 )
 
+
+# Qwen 3 (Qwen3-8B's config.json, and the Qwen 3-MoE models'): q/k norms, head_dim 128, untied head.
+QWEN3 = dict(
+    head_dim=128,
+    vocab_size=151936,
+    seq_len=4096,
+    max_position_embeddings=40960,
+    position_embedding="rope",
+    rope_theta=1000000.0,
+    norm="rmsnorm",
+    layernorm_eps=1e-6,
+    mlp="swiglu",
+    qk_norm=True,
+    bias=False,
+    tie_embeddings=False,
+    init_std=0.02,
+)
+# Qwen 3-MoE (Qwen3-30B-A3B and 235B-A22B's config.json): the Qwen 3 block, 128 experts, 8 per token renormalised.
+QWEN3_MOE = dict(QWEN3, norm_topk_prob=True, router_aux_loss_coef=0.001)
+# Mixtral (8x7B and 8x22B's config.json): the Llama block, 8 experts of ffn_hidden_size, 2 per token.
+MIXTRAL = dict(
+    **ROPE_BLOCK,
+    **dict(vocab_size=32000, seq_len=4096, rope_theta=1000000.0, init_std=0.02),
+    **dict(num_experts=8, experts_per_token=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
+)
 
 PRESETS: dict[str, dict] = {
     # Table/Section 3 of the MT-NLG paper.
@@ -163,24 +248,34 @@ PRESETS: dict[str, dict] = {
         **dict(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248, seq_len=8192),
     },
     "qwen3-8b": dict(
-        num_layers=36,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        ffn_hidden_size=12288,
-        vocab_size=151936,
-        seq_len=4096,
-        max_position_embeddings=40960,
-        position_embedding="rope",
-        rope_theta=1000000.0,
-        norm="rmsnorm",
-        layernorm_eps=1e-6,
-        mlp="swiglu",
-        qk_norm=True,
-        bias=False,
-        tie_embeddings=False,
-        init_std=0.02,
+        **QWEN3, **dict(num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=12288)
+    ),
+    # Mixtures of experts, with the published shapes (parameter counts equal the Hugging Face models').
+    "qwen3-30b-a3b": dict(
+        **QWEN3_MOE,
+        **dict(num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, ffn_hidden_size=6144),
+        **dict(num_experts=128, experts_per_token=8, moe_ffn_hidden_size=768),
+    ),
+    "qwen3-235b-a22b": dict(
+        **QWEN3_MOE,
+        **dict(num_layers=94, hidden_size=4096, num_heads=64, num_kv_heads=4, ffn_hidden_size=12288),
+        **dict(num_experts=128, experts_per_token=8, moe_ffn_hidden_size=1536),
+    ),
+    "mixtral-8x7b": dict(
+        **MIXTRAL,
+        **dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336),
+        max_position_embeddings=32768,
+    ),
+    "mixtral-8x22b": dict(
+        **MIXTRAL,
+        **dict(num_layers=56, hidden_size=6144, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384),
+        max_position_embeddings=65536,
+    ),
+    "olmoe-1b-7b": dict(  # OLMoE-1B-7B-0924's config.json: q/k norms over the projections, 64 experts, 8 per token
+        **ROPE_BLOCK,
+        **dict(num_layers=16, hidden_size=2048, num_heads=16, ffn_hidden_size=1024, vocab_size=50304, seq_len=4096),
+        **dict(qk_norm=True, qk_norm_over="projection", init_std=0.02),
+        **dict(num_experts=64, experts_per_token=8, router_aux_loss_coef=0.01),
     ),
     # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
     "demo-llama": {

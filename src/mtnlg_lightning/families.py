@@ -1,4 +1,5 @@
-"""The model families, each described once: GPT (MT-NLG, GPT-3, exported as GPT-2), Llama 3, Qwen 2 and Qwen 3.
+"""The model families, each described once: GPT (MT-NLG, GPT-3, exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and
+the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE.
 
 A family is a choice of `ModelConfig` options (`config_fields`) for the one module, `model.GPT`, and a table of that
 block's modules by path: how tensor parallelism holds each (its plan, torchtitan-style) and which Hugging Face
@@ -9,7 +10,9 @@ module it is. Everything else is derived, never restated:
   (`parameters_per_rank`), and so do the planner's per-stage counts and the FLOPs per token (`matmul_parameters`);
 - `parallel/tensor_parallel.py` shards the modules the plan names, as the plan says (`tensor_parallel_plan`);
 - the Hugging Face tensor lists are the measured tensors under the family's names (`hf_tensors`).
-A new block variant (an MoE layer) is one more set of rows here and, where it has new weights, one more style.
+A mixture-of-experts block (`moe.py`) is more rows: the router, the experts' stacked `[E, ...]` weights (each one
+Hugging Face tensor per expert, `{j}` in its name), the shared expert. A model may mix dense and MoE blocks, so the
+measurement holds one block of each kind the model has, and every count sums its layers by kind.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ VOCAB = "vocab"  # vocabulary rows split (the word embedding, the LM head)
 HEAD_NORM = "head_norm"  # replicated, applied to this rank's heads only: its gradient summed over TP
 NORM = "norm"  # replicated over the hidden size; on the sequence shard under sequence parallelism
 REPLICATED = "replicated"  # every rank holds all of it (learned positions)
+ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
+EXPERTS = "experts"  # experts stacked [E, out, in]: whole on every tensor-parallel rank (expert parallelism splits E)
 MATMUL_STYLES = (COLUMN, KV_COLUMN, ROW)  # the block's Linear layers: weights that multiply activations per token
 BLOCK = "blocks.{i}."  # the prefix of a block's module paths (`model.GPT.blocks` is keyed by layer index)
 
@@ -53,16 +58,46 @@ class Family:
     hf_architecture: str
 
     def holds(self, config: ModelConfig) -> bool:
-        return all(getattr(config, key) == value for key, value in self.config_fields.items())
+        """Whether `config` has every option of the family (a value, or a test of the value where it is callable)."""
+        return all(
+            value(getattr(config, key)) if callable(value) else getattr(config, key) == value
+            for key, value in self.config_fields.items()
+        )
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """{module path under a block or at the top: style}, as torchtitan declares a plan."""
         return {path.removeprefix(BLOCK): style for path, (style, _) in self.modules.items()}
 
 
-def _llama_modules(qk_norms: bool) -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
-    """Hugging Face's Llama layout (Qwen 2 and 3 share it; Qwen 3 adds q/k norms). Multi-head attention is one
-    fused q/k/v projection here, made of their three."""
+def _experts(moe: str, router: str, gate: str, up: str, down: str, shared: bool) -> dict:
+    """A mixture of experts' rows: its router, the experts (Hugging Face's one module per expert `{j}`) and maybe a
+    shared expert with its sigmoid gate (Qwen 2-MoE's names)."""
+    experts = f"{moe}experts.{{j}}."
+    rows = {
+        f"{BLOCK}mlp.router": (ROUTER, f"{moe}{router}"),
+        f"{BLOCK}mlp.experts.gate": (EXPERTS, f"{experts}{gate}"),
+        f"{BLOCK}mlp.experts.up": (EXPERTS, f"{experts}{up}"),
+        f"{BLOCK}mlp.experts.down": (EXPERTS, f"{experts}{down}"),
+    }
+    if shared:
+        rows |= {
+            f"{BLOCK}mlp.shared.gate": (COLUMN, f"{moe}shared_expert.gate_proj"),
+            f"{BLOCK}mlp.shared.up": (COLUMN, f"{moe}shared_expert.up_proj"),
+            f"{BLOCK}mlp.shared.down": (ROW, f"{moe}shared_expert.down_proj"),
+            f"{BLOCK}mlp.shared_gate": (ROUTER, f"{moe}shared_expert_gate"),
+        }
+    return rows
+
+
+_QWEN_EXPERTS = dict(moe="model.layers.{i}.mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj")
+# Mixtral's expert MLP: w1 the gate, w3 the up projection, w2 the down projection.
+_MIXTRAL_EXPERTS = dict(moe="model.layers.{i}.block_sparse_moe.", router="gate", gate="w1", up="w3", down="w2")
+
+
+def _llama_modules(qk_norms: bool, experts: dict | None = None) -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Hugging Face's Llama layout (Qwen 2 and 3 share it; Qwen 3 adds q/k norms; the MoE families replace the MLP
+    of their MoE blocks by `experts`' rows). Multi-head attention is one fused q/k/v projection here, made of their
+    three."""
     layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
     norms = {f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"), f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm")}
     return {
@@ -78,13 +113,15 @@ def _llama_modules(qk_norms: bool) -> dict[str, tuple[str, str | tuple[str, ...]
         f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),
         f"{BLOCK}mlp.up": (COLUMN, f"{layer}mlp.up_proj"),
         f"{BLOCK}mlp.down": (ROW, f"{layer}mlp.down_proj"),
+        **(_experts(**experts) if experts else {}),
         "norm": (NORM, "model.norm"),
         "lm_head": (VOCAB, "lm_head"),  # stored only when untied
     }
 
 
-_GPT_BLOCK = dict(position_embedding="learned", norm="layernorm", mlp="gelu", bias=True)
-_LLAMA_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+_GPT_BLOCK = dict(position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, moe=False)
+_LLAMA_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, moe=False)
+_MOE_BLOCK = {**_LLAMA_BLOCK, "moe": True}
 
 # MT-NLG / GPT-3 and GPT-2: learned positions, LayerNorm, tanh-GELU MLP, multi-head attention, biases, tied head.
 GPT = Family(
@@ -118,10 +155,36 @@ QWEN2 = Family(
 )  # fmt: skip
 # Qwen 3: the Llama block with an RMSNorm over each head's q and k.
 QWEN3 = Family(
-    "qwen3", "Qwen 3", {**_LLAMA_BLOCK, "qkv_bias": False, "qk_norm": True}, _llama_modules(True), "qwen3",
-    "Qwen3ForCausalLM",
+    "qwen3", "Qwen 3", {**_LLAMA_BLOCK, "qkv_bias": False, "qk_norm": True, "qk_norm_over": "head"},
+    _llama_modules(True), "qwen3", "Qwen3ForCausalLM",
 )  # fmt: skip
-FAMILIES = (GPT, LLAMA, QWEN2, QWEN3)
+_NO_SHARED = {"shared_expert_ffn_hidden_size": 0}
+# Qwen 3-MoE: the Qwen 3 block with experts (some blocks may stay dense: mlp_only_layers, decoder_sparse_step).
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen 3-MoE", {**_MOE_BLOCK, "qkv_bias": False, "qk_norm": True, "qk_norm_over": "head", **_NO_SHARED},
+    _llama_modules(True, {**_QWEN_EXPERTS, "shared": False}), "qwen3_moe", "Qwen3MoeForCausalLM",
+)  # fmt: skip
+# Qwen 2-MoE: the Qwen 2 block with experts and a shared expert.
+QWEN2_MOE = Family(
+    "qwen2_moe", "Qwen 2-MoE",
+    {**_MOE_BLOCK, "qkv_bias": True, "qk_norm": False, "shared_expert_ffn_hidden_size": lambda width: width > 0},
+    _llama_modules(False, {**_QWEN_EXPERTS, "shared": True}), "qwen2_moe", "Qwen2MoeForCausalLM",
+)  # fmt: skip
+# Mixtral: the Llama block, every block's MLP experts, the top k renormalised.
+MIXTRAL = Family(
+    "mixtral", "Mixtral",
+    {**_MOE_BLOCK, "qkv_bias": False, "qk_norm": False, "every_layer_moe": True, "norm_topk_prob": True, **_NO_SHARED},
+    _llama_modules(False, {**_MIXTRAL_EXPERTS, "shared": False}), "mixtral", "MixtralForCausalLM",
+)  # fmt: skip
+# OLMoE: q/k norms over the whole projections, every block's MLP experts.
+OLMOE = Family(
+    "olmoe", "OLMoE",
+    {**_MOE_BLOCK, "qkv_bias": False, "qk_norm": True, "qk_norm_over": "projection", "every_layer_moe": True,
+     **_NO_SHARED},
+    _llama_modules(True, {**_QWEN_EXPERTS, "shared": False}), "olmoe", "OlmoeForCausalLM",
+)  # fmt: skip
+FAMILIES = (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
+MOE_FAMILIES = (QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
 
 
 def _one_plan() -> dict[str, str]:
@@ -147,10 +210,17 @@ def family_of(config: ModelConfig) -> Family | None:
 @dataclass(frozen=True)
 class Measured:
     """Parameter shapes by module path, {module: {parameter name: shape}}, of a model built on the meta device:
-    `block` for one block (paths under it), `top` for the rest (the LM head even when tied)."""
+    `block` for one block of each kind the model has (paths under it; a model mixing dense and MoE blocks lists the
+    modules of both), `top` for the rest (the LM head even when tied), `kinds` the module paths of each kind's
+    block ("dense", "moe")."""
 
     block: dict[str, dict[str, tuple[int, ...]]]
     top: dict[str, dict[str, tuple[int, ...]]]
+    kinds: dict[str, tuple[str, ...]]
+
+
+def layer_kind(config: ModelConfig, index: int) -> str:
+    return "moe" if config.is_moe_layer(index) else "dense"
 
 
 _DERIVED: dict[tuple, object] = {}
@@ -185,15 +255,24 @@ def measure(config: ModelConfig, vocab_tensor_parallel: int = 1) -> Measured:
     """The shapes of `config`'s model, its vocabulary padded for `vocab_tensor_parallel` ranks (Megatron's rule),
     measured on a one-block model built on the meta device (nothing is allocated)."""
     multiple = config.make_vocab_size_divisible_by * vocab_tensor_parallel
-    model = build_model(dataclasses.replace(config, num_layers=1, make_vocab_size_divisible_by=multiple), "meta")
-    block, top = {}, {}
-    for path, module in model.named_modules():
-        params = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
-        if params and path.startswith("blocks.0."):
-            block[path.removeprefix("blocks.0.")] = params
-        elif params:
-            top[path] = params
-    return Measured(block, top)
+    one = dataclasses.replace(config, num_layers=1, make_vocab_size_divisible_by=multiple)
+    variants = {
+        "dense": dataclasses.replace(one, num_experts=0),
+        "moe": dataclasses.replace(one, first_dense_layers=0, dense_layers=None, moe_layer_step=1),
+    }
+    present = {layer_kind(config, i) for i in range(config.num_layers)} or {"dense"}
+    block, top, kinds = {}, {}, {}
+    for kind in sorted(present):
+        paths = []
+        for path, module in build_model(variants[kind], "meta").named_modules():
+            params = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
+            if params and path.startswith("blocks.0."):
+                block[path.removeprefix("blocks.0.")] = params
+                paths.append(path.removeprefix("blocks.0."))
+            elif params:
+                top[path] = params
+        kinds[kind] = tuple(paths)
+    return Measured(block, top, kinds)
 
 
 def _plan_style(path: str) -> str:
@@ -224,17 +303,30 @@ def _held(config: ModelConfig, style: str, name: str, shape: tuple[int, ...], tp
 
 
 @_per_shape
-def parameters_per_rank(config: ModelConfig, tp: int = 1) -> tuple[dict[str, int], dict[str, int]]:
-    """(block, top): parameters one of `tp` tensor-parallel ranks holds, by module path, for one block and for the
-    modules outside the blocks (the vocabulary padded for `tp` ranks; the LM head listed even when tied)."""
+def parameters_per_rank(config: ModelConfig, tp: int = 1) -> tuple[list[int], dict[str, int]]:
+    """(layers, top): parameters one of `tp` tensor-parallel ranks holds in each block, in layer order, and by
+    module path outside the blocks (the vocabulary padded for `tp` ranks; the LM head listed even when tied)."""
     shapes = measure(config, tp)
-    return tuple(
-        {
-            path: sum(_held(config, _plan_style(path), name, shape, tp) for name, shape in params.items())
-            for path, params in part.items()
-        }
-        for part in (shapes.block, shapes.top)
-    )
+    held = {
+        path: sum(_held(config, _plan_style(path), name, shape, tp) for name, shape in params.items())
+        for path, params in shapes.block.items()
+    }
+    per_kind = {kind: sum(held[path] for path in paths) for kind, paths in shapes.kinds.items()}
+    top = {
+        path: sum(_held(config, _plan_style(path), name, shape, tp) for name, shape in params.items())
+        for path, params in shapes.top.items()
+    }
+    return [per_kind[layer_kind(config, i)] for i in range(config.num_layers)], top
+
+
+def _block_numel(config: ModelConfig, shapes: Measured, experts_share: float = 1.0) -> int:
+    """Parameters of every block (the experts' weights scaled by `experts_share`: k / E for the active ones)."""
+    total = 0.0
+    for i in range(config.num_layers):
+        for path in shapes.kinds[layer_kind(config, i)]:
+            share = experts_share if _plan_style(path) == EXPERTS else 1.0
+            total += share * _numel(shapes.block[path])
+    return round(total)
 
 
 @_per_shape
@@ -245,7 +337,19 @@ def count_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
     top = {path: _numel(params) for path, params in shapes.top.items()}
     if config.tie_embeddings:
         top.pop("lm_head")
-    return config.num_layers * sum(_numel(params) for params in shapes.block.values()) + sum(top.values())
+    return _block_numel(config, shapes) + sum(top.values())
+
+
+@_per_shape
+def active_parameters(config: ModelConfig) -> int:
+    """The parameters one token goes through: `count_parameters` with each MoE block's experts counted at
+    experts_per_token / num_experts (the router, any shared expert and everything else whole)."""
+    if not config.moe:
+        return count_parameters(config)
+    shapes = measure(config)
+    share = config.experts_per_token / config.num_experts
+    top = sum(_numel(params) for path, params in shapes.top.items() if path != "lm_head" or not config.tie_embeddings)
+    return _block_numel(config, shapes, share) + top
 
 
 def _numel(params: dict[str, tuple[int, ...]]) -> int:
@@ -255,20 +359,37 @@ def _numel(params: dict[str, tuple[int, ...]]) -> int:
 @_per_shape
 def matmul_parameters(config: ModelConfig) -> int:
     """Weights that multiply activations per token: every block's Linear layers (the plan's column- and
-    row-parallel modules) and the LM head; the embedding lookup and the norms do no matmul."""
+    row-parallel modules), a mixture of experts' router and shared-expert gate, the k experts each token goes to
+    (the experts' weights at k / E), and the LM head; the embedding lookup and the norms do no matmul."""
     shapes = measure(config)
-    plan = tensor_parallel_plan(config)
-    per_block = sum(math.prod(shapes.block[path]["weight"]) for path, style in plan.items() if style in MATMUL_STYLES)
-    return config.num_layers * per_block + math.prod(shapes.top["lm_head"]["weight"])
+    share = config.experts_per_token / config.num_experts if config.num_experts else 1.0
+    per_kind = {}
+    for kind, paths in shapes.kinds.items():
+        styles = {path: _plan_style(path) for path in paths}
+        per_kind[kind] = sum(
+            math.prod(shapes.block[path]["weight"]) * (share if style == EXPERTS else 1.0)
+            for path, style in styles.items()
+            if style in (*MATMUL_STYLES, ROUTER, EXPERTS)
+        )
+    blocks = sum(per_kind[layer_kind(config, i)] for i in range(config.num_layers))
+    return round(blocks) + math.prod(shapes.top["lm_head"]["weight"])
 
 
 @_per_shape
 def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str, float, float]]:
     """{module path: (style, output features, input features)} of each Linear layer of a block on one of `tp`
-    tensor-parallel ranks (the GEMMs the cost model times)."""
+    tensor-parallel ranks (the GEMMs the cost model times). Of the block kind most layers have; a token's k
+    experts are one GEMM k times as wide (the same FLOPs), and the router one more."""
     shapes, out = measure(config), {}
-    for path, style in tensor_parallel_plan(config).items():
-        if style in MATMUL_STYLES:
+    kind = "moe" if 2 * len(config.moe_layers) >= config.num_layers and config.moe else "dense"
+    for path in shapes.kinds[kind]:
+        style = _plan_style(path)
+        if style == EXPERTS:
+            _, rows, columns = shapes.block[path]["weight"]
+            out[path] = (style, rows * config.experts_per_token, columns)
+        elif style == ROUTER:
+            out[path] = (style, *shapes.block[path]["weight"])
+        elif style in MATMUL_STYLES:
             rows, columns = shapes.block[path]["weight"]
             if style == KV_COLUMN:
                 out[path] = (style, kv_heads_per_rank(config, tp) * (rows // config.num_kv_heads), columns)
@@ -281,7 +402,8 @@ def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str,
 def hf_tensors(family: Family, config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each model-space tensor of `config` (the tied head left out) and the Hugging Face tensor(s) of `family` it
     is made of, in the family's file order: its module rows, a block's repeated for every layer where the first
-    block row stands."""
+    block row stands (the rows of that layer's kind, dense or MoE); an experts' stacked weight is made of one
+    tensor per expert, in expert order (`stacked_over_experts`)."""
     shapes = measure(config)
     out: dict[str, tuple[str, ...]] = {}
     rows = list(family.modules.items())
@@ -294,11 +416,22 @@ def hf_tensors(family: Family, config: ModelConfig) -> dict[str, tuple[str, ...]
         if i is None:
             params = shapes.top.get(path) if not (path == "lm_head" and config.tie_embeddings) else None
         else:
-            params = shapes.block.get(path.removeprefix(BLOCK))
+            inner = path.removeprefix(BLOCK)
+            params = shapes.block.get(inner) if inner in shapes.kinds[layer_kind(config, i)] else None
         if not params or theirs is None:
             continue
         sources = (theirs,) if isinstance(theirs, str) else theirs
+        if "{j}" in sources[0]:
+            sources = tuple(sources[0].replace("{j}", str(j)) for j in range(config.num_experts))
         for kind in params:
             ours = f"{path.format(i=i)}.{kind}"
             out[ours] = tuple(f"{name.format(i=i)}.{kind}" for name in sources)
     return out
+
+
+def stacked_over_experts(name: str) -> bool:
+    """Whether a model-space tensor (`blocks.N.<path>.<param>`) is experts' weights stacked [E, ...]."""
+    module = name.rpartition(".")[0]
+    if not module.startswith("blocks."):
+        return False
+    return TENSOR_PARALLEL_PLAN.get(module.split(".", 2)[2]) == EXPERTS

@@ -32,6 +32,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.moe import Gate, MoE, StackedLinear
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -168,9 +169,10 @@ class Attention(nn.Module):
             self.k = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
             self.v = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
         self.proj = nn.Linear(heads * hd, h, bias=config.bias)
-        if config.qk_norm:
-            self.q_norm = nn.RMSNorm(hd, eps=config.layernorm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=config.layernorm_eps)
+        if config.qk_norm:  # over each head's dims, or over the whole projection (OLMoE)
+            whole = config.qk_norm_over == "projection"
+            self.q_norm = nn.RMSNorm(heads * hd if whole else hd, eps=config.layernorm_eps)
+            self.k_norm = nn.RMSNorm(kv_heads * hd if whole else hd, eps=config.layernorm_eps)
         self.dropout = config.attention_dropout
         # Swappable so activation checkpointing can recompute just the attention core (Megatron's selective).
         self.core = AttentionCore()
@@ -185,8 +187,11 @@ class Attention(nn.Module):
             q, k, v = self.q(x), self.k(x), self.v(x)
             B, S, _ = q.shape
             q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))
-        if hasattr(self, "q_norm"):  # over each head's dims, before the rotation (Qwen 3)
-            q, k = self.q_norm(q), self.k_norm(k)
+        if hasattr(self, "q_norm"):  # before the rotation: over each head's dims (Qwen 3) or all of them (OLMoE)
+            if self.q_norm.normalized_shape[0] == self.head_dim:
+                q, k = self.q_norm(q), self.k_norm(k)
+            else:
+                q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
@@ -234,11 +239,12 @@ class AttentionCore(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (tanh): fc2(gelu(fc1(x))); SwiGLU: down(silu(gate(x)) * up(x))."""
+    """GELU (tanh): fc2(gelu(fc1(x))); SwiGLU: down(silu(gate(x)) * up(x)). `width`: the hidden width if not
+    ffn_hidden_size (a mixture of experts' shared expert)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, width: int | None = None):
         super().__init__()
-        h, f = config.hidden_size, config.ffn_hidden_size
+        h, f = config.hidden_size, width or config.ffn_hidden_size
         if config.mlp == "swiglu":
             self.gate = nn.Linear(h, f, bias=config.bias)
             self.up = nn.Linear(h, f, bias=config.bias)
@@ -253,15 +259,23 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block."""
+def make_mlp(config: ModelConfig, index: int) -> nn.Module:
+    """Block `index`'s MLP: dense, or a mixture of experts (`moe.py`) where the config says."""
+    if not config.is_moe_layer(index):
+        return MLP(config)
+    shared = config.shared_expert_ffn_hidden_size
+    return MoE(config, MLP(config, shared) if shared else None)
 
-    def __init__(self, config: ModelConfig):
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `index` its layer (which says whether its MLP is a mixture of experts)."""
+
+    def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         self.ln1 = make_norm(config, config.hidden_size)
         self.attn = Attention(config)
         self.ln2 = make_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, index)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
@@ -295,7 +309,7 @@ class GPT(nn.Module):
         self.config = config
         self.embed = Embedding(config)
         # A dict keeps parameter names stable when pipeline stages delete the blocks they do not own.
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_layers)})
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
         if config.tie_embeddings:
@@ -312,10 +326,13 @@ class GPT(nn.Module):
         out_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                scaled = name.endswith(("attn.proj", "mlp.fc2", "mlp.down"))
+                scaled = name.endswith(("attn.proj", "mlp.fc2", "mlp.down", "shared.down"))
                 nn.init.normal_(module.weight, mean=0.0, std=out_std if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, StackedLinear | Gate):  # experts and routers (mixture-of-experts blocks)
+                scaled = name.endswith("experts.down")
+                nn.init.normal_(module.weight, mean=0.0, std=out_std if scaled else std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, nn.LayerNorm | nn.RMSNorm):

@@ -1,6 +1,7 @@
 """Hugging Face model directories: read one as a model source, write one from a checkpoint (atomically).
 
-Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3 (`interop/llama_mapping.py`), told apart
+Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE,
+Qwen 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), told apart
 by `config.json`'s `model_type`; the architecture is read from it (the user does not restate it), and an export
 writes the family the checkpoint's block is. A directory holds `config.json`, `model.safetensors` (or shards with an
 index, or a `pytorch_model.bin` read with `weights_only=True`), the tokenizer files and `generation_config.json`.
@@ -38,6 +39,14 @@ from mtnlg_lightning.outputs import staged_dir
 
 FAMILIES = {kind: family for family in (gpt2_mapping, llama_mapping) for kind in family.MODEL_TYPES}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Mixtures of experts whose design this decoder does not have: named in the one line that refuses them.
+UNSUPPORTED_DESIGNS = {
+    "deepseek_v2": "multi-head latent attention (MLA) and group-limited routing",
+    "deepseek_v3": "multi-head latent attention (MLA) and sigmoid routing with an expert bias",
+    "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
+    "dbrx": "a fused q/k/v with clipping and its own expert layout",
+    "jamba": "Mamba layers between the attention blocks",
+}
 
 
 def _transformers():
@@ -59,6 +68,11 @@ def _family_and_config(path: Path):
     if not isinstance(cfg, dict):
         raise MTNLGError(f"{path / 'config.json'} is not a JSON object")
     kind = cfg.get("model_type")
+    if kind in UNSUPPORTED_DESIGNS:
+        raise MTNLGError(
+            f"{path} holds a {kind} mixture of experts, whose {UNSUPPORTED_DESIGNS[kind]} this decoder does not "
+            f"have; the architectures that can be read are {', '.join(sorted(FAMILIES))}"
+        )
     if kind not in FAMILIES:
         named = ", ".join(cfg.get("architectures") or []) if isinstance(cfg.get("architectures"), list) else ""
         raise MTNLGError(
@@ -75,7 +89,8 @@ def family_of(config: ModelConfig):
         if family.holds(config):
             return family
     raise MTNLGError(
-        f"no Hugging Face architecture this export writes (GPT-2, Llama, Qwen 2, Qwen 3) holds this block "
+        f"no Hugging Face architecture this export writes (GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, "
+        f"Mixtral, OLMoE) holds this block "
         f"(positions {config.position_embedding}, norm {config.norm}, mlp {config.mlp}, bias {config.bias})"
     )
 

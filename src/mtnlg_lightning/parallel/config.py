@@ -59,7 +59,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     context_parallel: int = 1
     context_parallel_kernel: str = "auto"
-    expert_parallel: int = 1  # room for mixture-of-experts layers; no model has experts yet
+    expert_parallel: int = 1  # ranks splitting a mixture of experts' experts: not built yet, 1
     gpus_per_node: int | None = None  # None: the caller's node size (launcher, trainer.devices, --gpus-per-node)
     allow_tp_across_nodes: bool = False
 
@@ -189,12 +189,25 @@ class ParallelConfig:
             )
         if self.expert_parallel > 1:
             raise MTNLGError(
-                f"expert_parallel {self.expert_parallel} needs a mixture-of-experts model; no model here has "
-                f"experts yet: use expert_parallel 1"
+                f"expert_parallel {self.expert_parallel} needs a mixture-of-experts model split over expert ranks, "
+                f"which is not built yet: use expert_parallel 1 (experts whole on every rank)"
             )
 
     def _check_model(self, config, inference: bool) -> None:
         tp = self.tensor_parallel
+        split = {"tensor_parallel": tp, "pipeline_parallel": self.pipeline_parallel,
+                 "context_parallel": self.context_parallel}  # fmt: skip
+        if getattr(config, "moe", False) and max(split.values()) > 1:
+            named = ", ".join(f"{name} {value}" for name, value in split.items() if value > 1)
+            raise MTNLGError(
+                f"{named}: a mixture-of-experts model runs in one process or with plain data parallelism so far "
+                f"(its layers are not split over tensor, pipeline or context ranks yet)"
+            )
+        if getattr(config, "qk_norm_over", "head") == "projection" and tp > 1:
+            raise MTNLGError(
+                f"tensor_parallel {tp}: q/k norms over the whole projection (OLMoE) would need the sum of squares "
+                f"of every rank's heads; only per-head q/k norms are split"
+            )
         kv_heads = None if config.fused_qkv else config.num_kv_heads
         # The vocabulary as the model builds it (padded once, not per TP degree), split into TP slices.
         check_model_split(tp, self.pipeline_parallel, config.num_heads, config.padded_vocab_size(), config.num_layers,

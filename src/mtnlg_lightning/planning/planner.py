@@ -14,7 +14,7 @@ from functools import partial
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import kv_heads_per_rank, parameters_per_rank
+from mtnlg_lightning.families import active_parameters, kv_heads_per_rank, parameters_per_rank
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.parallel.lora import LoRAConfig
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
@@ -37,8 +37,9 @@ def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -
     each module as the tensor-parallel plan holds it): the blocks, the word embedding and learned positions on the
     first stage, the final norm and the LM head on the last (a tied head counted there too when pipelined: the
     last stage holds its copy)."""
-    block, top = parameters_per_rank(config, tp)
-    counts = [n * sum(block.values()) for n in layers]
+    blocks, top = parameters_per_rank(config, tp)
+    ends = list(itertools.accumulate(layers))
+    counts = [sum(blocks[end - n : end]) for n, end in zip(layers, ends, strict=True)]
     counts[0] += top["embed.wte"] + top.get("embed.wpe", 0)
     head = top["lm_head"] if (pp > 1 or not config.tie_embeddings) else 0
     counts[-1] += top["norm"] + head
@@ -136,6 +137,9 @@ class Plan:
     frozen_params: int = 0
     optimizer_state_gb: float = 0.0
     lora: dict | None = None  # LoRA's settings and bytes (`lora_plan.lora_summary`); None: full fine-tuning
+    # Parameters one token goes through (a mixture of experts' k of E experts; the whole model when dense), as
+    # `families.active_parameters` counts them; the FLOPs above count these.
+    active_params: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -234,6 +238,7 @@ def plan(
         frozen_params=memory["trained"].frozen_params,
         optimizer_state_gb=memory["trained"].optimizer_bytes / 1e9,
         lora=lora_summary(lora, config, memory["trained"]) if lora is not None else None,
+        active_params=active_parameters(config),
     )
 
 

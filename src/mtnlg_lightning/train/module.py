@@ -19,6 +19,7 @@ from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.interop.lora_base import LORA_BASE, base_reference, check_base
 from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
+from mtnlg_lightning.moe import WithRouterLosses
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
 from mtnlg_lightning.parallel.lora import lora_config
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
@@ -137,6 +138,8 @@ class MTNLGModule(L.LightningModule):
         self.automatic_optimization = False  # micro-batch accumulation and the update are driven here
         self.model: torch.nn.Module | None = None
         self.loss_fn = cross_entropy
+        if self.config.moe:  # the router's auxiliary and z losses join the objective (`moe.py`)
+            self.loss_fn = WithRouterLosses(cross_entropy, self, self.config)
         self.position = TrainingPosition(self.batch_schedule)  # consumed samples, step, LR-schedule position
         self._step_started: float | None = None
         self._first_loss: float | None = None
@@ -283,6 +286,8 @@ class MTNLGModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
         self.log("lr", lr, prog_bar=True)
         self.log("grad_norm", torch.as_tensor(grad_norm, dtype=torch.float32))
+        for name, value in getattr(self.loss_fn, "last", {}).items():  # the router's, of the last micro-batch
+            self.log(name, value)
         self.log("consumed_samples", float(self.consumed_samples))
         self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
         self.log("global_batch_size", float(global_batch))

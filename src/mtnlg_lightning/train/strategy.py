@@ -103,7 +103,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 (+30 s): the step limit after the first step, the save and eval limits for those.
             async_save: checkpoints are copied to host memory at the save and written in the background while
                 training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
-            expert_parallel: ranks that split a mixture-of-experts layer's experts; 1 (no model has experts yet).
+            expert_parallel: ranks that split a mixture-of-experts layer's experts; 1 (not built yet).
         """
         super().__init__()
         # Checked later (`_check_arguments`): the CLI's argument parser would bury a message raised here.

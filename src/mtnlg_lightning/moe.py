@@ -1,0 +1,199 @@
+"""The mixture-of-experts layer of a block (`ModelConfig.num_experts` > 0): a router, SwiGLU experts stacked as
+`[E, ...]` weights, an optional shared expert, and the router's auxiliary losses.
+
+Routing (as transformers' Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE route): softmax over the experts' logits in
+fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that). Dispatch: the
+(token, expert) pairs sorted by expert, each expert's rows one GEMM (`torch._grouped_mm` where it runs, a loop over
+the experts otherwise: the same numbers), weighted and summed back per token. Dropless by default; a
+`capacity_factor` keeps each expert's first ceil(cf * tokens * k / E) pairs (in token order) and counts the rest.
+
+Each layer keeps the statistics of its last forward (`RouterStats`); `router_losses` combines those of a model's
+layers into the auxiliary (Switch/GShard) and z losses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.errors import MTNLGError
+
+EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
+
+
+class Gate(nn.Module):
+    """A bias-free projection to a few scores per token ([out, H] weight): the router's logits, the shared
+    expert's gate. Not an nn.Linear: tensor parallelism replicates it, it never shards it."""
+
+    def __init__(self, hidden_size: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class StackedLinear(nn.Module):
+    """One bias-free linear layer per expert, stacked: weight [E, out, in] (expert e's is an nn.Linear's weight)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    def forward(self, x: torch.Tensor, counts: list[int], offsets: torch.Tensor | None) -> torch.Tensor:
+        """x [N, in], rows sorted by expert (`counts[e]` rows for expert e) -> [N, out]."""
+        if offsets is not None:
+            return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=offsets)
+        parts = [F.linear(rows, w) for rows, w in zip(x.split(counts), self.weight.unbind(0), strict=True)]
+        return torch.cat(parts) if parts else x.new_empty(0, self.weight.shape[1])
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts: down(silu(gate(x)) * up(x)), each expert on its own rows."""
+
+    # auto: torch._grouped_mm where it exists and its alignment holds, else the loop; tests force either.
+    kernel = "auto"
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.gate = StackedLinear(num_experts, hidden_size, ffn_hidden_size)
+        self.up = StackedLinear(num_experts, hidden_size, ffn_hidden_size)
+        self.down = StackedLinear(num_experts, ffn_hidden_size, hidden_size)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.kernel not in EXPERT_KERNELS:
+            raise MTNLGError(f"expert kernel {self.kernel!r} is not one of {', '.join(EXPERT_KERNELS)}")
+        if self.kernel == "loop":
+            return False
+        # _grouped_mm takes fp32/bf16/fp16 with 16-byte-aligned rows (torch 2.13 on CPU; CUDA not checked here).
+        widths = self.gate.weight.shape[1:]
+        runs = (
+            hasattr(torch, "_grouped_mm")
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(w * x.element_size() % 16 == 0 for w in widths)
+        )
+        if self.kernel == "grouped_mm" and not runs:
+            raise MTNLGError(f"torch._grouped_mm cannot run {x.dtype} experts of widths {tuple(widths)} here")
+        return runs
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, H] sorted by expert, counts [E] -> [N, H]."""
+        offsets = counts.cumsum(0).to(torch.int32) if self._grouped(x) else None
+        sizes = None if offsets is not None else counts.tolist()
+        hidden = F.silu(self.gate(x, sizes, offsets)) * self.up(x, sizes, offsets)
+        return self.down(hidden, sizes, offsets)
+
+
+@dataclass
+class RouterStats:
+    """One layer's routing of its last forward: what the auxiliary losses and the logs need."""
+
+    probability_sums: torch.Tensor  # [E] fp32, the routing probabilities summed over the tokens (differentiable)
+    tokens_per_expert: torch.Tensor  # [E] fp32, top-k assignments per expert (before any capacity drop)
+    z_sum: torch.Tensor  # fp32 scalar, sum over the tokens of logsumexp(logits)^2 (differentiable)
+    tokens: int
+    dropped: int  # (token, expert) pairs over capacity
+
+
+class MoE(nn.Module):
+    """The MLP of a mixture-of-experts block: x [B, S, H] -> [B, S, H]. `shared`: the shared expert (a dense MLP
+    every token goes through, scaled by a sigmoid gate), or None."""
+
+    def __init__(self, config: ModelConfig, shared: nn.Module | None = None):
+        super().__init__()
+        h, e = config.hidden_size, config.num_experts
+        self.top_k, self.norm_topk_prob = config.experts_per_token, config.norm_topk_prob
+        self.capacity_factor = config.capacity_factor
+        self.router = Gate(h, e)
+        self.experts = Experts(e, h, config.moe_ffn_hidden_size)
+        if shared is not None:
+            self.shared = shared
+            self.shared_gate = Gate(h, 1)
+        self.stats: RouterStats | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k]); records this forward's `stats`."""
+        logits = self.router(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).float()
+        z = torch.logsumexp(logits.float(), dim=-1).square().sum()
+        self.stats = RouterStats(probs.sum(dim=0), counts, z, x.shape[0], 0)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.route(x)
+        num_experts = self.router.weight.shape[0]
+        flat = chosen.flatten()  # pair p = token p // k, its (p % k)-th choice
+        order = torch.argsort(flat, stable=True)  # by expert, then token
+        counts = torch.bincount(flat, minlength=num_experts)
+        if self.capacity_factor is not None:
+            order, counts = self._within_capacity(order, counts, x.shape[0])
+        token = order // self.top_k
+        out = self.experts(x[token], counts) * weights.flatten()[order, None]
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        if hasattr(self, "shared"):
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return y.view(shape)
+
+    def _within_capacity(self, order: torch.Tensor, counts: torch.Tensor, tokens: int):
+        """Each expert's first `capacity` pairs (`order` is sorted by expert, then token); the rest dropped."""
+        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / counts.numel())
+        starts = counts.cumsum(0) - counts
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        keep = torch.arange(order.numel(), device=order.device) - starts[expert] < capacity
+        self.stats.dropped = int((~keep).sum())
+        return order[keep], counts.clamp(max=capacity)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """(name, layer) of every MoE layer this model (or pipeline stage) holds."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+
+
+def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(auxiliary, z) of the model's last forward, over the tokens of every MoE layer together as transformers'
+    `load_balancing_loss_func` counts them: E * sum_e f_e * P_e, where f_e is expert e's share of the top-k
+    assignments and P_e its mean routing probability, both over every (layer, token) row; z: the mean over those
+    rows of logsumexp(router logits)^2. Unscaled: the caller multiplies by router_aux_loss_coef / z_loss_coef."""
+    stats = [layer.stats for _, layer in moe_layers(model) if layer.stats is not None]
+    if not stats:
+        raise MTNLGError("router losses need a forward of a model with mixture-of-experts layers first")
+    rows = sum(s.tokens for s in stats)
+    share = sum(s.tokens_per_expert for s in stats) / rows
+    probability = sum(s.probability_sums for s in stats) / rows
+    aux = share.numel() * (share * probability).sum()
+    z = sum(s.z_sum for s in stats) / rows
+    return aux, z
+
+
+class WithRouterLosses:
+    """A micro-batch's loss `loss_fn(logits, labels)` plus router_aux_loss_coef x aux + router_z_loss_coef x z of
+    the forward that made the logits (`router_losses`): transformers' objective for these models when
+    `output_router_logits` is set. Each micro-batch's own routing: averaged over micro-batches and data-parallel
+    replicas with the language-model loss (and weighted as it is). The unscaled values of the last call are kept
+    for the logs (`last`), with the dropped (token, expert) pairs under a capacity factor. `holder.model` is the
+    model whose layers routed (built after this object; a holder keeps it picklable, as a lambda would not be)."""
+
+    def __init__(self, loss_fn, holder, config: ModelConfig):
+        self.loss_fn, self.holder = loss_fn, holder
+        self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.capacity = config.capacity_factor is not None
+        self.last: dict[str, torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        aux, z = router_losses(self.holder.model)
+        self.last = {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
+        if self.capacity:  # (token, expert) pairs over capacity, every layer
+            dropped = sum(layer.stats.dropped for _, layer in moe_layers(self.holder.model))
+            self.last["moe_dropped_tokens"] = torch.tensor(float(dropped))
+        return self.loss_fn(logits, labels) + self.aux_coef * aux + self.z_coef * z

@@ -1,0 +1,322 @@
+"""Mixture of experts is options of the one model (`moe.py`), proven against transformers: random Qwen 3-MoE (a
+dense layer among MoE ones, the top k renormalised), Qwen 2-MoE (a shared expert), Mixtral and OLMoE directories
+with per-expert keys give transformers' logits and greedy text; the grouped GEMM and the per-expert loop give the
+same numbers; the router losses are transformers' load-balancing loss and ST-MoE's z-loss; the presets count
+transformers' parameters; the planner reports the active ones; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import test_model_families as dense_families
+import torch
+import torch.nn.functional as F
+from hf_models import RANDOM_MOE, random_moe_dir
+
+from mtnlg_lightning import moe
+from mtnlg_lightning.checkpoint.safetensors_shards import ShardedTensors
+from mtnlg_lightning.config import get_config
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import active_parameters, count_parameters, family_of
+from mtnlg_lightning.inference.generate_cli import main as generate_main
+from mtnlg_lightning.inference.load import load_model
+from mtnlg_lightning.interop import llama_mapping
+from mtnlg_lightning.model import build_model
+from mtnlg_lightning.planning.plan_cli import main as plan_main
+
+transformers = pytest.importorskip("transformers")
+MOE_PRESETS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "mixtral-8x22b", "olmoe-1b-7b"]
+# Published totals and active counts (model cards: Qwen3-30B-A3B "30.5B, 3.3B activated", Mixtral 8x7B 46.7B and
+# 12.9B active, OLMoE "1B active, 7B total"), as transformers counts them.
+PUBLISHED = {"qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}
+
+
+def tiny_moe(**overrides):
+    values = dict(num_experts=4, experts_per_token=2, moe_ffn_hidden_size=32, shared_expert_ffn_hidden_size=48)
+    return get_config("tiny-llama", **{**values, **overrides})
+
+
+@pytest.fixture(scope="module", params=sorted(RANDOM_MOE))
+def family_dir(request, tmp_path_factory):
+    """A random directory of each MoE family (the dense families' specifications in test_model_families.py run on
+    these too)."""
+    return random_moe_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+# ------------------------------------------------------------------------------------------- transformers
+def test_each_directory_reads_as_its_family_with_its_moe_layers(family_dir):
+    config = load_model(family_dir)[0].config
+    family = json.loads((family_dir / "config.json").read_text())["model_type"]
+    assert family_of(config).hf_model_type == family and config.num_experts == 4 and config.experts_per_token == 2
+    if family == "qwen3_moe":
+        assert config.moe_layers == (0, 2) and config.norm_topk_prob  # layer 1 dense, as listed
+    if family == "qwen2_moe":
+        assert config.shared_expert_ffn_hidden_size == 48
+    if family == "olmoe":
+        assert config.qk_norm_over == "projection"
+
+
+def test_our_logits_equal_transformers(family_dir):
+    dense_families.test_our_logits_equal_transformers(family_dir)
+
+
+def test_greedy_generation_prints_transformers_continuation(family_dir, capsys):
+    capsys.readouterr()  # transformers' progress bars
+    dense_families.test_greedy_generation_prints_transformers_continuation(family_dir, capsys)
+
+
+def test_export_writes_per_expert_keys_transformers_loads_with_our_logits(family_dir, tmp_path):
+    dense_families.test_export_writes_the_family_transformers_loads_with_our_logits(family_dir, tmp_path)
+    exported = ShardedTensors(tmp_path / "exported")
+    source = ShardedTensors(family_dir)
+    assert sorted(exported.names) == sorted(source.names)  # one tensor per expert, as shipped
+    for name in source.names:
+        assert torch.equal(exported.read(name), source.read(name)), name
+
+
+def test_a_sharded_directory_reads_as_the_single_file(family_dir, tmp_path):
+    sharded = tmp_path / "sharded"
+    hf_model(family_dir).save_pretrained(sharded, max_shard_size="100KB")
+    shutil.copy(family_dir / "tokenizer.json", sharded)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    tokens = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(2))
+    (one, _), (many, _) = load_model(family_dir), load_model(sharded)
+    with torch.no_grad():
+        assert torch.equal(one(tokens), many(tokens))
+
+
+def test_the_router_losses_are_transformers_load_balancing_loss_and_the_z_loss():
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
+
+    config = tiny_moe(num_layers=3, dense_layers=[1])
+    torch.manual_seed(0)
+    model = build_model(config)
+    logits = []
+    for _, layer in moe.moe_layers(model):
+        layer.router.register_forward_hook(lambda module, args, out: logits.append(out))
+    model(torch.randint(0, 4096, (2, 24)))
+    aux, z = moe.router_losses(model)
+    assert len(logits) == 2
+    expected = load_balancing_loss_func(tuple(logits), config.num_experts, config.experts_per_token)
+    torch.testing.assert_close(aux, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(z, torch.logsumexp(torch.cat(logits), dim=-1).square().mean(), rtol=1e-6, atol=0)
+    aux.backward()  # differentiable through the routing probabilities
+    assert all(layer.router.weight.grad.abs().sum() > 0 for _, layer in moe.moe_layers(model))
+
+
+# ------------------------------------------------------------------------------------------- the layer
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_gemm_and_the_per_expert_loop_give_the_same_numbers(dtype, monkeypatch):
+    config = tiny_moe(moe_ffn_hidden_size=64)
+    torch.manual_seed(0)
+    layer = build_model(config).blocks["1"].mlp.to(dtype)
+    x = torch.randn(2, 40, config.hidden_size, dtype=dtype)
+    results = {}
+    for kernel in ("grouped_mm", "loop"):
+        monkeypatch.setattr(moe.Experts, "kernel", kernel)
+        layer.zero_grad()
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        out.backward(torch.ones_like(out))
+        results[kernel] = [out, inputs.grad, *(p.grad for p in layer.parameters())]
+    for grouped, loop in zip(results["grouped_mm"], results["loop"], strict=True):
+        torch.testing.assert_close(grouped, loop, rtol=0 if dtype == torch.float32 else 1e-2, atol=0)
+
+
+def test_experts_widths_the_grouped_gemm_cannot_run_fall_back_to_the_loop(monkeypatch):
+    layer = build_model(tiny_moe(moe_ffn_hidden_size=30)).blocks["0"].mlp  # 30 fp32 values: not 16-byte rows
+    x = torch.randn(1, 8, 64)
+    assert not layer.experts._grouped(x)
+    monkeypatch.setattr(moe.Experts, "kernel", "grouped_mm")
+    with pytest.raises(MTNLGError, match="cannot run"):
+        layer(x)
+
+
+def test_a_capacity_factor_drops_and_counts_the_overflow_and_a_large_one_is_dropless():
+    torch.manual_seed(0)
+    config = tiny_moe(shared_expert_ffn_hidden_size=0)
+    dropless = build_model(config).blocks["0"].mlp
+    x = torch.randn(1, 64, config.hidden_size)
+    expected = dropless(x)
+    counts = dropless.stats.tokens_per_expert
+    for factor, dropped in ((4.0, 0), (0.5, int((counts - 16).clamp(min=0).sum()))):  # 64 x 2 / 4 x 0.5 = 16
+        capped = moe.MoE(dataclass_replace(config, capacity_factor=factor))
+        capped.load_state_dict(dropless.state_dict())
+        out = capped(x)
+        assert capped.stats.dropped == dropped
+        if dropped:
+            assert dropped > 0 and not torch.allclose(out, expected)
+        else:
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def dataclass_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def test_a_config_without_experts_builds_the_dense_block():
+    """No MoE option set: no router or expert in the model (the stored-loss test of test_labels.py shows its
+    numbers unchanged)."""
+    names = [name for name, _ in build_model(get_config("tiny-llama"), "meta").named_parameters()]
+    assert names and not any("router" in n or "experts" in n or "shared" in n for n in names)
+    config = tiny_moe(num_experts=0)
+    assert not config.moe and config.moe_layers == () and family_of(config).name == "llama"
+
+
+def test_which_layers_are_moe_follows_qwen_and_deepseek_rules():
+    config = tiny_moe(num_layers=8, moe_layer_step=2, dense_layers=[5], first_dense_layers=2)
+    assert config.moe_layers == (3, 7)  # (i + 1) % 2 == 0, not 5, not below 2
+    model = build_model(config, "meta")
+    assert {i for i, block in model.blocks.items() if isinstance(block.mlp, moe.MoE)} == {"3", "7"}
+    assert count_parameters(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_loss_and_gradients_flow_to_every_expert_that_was_routed():
+    torch.manual_seed(0)
+    model = build_model(tiny_moe())
+    tokens = torch.randint(0, 4096, (4, 33))
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    for _, layer in moe.moe_layers(model):
+        used = layer.stats.tokens_per_expert > 0
+        grads = layer.experts.gate.weight.grad.flatten(1).abs().sum(1)
+        assert torch.equal(grads > 0, used)
+
+
+# ------------------------------------------------------------------------------------------- counts
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_moe_presets_count_transformers_parameters(preset):
+    config = get_config(preset)
+    family = family_of(config)
+    assert family is not None and family.hf_model_type in llama_mapping.MOE_TYPES
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            llama_mapping.hf_config(transformers, config, config.vocab_size, None, "float32")
+        )
+    assert type(theirs).__name__ == family.hf_architecture
+    assert (
+        count_parameters(config)
+        == sum(p.numel() for p in theirs.parameters())
+        == PUBLISHED.get(preset, count_parameters(config))
+    )
+    experts = sum(p.numel() for n, p in theirs.named_parameters() if ".experts." in n)
+    share = config.experts_per_token / config.num_experts
+    assert active_parameters(config) == count_parameters(config) - round(experts * (1 - share))
+
+
+def test_the_planner_reports_total_and_active_parameters_of_the_moe_presets(capsys):
+    for preset in MOE_PRESETS:
+        assert plan_main(["--model", preset, "--tp", "1", "--pp", "1", "--dp", "1", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        config = get_config(preset)
+        assert plan["params_per_gpu"] == count_parameters(config), preset
+        assert plan["active_params"] == active_parameters(config) < plan["params_per_gpu"], preset
+    assert active_parameters(get_config("qwen3-30b-a3b")) == 3_353_032_704  # "3.3B activated"
+
+
+def test_flops_per_token_count_the_active_experts():
+    from mtnlg_lightning.train.flops import forward_flops_per_token
+
+    dense, sparse = get_config("tiny-llama"), tiny_moe(shared_expert_ffn_hidden_size=0, moe_ffn_hidden_size=160)
+    # 2 of 4 experts as wide as the dense MLP: twice its matmul FLOPs, plus the router's 2 x H x E.
+    mlp = 2 * 3 * 64 * 160 * dense.num_layers
+    router = 2 * 64 * 4 * dense.num_layers
+    assert forward_flops_per_token(sparse) - forward_flops_per_token(dense) == mlp + router
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_bad_moe_settings_are_one_line():
+    with pytest.raises(MTNLGError, match="experts_per_token 5 must be between 1 and num_experts 4"):
+        tiny_moe(experts_per_token=5)
+    with pytest.raises(MTNLGError, match="router 'sigmoid' is not one of softmax"):
+        tiny_moe(router="sigmoid")
+    with pytest.raises(MTNLGError, match="capacity_factor must be positive"):
+        tiny_moe(capacity_factor=0)
+
+
+def test_an_unsupported_moe_design_is_one_line(family_dir, tmp_path, capsys):
+    copy = tmp_path / "deepseek"
+    shutil.copytree(family_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    capsys.readouterr()
+    assert generate_main(["--checkpoint", str(copy), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deepseek_v3 mixture of experts" in err[0] and "multi-head latent attention" in err[0]
+
+
+def test_moe_models_refuse_the_layouts_not_built_yet():
+    from mtnlg_lightning.parallel.config import ParallelConfig
+
+    config = tiny_moe()
+    ParallelConfig().validate(config, 2)  # one process or plain data parallelism
+    with pytest.raises(MTNLGError, match="tensor_parallel 2: a mixture-of-experts model runs in one process"):
+        ParallelConfig(tensor_parallel=2).validate(config, 2)
+    with pytest.raises(MTNLGError, match="expert_parallel 2 needs a mixture-of-experts model"):
+        ParallelConfig(expert_parallel=2).validate(config, 2)
+
+
+# ------------------------------------------------------------------------------------------- training
+def test_the_training_objective_is_transformers_loss_with_router_logits(tmp_path):
+    """A Qwen 3-MoE directory with output_router_logits: our module's loss on its own forward is transformers'
+    cross-entropy + router_aux_loss_coef x its load-balancing loss (and the z-loss joins with its coefficient)."""
+    from mtnlg_lightning.loss import cross_entropy
+    from mtnlg_lightning.train.module import MTNLGModule
+
+    directory = random_moe_dir(tmp_path, "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.25)
+    module = MTNLGModule(preset="tiny", init_from=str(directory))
+    module.configure_model()
+    assert module.config.router_aux_loss_coef == 0.25
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_model(directory)(tokens, labels=tokens)
+        ours = module.loss_fn(module.model(tokens)[:, :-1], tokens[:, 1:])
+    assert theirs.aux_loss > 0
+    torch.testing.assert_close(ours, theirs.loss, rtol=1e-5, atol=0)
+    assert module.loss_fn.last["router_aux_loss"] == pytest.approx(theirs.aux_loss.item(), rel=1e-5)
+    module.config.router_z_loss_coef = module.loss_fn.z_coef = 0.5
+    with torch.no_grad():
+        with_z = module.loss_fn(module.model(tokens)[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(with_z, ours + 0.5 * module.loss_fn.last["router_z_loss"], rtol=1e-6, atol=0)
+    assert MTNLGModule(preset="tiny-llama").loss_fn is cross_entropy  # a dense model keeps the plain objective
+
+
+@pytest.mark.slow
+def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses(tmp_path, demo_data):
+    import csv
+
+    from conftest import run_cli
+
+    moe_options = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64, "router_aux_loss_coef": 0.01}
+    out = run_cli(
+        *["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "6", "--model.preset", "tiny-llama"],
+        *["--model.model_overrides", json.dumps({**moe_options, "router_z_loss_coef": 0.001})],
+        *["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = [row for row in csv.DictReader(metrics.open()) if row.get("train_loss")]
+    assert len(rows) == 6
+    assert all(float(row["router_aux_loss"]) >= 1.0 and float(row["router_z_loss"]) > 0 for row in rows)
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    assert "moe_dropped_tokens" not in rows[0]  # dropless
+
+
+def test_dropped_tokens_are_reported_with_the_router_losses():
+    from mtnlg_lightning.train.module import MTNLGModule
+
+    overrides = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64, "capacity_factor": 0.5}
+    module = MTNLGModule(preset="tiny-llama", model_overrides=overrides)
+    module.configure_model()
+    tokens = torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(0))
+    module.loss_fn(module.model(tokens[:, :-1]), tokens[:, 1:])
+    dropped = sum(layer.stats.dropped for _, layer in moe.moe_layers(module.model))
+    assert module.loss_fn.last["moe_dropped_tokens"].item() == dropped > 0
