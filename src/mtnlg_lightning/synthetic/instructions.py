@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "write":
         paths = write_demo_files(args.directory, args.train, args.questions)
         print(
-            f"wrote {paths['train']} ({args.train} records), {paths['valid']} (128), {paths['questions']} ({args.questions})"
+            f"wrote {paths['train']} ({args.train} records), {paths['valid']} (128), "
+            f"{paths['questions']} ({args.questions})"
         )
         return 0
     questions = Path(args.questions).read_text(encoding="utf-8").splitlines()
