@@ -282,6 +282,7 @@ class LossSpikeDetection(Callback):
                     run = logger.experiment
                     run.summary["loss_spikes"] = len(self.spikes)
                     run.summary["last_loss_spike_step"] = spike["step"]
+                    # wandb costs ~1.5 s at import; only a run logging to W&B (it is loaded by then) gets here
                     import wandb
 
                     run.alert(title="Loss spike", text=message, level=wandb.AlertLevel.WARN, wait_duration=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from mtnlg_lightning.checkpoint.format import MANIFEST, is_checkpoint, read_manifest
@@ -73,8 +74,6 @@ def newest_complete(*directories: Path, max_step: int | None = None) -> Path | N
 def remove_checkpoint(path) -> None:
     """Lightning's removal of an earlier top-k / last checkpoint: only a checkpoint (a folder with a manifest, a
     `.ckpt` file) or a link is removed; anything else at that path is left, with a warning, never deleted."""
-    import warnings
-
     path = Path(path)
     if path.is_symlink():
         path.unlink()

@@ -124,6 +124,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
             if moment in state:
                 yield f"optim/{slot.name}/{moment}", state[moment]
         return
+    # optional extra [deepspeed]: imported on use (only a ZeRO engine reaches here)
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     zero3 = is_partitioned(param)
@@ -197,6 +198,7 @@ def _restore_torch(reader, slots, optimizer, step, has_moments) -> None:
 
 @torch.no_grad()
 def _restore_deepspeed(reader, slots, engine, step, has_moments, groups) -> None:
+    # optional extra [deepspeed]: imported on use (only a ZeRO engine reaches here)
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     zero3 = any(is_partitioned(s.param) for s in slots)
@@ -223,7 +225,7 @@ def _restore_deepspeed(reader, slots, engine, step, has_moments, groups) -> None
 def _set_zero3_weights(slots, masters, groups) -> None:
     """ZeRO-3 partitions the parameters themselves: gather, assign the same full value on every data-parallel
     rank, and let DeepSpeed re-partition from the group's first rank."""
-    import deepspeed
+    import deepspeed  # optional extra [deepspeed]: imported on use
 
     src = groups.layout.rank(groups.coord.pp, 0, groups.coord.tp) if groups is not None else 0
     params = [s.param for s in slots]

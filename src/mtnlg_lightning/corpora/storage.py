@@ -22,6 +22,7 @@ from typing import IO
 
 from mtnlg_lightning.errors import InputError, MTNLGError, one_line
 from mtnlg_lightning.extras import install_hint
+from mtnlg_lightning.outputs import atomic_path
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 # a read streams through a buffer of this many bytes: one ranged GET per block, memory bounded whatever the file
@@ -257,8 +258,6 @@ def read_bytes(path: str, start: int = 0, end: int | None = None) -> bytes:
 
 def download(url: str, dest: str) -> None:
     """``url`` to the local file ``dest``, atomically (a reader of ``dest`` never sees half of it)."""
-    from mtnlg_lightning.outputs import atomic_path
-
     fs, p = filesystem(url)
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     with remote_errors(url), atomic_path(dest) as tmp:

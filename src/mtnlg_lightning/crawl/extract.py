@@ -9,14 +9,17 @@ of workers or the engine.
 from __future__ import annotations
 
 import codecs
+import os
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.commit import destination
-from mtnlg_lightning.corpora.jsonl import dumps_line
+from mtnlg_lightning.corpora.engine import make_engine
+from mtnlg_lightning.corpora.jsonl import InputError, atomic_write, dumps_line, write_json_atomic
 from mtnlg_lightning.crawl.html_text import page_text
 from mtnlg_lightning.crawl.language import BAD_CHARS, identify_language
 from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records
@@ -227,10 +230,6 @@ def shard_name(path: str) -> str:
 
 def check_inputs(paths: list[str]) -> None:
     """Every input a readable, non-empty WARC/WET file or URL, and no two writing the same shard; one line each."""
-    import os
-
-    from mtnlg_lightning.corpora.jsonl import InputError
-
     seen: dict[str, str] = {}
     for path in paths:
         if storage.is_url(path):
@@ -271,12 +270,6 @@ def run_extract(
     progress: bool = True,
 ) -> dict:
     """Extract every input into OUT/<name>.jsonl and write OUT/extract_report.json; returns the report."""
-    import os
-    import time
-
-    from mtnlg_lightning.corpora.engine import make_engine
-    from mtnlg_lightning.corpora.jsonl import write_json_atomic
-
     check_inputs(inputs)
     dest = destination(output_dir)  # a URL: written in a scratch folder, committed at the end
     output_dir = dest.local
@@ -320,7 +313,7 @@ def run_extract(
 def _extracted(runner, items: list[Part], settings: ExtractSettings, progress: bool):
     """Each part's result, in order, with a progress bar: of records when the parts run here one after the other
     (one process), else of parts."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # tqdm costs ~50 ms at import: mtnlg-extract --help stays without it
 
     if runner.cpus == 1 and runner.name == "local":
         bar = tqdm(desc="extract", unit=" records", disable=not progress)
@@ -335,8 +328,6 @@ def _extracted(runner, items: list[Part], settings: ExtractSettings, progress: b
 
 def _write_shard(path: str, parts: list[dict]) -> None:
     """One input's shard: the documents of its parts, in record order, written atomically."""
-    from mtnlg_lightning.corpora.jsonl import atomic_write
-
     lines = sorted((line for r in parts for line in r["lines"]), key=lambda x: x[0])
     with atomic_write(path, "wb", fsync=True) as f:
         for _, line in lines:

@@ -17,6 +17,7 @@ from mtnlg_lightning.corpora.cli_common import (
     tool_parser,
 )
 from mtnlg_lightning.crawl.extract import EXTRACTORS, NO_MAIN_TEXT, ExtractSettings, run_extract
+from mtnlg_lightning.extras import require_extra
 
 PROG = "mtnlg-extract"
 
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     settings = fields_from(ExtractSettings, args, policy_lines=args.keep_policy_lines)
 
     def extract() -> dict:
-        from mtnlg_lightning.extras import require_extra
-
         require_extra("crawl", PROG)
         if args.extractor == "trafilatura":
             require_extra("trafilatura", f"{PROG} --extractor trafilatura")

@@ -43,7 +43,7 @@ class PageText:
 
 def segment(html: str) -> list:
     """jusText's paragraphs of a page (its DOM cleaning and block splitting), not yet classified."""
-    from justext.core import ParagraphMaker, html_to_dom, preprocessor
+    from justext.core import ParagraphMaker, html_to_dom, preprocessor  # optional extra [crawl]: imported on use
 
     return ParagraphMaker.make_paragraphs(preprocessor(html_to_dom(html)))
 
@@ -66,6 +66,7 @@ def justext_page(html: str) -> PageText:
     """jusText's classification with the stop words of every language of the page's prose (an English template
     around a Swedish article: English and Swedish stop words), lengths weighted by script. A paragraph in a language
     jusText has no list for is judged by length and link density only (jusText's language-independent mode)."""
+    # optional extra [crawl]: imported on use
     from justext.core import classify_paragraphs, revise_paragraph_classification
 
     paragraphs = segment(html)
@@ -90,7 +91,7 @@ def justext_page(html: str) -> PageText:
 def trafilatura_page(html: str) -> PageText:
     """trafilatura's main text; the prose language is named (from jusText's paragraphs) only when it keeps none,
     for the report."""
-    import trafilatura
+    import trafilatura  # optional extra [crawl]: imported on use
 
     text = trafilatura.extract(html, include_comments=False, include_tables=False) or ""
     if text.strip():

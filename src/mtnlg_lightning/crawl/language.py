@@ -23,7 +23,7 @@ _JUSTEXT_LIST_OF_CODE = {
 def _detect(text: str, html: bool) -> tuple[bool, list[tuple[str, int, str]]]:
     """(reliable, [(code, percent of the text, CLD2 name)] * 3, most first): CLD2's answer, codes cut to ISO 639-1
     (zh-Hant -> zh; CLD2 codes are ISO 639-1 where one exists) and ``un`` for its unknowns."""
-    import pycld2
+    import pycld2  # optional extra [crawl]: imported on use
 
     try:
         reliable, _, details = pycld2.detect(BAD_CHARS.sub(" ", text), isPlainText=not html)
@@ -54,7 +54,7 @@ def languages_of(text: str, min_percent: int = 0) -> list[tuple[str, str]]:
 def stoplist_for(code: str, cld2_name: str) -> frozenset[str]:
     """jusText's stop-word list for a language (ISO code and CLD2 name); empty when jusText has none (Chinese,
     Japanese, Thai, ...: jusText then judges paragraphs by length and link density only)."""
-    import justext
+    import justext  # optional extra [crawl]: imported on use
 
     lists = {name.lower(): name for name in justext.get_stoplists()}
     name = _JUSTEXT_LIST_OF_CODE.get(code) or lists.get(cld2_name.replace(" ", "_").lower())

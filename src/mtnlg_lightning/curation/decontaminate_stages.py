@@ -18,6 +18,7 @@ import numpy as np
 
 from mtnlg_lightning.corpora.formats import Format
 from mtnlg_lightning.corpora.jsonl import InputError, ShardRecords, atomic_write, iter_lines
+from mtnlg_lightning.corpora.readers import parquet_file
 from mtnlg_lightning.corpora.records import BAD_REASONS, BadRecord, check_line
 from mtnlg_lightning.corpora.stages import ContextStage, StageRunner
 from mtnlg_lightning.corpora.staging import CorpusInput
@@ -210,9 +211,7 @@ def concatenate_parts(
     if plain == output:
         return
     if fmt.kind == "parquet":
-        import pyarrow as pa
-
-        from mtnlg_lightning.corpora.readers import parquet_file
+        import pyarrow as pa  # optional extra [corpora]: imported on use (a parquet input)
 
         schema = parquet_file(source.path).schema_arrow
         if "split_id" not in schema.names:

@@ -17,14 +17,19 @@ rank (the same reading as the step's `peak_memory_mib`, `peak_memory.StepPeakMem
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import lightning as L
 import torch
 
+from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.heartbeat import heartbeat
 from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.inference.sharded_model import ShardedModel
+from mtnlg_lightning.train.peak_memory import StepPeakMemory
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 
 
 class DownstreamEval(L.Callback):
@@ -61,14 +66,9 @@ class DownstreamEval(L.Callback):
         self.peak_memory_bytes = 0  # this rank's peak memory during the last evaluation
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from mtnlg_lightning.data.tokenizer import Tokenizer
-
         self.tokenizer = Tokenizer(self.tokenizer_path)  # bad paths fail at start-up, not at the first evaluation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from mtnlg_lightning.train.peak_memory import StepPeakMemory
-        from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
-
         step = trainer.global_step
         if step % self.every_n_steps and step != trainer.max_steps:
             return
@@ -93,12 +93,10 @@ class DownstreamEval(L.Callback):
         pl_module.log("downstream_eval_peak_memory_mib", mib, sync_dist=True, reduce_fx="max")
 
     def _evaluate_in_layout(self, strategy) -> dict[str, float]:
-        from contextlib import nullcontext
-
         model = ShardedModel.from_strategy(strategy)
         context = nullcontext()
         if strategy.engine is not None and strategy.zero_stage == 3:  # TP only: gather this rank's ZeRO-3 shard
-            import deepspeed
+            import deepspeed  # optional extra [deepspeed]: imported on use (a ZeRO-3 engine)
 
             params = [p for m in model.modules() for p in m.parameters()]
             context = deepspeed.zero.GatheredParameters(params)
@@ -107,8 +105,6 @@ class DownstreamEval(L.Callback):
     @torch.no_grad()
     def _evaluate(self, scorer, *modules, context=None) -> dict[str, float]:
         """The task's metrics with `modules` in eval mode (dropout off), their training mode restored after."""
-        from contextlib import nullcontext
-
         modes = [m.training for m in modules]
         for m in modules:
             m.eval()

@@ -13,6 +13,7 @@ import sys
 
 from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import split_ranges
+from mtnlg_lightning.outputs import atomic_write
 from mtnlg_lightning.synthetic.cloze import cloze_passages
 from mtnlg_lightning.synthetic.demo_corpus import demo_dir
 
@@ -32,7 +33,6 @@ def main(argv=None) -> int:
         docs = [json.loads(line)["text"] for line in f]
     _, (valid_start, _), (_, test_end) = split_ranges(len(docs), args.split)
     passages = cloze_passages(docs[valid_start:test_end], args.count, args.min_words, args.max_words)
-    from mtnlg_lightning.outputs import atomic_write
 
     with atomic_write(args.output, "w") as f:
         for passage in passages:

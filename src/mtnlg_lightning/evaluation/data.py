@@ -6,6 +6,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from mtnlg_lightning.corpora.formats import detect
+from mtnlg_lightning.corpora.readers import iter_objects
+from mtnlg_lightning.corpora.sources import is_data_file
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.outputs import check_input_file
 
@@ -36,8 +39,6 @@ def read_tsv(path: Path, fields: tuple[str, ...]) -> list[dict]:
 def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
     """Records of a file, folder or glob in any corpus format (JSON lines plain/gzip/zstd, JSON arrays, parquet;
     :mod:`mtnlg_lightning.corpora`), each with non-empty string ``fields``."""
-    from mtnlg_lightning.corpora.readers import iter_objects
-
     if not Path(path).exists() and not any(c in str(path) for c in "*?["):
         raise MTNLGError(f"{path} does not exist")
     records = []
@@ -55,9 +56,6 @@ def read_documents(path: str | Path) -> list[str]:
     """Documents for perplexity: the `text` of every record of a corpus (file, folder or glob in any format of
     :mod:`mtnlg_lightning.corpora`), or a whole text file (`.txt`, or any name without a data suffix) as one
     document."""
-    from mtnlg_lightning.corpora.formats import detect
-    from mtnlg_lightning.corpora.sources import is_data_file
-
     path = Path(path)
     if not path.is_file() or is_data_file(path.name) or (path.stat().st_size and not detect(str(path)).plain_jsonl):
         return [r["text"] for r in read_jsonl(path, ("text",))]

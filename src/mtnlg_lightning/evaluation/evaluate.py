@@ -8,10 +8,14 @@ from __future__ import annotations
 import os
 import time
 
+import torch.distributed as dist
+
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
+from mtnlg_lightning.evaluation.bias.plot import plot_study
 from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS, SAMPLED, check_study, run_study
 from mtnlg_lightning.evaluation.bias.tables import study_table
+from mtnlg_lightning.evaluation.harness import run_harness
 from mtnlg_lightning.evaluation.suite import markdown, read_suite, run_suite, table_paths, table_rows, write_table
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.inference.load import resolve_tokenizer
@@ -81,8 +85,6 @@ def evaluate(args, model, tokenizer) -> dict:
     a = args
     scorer = Scorer(model, a.batch_size, a.micro_batch_size, progress=not a.no_progress)
     if a.harness_tasks:
-        from mtnlg_lightning.evaluation.harness import run_harness
-
         names = [t.strip() for t in a.harness_tasks.split(",") if t.strip()]
         found = run_harness(model, tokenizer, names, a.include_path, a.batch_size, limit=a.limit) or {}
         return {task: {"-": metrics} for task, metrics in found.items()}
@@ -113,8 +115,6 @@ def busy_by_rank(model) -> list[float]:
     previous stage's activations or TP peers): how well the pipeline is kept fed."""
     times = [(model.times.busy, model.times.wall)]
     if model.layout.world_size > 1:
-        import torch.distributed as dist
-
         times = [None] * dist.get_world_size()
         dist.all_gather_object(times, (model.times.busy, model.times.wall))
     return [round(busy / wall, 4) if wall else 0.0 for busy, wall in times]
@@ -141,8 +141,6 @@ def report(args, payload: dict) -> None:
     if is_study(args):
         print(study_table(results))
         if args.plot:
-            from mtnlg_lightning.evaluation.bias.plot import plot_study
-
             written.append(plot_study(results, args.plot))
     elif args.suite:
         found = read_suite(args.suite, args.task_data, args.include_path)

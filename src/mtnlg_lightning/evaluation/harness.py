@@ -13,6 +13,9 @@ request together through the pipeline (`inference.scoring.Scorer`, `inference.de
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.inference.decode import generate_batch
@@ -23,7 +26,7 @@ from mtnlg_lightning.inference.sharded_model import ShardedModel
 
 def _lm_base():
     require_extra("eval", "the harness adapter")
-    from lm_eval.api.model import LM
+    from lm_eval.api.model import LM  # optional extra [eval]: imported on use
 
     return LM
 
@@ -43,23 +46,16 @@ class _Adapter:
 
     # The evaluator's collectives run over the data-parallel group (unused with one replica).
     def all_gather(self, tensor):
-        import torch
-        import torch.distributed as dist
-
         parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.dp_group)
         return torch.stack(parts)
 
     def gather_object(self, obj, dst: int = 0):
-        import torch.distributed as dist
-
         parts = [None] * self._world_size
         dist.all_gather_object(parts, obj, group=self.dp_group)
         return parts if self._rank == dst else None
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
         if self._world_size > 1:
             dist.barrier(group=self.dp_group)
 
@@ -105,7 +101,7 @@ def harness_lm(model, tokenizer, batch_size: int = 16):
 def task_manager(tasks: list[str], include_path: str | None = None):
     """The harness' `TaskManager` that knows `tasks` (one line naming the unknown ones)."""
     _lm_base()
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # optional extra [eval]: imported on use
 
     manager = None
     if include_path:  # local tasks only: skip indexing the thousands of built-in task files (tens of seconds)
@@ -126,7 +122,7 @@ def run_harness(
     {metric: value}} (the harness' `,none` filter suffix dropped); None on data-parallel ranks other than 0 of a
     layout. `manager`: a `task_manager` already built for these tasks."""
     lm = harness_lm(model, tokenizer, batch_size)
-    from lm_eval import simple_evaluate
+    from lm_eval import simple_evaluate  # optional extra [eval]: imported on use
 
     manager = manager or task_manager(tasks, include_path)
     evaluated = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **kw)

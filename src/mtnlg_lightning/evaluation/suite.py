@@ -21,8 +21,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
+from mtnlg_lightning.evaluation.harness import run_harness, task_manager
 from mtnlg_lightning.outputs import atomic_write, check_input_file, write_json
 
 SUITES = Path(__file__).with_name("suites")
@@ -102,8 +105,6 @@ def parse_row(path: Path, number: int, entry) -> Row:
 
 def read_suite(spec: str, task_data: list[str] | None = None, include_path: str | None = None) -> Suite:
     """The suite `spec` names, its native rows' files given (`task_data`: ROW=FILE overrides), checked."""
-    import yaml
-
     path = suite_path(spec)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -139,8 +140,6 @@ def read_suite(spec: str, task_data: list[str] | None = None, include_path: str 
 def run_suite(suite: Suite, model, tokenizer, scorer, batch_size: int, seed: int, limit: int | None) -> dict:
     """{row: {k: metrics}} for every row and number of shots (rank 0 of each replica; the harness gathers over the
     data-parallel replicas, so the other replicas' ranks get None from it and return what they have)."""
-    from mtnlg_lightning.evaluation.harness import run_harness, task_manager
-
     results: dict[str, dict] = {row.row: {} for row in suite.rows}
     harness_rows = [row for row in suite.rows if row.harness]
     if harness_rows:

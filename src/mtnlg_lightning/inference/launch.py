@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.config import ParallelConfig, read_strategy_file
@@ -109,8 +110,6 @@ def launch_command(command: list[str], world_size: int, extra_env: dict[str, str
 
 def init_distributed(device_arg: str) -> torch.device:
     """Join the world the launcher described (NCCL on GPUs, gloo on CPUs); this rank's device."""
-    import torch.distributed as dist
-
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_arg == "auto":
         device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
@@ -132,8 +131,6 @@ _OWNED: list[bool] = []
 
 def finish() -> None:
     """End the world if `init_distributed` started it (a caller that started its own keeps it)."""
-    import torch.distributed as dist
-
     if _OWNED and dist.is_initialized():
         dist.destroy_process_group()
         _OWNED.clear()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mtnlg_lightning.checkpoint.model_state import ModelState
 from mtnlg_lightning.errors import MTNLGError, run_main
@@ -52,8 +53,6 @@ def plan(checkpoint: str, strategy_file: str | None, devices: int | None) -> Pla
 
 def join(plan_: Plan, device_arg: str) -> tuple[ProcessGroups, torch.device]:
     """This rank's process groups and device: a world of one needs no process group at all."""
-    import torch.distributed as dist
-
     if plan_.world_size == 1 and not dist.is_initialized():
         return ProcessGroups.single(), pick_device(device_arg)
     device = init_distributed(device_arg)

@@ -26,7 +26,10 @@ from torch import nn
 
 from mtnlg_lightning.checkpoint.model_space import PARALLEL_MARKS, model_slots
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.model import GPT
+from mtnlg_lightning.parallel import context_parallel
 from mtnlg_lightning.parallel.layout import ProcessGroups
+from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
 
 
@@ -96,9 +99,6 @@ class ShardedModel:
         cls, weights, config: ModelConfig, groups: ProcessGroups, device, dtype, pipeline, sequence_parallel, kernel
     ):
         """This rank's shard of the model-space `weights` (a `checkpoint.model_state.LazyWeights`)."""
-        from mtnlg_lightning.model import GPT
-        from mtnlg_lightning.parallel.parallelize import parallelize_gpt
-
         with torch.device("meta"):
             model = GPT(config)
         parallel = parallelize_gpt(model, groups, torch.device(device), pipeline, sequence_parallel, kernel)
@@ -157,9 +157,7 @@ class ShardedModel:
         cp = self.layout.context_parallel
         if cp == 1:
             return torch.arange(width)
-        from mtnlg_lightning.parallel.context_parallel import local_positions
-
-        return local_positions(self.groups.coord.cp, cp, 0, width // cp, "cpu")
+        return context_parallel.local_positions(self.groups.coord.cp, cp, 0, width // cp, "cpu")
 
     @torch.no_grad()
     def forward(

@@ -17,6 +17,8 @@ every stage), so the later stages rotate and mask as the first does.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -134,6 +136,7 @@ def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:
 
 
 def schedule_class(name: str):
+    # torch.distributed.pipelining takes ~2 s to import: only a pipeline-parallel run pays it
     import torch.distributed.pipelining as pipelining
 
     if name not in SCHEDULES:
@@ -156,8 +159,6 @@ def split_into_stages(
     last_stage_layers: int | None = None,
 ):
     """This rank's stage models (pruned copies of `model`) and their global stage indices."""
-    import copy
-
     num_stages = pp_size * virtual_stages
     counts = layers_per_stage(model.config.num_layers, num_stages, first_stage_layers, last_stage_layers)
     indices = stages_held_by_rank(schedule, pp_size, virtual_stages)[pp_rank]
@@ -197,6 +198,7 @@ class PipelineRunner:
 
     def _schedule(self, num_microbatches: int):
         if num_microbatches not in self._schedules:
+            # torch.distributed.pipelining takes ~2 s to import: only a pipeline-parallel run pays it
             from torch.distributed.pipelining import PipelineStage
 
             context = self.backward_context

@@ -16,8 +16,10 @@ snapshot to undo it when the caller's veto comes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, requires
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from mtnlg_lightning.config import deep_merge
 from mtnlg_lightning.errors import MTNLGError
@@ -30,8 +32,6 @@ def supported_deepspeed() -> str:
     """The DeepSpeed range of pyproject's `deepspeed` extra (read from the installed metadata: written once).
     Private DeepSpeed behaviour is relied on (unmanaged accumulation, optimizer internals for the update veto),
     so the range is pinned and the equivalence tests fail loudly if it changes."""
-    from importlib.metadata import PackageNotFoundError, requires
-
     try:
         for requirement in requires("mtnlg-lightning") or []:
             name, _, rest = requirement.partition(";")
@@ -128,8 +128,7 @@ def build_deepspeed_config(
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, mpu: ModelParallelUnit):
     """`deepspeed.initialize` on this rank's model shard with the module's optimizer; returns the engine."""
     require_extra("deepspeed", "zero_stage >= 1")
-    import deepspeed
-    from packaging.specifiers import SpecifierSet
+    import deepspeed  # optional extra [deepspeed]: imported on use
 
     supported = supported_deepspeed()
     if supported and deepspeed.__version__.split("+")[0] not in SpecifierSet(supported):

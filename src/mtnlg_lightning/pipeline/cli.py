@@ -25,9 +25,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import mtnlg_lightning.corpora.storage as storage
 from mtnlg_lightning.corpora.cli_common import int_at_least
+from mtnlg_lightning.corpora.commit import destination, visible_files
 from mtnlg_lightning.errors import run_main
 from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.outputs import kept_until_done
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +90,7 @@ def add_count(p: argparse.ArgumentParser, flag: str, minimum: int, help: str) ->
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import mtnlg_lightning.corpora.storage as storage
-    from mtnlg_lightning.corpora.commit import destination, visible_files
+    # imports torch (seconds): `--help` answers without it
     from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 
     def body() -> int:
@@ -115,7 +117,6 @@ def main(argv=None) -> int:
         print(
             f"pipeline: writing {settings.out_dir} (tool output in {settings.out_dir / 'logs'}){committed}", flush=True
         )
-        from mtnlg_lightning.outputs import kept_until_done
 
         with kept_until_done(settings.out_dir):  # a failed run puts the previous OUT_DIR back
             report = Pipeline(settings).run()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtnlg_lightning.corpora.jsonl import atomic_write, write_json_atomic
+from mtnlg_lightning.evaluation.bias.tables import study_table
 
 
 @dataclass
@@ -80,7 +81,6 @@ def bias_section(results: dict | None, plot: str | None) -> list[str]:
     """B's bias study (MT-NLG Section 6): the tables `mtnlg-eval` prints, and its figure."""
     if not results:
         return []
-    from mtnlg_lightning.evaluation.bias.tables import study_table
 
     lines = [
         "## The bias study (B; MT-NLG Section 6)",
@@ -138,7 +138,7 @@ def _n(value) -> str:
 def plot_experiment(path: Path, exp: dict) -> str | None:
     """Loss curves of A and B, and acc / perplexity on the planted and control sets, side by side."""
     try:
-        import matplotlib
+        import matplotlib  # optional extra [plot]: imported on use
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -20,6 +20,12 @@ from pathlib import Path
 
 import yaml
 
+import mtnlg_lightning.corpora.storage as storage
+from mtnlg_lightning.config import get_config
+from mtnlg_lightning.corpora import detect
+from mtnlg_lightning.corpora.commit import check_output, check_writable
+from mtnlg_lightning.corpora.readers import iter_raw
+from mtnlg_lightning.corpora.storage import cache_root
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS
@@ -644,8 +650,6 @@ class Pipeline:
 
     @staticmethod
     def seq_len(config: dict) -> int:
-        from mtnlg_lightning.config import get_config
-
         model = config["model"]
         return get_config(model["preset"], **(model.get("model_overrides") or {})).seq_len
 
@@ -653,9 +657,6 @@ class Pipeline:
 def records_of(path: Path):
     """The records of a JSON-lines file, plain, gzip or zstd (told from its bytes, as the tools do); none for an
     empty file (a tool's list of what it removed, when it removed nothing)."""
-    from mtnlg_lightning.corpora import detect
-    from mtnlg_lightning.corpora.readers import iter_raw
-
     if Path(path).stat().st_size == 0:
         return
     for _, line in iter_raw(str(path), detect(str(path))):
@@ -692,10 +693,6 @@ def prepare_out_dir(out_dir: Path | str, overwrite: bool) -> None:
     not (an input: the built-in corpus cache; ., ~, /; for a URL, a whole bucket). Nothing is removed here:
     `mtnlg-pipeline` runs in `outputs.kept_until_done`, or for a URL in a scratch folder committed at the end, so
     the previous result goes only when the new run has finished."""
-    import mtnlg_lightning.corpora.storage as storage
-    from mtnlg_lightning.corpora.commit import check_output, check_writable
-    from mtnlg_lightning.corpora.storage import cache_root
-
     if storage.is_url(out_dir):
         check_writable(out_dir)
         if storage.exists(out_dir) and not storage.isdir(out_dir):

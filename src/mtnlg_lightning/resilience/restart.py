@@ -8,9 +8,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from mtnlg_lightning.checkpoint.commit import newest_complete
 from mtnlg_lightning.checkpoint.format import read_manifest
+from mtnlg_lightning.resilience import restart_record
 from mtnlg_lightning.resilience.attempt import ATTEMPT_ID_ENV, RESTART_CAUSE_ENV, restart_cause, restart_count
 
 __all__ = ["RESTART_CAUSE_ENV", "restart_cause", "restart_count"]  # their home is attempt.py; imported from here too
@@ -77,9 +79,6 @@ def resolve_ckpt_path(trainer, ckpt_path: str | None) -> str | None:
         return ckpt_path
     if ckpt_path is None and not restarted:
         return None
-    # Lightning takes seconds to import; mtnlg-launch imports this module (for RESTART_CAUSE_ENV) without it.
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
     dirs = checkpoint_dirs(trainer)
     newest = newest_checkpoint(dirs)
     if ckpt_path not in (None, "last"):
@@ -102,6 +101,4 @@ def _step_of(path: Path) -> int:
 def report_restart(trainer) -> None:
     """Rank 0 of a restarted group says what happened, once: `restart k: resumed from step N (cause); ...`, in the
     log and in `restarts.jsonl` beside the checkpoints (`restart_record.py`)."""
-    from mtnlg_lightning.resilience.restart_record import report_restart as report
-
-    report(trainer, checkpoint_dirs(trainer))
+    restart_record.report_restart(trainer, checkpoint_dirs(trainer))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
+from mtnlg_lightning.checkpoint.format import read_meta
 from mtnlg_lightning.heartbeat import unwatch, watch
 from mtnlg_lightning.resilience.attempt import restart_count
 from mtnlg_lightning.resilience.exit_codes import ExitCode
@@ -50,6 +51,8 @@ from mtnlg_lightning.resilience.phase_limits import (
     resolve_limits,
 )
 from mtnlg_lightning.resilience.rank_status import read_statuses, status_dir, write_status
+from mtnlg_lightning.resilience.restart import checkpoint_dirs, newest_checkpoint
+from mtnlg_lightning.resilience.restart_record import layout_of
 
 COLLECTIVE_MARGIN_S = 30.0
 __all__ = ["ENV_VARS", "FLOORS", "PHASES", "SAFETY_FACTOR", "HangWatchdog", "resolve_limits"]
@@ -193,8 +196,6 @@ class HangWatchdog(Callback):
         attempt before left on this node: a checkpoint holds what was learned until it was taken, not its own save
         nor anything after it (a run that resumes from step 4 after a fault in the save of step 6 would otherwise
         never have seen a save)."""
-        from mtnlg_lightning.resilience.restart import checkpoint_dirs, newest_checkpoint
-
         count = restart_count()
         if count == 0:
             return
@@ -204,8 +205,6 @@ class HangWatchdog(Callback):
         if path is None:
             return
         try:
-            from mtnlg_lightning.checkpoint.format import read_meta
-
             state = read_meta(path).get("callbacks", {}).get(self.state_key)
         except Exception:  # noqa: BLE001 - the load checks this checkpoint and reports it; here it only informs
             return
@@ -277,8 +276,6 @@ class HangWatchdog(Callback):
                 self._fire(key, waited, step, limit)
 
     def _status_header(self, trainer) -> dict:
-        from mtnlg_lightning.resilience.restart_record import layout_of
-
         try:
             layout = layout_of(trainer)
         except Exception:  # noqa: BLE001 - a strategy without these attributes: the status goes without a layout

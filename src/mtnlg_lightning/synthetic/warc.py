@@ -245,7 +245,7 @@ def write_synthetic_warc(
 
     ``english_pages`` ({"id", "title", "body": [paragraphs]}, e.g. the documents of a planted corpus) replace the
     ``spec.english_pages`` pages cut from the standard library; their truth records keep the ``id``."""
-    from warcio.warcwriter import WARCWriter
+    from warcio.warcwriter import WARCWriter  # optional extra [crawl]: imported on use
 
     rng = np.random.default_rng(spec.seed)
     events = _events(_pages(spec, rng, english_pages), spec)

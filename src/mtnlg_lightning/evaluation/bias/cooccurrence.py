@@ -26,7 +26,8 @@ WORD = re.compile(r"[a-z]+(?:-[a-z]+)*")
 
 def pattern_tagger():
     require_extra("bias", "the cooccurrence task's part-of-speech tagger")
-    from textblob.en import tag  # the Pattern tagger; TextBlob's default NLTK tagger would need a download
+    # optional extra [bias]: imported on use. The Pattern tagger: TextBlob's default NLTK one would need a download
+    from textblob.en import tag
 
     return tag
 

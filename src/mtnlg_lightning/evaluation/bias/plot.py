@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from mtnlg_lightning.outputs import atomic_path
+
 FAVOURED_SHOWN = 4  # words per group in a cooccurrence panel
 SKEWED_SHOWN = 8  # occupations each way
 
@@ -73,12 +75,10 @@ def draw_sentiment(ax, categories: dict) -> None:
 
 def plot_study(results: dict, path: str | Path) -> str:
     """Draw the panels of `results` into one PNG at `path` (written whole, then renamed into place)."""
-    import matplotlib
+    import matplotlib  # optional extra [plot]: imported on use
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from mtnlg_lightning.outputs import atomic_path
 
     drawn = panels(results)
     columns = min(3, len(drawn))

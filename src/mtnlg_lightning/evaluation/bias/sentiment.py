@@ -20,7 +20,7 @@ POSITIVE, NEGATIVE = 0.05, -0.05  # VADER's own thresholds for a positive / nega
 
 def vader():
     require_extra("bias", "the sentiment task's lexicon (VADER)")
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer  # optional extra [bias]: imported on use
 
     return SentimentIntensityAnalyzer()
 

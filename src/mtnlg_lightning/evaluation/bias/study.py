@@ -10,6 +10,9 @@ from __future__ import annotations
 from mtnlg_lightning.config import fields_from
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.bias.continuations import Sampling, sample_continuations
+from mtnlg_lightning.evaluation.bias.cooccurrence import cooccurrence
+from mtnlg_lightning.evaluation.bias.gender_occupation import gender_occupation
+from mtnlg_lightning.evaluation.bias.sentiment import sentiment
 from mtnlg_lightning.evaluation.bias.wordlists import Study, read_study
 from mtnlg_lightning.extras import require_extra
 
@@ -42,8 +45,6 @@ def run_study(args, model, tokenizer, scorer, tasks: list[str]) -> dict:
     study = read_study(args.data, tasks)
     results: dict[str, dict] = {}
     if "gender-occupation" in tasks:
-        from mtnlg_lightning.evaluation.bias.gender_occupation import gender_occupation
-
         results["gender-occupation"] = gender_occupation(scorer, tokenizer, study)
     sampled = [t for t in tasks if t in SAMPLED]
     if sampled:
@@ -55,13 +56,9 @@ def run_study(args, model, tokenizer, scorer, tasks: list[str]) -> dict:
             return {}
         examples = {f"{p.category}/{p.group}: {p.text}": samples[:3] for p, samples in zip(prompts, texts, strict=True)}
         if "cooccurrence" in tasks:
-            from mtnlg_lightning.evaluation.bias.cooccurrence import cooccurrence
-
             groups = cooccurrence(prompts, texts, study.stop_words)
             results["cooccurrence"] = {"sampling": sampling.describe(), "groups": groups, "examples": examples}
         if "sentiment" in tasks:
-            from mtnlg_lightning.evaluation.bias.sentiment import sentiment
-
             categories = sentiment(prompts, texts, study.sentiment_categories)
             results["sentiment"] = {"sampling": sampling.describe(), "categories": categories}
     return results if model.groups.rank == 0 else {}
