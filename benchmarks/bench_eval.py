@@ -81,15 +81,23 @@ LAYOUT_DEVICES = {"tp2": 2, "pp2": 2, "tp2_pp2_dp2": 8, "tp4": 4}
 
 def save_checkpoint_folder(model_dir: Path, out: Path) -> Path:
     """The Hugging Face model as a project checkpoint folder (one file of model-space pieces, a manifest)."""
-    from mtnlg_lightning.checkpoint.format import Piece, copy_tokenizer, write_manifest, write_meta, write_pieces
+    from mtnlg_lightning.checkpoint.format import (
+        TOKENIZER,
+        Piece,
+        write_carried,
+        write_manifest,
+        write_meta,
+        write_pieces,
+    )
     from mtnlg_lightning.interop.hf import read_source
 
     state = read_source(model_dir)
     out.mkdir(parents=True)
     pieces = [Piece(f"model/{k}", v, (0,) * v.dim(), tuple(v.shape)) for k, v in state.weights.items()]
     written = write_pieces(out, "rank-00000.safetensors", pieces)
-    tokenizer = copy_tokenizer(out, str(model_dir / "tokenizer.json"))  # listed and hashed, or it is not used
-    files = [written, write_meta(out, {"hyper_parameters": {}}), tokenizer]
+    # the tokenizer listed and hashed, or it is not used
+    tokenizer = write_carried(out, {TOKENIZER: (model_dir / "tokenizer.json").read_bytes()})
+    files = [written, write_meta(out, {"hyper_parameters": {}}), *tokenizer]
     write_manifest(out, files, {"model_config": vars(state.config)})
     return out
 

@@ -42,13 +42,16 @@ def shipped_config(value: str, folder: str = "") -> Path | None:
 
 
 def config_path(value: str, folder: str = "", flag: str = "--config") -> str:
-    """An existing file as given (a folder of that name is not a config); else the shipped config of that name; else
-    a one-line error that lists them."""
+    """An existing file as given; else the shipped config of that name (a folder named like one does not hide it);
+    else the path as given when something is there (its reader says what is wrong with it); else a one-line error
+    that lists the shipped configs."""
     if os.path.isfile(value):
         return value
     shipped = shipped_config(value, folder)
     if shipped is not None:
         return str(shipped)
+    if os.path.exists(value):
+        return value
     names = [n for n in shipped_names() if n.startswith(f"{folder}/") or not folder and "/" not in n]
     where = f"{flag} {value}" if flag else value
     raise InputError(f"{where}: no such file, and no shipped config of that name (shipped: {', '.join(names)})")

@@ -52,7 +52,8 @@ class MTNLGCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         """`data` is any `StepDataModule`; without a `class_path` it is the pretraining `GPTDataModule`, so a config's
         plain `data:` keys (and `--data.KEY` flags) keep meaning what they meant."""
-        parser.set_defaults({"data": {"class_path": f"{GPTDataModule.__module__}.{GPTDataModule.__qualname__}"}})
+        if self.subclass_mode_data:  # a caller may still give one data class (MTNLGCLI(Module, GPTDataModule))
+            parser.set_defaults({"data": {"class_path": f"{GPTDataModule.__module__}.{GPTDataModule.__qualname__}"}})
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
