@@ -78,7 +78,33 @@ def encode_split(specs, chat: ChatTokenizer, seq_len: int, train_on: str) -> Spl
     return SplitExamples(examples, dropped, read)
 
 
-class FineTuneDataModule(StepDataModule):
+class ChatDataModule(StepDataModule):
+    """What the data modules of chat records share: the model directory whose tokenizer and chat template render
+    them (`data.tokenizer`, else the model's `init_from`), and that tokenizer for the checkpoints."""
+
+    kind = "chat"  # the data's name in messages
+    tokenizer: str | None = None
+    chat: ChatTokenizer | None = None
+
+    def _model_directory(self) -> str:
+        directory = self.tokenizer
+        if directory is None and self.trainer is not None:
+            directory = self._module.hparams.get("init_from")
+        if not directory:
+            raise MTNLGError(
+                f"{self.kind} data needs a model directory for its tokenizer and chat template: set "
+                "data.tokenizer or model.init_from"
+            )
+        return directory
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json of the data (copied into every checkpoint)."""
+        return self.chat.tokenizer_file if self.chat is not None else None
+
+
+class FineTuneDataModule(ChatDataModule):
+    kind = "fine-tuning"
     collate = staticmethod(rows_batch)
 
     def __init__(
@@ -118,22 +144,6 @@ class FineTuneDataModule(StepDataModule):
         self.num_workers, self.eval_samples = num_workers, eval_samples
         self.chat: ChatTokenizer | None = None
         self.dropped: dict[str, Counter] = {}
-
-    def _model_directory(self) -> str:
-        directory = self.tokenizer
-        if directory is None and self.trainer is not None:
-            directory = self._module.hparams.get("init_from")
-        if not directory:
-            raise MTNLGError(
-                "fine-tuning data needs a model directory for its tokenizer and chat template: set "
-                "data.tokenizer or model.init_from"
-            )
-        return directory
-
-    @property
-    def tokenizer_file(self) -> str | None:
-        """The tokenizer.json of the data (copied into every checkpoint)."""
-        return self.chat.tokenizer_file if self.chat is not None else None
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:

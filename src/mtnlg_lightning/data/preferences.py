@@ -27,8 +27,7 @@ import torch
 from mtnlg_lightning.corpora.readers import iter_objects
 from mtnlg_lightning.data.chat_records import _turns
 from mtnlg_lightning.data.chat_template import ChatTokenizer, EncodedChat
-from mtnlg_lightning.data.datamodule import StepDataModule
-from mtnlg_lightning.data.finetune import to_example
+from mtnlg_lightning.data.finetune import ChatDataModule, to_example
 from mtnlg_lightning.data.packing import Example, assemble_row
 from mtnlg_lightning.errors import MTNLGError, is_rank_zero
 
@@ -165,7 +164,8 @@ def pairs_batch(pairs: Sequence[list[dict[str, np.ndarray]]]) -> dict[str, torch
     return {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in PAIR_FIELDS}
 
 
-class PreferenceDataModule(StepDataModule):
+class PreferenceDataModule(ChatDataModule):
+    kind = "preference"
     collate = staticmethod(pairs_batch)
 
     def __init__(
@@ -198,22 +198,6 @@ class PreferenceDataModule(StepDataModule):
         self.seed, self.num_workers, self.eval_samples = seed, num_workers, eval_samples
         self.chat: ChatTokenizer | None = None
         self.skipped: dict[str, Counter] = {}
-
-    def _model_directory(self) -> str:
-        directory = self.tokenizer
-        if directory is None and self.trainer is not None:
-            directory = self._module.hparams.get("init_from")
-        if not directory:
-            raise MTNLGError(
-                "preference data needs a model directory for its tokenizer and chat template: set data.tokenizer "
-                "or model.init_from"
-            )
-        return directory
-
-    @property
-    def tokenizer_file(self) -> str | None:
-        """The tokenizer.json of the data (copied into every checkpoint)."""
-        return self.chat.tokenizer_file if self.chat is not None else None
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
