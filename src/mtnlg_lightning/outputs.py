@@ -58,6 +58,14 @@ def write_json(path: str | os.PathLike, payload: Any, fsync: bool = False, **dum
         f.write("\n")
 
 
+def write_json_lines(path: str | os.PathLike, records: Iterable[Any]) -> Path:
+    """`records` as JSON lines at `path`, written atomically."""
+    with atomic_write(path, "w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    return Path(path)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[str]:
     """`atomic_write` for writers that need a file name (safetensors, tokenizers, torch.save): yields a temp name

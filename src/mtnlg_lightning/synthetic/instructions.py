@@ -9,14 +9,13 @@ download); `write_instructions` writes them as OpenAI-style `messages` JSON line
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mtnlg_lightning.outputs import atomic_write
+from mtnlg_lightning.outputs import atomic_write, write_json_lines
 
 WORDS = (
     "apple river stone cloud green tiger paper light music ocean bread chair plant smile table water "
@@ -92,11 +91,7 @@ def answer_of(question: str) -> str | None:
 
 def write_instructions(path: str | Path, count: int = 400, seed: int = 0) -> Path:
     """The set as JSON lines at `path` (written atomically)."""
-    path = Path(path)
-    with atomic_write(path, "w") as handle:
-        for record in instruction_examples(count, seed):
-            handle.write(json.dumps(record) + "\n")
-    return path
+    return write_json_lines(path, instruction_examples(count, seed))
 
 
 # `mtnlg-generate --chat` prints each answer of several prompts under this line

@@ -6,11 +6,10 @@ Deterministic in `seed`; written as TRL-style JSON lines (`prompt` turns, `chose
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from mtnlg_lightning.outputs import atomic_write
+from mtnlg_lightning.outputs import write_json_lines
 from mtnlg_lightning.synthetic.instructions import instruction_examples
 
 
@@ -47,8 +46,4 @@ def preference_examples(count: int = 400, seed: int = 0) -> list[dict]:
 
 def write_preferences(path: str | Path, count: int = 400, seed: int = 0) -> Path:
     """The set as JSON lines at `path` (written atomically)."""
-    path = Path(path)
-    with atomic_write(path, "w") as handle:
-        for record in preference_examples(count, seed):
-            handle.write(json.dumps(record) + "\n")
-    return path
+    return write_json_lines(path, preference_examples(count, seed))
