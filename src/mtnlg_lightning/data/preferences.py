@@ -28,7 +28,7 @@ from mtnlg_lightning.corpora.readers import iter_objects
 from mtnlg_lightning.data.chat_records import _turns
 from mtnlg_lightning.data.chat_template import ChatTokenizer, EncodedChat
 from mtnlg_lightning.data.finetune import ChatDataModule, to_example
-from mtnlg_lightning.data.packing import Example, assemble_row
+from mtnlg_lightning.data.packing import Example, ShuffledRows, assemble_row
 from mtnlg_lightning.errors import MTNLGError, is_rank_zero
 
 # One sequence a row, padding after it: plain causal attention is exact, no document ids are needed.
@@ -137,25 +137,16 @@ def encode_pairs(specs, chat: ChatTokenizer, seq_len: int) -> PairExamples:
     return PairExamples(pairs, skipped, read)
 
 
-class PairRows:
-    """`count` pairs drawn epoch by epoch, each epoch in its own permutation seeded by (seed, epoch); a pair is its
-    chosen and its rejected row (`data.packing.assemble_row`, one sequence each)."""
+class PairRows(ShuffledRows):
+    """`count` pairs drawn epoch by epoch as `ShuffledRows` draws fine-tuning rows; a pair is its chosen and its
+    rejected row (`data.packing.assemble_row`, one sequence each)."""
 
     def __init__(self, pairs: Sequence[tuple[Example, Example]], count: int, seq_len: int, pad_id: int, seed: int):
-        self.pairs, self.count, self.seq_len, self.pad_id, self.seed = pairs, count, seq_len, pad_id, seed
-        self._orders: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return self.count
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
-        return self._orders[epoch]
+        super().__init__(pairs, count, seed)
+        self.pairs, self.seq_len, self.pad_id = pairs, seq_len, pad_id
 
     def __getitem__(self, index: int) -> list[dict[str, np.ndarray]]:
-        epoch, at = divmod(index, len(self.pairs))
-        return [assemble_row([example], self.seq_len, self.pad_id) for example in self.pairs[self._order(epoch)[at]]]
+        return [assemble_row([example], self.seq_len, self.pad_id) for example in super().__getitem__(index)]
 
 
 def pairs_batch(pairs: Sequence[list[dict[str, np.ndarray]]]) -> dict[str, torch.Tensor]:
