@@ -49,20 +49,21 @@ def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.Completed
 
 
 @pytest.fixture(autouse=True)
-def no_process_group_or_rendezvous_leaks_between_tests():
-    """Each test starts as the suite did: no default process group, no rendezvous variables."""
-    before = {key: os.environ.get(key) for key in RENDEZVOUS_VARIABLES}
+def no_process_group_or_environment_leaks_between_tests():
+    """Each test starts as the suite did: no default process group, no rendezvous variables, and this process's
+    environment as it was. In-process Trainers (module-scoped fixtures too) write RANK, LOCAL_RANK, WORLD_SIZE and
+    MASTER_PORT into os.environ; a job started later with a copy takes itself for a rank launched from outside
+    (Lightning starts no other ranks) and waits for its peers for ever."""
+    before = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # frees the store's port
     forget_deepspeed_groups()
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def forget_deepspeed_groups() -> None:

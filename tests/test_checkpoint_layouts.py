@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import RENDEZVOUS_VARIABLES, ROOT, run_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -99,12 +99,27 @@ def test_resume_in_another_layout_continues_the_single_process_losses(
 
 
 # ------------------------------------------------------------------------------------------------ crashes
+STARTED_JOBS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A drill that fails midway leaves no ranks behind to slow or block the tests after it."""
+    yield
+    while STARTED_JOBS:
+        job = STARTED_JOBS.pop()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+
+
 def start(args, save_pause_s: float) -> subprocess.Popen:
     """A job in its own process group (as a scheduler sees it), output to files; each checkpoint file it writes
     stays unpublished `save_pause_s` seconds longer (tests/slow_checkpoint_writes.py)."""
-    full_env = {**os.environ, "WANDB_MODE": "offline"}
+    inherited = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
+    full_env = {**inherited, "WANDB_MODE": "offline"}
     log = open(args[args.index("--trainer.logger.save_dir") + 1] + ".log", "w")  # noqa: SIM115
-    return subprocess.Popen(
+    job = subprocess.Popen(
         [sys.executable, str(Path(__file__).parent / "slow_checkpoint_writes.py"), str(save_pause_s), *args],
         cwd=ROOT,
         env=full_env,
@@ -112,11 +127,17 @@ def start(args, save_pause_s: float) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    STARTED_JOBS.append(job)
+    return job
 
 
-def wait_for(condition, timeout=240.0, what="") -> None:
+def wait_for(condition, job: subprocess.Popen, what: str, timeout=240.0) -> None:
+    """Until `condition()` holds; a job that ended first fails the test at once, with the end of its log."""
     deadline = time.monotonic() + timeout
     while not condition():
+        if job.poll() is not None:
+            log = Path(job.args[job.args.index("--trainer.logger.save_dir") + 1] + ".log")
+            raise AssertionError(f"the job ended (rc {job.returncode}) before {what}:\n{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
@@ -131,7 +152,7 @@ def test_kill_9_of_the_job_during_a_save_resumes_from_the_previous_complete_chec
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
     job = start(args, save_pause_s=3)  # each save holds its files open for 3 s
-    wait_for(lambda: (ckpt / ".step=4.ckpt.incomplete").exists(), what="the save of step 4 to start")
+    wait_for(lambda: (ckpt / ".step=4.ckpt.incomplete").exists(), job, "the save of step 4 to start")
     time.sleep(0.5)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
@@ -146,7 +167,7 @@ def test_kill_9_of_one_rank_ends_the_job_within_60_s_and_it_resumes(tmp_path, re
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
     job = start(args, save_pause_s=1)
-    wait_for(lambda: (ckpt / "step=4.ckpt" / "manifest.json").exists(), what="the checkpoint of step 4")
+    wait_for(lambda: (ckpt / "step=4.ckpt" / "manifest.json").exists(), job, "the checkpoint of step 4")
     (rank1,) = child_ranks(job.pid)
     os.kill(rank1, signal.SIGKILL)
     killed = time.monotonic()
@@ -163,7 +184,7 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_and_the_restart_matches(tm
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
     job = start(args, save_pause_s=1)
-    wait_for(lambda: (ckpt / "step=2.ckpt" / "manifest.json").exists(), what="the checkpoint of step 2")
+    wait_for(lambda: (ckpt / "step=2.ckpt" / "manifest.json").exists(), job, "the checkpoint of step 2")
     pid = job.pid if target == "launcher" else child_ranks(job.pid)[0]
     os.kill(pid, signal.SIGTERM)
     assert job.wait(timeout=120) == 75, (tmp_path / "a.log").read_text()[-3000:]  # preempted: resume me
