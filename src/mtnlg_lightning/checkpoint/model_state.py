@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +56,15 @@ class LazyWeights(Mapping):
     """Model-space weights read from disk one tensor at a time when looked up, never all at once: iterating and
     `shape` touch no tensor data; `read_box` reads part of a tensor (exporting one bigger than memory allows)."""
 
-    def __init__(self):
+    def __init__(self, names: Collection[str] = ()):
+        self.names = names  # the weights served, in their order
         self._last: tuple[str, torch.Tensor] | None = None  # `read_box` slices of one tensor read it once
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self[name].shape)
@@ -75,17 +82,11 @@ class DictWeights(LazyWeights):
     """Weights already in memory, seen through the `LazyWeights` interface."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor]):
-        super().__init__()
+        super().__init__(weights)
         self.weights = weights
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.weights[name]
-
-    def __iter__(self):
-        return iter(self.weights)
-
-    def __len__(self) -> int:
-        return len(self.weights)
 
 
 def as_lazy(weights: Mapping[str, torch.Tensor]) -> LazyWeights:
@@ -98,22 +99,16 @@ class CheckpointWeights(LazyWeights):
     read stay in the page cache and out of this process's resident memory."""
 
     def __init__(self, reader, master: bool = True):
-        super().__init__()
         self.reader = reader
         self._keys = {}
         for key in sorted(reader.manifest["tensors"]):
             if key.startswith("model/"):
                 name = key.removeprefix("model/")
                 self._keys[name] = f"master/{name}" if master and f"master/{name}" in reader else key
+        super().__init__(self._keys)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read_box(name, None, None)
-
-    def __iter__(self):
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader.shape(self._keys[name])

@@ -176,13 +176,20 @@ def bucket_band(ctx: DedupContext, job: tuple[int, int, int]) -> int:
     return len(codes)
 
 
-class BucketsStage(ContextStage[DedupContext]):
+class PairStage(ContextStage[DedupContext]):
+    """A stage over the candidate pairs of the signed documents: its work files in a folder of its name."""
+
+    def signed_documents(self, runner: StageRunner) -> int:
+        """How many documents the signatures stage signed; this stage's work folder made."""
+        os.makedirs(self.ctx.path(self.name), exist_ok=True)
+        return runner.stats["signatures"]["docs"]
+
+
+class BucketsStage(PairStage):
     name = "buckets"
 
     def run(self, runner: StageRunner) -> dict:
-        ctx = self.ctx
-        os.makedirs(ctx.path("buckets"), exist_ok=True)
-        n = runner.stats["signatures"]["docs"]
+        ctx, n = self.ctx, self.signed_documents(runner)
         parts = bucket_partitions(n)
         jobs = [(band, part, parts) for band in range(ctx.banding.bands) for part in range(parts)]
         total = sum(runner.map(self.name, bucket_band, jobs, ctx, unit="band"))
@@ -238,13 +245,11 @@ def verify_partition(ctx: DedupContext, job: tuple[int, int, int]) -> dict:
         }
 
 
-class VerifyStage(ContextStage[DedupContext]):
+class VerifyStage(PairStage):
     name = "verify"
 
     def run(self, runner: StageRunner) -> dict:
-        ctx = self.ctx
-        os.makedirs(ctx.path("verify"), exist_ok=True)
-        n = runner.stats["signatures"]["docs"]
+        ctx, n = self.ctx, self.signed_documents(runner)
         parts = runner.stats["buckets"]["verify_partitions"]
         bounds = np.linspace(0, n, parts + 1).round().astype(np.int64).tolist()
         jobs = [(p, bounds[p], bounds[p + 1]) for p in range(parts)]

@@ -118,6 +118,19 @@ def _strftime_now(format):
     return datetime.now().strftime(format)
 
 
+@contextmanager
+def rendering_record(where: str):
+    """A template's failure on one record (jinja2's errors, raise_exception's messages, a template's TypeError) as
+    one error line naming the record."""
+    try:
+        yield
+    except MTNLGError:
+        raise
+    except Exception as error:
+        message = " ".join(str(error).split()) or type(error).__name__
+        raise MTNLGError(f"{where}: the chat template fails on this record: {message}") from None
+
+
 def compile_template(text: str) -> jinja2.Template:
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols]

@@ -26,10 +26,10 @@ import torch
 
 from mtnlg_lightning.corpora.readers import iter_objects
 from mtnlg_lightning.data.chat_records import _turns
-from mtnlg_lightning.data.chat_template import ChatTokenizer, EncodedChat
-from mtnlg_lightning.data.finetune import ChatDataModule, to_example
+from mtnlg_lightning.data.chat_template import ChatTokenizer, EncodedChat, rendering_record
+from mtnlg_lightning.data.finetune import ChatDataModule, collect_samples, to_example
 from mtnlg_lightning.data.packing import Example, ShuffledRows, assemble_row
-from mtnlg_lightning.errors import MTNLGError, is_rank_zero
+from mtnlg_lightning.errors import MTNLGError
 
 # One sequence a row, padding after it: plain causal attention is exact, no document ids are needed.
 PAIR_FIELDS = ("input_ids", "labels", "position_ids")
@@ -96,7 +96,14 @@ class PairExamples:
     skipped: Counter  # reason -> count
     read: int
 
-    def summary(self, name: str) -> str | None:
+    def each_example(self) -> list[Example]:
+        return [example for pair in self.pairs for example in pair]
+
+    @property
+    def left_out(self) -> Counter:
+        return self.skipped
+
+    def summary(self, name: str, seq_len: int | None = None) -> str | None:
         if not self.skipped:
             return None
         reasons = {"identical": "chosen equal to rejected", "untrained": "no assistant tokens in an answer"}
@@ -106,35 +113,25 @@ class PairExamples:
 
 def encode_pairs(specs, chat: ChatTokenizer, seq_len: int) -> PairExamples:
     """Every record of `specs` as a (chosen, rejected) pair of examples."""
-    pairs, skipped, read = [], Counter(), 0
-    for where, record in iter_objects([specs] if isinstance(specs, str) else list(specs)):
-        read += 1
+
+    def encode_one(where: str, record: dict) -> tuple[Example, Example] | str:
         pair = to_pair(record, where)
-        try:
+        with rendering_record(where):
             (chosen, prompt_tokens), (rejected, _) = (
                 encode_completion(chat, pair.prompt, answer) for answer in (pair.chosen, pair.rejected)
             )
-        except MTNLGError:
-            raise
-        except Exception as error:  # jinja2's errors, raise_exception's messages, a template's TypeError
-            message = " ".join(str(error).split()) or type(error).__name__
-            raise MTNLGError(f"{where}: the chat template fails on this record: {message}") from None
         if prompt_tokens >= seq_len:
             raise MTNLGError(
                 f"{where}: the prompt takes {prompt_tokens} tokens, leaving no room for an answer in seq_len "
                 f"{seq_len} (shorten it or raise seq_len)"
             )
         if chosen.ids == rejected.ids:
-            skipped["identical"] += 1
-            continue
+            return "identical"
         examples = to_example(chosen, seq_len), to_example(rejected, seq_len)
-        if None in examples:
-            skipped["untrained"] += 1
-            continue
-        pairs.append(examples)
-    if not pairs:
-        raise MTNLGError(f"{specs}: no preference pair left to train on ({read} records read)")
-    return PairExamples(pairs, skipped, read)
+        return "untrained" if None in examples else examples
+
+    records = iter_objects([specs] if isinstance(specs, str) else list(specs))
+    return PairExamples(*collect_samples(records, encode_one, specs, "preference pair"))
 
 
 class PairRows(ShuffledRows):
@@ -156,69 +153,26 @@ def pairs_batch(pairs: Sequence[list[dict[str, np.ndarray]]]) -> dict[str, torch
 
 
 class PreferenceDataModule(ChatDataModule):
+    """Preference pairs: records of `prompt` (or `messages`), `chosen` and `rejected`; a sample is one pair.
+
+    The record forms are in this module's description; `eval_samples` counts pairs, and validation logs val_loss
+    and the rewards of the held-out pairs."""
+
     kind = "preference"
     collate = staticmethod(pairs_batch)
 
-    def __init__(
-        self,
-        train: str | list[str],
-        valid: str | list[str] | None = None,
-        tokenizer: str | None = None,
-        chat_template: str | None = None,
-        seed: int = 1234,
-        num_workers: int = 0,
-        eval_samples: int | None = None,
-    ):
-        """
-        Args:
-            train: the preference records: files (JSON lines or a JSON array, plain, gzip or zstd; parquet), folders,
-                globs or URLs; each record `prompt` (or `messages`), `chosen` and `rejected` (see the module
-                docstring).
-            valid: held-out records in the same forms (none: no validation); validation logs val_loss and the
-                rewards of these pairs.
-            tokenizer: the model directory whose tokenizer.json and chat template encode the records (default: the
-                model's `init_from`).
-            chat_template: a template instead of the directory's: a name (chatml, llama3), a .jinja file, or the
-                template text.
-            seed: the seed of the pair order (each epoch its own permutation).
-            num_workers: DataLoader worker processes.
-            eval_samples: validation pairs per evaluation (default: every pair, whole global batches, at least one).
-        """
-        super().__init__()
-        self.train, self.valid, self.tokenizer, self.chat_template = train, valid, tokenizer, chat_template
-        self.seed, self.num_workers, self.eval_samples = seed, num_workers, eval_samples
-        self.chat: ChatTokenizer | None = None
-        self.skipped: dict[str, Counter] = {}
+    @property
+    def skipped(self) -> dict[str, Counter]:
+        """Split -> reason -> records not made into pairs (chosen equal to rejected, no assistant tokens)."""
+        return self.left_out
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
-        module = self._module
-        if module.preference is None:
+    def check_objective(self) -> None:
+        if self._module.preference is None:
             raise MTNLGError("preference data trains the dpo objective: set model.objective dpo (or --config dpo)")
-        self.chat = ChatTokenizer(self._model_directory(), self.chat_template)
-        seq_len, vocab = module.config.seq_len, module.config.padded_vocab_size()
-        global_batch = module.batch_schedule.global_batch_size
-        for name, specs in (("train", self.train), ("valid", self.valid)):
-            if specs is None:
-                continue
-            split = encode_pairs(specs, self.chat, seq_len)
-            largest = max(int(e.input_ids.max()) for pair in split.pairs for e in pair)
-            if largest >= vocab:
-                raise MTNLGError(
-                    f"{specs}: the tokenizer of {self.chat.directory} gives id {largest}, beyond the model's "
-                    f"vocabulary {vocab}"
-                )
-            self.skipped[name] = split.skipped
-            report = split.summary(name)
-            if report and is_rank_zero():
-                print(report)
-            if name == "train":
-                max_steps = self.trainer.max_steps if self.trainer is not None else -1
-                schedule = module.batch_schedule
-                count = schedule.consumed_samples(max_steps) if max_steps and max_steps > 0 else len(split.pairs)
-                seed = self.seed
-            else:
-                count = self.eval_samples or len(split.pairs)
-                count, seed = max(global_batch, count - count % global_batch), self.seed + 1
-            self.splits[name] = PairRows(split.pairs, count, seq_len, self.chat.pad_id, seed)
+
+    def encode(self, specs, seq_len: int) -> PairExamples:
+        return encode_pairs(specs, self.chat, seq_len)
+
+    def sample_set(self, encoded: PairExamples, name: str, seq_len: int) -> PairRows:
+        count, seed = self.sample_count(name, len(encoded.pairs))
+        return PairRows(encoded.pairs, count, seq_len, self.chat.pad_id, seed)

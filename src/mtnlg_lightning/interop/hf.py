@@ -114,10 +114,10 @@ class HFWeights(LazyWeights):
     line before any read."""
 
     def __init__(self, path: Path, config: ModelConfig, family, files):
-        super().__init__()
         self.files, self.config, self.family = files, config, family
         stored = {family.normalize(name): name for name in self.files.names}
         self.sources, self.stored = family.sources(config), {}
+        super().__init__(self.sources)
         for theirs in (name for names in self.sources.values() for name in names):
             if theirs not in stored:
                 short = theirs.removeprefix("transformer.")
@@ -129,12 +129,6 @@ class HFWeights(LazyWeights):
         leftover = sorted(name for name in stored if not family.is_constant(name))
         if leftover:
             raise MTNLGError(f"{path} has tensors this model does not use: {', '.join(leftover[:5])}")
-
-    def __iter__(self):
-        return iter(self.sources)
-
-    def __len__(self) -> int:
-        return len(self.sources)
 
     def shape(self, name: str) -> tuple[int, ...]:
         shapes = [self.files.shapes[self.stored[theirs]] for theirs in self.sources[name]]

@@ -65,18 +65,12 @@ class MergedWeights(LazyWeights):
     """The base's model-space weights with each adapted weight replaced by W + s B A (fp32), computed when read."""
 
     def __init__(self, base: LazyWeights, adapters, lora, config):
-        super().__init__()
+        super().__init__(base)
         self.base, self.adapters, self.scale = base, adapters, lora.scale
         self.merged = {weight: module for module, weight in adapter_names(config, lora).items()}
         missing = [m for m in self.merged.values() if f"{m}.lora_a" not in adapters or f"{m}.lora_b" not in adapters]
         if missing:
             raise MTNLGError(f"the checkpoint has no adapter for {missing[0]}, which its LoRA settings target")
-
-    def __iter__(self):
-        return iter(self.base)
-
-    def __len__(self) -> int:
-        return len(self.base)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.base.shape(name)
