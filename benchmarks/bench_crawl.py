@@ -33,7 +33,7 @@ from mtnlg_lightning.crawl.extract import ExtractSettings, decode_html, drop_pol
 from mtnlg_lightning.crawl.html_text import page_text  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language  # noqa: E402
 from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
-from mtnlg_lightning.synthetic.warc import (  # noqa: E402
+from mtnlg_lightning.demo.synthetic.warc import (  # noqa: E402
     CrawlSpec,
     junk_documents,
     score_extraction,

@@ -35,7 +35,7 @@ from mtnlg_lightning.crawl.extract import decode_html, drop_policy_lines  # noqa
 from mtnlg_lightning.crawl.html_text import page_text, prose_languages, segment  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language, stoplist_for  # noqa: E402
 from mtnlg_lightning.crawl.warc import BrokenRecord, iter_records  # noqa: E402
-from mtnlg_lightning.synthetic.warc import (  # noqa: E402
+from mtnlg_lightning.demo.synthetic.warc import (  # noqa: E402
     ALL_LANGUAGES,
     CrawlSpec,
     score_extraction,

@@ -19,7 +19,7 @@ import time
 from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate  # noqa: E402
-from mtnlg_lightning.synthetic.near_duplicates import make_tasks_and_training  # noqa: E402
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_tasks_and_training  # noqa: E402
 
 
 def run(tasks: str, train: str, out: str, workers: int, engine: str) -> dict:

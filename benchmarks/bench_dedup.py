@@ -37,7 +37,7 @@ from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
 from mtnlg_lightning.curation.lsh import DEFAULT_BANDING, MTNLG_BANDING  # noqa: E402
 from mtnlg_lightning.curation.shingles import normalize_words  # noqa: E402
 from mtnlg_lightning.curation.signatures import Shard, SignatureSettings, compute_shard  # noqa: E402
-from mtnlg_lightning.synthetic.near_duplicates import evaluate_dedup, make_near_dup_corpus  # noqa: E402
+from mtnlg_lightning.demo.synthetic.near_duplicates import evaluate_dedup, make_near_dup_corpus  # noqa: E402
 
 
 def write_corpus(path: str, n: int, seed: int) -> float:

@@ -31,15 +31,15 @@ import torch  # noqa: E402
 from model_shape import add_model_shape_args  # noqa: E402
 from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data  # noqa: E402
 from mtnlg_lightning.data.gpt_dataset import split_ranges  # noqa: E402
 from mtnlg_lightning.data.tokenizer import Tokenizer  # noqa: E402
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data  # noqa: E402
+from mtnlg_lightning.demo.synthetic.cloze import cloze_passages  # noqa: E402
+from mtnlg_lightning.demo.synthetic.demo_corpus import demo_dir  # noqa: E402
 from mtnlg_lightning.evaluation import tasks  # noqa: E402
 from mtnlg_lightning.evaluation.data import read_jsonl  # noqa: E402
 from mtnlg_lightning.inference.load import load_model  # noqa: E402
 from mtnlg_lightning.inference.scoring import Scorer  # noqa: E402
-from mtnlg_lightning.synthetic.cloze import cloze_passages  # noqa: E402
-from mtnlg_lightning.synthetic.demo_corpus import demo_dir  # noqa: E402
 
 TASK_YAML = """task: bench_lambada
 dataset_path: json

@@ -62,13 +62,13 @@ from model_shape import add_model_shape_args, shape_fields  # noqa: E402
 from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.config import get_config  # noqa: E402
-from mtnlg_lightning.data.builtin_corpus import build_demo_data  # noqa: E402
 from mtnlg_lightning.data.chat_template import NAMED_TEMPLATES, ChatTokenizer  # noqa: E402
 from mtnlg_lightning.data.finetune import encode_split  # noqa: E402
 from mtnlg_lightning.data.packing import Rows  # noqa: E402
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data  # noqa: E402
+from mtnlg_lightning.demo.synthetic.instructions import SYSTEM, TASKS  # noqa: E402
 from mtnlg_lightning.interop.llama_mapping import hf_config  # noqa: E402
 from mtnlg_lightning.loss import IGNORE_INDEX  # noqa: E402
-from mtnlg_lightning.synthetic.instructions import SYSTEM, TASKS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")

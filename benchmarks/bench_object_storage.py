@@ -44,7 +44,7 @@ import zstandard  # noqa: E402
 from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.data.tokenizer import train_bpe  # noqa: E402
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -92,9 +92,9 @@ def run_plain(args, batches) -> list[float]:
 
 
 def data_batches(args):
-    from mtnlg_lightning.data.builtin_corpus import build_demo_data
     from mtnlg_lightning.data.gpt_dataset import GPTDataset
     from mtnlg_lightning.data.indexed import IndexedDataset
+    from mtnlg_lightning.demo.builtin_corpus import build_demo_data
 
     dataset = GPTDataset(
         IndexedDataset(build_demo_data(progress=False)[0]),

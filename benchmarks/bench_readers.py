@@ -45,7 +45,7 @@ from mtnlg_lightning.corpora.readers import iter_raw  # noqa: E402
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup  # noqa: E402
 from mtnlg_lightning.data.preprocess import preprocess  # noqa: E402
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus  # noqa: E402
 
 FORMATS = ("jsonl", "jsonl.zst", "parquet")
 

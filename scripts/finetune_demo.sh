@@ -13,7 +13,7 @@ if [ ! -e "$base" ]; then
   echo "== no $base yet: training the demo model first (mtnlg fit --config demo)"
   "$PYTHON" -m mtnlg_lightning.train.cli fit --config demo
 fi
-"$PYTHON" -m mtnlg_lightning.synthetic.instructions write "$out"
+"$PYTHON" -m mtnlg_lightning.demo.synthetic.instructions write "$out"
 ask() {  # ask CHECKPOINT OUTPUT: greedy answers to every held-out question, as the training turns put them
   "$PYTHON" -m mtnlg_lightning.inference.generate_cli --checkpoint "$1" --chat --chat-template chatml \
     --system "You are a careful assistant. Answer with the result only." --temperature 0 --max-new-tokens 12 \
@@ -25,5 +25,5 @@ echo "== LoRA fine-tuning on the instruction set"
 "$PYTHON" -m mtnlg_lightning.train.cli fit --config lora --config demo_finetune "$@"
 echo "== answers of the fine-tuned model"
 ask "$out/checkpoints/last.ckpt" "$out/answers_after.txt"
-"$PYTHON" -m mtnlg_lightning.synthetic.instructions score "$out/questions.txt" \
+"$PYTHON" -m mtnlg_lightning.demo.synthetic.instructions score "$out/questions.txt" \
   before="$out/answers_before.txt" after="$out/answers_after.txt"

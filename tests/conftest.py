@@ -83,7 +83,7 @@ def forget_deepspeed_groups() -> None:
 @pytest.fixture(scope="session")
 def demo_data():
     """(prefix, tokenizer path) of the built-in corpus, built once and cached."""
-    from mtnlg_lightning.data.builtin_corpus import build_demo_data
+    from mtnlg_lightning.demo.builtin_corpus import build_demo_data
 
     return build_demo_data(progress=False)
 

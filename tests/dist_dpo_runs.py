@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 tests/dist_dpo_runs.py OUT_DIR BASE_DIR PAIRS_FILE tp2 pp2 zero1 tp2_lora
 
 Full-weight DPO (the reference: a frozen copy of each rank's shards); a layout ending in _lora trains LoRA adapters
-(the reference: the base with the adapters off). Rank 0 writes OUT_DIR/NAME.pt (losses, grad
-norms, rewards, parameters at step 5) for pytest to compare with one process (`dpo_run` there too).
+(the reference: the base with the adapters off); one ending in _precomputed is full-weight DPO whose reference
+log-probs are computed before the first step (`data.precompute_reference`: no copy). Rank 0 writes OUT_DIR/NAME.pt
+(losses, grad norms, rewards, parameters at step 5) for pytest to compare with one process (`dpo_run` there too).
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ class RewardRecorder(L.Callback):
 
 
 def dpo_run(
-    base: str, pairs: str, strategy="auto", devices: int = 1, micro_batch_size: int = 2, lora: dict | None = None
+    base: str,
+    pairs: str,
+    strategy="auto",
+    devices: int = 1,
+    micro_batch_size: int = 2,
+    lora: dict | None = None,
+    precompute_reference: bool = False,
 ) -> dict:
     """5 DPO steps of 4 pairs (clipped, so the updates depend on the global gradient norm)."""
     L.seed_everything(SEED, verbose=False)
@@ -61,7 +68,7 @@ def dpo_run(
         watchdog=False,
         straggler_every_n_steps=0,
     )
-    data = PreferenceDataModule(train=pairs, chat_template="chatml")
+    data = PreferenceDataModule(train=pairs, chat_template="chatml", precompute_reference=precompute_reference)
     recorder, rewards = Recorder(), RewardRecorder()
     trainer = quiet_trainer(
         accelerator=ACCELERATOR,
@@ -79,12 +86,13 @@ def dpo_run(
 
 def train(layout: str, base: str, pairs: str) -> dict:
     lora = DPO_LORA if layout.endswith("_lora") else None
-    kwargs = layout_kwargs(layout.removesuffix("_lora"))
+    precompute = layout.endswith("_precomputed")
+    kwargs = layout_kwargs(layout.removesuffix("_lora").removesuffix("_precomputed"))
     if kwargs["zero_stage"] == 3:
         kwargs["deepspeed_config"] = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     micro_batch = 1 if kwargs["pipeline_parallel"] > 1 else 2  # a pipeline needs several micro-batches
     strategy = MegatronDeepSpeedStrategy(**kwargs, print_layout=False)
-    return dpo_run(base, pairs, strategy, int(os.environ["WORLD_SIZE"]), micro_batch, lora)
+    return dpo_run(base, pairs, strategy, int(os.environ["WORLD_SIZE"]), micro_batch, lora, precompute)
 
 
 def main() -> None:

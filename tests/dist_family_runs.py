@@ -102,7 +102,7 @@ def train(name: str, out: Path, world: int) -> dict:
 
 def downstream_eval(out: Path):
     """`DownstreamEval` of the perplexity of EVAL_TEXT (longer than the model's positions) every 2 steps."""
-    from mtnlg_lightning.data.builtin_corpus import build_demo_data
+    from mtnlg_lightning.demo.builtin_corpus import build_demo_data
     from mtnlg_lightning.evaluation.callback import DownstreamEval
 
     text = out / "downstream_text.txt"

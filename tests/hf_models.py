@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from mtnlg_lightning.config import LLAMA_31
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe
-from mtnlg_lightning.synthetic.demo_corpus import demo_dir
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data
+from mtnlg_lightning.demo.synthetic.demo_corpus import demo_dir
 
 RANDOM_GPT2 = dict(vocab_size=1000, n_positions=64, n_embd=64, n_layer=3, n_head=4)
 

@@ -32,6 +32,7 @@ from mtnlg_lightning.checkpoint.sharded import chat_files_of
 from mtnlg_lightning.data.chat_template import NAMED_TEMPLATES, ChatTokenizer, directory_template_files
 from mtnlg_lightning.data.finetune import FineTuneDataModule
 from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.demo.synthetic.instructions import instruction_examples
 from mtnlg_lightning.evaluation.cli import main as eval_main
 from mtnlg_lightning.evaluation.tasks import rolling_loglik
 from mtnlg_lightning.inference.decode import generate
@@ -40,7 +41,6 @@ from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import generation_config
-from mtnlg_lightning.synthetic.instructions import instruction_examples
 from mtnlg_lightning.train.module import MTNLGModule
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ from corpus_layouts import LAYOUTS, decompressed, read_records, write_layout
 
 from mtnlg_lightning.corpora.formats import detect
 from mtnlg_lightning.curation import dedup_cli
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_dedup_reads_every_layout(layout, shards, dedup_reference, tmp_path):
 
 @pytest.fixture(scope="module")
 def decontam_data(tmp_path_factory):
-    from mtnlg_lightning.synthetic.near_duplicates import make_tasks_and_training
+    from mtnlg_lightning.demo.synthetic.near_duplicates import make_tasks_and_training
 
     tasks, train = make_tasks_and_training(4, 40, seed=5, doc_chars=800, plant_fraction=0.3)
     root = tmp_path_factory.mktemp("decon")

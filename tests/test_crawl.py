@@ -20,7 +20,7 @@ for module in ("warcio", "trafilatura", "justext", "pycld2", "lxml_html_clean", 
 
 from mtnlg_lightning.crawl import extract_cli, quality_cli  # noqa: E402
 from mtnlg_lightning.crawl.heuristics import measure  # noqa: E402
-from mtnlg_lightning.synthetic.warc import (  # noqa: E402
+from mtnlg_lightning.demo.synthetic.warc import (  # noqa: E402
     CrawlSpec,
     english_paragraphs,
     junk_documents,

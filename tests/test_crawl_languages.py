@@ -19,7 +19,7 @@ from mtnlg_lightning.crawl import extract_cli  # noqa: E402
 from mtnlg_lightning.crawl.extract import NO_MAIN_TEXT, drop_policy_lines  # noqa: E402
 from mtnlg_lightning.crawl.html_text import justext_page  # noqa: E402
 from mtnlg_lightning.crawl.language import identify_language, stoplist_for  # noqa: E402
-from mtnlg_lightning.synthetic.warc import (  # noqa: E402
+from mtnlg_lightning.demo.synthetic.warc import (  # noqa: E402
     ALL_LANGUAGES,
     FOREIGN_PARAGRAPHS,
     CrawlSpec,

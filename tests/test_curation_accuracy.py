@@ -5,7 +5,7 @@ precision >= 0.99.  The same figures for --preset mtnlg are printed by benchmark
 import pytest
 
 from mtnlg_lightning.curation.lsh import MTNLG_BANDING
-from mtnlg_lightning.synthetic.near_duplicates import evaluate_dedup, make_near_dup_corpus
+from mtnlg_lightning.demo.synthetic.near_duplicates import evaluate_dedup, make_near_dup_corpus
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -38,7 +38,7 @@ def test_help_documents_every_flag(name):
     script = {"dedup": "dedup.py", "decontaminate": "decontaminate.py", "synthetic": "make_near_dup_corpus.py"}[name]
     p = tool(script, "--help")
     assert p.returncode == 0 and "usage:" in p.stdout
-    module = {"synthetic": "mtnlg_lightning.synthetic.near_duplicates_cli"}.get(
+    module = {"synthetic": "mtnlg_lightning.demo.synthetic.near_duplicates_cli"}.get(
         name, f"mtnlg_lightning.curation.{name}_cli"
     )
     parser = importlib.import_module(module).build_parser()

@@ -10,7 +10,7 @@ import pytest
 from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.ngrams import TaskNgrams, clean_text, split_text, words_and_spans
-from mtnlg_lightning.synthetic.near_duplicates import TextGenerator
+from mtnlg_lightning.demo.synthetic.near_duplicates import TextGenerator
 
 # ----------------------------------------------------------------------------------------------------------
 # Oracle: a direct transcription of the rules with strings (no hashing, no numpy)

@@ -11,7 +11,7 @@ from mtnlg_lightning.corpora.jsonl import InputError
 from mtnlg_lightning.curation.dedup import WORK_DIR_NAME, DedupConfig, run_dedup
 from mtnlg_lightning.curation.lsh import Banding
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, normalize_words, shingle_strings
-from mtnlg_lightning.synthetic.near_duplicates import TextGenerator, make_near_dup_corpus
+from mtnlg_lightning.demo.synthetic.near_duplicates import TextGenerator, make_near_dup_corpus
 
 W5 = ShingleSpec("word", 5)
 ALWAYS_CANDIDATE = Banding(64, 1)  # any pair sharing one of 64 minhash values is a candidate: tests verification

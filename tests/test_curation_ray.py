@@ -13,7 +13,7 @@ from curation_faults import Faults, SimulatedCrash
 
 from mtnlg_lightning.curation.decontaminate import DecontamConfig, run_decontaminate
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 ray = pytest.importorskip("ray")
 # Ray workers do not have tests/ on their path: the fault hooks travel to them by value.

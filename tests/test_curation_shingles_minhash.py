@@ -17,7 +17,7 @@ from mtnlg_lightning.curation.shingles import (
     shingle_set,
     shingle_strings,
 )
-from mtnlg_lightning.synthetic.near_duplicates import TextGenerator, render
+from mtnlg_lightning.demo.synthetic.near_duplicates import TextGenerator, render
 
 W5 = ShingleSpec("word", 5)
 

@@ -12,14 +12,15 @@ import lightning as L
 import pytest
 import torch
 
+from mtnlg_lightning.checkpoint.format import read_meta
 from mtnlg_lightning.data.preferences import PreferenceDataModule, encode_completion, pairs_batch, to_pair
+from mtnlg_lightning.demo.synthetic.preferences import preference_examples, write_preferences
 from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, objective_config, pair_losses, per_token_cross_entropy
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, adapters_disabled, apply_lora
-from mtnlg_lightning.synthetic.preferences import preference_examples, write_preferences
 from mtnlg_lightning.train.dpo import PreferenceLoss, ReferenceLogps, with_row_index
 from mtnlg_lightning.train.module import MTNLGModule
 
@@ -214,7 +215,14 @@ def test_the_lora_reference_is_the_base_with_the_adapters_off(base_dir):
 
 # ------------------------------------------------------------------------------------------------ a fit
 def dpo_fit(
-    base_dir: Path, tmp_path: Path, steps: int, lora: dict | None = None, callbacks=(), ckpt_path=None, **module_args
+    base_dir: Path,
+    tmp_path: Path,
+    steps: int,
+    lora: dict | None = None,
+    callbacks=(),
+    ckpt_path=None,
+    precompute_reference: bool = False,
+    **module_args,
 ):
     from benchmarks.lightning_run import quiet_trainer
 
@@ -235,7 +243,7 @@ def dpo_fit(
         straggler_every_n_steps=0,
         **module_args,
     )
-    data = PreferenceDataModule(train=str(train), chat_template="chatml")
+    data = PreferenceDataModule(train=str(train), chat_template="chatml", precompute_reference=precompute_reference)
     logged = []
 
     class Record(L.Callback):
@@ -309,6 +317,40 @@ def test_a_resumed_full_weight_run_keeps_the_starting_weights_as_its_reference(b
     for after, before in zip(resumed, straight[2:], strict=True):
         assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-6)
         assert after["rewards/margin"] == pytest.approx(before["rewards/margin"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_precomputed_reference_log_probs_need_no_copy_travel_in_the_checkpoint_and_a_resume_reads_them(
+    base_dir, tmp_path
+):
+    """Full-weight DPO with data.precompute_reference keeps no reference copy and trains as the run with one (the
+    log-probs of every pair, computed before the first step, are the starting model's). Its checkpoints hold them:
+    a resume from step 2 continues the uninterrupted losses (the restored weights are not the reference); a
+    checkpoint saved without them is refused in one line."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def saving(folder):
+        return ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+
+    with_copy, _ = dpo_fit(base_dir, tmp_path / "copy", 4, callbacks=[saving("plain")])
+    straight, module = dpo_fit(base_dir, tmp_path / "straight", 4, precompute_reference=True)
+    assert module.preference.reference_weights is None
+    for ours, theirs in zip(straight, with_copy, strict=True):
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
+        assert ours["rewards/margin"] == pytest.approx(theirs["rewards/margin"], rel=1e-5, abs=1e-7)
+
+    dpo_fit(base_dir, tmp_path / "first", 2, callbacks=[saving("ckpt")], precompute_reference=True)
+    stored = read_meta(tmp_path / "ckpt" / "step=2.ckpt")
+    assert stored["dpo_reference_logps"]["train"].shape == (2 * 64,)
+    resumed, _ = dpo_fit(
+        base_dir, tmp_path / "second", 4, ckpt_path=tmp_path / "ckpt" / "step=2.ckpt", precompute_reference=True
+    )
+    assert len(resumed) == 2
+    for after, before in zip(resumed, straight[2:], strict=True):
+        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-6)
+    with pytest.raises(MTNLGError, match="holds no precomputed reference log-probabilities"):
+        plain = tmp_path / "plain" / "step=2.ckpt"
+        dpo_fit(base_dir, tmp_path / "third", 4, ckpt_path=plain, precompute_reference=True)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -417,7 +459,8 @@ def test_preference_data_needs_the_dpo_objective(base_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ layouts
-DPO_LAYOUTS = ("tp2", "pp2", "zero1", "pp2_lora", "zero3_lora")  # world 2: zeroN is dp2
+# world 2: zeroN is dp2; _precomputed: full weights, the reference log-probs computed before the first step
+DPO_LAYOUTS = ("tp2", "pp2", "zero1", "pp2_lora", "zero3_lora", "pp2_precomputed", "zero3_precomputed")
 
 
 @pytest.fixture(scope="module")
@@ -444,10 +487,11 @@ def dpo_runs(base_dir, tmp_path_factory):
 def test_dpo_trains_alike_in_every_layout(layout, dpo_runs):
     """tp2 (vocabulary-parallel log-probs), pp2 (the pairs' log-probs summed on the last stage; the reference pass
     through the same schedule) and dp2 ZeRO-1 (a pair on one rank), and LoRA-DPO (the reference: adapters off) in
-    pp2 and dp2 ZeRO-3, reproduce one process: losses (rel 1e-5), the logged rewards, pre-clip gradient norms and
-    the weights after 5 clipped Adam steps. The norms are compared at
-    5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the same gradients (which
-    the layouts' `parallel.clip` computes) on this model."""
+    pp2 and dp2 ZeRO-3, and full-weight DPO with precomputed reference log-probs (no copy: the reference pass over
+    every pair before the first step, through the pipeline schedule, or under ZeRO-3), reproduce one process:
+    losses (rel 1e-5), the logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam steps. The
+    norms are compared at 5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the
+    same gradients (which the layouts' `parallel.clip` computes) on this model."""
     run, one = dpo_runs[layout], dpo_runs["one_lora" if layout.endswith("_lora") else "one"]
     assert one["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     torch.testing.assert_close(run["losses"], one["losses"], rtol=1e-5, atol=0)

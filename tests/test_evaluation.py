@@ -12,8 +12,8 @@ from conftest import ROOT, run_cli
 from tiny_runs import cloze_file, downstream_eval_arg, tiny_fit_args, tiny_run
 from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.evaluation.cli import main as eval_main

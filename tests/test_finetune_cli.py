@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import run_cli
 
-from mtnlg_lightning.synthetic.instructions import write_instructions
+from mtnlg_lightning.demo.synthetic.instructions import write_instructions
 
 # A few seconds of a tiny Llama: 12 LoRA steps of 4 packed 256-token rows.
 QUICK = [

@@ -32,9 +32,9 @@ from mtnlg_lightning.data.packing import (
     best_fit_decreasing,
     rows_batch,
 )
+from mtnlg_lightning.demo.synthetic.instructions import answer_of, instruction_examples, write_instructions
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.loss import IGNORE_INDEX
-from mtnlg_lightning.synthetic.instructions import answer_of, instruction_examples, write_instructions
 from mtnlg_lightning.train.module import MTNLGModule
 
 transformers = pytest.importorskip("transformers")

@@ -112,6 +112,20 @@ def test_no_import_cycles():
     assert not found, "modules that import each other:\n" + "\n".join(report)
 
 
+def test_the_demo_part_of_the_house_is_imported_by_nothing_outside_it():
+    """The demo corpus, the corpora made on purpose and the end-to-end experiment stand on the trainer; the trainer
+    finds the demo corpus by its entry-point name (data.builtin_corpora), never by import."""
+    demo = "mtnlg_lightning.demo"
+    arrows = [
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if not module.startswith(demo)
+        for target in targets
+        if target == demo or target.startswith(demo + ".")
+    ]
+    assert not arrows, "\n".join(arrows)
+
+
 @pytest.mark.slow  # ~18 s: every optional extra's library is imported
 def test_every_module_imports_in_a_fresh_interpreter():
     names = sorted(module_files())

@@ -10,8 +10,8 @@ import torch
 from hf_models import RANDOM_GPT2, demo_texts, random_gpt2_dir
 from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.decode import generate
 from mtnlg_lightning.inference.generate_cli import main as generate_main

@@ -18,7 +18,7 @@ from tiny_runs import tiny_checkpoint as trained_tiny_checkpoint
 
 from mtnlg_lightning.checkpoint.consolidate import consolidate
 from mtnlg_lightning.checkpoint.safetensors_shards import ShardedTensors, parse_size
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop.export_cli import main as export_main

@@ -14,7 +14,7 @@ from object_store import local_tree
 
 from mtnlg_lightning.corpora.sources import expand_inputs
 from mtnlg_lightning.curation.dedup import DedupConfig, run_dedup
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus
 
 TESTS = Path(__file__).resolve().parent
 

@@ -11,7 +11,7 @@ from corpus_layouts import write_layout
 from object_store import local_tree
 
 from mtnlg_lightning.curation import decontaminate_cli, dedup_cli
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a Ray cluster: GCS, raylet and worker processes
@@ -88,7 +88,7 @@ def test_ray_extract_from_s3_to_s3_writes_the_local_bytes(s3, workers_cache, tmp
     for module in ("warcio", "trafilatura", "justext", "pycld2", "lxml_html_clean"):
         pytest.importorskip(module)
     from mtnlg_lightning.crawl import extract_cli
-    from mtnlg_lightning.synthetic.warc import CrawlSpec, write_synthetic_warc
+    from mtnlg_lightning.demo.synthetic.warc import CrawlSpec, write_synthetic_warc
 
     (tmp_path / "in").mkdir()
     write_synthetic_warc(tmp_path / "in" / "crawl.warc.gz", CrawlSpec(english_pages=10, pages_per_language=1, seed=2))

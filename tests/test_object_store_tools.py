@@ -14,7 +14,7 @@ from corpus_layouts import write_layout
 from object_store import local_tree
 
 from mtnlg_lightning.curation import decontaminate_cli, dedup_cli
-from mtnlg_lightning.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
+from mtnlg_lightning.demo.synthetic.near_duplicates import make_near_dup_corpus, make_tasks_and_training
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("plain", "zstd", "parquet", "folder")
@@ -141,7 +141,7 @@ def warcs(tmp_path_factory):
 
     from warcio.warcwriter import WARCWriter
 
-    from mtnlg_lightning.synthetic.warc import CrawlSpec, english_paragraphs, write_synthetic_warc
+    from mtnlg_lightning.demo.synthetic.warc import CrawlSpec, english_paragraphs, write_synthetic_warc
 
     root = tmp_path_factory.mktemp("warcs")
     write_synthetic_warc(
@@ -178,7 +178,7 @@ def test_extract_from_s3_to_s3_writes_the_bytes_it_writes_on_disk(warcs, s3, tmp
 def test_quality_train_score_annotate_filter_from_s3_to_s3(s3, tmp_path):
     pytest.importorskip("sklearn")
     from mtnlg_lightning.crawl import quality_cli
-    from mtnlg_lightning.synthetic.warc import english_paragraphs, junk_documents
+    from mtnlg_lightning.demo.synthetic.warc import english_paragraphs, junk_documents
 
     prose = [{"text": p} for _, p in english_paragraphs(60)]
     junk = [{"text": t} for t in junk_documents(40, seed=2)]

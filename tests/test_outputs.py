@@ -165,7 +165,7 @@ def test_consolidate_refuses_to_write_into_the_checkpoint(checkpoint, capsys):
 
 
 def test_pipeline_overwrite_refuses_the_current_directory_and_keeps_a_failed_runs_previous(tmp_path, monkeypatch):
-    from mtnlg_lightning.pipeline.run import prepare_out_dir
+    from mtnlg_lightning.demo.pipeline.run import prepare_out_dir
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "keep.txt").write_text("mine")

@@ -455,7 +455,7 @@ def test_export_evaluation_and_generation_read_a_bf16_checkpoint_at_its_fp32_mas
     from safetensors.torch import load_file
 
     from mtnlg_lightning.checkpoint.format import TensorReader, read_manifest
-    from mtnlg_lightning.data.builtin_corpus import build_demo_data
+    from mtnlg_lightning.demo.builtin_corpus import build_demo_data
     from mtnlg_lightning.evaluation.cli import main as eval_main
     from mtnlg_lightning.inference.generate_cli import main as generate_main
     from mtnlg_lightning.inference.load import load_model

@@ -12,9 +12,9 @@ from corpus_layouts import read_records
 
 from mtnlg_lightning.corpora import detect
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
-from mtnlg_lightning.pipeline.crawl import score_extraction, score_language, score_quality
-from mtnlg_lightning.synthetic.planted_corpus import CorpusSpec, build_corpus, ngram_set
-from mtnlg_lightning.synthetic.planted_crawl import CrawlSpec, build_crawl, read_truth
+from mtnlg_lightning.demo.pipeline.crawl import score_extraction, score_language, score_quality
+from mtnlg_lightning.demo.synthetic.planted_corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.demo.synthetic.planted_crawl import CrawlSpec, build_crawl, read_truth
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_crawl_scores_count_what_they_say():
 
 
 def test_no_crawl_starts_dedup_at_the_raw_jsonl_and_the_crawl_at_the_quality_filter(tmp_path):
-    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings
+    from mtnlg_lightning.demo.pipeline.run import Pipeline, PipelineSettings
 
     plain = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True, crawl=False))
     assert plain.s.crawl is None and plain.curated == tmp_path / "raw" / "web.jsonl"
@@ -120,7 +120,7 @@ def test_no_crawl_starts_dedup_at_the_raw_jsonl_and_the_crawl_at_the_quality_fil
 
 def planted_removal_check(tmp_path, docs_in, kept, duplicates):
     """The dedup check on planted text, run on hand-made dedup files (no crawl: ids are the corpus ids)."""
-    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings
+    from mtnlg_lightning.demo.pipeline.run import Pipeline, PipelineSettings
 
     pipeline = Pipeline(PipelineSettings.for_run(tmp_path, smoke=True, crawl=False))
     passages = [" ".join(f"p{k}w{i}" for i in range(20)) for k in range(2)]

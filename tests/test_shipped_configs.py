@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from mtnlg_lightning.demo.pipeline.stages import CONSOLE_SCRIPTS
 from mtnlg_lightning.errors import InputError
-from mtnlg_lightning.pipeline.stages import CONSOLE_SCRIPTS
 from mtnlg_lightning.shipped_configs import CONFIG_DIR, config_path, resolve_cli_args, shipped_names
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 from conftest import run_cli
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import split_ranges
 from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data
+from mtnlg_lightning.demo.synthetic.cloze import cloze_passages
+from mtnlg_lightning.demo.synthetic.demo_corpus import demo_dir
 from mtnlg_lightning.evaluation import tasks
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.outputs import atomic_write
-from mtnlg_lightning.synthetic.cloze import cloze_passages
-from mtnlg_lightning.synthetic.demo_corpus import demo_dir
 
 TINY_STEPS = 4
 LAYOUTS = {

@@ -4,5 +4,5 @@ decontamination (Megatron-LM filter_ngrams semantics). CLIs: ``mtnlg-dedup``, ``
 Submodules: ``shingles`` (normalisation, vectorised shingle hashing), ``minhash`` (datasketch-exact MinHash),
 ``lsh`` (bands x rows), ``signatures`` / ``verify`` / ``dedup`` (restartable stages), ``decontaminate``,
 (records and atomic output: ``mtnlg_lightning.corpora``). The labelled corpora the tools are measured on are in
-``mtnlg_lightning.synthetic`` (``mtnlg-make-near-dup-corpus``, docs/curation.md).
+``mtnlg_lightning.demo.synthetic`` (``mtnlg-make-near-dup-corpus``, docs/curation.md).
 """

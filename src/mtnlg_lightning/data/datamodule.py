@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mtnlg_lightning.corpora.storage import is_url
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
+from mtnlg_lightning.data.builtin_corpora import build_builtin_corpus, check_builtin_corpus
 from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
 from mtnlg_lightning.data.indexed import REMOTE_BLOCK_KB, REMOTE_CACHE_MB, IndexedDataset, default_block_cache
 from mtnlg_lightning.data.tokenizer import local_tokenizer
@@ -146,7 +146,7 @@ class StepDataModule(L.LightningDataModule):
     def _module(self):
         return self.trainer.lightning_module
 
-    def _dp(self) -> tuple[int, int]:
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
         strategy = self.trainer.strategy
         return (
             getattr(strategy, "data_parallel_rank", self.trainer.global_rank),
@@ -155,7 +155,7 @@ class StepDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         module = self._module
-        dp_rank, dp_size = self._dp()
+        dp_rank, dp_size = self.data_parallel_rank_and_size()
         module.batch_schedule.check_divisible(module.micro_batch_size, dp_size)
         samples = self.splits["train"]
         start = module.position.consumed_samples  # a resume or a rewind restarts the stream there
@@ -174,7 +174,7 @@ class StepDataModule(L.LightningDataModule):
     def _eval_dataloader(self, name: str):
         if name not in self.splits:
             return []
-        dp_rank, dp_size = self._dp()
+        dp_rank, dp_size = self.data_parallel_rank_and_size()
         # Evaluation batches are global batches (as Megatron's eval iterations): the same micro-batch count per
         # rank as training, which pipeline schedules need.
         size = self._module.batch_schedule.global_batch_size
@@ -211,7 +211,8 @@ class GPTDataModule(StepDataModule):
             datasets: dataset prefixes (PREFIX.bin/PREFIX.idx written by mtnlg-preprocess), paths or URLs
                 (s3://bucket/data/pile_text_document: read by ranged requests through the block cache, no copy).
             weights: blend weight per dataset (normalised; default equal). MT-NLG blended 15 datasets.
-            builtin_corpus: "python-docs" builds (once, cached) the offline demo corpus instead of `datasets`.
+            builtin_corpus: a built-in corpus instead of `datasets`, built once and cached: "python-docs", the
+                offline demo corpus (others as installed packages register them: data.builtin_corpora).
             split: train/valid/test split of each dataset's documents, Megatron style.
             seed: seed of document and sample shuffling (data order is independent of the layout).
             num_workers: DataLoader worker processes.
@@ -228,8 +229,8 @@ class GPTDataModule(StepDataModule):
                 window is one sequence.
         """
         super().__init__()
-        if builtin_corpus not in (None, "python-docs"):
-            raise MTNLGError(f"unknown builtin_corpus {builtin_corpus!r}; the one available is 'python-docs'")
+        if builtin_corpus is not None:
+            check_builtin_corpus(builtin_corpus)
         if not datasets and not builtin_corpus:
             raise MTNLGError("no data: set data.datasets (PREFIX paths) or data.builtin_corpus: python-docs")
         if weights is not None and len(weights) != len(datasets or []):
@@ -246,7 +247,7 @@ class GPTDataModule(StepDataModule):
     def tokenizer_file(self) -> str | None:
         """The tokenizer.json of the data, if known."""
         if self.builtin_corpus:
-            return build_demo_data(progress=False)[1]
+            return build_builtin_corpus(self.builtin_corpus, progress=False)[1]
         tokenizer = local_tokenizer(self.tokenizer) if self.tokenizer else None  # a URL: a copy in the cache
         if tokenizer and os.path.isdir(tokenizer):
             candidate = os.path.join(tokenizer, "tokenizer.json")
@@ -255,7 +256,7 @@ class GPTDataModule(StepDataModule):
 
     def prepare_data(self) -> None:
         if self.builtin_corpus:
-            build_demo_data()
+            build_builtin_corpus(self.builtin_corpus)
 
     @property
     def blends(self) -> dict[str, BlendedDataset]:
@@ -264,7 +265,7 @@ class GPTDataModule(StepDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.builtin_corpus:
-            self.prefixes, self.weights = [build_demo_data(progress=False)[0]], [1.0]
+            self.prefixes, self.weights = [build_builtin_corpus(self.builtin_corpus, progress=False)[0]], [1.0]
         seq_len = self._module.config.seq_len
         vocab = self._module.config.padded_vocab_size()
         cache = None

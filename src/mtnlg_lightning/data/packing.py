@@ -116,9 +116,13 @@ class ShuffledRows:
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
         return self._orders[epoch]
 
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    def source_index(self, index: int) -> int:
+        """Which of `rows` sample `index` is."""
         epoch, at = divmod(index, len(self.rows))
-        return self.rows[int(self._order(epoch)[at])]
+        return int(self._order(epoch)[at])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return self.rows[self.source_index(index)]
 
 
 def rows_batch(rows: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:

@@ -33,6 +33,9 @@ from mtnlg_lightning.errors import MTNLGError
 
 # One sequence a row, padding after it: plain causal attention is exact, no document ids are needed.
 PAIR_FIELDS = ("input_ids", "labels", "position_ids")
+# A row's summed completion log-probability under the reference model, when the data brings it
+# (`data.precompute_reference`): a batch field [rows], float32.
+REFERENCE_LOGPS = "reference_logps"
 PREFERENCE_FORMS = "prompt (or messages) + chosen + rejected, or chosen + rejected as whole conversations"
 
 
@@ -134,22 +137,36 @@ def encode_pairs(specs, chat: ChatTokenizer, seq_len: int) -> PairExamples:
     return PairExamples(*collect_samples(records, encode_one, specs, "preference pair"))
 
 
+def pair_rows(pair: tuple[Example, Example], seq_len: int, pad_id: int) -> list[dict[str, np.ndarray]]:
+    """A pair's chosen and rejected rows (`data.packing.assemble_row`, one sequence each)."""
+    return [assemble_row([example], seq_len, pad_id) for example in pair]
+
+
 class PairRows(ShuffledRows):
     """`count` pairs drawn epoch by epoch as `ShuffledRows` draws fine-tuning rows; a pair is its chosen and its
-    rejected row (`data.packing.assemble_row`, one sequence each)."""
+    rejected row, each with its reference log-probability once the run has computed them (`reference`: [2 x pairs],
+    pair i's chosen at 2i and rejected at 2i + 1)."""
 
     def __init__(self, pairs: Sequence[tuple[Example, Example]], count: int, seq_len: int, pad_id: int, seed: int):
         super().__init__(pairs, count, seed)
         self.pairs, self.seq_len, self.pad_id = pairs, seq_len, pad_id
+        self.reference: np.ndarray | None = None
 
     def __getitem__(self, index: int) -> list[dict[str, np.ndarray]]:
-        return [assemble_row([example], self.seq_len, self.pad_id) for example in super().__getitem__(index)]
+        pair = self.source_index(index)
+        rows = pair_rows(self.pairs[pair], self.seq_len, self.pad_id)
+        if self.reference is not None:
+            for side, row in enumerate(rows):
+                row[REFERENCE_LOGPS] = self.reference[2 * pair + side]
+        return rows
 
 
 def pairs_batch(pairs: Sequence[list[dict[str, np.ndarray]]]) -> dict[str, torch.Tensor]:
-    """Pairs stacked into rows [2P, seq_len], the chosen row of pair i at 2i and its rejected row at 2i + 1."""
+    """Pairs stacked into rows [2P, seq_len], the chosen row of pair i at 2i and its rejected row at 2i + 1 (and
+    their reference log-probabilities [2P] when the rows carry them)."""
     rows = [row for pair in pairs for row in pair]
-    return {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in PAIR_FIELDS}
+    fields = [*PAIR_FIELDS, REFERENCE_LOGPS] if REFERENCE_LOGPS in rows[0] else PAIR_FIELDS
+    return {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in fields}
 
 
 class PreferenceDataModule(ChatDataModule):
@@ -160,6 +177,37 @@ class PreferenceDataModule(ChatDataModule):
 
     kind = "preference"
     collate = staticmethod(pairs_batch)
+
+    def __init__(self, precompute_reference: bool = False, **chat_records):
+        """
+        Args:
+            precompute_reference: full-weight DPO without a reference copy in memory: before the first step, every
+                pair's reference log-probabilities are computed with the starting weights in the run's layout, kept
+                with the data and saved in each checkpoint (a resumed run reads them back). Runs full-weight DPO
+                under ZeRO-3. (With LoRA the reference is the base with the adapters off: nothing to precompute.)
+            **chat_records: the records and their template (train, valid, tokenizer, chat_template, seed,
+                num_workers, eval_samples: see ChatDataModule).
+        """
+        super().__init__(**chat_records)
+        self.precompute_reference = precompute_reference
+
+    def reference_pairs(self) -> dict[str, Sequence[tuple[Example, Example]]]:
+        """Each split's distinct pairs, in record order: what the reference log-probabilities are indexed by."""
+        return {name: rows.pairs for name, rows in self.splits.items()}
+
+    def reference_tables(self) -> dict[str, np.ndarray]:
+        """Split -> [2 x pairs] reference log-probabilities, for the splits that have them."""
+        return {name: rows.reference for name, rows in self.splits.items() if rows.reference is not None}
+
+    def set_reference_tables(self, tables: dict[str, np.ndarray]) -> None:
+        for name, table in tables.items():
+            rows = self.splits.get(name)
+            if rows is None or table.shape != (2 * len(rows.pairs),):
+                raise MTNLGError(
+                    f"the reference log-probabilities of the {name} split are for {len(table) // 2} pairs; the data "
+                    f"has {len(rows.pairs) if rows is not None else 0} (not the data this run started with?)"
+                )
+            rows.reference = np.asarray(table, dtype=np.float32)
 
     @property
     def skipped(self) -> dict[str, Counter]:

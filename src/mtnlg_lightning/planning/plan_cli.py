@@ -29,9 +29,11 @@ from pathlib import Path
 
 from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError, run_main
-from mtnlg_lightning.gpus import get_gpu, gpu_names, load_gpu_specs
+from mtnlg_lightning.gpus import GPUS, get_gpu, gpu_names, load_gpu_specs
+from mtnlg_lightning.outputs import atomic_write
 from mtnlg_lightning.parallel.config import STRATEGY_PATHS, ParallelConfig, read_strategy_file
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
 from mtnlg_lightning.planning.lora_plan import parse_lora
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
@@ -167,8 +169,6 @@ def write_config(path: str, p: Plan, gpus_per_node: int) -> None:
     target = Path(path)
     if not target.parent.is_dir():
         raise MTNLGError(f"--write-config: folder {target.parent} does not exist")
-    from mtnlg_lightning.outputs import atomic_write
-
     with atomic_write(target, "w") as f:
         f.write(strategy_yaml(p, gpus_per_node))
 
@@ -210,9 +210,6 @@ def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
 
 
 def print_inference(args, config: ModelConfig, extra) -> None:
-    from mtnlg_lightning.gpus import GPUS
-    from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
-
     names = args.gpu.split(",") if args.gpu else sorted({**GPUS, **(extra or {})})
     specs = {name: get_gpu(name, extra) for name in names}  # every name checked before any output
     if args.json:

@@ -12,21 +12,24 @@ The reference model:
 - with LoRA, the base: the same modules with their adapters off (`parallel.lora.adapters_disabled`);
 - with full weights, a frozen copy of this rank's shards, taken once the layout is applied and before a checkpoint
   is restored (`ReferenceWeights`: the starting weights, on a resume too), swapped in for the reference pass only;
-- or log-probs the data brings (`reference_logps` in the batch), used as they are.
+- or, with `data.precompute_reference`, log-probs computed once before the first step with the starting weights in
+  the run's layout (`PreferenceStep.precompute`: no copy, so full weights run under ZeRO-3 too), which the data
+  then brings (`reference_logps` in the batch) and every checkpoint keeps.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
+from mtnlg_lightning.data.preferences import REFERENCE_LOGPS, pair_rows, pairs_batch
 from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses, per_token_cross_entropy, sequence_logps
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.lora import adapters_disabled
 
-REFERENCE_LOGPS = "reference_logps"  # a batch field [rows] when the data brings the reference log-probs
+REFERENCE_STATE = "dpo_reference_logps"  # the checkpoint's precomputed reference log-probs, split -> [2 x pairs]
 
 
 def with_row_index(labels: torch.Tensor) -> torch.Tensor:
@@ -46,11 +49,12 @@ class ReferenceLogps:
     def __init__(self, per_token_nll, rows: int, device):
         self.per_token_nll = per_token_nll
         self.logps = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         labels, rows = split_target(target)
         logps, _ = sequence_logps(self.per_token_nll(logits, labels), labels)
-        self.logps[rows] = logps.detach().float()
+        self.logps[rows], self.seen[rows] = logps.detach().float(), True
         return logps.new_zeros(())
 
 
@@ -104,6 +108,11 @@ class ReferenceWeights:
                 tensor.data = data
 
 
+def precomputing(module) -> bool:
+    """Whether the run's data brings the reference log-probabilities (`data.precompute_reference`)."""
+    return bool(getattr(module.trainer.datamodule, "precompute_reference", False))
+
+
 class PreferenceStep:
     """The module's DPO step: `forward_backward` and `evaluate` as the runner's, on pairs; `log_rewards` after."""
 
@@ -114,16 +123,67 @@ class PreferenceStep:
 
     def take_reference(self, module) -> None:
         """Full-weight DPO: the reference is the model as its layout holds it before a checkpoint is restored into
-        it or any update (the starting weights, on a resume too)."""
-        if module.lora is None and self.reference_weights is None:
+        it or any update (the starting weights, on a resume too); none is kept when the data brings its log-probs."""
+        if module.lora is None and self.reference_weights is None and not precomputing(module):
             self.reference_weights = ReferenceWeights(module.model)
 
     def check_layout(self, module, strategy) -> None:
         config = getattr(strategy, "parallel_config", None)
         if config is not None and config.context_parallel > 1:
             raise MTNLGError("model.objective dpo does not run under context parallelism yet (context_parallel 1)")
-        if module.lora is None and getattr(strategy, "zero_stage", 0) >= 3:
-            raise MTNLGError("full-weight DPO under ZeRO-3 is not supported yet: use zero_stage 1 or 2, or LoRA")
+        if module.lora is None and getattr(strategy, "zero_stage", 0) >= 3 and not precomputing(module):
+            raise MTNLGError(
+                "full-weight DPO under ZeRO-3 keeps no reference copy: set data.precompute_reference true, or use "
+                "LoRA, or zero_stage 1 or 2"
+            )
+
+    def precompute(self, module) -> None:
+        """Before the first step of a run (the model holds its starting weights), with `data.precompute_reference`:
+        every pair's reference log-probabilities, computed in the run's layout a global batch of pairs at a time
+        (this data-parallel rank its share, as a step's batch), then summed over the ranks that computed each row
+        and divided by their count, so that every rank holds the whole table. Nothing to do when the data has its
+        tables already (restored from a checkpoint)."""
+        data = module.trainer.datamodule
+        if not precomputing(module) or module.lora is not None or data.reference_tables():
+            return
+        dp_rank, dp_size = data.data_parallel_rank_and_size()
+        global_pairs = module.batch_schedule.global_batch_size
+        local, rows = global_pairs // dp_size, 2 * module.micro_batch_size
+        seq_len = module.config.seq_len
+        tables = {}
+        for name, pairs in data.reference_pairs().items():
+            sums = torch.zeros(2 * len(pairs), dtype=torch.float64, device=module.device)
+            counts = torch.zeros_like(sums)
+            for consumed in range(0, len(pairs), global_pairs):
+                indices = [(consumed + dp_rank * local + i) % len(pairs) for i in range(local)]
+                batch = pairs_batch([pair_rows(pairs[i], seq_len, data.chat.pad_id) for i in indices])
+                batch = {field: value.to(module.device) for field, value in batch.items()}
+                collector = self._reference_pass(module, {**batch, "labels": with_row_index(batch["labels"])}, rows)
+                at = torch.tensor([2 * i + side for i in indices for side in (0, 1)], device=module.device)
+                sums.index_add_(0, at, torch.where(collector.seen, collector.logps.double(), 0.0))
+                counts.index_add_(0, at, collector.seen.double())
+            totals = module.trainer.strategy.reduce(torch.stack([sums, counts]), reduce_op="sum")
+            if bool((totals[1] == 0).any()):
+                raise MTNLGError(f"the reference pass left rows of the {name} split without a log-probability")
+            tables[name] = (totals[0] / totals[1]).float().cpu().numpy()
+        data.set_reference_tables(tables)
+
+    def state_dict(self, module) -> dict:
+        tables = module.trainer.datamodule.reference_tables() if precomputing(module) else {}
+        return {REFERENCE_STATE: {name: torch.from_numpy(t) for name, t in tables.items()}} if tables else {}
+
+    def load_state_dict(self, module, checkpoint: dict) -> None:
+        """A resumed run reads the reference log-probabilities its first start computed: the restored weights are
+        no longer the reference."""
+        if not precomputing(module) or module.lora is not None:
+            return
+        tables = checkpoint.get(REFERENCE_STATE)
+        if not tables:
+            raise MTNLGError(
+                "this checkpoint holds no precomputed reference log-probabilities (it was saved without "
+                "data.precompute_reference): resume it without that setting"
+            )
+        module.trainer.datamodule.set_reference_tables({name: t.numpy() for name, t in tables.items()})
 
     @staticmethod
     def per_token_nll(module):
@@ -133,14 +193,13 @@ class PreferenceStep:
     def _reference_model(self, module):
         if module.lora is not None:
             return adapters_disabled(module.model)
+        if precomputing(module):
+            return nullcontext(module.model)  # before the first step: the policy is the reference
         if self.reference_weights is None:
             raise MTNLGError("full-weight DPO has no reference weights (they are taken when the layout is applied)")
         return self.reference_weights.swapped_into(module.model)
 
-    def reference_logps(self, module, batch: dict, rows_per_micro_batch: int) -> torch.Tensor:
-        """Each row's summed completion log-probability under the reference; `batch` carries row-indexed targets."""
-        if batch.get(REFERENCE_LOGPS) is not None:
-            return batch[REFERENCE_LOGPS].float()
+    def _reference_pass(self, module, batch: dict, rows_per_micro_batch: int) -> ReferenceLogps:
         collector = ReferenceLogps(self.per_token_nll(module), len(batch["labels"]), batch["labels"].device)
         training = module.model.training
         module.model.eval()  # the reference is deterministic: no dropout (TRL's reference model is in eval mode)
@@ -149,7 +208,15 @@ class PreferenceStep:
                 module.runner.evaluate(batch, rows_per_micro_batch, collector)
         finally:
             module.model.train(training)
-        return collector.logps
+        return collector
+
+    def reference_logps(self, module, batch: dict, rows_per_micro_batch: int) -> torch.Tensor:
+        """Each row's summed completion log-probability under the reference; `batch` carries row-indexed targets."""
+        if batch.get(REFERENCE_LOGPS) is not None:
+            return batch[REFERENCE_LOGPS].float()
+        if precomputing(module) and module.lora is None:
+            raise MTNLGError("a batch without its precomputed reference log-probabilities (data.precompute_reference)")
+        return self._reference_pass(module, batch, rows_per_micro_batch).logps
 
     def _loss(self, module, batch: dict) -> tuple[dict, int, PreferenceLoss]:
         rows = 2 * module.micro_batch_size

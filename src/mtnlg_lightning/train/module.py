@@ -305,6 +305,8 @@ class MTNLGModule(L.LightningModule):
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self._peak_flops = peak_flops_for(device_name, self.hparams.peak_tflops)
+        if self.preference is not None:  # before a checkpoint is restored under the 3D strategy, and any step
+            self.preference.precompute(self)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._first_loss is None and "train_loss" in self.trainer.callback_metrics:
@@ -339,11 +341,15 @@ class MTNLGModule(L.LightningModule):
         checkpoint.update(self.position.state_dict())
         if self.lora_base is not None:
             checkpoint[LORA_BASE] = self.lora_base
+        if self.preference is not None:
+            checkpoint.update(self.preference.state_dict(self))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if checkpoint.get(LORA_BASE) is not None and self.lora_base is not None:
             check_base(checkpoint[LORA_BASE], self.lora_base)
         self.position.load_state_dict(checkpoint)
+        if self.preference is not None:
+            self.preference.load_state_dict(self, checkpoint)
         self.configure_model()
 
 

@@ -11,11 +11,11 @@ import argparse
 import json
 import sys
 
-from mtnlg_lightning.data.builtin_corpus import build_demo_data
 from mtnlg_lightning.data.gpt_dataset import split_ranges
+from mtnlg_lightning.demo.builtin_corpus import build_demo_data
+from mtnlg_lightning.demo.synthetic.cloze import cloze_passages
+from mtnlg_lightning.demo.synthetic.demo_corpus import demo_dir
 from mtnlg_lightning.outputs import atomic_write
-from mtnlg_lightning.synthetic.cloze import cloze_passages
-from mtnlg_lightning.synthetic.demo_corpus import demo_dir
 
 
 def main(argv=None) -> int:

@@ -91,7 +91,7 @@ def add_count(p: argparse.ArgumentParser, flag: str, minimum: int, help: str) ->
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # imports torch (seconds): `--help` answers without it
-    from mtnlg_lightning.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
+    from mtnlg_lightning.demo.pipeline.run import Pipeline, PipelineSettings, prepare_out_dir
 
     def body() -> int:
         require_extra("hf", "the pipeline's export stage (mtnlg-export-hf)")  # before any stage runs

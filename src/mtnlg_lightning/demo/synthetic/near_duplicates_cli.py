@@ -9,8 +9,8 @@ import sys
 from mtnlg_lightning.corpora.cli_common import INTERRUPTED, positive_int, tool_parser
 from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line
 from mtnlg_lightning.curation.shingles import ShingleSpec
+from mtnlg_lightning.demo.synthetic.near_duplicates import ground_truth_pairs, make_near_dup_corpus
 from mtnlg_lightning.errors import run_main
-from mtnlg_lightning.synthetic.near_duplicates import ground_truth_pairs, make_near_dup_corpus
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,9 +25,9 @@ import numpy as np
 from mtnlg_lightning.corpora.jsonl import atomic_write, dumps_line, write_json_atomic
 from mtnlg_lightning.curation.ngrams import words_of
 from mtnlg_lightning.curation.shingles import ShingleSpec, jaccard_strings, shingle_strings
+from mtnlg_lightning.demo.synthetic.cloze import cloze_passages
+from mtnlg_lightning.demo.synthetic.demo_corpus import demo_documents
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.synthetic.cloze import cloze_passages
-from mtnlg_lightning.synthetic.demo_corpus import demo_documents
 
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 BOILERPLATE = (

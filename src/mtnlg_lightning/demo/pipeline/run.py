@@ -27,15 +27,15 @@ from mtnlg_lightning.corpora.commit import check_output, check_writable
 from mtnlg_lightning.corpora.readers import iter_raw
 from mtnlg_lightning.corpora.storage import cache_root
 from mtnlg_lightning.data.indexed import IndexedDataset
+from mtnlg_lightning.demo.pipeline import crawl as crawl_stages
+from mtnlg_lightning.demo.pipeline.report import Check, write_report
+from mtnlg_lightning.demo.pipeline.stages import StageRecord, run_tool
+from mtnlg_lightning.demo.synthetic.planted_corpus import CorpusSpec, build_corpus, ngram_set
+from mtnlg_lightning.demo.synthetic.planted_crawl import WARC_NAME, CrawlSpec, build_crawl, read_truth
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.bias.study import BIAS_TASKS
 from mtnlg_lightning.evaluation.bias.wordlists import read_study
-from mtnlg_lightning.pipeline import crawl as crawl_stages
-from mtnlg_lightning.pipeline.report import Check, write_report
-from mtnlg_lightning.pipeline.stages import StageRecord, run_tool
 from mtnlg_lightning.shipped_configs import CONFIG_DIR
-from mtnlg_lightning.synthetic.planted_corpus import CorpusSpec, build_corpus, ngram_set
-from mtnlg_lightning.synthetic.planted_crawl import WARC_NAME, CrawlSpec, build_crawl, read_truth
 
 RUNS = ("contaminated", "decontaminated")  # A and B of the experiment
 EVAL_SETS = ("planted", "control")
@@ -136,7 +136,7 @@ class Pipeline:
         return report
 
     def build_corpus(self) -> None:
-        record = StageRecord("corpus", "build_corpus (mtnlg_lightning.synthetic.planted_corpus)")
+        record = StageRecord("corpus", "build_corpus (mtnlg_lightning.demo.synthetic.planted_corpus)")
         t0 = time.perf_counter()
         summary = build_corpus(self.out, self.s.corpus)
         record.seconds = time.perf_counter() - t0
@@ -159,7 +159,7 @@ class Pipeline:
 
     # --- the crawl stages (settings.crawl) ---------------------------------------------------------------------
     def build_crawl(self) -> None:
-        record = StageRecord("crawl", "build_crawl (mtnlg_lightning.synthetic.planted_crawl)")
+        record = StageRecord("crawl", "build_crawl (mtnlg_lightning.demo.synthetic.planted_crawl)")
         t0 = time.perf_counter()
         summary = build_crawl(self.out, self.s.crawl, self.s.corpus.seed)
         record.seconds = time.perf_counter() - t0

@@ -19,9 +19,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtnlg_lightning.synthetic.planted_corpus import PARAGRAPH_BREAK, write_jsonl
-from mtnlg_lightning.synthetic.warc import CrawlSpec as WarcSpec
-from mtnlg_lightning.synthetic.warc import english_paragraphs, junk_documents, write_synthetic_warc
+from mtnlg_lightning.demo.synthetic.planted_corpus import PARAGRAPH_BREAK, write_jsonl
+from mtnlg_lightning.demo.synthetic.warc import CrawlSpec as WarcSpec
+from mtnlg_lightning.demo.synthetic.warc import english_paragraphs, junk_documents, write_synthetic_warc
 
 WARC_NAME = "crawl.warc.gz"
 

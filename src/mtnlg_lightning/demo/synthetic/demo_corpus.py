@@ -1,7 +1,7 @@
 """The demo corpus' documents: English documentation text that ships with every Python install.
 
 The docstrings of the Python standard library (~1.7 MB of real English prose about programming) are extracted
-with `ast`, one document per module. `data/builtin_corpus.py` trains the demo tokenizer on them and tokenizes them
+with `ast`, one document per module. `demo/builtin_corpus.py` trains the demo tokenizer on them and tokenizes them
 (`data.builtin_corpus: python-docs`); the pipeline's planted corpus cuts them into web pages. Everything is cached
 under MTNLG_CACHE (default ~/.cache/mtnlg_lightning); nothing is downloaded.
 """

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from mtnlg_lightning.demo.synthetic.instructions import instruction_examples
 from mtnlg_lightning.outputs import write_json_lines
-from mtnlg_lightning.synthetic.instructions import instruction_examples
 
 
 def wrong_answer(question: str, right: str, rng: random.Random) -> str:

@@ -1,6 +1,6 @@
 """The offline demo dataset (`data.builtin_corpus: python-docs`): the demo corpus tokenized.
 
-The documents are the Python standard library's docstrings (`synthetic/demo_corpus.py`); a 4096-token byte-level
+The documents are the Python standard library's docstrings (`demo/synthetic/demo_corpus.py`); a 4096-token byte-level
 BPE is trained on them and the corpus is tokenized. Everything is cached under MTNLG_CACHE (default
 ~/.cache/mtnlg_lightning); nothing is downloaded.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mtnlg_lightning.data.preprocess import preprocess_jsonl
 from mtnlg_lightning.data.tokenizer import train_bpe
-from mtnlg_lightning.synthetic.demo_corpus import DOCUMENTS_NAME, demo_dir, write_documents
+from mtnlg_lightning.demo.synthetic.demo_corpus import DOCUMENTS_NAME, demo_dir, write_documents
 
 DEMO_VOCAB_SIZE = 4096
 

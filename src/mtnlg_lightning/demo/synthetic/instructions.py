@@ -137,7 +137,7 @@ def score(questions: list[str], runs: dict[str, list[str]], shown: int = 10) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mtnlg_lightning.synthetic.instructions",
+        prog="python -m mtnlg_lightning.demo.synthetic.instructions",
         description="The fine-tuning demo's synthetic instruction set (scripts/finetune_demo.sh): write its files, or "
         "score the answers mtnlg-generate --chat gave to its held-out questions.",
     )
