@@ -353,6 +353,29 @@ def test_precomputed_reference_log_probs_need_no_copy_travel_in_the_checkpoint_a
         dpo_fit(base_dir, tmp_path / "third", 4, ckpt_path=plain, precompute_reference=True)
 
 
+@pytest.mark.slow
+def test_a_lora_dpo_checkpoint_exports_a_peft_adapter_with_the_trained_logits(base_dir, tmp_path):
+    """`mtnlg-export-hf CKPT OUT --adapter` on a LoRA-DPO checkpoint, as on a fine-tuning one: PEFT loads the adapter
+    on the base directory and gives the logits of the policy the run trained (not the base's)."""
+    import peft
+    import transformers
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from mtnlg_lightning.interop.export_cli import main as export_main
+
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    _, module = dpo_fit(base_dir, tmp_path, 3, {"rank": 4, "alpha": 8}, callbacks=[saving])
+    assert export_main([str(tmp_path / "ckpt" / "step=3.ckpt"), str(tmp_path / "adapter"), "--adapter"]) == 0
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(tokens).logits
+        ours = module.model.eval()(tokens)[..., : theirs.shape[-1]]
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, ours, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ data
 CHATML_DIR_TEMPLATE = "chatml"
 

@@ -156,10 +156,12 @@ class Breakdown:
     dp_comm: float
     optimizer: float
     cp_comm: float = 0.0  # the ring's key/value exchange not hidden under the attention it overlaps
+    reference: float = 0.0  # DPO's reference pass: a forward of the step's sequences, no gradients
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer + self.cp_comm
+        exposed = self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer + self.cp_comm
+        return self.compute + self.reference + exposed
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}

@@ -33,6 +33,7 @@ from mtnlg_lightning.gpus import GPUS, get_gpu, gpu_names, load_gpu_specs
 from mtnlg_lightning.outputs import atomic_write
 from mtnlg_lightning.parallel.config import STRATEGY_PATHS, ParallelConfig, read_strategy_file
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
+from mtnlg_lightning.planning.dpo_plan import REFERENCES, preference_plan
 from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
 from mtnlg_lightning.planning.lora_plan import parse_lora
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
@@ -108,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="size LoRA fine-tuning instead of full fine-tuning, settings as --model.lora takes them, e.g. "
         "'{rank: 16, alpha: 32, targets: [q_proj, v_proj]}' (default targets: every attention and MLP projection): "
         "the base is frozen (weights only), the adapters hold gradients and optimizer state",
+    )
+    layout.add_argument(
+        "--dpo",
+        choices=REFERENCES,
+        metavar="REFERENCE",
+        help="size preference tuning (--model.objective dpo): batches count pairs, two sequences each; each step "
+        "adds the reference's forward pass. REFERENCE for full weights: 'copy' (a frozen copy of each GPU's weights, "
+        "not under ZeRO-3) or 'precomputed' (data.precompute_reference: no copy, no reference pass per step); "
+        "with --lora the reference is the base with the adapters off",
     )
     infer = parser.add_argument_group("inference: how many GPUs to evaluate or generate with the model")
     infer.add_argument(
@@ -253,11 +263,12 @@ def plan_layout(args, config: ModelConfig, gpu, lora=None) -> Plan:
     layout = parallel.validate(config, world, gpus_per_node=args.gpus_per_node)
     explicit = parallel.first_stage_layers is not None or parallel.last_stage_layers is not None
     layers = parallel.stage_layers(config.num_layers) if explicit and parallel.virtual_pipeline_stages == 1 else None
+    dpo = preference_plan(args.dpo, lora is not None, parallel.zero_stage) if args.dpo else None
     return plan(
         config, layout.tensor_parallel, layout.pipeline_parallel, layout.data_parallel, layout.ranks_per_node, gpu,
         args.global_batch, args.micro_batch, args.recompute, parallel.zero_stage, precision=args.precision,
         layers=layers, virtual_stages=parallel.virtual_pipeline_stages, sequence_parallel=parallel.sequence_parallel,
-        implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel, lora=lora,
+        implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel, lora=lora, dpo=dpo,
     )  # fmt: skip
 
 
@@ -284,8 +295,9 @@ def run(args) -> None:
         gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
         ParallelConfig().layout(gpus, args.gpus_per_node)  # a cluster of whole nodes
         plans = search(
-            config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation, lora=lora
-        )
+            config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation, lora=lora,
+            dpo_reference=args.dpo,
+        )  # fmt: skip
         plans = [p for p in plans if trainer_runs(p, config, args.gpus_per_node)]
         for p in plans:
             p.gpu = args.gpu

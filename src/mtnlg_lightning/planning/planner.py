@@ -18,6 +18,7 @@ from mtnlg_lightning.families import active_parameters, kv_heads_per_rank, param
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.parallel.lora import LoRAConfig
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
+from mtnlg_lightning.planning.dpo_plan import PreferencePlan, format_dpo, preference_plan
 from mtnlg_lightning.planning.lora_plan import format_lora, lora_summary, stage_state
 from mtnlg_lightning.train.flops import flops_per_iteration
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
@@ -137,6 +138,7 @@ class Plan:
     frozen_params: int = 0
     optimizer_state_gb: float = 0.0
     lora: dict | None = None  # LoRA's settings and bytes (`lora_plan.lora_summary`); None: full fine-tuning
+    dpo: dict | None = None  # DPO's reference and its bytes (`dpo_plan`); None: language modelling
     # Parameters one token goes through (a mixture of experts' k of E experts; the whole model when dense), as
     # `families.active_parameters` counts them; the FLOPs above count these.
     active_params: int = 0
@@ -184,21 +186,29 @@ def plan(
     rampup: tuple[int, int, int] | list[int] | None = None,
     cp: int = 1,
     lora: LoRAConfig | None = None,
+    dpo: PreferencePlan | None = None,
 ) -> Plan:
     """One layout: memory per GPU and the time of one iteration. `cp`: context-parallel ranks per sequence (each
     holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
     over dp x cp under ZeRO; the ring's key/value exchange costed in `cost_model`). `lora`: LoRA adapters train on
-    a frozen base (`lora_plan`: its model states); activations and time are full fine-tuning's."""
+    a frozen base (`lora_plan`: its model states); activations and time are full fine-tuning's. `dpo`: preference
+    pairs (`dpo_plan`: two sequences a sample, the reference's bytes and forward pass); batches count pairs."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
                               virtual_stages, layers)  # fmt: skip
-    layout = Layout(tp, pp, dp, micro_batch, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
+    if dpo is not None and cp > 1:
+        raise MTNLGError("DPO does not run under context parallelism yet: plan it with --cp 1")
+    per_sample = dpo.sequences_per_sample if dpo is not None else 1
+    sequences = global_batch * per_sample
+    layout = Layout(tp, pp, dp, micro_batch * per_sample, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
     stage_params = params_per_stage(config, tp, pp, per_gpu)
-    memory = _memory(config, layout, global_batch, per_gpu, stage_params, precision, lora)
-    breakdown = iteration_breakdown(config, spec, layout, global_batch, per_gpu, max(stage_params), gpus_per_node, impl)
+    memory = _memory(config, layout, sequences, per_gpu, stage_params, precision, lora, dpo)
+    breakdown = iteration_breakdown(config, spec, layout, sequences, per_gpu, max(stage_params), gpus_per_node, impl)
+    if dpo is not None and dpo.reference_forward:  # a forward is a third of a step's compute without recompute
+        breakdown.reference = (breakdown.compute - breakdown.recompute) / 3
     gpus = tp * cp * pp * dp
-    model_flops = flops_per_iteration(config, global_batch)
+    model_flops = flops_per_iteration(config, sequences)
     seconds = breakdown.total
     rampup_seconds, rampup_steps = _rampup(
         config, spec, layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl
@@ -226,7 +236,7 @@ def plan(
         fits=memory["total"] <= MEMORY_BUDGET * spec.memory_gb * 1e9,
         tp_within_node=tp <= gpus_per_node and gpus_per_node % tp == 0,
         bubble=breakdown.bubble / seconds,
-        flops_per_iteration=flops_per_iteration(config, global_batch, recompute=recompute == "full"),
+        flops_per_iteration=flops_per_iteration(config, sequences, recompute=recompute == "full"),
         iteration_seconds=seconds,
         tflops_per_gpu=model_flops / seconds / gpus / 1e12,
         mfu=model_flops / seconds / gpus / (spec.peak_tflops * 1e12),
@@ -238,6 +248,7 @@ def plan(
         frozen_params=memory["trained"].frozen_params,
         optimizer_state_gb=memory["trained"].optimizer_bytes / 1e9,
         lora=lora_summary(lora, config, memory["trained"]) if lora is not None else None,
+        dpo=dpo.summary(memory["reference"]) if dpo is not None else None,
         active_params=active_parameters(config),
     )
 
@@ -262,9 +273,9 @@ def _checked_layers(
     return [sum(chunks[j] for j in range(i, len(chunks), pp)) for i in range(pp)]
 
 
-def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage_params, precision, lora) -> dict:
-    """Model states, activations and their total (bytes) on the fullest pipeline stage, and what trains there
-    (`lora_plan.StageState`)."""
+def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage_params, precision, lora, dpo) -> dict:
+    """Model states (with DPO's reference, if it holds one), activations and their total (bytes) on the fullest
+    pipeline stage, and what trains there (`lora_plan.StageState`)."""
     tp, pp, micro = layout.tp, layout.pp, layout.micro_batch
     local = config.seq_len // layout.cp  # the tokens of each sequence this rank holds
     num_microbatches = global_batch // (micro * layout.dp)
@@ -284,9 +295,11 @@ def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
         trained = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora)
-        stages.append((act + trained.total, act, trained))
-    total, act, trained = max(stages, key=lambda stage: stage[:2])
-    return {"state": trained.total, "activations": act, "total": total, "trained": trained}
+        reference = dpo.reference_bytes(parts(stage_params[i])[0]) if dpo is not None else 0.0
+        stages.append((act + trained.total + reference, act, trained, reference))
+    total, act, trained, reference = max(stages, key=lambda stage: stage[:2])
+    return {"state": trained.total + reference, "activations": act, "total": total, "trained": trained,
+            "reference": reference}  # fmt: skip
 
 
 def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl):
@@ -323,6 +336,7 @@ def search(
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
     recompute_modes: tuple[str, ...] | None = None,
     lora: LoRAConfig | None = None,
+    dpo_reference: str | None = None,
 ) -> list[Plan]:
     """Every valid layout (tp, cp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest
     first.
@@ -330,7 +344,8 @@ def search(
     TP stays inside a node; CP (where the implementation has it) divides the sequence into 2 x CP chunks; ZeRO-3 is
     not combined with pipelining (as the strategy); interleaving needs the micro-batch count to be a multiple of
     the stages (as Megatron's schedule); pipelines the implementation cannot run (`Implementation.runs_pipeline`:
-    Megatron's even layer split, no interleaving on 2 stages) are skipped."""
+    Megatron's even layer split, no interleaving on 2 stages) are skipped. `dpo_reference` (`dpo_plan.REFERENCES`):
+    DPO on pairs, without the layouts it cannot run (CP; a reference copy under ZeRO-3)."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
@@ -356,10 +371,15 @@ def search(
                 m = global_batch // (micro * dp)
                 if v > 1 and m % pp:
                     continue
+                dpo = None
+                if dpo_reference is not None:
+                    if cp > 1 or (dpo_reference == "copy" and lora is None and zero >= 3):
+                        continue
+                    dpo = preference_plan(dpo_reference, lora is not None, zero)
                 candidate = plan(
                     config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero,
                     precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl, cp=cp,
-                    lora=lora,
+                    lora=lora, dpo=dpo,
                 )  # fmt: skip
                 if candidate.fits:
                     plans.append(candidate)
@@ -387,6 +407,7 @@ def format_breakdown(p: Plan) -> str:
         ("DP comm", b["dp_comm"]),
         ("CP ring", b.get("cp_comm", 0.0)),
         ("optimizer", b["optimizer"]),
+        ("DPO reference", b.get("reference", 0.0)),
     ]
     return ", ".join(f"{name} {seconds:.3g} s ({seconds / total:.0%})" for name, seconds in parts if seconds > 0)
 
@@ -417,6 +438,8 @@ def format_plan(p: Plan) -> str:
     ]
     if p.lora is not None:
         lines[4:4] = format_lora(p.lora, p.frozen_params, p.trainable_params, p.zero_stage)
+    if p.dpo is not None:
+        lines.insert(4, format_dpo(p.dpo))
     if p.rampup_seconds is not None:
         lines.append(
             f"  batch ramp-up        {p.rampup_steps:,} steps in {p.rampup_seconds / 3600:,.1f} h "
