@@ -78,6 +78,13 @@ ROWS = [
     ("mtnlg", [*FIT, "--ckpt_path", "{plain}"], None, 2, "not a readable checkpoint"),
     ("mtnlg", [*FIT, "--ckpt_path", "{emptydir}"], None, 2, "no manifest.json"),
     ("mtnlg", [*FIT, "--data.builtin_corpus", "null", "--data.datasets", "[{missing}]"], None, 2, "missing dataset"),
+    (
+        "mtnlg",
+        [*FIT, "--data.builtin_corpus", "nope"],
+        None,
+        2,
+        "unknown builtin_corpus 'nope'; available:",
+    ),
     # context parallelism: the world, the sequence's chunks, the ring's kernel
     (
         "mtnlg",

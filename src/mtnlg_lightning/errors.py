@@ -58,3 +58,21 @@ def run_main(prog: str, body: Callable[[], int | None], interrupted: str = "inte
     except OSError as error:
         say(f"error: {one_line(error)}")
         return EXIT_ERROR
+    except Exception as error:
+        cause = bad_input_cause(error)
+        if cause is None:
+            raise
+        say(f"error: {one_line(cause)}")
+        return EXIT_BAD_INPUT
+
+
+def bad_input_cause(error: BaseException) -> MTNLGError | None:
+    """The `MTNLGError` a library wrapped into its own exception (jsonargparse builds a data module while it checks a
+    config, and reports what its constructor raised as a `ValueError` caused by it), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, MTNLGError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
