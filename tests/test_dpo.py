@@ -15,13 +15,13 @@ import torch
 from mtnlg_lightning.checkpoint.format import read_meta
 from mtnlg_lightning.data.preferences import PreferenceDataModule, encode_completion, pairs_batch, to_pair
 from mtnlg_lightning.demo.synthetic.preferences import preference_examples, write_preferences
-from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, objective_config, pair_losses, per_token_cross_entropy
+from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, objective_config, pair_losses
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, adapters_disabled, apply_lora
-from mtnlg_lightning.train.dpo import PreferenceLoss, ReferenceLogps, with_row_index
+from mtnlg_lightning.train.dpo import PreferenceLoss, ReferenceLogps, SequenceScores, with_row_index
 from mtnlg_lightning.train.module import MTNLGModule
 
 SEQ_LEN = 128
@@ -159,13 +159,11 @@ def test_loss_rewards_and_gradients_equal_trls(loss_type, base_dir, policy_dir, 
     policy, reference = our_model(policy_dir), our_model(base_dir)
     ids, labels = ours_from_trl(input_ids, completion)
     target = with_row_index(labels)
-    collector = ReferenceLogps(per_token_cross_entropy, len(ids), ids.device)
+    collector = ReferenceLogps(SequenceScores(), len(ids), ids.device)
     with torch.no_grad():
         collector(reference(ids), target)
     rewards = PairRewards(len(ids) // 2, ids.device)
-    loss = PreferenceLoss(DPOConfig(beta, loss_type), per_token_cross_entropy, collector.logps, rewards)(
-        policy(ids), target
-    )
+    loss = PreferenceLoss(DPOConfig(beta, loss_type), SequenceScores(), collector.logps, rewards)(policy(ids), target)
     loss.backward()
 
     torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)
@@ -201,7 +199,7 @@ def test_the_lora_reference_is_the_base_with_the_adapters_off(base_dir):
     target = with_row_index(labels)
 
     def logps(model):
-        collector = ReferenceLogps(per_token_cross_entropy, len(ids), ids.device)
+        collector = ReferenceLogps(SequenceScores(), len(ids), ids.device)
         with torch.no_grad():
             collector(model(ids), target)
         return collector.logps
@@ -289,12 +287,12 @@ def test_the_reference_pass_of_a_lora_fit_equals_the_base_model(base_dir, tmp_pa
             targeted = {**batch, "labels": with_row_index(batch["labels"])}
             seen["step"] = module.preference.reference_logps(module, targeted, 2 * module.micro_batch_size)
             base = our_model(base_dir)
-            collector = ReferenceLogps(per_token_cross_entropy, len(batch["labels"]), batch["labels"].device)
+            collector = ReferenceLogps(SequenceScores(), len(batch["labels"]), batch["labels"].device)
             with torch.no_grad():
                 collector(base(batch["input_ids"], position_ids=batch["position_ids"]), targeted["labels"])
             seen["base"] = collector.logps
             with torch.no_grad():
-                policy = ReferenceLogps(per_token_cross_entropy, len(batch["labels"]), batch["labels"].device)
+                policy = ReferenceLogps(SequenceScores(), len(batch["labels"]), batch["labels"].device)
                 policy(module.model(batch["input_ids"], position_ids=batch["position_ids"]), targeted["labels"])
             seen["policy"] = policy.logps
 
@@ -483,7 +481,17 @@ def test_preference_data_needs_the_dpo_objective(base_dir, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ layouts
 # world 2: zeroN is dp2; _precomputed: full weights, the reference log-probs computed before the first step
-DPO_LAYOUTS = ("tp2", "pp2", "zero1", "pp2_lora", "zero3_lora", "pp2_precomputed", "zero3_precomputed")
+DPO_LAYOUTS = (
+    "tp2",
+    "pp2",
+    "zero1",
+    "cp2",
+    "pp2_lora",
+    "zero3_lora",
+    "cp2_lora",
+    "pp2_precomputed",
+    "zero3_precomputed",
+)
 
 
 @pytest.fixture(scope="module")
@@ -509,12 +517,13 @@ def dpo_runs(base_dir, tmp_path_factory):
 @pytest.mark.parametrize("layout", DPO_LAYOUTS)
 def test_dpo_trains_alike_in_every_layout(layout, dpo_runs):
     """tp2 (vocabulary-parallel log-probs), pp2 (the pairs' log-probs summed on the last stage; the reference pass
-    through the same schedule) and dp2 ZeRO-1 (a pair on one rank), and LoRA-DPO (the reference: adapters off) in
-    pp2 and dp2 ZeRO-3, and full-weight DPO with precomputed reference log-probs (no copy: the reference pass over
-    every pair before the first step, through the pipeline schedule, or under ZeRO-3), reproduce one process:
-    losses (rel 1e-5), the logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam steps. The
-    norms are compared at 5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the
-    same gradients (which the layouts' `parallel.clip` computes) on this model."""
+    through the same schedule), dp2 ZeRO-1 (a pair on one rank) and cp2 (each rank scores its chunks of every row,
+    the parts summed over the ring's group), LoRA-DPO (the reference: adapters off) in pp2, dp2 ZeRO-3 and cp2, and
+    full-weight DPO with precomputed reference log-probs (no copy: the reference pass over every pair before the
+    first step, through the pipeline schedule, or under ZeRO-3) reproduce one process: losses (rel 1e-5), the
+    logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam steps. The norms are compared at
+    5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the same gradients (which
+    the layouts' `parallel.clip` computes) on this model."""
     run, one = dpo_runs[layout], dpo_runs["one_lora" if layout.endswith("_lora") else "one"]
     assert one["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     torch.testing.assert_close(run["losses"], one["losses"], rtol=1e-5, atol=0)

@@ -333,16 +333,44 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
     return model
 
 
+class _SumOverContext(torch.autograd.Function):
+    """Per-row sums of this rank's chunks -> the whole sequences' (an all-reduce over the CP group). Backward hands
+    each rank CP x the gradient of its own chunks' part: the CP ranks' parameter gradients are averaged (as data
+    parallelism's are), so their mean is the gradient of the whole sequences."""
+
+    @staticmethod
+    def forward(ctx, per_row: torch.Tensor, group, cp_size: int) -> torch.Tensor:
+        ctx.cp_size = cp_size
+        total = per_row.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.cp_size, None, None
+
+
 class ContextParallelLoss:
     """The loss of this rank's chunks of the targets, as a share of the whole sequence's: the token mean over its
     chunks times (its counted labels x CP / the sequence's). Averaged over the CP group (as the gradients are) it is
     the token mean of the whole sequence, however the ignored labels fall between the chunks; with every label
-    counted, the ranks' counts are equal and the factor is exactly 1.0."""
+    counted, the ranks' counts are equal and the factor is exactly 1.0.
 
-    def __init__(self, loss_fn, cp_rank: int, cp_size: int):
-        self.loss_fn, self.cp_rank, self.cp_size = loss_fn, cp_rank, cp_size
+    An objective on whole sequences (DPO's summed log-probabilities) takes `chunk_of` the labels, scores this rank's
+    positions, and adds the ranks' parts with `sum_over_sequence`."""
+
+    def __init__(self, loss_fn, cp_rank: int, cp_size: int, group=None):
+        self.loss_fn, self.cp_rank, self.cp_size, self.group = loss_fn, cp_rank, cp_size, group
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        mine = split_sequence(labels, self.cp_rank, self.cp_size)
+        mine = self.chunk_of(labels)
         share = torch.div(counted_labels(mine) * self.cp_size, counted_labels(labels).clamp(min=1))
         return self.loss_fn(logits, mine) * share
+
+    def chunk_of(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of whole-row labels [B, S] (the chunks its logits are for)."""
+        return split_sequence(labels, self.cp_rank, self.cp_size)
+
+    def sum_over_sequence(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Per-row values summed over this rank's chunks [B] -> over the whole rows, on every CP rank."""
+        return _SumOverContext.apply(per_row, self.group, self.cp_size)

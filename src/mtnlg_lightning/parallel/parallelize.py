@@ -96,7 +96,8 @@ def parallelize_gpt(
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
     loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if layout.tensor_parallel > 1 else None
     if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
-        loss_fn = ContextParallelLoss(loss_fn or cross_entropy, groups.context_parallel_rank, layout.context_parallel)
+        cp_rank, cp_group = groups.context_parallel_rank, groups.context_parallel_group
+        loss_fn = ContextParallelLoss(loss_fn or cross_entropy, cp_rank, layout.context_parallel, cp_group)
     model = PipelineChunks(stage_models) if len(stage_models) > 1 else stage_models[0]
     return ParallelGPT(model, loss_fn, runner, tied)
 

@@ -197,8 +197,6 @@ def plan(
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
                               virtual_stages, layers)  # fmt: skip
-    if dpo is not None and cp > 1:
-        raise MTNLGError("DPO does not run under context parallelism yet: plan it with --cp 1")
     per_sample = dpo.sequences_per_sample if dpo is not None else 1
     sequences = global_batch * per_sample
     layout = Layout(tp, pp, dp, micro_batch * per_sample, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
@@ -345,7 +343,7 @@ def search(
     not combined with pipelining (as the strategy); interleaving needs the micro-batch count to be a multiple of
     the stages (as Megatron's schedule); pipelines the implementation cannot run (`Implementation.runs_pipeline`:
     Megatron's even layer split, no interleaving on 2 stages) are skipped. `dpo_reference` (`dpo_plan.REFERENCES`):
-    DPO on pairs, without the layouts it cannot run (CP; a reference copy under ZeRO-3)."""
+    DPO on pairs, without the layouts it cannot run (a reference copy under ZeRO-3)."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
@@ -373,7 +371,7 @@ def search(
                     continue
                 dpo = None
                 if dpo_reference is not None:
-                    if cp > 1 or (dpo_reference == "copy" and lora is None and zero >= 3):
+                    if dpo_reference == "copy" and lora is None and zero >= 3:
                         continue
                     dpo = preference_plan(dpo_reference, lora is not None, zero)
                 candidate = plan(

@@ -27,6 +27,7 @@ from torch import nn
 from mtnlg_lightning.data.preferences import REFERENCE_LOGPS, pair_rows, pairs_batch
 from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses, per_token_cross_entropy, sequence_logps
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss
 from mtnlg_lightning.parallel.lora import adapters_disabled
 
 REFERENCE_STATE = "dpo_reference_logps"  # the checkpoint's precomputed reference log-probs, split -> [2 x pairs]
@@ -42,18 +43,36 @@ def split_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return target[:, :-1], target[:, -1]
 
 
+class SequenceScores:
+    """(logits, labels) -> each row's summed completion log-probability and its counted tokens, [R] each, in the
+    run's layout: vocabulary-parallel under TP; under CP the logits are this rank's chunks of each row, so the
+    labels are cut alike and the ranks' parts added (`ContextParallelLoss.sum_over_sequence`)."""
+
+    def __init__(self, loss_fn=None):
+        self.context = loss_fn if isinstance(loss_fn, ContextParallelLoss) else None
+        inner = self.context.loss_fn if self.context is not None else loss_fn
+        self.per_token = getattr(inner, "per_token", per_token_cross_entropy)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.context is None:
+            return sequence_logps(self.per_token(logits, labels), labels)
+        mine = self.context.chunk_of(labels)
+        logps, tokens = sequence_logps(self.per_token(logits, mine), mine)
+        return self.context.sum_over_sequence(logps), self.context.sum_over_sequence(tokens)
+
+
 class ReferenceLogps:
     """A forward-only 'loss' that records each row's summed completion log-probability (on the ranks that compute
     the loss: every rank, or the last pipeline stage) and contributes nothing."""
 
-    def __init__(self, per_token_nll, rows: int, device):
-        self.per_token_nll = per_token_nll
+    def __init__(self, scores, rows: int, device):
+        self.scores = scores
         self.logps = torch.zeros(rows, dtype=torch.float32, device=device)
         self.seen = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         labels, rows = split_target(target)
-        logps, _ = sequence_logps(self.per_token_nll(logits, labels), labels)
+        logps, _ = self.scores(logits, labels)
         self.logps[rows], self.seen[rows] = logps.detach().float(), True
         return logps.new_zeros(())
 
@@ -62,12 +81,12 @@ class PreferenceLoss:
     """A micro-batch's DPO/IPO loss: the mean over its pairs (every micro-batch holds as many pairs, so the step's
     mean over micro-batches and data-parallel replicas is the mean over the global batch's pairs)."""
 
-    def __init__(self, config: DPOConfig, per_token_nll, reference: torch.Tensor, rewards: PairRewards):
-        self.config, self.per_token_nll, self.reference, self.rewards = config, per_token_nll, reference, rewards
+    def __init__(self, config: DPOConfig, scores, reference: torch.Tensor, rewards: PairRewards):
+        self.config, self.scores, self.reference, self.rewards = config, scores, reference, rewards
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         labels, rows = split_target(target)
-        policy, tokens = sequence_logps(self.per_token_nll(logits, labels), labels)
+        policy, tokens = self.scores(logits, labels)
         losses, chosen, rejected = pair_losses(self.config, policy, self.reference[rows], tokens)
         self.rewards.record(rows[0::2] // 2, chosen, rejected)  # a pair's chosen row is 2i
         return losses.mean()
@@ -128,9 +147,6 @@ class PreferenceStep:
             self.reference_weights = ReferenceWeights(module.model)
 
     def check_layout(self, module, strategy) -> None:
-        config = getattr(strategy, "parallel_config", None)
-        if config is not None and config.context_parallel > 1:
-            raise MTNLGError("model.objective dpo does not run under context parallelism yet (context_parallel 1)")
         if module.lora is None and getattr(strategy, "zero_stage", 0) >= 3 and not precomputing(module):
             raise MTNLGError(
                 "full-weight DPO under ZeRO-3 keeps no reference copy: set data.precompute_reference true, or use "
@@ -186,9 +202,9 @@ class PreferenceStep:
         module.trainer.datamodule.set_reference_tables({name: t.numpy() for name, t in tables.items()})
 
     @staticmethod
-    def per_token_nll(module):
-        """The layout's per-token loss: vocabulary-parallel under TP, else plain cross-entropy."""
-        return getattr(module.loss_fn, "per_token", per_token_cross_entropy)
+    def scores(module) -> SequenceScores:
+        """The layout's sequence log-probabilities (`SequenceScores`)."""
+        return SequenceScores(module.loss_fn)
 
     def _reference_model(self, module):
         if module.lora is not None:
@@ -200,7 +216,7 @@ class PreferenceStep:
         return self.reference_weights.swapped_into(module.model)
 
     def _reference_pass(self, module, batch: dict, rows_per_micro_batch: int) -> ReferenceLogps:
-        collector = ReferenceLogps(self.per_token_nll(module), len(batch["labels"]), batch["labels"].device)
+        collector = ReferenceLogps(self.scores(module), len(batch["labels"]), batch["labels"].device)
         training = module.model.training
         module.model.eval()  # the reference is deterministic: no dropout (TRL's reference model is in eval mode)
         try:
@@ -223,7 +239,7 @@ class PreferenceStep:
         targeted = {**batch, "labels": with_row_index(batch["labels"])}
         reference = self.reference_logps(module, targeted, rows)
         rewards = PairRewards(len(batch["labels"]) // 2, batch["labels"].device)
-        return targeted, rows, PreferenceLoss(self.config, self.per_token_nll(module), reference, rewards)
+        return targeted, rows, PreferenceLoss(self.config, self.scores(module), reference, rewards)
 
     def forward_backward(self, module, batch: dict) -> torch.Tensor:
         targeted, rows, loss_fn = self._loss(module, batch)
