@@ -483,6 +483,7 @@ def test_preference_data_needs_the_dpo_objective(base_dir, tmp_path):
 # world 2: zeroN is dp2; _precomputed: full weights, the reference log-probs computed before the first step
 DPO_LAYOUTS = (
     "tp2",
+    "tp2_sp",
     "pp2",
     "zero1",
     "cp2",
@@ -516,14 +517,14 @@ def dpo_runs(base_dir, tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", DPO_LAYOUTS)
 def test_dpo_trains_alike_in_every_layout(layout, dpo_runs):
-    """tp2 (vocabulary-parallel log-probs), pp2 (the pairs' log-probs summed on the last stage; the reference pass
-    through the same schedule), dp2 ZeRO-1 (a pair on one rank) and cp2 (each rank scores its chunks of every row,
-    the parts summed over the ring's group), LoRA-DPO (the reference: adapters off) in pp2, dp2 ZeRO-3 and cp2, and
-    full-weight DPO with precomputed reference log-probs (no copy: the reference pass over every pair before the
-    first step, through the pipeline schedule, or under ZeRO-3) reproduce one process: losses (rel 1e-5), the
-    logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam steps. The norms are compared at
-    5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64 norm of the same gradients (which
-    the layouts' `parallel.clip` computes) on this model."""
+    """tp2 (vocabulary-parallel log-probs) with and without sequence parallelism, pp2 (the pairs' log-probs summed
+    on the last stage; the reference pass through the same schedule), dp2 ZeRO-1 (a pair on one rank) and cp2 (each
+    rank scores its chunks of every row, the parts summed over the ring's group), LoRA-DPO (the reference: adapters
+    off) in pp2, dp2 ZeRO-3 and cp2, and full-weight DPO with precomputed reference log-probs (no copy: the
+    reference pass over every pair before the first step, through the pipeline schedule, or under ZeRO-3) reproduce
+    one process: losses (rel 1e-5), the logged rewards, pre-clip gradient norms and the weights after 5 clipped Adam
+    steps. The norms are compared at 5e-5: one process reports torch's fp32 `clip_grad_norm_`, 2e-5 off the fp64
+    norm of the same gradients (which the layouts' `parallel.clip` computes) on this model."""
     run, one = dpo_runs[layout], dpo_runs["one_lora" if layout.endswith("_lora") else "one"]
     assert one["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     torch.testing.assert_close(run["losses"], one["losses"], rtol=1e-5, atol=0)
