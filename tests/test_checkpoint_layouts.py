@@ -113,12 +113,17 @@ def no_job_outlives_its_test():
             job.wait(timeout=30)
 
 
+def job_log(args) -> Path:
+    """Where `start` writes a job's output: beside its logger's save_dir."""
+    return Path(args[args.index("--trainer.logger.save_dir") + 1] + ".log")
+
+
 def start(args, save_pause_s: float) -> subprocess.Popen:
     """A job in its own process group (as a scheduler sees it), output to files; each checkpoint file it writes
     stays unpublished `save_pause_s` seconds longer (tests/slow_checkpoint_writes.py)."""
     inherited = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
     full_env = {**inherited, "WANDB_MODE": "offline"}
-    log = open(args[args.index("--trainer.logger.save_dir") + 1] + ".log", "w")  # noqa: SIM115
+    log = job_log(args).open("w")  # noqa: SIM115
     job = subprocess.Popen(
         [sys.executable, str(Path(__file__).parent / "slow_checkpoint_writes.py"), str(save_pause_s), *args],
         cwd=ROOT,
@@ -136,8 +141,8 @@ def wait_for(condition, job: subprocess.Popen, what: str, timeout=240.0) -> None
     deadline = time.monotonic() + timeout
     while not condition():
         if job.poll() is not None:
-            log = Path(job.args[job.args.index("--trainer.logger.save_dir") + 1] + ".log")
-            raise AssertionError(f"the job ended (rc {job.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+            log = job_log(job.args).read_text()[-3000:]
+            raise AssertionError(f"the job ended (rc {job.returncode}) before {what}:\n{log}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)

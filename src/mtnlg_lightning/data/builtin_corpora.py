@@ -7,26 +7,23 @@ never imports the demo part of the house.
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from mtnlg_lightning.errors import MTNLGError
 
 GROUP = "mtnlg_lightning.builtin_corpora"
 
 
-def builtin_corpus_names() -> list[str]:
-    return sorted({entry.name for entry in entry_points(group=GROUP)})
-
-
-def check_builtin_corpus(name: str) -> None:
-    names = builtin_corpus_names()
-    if name not in names:
-        available = ", ".join(repr(n) for n in names) or "none (mtnlg-lightning is not installed: pip install -e .)"
+def find_builtin_corpus(name: str) -> EntryPoint:
+    """The entry point of the named corpus; an unknown name is one line listing the installed ones."""
+    entries = {entry.name: entry for entry in entry_points(group=GROUP)}
+    if name not in entries:
+        available = ", ".join(repr(n) for n in sorted(entries))
+        available = available or "none (mtnlg-lightning is not installed: pip install -e .)"
         raise MTNLGError(f"unknown builtin_corpus {name!r}; available: {available}")
+    return entries[name]
 
 
 def build_builtin_corpus(name: str, progress: bool = True) -> tuple[str, str]:
     """(dataset prefix, tokenizer path) of the named corpus, built on first use (then from its cache)."""
-    check_builtin_corpus(name)
-    entry = next(entry for entry in entry_points(group=GROUP) if entry.name == name)
-    return entry.load()(progress=progress)
+    return find_builtin_corpus(name).load()(progress=progress)

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mtnlg_lightning.corpora.storage import is_url
-from mtnlg_lightning.data.builtin_corpora import build_builtin_corpus, check_builtin_corpus
+from mtnlg_lightning.data.builtin_corpora import build_builtin_corpus, find_builtin_corpus
 from mtnlg_lightning.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
 from mtnlg_lightning.data.indexed import REMOTE_BLOCK_KB, REMOTE_CACHE_MB, IndexedDataset, default_block_cache
 from mtnlg_lightning.data.tokenizer import local_tokenizer
@@ -230,7 +230,7 @@ class GPTDataModule(StepDataModule):
         """
         super().__init__()
         if builtin_corpus is not None:
-            check_builtin_corpus(builtin_corpus)
+            find_builtin_corpus(builtin_corpus)  # an unknown name fails here, in one line
         if not datasets and not builtin_corpus:
             raise MTNLGError("no data: set data.datasets (PREFIX paths) or data.builtin_corpus: python-docs")
         if weights is not None and len(weights) != len(datasets or []):

@@ -128,8 +128,9 @@ class ReferenceWeights:
 
 
 def precomputing(module) -> bool:
-    """Whether the run's data brings the reference log-probabilities (`data.precompute_reference`)."""
-    return bool(getattr(module.trainer.datamodule, "precompute_reference", False))
+    """Whether the run's data brings the reference log-probabilities (`data.precompute_reference`): full weights
+    only; under LoRA the reference is the base with the adapters off, nothing to precompute."""
+    return module.lora is None and bool(getattr(module.trainer.datamodule, "precompute_reference", False))
 
 
 class PreferenceStep:
@@ -160,7 +161,7 @@ class PreferenceStep:
         and divided by their count, so that every rank holds the whole table. Nothing to do when the data has its
         tables already (restored from a checkpoint)."""
         data = module.trainer.datamodule
-        if not precomputing(module) or module.lora is not None or data.reference_tables():
+        if not precomputing(module) or data.reference_tables():
             return
         dp_rank, dp_size = data.data_parallel_rank_and_size()
         global_pairs = module.batch_schedule.global_batch_size
@@ -176,7 +177,7 @@ class PreferenceStep:
                 batch = {field: value.to(module.device) for field, value in batch.items()}
                 collector = self._reference_pass(module, {**batch, "labels": with_row_index(batch["labels"])}, rows)
                 at = torch.tensor([2 * i + side for i in indices for side in (0, 1)], device=module.device)
-                sums.index_add_(0, at, torch.where(collector.seen, collector.logps.double(), 0.0))
+                sums.index_add_(0, at, collector.logps.double())  # 0 on the rows this rank did not score
                 counts.index_add_(0, at, collector.seen.double())
             totals = module.trainer.strategy.reduce(torch.stack([sums, counts]), reduce_op="sum")
             if bool((totals[1] == 0).any()):
@@ -191,7 +192,7 @@ class PreferenceStep:
     def load_state_dict(self, module, checkpoint: dict) -> None:
         """A resumed run reads the reference log-probabilities its first start computed: the restored weights are
         no longer the reference."""
-        if not precomputing(module) or module.lora is not None:
+        if not precomputing(module):
             return
         tables = checkpoint.get(REFERENCE_STATE)
         if not tables:
@@ -230,7 +231,7 @@ class PreferenceStep:
         """Each row's summed completion log-probability under the reference; `batch` carries row-indexed targets."""
         if batch.get(REFERENCE_LOGPS) is not None:
             return batch[REFERENCE_LOGPS].float()
-        if precomputing(module) and module.lora is None:
+        if precomputing(module):
             raise MTNLGError("a batch without its precomputed reference log-probabilities (data.precompute_reference)")
         return self._reference_pass(module, batch, rows_per_micro_batch).logps
 
