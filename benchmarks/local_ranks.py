@@ -1,5 +1,6 @@
-"""Start a script on several ranks of this machine, as the benchmarks and the tests do: torchrun with a standalone
-rendezvous, one thread per rank (the ranks share the machine's cores), output captured."""
+"""Start a script on several ranks of this machine, as the benchmarks and the tests do: torchrun's launch with a
+standalone rendezvous (its ranks forked from one process that imported the trainer, `forked_ranks.py`), one thread
+per rank (the ranks share the machine's cores), output captured."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+FORKED_RANKS = Path(__file__).with_name("forked_ranks.py")
+
 
 def run_on_ranks(ranks: int, script, *args, env: dict | None = None, **run_options) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node RANKS SCRIPT ARGS...`; `run_options` go to `subprocess.run`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    """`torchrun --standalone --nproc-per-node RANKS SCRIPT ARGS...` with the ranks forked from one process that
+    imported torch and the trainer once (`forked_ranks.py`); `run_options` go to `subprocess.run`."""
+    command = [sys.executable, str(FORKED_RANKS), "--standalone", f"--nproc-per-node={ranks}"]
     command += [str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, env=full_env, capture_output=True, text=True, **run_options)

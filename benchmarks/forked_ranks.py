@@ -1,0 +1,56 @@
+"""`torchrun` for the tests and benchmarks, without paying the start-up once per rank.
+
+    python benchmarks/forked_ranks.py --standalone --nproc-per-node 8 SCRIPT ARGS...
+    python benchmarks/forked_ranks.py --standalone --nproc-per-node 4 -m mtnlg_lightning.train.cli fit ...
+
+It takes torchrun's own arguments and builds torchrun's own launch (`torch.distributed.run.config_from_args`): the
+same elastic agent, standalone rendezvous and rank environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
+TORCHELASTIC_RUN_ID). The one difference: torchrun execs a fresh interpreter per rank, and each imports torch,
+Lightning (which imports torchmetrics, and through it transformers and scipy), DeepSpeed and the trainer again, about
+10 s of CPU a rank on the 2-core CI machine, 80 s of an 8-rank launch. Here the ranks are forked from one process that
+imported them once (torch elastic's `forkserver` start method with those modules preloaded), then each runs the
+script or module as `__main__`, as the interpreter would.
+
+What stays torchrun's alone: the tests of the launch itself (the resilience drills, the crash and signal drills) and
+every command a user types run through the real `torchrun` or Lightning's launcher.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import runpy
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
+
+# imported once in the fork server; a module that is not installed is skipped (the fork server ignores ImportError)
+PRELOADED = ["torch", "lightning.pytorch", "deepspeed", "mtnlg_lightning.train.cli"]
+
+
+def run_as_main(target: str, is_module: bool, arguments: list[str]) -> None:
+    """One rank: TARGET run as `__main__` with ARGUMENTS, as `python SCRIPT ARGS` or `python -m MODULE ARGS` would."""
+    sys.argv = [target, *arguments]
+    if is_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, str(Path(target).resolve().parent))  # the interpreter puts the script's folder first
+        runpy.run_path(target, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = get_args_parser().parse_args(argv)
+    if args.standalone:  # as torchrun's run() reads --standalone: a c10d store on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    args.start_method = "forkserver"
+    config, _, _ = config_from_args(args)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOADED)
+    elastic_launch(config, run_as_main)(args.training_script, args.module, args.training_script_args)
+
+
+if __name__ == "__main__":
+    main()
