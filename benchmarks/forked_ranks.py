@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
-    # where this process already imported them (tests/zygote.py's children), the ranks are forked from it directly
-    args.start_method = "fork" if all(name in sys.modules for name in PRELOADED) else "forkserver"
+    args.start_method = "forkserver"
     config, _, _ = config_from_args(args)
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOADED)
     elastic_launch(config, run_as_main)(args.training_script, args.module, args.training_script_args)

@@ -1,23 +1,28 @@
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-# the commands tests run, for `from conftest import ...`
-from commands import (  # noqa: F401
-    RENDEZVOUS_VARIABLES,
-    fresh_shell_environment,
-    run_cli,
-    run_cli_on_ranks,
-    run_on_ranks,
-    run_python,
-)
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: the tests share the benchmarks' helpers (benchmarks/)
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+# Set in this process by in-process Trainers with a process group (Lightning writes MASTER_PORT etc. into os.environ
+# and keeps the store listening on that port): a command launched afterwards must not inherit them, as a user's
+# fresh shell would not, or its ranks try to listen on the port this process still holds (EADDRINUSE).
+RENDEZVOUS_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
 
 
 def tool_main(name: str):
@@ -27,6 +32,20 @@ def tool_main(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
+
+
+def run_cli(*args: str, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """Run a console entry point as a user would (`mtnlg ...`) from a fresh shell, capturing output."""
+    inherited = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
+    full_env = {**inherited, "WANDB_MODE": "offline", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "mtnlg_lightning.train.cli", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(autouse=True)

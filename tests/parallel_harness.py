@@ -14,11 +14,11 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from commands import run_on_ranks
 from gathered_weights import full_state_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
+from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel

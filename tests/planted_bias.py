@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import ROOT, run_cli, run_python
+from conftest import ROOT, run_cli
 
 PLANTED_FEMALE_SHARE = {"engineer": 0.9, "pilot": 0.9, "surgeon": 0.9, "nurse": 0.1, "secretary": 0.1, "librarian": 0.1}
 UNPLANTED = [
@@ -52,7 +54,7 @@ def write_corpus(path: Path, planted: bool, documents: int = 2000, seed: int = 1
 
 
 def tool(name: str, *args: str) -> None:
-    run = run_python(ROOT / "tools" / name, *args)
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / name), *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
 
 

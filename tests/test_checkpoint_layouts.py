@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RENDEZVOUS_VARIABLES, ROOT, run_cli, run_cli_on_ranks
+from conftest import RENDEZVOUS_VARIABLES, ROOT, run_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -42,11 +42,7 @@ def fit_args(save_dir: Path, steps: int, strategy=None, devices=1, ckpt_dir=None
 
 
 def fit(*args, **kwargs) -> subprocess.CompletedProcess:
-    """`mtnlg fit` in one process, or on `devices` ranks started as torchrun starts them (the subject here is the
-    checkpoint, not the launcher: the drills below keep Lightning's own)."""
-    devices = kwargs.get("devices", 1)
-    command = fit_args(*args, **kwargs)
-    result = run_cli_on_ranks(devices, *command) if devices > 1 else run_cli(*command)
+    result = run_cli(*fit_args(*args, **kwargs))
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, run_python
+from conftest import ROOT, run_cli
 
 from mtnlg_lightning.checkpoint.commit import newest_complete, prepare_staging, publish, staging_path
 from mtnlg_lightning.checkpoint.format import (
@@ -181,7 +181,9 @@ def test_consolidated_file_holds_the_model_space_weights(trained, tmp_path):
 
 
 def run_cli_tool(*args):
-    return run_python(*args, cwd=ROOT, timeout=300)
+    import subprocess
+
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 # ------------------------------------------------------------------------------------------------ bad input, CLI

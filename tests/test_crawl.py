@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_python
 
 for module in ("warcio", "trafilatura", "justext", "pycld2", "lxml_html_clean", "sklearn"):
     pytest.importorskip(module)
@@ -115,9 +114,11 @@ def test_every_bad_record_is_counted_by_its_reason(crawl):
 
 def test_output_is_the_same_bytes_for_any_worker_count_via_python_m(crawl, tmp_path):
     out = tmp_path / "two"
-    p = run_python(
-        *["-m", "mtnlg_lightning.crawl.extract_cli", crawl["warc"], "-o", out, "-q", "--workers", "2"],
-        *["--languages", "en,de"],
+    p = subprocess.run(
+        [sys.executable, "-m", "mtnlg_lightning.crawl.extract_cli", str(crawl["warc"]), "-o", str(out), "-q"]
+        + ["--workers", "2", "--languages", "en,de"],
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert p.returncode == 0, p.stderr

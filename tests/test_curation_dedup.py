@@ -5,7 +5,6 @@ import os
 
 import numpy as np
 import pytest
-from conftest import run_python
 from curation_faults import CRASH_ENV, Faults, SimulatedCrash
 
 from mtnlg_lightning.corpora.jsonl import InputError
@@ -266,7 +265,7 @@ def test_real_kill_with_os_exit_then_resume(tmp_path, corpus):
     p = subprocess.run([*killed, path, "-o", str(out), "-q"], env=env, capture_output=True, text=True)
     assert p.returncode == 86 and not (out / "report.json").exists()
     assert (out / WORK_DIR_NAME / "buckets.done").exists()
-    p = run_python(tool, path, "-o", out, "-q")
+    p = subprocess.run([sys.executable, tool, path, "-o", str(out), "-q"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     rep = json.loads((out / "report.json").read_text())
     assert rep["resumed_stages"] == ["signatures", "buckets", "verify"]

@@ -499,8 +499,9 @@ DPO_LAYOUTS = (
 def dpo_runs(base_dir, tmp_path_factory):
     """5 DPO steps from the Llama directory, full-weight and LoRA: one process, then the layouts in one 2-rank
     torchrun launch."""
-    from conftest import run_on_ranks
     from dist_dpo_runs import DPO_LORA, dpo_run
+
+    from benchmarks.local_ranks import run_on_ranks
 
     root = tmp_path_factory.mktemp("dpo_runs")
     pairs = str(write_preferences(root / "pairs.jsonl", 64))

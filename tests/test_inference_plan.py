@@ -2,9 +2,11 @@
 cache of a batch, the working set; the smallest TP x PP per GPU kind is the smallest that fits."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from conftest import ROOT, run_python
+from conftest import ROOT
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
@@ -17,7 +19,7 @@ MTNLG = get_config("mtnlg-530b")
 
 
 def run_plan(*args):
-    return run_python(ROOT / "tools/plan.py", *args)
+    return subprocess.run([sys.executable, str(ROOT / "tools/plan.py"), *args], capture_output=True, text=True)
 
 
 def test_one_gpu_holds_the_whole_model_in_two_bytes_per_parameter():

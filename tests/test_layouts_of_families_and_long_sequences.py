@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_on_ranks
 from hf_models import random_family_dir
 from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
 
+from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.evaluation.cli import main as eval_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop.export_cli import main as export_main

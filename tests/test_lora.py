@@ -437,7 +437,7 @@ def lora_run_long(lora_run):
 def _launch(world: int, layouts: tuple[str, ...], out, base) -> dict:
     from pathlib import Path
 
-    from conftest import run_on_ranks
+    from benchmarks.local_ranks import run_on_ranks
 
     here = Path(__file__).resolve().parent
     proc = run_on_ranks(world, here / "dist_lora_runs.py", out, base, *layouts, timeout=900, cwd=here.parent)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import itertools
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_python
 
 from mtnlg_lightning.data.gpt_dataset import GPTDataset
 from mtnlg_lightning.data.indexed import IndexedDataset
@@ -89,7 +89,12 @@ def documents(rng, count: int, first_token: int) -> list[list[list[int]]]:
 
 
 def preprocess_merge(*args: str) -> subprocess.CompletedProcess:
-    return run_python(ROOT / "tools" / "preprocess_data.py", "--merge", *args, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--merge", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("multimodal", [False, True], ids=["sentence_split", "multimodal"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_on_ranks
 
+from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.planning.planner import model_state_bytes
 
 pytestmark = pytest.mark.distributed

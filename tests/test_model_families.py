@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import run_python
 from hf_models import RANDOM_LLAMA, random_family_dir
 
 from mtnlg_lightning.config import PRESETS, get_config
@@ -98,9 +99,11 @@ def test_presets_have_the_published_parameter_counts(preset):
 
 def test_the_planner_counts_the_published_parameters_of_every_new_preset():
     for preset in [*PUBLISHED, "tiny-llama", "demo-llama"]:
-        out = run_python(
-            ROOT / "tools/plan.py",
-            *["--model", preset, "--tp", "1", "--pp", "1", "--dp", "1", "--json"],
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "tools/plan.py"), "--model", preset, "--tp", "1", "--pp", "1", "--dp", "1"]
+            + ["--json"],
+            capture_output=True,
+            text=True,
             timeout=120,
         )
         assert out.returncode == 0, out.stderr

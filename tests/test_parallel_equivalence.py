@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_on_ranks
 from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
+
+from benchmarks.local_ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent

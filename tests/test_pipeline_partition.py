@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, run_python
+from conftest import ROOT, run_cli
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
@@ -54,7 +54,12 @@ def test_stages_keep_their_blocks_under_global_names_and_the_last_stage_holds_a_
 
 @pytest.mark.slow
 def test_dry_run_of_the_papers_530b_config_builds_every_stage_on_meta():
-    out = run_python(ROOT / "tools/dry_run.py", "--config", ROOT / "configs/mtnlg_530b.yaml", timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools/dry_run.py"), "--config", str(ROOT / "configs/mtnlg_530b.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "world 4480 = 560 node(s) x 8: pp 35 x dp 16 x tp 8; TP groups inside a node: yes" in text

@@ -2,10 +2,12 @@
 --write-config, bad input; the GPU check's CPU smoke mode."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli, run_python
+from conftest import ROOT, run_cli
 
 from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
@@ -15,7 +17,7 @@ from mtnlg_lightning.planning.planner import activation_bytes_per_layer, model_s
 from mtnlg_lightning.train.flops import flops_per_iteration
 
 MTNLG = get_config("mtnlg-530b")
-PLAN = [ROOT / "tools/plan.py"]
+PLAN = [sys.executable, str(ROOT / "tools/plan.py")]
 
 
 def tflops_from_time(config: ModelConfig, global_batch: int, seconds: float, gpus: int) -> float:
@@ -24,7 +26,7 @@ def tflops_from_time(config: ModelConfig, global_batch: int, seconds: float, gpu
 
 
 def run_plan(*args):
-    return run_python(*PLAN, *args, timeout=120)
+    return subprocess.run([*PLAN, *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("nodes,seconds,reported", [(280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)])

@@ -2,8 +2,11 @@
 of constants per GPU: every run's throughput predicted within +-15%, and searching each published configuration's
 model, GPU count and batch ranks the published layout in the top 3 or within 5% of the best predicted time."""
 
+import subprocess
+import sys
+
 import pytest
-from conftest import ROOT, run_python
+from conftest import ROOT
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
@@ -89,7 +92,9 @@ def test_a_published_layout_its_software_cannot_run_is_reported(tmp_path):
 
 
 def test_validate_planner_prints_the_readme_table():
-    out = run_python(ROOT / "tools/validate_planner.py", "--no-rank")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools/validate_planner.py"), "--no-rank"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == len(RUNS) + 1  # the header and one row per run

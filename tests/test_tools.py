@@ -1,16 +1,20 @@
 """tools/train_tokenizer.py and tools/preprocess_data.py as a user runs them."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from conftest import ROOT, run_python
+from conftest import ROOT
 
 from mtnlg_lightning.data.indexed import IndexedDataset
 from mtnlg_lightning.data.tokenizer import Tokenizer, train_bpe
 
 
 def tool(name, *args):
-    return run_python(ROOT / "tools" / name, *args, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / name), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from conftest import run_cli, run_cli_on_ranks
+from conftest import run_cli
 
 from mtnlg_lightning.data.gpt_dataset import split_ranges
 from mtnlg_lightning.data.tokenizer import Tokenizer
@@ -77,10 +77,7 @@ def tiny_run(tmp_path_factory, layout: str = "single") -> Path:
         if (directory / OUTPUT).exists():
             return directory
         checkpoints = ["--trainer.enable_checkpointing", "true", "--trainer.default_root_dir", str(directory)]
-        command = [*tiny_fit_args(directory), *checkpoints, *LAYOUTS[layout], *extra]
-        devices = int(command[command.index("--trainer.devices") + 1]) if "--trainer.devices" in command else 1
-        # ranks started as torchrun starts them: the subject is the layout's run, not Lightning's launcher
-        out = run_cli_on_ranks(devices, *command) if devices > 1 else run_cli(*command)
+        out = run_cli(*tiny_fit_args(directory), *checkpoints, *LAYOUTS[layout], *extra)
         assert out.returncode == 0, out.stderr[-3000:]
         (directory / OUTPUT).write_text(out.stdout + out.stderr)
     return directory
