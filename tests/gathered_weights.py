@@ -32,6 +32,8 @@ def full_state_dict(strategy, master: bool = False) -> dict[str, torch.Tensor]:
             value = value.clone()
             if hasattr(p, "partition_dim") and groups.tensor_parallel_size > 1:
                 value = gather_shards(value, p, groups)
+            if hasattr(p, "expert_parallel_count"):  # the runs of experts of the EP group, in expert order
+                value = gather_tensor_parallel(value, 0, groups.expert_parallel_group)
             if isinstance(model, PipelineChunks):
                 name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)
             out[name] = value

@@ -143,3 +143,17 @@ def random_moe_dir(directory: Path, family: str, seed: int = 0, **overrides) -> 
     model.eval().save_pretrained(out)
     tokenizer.save(out / "tokenizer.json")
     return out
+
+
+def exported_logits_gap(checkpoint: Path, exported: Path, length: int = 64) -> float:
+    """Largest |logit| difference between our model from `checkpoint` and transformers' from the directory
+    `mtnlg-export-hf` wrote of it (`exported`), over 2 random rows of `length` tokens of the 4096-token vocabulary."""
+    import transformers
+
+    from mtnlg_lightning.inference.load import load_model
+
+    tokens = torch.randint(0, 4096, (2, length), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(checkpoint)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        return (theirs(tokens).logits - ours(tokens)[..., :4096]).abs().max().item()

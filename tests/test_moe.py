@@ -260,8 +260,13 @@ def test_moe_models_refuse_the_layouts_not_built_yet():
     ParallelConfig().validate(config, 2)  # one process or plain data parallelism
     with pytest.raises(MTNLGError, match="tensor_parallel 2: a mixture-of-experts model runs in one process"):
         ParallelConfig(tensor_parallel=2).validate(config, 2)
-    with pytest.raises(MTNLGError, match="expert_parallel 2 needs a mixture-of-experts model"):
+    ParallelConfig(expert_parallel=2, zero_stage=0).validate(config, 2)  # dp2, the experts split in two
+    with pytest.raises(MTNLGError, match="expert_parallel 2 runs with zero_stage 0"):
         ParallelConfig(expert_parallel=2).validate(config, 2)
+    with pytest.raises(MTNLGError, match="num_experts 4 is not divisible by expert_parallel 3"):
+        ParallelConfig(expert_parallel=3, zero_stage=0).validate(config, 3)
+    with pytest.raises(MTNLGError, match="expert_parallel 2 needs a mixture-of-experts model"):
+        ParallelConfig(expert_parallel=2, zero_stage=0).validate(get_config("tiny-llama"), 2)
 
 
 # ------------------------------------------------------------------------------------------- training

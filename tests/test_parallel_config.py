@@ -71,7 +71,13 @@ ROWS = [
         dimensions={"num_layers": 4}),
     Row("sp without tp", {"sequence_parallel": True}, 1,
         "sequence_parallel shards over the tensor-parallel group: it needs tensor_parallel > 1"),
-    Row("expert parallel", {"expert_parallel": 2}, 1, "expert_parallel 2 needs a mixture-of-experts model"),
+    Row("expert parallel under zero", {"expert_parallel": 2}, 2, "expert_parallel 2 runs with zero_stage 0"),
+    Row("expert parallel of a dense model", {"expert_parallel": 2, "zero_stage": 0}, 2,
+        "expert_parallel 2 needs a mixture-of-experts model"),
+    Row("expert parallel beyond dp", {"expert_parallel": 4, "zero_stage": 0}, 2,
+        "expert_parallel 4 does not divide the data-parallel size 2", preset="qwen3-30b-a3b",
+        inference="expert_parallel 4: generation and evaluation run a mixture-of-experts model with its experts "
+                  "whole (expert_parallel 1) so far"),
     # refused: the model's split
     Row("heads", {"tensor_parallel": 3}, 3, "num_heads 4 is not divisible by tensor_parallel 3"),
     Row("kv heads", {"tensor_parallel": 3}, 3, "tensor_parallel 3 neither divides num_kv_heads 2 nor is a multiple",

@@ -68,7 +68,7 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor) -> bool:
         if self.kernel not in EXPERT_KERNELS:
             raise MTNLGError(f"expert kernel {self.kernel!r} is not one of {', '.join(EXPERT_KERNELS)}")
-        if self.kernel == "loop":
+        if self.kernel == "loop" or x.shape[0] == 0:  # an expert-parallel rank may receive no rows at all
             return False
         # _grouped_mm takes fp32/bf16/fp16 with 16-byte-aligned rows (torch 2.13 on CPU; CUDA not checked here).
         widths = self.gate.weight.shape[1:]
@@ -115,6 +115,8 @@ class MoE(nn.Module):
             self.shared = shared
             self.shared_gate = Gate(h, 1)
         self.stats: RouterStats | None = None
+        # expert parallelism (`parallel/expert_parallel.py`) runs the experts' rows across its ranks; None: here
+        self.dispatch = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k]); records this forward's `stats`."""
@@ -139,7 +141,9 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             order, counts = self._within_capacity(order, counts, x.shape[0])
         token = order // self.top_k
-        out = self.experts(x[token], counts) * weights.flatten()[order, None]
+        rows = x[token]
+        out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
+        out = out * weights.flatten()[order, None]
         y = torch.zeros_like(x).index_add_(0, token, out)
         if hasattr(self, "shared"):
             y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)

@@ -31,6 +31,11 @@ class Slot:
     tp_writer: bool = True  # this TP rank is the one that saves the box (a replicated box is saved once)
 
     @property
+    def expert_shard(self) -> bool:
+        """A run of experts: held by the expert-data-parallel ranks only, not by every data-parallel replica."""
+        return hasattr(self.param, "expert_parallel_count")
+
+    @property
     def empty(self) -> bool:
         return any(s == 0 for s in self.shape)
 
@@ -69,6 +74,9 @@ def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size
             dim = param.partition_dim
             offsets[dim] = param.partition_index * shape[dim]
             global_shape[dim] = shape[dim] * param.partition_count
+        if hasattr(param, "expert_parallel_count"):  # a run of the stacked experts (`parallel/expert_parallel.py`)
+            offsets[0] = param.expert_parallel_index * shape[0]
+            global_shape[0] = shape[0] * param.expert_parallel_count
         if name in VOCAB_PARAMS:  # trim the padded vocabulary to the real one
             global_shape[0] = config.vocab_size
             stored[0] = max(0, min(shape[0], config.vocab_size - offsets[0]))

@@ -119,7 +119,11 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     replica, tp_rank = groups.replica_rank, groups.tensor_parallel_rank
 
     def writer_of(index: int, slot: Slot) -> bool:
-        # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only.
+        # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only; a run
+        # of experts by one of the ranks holding it (its expert-data-parallel group).
+        if slot.expert_shard:
+            copies = groups.layout.data_parallel // groups.layout.expert_parallel
+            return owner[index] % copies == groups.expert_place()[1]
         return owner[index] == replica and slot.tp_writer
 
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
@@ -135,6 +139,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
             "pipeline_parallel": layout.pipeline_parallel,
             "data_parallel": layout.data_parallel,
             "context_parallel": layout.context_parallel,
+            "expert_parallel": layout.expert_parallel,
             "zero_stage": strategy.zero_stage,
         }
         header = checkpoint_header(module, checkpoint, optimizer, saved_by)

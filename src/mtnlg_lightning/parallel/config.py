@@ -59,7 +59,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     context_parallel: int = 1
     context_parallel_kernel: str = "auto"
-    expert_parallel: int = 1  # ranks splitting a mixture of experts' experts: not built yet, 1
+    expert_parallel: int = 1  # DP ranks splitting a mixture of experts' experts (carved out of DP)
     gpus_per_node: int | None = None  # None: the caller's node size (launcher, trainer.devices, --gpus-per-node)
     allow_tp_across_nodes: bool = False
 
@@ -124,6 +124,7 @@ class ParallelConfig:
             self.gpus_per_node or gpus_per_node,
             self.allow_tp_across_nodes,
             self.context_parallel,
+            self.expert_parallel,
         )
 
     def describe(self, world_size: int) -> dict:
@@ -137,6 +138,7 @@ class ParallelConfig:
             "virtual_pipeline_stages": self.virtual_pipeline_stages,
             "sequence_parallel": self.sequence_parallel,
             "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
         }
 
     # ------------------------------------------------------------------ checks
@@ -187,14 +189,24 @@ class ParallelConfig:
             raise MTNLGError(
                 f"context_parallel_kernel {self.context_parallel_kernel!r} is not one of {', '.join(KERNELS)}"
             )
-        if self.expert_parallel > 1:
+        if self.expert_parallel > 1 and self.zero_stage != 0:
             raise MTNLGError(
-                f"expert_parallel {self.expert_parallel} needs a mixture-of-experts model split over expert ranks, "
-                f"which is not built yet: use expert_parallel 1 (experts whole on every rank)"
+                f"expert_parallel {self.expert_parallel} runs with zero_stage 0 (plain data parallelism) so far: "
+                f"ZeRO {self.zero_stage} would average the experts' gradients over ranks holding different experts"
             )
 
     def _check_model(self, config, inference: bool) -> None:
-        tp = self.tensor_parallel
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        if ep > 1:
+            if not getattr(config, "moe", False):
+                raise MTNLGError(f"expert_parallel {ep} needs a mixture-of-experts model (num_experts > 0)")
+            if config.num_experts % ep:
+                raise MTNLGError(f"num_experts {config.num_experts} is not divisible by expert_parallel {ep}")
+            if inference:
+                raise MTNLGError(
+                    f"expert_parallel {ep}: generation and evaluation run a mixture-of-experts model with its "
+                    f"experts whole (expert_parallel 1) so far"
+                )
         split = {"tensor_parallel": tp, "pipeline_parallel": self.pipeline_parallel,
                  "context_parallel": self.context_parallel}  # fmt: skip
         if getattr(config, "moe", False) and max(split.values()) > 1:

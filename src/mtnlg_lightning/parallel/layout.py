@@ -46,6 +46,7 @@ class ParallelLayout:
     gpus_per_node: int | None = None  # None: one node holds the whole world
     allow_tp_across_nodes: bool = False
     context_parallel: int = 1
+    expert_parallel: int = 1  # carved out of DP: each run of EP consecutive DP ranks splits the experts
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,12 +82,18 @@ class ParallelLayout:
             ("tensor_parallel", tp),
             ("pipeline_parallel", pp),
             ("context_parallel", cp),
+            ("expert_parallel", self.expert_parallel),
         ):
             if not isinstance(value, int) or value < 1:
                 raise MTNLGError(f"{name} must be a positive integer, got {value!r}")
         if world % (tp * cp * pp):
             axes = f"tensor_parallel {tp} x context_parallel {cp}" if cp > 1 else f"tensor_parallel {tp}"
             raise MTNLGError(f"world size {world} is not divisible by {axes} x pipeline_parallel {pp} = {tp * cp * pp}")
+        if self.data_parallel % self.expert_parallel:
+            raise MTNLGError(
+                f"expert_parallel {self.expert_parallel} does not divide the data-parallel size {self.data_parallel} "
+                f"(world {world} / (tp {tp} x cp {cp} x pp {pp})): expert ranks are carved out of the DP ranks"
+            )
         gpn = self.gpus_per_node
         if gpn is not None:
             if not isinstance(gpn, int) or gpn < 1:
@@ -163,6 +170,18 @@ class ParallelLayout:
         """Same (pp, tp): every rank holding this weight shard, DP x CP (gradients averaged, ZeRO partitioned)."""
         return self._grid(("pp", "tp"), ("dp", "cp"))
 
+    def expert_parallel_groups(self) -> list[list[int]]:
+        """Runs of EP consecutive ranks of each data-parallel group: together they hold every expert once (tokens
+        travel between them by all-to-all). With TP = 1 they are consecutive ranks, inside a node."""
+        ep = self.expert_parallel
+        return [group[i : i + ep] for group in self.data_parallel_groups() for i in range(0, len(group), ep)]
+
+    def expert_data_parallel_groups(self) -> list[list[int]]:
+        """The DP ranks holding the same experts (the same place in their EP run): expert gradients are averaged
+        over these only (Megatron's and DeepSpeed's expert-data-parallel group)."""
+        ep = self.expert_parallel
+        return [group[i::ep] for group in self.data_parallel_groups() for i in range(ep)]
+
     def pipeline_parallel_groups(self) -> list[list[int]]:
         """Same (dp, cp, tp): the stages of one pipeline."""
         return self._grid(("dp", "cp", "tp"), ("pp",))
@@ -183,21 +202,25 @@ class ParallelLayout:
             "replica": self._group_of(self.replica_groups(), rank),
             "pp": self._group_of(self.pipeline_parallel_groups(), rank),
             "mp": self._group_of(self.model_parallel_groups(), rank),
+            "ep": self._group_of(self.expert_parallel_groups(), rank),
+            "edp": self._group_of(self.expert_data_parallel_groups(), rank),
         }
 
     # ------------------------------------------------------------------ the printed table
     def table(self) -> str:
         cp = self.context_parallel > 1  # the CP column and group appear only when there is context parallelism
+        ep = self.expert_parallel > 1  # likewise the EP group
         axes = f"dp {self.data_parallel} x " + (f"cp {self.context_parallel} x " if cp else "")
         head = (
             f"layout: world {self.world_size} = pp {self.pipeline_parallel} x {axes}"
             f"tp {self.tensor_parallel} on {self.num_nodes} node(s) of {self.ranks_per_node} rank(s)"
+            + (f", experts over ep {self.expert_parallel} (runs of dp)" if ep else "")
         )
         rows = [
             head,
             f"{'rank':>5} {'node':>5} {'local':>5} {'pp':>3} {'dp':>3} " + (f"{'cp':>3} " if cp else "")
             + f"{'tp':>3}  {'tp group':<16} " + (f"{'cp group':<16} " if cp else "")
-            + f"{'dp group':<16} {'pp group':<16}",
+            + f"{'dp group':<16} {'pp group':<16}" + (f" {'ep group':<16}" if ep else ""),
         ]  # fmt: skip
         fmt = lambda g: ",".join(map(str, g))  # noqa: E731
         for r in range(self.world_size):
@@ -205,7 +228,7 @@ class ParallelLayout:
             rows.append(
                 f"{r:>5} {self.node(r):>5} {self.local_rank(r):>5} {c.pp:>3} {c.dp:>3} " + (f"{c.cp:>3} " if cp else "")
                 + f"{c.tp:>3}  {fmt(g['tp']):<16} " + (f"{fmt(g['cp']):<16} " if cp else "")
-                + f"{fmt(g['dp']):<16} {fmt(g['pp']):<16}"
+                + f"{fmt(g['dp']):<16} {fmt(g['pp']):<16}" + (f" {fmt(g['ep']):<16}" if ep else "")
             )  # fmt: skip
         return "\n".join(rows)
 
@@ -263,6 +286,8 @@ class ProcessGroups:
     model_parallel_group: object = None
     context_parallel_group: object = None  # None without context parallelism
     data_context_parallel_group: object = None  # DP x CP; None without context parallelism (see replica_group)
+    expert_parallel_group: object = None  # None without expert parallelism
+    expert_data_parallel_group: object = None  # None without expert parallelism
     ranks: dict[str, list[int]] = field(default_factory=dict)
     kv_head_groups: dict[int, object] = field(default_factory=dict)
 
@@ -291,6 +316,11 @@ class ProcessGroups:
                 ("context_parallel_group", layout.context_parallel_groups()),
                 ("data_context_parallel_group", layout.replica_groups()),
             ]
+        if layout.expert_parallel > 1:
+            kinds += [
+                ("expert_parallel_group", layout.expert_parallel_groups()),
+                ("expert_data_parallel_group", layout.expert_data_parallel_groups()),
+            ]
         for attr, groups in kinds:
             for ranks in groups:  # every rank takes part in creating every group
                 group = dist.new_group(ranks, backend=backend)
@@ -303,6 +333,11 @@ class ProcessGroups:
         """The 1 x 1 x 1 layout of one process, which needs (and makes) no torch.distributed group."""
         layout = ParallelLayout(1)
         return cls(layout=layout, rank=0, coord=layout.coord(0), ranks=layout.groups_of(0))
+
+    def expert_place(self) -> tuple[int, int]:
+        """(which run of experts this rank holds: its place in its EP group, which of that run's copies: its place
+        in its expert-data-parallel group)."""
+        return divmod(self.coord.dp, self.layout.expert_parallel)[::-1]
 
     def kv_head_group(self, copies: int):
         """The group of this rank's TP ranks that hold a copy of its key/value heads (runs of `copies` consecutive

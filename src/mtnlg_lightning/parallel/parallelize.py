@@ -5,7 +5,8 @@ working on what the one before made:
   0. model converters: LoRA adapters (`lora.py`) on the full model, its base frozen;
   1. pipeline split: this rank's stages (blocks under their global names; embedding first, head last);
   2. tensor parallelism, with sequence parallelism: Linear/Embedding layers swapped for sharded ones;
-  3. context parallelism: ring attention cores, this rank's chunks of the sequence;
+  3. expert parallelism: this rank's run of each MoE layer's experts, rows routed to the others by all-to-all;
+     context parallelism: ring attention cores, this rank's chunks of the sequence;
   4. activation checkpointing: of the blocks or attention cores as they now are (a ring core included);
   5. compilation: each block, lazily, so what wraps or shards it is traced at its first call;
   6. the tied embedding linked across the first and last stages (after the sharding: it links the final tensors);
@@ -27,6 +28,7 @@ from mtnlg_lightning.model import compile_blocks
 from mtnlg_lightning.parallel.activation_checkpointing import NO_RECOMPUTE, Recompute
 from mtnlg_lightning.parallel.config import PipelineParallelSettings
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
+from mtnlg_lightning.parallel.expert_parallel import apply_expert_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
 from mtnlg_lightning.parallel.lora import LoRAConfig, apply_lora, shard_with_adapters
 from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
@@ -82,6 +84,9 @@ def parallelize_gpt(
                 kv_group=kv_group,
             )
             shard_with_adapters(stage_model, shard, rank, size, kv_group)
+    if layout.expert_parallel > 1:
+        for stage_model in stage_models:
+            apply_expert_parallel(stage_model, groups)
     if layout.context_parallel > 1:
         ring = Ring(groups.context_parallel_group, groups.ranks["cp"], groups.context_parallel_rank)
         for stage_model in stage_models:

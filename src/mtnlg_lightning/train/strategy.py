@@ -103,7 +103,9 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 (+30 s): the step limit after the first step, the save and eval limits for those.
             async_save: checkpoints are copied to host memory at the save and written in the background while
                 training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
-            expert_parallel: ranks that split a mixture-of-experts layer's experts; 1 (not built yet).
+            expert_parallel: data-parallel ranks that split each mixture-of-experts layer's experts (E / EP each;
+                tokens travel to their experts by all-to-all); it divides the data-parallel size. Expert gradients
+                are averaged over the ranks holding the same experts. So far with zero_stage 0, TP = PP = CP = 1.
         """
         super().__init__()
         # Checked later (`_check_arguments`): the CLI's argument parser would bury a message raised here.

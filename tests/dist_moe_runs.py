@@ -1,0 +1,55 @@
+"""Expert-parallel runs from a Hugging Face mixture-of-experts directory, in the layouts named on the command line
+(one torchrun launch):
+
+    torchrun --standalone --nproc-per-node 4 tests/dist_moe_runs.py OUT_DIR MOE_DIR ep2_ckpt ep4 ep2_accum ep4_from_ep2
+
+A run is epN: data parallelism over the whole world with each MoE layer's experts split over N of the DP ranks
+(plain DP, zero_stage 0), micro-batches of 2 rows (the global batch of 8 over 4 ranks: one micro-batch each).
+Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _ckpt trains 6 steps saving at 3 and 6;
+_from_RUN resumes that run's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms, parameters).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
+from parallel_harness import run_each, run_script, tiny_run  # noqa: E402
+
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+
+# The router's auxiliary (load-balancing) and z losses both on, dropless routing (no capacity factor).
+ROUTER_LOSSES = {"router_aux_loss_coef": 0.02, "router_z_loss_coef": 0.001}
+
+
+def run_settings(name: str, out: Path) -> dict:
+    """`tiny_run`'s arguments for a run name (the one-process references take the same, less the strategy)."""
+    layout, _, source = name.partition("_from_")
+    parts = layout.split("_")
+    settings = {"micro_batch_size": 1 if "accum" in parts else 2, "model_overrides": ROUTER_LOSSES}
+    if "ckpt" in parts:
+        settings |= {"max_steps": 6, "capture_steps": (5, 6), "checkpoint_dir": out / layout}
+    if source:
+        settings |= {"max_steps": 6, "capture_steps": (6,), "ckpt_path": out / source / "step=3.ckpt"}
+    return settings
+
+
+def train(name: str, out: Path, source: str) -> dict:
+    expert_parallel = int(name.split("_")[0].removeprefix("ep"))
+    strategy = MegatronDeepSpeedStrategy(expert_parallel=expert_parallel, zero_stage=0, print_layout=False)
+    world = int(os.environ["WORLD_SIZE"])
+    rec, _ = tiny_run(strategy, devices=world, init_from=source, **run_settings(name, out))
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+
+
+def main() -> None:
+    out, source = Path(sys.argv[1]), sys.argv[2]
+    out.mkdir(parents=True, exist_ok=True)
+    run_each("dist_moe_runs", sys.argv[3:], out, lambda name: train(name, out, source))
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -1,0 +1,97 @@
+"""Expert parallelism (`expert_parallel: N`): the experts of each MoE layer split over N of the data-parallel
+ranks, tokens sent to their experts and back by all-to-all. Specified by the groups it makes and by training: 5
+steps from a Qwen 3-MoE directory (a dense layer among MoE ones, dropless, the auxiliary and z losses on)
+reproduce one process in ep2 and ep4 on 4 ranks and under gradient accumulation; an ep2 checkpoint resumes in one
+process and in ep4 with the uninterrupted losses and exports to a directory transformers loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dist_moe_runs import run_settings
+from hf_models import exported_logits_gap, random_moe_dir
+from parallel_harness import assert_trains_like, tiny_run
+
+from mtnlg_lightning.interop.export_cli import main as export_main
+from mtnlg_lightning.parallel.layout import ParallelLayout
+
+LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt")  # one launch of 4 ranks
+
+
+def test_expert_groups_are_runs_of_each_data_parallel_group():
+    layout = ParallelLayout(8, tensor_parallel=2, expert_parallel=2)  # dp groups 0,2,4,6 and 1,3,5,7
+    assert layout.expert_parallel_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout.expert_data_parallel_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert ParallelLayout(4, expert_parallel=4).expert_data_parallel_groups() == [[0], [1], [2], [3]]
+    assert "ep group" in layout.table()
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return random_moe_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir, tmp_path_factory):
+    from benchmarks.local_ranks import run_on_ranks
+
+    out = tmp_path_factory.mktemp("ep_runs")
+    here = Path(__file__).resolve().parent
+    proc = run_on_ranks(4, here / "dist_moe_runs.py", out, moe_dir, *LAUNCH, timeout=900, cwd=here.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAUNCH} | {"_dir": out}
+
+
+def one_process(moe_dir, name: str, out=None) -> dict:
+    rec, _ = tiny_run(init_from=str(moe_dir), **run_settings(name, out))
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+
+
+@pytest.fixture(scope="module")
+def references(moe_dir, tmp_path_factory):
+    """One process: micro-batches of 2 (each the rows one of 4 ranks holds), 6 steps; micro-batches of 1, 5."""
+    scratch = tmp_path_factory.mktemp("ep_reference")
+    return {"micro2": one_process(moe_dir, "ep1_ckpt", scratch), "micro1": one_process(moe_dir, "ep1_accum")}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["ep2_ckpt", "ep4"])
+def test_expert_parallel_trains_like_one_process(run, runs, references):
+    steps = len(runs[run]["losses"])  # the reference ran 6 steps (for the resume), as ep2_ckpt did
+    reference = references["micro2"]
+    assert_trains_like(runs[run], reference | {k: reference[k][:steps] for k in ("losses", "grad_norms")})
+    experts = [name for name in references["micro2"]["params"][5] if ".experts." in name]
+    assert len(experts) == 2 * 3  # two MoE layers (layer 1 is dense) of gate, up and down stacks, compared whole
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_expert_parallel_with_gradient_accumulation_trains_like_one_process(runs, references):
+    assert_trains_like(runs["ep2_accum"], references["micro1"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_ep2_checkpoint_resumes_in_one_process_and_in_ep4_with_the_uninterrupted_losses(runs, references, moe_dir):
+    uninterrupted = references["micro2"]
+    resumed_alone = one_process(moe_dir, "ep1_from_ep2_ckpt", runs["_dir"])
+    for resumed in (resumed_alone, runs["ep4_from_ep2_ckpt"]):
+        assert len(resumed["losses"]) == 3  # steps 4-6 after the step-3 checkpoint
+        torch.testing.assert_close(resumed["losses"], uninterrupted["losses"][3:6], rtol=1e-5, atol=0)
+        apart = [(resumed["params"][6][k] - v).abs().max().item() for k, v in uninterrupted["params"][6].items()]
+        assert max(apart) <= 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_ep2_checkpoint_exports_per_expert_keys_transformers_loads_with_our_logits(runs, tmp_path):
+    pytest.importorskip("transformers")
+    checkpoint = runs["_dir"] / "ep2_ckpt" / "step=6.ckpt"
+    out = tmp_path / "exported"
+    assert export_main([str(checkpoint), str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert exported_logits_gap(checkpoint, out, length=32) < 1e-5
