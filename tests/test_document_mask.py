@@ -107,7 +107,10 @@ def test_the_gradients_of_a_packed_row_are_the_sum_of_its_documents(model):
     model.zero_grad()
     sum(summed_token_losses(model(doc)[:, :-1], doc[:, 1:]) for doc in documents_of(row)).backward()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        # fp32 noise of a summed (not averaged) loss grows with the gradient's scale (up to ~7 here): the absolute
+        # tolerance is 1e-6 of the tensor's largest entry (AVX2 and AVX-512 kernels round differently)
+        scale = p.grad.abs().max().item()
+        torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=name)
     model.zero_grad()
 
 

@@ -295,7 +295,7 @@ def test_the_training_objective_is_transformers_loss_with_router_logits(tmp_path
 
 
 @pytest.mark.slow
-def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses(tmp_path, demo_data):
+def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses_and_expert_loads(tmp_path, demo_data):
     import csv
 
     from conftest import run_cli
@@ -313,6 +313,15 @@ def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses(tmp_pa
     assert all(float(row["router_aux_loss"]) >= 1.0 and float(row["router_z_loss"]) > 0 for row in rows)
     assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
     assert "moe_dropped_tokens" not in rows[0]  # dropless
+    # each MoE layer's tokens per expert: every token of the step's global batch counted k = 2 times
+    layers = sorted({key.split("/")[1] for key in rows[0] if key.startswith("moe_tokens/")})
+    assert layers == ["blocks.0.mlp", "blocks.1.mlp"]
+    for row in rows:
+        step_tokens = float(row["global_batch_size"]) * float(row["consumed_tokens"]) / float(row["consumed_samples"])
+        for layer in layers:
+            per_expert = [float(row[f"moe_tokens/{layer}/expert_{e}"]) for e in range(4)]
+            assert sum(per_expert) == 2 * step_tokens
+            assert float(row[f"moe_max_load/{layer}"]) == pytest.approx(max(per_expert) / (sum(per_expert) / 4))
 
 
 def test_dropped_tokens_are_reported_with_the_router_losses():

@@ -193,10 +193,17 @@ class WithRouterLosses:
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
         self.capacity = config.capacity_factor is not None
         self.last: dict[str, torch.Tensor] = {}
+        self.expert_tokens: dict[str, torch.Tensor] = {}  # per MoE layer, [E] top-k assignments since `reset`
+
+    def reset_expert_tokens(self) -> None:
+        self.expert_tokens = {}
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         aux, z = router_losses(self.holder.model)
         self.last = {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
+        for name, layer in moe_layers(self.holder.model):
+            counted = layer.stats.tokens_per_expert.detach()
+            self.expert_tokens[name] = self.expert_tokens.get(name, 0) + counted
         if self.capacity:  # (token, expert) pairs over capacity, every layer
             dropped = sum(layer.stats.dropped for _, layer in moe_layers(self.holder.model))
             self.last["moe_dropped_tokens"] = torch.tensor(float(dropped))

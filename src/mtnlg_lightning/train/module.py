@@ -232,6 +232,8 @@ class MTNLGModule(L.LightningModule):
         optimizer = self.trainer.optimizers[0]
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
+        if isinstance(self.loss_fn, WithRouterLosses):  # this step's tokens per expert, for the logs
+            self.loss_fn.reset_expert_tokens()
         if self.preference is not None:
             loss = self.preference.forward_backward(self, batch)
         else:
@@ -275,6 +277,19 @@ class MTNLGModule(L.LightningModule):
             return -1  # Lightning: end this epoch now
         return None
 
+    def _log_expert_tokens(self, expert_tokens: dict[str, torch.Tensor]) -> None:
+        """Each MoE layer's (token, expert) assignments of the step, summed over micro-batches and ranks (one
+        all-reduce): `moe_tokens/LAYER/expert_E`, and `moe_max_load/LAYER`, the busiest expert's count over the
+        mean (1.0 when balanced)."""
+        if not expert_tokens:
+            return
+        names = list(expert_tokens)
+        counts = self.trainer.strategy.reduce(torch.stack([expert_tokens[n] for n in names]), reduce_op="sum")
+        for name, per_expert in zip(names, counts.cpu(), strict=True):
+            for expert, tokens in enumerate(per_expert.tolist()):
+                self.log(f"moe_tokens/{name}/expert_{expert}", tokens)
+            self.log(f"moe_max_load/{name}", float(per_expert.max() / per_expert.mean().clamp(min=1e-9)))
+
     def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
         seconds, self._step_started = now - self._step_started, now
@@ -288,6 +303,8 @@ class MTNLGModule(L.LightningModule):
         self.log("grad_norm", torch.as_tensor(grad_norm, dtype=torch.float32))
         for name, value in getattr(self.loss_fn, "last", {}).items():  # the router's, of the last micro-batch
             self.log(name, value)
+        if isinstance(self.loss_fn, WithRouterLosses):
+            self._log_expert_tokens(self.loss_fn.expert_tokens)
         self.log("consumed_samples", float(self.consumed_samples))
         self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
         self.log("global_batch_size", float(global_batch))
