@@ -128,7 +128,7 @@ class ParallelConfig:
         )
 
     def describe(self, world_size: int) -> dict:
-        """The layout as results files record it."""
+        """The layout as results files record it (generation and evaluation run with the experts whole: no EP)."""
         return {
             "world_size": world_size,
             "tensor_parallel": self.tensor_parallel,
@@ -138,7 +138,6 @@ class ParallelConfig:
             "virtual_pipeline_stages": self.virtual_pipeline_stages,
             "sequence_parallel": self.sequence_parallel,
             "context_parallel": self.context_parallel,
-            "expert_parallel": self.expert_parallel,
         }
 
     # ------------------------------------------------------------------ checks
