@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
-from parallel_harness import run_each, run_script, tiny_run  # noqa: E402
+from parallel_harness import run_each, run_script, tiny_run, trained  # noqa: E402
 
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
@@ -42,7 +42,7 @@ def train(name: str, out: Path, source: str) -> dict:
     strategy = MegatronDeepSpeedStrategy(expert_parallel=expert_parallel, zero_stage=0, print_layout=False)
     world = int(os.environ["WORLD_SIZE"])
     rec, _ = tiny_run(strategy, devices=world, init_from=source, **run_settings(name, out))
-    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+    return trained(rec)
 
 
 def main() -> None:

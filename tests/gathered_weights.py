@@ -8,6 +8,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 from mtnlg_lightning.parallel.pipeline import PipelineChunks
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 
@@ -32,7 +33,7 @@ def full_state_dict(strategy, master: bool = False) -> dict[str, torch.Tensor]:
             value = value.clone()
             if hasattr(p, "partition_dim") and groups.tensor_parallel_size > 1:
                 value = gather_shards(value, p, groups)
-            if hasattr(p, "expert_parallel_count"):  # the runs of experts of the EP group, in expert order
+            if is_expert_parallel(p):  # the runs of experts of the EP group, in expert order
                 value = gather_tensor_parallel(value, 0, groups.expert_parallel_group)
             if isinstance(model, PipelineChunks):
                 name = name.split(".", 1)[1]  # "<chunk>.blocks.7.x" -> "blocks.7.x" (block names are global)

@@ -271,9 +271,9 @@ def trained(rec: Recorder) -> dict:
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
 
 
-def launch_runs(script: Path, out: Path, names: list[str], ranks: int = 2) -> dict[str, dict]:
-    """One torchrun launch of `script OUT NAMES...` (a `run_each` script): each run's saved result by name."""
-    proc = run_on_ranks(ranks, script, out, *names, timeout=900, cwd=script.resolve().parents[1])
+def launch_runs(script: Path, out: Path, names: list[str], ranks: int = 2, args: tuple = ()) -> dict[str, dict]:
+    """One torchrun launch of `script OUT ARGS... NAMES...` (a `run_each` script): each run's saved result by name."""
+    proc = run_on_ranks(ranks, script, out, *args, *names, timeout=900, cwd=script.resolve().parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 

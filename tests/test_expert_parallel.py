@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist_moe_runs import run_settings
 from hf_models import exported_logits_gap, random_moe_dir
-from parallel_harness import assert_trains_like, tiny_run
+from parallel_harness import assert_trains_like, launch_runs, tiny_run, trained
 
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
@@ -36,18 +36,14 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(moe_dir, tmp_path_factory):
-    from benchmarks.local_ranks import run_on_ranks
-
     out = tmp_path_factory.mktemp("ep_runs")
-    here = Path(__file__).resolve().parent
-    proc = run_on_ranks(4, here / "dist_moe_runs.py", out, moe_dir, *LAUNCH, timeout=900, cwd=here.parent)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAUNCH} | {"_dir": out}
+    script = Path(__file__).resolve().parent / "dist_moe_runs.py"
+    return launch_runs(script, out, list(LAUNCH), ranks=4, args=(moe_dir,)) | {"_dir": out}
 
 
 def one_process(moe_dir, name: str, out=None) -> dict:
     rec, _ = tiny_run(init_from=str(moe_dir), **run_settings(name, out))
-    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+    return trained(rec)
 
 
 @pytest.fixture(scope="module")

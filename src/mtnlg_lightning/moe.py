@@ -201,10 +201,11 @@ class WithRouterLosses:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         aux, z = router_losses(self.holder.model)
         self.last = {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
-        for name, layer in moe_layers(self.holder.model):
+        layers = moe_layers(self.holder.model)
+        for name, layer in layers:
             counted = layer.stats.tokens_per_expert.detach()
             self.expert_tokens[name] = self.expert_tokens.get(name, 0) + counted
         if self.capacity:  # (token, expert) pairs over capacity, every layer
-            dropped = sum(layer.stats.dropped for _, layer in moe_layers(self.holder.model))
+            dropped = sum(layer.stats.dropped for _, layer in layers)
             self.last["moe_dropped_tokens"] = torch.tensor(float(dropped))
         return self.loss_fn(logits, labels) + self.aux_coef * aux + self.z_coef * z

@@ -10,6 +10,7 @@ from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.parallel.deepspeed_compat import full_shape
+from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 from mtnlg_lightning.parallel.pipeline import PipelineChunks
 
 VOCAB_PARAMS = ("embed.wte.weight", "lm_head.weight")  # rows = the vocabulary, padded in memory, not on disk
@@ -29,11 +30,6 @@ class Slot:
     shape: tuple[int, ...]  # the stored part of the local tensor (<= its shape)
     replicated_over_tp: bool  # every TP rank holds the whole tensor
     tp_writer: bool = True  # this TP rank is the one that saves the box (a replicated box is saved once)
-
-    @property
-    def expert_shard(self) -> bool:
-        """A run of experts: held by the expert-data-parallel ranks only, not by every data-parallel replica."""
-        return hasattr(self.param, "expert_parallel_count")
 
     @property
     def empty(self) -> bool:
@@ -74,7 +70,7 @@ def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size
             dim = param.partition_dim
             offsets[dim] = param.partition_index * shape[dim]
             global_shape[dim] = shape[dim] * param.partition_count
-        if hasattr(param, "expert_parallel_count"):  # a run of the stacked experts (`parallel/expert_parallel.py`)
+        if is_expert_parallel(param):  # a run of the stacked experts
             offsets[0] = param.expert_parallel_index * shape[0]
             global_shape[0] = shape[0] * param.expert_parallel_count
         if name in VOCAB_PARAMS:  # trim the padded vocabulary to the real one

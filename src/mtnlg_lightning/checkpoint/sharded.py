@@ -29,6 +29,7 @@ from mtnlg_lightning.checkpoint.model_space import Slot, model_slots
 from mtnlg_lightning.checkpoint.state_io import collect_pieces, optimizer_meta, restore_optimizer_meta, restore_pieces
 from mtnlg_lightning.checkpoint.validate import config_mismatch
 from mtnlg_lightning.data.chat_template import directory_template_files
+from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 
 LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
@@ -121,7 +122,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     def writer_of(index: int, slot: Slot) -> bool:
         # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only; a run
         # of experts by one of the ranks holding it (its expert-data-parallel group).
-        if slot.expert_shard:
+        if is_expert_parallel(slot.param):
             copies = groups.layout.data_parallel // groups.layout.expert_parallel
             return owner[index] % copies == groups.expert_place()[1]
         return owner[index] == replica and slot.tp_writer

@@ -22,11 +22,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from mtnlg_lightning.moe import Experts, moe_layers
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
-# What expert parallelism writes on an expert weight: which of how many runs of experts along dim 0 it holds.
-EXPERT_MARKS = ("expert_parallel_index", "expert_parallel_count")
-
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
+    """Whether `param` is a run of stacked experts: it carries which run (`expert_parallel_index`) of how many
+    (`expert_parallel_count`) along dim 0 it holds."""
     return hasattr(param, "expert_parallel_count")
 
 
