@@ -5,6 +5,7 @@
 
 A run is epN: data parallelism over the whole world with each MoE layer's experts split over N of the DP ranks
 (plain DP, zero_stage 0), micro-batches of 2 rows (the global batch of 8 over 4 ranks: one micro-batch each).
+_tpM: beside M-way tensor parallelism (the experts whole on each TP rank), _sp: with sequence parallelism.
 Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _ckpt trains 6 steps saving at 3 and 6;
 _from_RUN resumes that run's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms, parameters).
 """
@@ -37,9 +38,21 @@ def run_settings(name: str, out: Path) -> dict:
     return settings
 
 
+def strategy_of(layout: str) -> MegatronDeepSpeedStrategy:
+    """epN, then optionally tpM and sp: the experts over N DP ranks beside M-way tensor parallelism."""
+    parts = layout.split("_")
+    tensor_parallel = next((int(part.removeprefix("tp")) for part in parts if part.startswith("tp")), 1)
+    return MegatronDeepSpeedStrategy(
+        expert_parallel=int(parts[0].removeprefix("ep")),
+        tensor_parallel=tensor_parallel,
+        sequence_parallel="sp" in parts,
+        zero_stage=0,
+        print_layout=False,
+    )
+
+
 def train(name: str, out: Path, source: str) -> dict:
-    expert_parallel = int(name.split("_")[0].removeprefix("ep"))
-    strategy = MegatronDeepSpeedStrategy(expert_parallel=expert_parallel, zero_stage=0, print_layout=False)
+    strategy = strategy_of(name.partition("_from_")[0])
     world = int(os.environ["WORLD_SIZE"])
     rec, _ = tiny_run(strategy, devices=world, init_from=source, **run_settings(name, out))
     return trained(rec)

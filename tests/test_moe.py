@@ -258,8 +258,9 @@ def test_moe_models_refuse_the_layouts_not_built_yet():
 
     config = tiny_moe()
     ParallelConfig().validate(config, 2)  # one process or plain data parallelism
-    with pytest.raises(MTNLGError, match="tensor_parallel 2: a mixture-of-experts model runs in one process"):
-        ParallelConfig(tensor_parallel=2).validate(config, 2)
+    ParallelConfig(tensor_parallel=2, sequence_parallel=True).validate(config, 2)  # experts whole on each TP rank
+    with pytest.raises(MTNLGError, match="pipeline_parallel 2: a mixture-of-experts model runs with data, expert"):
+        ParallelConfig(pipeline_parallel=2).validate(config, 2)
     ParallelConfig(expert_parallel=2, zero_stage=0).validate(config, 2)  # dp2, the experts split in two
     with pytest.raises(MTNLGError, match="expert_parallel 2 runs with zero_stage 0"):
         ParallelConfig(expert_parallel=2).validate(config, 2)

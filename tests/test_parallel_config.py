@@ -78,6 +78,13 @@ ROWS = [
         "expert_parallel 4 does not divide the data-parallel size 2", preset="qwen3-30b-a3b",
         inference="expert_parallel 4: generation and evaluation run a mixture-of-experts model with its experts "
                   "whole (expert_parallel 1) so far"),
+    Row("moe in ep2 x tp2", {"expert_parallel": 2, "tensor_parallel": 2, "zero_stage": 0}, 4, None,
+        preset="qwen3-30b-a3b",
+        inference="expert_parallel 2: generation and evaluation run a mixture-of-experts model with its experts "
+                  "whole (expert_parallel 1) so far"),
+    Row("moe in pp2", {"pipeline_parallel": 2, "zero_stage": 0}, 2,
+        "pipeline_parallel 2: a mixture-of-experts model runs with data, expert and tensor parallelism so far",
+        preset="qwen3-30b-a3b"),
     # refused: the model's split
     Row("heads", {"tensor_parallel": 3}, 3, "num_heads 4 is not divisible by tensor_parallel 3"),
     Row("kv heads", {"tensor_parallel": 3}, 3, "tensor_parallel 3 neither divides num_kv_heads 2 nor is a multiple",

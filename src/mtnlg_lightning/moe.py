@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -117,6 +118,9 @@ class MoE(nn.Module):
         self.stats: RouterStats | None = None
         # expert parallelism (`parallel/expert_parallel.py`) runs the experts' rows across its ranks; None: here
         self.dispatch = None
+        # sequence parallelism: the TP group whose ranks each route a slice of the sequence; the statistics (and so
+        # the router's losses) are the whole sequence's, each rank's gradient its own slice's part
+        self.sequence_group = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k]); records this forward's `stats`."""
@@ -127,12 +131,20 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).float()
         z = torch.logsumexp(logits.float(), dim=-1).square().sum()
-        self.stats = RouterStats(probs.sum(dim=0), counts, z, x.shape[0], 0)
+        probability_sums, tokens = probs.sum(dim=0), x.shape[0]
+        if self.sequence_group is not None:
+            dist.all_reduce(counts, group=self.sequence_group)
+            probability_sums, z = (
+                _over_slices(probability_sums, self.sequence_group),
+                _over_slices(z, self.sequence_group),
+            )
+            tokens *= dist.get_world_size(self.sequence_group)
+        self.stats = RouterStats(probability_sums, counts, z, tokens, 0)
         return weights.to(x.dtype), chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
         weights, chosen = self.route(x)
         num_experts = self.router.weight.shape[0]
         flat = chosen.flatten()  # pair p = token p // k, its (p % k)-th choice
@@ -144,19 +156,29 @@ class MoE(nn.Module):
         rows = x[token]
         out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         out = out * weights.flatten()[order, None]
-        y = torch.zeros_like(x).index_add_(0, token, out)
-        if hasattr(self, "shared"):
-            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return y.view(shape)
+        y = torch.zeros_like(x).index_add_(0, token, out).view(shape)
+        if hasattr(self, "shared"):  # [B, S, H] as a dense MLP takes it (sequence parallelism gathers along S)
+            y = y + torch.sigmoid(self.shared_gate(hidden)) * self.shared(hidden)
+        return y
 
     def _within_capacity(self, order: torch.Tensor, counts: torch.Tensor, tokens: int):
-        """Each expert's first `capacity` pairs (`order` is sorted by expert, then token); the rest dropped."""
+        """Each expert's first `capacity` pairs (`order` is sorted by expert, then token); the rest dropped. The
+        capacity is counted over the tokens this rank routes, as Megatron's is: a micro-batch's, and under sequence
+        parallelism its slice's (so a capacity factor drops per slice; dropless routing is layout-independent)."""
         capacity = math.ceil(self.capacity_factor * tokens * self.top_k / counts.numel())
         starts = counts.cumsum(0) - counts
         expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
         keep = torch.arange(order.numel(), device=order.device) - starts[expert] < capacity
         self.stats.dropped = int((~keep).sum())
         return order[keep], counts.clamp(max=capacity)
+
+
+def _over_slices(local: torch.Tensor, group) -> torch.Tensor:
+    """The sum over `group`'s sequence slices of a per-slice sum, differentiable in this slice's part only: each
+    rank backpropagates its own tokens (their gradients are summed over the group afterwards)."""
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    return local + (total - local.detach())
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -121,10 +121,10 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
 
     def writer_of(index: int, slot: Slot) -> bool:
         # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only; a run
-        # of experts by one of the ranks holding it (its expert-data-parallel group).
+        # of experts by one of the ranks holding it (its expert-data-parallel group; TP rank 0 of those).
         if is_expert_parallel(slot.param):
             copies = groups.layout.data_parallel // groups.layout.expert_parallel
-            return owner[index] % copies == groups.expert_place()[1]
+            return owner[index] % copies == groups.expert_place()[1] and slot.tp_writer
         return owner[index] == replica and slot.tp_writer
 
     optimizer = strategy.optimizers[0] if strategy.optimizers else None

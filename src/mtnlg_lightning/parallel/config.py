@@ -206,13 +206,12 @@ class ParallelConfig:
                     f"expert_parallel {ep}: generation and evaluation run a mixture-of-experts model with its "
                     f"experts whole (expert_parallel 1) so far"
                 )
-        split = {"tensor_parallel": tp, "pipeline_parallel": self.pipeline_parallel,
-                 "context_parallel": self.context_parallel}  # fmt: skip
+        split = {"pipeline_parallel": self.pipeline_parallel, "context_parallel": self.context_parallel}
         if getattr(config, "moe", False) and max(split.values()) > 1:
             named = ", ".join(f"{name} {value}" for name, value in split.items() if value > 1)
             raise MTNLGError(
-                f"{named}: a mixture-of-experts model runs in one process or with plain data parallelism so far "
-                f"(its layers are not split over tensor, pipeline or context ranks yet)"
+                f"{named}: a mixture-of-experts model runs with data, expert and tensor parallelism so far "
+                f"(its layers are not split over pipeline or context ranks yet)"
             )
         if getattr(config, "qk_norm_over", "head") == "projection" and tp > 1:
             raise MTNLGError(

@@ -21,6 +21,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from mtnlg_lightning.moe import Experts, moe_layers
 from mtnlg_lightning.parallel.layout import ProcessGroups
+from mtnlg_lightning.parallel.sequence_parallel import mark_sequence_parallel
 
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
@@ -65,5 +66,7 @@ def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:
             shard = nn.Parameter(linear.weight.detach()[rank * local : (rank + 1) * local].clone())
             shard.requires_grad_(linear.weight.requires_grad)
             shard.expert_parallel_index, shard.expert_parallel_count = rank, size
+            if getattr(linear.weight, "sequence_parallel", False):  # its TP ranks run different sequence slices
+                mark_sequence_parallel(shard, groups.tensor_parallel_group)
             linear.weight = shard
         layer.dispatch = dispatch

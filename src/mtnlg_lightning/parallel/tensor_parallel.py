@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtnlg_lightning.families import COLUMN, HEAD_NORM, KV_COLUMN, NORM, ROW, tensor_parallel_plan
+from mtnlg_lightning.families import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, NORM, ROUTER, ROW, tensor_parallel_plan
 from mtnlg_lightning.loss import token_mean
+from mtnlg_lightning.moe import MoE
 from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
     SequenceParallelDropout,
@@ -267,13 +268,17 @@ def apply_tensor_parallel(
     fused QKV, whose [heads, 3, head_dim] output layout makes contiguous shards whole heads; q; MLP fc1, gate, up),
     column by key/value heads (k and v, replicated when TP exceeds them: `kv_group` is then the ranks sharing this
     rank's key/value head, over which their gradients are summed), row (proj, fc2, down), head norms (q/k norms:
-    replicated, their gradients, each from this rank's heads, summed over TP), norms (replicated). Word embedding
+    replicated, their gradients, each from this rank's heads, summed over TP), norms (replicated), a mixture of
+    experts' router and experts (whole on every TP rank: a fine-grained expert's few columns would make TP GEMMs
+    too thin to pay for the all-reduce, as Megatron's expert TP of 1 and torchtitan's defaults judge; EP splits the
+    experts instead) and its shared expert (column and row, as a dense MLP). Word embedding
     vocab-parallel; the LM head tied to its shard or (untied) its own vocab-parallel shard. Position embeddings and
     row-parallel biases stay replicated. Parts a pipeline stage does not own (None) are skipped. size == 1 leaves
     the model untouched.
 
     sequence_parallel: the embedding output is cut to this rank's sequence slice, blocks and the final norm run on
-    slices (the norm and row-parallel-bias gradients summed over TP; the blocks' dropout masks sliced from
+    slices (the norm, router, expert and row-parallel-bias gradients summed over TP, the router's losses taken
+    over the whole sequence: `MoE.sequence_group`; the blocks' dropout masks sliced from
     whole-sequence ones), the LM head gathers the sequence.
     """
     if size == 1:
@@ -285,7 +290,10 @@ def apply_tensor_parallel(
     row = partial(RowParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     plan = tensor_parallel_plan(config)
     for block in model.blocks.values():
+        held = dict(block.named_modules())  # a dense block and an MoE block hold different MLP paths
         for path, style in plan.items():
+            if path not in held:
+                continue
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             module = getattr(parent, name)
@@ -301,9 +309,13 @@ def apply_tensor_parallel(
             elif style == HEAD_NORM and group is not None:
                 for param in module.parameters():
                     sum_gradient_over(param, group)
-            elif style == NORM and sp:
+            elif style in (NORM, ROUTER, EXPERTS) and sp:  # each rank routes and runs its own sequence slice
                 for param in module.parameters():
                     mark_sequence_parallel(param, group)
+        if sp:
+            for layer in block.modules():
+                if isinstance(layer, MoE):
+                    layer.sequence_group = group
         if sp and isinstance(block.dropout, nn.Dropout):
             block.dropout = SequenceParallelDropout(block.dropout.p, group)
     embed = getattr(model, "embed", None)
