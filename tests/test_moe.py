@@ -222,6 +222,70 @@ def test_the_planner_reports_total_and_active_parameters_of_the_moe_presets(caps
     assert active_parameters(get_config("qwen3-30b-a3b")) == 3_353_032_704  # "3.3B activated"
 
 
+def test_expert_parallelism_in_the_planner_divides_the_experts_and_pays_for_the_all_to_alls(capsys):
+    """qwen3-30b-a3b on 8 GPUs, ZeRO-0 (what the trainer runs with EP): ep8 holds 1/8 of every MoE layer's experts,
+    so its model states shrink by 7/8 of theirs at 20 bytes each (bf16 Adam), its experts' gradients are reduced
+    over no rank (each expert lives once), and each MoE layer's dispatch and combine move the routed rows:
+    4 passes x tokens x k x h bf16 values x 7/8 off-rank, 6 passes with the forward recomputed."""
+    from mtnlg_lightning.families import expert_parameters_per_layer
+    from mtnlg_lightning.gpus import get_gpu
+    from mtnlg_lightning.planning.cost_model import Layout, all_to_all_bytes
+    from mtnlg_lightning.planning.planner import format_breakdown, format_plan, plan
+
+    config = get_config("qwen3-30b-a3b")
+    dense, sparse = (plan(config, 1, 1, 8, 8, "h100-80g", 64, zero_stage=0, recompute="full", ep=ep) for ep in (1, 8))
+    experts = sum(expert_parameters_per_layer(config))
+    assert dense.params_per_gpu == count_parameters(config) and sparse.ep == 8
+    assert dense.params_per_gpu - sparse.params_per_gpu == experts - experts // 8
+    assert (dense.model_state_gb - sparse.model_state_gb) * 1e9 == pytest.approx((experts - experts // 8) * 20)
+    assert dense.breakdown["ep_comm"] == 0 < sparse.breakdown["ep_comm"]
+    assert sparse.breakdown["dp_comm"] < dense.breakdown["dp_comm"]  # only the dense part is all-reduced
+    bytes_per_layer = 4 * config.seq_len * config.experts_per_token * config.hidden_size * 2 * 7 / 8
+    assert all_to_all_bytes(config, Layout(1, 1, 8, ep=8)) == bytes_per_layer
+    assert all_to_all_bytes(config, Layout(2, 1, 8, ep=8, sequence_parallel=True)) == bytes_per_layer / 2
+    gpu = get_gpu("h100-80g")
+    link = gpu.nvlink_gbps * gpu.nvlink_efficiency * 1e9  # TP 1 x EP 8 fits a node: NVLink
+    seconds = 8 * config.num_layers * 1.5 * bytes_per_layer / link  # 8 micro-batches, 48 MoE layers, recomputed
+    assert sparse.breakdown["ep_comm"] == pytest.approx(seconds)
+    assert "EP all-to-all" in format_breakdown(sparse) and "EP 8 of the DP ranks" in format_plan(sparse)
+
+
+def test_the_planner_searches_expert_parallel_layouts_the_trainer_runs(tmp_path, capsys):
+    """An MoE model's search adds each EP dividing dp and the experts; what it lists the trainer accepts (EP with
+    ZeRO-0, no PP or CP with experts yet); the written strategy names expert_parallel."""
+    args = ["--model", "qwen3-30b-a3b", "--search", "--gpus", "64", "--gpu", "h100-80g", "--global-batch", "256"]
+    assert plan_main([*args, "--top", "500", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    with_experts_split = [p for p in plans if p["ep"] > 1]
+    assert with_experts_split and all(p["zero_stage"] == 0 and p["pp"] == p["cp"] == 1 for p in with_experts_split)
+    assert all(p["dp"] % p["ep"] == 0 and 128 % p["ep"] == 0 for p in with_experts_split)
+    best = min(with_experts_split, key=lambda p: p["iteration_seconds"])
+    strategy = tmp_path / "ep.yaml"
+    flags = ["--tp", str(best["tp"]), "--pp", "1", "--dp", str(best["dp"]), "--ep", str(best["ep"])]
+    layout = [*flags, "--zero-stage", "0", "--micro-batch", str(best["micro_batch"]), "--global-batch", "256"]
+    recompute = ["--recompute", best["recompute"], *(["--sequence-parallel"] if best["sequence_parallel"] else [])]
+    common = ["--model", "qwen3-30b-a3b", "--gpu", "h100-80g", *layout, *recompute]
+    assert plan_main([*common, "--json", "--write-config", str(strategy)]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_seconds"] == pytest.approx(best["iteration_seconds"])
+    assert f"expert_parallel: {best['ep']}" in strategy.read_text()
+    assert plan_main(["--model", "tiny-llama", "--search", "--gpus", "8", "--json", "--top", "500"]) == 0
+    assert {p["ep"] for p in json.loads(capsys.readouterr().out)} == {1}  # a dense model: no expert to split
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dp", "2", "--ep", "4"], "expert_parallel 4 does not divide the data-parallel size 2"),
+        (["--model", "tiny-llama", "--dp", "2", "--ep", "2"], "expert_parallel 2 needs a mixture-of-experts model"),
+    ],
+)
+def test_the_planner_refuses_an_expert_layout_the_trainer_refuses_in_one_line(args, message, capsys):
+    base = ["--model", "qwen3-30b-a3b", "--tp", "1", "--pp", "1", "--zero-stage", "0"]
+    assert plan_main([*base, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mtnlg-plan: error: {message}") and "\n" not in err
+
+
 def test_flops_per_token_count_the_active_experts():
     from mtnlg_lightning.train.flops import forward_flops_per_token
 

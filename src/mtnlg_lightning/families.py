@@ -341,6 +341,18 @@ def count_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
 
 
 @_per_shape
+def expert_parameters_per_layer(config: ModelConfig) -> tuple[int, ...]:
+    """Parameters of each block's stacked experts, in layer order (0 for a dense block): whole on every
+    tensor-parallel rank, divided by expert parallelism."""
+    shapes = measure(config)
+    per_kind = {
+        kind: sum(_numel(shapes.block[path]) for path in paths if _plan_style(path) == EXPERTS)
+        for kind, paths in shapes.kinds.items()
+    }
+    return tuple(per_kind[layer_kind(config, i)] for i in range(config.num_layers))
+
+
+@_per_shape
 def active_parameters(config: ModelConfig) -> int:
     """The parameters one token goes through: `count_parameters` with each MoE block's experts counted at
     experts_per_token / num_experts (the router, any shared expert and everything else whole)."""

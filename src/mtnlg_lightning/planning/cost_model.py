@@ -20,12 +20,14 @@ sends that filling and draining it wait for. Which pipelines exist depends on th
 (`Implementation.runs_pipeline`: Megatron-LM splits layers evenly and did not interleave 2 stages).
 Data-parallel gradients are reduced over the inter-node network once per iteration (ZeRO-2/3 as DeepSpeed runs
 them: per micro-batch), exposed unless overlapped with the last backward; the optimizer step is memory-bound
-(~32 bytes per local parameter).
+(~32 bytes per local parameter). Expert parallelism (EP ranks out of DP, each holding E/EP experts of every MoE
+layer): each MoE layer sends its routed rows to their experts and back by all-to-all, not overlapped
+(`all_to_all_bytes`), and the experts' gradients are reduced over the DP/EP ranks holding the same experts.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.families import ROW, kv_heads_per_rank, linear_shapes_per_rank
@@ -137,6 +139,7 @@ class Layout:
     recompute: str = "full"
     sequence_parallel: bool = False
     cp: int = 1  # context parallelism: each sequence's tokens split over cp ranks, attention by a ring
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks
 
     @property
     def replicas(self) -> int:
@@ -157,11 +160,12 @@ class Breakdown:
     optimizer: float
     cp_comm: float = 0.0  # the ring's key/value exchange not hidden under the attention it overlaps
     reference: float = 0.0  # DPO's reference pass: a forward of the step's sequences, no gradients
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (routed rows to their experts and back)
 
     @property
     def total(self) -> float:
         exposed = self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer + self.cp_comm
-        return self.compute + self.reference + exposed
+        return self.compute + self.reference + exposed + self.ep_comm
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -245,6 +249,29 @@ def _ring_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout, gpus_per_no
     return max(0.0, forward - attention) + max(0.0, backward - 2 * attention)
 
 
+def all_to_all_bytes(config: ModelConfig, layout: Layout, sequences: int = 1) -> float:
+    """Bytes one rank sends to other ranks in the expert-parallel all-to-alls of one MoE layer, forward and
+    backward, for `sequences` sequences of its data-parallel share: its tokens (a CP rank's part of each sequence,
+    a TP rank's slice under SP, every token on every TP rank without) each go to k experts as a row of h bf16
+    values, dispatched and combined forward, their gradients the same way back (4 passes); routed evenly, (EP-1)/EP
+    of the rows leave the rank. 0 without expert parallelism."""
+    if layout.ep == 1:
+        return 0.0
+    tokens = sequences * config.seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    rows = tokens * config.experts_per_token
+    return 4 * rows * config.hidden_size * BF16 * (layout.ep - 1) / layout.ep
+
+
+def _all_to_all_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout, gpus_per_node: int) -> float:
+    """Seconds of one MoE layer's all-to-alls for one micro-batch (a full recompute repeats the forward's two).
+    An EP group is EP consecutive DP ranks of one TP rank (TP innermost): inside a node while TP x EP fits one
+    (NVLink), else over the network."""
+    inside = layout.tp * layout.ep <= gpus_per_node
+    bandwidth = gpu.nvlink_gbps * gpu.nvlink_efficiency if inside else gpu.network_gbps * gpu.network_efficiency
+    passes = 6 / 4 if layout.recompute == "full" else 1.0
+    return passes * all_to_all_bytes(config, layout, layout.micro_batch) / (bandwidth * 1e9)
+
+
 def _head_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout) -> float:
     """LM head on the last stage for one micro-batch: logits GEMM forward + 2 backward, fp32 cross-entropy."""
     t, tokens, h = layout.tp, layout.micro_batch * config.seq_len / layout.cp, config.hidden_size
@@ -274,9 +301,11 @@ def iteration_breakdown(
     params_per_gpu: int,
     gpus_per_node: int = 8,
     impl: Implementation | None = None,
+    expert_params_per_gpu: int = 0,
 ) -> Breakdown:
     """Seconds of one iteration at `global_batch` sequences. `layers_per_gpu[i]`: blocks on pipeline rank i (all
-    its virtual chunks); `params_per_gpu`: parameters of the largest stage's TP shard (for DP and optimizer)."""
+    its virtual chunks); `params_per_gpu`: parameters of the largest stage's TP shard (for DP and optimizer), of
+    which `expert_params_per_gpu` are experts (reduced over DP / EP ranks only)."""
     impl = impl or IMPLEMENTATIONS["mtnlg-lightning"]
     p, v, d = layout.pp, layout.virtual_stages, layout.dp
     m = global_batch // (layout.micro_batch * d)
@@ -315,30 +344,22 @@ def iteration_breakdown(
     bubble = (p - 1) / v * busy + 2 * (p - 1) * send if p > 1 else 0.0
 
     # Data parallelism: gradients reduced (all-reduce, or reduce-scatter + parameter all-gather under ZeRO) over
-    # every replica of the weights, DP x CP.
-    dp_comm = 0.0
+    # every replica of the weights, DP x CP; an expert's over the DP x CP / EP ranks holding it.
     d = layout.replicas
-    if d > 1:
-        bandwidth = dp_bandwidth(gpu, layout, gpus_per_node)
-        grads = params_per_gpu * impl.grad_reduce_bytes
-        params = params_per_gpu * BF16
-        backward_window = layers_per_gpu[slowest] * layer["backward"] if impl.dp_overlap else 0.0
-        if layout.zero_stage <= 1:
-            once = _allreduce_seconds(grads, d, bandwidth)
-            if layout.zero_stage == 1:  # reduce-scatter grads + all-gather bf16 params: half of each all-reduce
-                once = 0.5 * once + 0.5 * _allreduce_seconds(params, d, bandwidth)
-            dp_comm = max(0.0, once - backward_window)
-        else:
-            # DeepSpeed reduces (ZeRO-2) and gathers (ZeRO-3: forward and backward) on every micro-batch.
-            per_micro = 0.5 * _allreduce_seconds(grads, d, bandwidth)
-            if layout.zero_stage == 3:
-                per_micro += _allreduce_seconds(params, d, bandwidth)
-            hidden = layers_per_gpu[slowest] * layer["backward"] if layout.zero_stage == 2 else 0.0
-            dp_comm = m * max(0.0, per_micro - hidden) + 0.5 * _allreduce_seconds(params, d, bandwidth)
+    backward_window = layers_per_gpu[slowest] * layer["backward"]
+    dense = params_per_gpu - expert_params_per_gpu
+    dp_comm = _dp_seconds(dense, d, m, layout, impl, dp_bandwidth(gpu, layout, gpus_per_node), backward_window)
+    copies = d // layout.ep  # ranks holding the same experts: every EP-th DP rank, TP x EP ranks apart
+    if expert_params_per_gpu:
+        bandwidth = dp_bandwidth(gpu, replace(layout, dp=layout.dp // layout.ep, tp=layout.tp * layout.ep),
+                                 gpus_per_node)  # fmt: skip
+        dp_comm += _dp_seconds(expert_params_per_gpu, copies, m, layout, impl, bandwidth, backward_window)
+    moe_layers = layers_per_gpu[slowest] * len(config.moe_layers) / config.num_layers
 
-    shard = d if layout.zero_stage >= 1 else 1
-    optimizer = params_per_gpu / shard * OPTIMIZER_BYTES_PER_PARAM / hbm
+    shard, expert_shard = (d, copies) if layout.zero_stage >= 1 else (1, 1)
+    optimizer = (dense / shard + expert_params_per_gpu / expert_shard) * OPTIMIZER_BYTES_PER_PARAM / hbm
     cp_comm = m * layers_per_gpu[slowest] * ring
+    ep_comm = m * moe_layers * _all_to_all_seconds(config, gpu, layout, gpus_per_node)
     return Breakdown(
         compute=m * stage_compute[slowest],
         recompute=m * layers_per_gpu[slowest] * layer["recompute"],
@@ -348,4 +369,25 @@ def iteration_breakdown(
         dp_comm=dp_comm,
         optimizer=optimizer,
         cp_comm=cp_comm,
+        ep_comm=ep_comm,
     )
+
+
+def _dp_seconds(params: int, replicas: int, m: int, layout: Layout, impl: Implementation, bandwidth, backward) -> float:
+    """Exposed seconds of reducing `params` gradients over `replicas` ranks (and, under ZeRO, gathering the
+    parameters back) for one iteration of `m` micro-batches; `backward`: one micro-batch's backward on the slowest
+    stage, under which an overlapping implementation hides the reduction."""
+    if replicas <= 1 or params == 0:
+        return 0.0
+    grads, weights = params * impl.grad_reduce_bytes, params * BF16
+    if layout.zero_stage <= 1:
+        once = _allreduce_seconds(grads, replicas, bandwidth)
+        if layout.zero_stage == 1:  # reduce-scatter grads + all-gather bf16 params: half of each all-reduce
+            once = 0.5 * once + 0.5 * _allreduce_seconds(weights, replicas, bandwidth)
+        return max(0.0, once - (backward if impl.dp_overlap else 0.0))
+    # DeepSpeed reduces (ZeRO-2) and gathers (ZeRO-3: forward and backward) on every micro-batch.
+    per_micro = 0.5 * _allreduce_seconds(grads, replicas, bandwidth)
+    if layout.zero_stage == 3:
+        per_micro += _allreduce_seconds(weights, replicas, bandwidth)
+    hidden = backward if layout.zero_stage == 2 else 0.0
+    return m * max(0.0, per_micro - hidden) + 0.5 * _allreduce_seconds(weights, replicas, bandwidth)

@@ -64,19 +64,23 @@ class StageState:
 
 def stage_state(
     parts: Callable[[int], tuple[float, float, float]],
-    params: int,
+    held: tuple[int, int, Callable[[int], tuple[float, float, float]]],
     layers: int,
     config: ModelConfig,
     tp: int,
     lora: LoRAConfig | None,
 ) -> StageState:
-    """A stage's GPU holding `params` model parameters in `layers` blocks. `parts(n)`: the (weights, gradients,
-    optimizer) bytes of n trained parameters on this GPU (`planner.model_state_parts` of the layout's precision
-    and ZeRO); a frozen parameter has its weight only. `lora` None: full fine-tuning."""
+    """A stage's GPU holding `held` = (params, of which experts, expert_parts) model parameters in `layers` blocks.
+    `parts(n)`: the (weights, gradients, optimizer) bytes of n trained parameters on this GPU
+    (`planner.model_state_parts` of the layout's precision and ZeRO), `expert_parts(n)` the same of experts
+    (partitioned over their own replicas); a frozen parameter has its weight only. `lora` None: full
+    fine-tuning."""
+    params, experts, expert_parts = held
+    base = tuple(a + b for a, b in zip(parts(params - experts), expert_parts(experts), strict=True))
     if lora is None:
-        return StageState(0, params, 0.0, *parts(params))
+        return StageState(0, params, 0.0, *base)
     adapters = layers * adapter_params_per_block(config, tp, lora)
-    return StageState(params, adapters, parts(params)[0], *parts(adapters))
+    return StageState(params, adapters, base[0], *parts(adapters))
 
 
 def lora_summary(lora: LoRAConfig, config: ModelConfig, state: StageState) -> dict:

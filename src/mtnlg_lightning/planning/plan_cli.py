@@ -75,13 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         metavar="FILE",
         help="a strategy YAML (configs/strategy/*.yaml, a --write-config output): its layout replaces --tp, --pp, "
-        "--cp, --virtual-stages, --sequence-parallel and --zero-stage",
+        "--cp, --ep, --virtual-stages, --sequence-parallel and --zero-stage",
     )
     layout.add_argument("--tp", type=int, default=8, help="tensor-parallel size, inside a node (default 8)")
     layout.add_argument("--pp", type=int, default=35, help="pipeline-parallel stages (default 35)")
     layout.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     layout.add_argument(
         "--cp", type=int, default=1, help="context-parallel ranks per sequence (default 1; seq divisible by 2 x cp)"
+    )
+    layout.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: a mixture-of-experts model's experts split over this many of the dp ranks "
+        "(divides --dp and the experts; default 1)",
     )
     layout.add_argument("--virtual-stages", type=int, default=1, help="model chunks per GPU (interleaved 1F1B)")
     layout.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
@@ -152,7 +159,8 @@ def model_config(args) -> ModelConfig:
 
 
 def strategy_yaml(p: Plan, gpus_per_node: int) -> str:
-    schedule = planned_config(p.tp, p.pp, p.cp, p.virtual_stages, p.zero_stage, p.sequence_parallel).pipeline_schedule
+    schedule = planned_config(p.tp, p.pp, p.cp, p.virtual_stages, p.zero_stage, p.sequence_parallel, p.ep)
+    schedule = schedule.pipeline_schedule
     lines = [
         f"# Written by mtnlg-plan: {p.model} on {p.gpus} x {p.gpu}, global batch {p.global_batch}; predicted "
         f"{p.iteration_seconds:.3g} s per iteration (MFU {p.mfu:.0%}), {p.total_gb:.1f} GB per GPU.",
@@ -171,6 +179,8 @@ def strategy_yaml(p: Plan, gpus_per_node: int) -> str:
         lines.append("  sequence_parallel: true")
     if p.cp > 1:
         lines.append(f"  context_parallel: {p.cp}")
+    if p.ep > 1:
+        lines.append(f"  expert_parallel: {p.ep}")
     return "\n".join(lines) + "\n"
 
 
@@ -204,12 +214,14 @@ def print_search(plans: list[Plan], args, gpus: int, name: str) -> None:
         f"fastest {args.top}:"
     )
     print(
-        f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mb':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
+        f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'v':>2} {'mb':>3} {'recompute':>9} {'sp':>3} "
+        f"{'zero':>4} "
         f"{'GB/GPU':>7} {'bubble':>7} {'s/iter':>8} {'TFLOP/s':>8} {'MFU':>6}"
     )
     for i, p in enumerate(plans[: args.top], start=1):
         print(
-            f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.dp:>5} {p.virtual_stages:>2} {p.micro_batch:>3} {p.recompute:>9} "
+            f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.dp:>5} {p.ep:>3} {p.virtual_stages:>2} {p.micro_batch:>3} "
+            f"{p.recompute:>9} "
             f"{'yes' if p.sequence_parallel else 'no':>3} {p.zero_stage:>4} {p.total_gb:>7.1f} {p.bubble:>7.1%} "
             f"{p.iteration_seconds:>8.3f} {p.tflops_per_gpu:>8.1f} {p.mfu:>6.1%}"
         )
@@ -235,7 +247,7 @@ def print_inference(args, config: ModelConfig, extra) -> None:
         print(inference_report(config, names, args.batch, args.length, args.dtype, args.gpus_per_node, extra))
 
 
-def planned_config(tp: int, pp: int, cp: int, virtual: int, zero_stage: int, sp: bool) -> ParallelConfig:
+def planned_config(tp: int, pp: int, cp: int, virtual: int, zero_stage: int, sp: bool, ep: int = 1) -> ParallelConfig:
     """A layout as the planner models it: interleaved 1F1B when a rank holds several stages (as written by
     --write-config)."""
     return ParallelConfig(
@@ -246,6 +258,7 @@ def planned_config(tp: int, pp: int, cp: int, virtual: int, zero_stage: int, sp:
         zero_stage=zero_stage,
         sequence_parallel=sp,
         context_parallel=cp,
+        expert_parallel=ep,
     )
 
 
@@ -253,7 +266,9 @@ def parallel_config(args) -> ParallelConfig:
     """The layout to check: the strategy file's, read as the trainer reads it, else the layout flags'."""
     if args.strategy:
         return read_strategy_file(args.strategy)
-    return planned_config(args.tp, args.pp, args.cp, args.virtual_stages, args.zero_stage, args.sequence_parallel)
+    return planned_config(
+        args.tp, args.pp, args.cp, args.virtual_stages, args.zero_stage, args.sequence_parallel, args.ep
+    )
 
 
 def plan_layout(args, config: ModelConfig, gpu, lora=None) -> Plan:
@@ -269,12 +284,13 @@ def plan_layout(args, config: ModelConfig, gpu, lora=None) -> Plan:
         args.global_batch, args.micro_batch, args.recompute, parallel.zero_stage, precision=args.precision,
         layers=layers, virtual_stages=parallel.virtual_pipeline_stages, sequence_parallel=parallel.sequence_parallel,
         implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel, lora=lora, dpo=dpo,
+        ep=layout.expert_parallel,
     )  # fmt: skip
 
 
 def trainer_runs(p: Plan, config: ModelConfig, gpus_per_node: int) -> bool:
     """Whether the trainer accepts a searched layout (`ParallelConfig.validate`)."""
-    parallel = planned_config(p.tp, p.pp, p.cp, p.virtual_stages, p.zero_stage, p.sequence_parallel)
+    parallel = planned_config(p.tp, p.pp, p.cp, p.virtual_stages, p.zero_stage, p.sequence_parallel, p.ep)
     try:
         parallel.validate(config, p.gpus, gpus_per_node=gpus_per_node)
     except MTNLGError:

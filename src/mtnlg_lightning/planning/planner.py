@@ -14,7 +14,12 @@ from functools import partial
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import active_parameters, kv_heads_per_rank, parameters_per_rank
+from mtnlg_lightning.families import (
+    active_parameters,
+    expert_parameters_per_layer,
+    kv_heads_per_rank,
+    parameters_per_rank,
+)
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.parallel.lora import LoRAConfig
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
@@ -33,18 +38,29 @@ STATE_BYTES = {
 }
 
 
-def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int]) -> list[int]:
+def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int], ep: int = 1) -> list[int]:
     """Parameters held by one TP rank of each pipeline stage, from the family spec (`families.parameters_per_rank`:
-    each module as the tensor-parallel plan holds it): the blocks, the word embedding and learned positions on the
-    first stage, the final norm and the LM head on the last (a tied head counted there too when pipelined: the
-    last stage holds its copy)."""
+    each module as the tensor-parallel plan holds it): the blocks (a mixture of experts' experts divided by `ep`),
+    the word embedding and learned positions on the first stage, the final norm and the LM head on the last (a tied
+    head counted there too when pipelined: the last stage holds its copy)."""
     blocks, top = parameters_per_rank(config, tp)
-    ends = list(itertools.accumulate(layers))
-    counts = [sum(blocks[end - n : end]) for n, end in zip(layers, ends, strict=True)]
+    experts = expert_parameters_per_layer(config)
+    held = [n - e + e // ep for n, e in zip(blocks, experts, strict=True)]
+    counts = _per_stage(held, layers)
     counts[0] += top["embed.wte"] + top.get("embed.wpe", 0)
     head = top["lm_head"] if (pp > 1 or not config.tie_embeddings) else 0
     counts[-1] += top["norm"] + head
     return counts
+
+
+def expert_params_per_stage(config: ModelConfig, layers: list[int], ep: int = 1) -> list[int]:
+    """Of `params_per_stage`, the experts' parameters one rank of each stage holds (E / ep of each MoE layer's)."""
+    return _per_stage([e // ep for e in expert_parameters_per_layer(config)], layers)
+
+
+def _per_stage(per_layer: list[int], layers: list[int]) -> list[int]:
+    ends = list(itertools.accumulate(layers))
+    return [sum(per_layer[end - n : end]) for n, end in zip(layers, ends, strict=True)]
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "bf16") -> float:
@@ -88,12 +104,25 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return 2 * s * b * h / (tp if sp else 1)  # only the layer input is kept
     q, kv = a * hd / tp, kv_heads_per_rank(config, tp) * hd
-    wide = (4 if config.mlp == "swiglu" else 2) * 2 * f / tp
-    sharded = (2 * (q + kv) + 2 * kv + 2 * q + wide) / h  # GPT: 24 / t
+    mlp = (4 if config.mlp == "swiglu" else 2) * 2 * f / tp / h
+    if config.moe:  # averaged over the layers: a MoE layer's MLP in place of the dense one
+        share = len(config.moe_layers) / config.num_layers
+        mlp = (1 - share) * mlp + share * _moe_mlp_bytes(config, tp, sp)
+    sharded = (2 * (q + kv) + 2 * kv + 2 * q) / h + mlp  # GPT: 24 / t
     kept = 10 / tp + sharded if sp else 10 + sharded
     if recompute == "selective":
         return s * b * h * kept
     return s * b * h * (kept + 5 * a * s / (h * tp))
+
+
+def _moe_mlp_bytes(config: ModelConfig, tp: int, sp: bool) -> float:
+    """A MoE layer's stored MLP activations per token and hidden unit (bf16): each token's k routed copies (the
+    gathered rows and the experts' outputs, 2 + 2 bytes) and the experts' SwiGLU tensors (4 of moe_ffn each), whole
+    on every TP rank for the tokens it routes (its slice under SP, every token without); a shared expert as a
+    dense SwiGLU MLP, split over TP."""
+    h, k = config.hidden_size, config.experts_per_token
+    routed = k * (4 + 8 * config.moe_ffn_hidden_size / h) / (tp if sp else 1)
+    return routed + 8 * config.shared_expert_ffn_hidden_size / h / tp
 
 
 def balanced_layers(num_layers: int, pp: int) -> list[int]:
@@ -142,13 +171,14 @@ class Plan:
     # Parameters one token goes through (a mixture of experts' k of E experts; the whole model when dense), as
     # `families.active_parameters` counts them; the FLOPs above count these.
     active_params: int = 0
+    ep: int = 1  # expert-parallel ranks (out of the dp ranks) each MoE layer's experts are split over
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @property
-    def layout_key(self) -> tuple[int, int, int, int]:
-        return self.tp, self.cp, self.pp, self.dp
+    def layout_key(self) -> tuple[int, int, int, int, int]:
+        return self.tp, self.cp, self.pp, self.dp, self.ep
 
 
 def validate_layout(config: ModelConfig, tp: int, pp: int, dp: int, global_batch: int, micro_batch: int, virtual=1):
@@ -187,29 +217,38 @@ def plan(
     cp: int = 1,
     lora: LoRAConfig | None = None,
     dpo: PreferencePlan | None = None,
+    ep: int = 1,
 ) -> Plan:
     """One layout: memory per GPU and the time of one iteration. `cp`: context-parallel ranks per sequence (each
     holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
     over dp x cp under ZeRO; the ring's key/value exchange costed in `cost_model`). `lora`: LoRA adapters train on
     a frozen base (`lora_plan`: its model states); activations and time are full fine-tuning's. `dpo`: preference
-    pairs (`dpo_plan`: two sequences a sample, the reference's bytes and forward pass); batches count pairs."""
+    pairs (`dpo_plan`: two sequences a sample, the reference's bytes and forward pass); batches count pairs. `ep`:
+    expert-parallel ranks out of dp (each MoE layer's experts split over them: their states divided by ep, their
+    gradients reduced over dp x cp / ep ranks, the routed rows' all-to-alls costed in `cost_model`)."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
                               virtual_stages, layers)  # fmt: skip
+    _check_experts(config, dp, ep)
     per_sample = dpo.sequences_per_sample if dpo is not None else 1
     sequences = global_batch * per_sample
-    layout = Layout(tp, pp, dp, micro_batch * per_sample, virtual_stages, zero_stage, recompute, sequence_parallel, cp)
-    stage_params = params_per_stage(config, tp, pp, per_gpu)
-    memory = _memory(config, layout, sequences, per_gpu, stage_params, precision, lora, dpo)
-    breakdown = iteration_breakdown(config, spec, layout, sequences, per_gpu, max(stage_params), gpus_per_node, impl)
+    layout = Layout(
+        tp, pp, dp, micro_batch * per_sample, virtual_stages, zero_stage, recompute, sequence_parallel, cp, ep
+    )
+    stage_params = params_per_stage(config, tp, pp, per_gpu, ep)
+    stage_experts = expert_params_per_stage(config, per_gpu, ep)
+    fullest = max(range(pp), key=lambda i: stage_params[i])
+    held = (max(stage_params), stage_experts[fullest])  # the fullest stage's parameters, of which experts
+    memory = _memory(config, layout, sequences, per_gpu, stage_params, stage_experts, precision, lora, dpo)
+    breakdown = iteration_breakdown(config, spec, layout, sequences, per_gpu, held[0], gpus_per_node, impl, held[1])
     if dpo is not None and dpo.reference_forward:  # a forward is a third of a step's compute without recompute
         breakdown.reference = (breakdown.compute - breakdown.recompute) / 3
     gpus = tp * cp * pp * dp
     model_flops = flops_per_iteration(config, sequences)
     seconds = breakdown.total
     rampup_seconds, rampup_steps = _rampup(
-        config, spec, layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl
+        config, spec, layout, global_batch, rampup, per_gpu, held, gpus_per_node, impl
     )
     return Plan(
         model=config.name,
@@ -248,6 +287,7 @@ def plan(
         lora=lora_summary(lora, config, memory["trained"]) if lora is not None else None,
         dpo=dpo.summary(memory["reference"]) if dpo is not None else None,
         active_params=active_parameters(config),
+        ep=ep,
     )
 
 
@@ -271,9 +311,21 @@ def _checked_layers(
     return [sum(chunks[j] for j in range(i, len(chunks), pp)) for i in range(pp)]
 
 
-def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage_params, precision, lora, dpo) -> dict:
+def _check_experts(config: ModelConfig, dp: int, ep: int) -> None:
+    if ep == 1:
+        return
+    if not config.moe:
+        raise MTNLGError(f"expert_parallel {ep} needs a mixture-of-experts model ({config.name} has no experts)")
+    if ep < 1 or dp % ep or config.num_experts % ep:
+        raise MTNLGError(
+            f"expert_parallel {ep} must divide the data-parallel size {dp} and num_experts {config.num_experts}"
+        )
+
+
+def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_experts, precision, lora, dpo) -> dict:
     """Model states (with DPO's reference, if it holds one), activations and their total (bytes) on the fullest
-    pipeline stage, and what trains there (`lora_plan.StageState`)."""
+    pipeline stage, and what trains there (`lora_plan.StageState`). A stage's experts (`stage_experts`, of
+    `stage_params`) are partitioned over their own replicas, dp x cp / ep, under ZeRO."""
     tp, pp, micro = layout.tp, layout.pp, layout.micro_batch
     local = config.seq_len // layout.cp  # the tokens of each sequence this rank holds
     num_microbatches = global_batch // (micro * layout.dp)
@@ -290,9 +342,11 @@ def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage
     logits = 4 * local * micro * config.padded_vocab_size(tp) / tp
     stages = []
     parts = partial(model_state_parts, dp=layout.replicas, zero_stage=layout.zero_stage, precision=precision)
+    expert_parts = partial(parts, dp=layout.replicas // layout.ep)
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
-        trained = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora)
+        held = (stage_params[i], stage_experts[i], expert_parts)
+        trained = stage_state(parts, held, per_gpu[i], config, tp, lora)
         reference = dpo.reference_bytes(parts(stage_params[i])[0]) if dpo is not None else 0.0
         stages.append((act + trained.total + reference, act, trained, reference))
     total, act, trained, reference = max(stages, key=lambda stage: stage[:2])
@@ -300,8 +354,9 @@ def _memory(config, layout: Layout, global_batch: int, per_gpu: list[int], stage
             "reference": reference}  # fmt: skip
 
 
-def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, stage_params, gpus_per_node, impl):
-    """(seconds, steps) of the batch ramp-up, each batch size timed once; (None, None) without one."""
+def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, held, gpus_per_node, impl):
+    """(seconds, steps) of the batch ramp-up, each batch size timed once; (None, None) without one. `held`: the
+    fullest stage's (parameters, of which experts)."""
     if not rampup:
         return None, None
     schedule = BatchSizeSchedule(global_batch, *rampup)
@@ -311,7 +366,7 @@ def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, stage_p
         batch = schedule.batch_size_at_samples(consumed)
         if batch not in cache:
             cache[batch] = iteration_breakdown(
-                config, spec, layout, batch, per_gpu, max(stage_params), gpus_per_node, impl
+                config, spec, layout, batch, per_gpu, held[0], gpus_per_node, impl, held[1]
             ).total
         seconds += cache[batch]
         steps += 1
@@ -336,13 +391,14 @@ def search(
     lora: LoRAConfig | None = None,
     dpo_reference: str | None = None,
 ) -> list[Plan]:
-    """Every valid layout (tp, cp, pp, dp, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest
+    """Every valid layout (tp, cp, pp, dp, ep, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest
     first.
 
     TP stays inside a node; CP (where the implementation has it) divides the sequence into 2 x CP chunks; ZeRO-3 is
     not combined with pipelining (as the strategy); interleaving needs the micro-batch count to be a multiple of
     the stages (as Megatron's schedule); pipelines the implementation cannot run (`Implementation.runs_pipeline`:
-    Megatron's even layer split, no interleaving on 2 stages) are skipped. `dpo_reference` (`dpo_plan.REFERENCES`):
+    Megatron's even layer split, no interleaving on 2 stages) are skipped. A mixture-of-experts model adds each EP
+    dividing both dp and its experts. `dpo_reference` (`dpo_plan.REFERENCES`):
     DPO on pairs, without the layouts it cannot run (a reference copy under ZeRO-3)."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
@@ -363,7 +419,8 @@ def search(
             ]
             sps = (False, True) if tp > 1 and impl.sequence_parallel and (config.seq_len // cp) % tp == 0 else (False,)
             zeros = [z for z in impl.zero_stages if (dp * cp > 1 or z == 0) and not (z == 3 and pp > 1)]
-            for micro, v, recompute, sp, zero in itertools.product(micro_batches, virtuals, modes, sps, zeros):
+            eps = [e for e in _divisors(dp) if config.num_experts % e == 0] if config.moe else [1]
+            for micro, v, recompute, sp, zero, ep in itertools.product(micro_batches, virtuals, modes, sps, zeros, eps):
                 if global_batch % (micro * dp):
                     continue
                 m = global_batch // (micro * dp)
@@ -377,7 +434,7 @@ def search(
                 candidate = plan(
                     config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero,
                     precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl, cp=cp,
-                    lora=lora, dpo=dpo,
+                    lora=lora, dpo=dpo, ep=ep,
                 )  # fmt: skip
                 if candidate.fits:
                     plans.append(candidate)
@@ -404,6 +461,7 @@ def format_breakdown(p: Plan) -> str:
         ("bubble", b["bubble"]),
         ("DP comm", b["dp_comm"]),
         ("CP ring", b.get("cp_comm", 0.0)),
+        ("EP all-to-all", b.get("ep_comm", 0.0)),
         ("optimizer", b["optimizer"]),
         ("DPO reference", b.get("reference", 0.0)),
     ]
@@ -415,7 +473,8 @@ def format_plan(p: Plan) -> str:
     schedule = f"interleaved 1F1B, {p.virtual_stages} chunks per GPU" if p.virtual_stages > 1 else "1F1B"
     lines = [
         f"model {p.model} on {p.gpu}: TP {p.tp} x {f'CP {p.cp} x ' if p.cp > 1 else ''}PP {p.pp} x DP {p.dp} = "
-        f"{p.gpus} GPUs, micro-batch {p.micro_batch}, "
+        f"{p.gpus} GPUs{f' (experts over EP {p.ep} of the DP ranks)' if p.ep > 1 else ''}, "
+        f"micro-batch {p.micro_batch}, "
         f"global batch {p.global_batch} ({p.num_microbatches} micro-batches per pipeline)",
         f"  layers per stage     {p.layers_per_stage if len(set(p.layers_per_stage)) > 1 else p.layers_per_stage[0]}"
         f" ({schedule})",
