@@ -6,7 +6,8 @@
 A run is epN: data parallelism over the whole world with each MoE layer's experts split over N of the DP ranks
 (plain DP, zero_stage 0), micro-batches of 2 rows (the global batch of 8 over 4 ranks: one micro-batch each).
 _tpM: beside M-way tensor parallelism (the experts whole on each TP rank), _sp: with sequence parallelism.
-Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _ckpt trains 6 steps saving at 3 and 6;
+Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _full recomputes every block in the backward
+(activation checkpointing: the routing and the all-to-alls run again); _ckpt trains 6 steps saving at 3 and 6;
 _from_RUN resumes that run's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms, parameters).
 """
 
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
 from parallel_harness import run_each, run_script, tiny_run, trained  # noqa: E402
 
+from mtnlg_lightning.callbacks import ActivationCheckpointing  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 # The router's auxiliary (load-balancing) and z losses both on, dropless routing (no capacity factor).
@@ -31,6 +33,8 @@ def run_settings(name: str, out: Path) -> dict:
     layout, _, source = name.partition("_from_")
     parts = layout.split("_")
     settings = {"micro_batch_size": 1 if "accum" in parts else 2, "model_overrides": ROUTER_LOSSES}
+    if "full" in parts:
+        settings["callbacks"] = [ActivationCheckpointing(mode="full")]
     if "ckpt" in parts:
         settings |= {"max_steps": 6, "capture_steps": (5, 6), "checkpoint_dir": out / layout}
     if source:

@@ -1,8 +1,8 @@
 """Expert parallelism (`expert_parallel: N`): the experts of each MoE layer split over N of the data-parallel
 ranks, tokens sent to their experts and back by all-to-all. Specified by the groups it makes and by training: 5
 steps from a Qwen 3-MoE directory (a dense layer among MoE ones, dropless, the auxiliary and z losses on)
-reproduce one process in ep2 and ep4 on 4 ranks, in ep2 x tp2 with sequence parallelism on and off, and under
-gradient accumulation; an ep2 checkpoint resumes in one
+reproduce one process in ep2 and ep4 on 4 ranks, in ep2 x tp2 with sequence parallelism on and off, with every
+block recomputed (activation checkpointing), and under gradient accumulation; an ep2 checkpoint resumes in one
 process and in ep4 with the uninterrupted losses and exports to a directory transformers loads."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from parallel_harness import assert_trains_like, launch_runs, tiny_run, trained
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
 
-LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp")  # one launch of 4 ranks
+LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp", "ep2_full", "ep2_tp2_sp_full")
+# (one launch of 4 ranks)
 
 
 def test_expert_groups_are_runs_of_each_data_parallel_group():
@@ -56,10 +57,11 @@ def references(moe_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", ["ep2_ckpt", "ep4", "ep2_tp2", "ep2_tp2_sp"])
+@pytest.mark.parametrize("run", ["ep2_ckpt", "ep4", "ep2_tp2", "ep2_tp2_sp", "ep2_full", "ep2_tp2_sp_full"])
 def test_expert_parallel_trains_like_one_process(run, runs, references):
     """ep2 x tp2: attention split over TP, experts whole on each TP rank; with SP each TP rank routes its slice of
-    the sequence (the router's losses are the whole sequence's, its gradients summed over TP)."""
+    the sequence (the router's losses are the whole sequence's, its gradients summed over TP). _full: every block
+    recomputed in the backward (the routing, its statistics' all-reduce and the all-to-alls run again)."""
     steps = len(runs[run]["losses"])  # the reference ran 6 steps (for the resume), as ep2_ckpt did
     reference = references["micro2"]
     assert_trains_like(runs[run], reference | {k: reference[k][:steps] for k in ("losses", "grad_norms")})

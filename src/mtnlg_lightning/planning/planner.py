@@ -442,7 +442,7 @@ def search(
 
 
 def best_per_layout(plans: list[Plan]) -> list[Plan]:
-    """The fastest plan of each (tp, pp, dp) decomposition, fastest first (plans must be sorted)."""
+    """The fastest plan of each (tp, cp, pp, dp, ep) decomposition, fastest first (plans must be sorted)."""
     seen, best = set(), []
     for p in plans:
         if p.layout_key not in seen:

@@ -150,7 +150,7 @@ def layout_rank(run: PublishedRun) -> tuple[int | None, float | None]:
         implementation=run.implementation, recompute_modes=recompute,
     )  # fmt: skip
     decompositions = best_per_layout(plans)
-    key = (run.layout["tp"], 1, run.layout["pp"], run.layout["dp"])  # the published runs use no CP
+    key = (run.layout["tp"], 1, run.layout["pp"], run.layout["dp"], 1)  # the published runs use no CP, no EP
     for rank, p in enumerate(decompositions, start=1):
         if p.layout_key == key:
             return rank, p.iteration_seconds / decompositions[0].iteration_seconds
