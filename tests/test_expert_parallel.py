@@ -3,7 +3,8 @@ ranks, tokens sent to their experts and back by all-to-all. Specified by the gro
 steps from a Qwen 3-MoE directory (a dense layer among MoE ones, dropless, the auxiliary and z losses on)
 reproduce one process in ep2 and ep4 on 4 ranks, in ep2 x tp2 with sequence parallelism on and off, with every
 block recomputed (activation checkpointing), and under gradient accumulation; an ep2 checkpoint resumes in one
-process and in ep4 with the uninterrupted losses and exports to a directory transformers loads."""
+process and in ep4 with the uninterrupted losses, an ep2 x tp2 (SP) one in one process, and both export to a
+directory transformers loads."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from parallel_harness import assert_trains_like, launch_runs, tiny_run, trained
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
 
-LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp", "ep2_full", "ep2_tp2_sp_full")
-# (one launch of 4 ranks)
+LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full")
+LAUNCH += ("ep2_tp2_sp_full",)  # one launch of 4 ranks
 
 
 def test_expert_groups_are_runs_of_each_data_parallel_group():
@@ -57,7 +58,7 @@ def references(moe_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", ["ep2_ckpt", "ep4", "ep2_tp2", "ep2_tp2_sp", "ep2_full", "ep2_tp2_sp_full"])
+@pytest.mark.parametrize("run", ["ep2_ckpt", "ep4", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full", "ep2_tp2_sp_full"])
 def test_expert_parallel_trains_like_one_process(run, runs, references):
     """ep2 x tp2: attention split over TP, experts whole on each TP rank; with SP each TP rank routes its slice of
     the sequence (the router's losses are the whole sequence's, its gradients summed over TP). _full: every block
@@ -77,10 +78,15 @@ def test_expert_parallel_with_gradient_accumulation_trains_like_one_process(runs
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_an_ep2_checkpoint_resumes_in_one_process_and_in_ep4_with_the_uninterrupted_losses(runs, references, moe_dir):
+@pytest.mark.parametrize("saved", ["ep2_ckpt", "ep2_tp2_sp_ckpt"])
+def test_an_ep2_checkpoint_resumes_in_one_process_and_in_ep4_with_the_uninterrupted_losses(
+    saved, runs, references, moe_dir
+):
+    """ep2 and ep2 x tp2 with SP save each expert whole (written by one rank of its copies, TP rank 0); one process
+    resumes either, ep4 the ep2 one."""
     uninterrupted = references["micro2"]
-    resumed_alone = one_process(moe_dir, "ep1_from_ep2_ckpt", runs["_dir"])
-    for resumed in (resumed_alone, runs["ep4_from_ep2_ckpt"]):
+    resumed_alone = one_process(moe_dir, f"ep1_from_{saved}", runs["_dir"])
+    for resumed in (resumed_alone, *([runs["ep4_from_ep2_ckpt"]] if saved == "ep2_ckpt" else [])):
         assert len(resumed["losses"]) == 3  # steps 4-6 after the step-3 checkpoint
         torch.testing.assert_close(resumed["losses"], uninterrupted["losses"][3:6], rtol=1e-5, atol=0)
         apart = [(resumed["params"][6][k] - v).abs().max().item() for k, v in uninterrupted["params"][6].items()]
@@ -89,9 +95,10 @@ def test_an_ep2_checkpoint_resumes_in_one_process_and_in_ep4_with_the_uninterrup
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_an_ep2_checkpoint_exports_per_expert_keys_transformers_loads_with_our_logits(runs, tmp_path):
+@pytest.mark.parametrize("saved", ["ep2_ckpt", "ep2_tp2_sp_ckpt"])
+def test_an_ep2_checkpoint_exports_per_expert_keys_transformers_loads_with_our_logits(saved, runs, tmp_path):
     pytest.importorskip("transformers")
-    checkpoint = runs["_dir"] / "ep2_ckpt" / "step=6.ckpt"
+    checkpoint = runs["_dir"] / saved / "step=6.ckpt"
     out = tmp_path / "exported"
     assert export_main([str(checkpoint), str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
