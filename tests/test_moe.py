@@ -317,6 +317,31 @@ def test_an_unsupported_moe_design_is_one_line(family_dir, tmp_path, capsys):
     assert len(err) == 1 and "deepseek_v3 mixture of experts" in err[0] and "multi-head latent attention" in err[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_moe_model_generates_and_scores_in_tp2_what_it_does_in_one_process(tmp_path, capfd):
+    """Qwen 2-MoE (a shared expert, split over TP as a dense MLP; the router and experts whole on each rank) on 2
+    ranks: the same greedy text and the same perplexity (rel 1e-5) as one process."""
+    from mtnlg_lightning.evaluation.cli import main as eval_main
+
+    directory = random_moe_dir(tmp_path / "qwen2_moe", "qwen2_moe")
+    text = tmp_path / "text.txt"
+    text.write_text("Return the value of the argument. If the file does not exist, the function raises an error. " * 4)
+    source = ["--checkpoint", str(directory), "--dtype", "fp32"]
+    greedy = ["--prompt", "The value of the argument is", "--max-new-tokens", "24", "--temperature", "0"]
+    printed, perplexity = [], []
+    for where in ([], ["--strategy", "strategy/tp2", "--devices", "2"]):
+        capfd.readouterr()
+        assert generate_main([*source, *greedy, *where]) == 0
+        printed.append(capfd.readouterr().out.splitlines()[-1])  # the text (after any library's start-up notice)
+        out = tmp_path / f"perplexity{len(where)}.json"
+        scored = ["--task", "perplexity", "--data", str(text), "--stride", "16", "--no-progress", "--output", str(out)]
+        assert eval_main([*source, *scored, *where]) == 0
+        perplexity.append(json.loads(out.read_text())["results"]["perplexity"]["-"]["perplexity"])
+    assert printed[1] == printed[0] and printed[0].startswith("The value of the argument is")
+    assert perplexity[1] == pytest.approx(perplexity[0], rel=1e-5)
+
+
 def test_moe_models_refuse_the_layouts_not_built_yet():
     from mtnlg_lightning.parallel.config import ParallelConfig
 

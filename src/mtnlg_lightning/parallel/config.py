@@ -206,11 +206,6 @@ class ParallelConfig:
                     f"expert_parallel {ep}: generation and evaluation run a mixture-of-experts model with its "
                     f"experts whole (expert_parallel 1) so far"
                 )
-        if inference and getattr(config, "moe", False) and tp > 1:
-            raise MTNLGError(
-                f"tensor_parallel {tp}: generation and evaluation run a mixture-of-experts model in one process or "
-                f"with data parallelism so far"
-            )
         split = {"pipeline_parallel": self.pipeline_parallel, "context_parallel": self.context_parallel}
         if getattr(config, "moe", False) and max(split.values()) > 1:
             named = ", ".join(f"{name} {value}" for name, value in split.items() if value > 1)
