@@ -109,28 +109,19 @@ def main(argv=None) -> int:
     formula_all = formula_sent * args.ep / (args.ep - 1)
     sent = measured["sent_rows"] * to_bf16
     moved = (measured["sent_rows"] + measured["kept_rows"]) * to_bf16
-    result = {
-        "ep": args.ep,
-        "micro_batch": args.micro_batch,
-        "seq_len": config.seq_len,
-        "moe_layers": moe_layers,
-        "experts": args.experts,
-        "top_k": args.top_k,
-        "rows_bytes_per_rank_step": moved,
-        "formula_rows_bytes": formula_all,
-        "off_rank_bytes_per_rank_step": sent,
-        "formula_off_rank_bytes": formula_sent,
-        "off_rank_ratio": sent / formula_sent,
-    }
+    result = {key: getattr(args, key) for key in ("ep", "micro_batch", "experts", "top_k")}
+    result |= dict(seq_len=config.seq_len, moe_layers=moe_layers, rows_bytes_per_rank_step=moved)
+    result |= dict(formula_rows_bytes=formula_all, off_rank_bytes_per_rank_step=sent)
+    result |= dict(formula_off_rank_bytes=formula_sent, off_rank_ratio=sent / formula_sent)
+    write_result(args.json, result)
     print(
         f"all-to-all per rank and step (ep{args.ep}, {args.micro_batch} x {config.seq_len} tokens, {moe_layers} MoE "
-        f"layers, top {args.top_k} of {args.experts}; bf16 bytes):\n"
-        f"  every routed row, both ways   measured {moved / 1e6:10.3f} MB   formula {formula_all / 1e6:10.3f} MB   "
-        f"ratio {moved / formula_all:.4f}\n"
-        f"  off the rank                  measured {sent / 1e6:10.3f} MB   formula {formula_sent / 1e6:10.3f} MB   "
-        f"ratio {sent / formula_sent:.4f} (the router's balance; 1.0 = even)"
+        f"layers, top {args.top_k} of {args.experts}; bf16 bytes):"
     )
-    write_result(args.json, result)
+    for what, measured_bytes, formula in (("every routed row, both ways", moved, formula_all),
+                                          ("off the rank (the router's balance)", sent, formula_sent)):  # fmt: skip
+        print(f"  {what:<36} measured {measured_bytes / 1e6:10.3f} MB   formula {formula / 1e6:10.3f} MB   "
+              f"ratio {measured_bytes / formula:.4f}")  # fmt: skip
     return 0
 
 

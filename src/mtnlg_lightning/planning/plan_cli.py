@@ -83,13 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument(
         "--cp", type=int, default=1, help="context-parallel ranks per sequence (default 1; seq divisible by 2 x cp)"
     )
-    layout.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel size: a mixture-of-experts model's experts split over this many of the dp ranks "
-        "(divides --dp and the experts; default 1)",
-    )
+    experts = "a mixture-of-experts model's experts split over this many of the dp ranks (divides --dp and them)"
+    layout.add_argument("--ep", type=int, default=1, help=f"expert-parallel size: {experts} (default 1)")
     layout.add_argument("--virtual-stages", type=int, default=1, help="model chunks per GPU (interleaved 1F1B)")
     layout.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     layout.add_argument("--global-batch", type=int, default=1920, help="sequences per iteration (default 1920)")
