@@ -5,7 +5,8 @@
 
 A run is epN: data parallelism over the whole world with each MoE layer's experts split over N of the DP ranks
 (plain DP, zero_stage 0), micro-batches of 2 rows (the global batch of 8 over 4 ranks: one micro-batch each).
-_tpM: beside M-way tensor parallelism (the experts whole on each TP rank), _sp: with sequence parallelism.
+_tpM: beside M-way tensor parallelism (the experts whole on each TP rank), _sp: with sequence parallelism, _cpM:
+M-way context parallelism (each sequence split over M ranks, the experts' copies over DP x CP).
 Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _full recomputes every block in the backward
 (activation checkpointing: the routing and the all-to-alls run again); _ckpt trains 6 steps saving at 3 and 6;
 _from_RUN resumes that run's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms, parameters).
@@ -43,12 +44,14 @@ def run_settings(name: str, out: Path) -> dict:
 
 
 def strategy_of(layout: str) -> MegatronDeepSpeedStrategy:
-    """epN, then optionally tpM and sp: the experts over N DP ranks beside M-way tensor parallelism."""
+    """epN, then optionally tpM, cpM and sp: the experts over N DP ranks beside M-way tensor or context
+    parallelism."""
     parts = layout.split("_")
-    tensor_parallel = next((int(part.removeprefix("tp")) for part in parts if part.startswith("tp")), 1)
+    size = {axis: next((int(p.removeprefix(axis)) for p in parts if p.startswith(axis)), 1) for axis in ("tp", "cp")}
     return MegatronDeepSpeedStrategy(
         expert_parallel=int(parts[0].removeprefix("ep")),
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=size["tp"],
+        context_parallel=size["cp"],
         sequence_parallel="sp" in parts,
         zero_stage=0,
         print_layout=False,

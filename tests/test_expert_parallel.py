@@ -1,10 +1,11 @@
 """Expert parallelism (`expert_parallel: N`): the experts of each MoE layer split over N of the data-parallel
 ranks, tokens sent to their experts and back by all-to-all. Specified by the groups it makes and by training: 5
 steps from a Qwen 3-MoE directory (a dense layer among MoE ones, dropless, the auxiliary and z losses on)
-reproduce one process in ep2 and ep4 on 4 ranks, in ep2 x tp2 with sequence parallelism on and off, with every
-block recomputed (activation checkpointing), and under gradient accumulation; an ep2 checkpoint resumes in one
-process and in ep4 with the uninterrupted losses, an ep2 x tp2 (SP) one in one process, and both export to a
-directory transformers loads."""
+reproduce one process in ep2 and ep4 on 4 ranks, in ep2 x tp2 with sequence parallelism on and off, in ep2 x cp2
+(and cp2 with the experts whole), with every block recomputed (activation checkpointing), and under gradient
+accumulation; an ep2 checkpoint resumes in one
+process and in ep4 with the uninterrupted losses, ep2 x tp2 (SP) and ep2 x cp2 ones in one process, and each
+exports to a directory transformers loads."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
 
 LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full")
-LAUNCH += ("ep2_tp2_sp_full",)  # one launch of 4 ranks
+LAUNCH += ("ep2_tp2_sp_full", "ep1_cp2", "ep2_cp2_ckpt")  # one launch of 4 ranks
 
 
 def test_expert_groups_are_runs_of_each_data_parallel_group():
@@ -29,6 +30,9 @@ def test_expert_groups_are_runs_of_each_data_parallel_group():
     assert layout.expert_parallel_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert layout.expert_data_parallel_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
     assert ParallelLayout(4, expert_parallel=4).expert_data_parallel_groups() == [[0], [1], [2], [3]]
+    with_context = ParallelLayout(8, context_parallel=2, expert_parallel=2)  # rank = 2 dp + cp
+    assert with_context.expert_parallel_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]  # the same cp rank's tokens
+    assert with_context.expert_data_parallel_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]  # copies over DP x CP
     assert "ep group" in layout.table()
 
 
@@ -58,11 +62,14 @@ def references(moe_dir, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", ["ep2_ckpt", "ep4", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full", "ep2_tp2_sp_full"])
+@pytest.mark.parametrize(
+    "run", ["ep2_ckpt", "ep4", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full", "ep2_tp2_sp_full", "ep1_cp2", "ep2_cp2_ckpt"]
+)
 def test_expert_parallel_trains_like_one_process(run, runs, references):
     """ep2 x tp2: attention split over TP, experts whole on each TP rank; with SP each TP rank routes its slice of
     the sequence (the router's losses are the whole sequence's, its gradients summed over TP). _full: every block
-    recomputed in the backward (the routing, its statistics' all-reduce and the all-to-alls run again)."""
+    recomputed in the backward (the routing, its statistics' all-reduce and the all-to-alls run again). cp2: each
+    sequence split over 2 ranks (their router statistics summed, the experts' gradients averaged over DP x CP)."""
     steps = len(runs[run]["losses"])  # the reference ran 6 steps (for the resume), as ep2_ckpt did
     reference = references["micro2"]
     assert_trains_like(runs[run], reference | {k: reference[k][:steps] for k in ("losses", "grad_norms")})
@@ -78,12 +85,12 @@ def test_expert_parallel_with_gradient_accumulation_trains_like_one_process(runs
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("saved", ["ep2_ckpt", "ep2_tp2_sp_ckpt"])
+@pytest.mark.parametrize("saved", ["ep2_ckpt", "ep2_tp2_sp_ckpt", "ep2_cp2_ckpt"])
 def test_an_ep2_checkpoint_resumes_in_one_process_and_in_ep4_with_the_uninterrupted_losses(
     saved, runs, references, moe_dir
 ):
-    """ep2 and ep2 x tp2 with SP save each expert whole (written by one rank of its copies, TP rank 0); one process
-    resumes either, ep4 the ep2 one."""
+    """ep2, ep2 x tp2 with SP and ep2 x cp2 save each expert whole (written by one rank of its copies over DP x CP,
+    TP rank 0); one process resumes each, ep4 the ep2 one."""
     uninterrupted = references["micro2"]
     resumed_alone = one_process(moe_dir, f"ep1_from_{saved}", runs["_dir"])
     for resumed in (resumed_alone, *([runs["ep4_from_ep2_ckpt"]] if saved == "ep2_ckpt" else [])):
@@ -95,7 +102,7 @@ def test_an_ep2_checkpoint_resumes_in_one_process_and_in_ep4_with_the_uninterrup
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("saved", ["ep2_ckpt", "ep2_tp2_sp_ckpt"])
+@pytest.mark.parametrize("saved", ["ep2_ckpt", "ep2_tp2_sp_ckpt", "ep2_cp2_ckpt"])
 def test_an_ep2_checkpoint_exports_per_expert_keys_transformers_loads_with_our_logits(saved, runs, tmp_path):
     pytest.importorskip("transformers")
     checkpoint = runs["_dir"] / saved / "step=6.ckpt"

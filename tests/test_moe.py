@@ -252,16 +252,17 @@ def test_expert_parallelism_in_the_planner_divides_the_experts_and_pays_for_the_
 
 def test_the_planner_searches_expert_parallel_layouts_the_trainer_runs(tmp_path, capsys):
     """An MoE model's search adds each EP dividing dp and the experts; what it lists the trainer accepts (EP with
-    ZeRO-0, no PP or CP with experts yet); the written strategy names expert_parallel."""
+    ZeRO-0, no PP with experts yet); the written strategy names expert_parallel."""
     args = ["--model", "qwen3-30b-a3b", "--search", "--gpus", "64", "--gpu", "h100-80g", "--global-batch", "256"]
     assert plan_main([*args, "--top", "500", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     with_experts_split = [p for p in plans if p["ep"] > 1]
-    assert with_experts_split and all(p["zero_stage"] == 0 and p["pp"] == p["cp"] == 1 for p in with_experts_split)
+    assert with_experts_split and all(p["zero_stage"] == 0 and p["pp"] == 1 for p in with_experts_split)
     assert all(p["dp"] % p["ep"] == 0 and 128 % p["ep"] == 0 for p in with_experts_split)
     best = min(with_experts_split, key=lambda p: p["iteration_seconds"])
     strategy = tmp_path / "ep.yaml"
-    flags = ["--tp", str(best["tp"]), "--pp", "1", "--dp", str(best["dp"]), "--ep", str(best["ep"])]
+    flags = ["--tp", str(best["tp"]), "--cp", str(best["cp"]), "--pp", "1", "--dp", str(best["dp"])]
+    flags += ["--ep", str(best["ep"])]
     layout = [*flags, "--zero-stage", "0", "--micro-batch", str(best["micro_batch"]), "--global-batch", "256"]
     recompute = ["--recompute", best["recompute"], *(["--sequence-parallel"] if best["sequence_parallel"] else [])]
     common = ["--model", "qwen3-30b-a3b", "--gpu", "h100-80g", *layout, *recompute]

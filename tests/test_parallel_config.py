@@ -84,7 +84,8 @@ ROWS = [
                   "whole (expert_parallel 1) so far"),
     Row("moe in tp2", {"tensor_parallel": 2, "zero_stage": 0}, 2, None, preset="qwen3-30b-a3b"),
     Row("moe in pp2", {"pipeline_parallel": 2, "zero_stage": 0}, 2,
-        "pipeline_parallel 2: a mixture-of-experts model runs with data, expert and tensor parallelism so far",
+        "pipeline_parallel 2: a mixture-of-experts model runs with data, expert, tensor and context parallelism so "
+        "far",
         preset="qwen3-30b-a3b"),
     # refused: the model's split
     Row("heads", {"tensor_parallel": 3}, 3, "num_heads 4 is not divisible by tensor_parallel 3"),

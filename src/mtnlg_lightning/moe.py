@@ -118,9 +118,11 @@ class MoE(nn.Module):
         self.stats: RouterStats | None = None
         # expert parallelism (`parallel/expert_parallel.py`) runs the experts' rows across its ranks; None: here
         self.dispatch = None
-        # sequence parallelism: the TP group whose ranks each route a slice of the sequence; the statistics (and so
-        # the router's losses) are the whole sequence's, each rank's gradient its own slice's part
-        self.sequence_group = None
+        # (group, gradient scale) of each split of the sequence this rank routes a part of: sequence parallelism's
+        # TP group (scale 1: its gradients are summed over TP), context parallelism's CP group (scale CP: averaged
+        # over DP x CP). The statistics (and so the router's losses) are the whole sequence's, each rank's gradient
+        # its own part's.
+        self.sequence_groups: list[tuple[object, int]] = []
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k]); records this forward's `stats`."""
@@ -132,13 +134,10 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).float()
         z = torch.logsumexp(logits.float(), dim=-1).square().sum()
         probability_sums, tokens = probs.sum(dim=0), x.shape[0]
-        if self.sequence_group is not None:
-            dist.all_reduce(counts, group=self.sequence_group)
-            probability_sums, z = (
-                _over_slices(probability_sums, self.sequence_group),
-                _over_slices(z, self.sequence_group),
-            )
-            tokens *= dist.get_world_size(self.sequence_group)
+        for group, scale in self.sequence_groups:
+            dist.all_reduce(counts, group=group)
+            probability_sums, z = _over_slices(probability_sums, group, scale), _over_slices(z, group, scale)
+            tokens *= dist.get_world_size(group)
         self.stats = RouterStats(probability_sums, counts, z, tokens, 0)
         return weights.to(x.dtype), chosen
 
@@ -173,12 +172,13 @@ class MoE(nn.Module):
         return order[keep], counts.clamp(max=capacity)
 
 
-def _over_slices(local: torch.Tensor, group) -> torch.Tensor:
-    """The sum over `group`'s sequence slices of a per-slice sum, differentiable in this slice's part only: each
-    rank backpropagates its own tokens (their gradients are summed over the group afterwards)."""
+def _over_slices(local: torch.Tensor, group, scale: int = 1) -> torch.Tensor:
+    """The sum over `group`'s sequence slices of a per-slice sum, differentiable in this slice's part only (times
+    `scale`): each rank backpropagates its own tokens, and the gradients, summed (scale 1) or averaged (scale: the
+    group's size) over the group afterwards, are the whole sum's."""
     total = local.detach().clone()
     dist.all_reduce(total, group=group)
-    return local + (total - local.detach())
+    return scale * local + (total - scale * local.detach())
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

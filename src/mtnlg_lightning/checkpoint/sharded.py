@@ -123,7 +123,7 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
         # One data-parallel replica writes each tensor; a TP-replicated tensor is written by TP rank 0 only; a run
         # of experts by one of the ranks holding it (its expert-data-parallel group; TP rank 0 of those).
         if is_expert_parallel(slot.param):
-            copies = groups.layout.data_parallel // groups.layout.expert_parallel
+            copies = groups.replica_size // groups.layout.expert_parallel
             return owner[index] % copies == groups.expert_place()[1] and slot.tp_writer
         return owner[index] == replica and slot.tp_writer
 

@@ -206,12 +206,10 @@ class ParallelConfig:
                     f"expert_parallel {ep}: generation and evaluation run a mixture-of-experts model with its "
                     f"experts whole (expert_parallel 1) so far"
                 )
-        split = {"pipeline_parallel": self.pipeline_parallel, "context_parallel": self.context_parallel}
-        if getattr(config, "moe", False) and max(split.values()) > 1:
-            named = ", ".join(f"{name} {value}" for name, value in split.items() if value > 1)
+        if getattr(config, "moe", False) and self.pipeline_parallel > 1:
             raise MTNLGError(
-                f"{named}: a mixture-of-experts model runs with data, expert and tensor parallelism so far "
-                f"(its layers are not split over pipeline or context ranks yet)"
+                f"pipeline_parallel {self.pipeline_parallel}: a mixture-of-experts model runs with data, expert, "
+                f"tensor and context parallelism so far (its layers are not split over pipeline stages yet)"
             )
         if getattr(config, "qk_norm_over", "head") == "projection" and tp > 1:
             raise MTNLGError(

@@ -39,6 +39,7 @@ from torch import nn
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.loss import counted_labels
 from mtnlg_lightning.model import DocumentMask, document_mask
+from mtnlg_lightning.moe import moe_layers
 
 SEQUENCE_DIM = 1  # [B, S, ...]
 KERNELS = ("auto", "flash", "efficient", "math")
@@ -322,11 +323,15 @@ def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
 def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -> nn.Module:
     """Shard a built GPT (or pipeline stage) over the CP group in place: its blocks attend through the ring (packed
     rows masked block by block), its positions are those of this rank's chunks, and the stage with the embedding
-    keeps only their tokens."""
+    keeps only their tokens. A mixture of experts routes this rank's chunks, its router's statistics summed over
+    the CP group (the losses of the whole sequences, each rank's gradient CP x its chunks' part, as the averaging
+    over DP x CP expects)."""
     if ring.size == 1:
         return model
     for block in model.blocks.values():
         block.attn.core = RingAttentionCore(ring, kernel)
+    for _, layer in moe_layers(model):
+        layer.sequence_groups.append((ring.group, ring.size))
     model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)
     model.document_mask_kernel = "blocks"
     model.register_forward_pre_hook(functools.partial(_split_tokens, ring.cp_rank, ring.size), with_kwargs=True)

@@ -177,10 +177,15 @@ class ParallelLayout:
         return [group[i : i + ep] for group in self.data_parallel_groups() for i in range(0, len(group), ep)]
 
     def expert_data_parallel_groups(self) -> list[list[int]]:
-        """The DP ranks holding the same experts (the same place in their EP run): expert gradients are averaged
-        over these only (Megatron's and DeepSpeed's expert-data-parallel group)."""
-        ep = self.expert_parallel
-        return [group[i::ep] for group in self.data_parallel_groups() for i in range(ep)]
+        """The ranks holding the same experts: the same place in their EP run, over DP and CP (context-parallel
+        ranks hold the same weights): expert gradients are averaged over these only (Megatron's and DeepSpeed's
+        expert-data-parallel group). Ordered by (dp, cp), as `replica_groups`."""
+        ep, cp = self.expert_parallel, self.context_parallel
+        return [
+            [rank for j, rank in enumerate(group) if (j // cp) % ep == place]
+            for group in self.replica_groups()
+            for place in range(ep)
+        ]
 
     def pipeline_parallel_groups(self) -> list[list[int]]:
         """Same (dp, cp, tp): the stages of one pipeline."""
@@ -336,8 +341,9 @@ class ProcessGroups:
 
     def expert_place(self) -> tuple[int, int]:
         """(which run of experts this rank holds: its place in its EP group, which of that run's copies: its place
-        in its expert-data-parallel group)."""
-        return divmod(self.coord.dp, self.layout.expert_parallel)[::-1]
+        in its expert-data-parallel group, ordered by (dp, cp))."""
+        copy, run = divmod(self.coord.dp, self.layout.expert_parallel)
+        return run, copy * self.layout.context_parallel + self.coord.cp
 
     def kv_head_group(self, copies: int):
         """The group of this rank's TP ranks that hold a copy of its key/value heads (runs of `copies` consecutive

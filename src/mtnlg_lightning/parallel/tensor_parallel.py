@@ -278,7 +278,7 @@ def apply_tensor_parallel(
 
     sequence_parallel: the embedding output is cut to this rank's sequence slice, blocks and the final norm run on
     slices (the norm, router, expert and row-parallel-bias gradients summed over TP, the router's losses taken
-    over the whole sequence: `MoE.sequence_group`; the blocks' dropout masks sliced from
+    over the whole sequence: `MoE.sequence_groups`; the blocks' dropout masks sliced from
     whole-sequence ones), the LM head gathers the sequence.
     """
     if size == 1:
@@ -315,7 +315,7 @@ def apply_tensor_parallel(
         if sp:
             for layer in block.modules():
                 if isinstance(layer, MoE):
-                    layer.sequence_group = group
+                    layer.sequence_groups.append((group, 1))
         if sp and isinstance(block.dropout, nn.Dropout):
             block.dropout = SequenceParallelDropout(block.dropout.p, group)
     embed = getattr(model, "embed", None)

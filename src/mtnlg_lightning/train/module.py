@@ -286,7 +286,8 @@ class MTNLGModule(L.LightningModule):
         names = list(expert_tokens)
         counts = self.trainer.strategy.reduce(torch.stack([expert_tokens[n] for n in names]), reduce_op="sum")
         layout = getattr(self.trainer.strategy, "layout", None)
-        counts /= layout.tensor_parallel if layout is not None else 1  # a TP group's ranks count the same tokens
+        # the ranks of a TP (and CP) group count the same tokens: each the whole sequence's
+        counts /= layout.tensor_parallel * layout.context_parallel if layout is not None else 1
         for name, per_expert in zip(names, counts.cpu(), strict=True):
             for expert, tokens in enumerate(per_expert.tolist()):
                 self.log(f"moe_tokens/{name}/expert_{expert}", tokens)
