@@ -34,7 +34,7 @@ from torch import nn
 
 from mtnlg_lightning.families import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, NORM, ROUTER, ROW, tensor_parallel_plan
 from mtnlg_lightning.loss import token_mean
-from mtnlg_lightning.moe import MoE
+from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
     SequenceParallelDropout,
@@ -313,9 +313,8 @@ def apply_tensor_parallel(
                 for param in module.parameters():
                     mark_sequence_parallel(param, group)
         if sp:
-            for layer in block.modules():
-                if isinstance(layer, MoE):
-                    layer.sequence_groups.append((group, 1))
+            for _, layer in moe_layers(block):
+                layer.sequence_groups.append((group, 1))
         if sp and isinstance(block.dropout, nn.Dropout):
             block.dropout = SequenceParallelDropout(block.dropout.p, group)
     embed = getattr(model, "embed", None)

@@ -64,18 +64,20 @@ class StageState:
 
 def stage_state(
     parts: Callable[[int], tuple[float, float, float]],
-    held: tuple[int, int, Callable[[int], tuple[float, float, float]]],
+    params: int,
     layers: int,
     config: ModelConfig,
     tp: int,
     lora: LoRAConfig | None,
+    experts: int = 0,
+    expert_parts: Callable[[int], tuple[float, float, float]] | None = None,
 ) -> StageState:
-    """A stage's GPU holding `held` = (params, of which experts, expert_parts) model parameters in `layers` blocks.
+    """A stage's GPU holding `params` model parameters in `layers` blocks, `experts` of them a mixture of experts'.
     `parts(n)`: the (weights, gradients, optimizer) bytes of n trained parameters on this GPU
     (`planner.model_state_parts` of the layout's precision and ZeRO), `expert_parts(n)` the same of experts
-    (partitioned over their own replicas); a frozen parameter has its weight only. `lora` None: full
-    fine-tuning."""
-    params, experts, expert_parts = held
+    (partitioned over their own replicas; default `parts`); a frozen parameter has its weight only. `lora` None:
+    full fine-tuning."""
+    expert_parts = expert_parts or parts
     base = tuple(a + b for a, b in zip(parts(params - experts), expert_parts(experts), strict=True))
     if lora is None:
         return StageState(0, params, 0.0, *base)

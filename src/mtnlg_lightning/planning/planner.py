@@ -239,7 +239,7 @@ def plan(
     stage_params = params_per_stage(config, tp, pp, per_gpu, ep)
     stage_experts = expert_params_per_stage(config, per_gpu, ep)
     fullest = max(range(pp), key=lambda i: stage_params[i])
-    held = (max(stage_params), stage_experts[fullest])  # the fullest stage's parameters, of which experts
+    held = (stage_params[fullest], stage_experts[fullest])  # the fullest stage's parameters, of which experts
     memory = _memory(config, layout, sequences, per_gpu, stage_params, stage_experts, precision, lora, dpo)
     breakdown = iteration_breakdown(config, spec, layout, sequences, per_gpu, held[0], gpus_per_node, impl, held[1])
     if dpo is not None and dpo.reference_forward:  # a forward is a third of a step's compute without recompute
@@ -345,8 +345,7 @@ def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_e
     expert_parts = partial(parts, dp=layout.replicas // layout.ep)
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
-        held = (stage_params[i], stage_experts[i], expert_parts)
-        trained = stage_state(parts, held, per_gpu[i], config, tp, lora)
+        trained = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora, stage_experts[i], expert_parts)
         reference = dpo.reference_bytes(parts(stage_params[i])[0]) if dpo is not None else 0.0
         stages.append((act + trained.total + reference, act, trained, reference))
     total, act, trained, reference = max(stages, key=lambda stage: stage[:2])
