@@ -264,9 +264,9 @@ def all_to_all_bytes(config: ModelConfig, layout: Layout, sequences: int = 1) ->
 
 def _all_to_all_seconds(config: ModelConfig, gpu: GPUSpec, layout: Layout, gpus_per_node: int) -> float:
     """Seconds of one MoE layer's all-to-alls for one micro-batch (a full recompute repeats the forward's two).
-    An EP group is EP consecutive DP ranks of one TP rank (TP innermost): inside a node while TP x EP fits one
-    (NVLink), else over the network."""
-    inside = layout.tp * layout.ep <= gpus_per_node
+    An EP group is EP consecutive DP ranks of one TP and CP rank (ranks laid out (pp, dp, cp, tp)), spanning
+    TP x CP x EP ranks: inside a node while that fits one (NVLink), else over the network."""
+    inside = layout.tp * layout.cp * layout.ep <= gpus_per_node
     bandwidth = gpu.nvlink_gbps * gpu.nvlink_efficiency if inside else gpu.network_gbps * gpu.network_efficiency
     passes = 6 / 4 if layout.recompute == "full" else 1.0
     return passes * all_to_all_bytes(config, layout, layout.micro_batch) / (bandwidth * 1e9)
