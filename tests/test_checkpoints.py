@@ -4,12 +4,14 @@ keep-last-k, consolidation."""
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, run_cli
+from lightning.pytorch.callbacks import Callback
 
 from mtnlg_lightning.checkpoint.commit import newest_complete, prepare_staging, publish, staging_path
 from mtnlg_lightning.checkpoint.format import (
@@ -162,6 +164,38 @@ def test_keep_last_k_prunes_only_after_the_newer_save_is_complete(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["last.ckpt", "step=3.ckpt", "step=4.ckpt"]
     assert os.readlink(tmp_path / "last.ckpt") == "step=4.ckpt"  # a link: no second copy of the bytes
+
+
+class SigtermDuringBatch(Callback):
+    """SIGTERM to this process before batch `batch_idx`, as a launcher sends it on a preemption or a node's join."""
+
+    def __init__(self, batch_idx: int):
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SavedSteps(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.steps.append(trainer.global_step)
+
+
+def test_a_preemption_on_a_step_of_the_save_cadence_writes_that_step_once(tmp_path):
+    """The signal comes during the second step: step 2 is both the preemption's boundary and a periodic save's, and
+    the run's first save (so Lightning would also write a full `last.ckpt` at the end of training)."""
+    from mtnlg_lightning.checkpoint import ModelCheckpoint
+
+    saved = SavedSteps()
+    callback = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, filename="{step}", save_top_k=-1)
+    _, trainer = tiny_run(max_steps=6, capture_steps=(), callbacks=[SigtermDuringBatch(1), saved, callback])
+    assert trainer.global_step == 2 and saved.steps == [2]
+    assert newest_complete(tmp_path) == tmp_path / "step=2.ckpt"
+    assert os.readlink(tmp_path / "last.ckpt") == "step=2.ckpt"  # the preemption's save, linked, not copied
 
 
 @pytest.mark.slow

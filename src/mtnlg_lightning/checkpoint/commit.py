@@ -35,6 +35,17 @@ def publish(staging: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def link(target: Path, link_path: Path) -> None:
+    """Point `link_path` at `target` (relative, in one rename): a reader sees the old link or the new, never none."""
+    staging = link_path.parent / f".{link_path.name}.link{os.getpid()}"
+    staging.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link_path.parent), staging)
+    if link_path.is_dir() and not link_path.is_symlink():
+        shutil.rmtree(link_path)  # a copy that `save_last: true` wrote: a link cannot replace a folder in one rename
+    os.replace(staging, link_path)
+    _fsync_dir(link_path.parent)
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

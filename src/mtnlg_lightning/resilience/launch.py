@@ -20,6 +20,9 @@ Differences from plain torchrun, whose agent restarts the group on any worker fa
 - every start of the group is numbered alike on all nodes (`MTNLG_ATTEMPT`), restarts for a node that joined or
   left included, and gets its own rendezvous key namespace (`MTNLG_ATTEMPT_ID`): torchrun's restart count stays the
   same on a membership change and can differ between nodes;
+- when a node joins, the running ranks are given the time to finish their step and save (the step's and the save's
+  limits, `phase_limits.py`) before the group restarts, where torchrun kills them 30 s after its SIGTERM: a large
+  model's save takes minutes, and a rank killed in it redoes every step since the last periodic save;
 - with a node range (`--nnodes MIN:MAX`, torchrun's elastic mode) a run that loses a node for good goes on with the
   nodes left, and grows back when nodes return; the workers resume in the largest layout the nodes hold (same
   TP x PP, fewer data-parallel replicas, the same global batch), and nodes beyond it wait as spares (`elastic.py`);
@@ -52,6 +55,7 @@ from torch.distributed.run import parse_args, run
 from mtnlg_lightning.resilience.attempt import ATTEMPT_ENV, ATTEMPT_ID_ENV, RESTART_CAUSE_ENV
 from mtnlg_lightning.resilience.elastic import agree, layout_rule
 from mtnlg_lightning.resilience.exit_codes import NOT_RETRIED, ExitCode, describe, run_exit_code
+from mtnlg_lightning.resilience.phase_limits import DEFAULT_CAPS, resolve_limits
 from mtnlg_lightning.resilience.rank_status import STATUS_DIR_ENV, read_statuses
 from mtnlg_lightning.resilience.restart_record import RESTART_RECORD_ENV
 
@@ -148,6 +152,12 @@ class ResilientAgent(LocalElasticAgent):
         for name in FORWARDED_SIGNALS:
             signal.signal(getattr(signal, name), self._forward)
         return started
+
+    def _stop_workers(self, worker_group, *args, **kwargs):
+        if worker_group.state == WorkerState.HEALTHY:  # a node joined: torchrun's restart of a healthy group
+            self._shutdown(signal.SIGTERM, membership_restart_grace_s())
+            return
+        super()._stop_workers(worker_group, *args, **kwargs)
 
     # ------------------------------------------------------------------ watching the ranks
     def _monitor_workers(self, worker_group):
@@ -252,6 +262,14 @@ class ResilientAgent(LocalElasticAgent):
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def membership_restart_grace_s() -> int:
+    """How long a healthy group may take to end after the SIGTERM of a membership change: a step, then a save, each
+    up to its limit (`MTNLG_STEP_TIMEOUT`, `MTNLG_SAVE_TIMEOUT` or the default caps). A rank that hangs meanwhile is
+    ended sooner by its own watchdog; the group restarts as soon as every rank has ended."""
+    limits = resolve_limits({phase: DEFAULT_CAPS[phase] for phase in ("step", "save")})
+    return int(limits["step"] + limits["save"])
 
 
 def summary(starts: list[dict], status_dir: Path | None) -> str | None:
