@@ -6,7 +6,9 @@
 A run is epN: data parallelism over the whole world with each MoE layer's experts split over N of the DP ranks
 (plain DP, zero_stage 0), micro-batches of 2 rows (the global batch of 8 over 4 ranks: one micro-batch each).
 _tpM: beside M-way tensor parallelism (the experts whole on each TP rank), _sp: with sequence parallelism, _cpM:
-M-way context parallelism (each sequence split over M ranks, the experts' copies over DP x CP).
+M-way context parallelism (each sequence split over M ranks, the experts' copies over DP x CP), _ppM: M pipeline
+stages (1F1B; the router statistics travel with the activations), _v2: two virtual stages per rank (interleaved
+1F1B). A run name may start with ppM or tpM (no EP).
 Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _full recomputes every block in the backward
 (activation checkpointing: the routing and the all-to-alls run again); _ckpt trains 6 steps saving at 3 and 6;
 _from_RUN resumes that run's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms, parameters).
@@ -44,14 +46,17 @@ def run_settings(name: str, out: Path) -> dict:
 
 
 def strategy_of(layout: str) -> MegatronDeepSpeedStrategy:
-    """epN, then optionally tpM, cpM and sp: the experts over N DP ranks beside M-way tensor or context
-    parallelism."""
+    """epN, tpM, cpM, ppM (any of them; 1 where absent) and sp: the experts over N DP ranks beside M-way tensor,
+    context or pipeline parallelism (1F1B)."""
     parts = layout.split("_")
-    size = {axis: next((int(p.removeprefix(axis)) for p in parts if p.startswith(axis)), 1) for axis in ("tp", "cp")}
+    axes = ("ep", "tp", "cp", "pp")
+    size = {axis: next((int(p.removeprefix(axis)) for p in parts if p.startswith(axis)), 1) for axis in axes}
     return MegatronDeepSpeedStrategy(
-        expert_parallel=int(parts[0].removeprefix("ep")),
+        expert_parallel=size["ep"],
         tensor_parallel=size["tp"],
         context_parallel=size["cp"],
+        pipeline_parallel=size["pp"],
+        **({"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 2} if "v2" in parts else {}),
         sequence_parallel="sp" in parts,
         zero_stage=0,
         print_layout=False,
@@ -61,8 +66,13 @@ def strategy_of(layout: str) -> MegatronDeepSpeedStrategy:
 def train(name: str, out: Path, source: str) -> dict:
     strategy = strategy_of(name.partition("_from_")[0])
     world = int(os.environ["WORLD_SIZE"])
-    rec, _ = tiny_run(strategy, devices=world, init_from=source, **run_settings(name, out))
-    return trained(rec)
+    rec, trainer = tiny_run(strategy, devices=world, init_from=source, **run_settings(name, out))
+    return trained(rec) | {"router_logs": router_logs(trainer)}
+
+
+def router_logs(trainer) -> dict[str, float]:
+    """The router's values the last step logged (its losses, each MoE layer's tokens per expert), as rank 0 has them."""
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("router_", "moe_"))}
 
 
 def main() -> None:

@@ -288,6 +288,15 @@ def assert_trains_like(run: dict, reference: dict) -> None:
     assert max((params[k] - expected[k]).abs().max().item() for k in expected) <= 2e-5
 
 
+def assert_resumes_like(resumed: dict, uninterrupted: dict) -> None:
+    """A run resumed from a step-3 checkpoint continues the uninterrupted 6-step run: the losses of steps 4-6 (rel
+    1e-5) and the parameters after step 6 (2e-5)."""
+    assert len(resumed["losses"]) == 3  # steps 4-6 after the step-3 checkpoint
+    torch.testing.assert_close(resumed["losses"], uninterrupted["losses"][3:6], rtol=1e-5, atol=0)
+    apart = [(resumed["params"][6][k] - v).abs().max().item() for k, v in uninterrupted["params"][6].items()]
+    assert max(apart) <= 2e-5
+
+
 def run_each(tag: str, names: Iterable[str], out: Path, run: Callable[[str], dict]) -> None:
     """The named runs of a torchrun script in turn, on every rank; rank 0 saves each result (with its seconds) as
     OUT/<name>.pt for pytest."""

@@ -252,17 +252,18 @@ def test_expert_parallelism_in_the_planner_divides_the_experts_and_pays_for_the_
 
 def test_the_planner_searches_expert_parallel_layouts_the_trainer_runs(tmp_path, capsys):
     """An MoE model's search adds each EP dividing dp and the experts; what it lists the trainer accepts (EP with
-    ZeRO-0, no PP with experts yet); the written strategy names expert_parallel."""
+    ZeRO-0, with or without PP); the written strategy names expert_parallel."""
     args = ["--model", "qwen3-30b-a3b", "--search", "--gpus", "64", "--gpu", "h100-80g", "--global-batch", "256"]
     assert plan_main([*args, "--top", "500", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     with_experts_split = [p for p in plans if p["ep"] > 1]
-    assert with_experts_split and all(p["zero_stage"] == 0 and p["pp"] == 1 for p in with_experts_split)
+    assert with_experts_split and all(p["zero_stage"] == 0 for p in with_experts_split)
+    assert any(p["pp"] > 1 for p in with_experts_split)  # the experts split over pipeline stages too
     assert all(p["dp"] % p["ep"] == 0 and 128 % p["ep"] == 0 for p in with_experts_split)
     best = min(with_experts_split, key=lambda p: p["iteration_seconds"])
     strategy = tmp_path / "ep.yaml"
-    flags = ["--tp", str(best["tp"]), "--cp", str(best["cp"]), "--pp", "1", "--dp", str(best["dp"])]
-    flags += ["--ep", str(best["ep"])]
+    flags = ["--tp", str(best["tp"]), "--cp", str(best["cp"]), "--pp", str(best["pp"]), "--dp", str(best["dp"])]
+    flags += ["--ep", str(best["ep"]), "--virtual-stages", str(best["virtual_stages"])]
     layout = [*flags, "--zero-stage", "0", "--micro-batch", str(best["micro_batch"]), "--global-batch", "256"]
     recompute = ["--recompute", best["recompute"], *(["--sequence-parallel"] if best["sequence_parallel"] else [])]
     common = ["--model", "qwen3-30b-a3b", "--gpu", "h100-80g", *layout, *recompute]
@@ -349,8 +350,9 @@ def test_moe_models_refuse_the_layouts_not_built_yet():
     config = tiny_moe()
     ParallelConfig().validate(config, 2)  # one process or plain data parallelism
     ParallelConfig(tensor_parallel=2, sequence_parallel=True).validate(config, 2)  # experts whole on each TP rank
-    with pytest.raises(MTNLGError, match="pipeline_parallel 2: a mixture-of-experts model runs with data, expert"):
-        ParallelConfig(pipeline_parallel=2).validate(config, 2)
+    ParallelConfig(pipeline_parallel=2).validate(config, 2)  # the router statistics travel between the stages
+    with pytest.raises(MTNLGError, match="pipeline_parallel 2: generation and evaluation run a mixture-of-experts"):
+        ParallelConfig(pipeline_parallel=2).validate(config, 2, inference=True)
     ParallelConfig(expert_parallel=2, zero_stage=0).validate(config, 2)  # dp2, the experts split in two
     with pytest.raises(MTNLGError, match="expert_parallel 2 runs with zero_stage 0"):
         ParallelConfig(expert_parallel=2).validate(config, 2)

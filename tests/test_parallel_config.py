@@ -83,10 +83,9 @@ ROWS = [
         inference="expert_parallel 2: generation and evaluation run a mixture-of-experts model with its experts "
                   "whole (expert_parallel 1) so far"),
     Row("moe in tp2", {"tensor_parallel": 2, "zero_stage": 0}, 2, None, preset="qwen3-30b-a3b"),
-    Row("moe in pp2", {"pipeline_parallel": 2, "zero_stage": 0}, 2,
-        "pipeline_parallel 2: a mixture-of-experts model runs with data, expert, tensor and context parallelism so "
-        "far",
-        preset="qwen3-30b-a3b"),
+    Row("moe in pp2", {"pipeline_parallel": 2, "zero_stage": 0}, 2, None, preset="qwen3-30b-a3b",
+        inference="pipeline_parallel 2: generation and evaluation run a mixture-of-experts model in tensor-parallel "
+                  "layouts so far (training splits it over pipeline stages)"),
     # refused: the model's split
     Row("heads", {"tensor_parallel": 3}, 3, "num_heads 4 is not divisible by tensor_parallel 3"),
     Row("kv heads", {"tensor_parallel": 3}, 3, "tensor_parallel 3 neither divides num_kv_heads 2 nor is a multiple",

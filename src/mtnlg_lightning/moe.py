@@ -186,48 +186,115 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
 
 
+class RouterTotals:
+    """The router statistics of one forward, summed over a model's MoE layers, in one flat fp32 tensor: what the
+    auxiliary and z losses and the logs need, and what travels from one pipeline stage to the next with the
+    activations (each stage adds its layers'; the last computes the losses, their gradient flows back through it).
+
+    Layout: [top-k assignments per MoE layer (layers x E) | probability sums (E) | z sum | rows | dropped pairs].
+    The probability and z sums are differentiable, the counts constants."""
+
+    def __init__(self, config: ModelConfig):
+        self.layer_indices = config.moe_layers
+        self.num_experts = config.num_experts
+        self.size = (len(self.layer_indices) + 1) * self.num_experts + 3
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"blocks.{index}.mlp" for index in self.layer_indices]
+
+    def zeros(self, device) -> torch.Tensor:
+        return torch.zeros(self.size, device=device)
+
+    def add(self, totals: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        """`totals` plus the last forward of `model`'s MoE layers (a whole model or a pipeline stage's part)."""
+        device = totals.device
+        counts = [torch.zeros(self.num_experts, device=device) for _ in self.layer_indices]
+        probability, z = torch.zeros(self.num_experts, device=device), torch.zeros(1, device=device)
+        tokens = dropped = 0
+        for name, layer in moe_layers(model):
+            if layer.stats is None:
+                continue
+            counts[self.layer_indices.index(int(name.rsplit(".", 2)[-2]))] = layer.stats.tokens_per_expert
+            probability, z = probability + layer.stats.probability_sums, z + layer.stats.z_sum
+            tokens, dropped = tokens + layer.stats.tokens, dropped + layer.stats.dropped
+        scalars = torch.tensor([float(tokens), float(dropped)], device=device)
+        return totals + torch.cat([*counts, probability, z, scalars])
+
+    def of(self, model: nn.Module, device) -> torch.Tensor:
+        """The totals of `model`'s last forward (the whole model's)."""
+        if not any(layer.stats is not None for _, layer in moe_layers(model)):
+            raise MTNLGError("router losses need a forward of a model with mixture-of-experts layers first")
+        return self.add(self.zeros(device), model)
+
+    def losses(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(auxiliary, z) over the tokens of every MoE layer together, as transformers' `load_balancing_loss_func`
+        counts them: E * sum_e f_e * P_e, where f_e is expert e's share of the top-k assignments and P_e its mean
+        routing probability, both over every (layer, token) row; z: the mean over those rows of logsumexp(router
+        logits)^2. Unscaled: the caller multiplies by router_aux_loss_coef / z_loss_coef."""
+        e, rows = self.num_experts, len(self.layer_indices) * self.num_experts
+        count = totals[-2]
+        share = totals[:rows].view(-1, e).sum(dim=0) / count
+        probability = totals[rows : rows + e] / count
+        return e * (share * probability).sum(), totals[-3] / count
+
+    def expert_tokens(self, totals: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each MoE layer's [E] top-k assignments."""
+        per_layer = totals[: len(self.layer_indices) * self.num_experts].detach().view(-1, self.num_experts)
+        return dict(zip(self.layer_names, per_layer, strict=True))
+
+    @staticmethod
+    def dropped(totals: torch.Tensor) -> torch.Tensor:
+        return totals[-1].detach()
+
+
 def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(auxiliary, z) of the model's last forward, over the tokens of every MoE layer together as transformers'
-    `load_balancing_loss_func` counts them: E * sum_e f_e * P_e, where f_e is expert e's share of the top-k
-    assignments and P_e its mean routing probability, both over every (layer, token) row; z: the mean over those
-    rows of logsumexp(router logits)^2. Unscaled: the caller multiplies by router_aux_loss_coef / z_loss_coef."""
-    stats = [layer.stats for _, layer in moe_layers(model) if layer.stats is not None]
-    if not stats:
-        raise MTNLGError("router losses need a forward of a model with mixture-of-experts layers first")
-    rows = sum(s.tokens for s in stats)
-    share = sum(s.tokens_per_expert for s in stats) / rows
-    probability = sum(s.probability_sums for s in stats) / rows
-    aux = share.numel() * (share * probability).sum()
-    z = sum(s.z_sum for s in stats) / rows
-    return aux, z
+    """(auxiliary, z) of `model`'s last forward (`RouterTotals.losses`)."""
+    totals = RouterTotals(model.config)
+    return totals.losses(totals.of(model, next(model.parameters()).device))
 
 
 class WithRouterLosses:
     """A micro-batch's loss `loss_fn(logits, labels)` plus router_aux_loss_coef x aux + router_z_loss_coef x z of
-    the forward that made the logits (`router_losses`): transformers' objective for these models when
+    the forward that made the logits (`RouterTotals`): transformers' objective for these models when
     `output_router_logits` is set. Each micro-batch's own routing: averaged over micro-batches and data-parallel
-    replicas with the language-model loss (and weighted as it is). The unscaled values of the last call are kept
-    for the logs (`last`), with the dropped (token, expert) pairs under a capacity factor. `holder.model` is the
-    model whose layers routed (built after this object; a holder keeps it picklable, as a lambda would not be)."""
+    replicas with the language-model loss (and weighted as it is). On a pipeline's last stage the output is
+    (logits, totals): the totals every stage added to. The unscaled values of the last call are kept (`last`),
+    with the dropped (token, expert) pairs under a capacity factor, and summed over the step for the logs.
+    `holder.model` is the model whose layers routed (built after this object; a holder keeps it picklable, as a
+    lambda would not be)."""
 
     def __init__(self, loss_fn, holder, config: ModelConfig):
         self.loss_fn, self.holder = loss_fn, holder
+        self.totals = RouterTotals(config)
         self.aux_coef, self.z_coef = config.router_aux_loss_coef, config.router_z_loss_coef
         self.capacity = config.capacity_factor is not None
         self.last: dict[str, torch.Tensor] = {}
-        self.expert_tokens: dict[str, torch.Tensor] = {}  # per MoE layer, [E] top-k assignments since `reset`
+        # since `reset_step`: per MoE layer, [E] top-k assignments; the unscaled losses' sums, and the calls
+        self.expert_tokens: dict[str, torch.Tensor] = {}
+        self.step_sums: dict[str, torch.Tensor] = {}
+        self.step_calls = 0
 
-    def reset_expert_tokens(self) -> None:
-        self.expert_tokens = {}
+    def reset_step(self) -> None:
+        self.expert_tokens, self.step_sums, self.step_calls = {}, {}, 0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        aux, z = router_losses(self.holder.model)
+    def step_means(self) -> dict[str, torch.Tensor]:
+        """The unscaled auxiliary and z losses averaged over this step's micro-batches (on this rank)."""
+        return {name: total / max(self.step_calls, 1) for name, total in self.step_sums.items()}
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, tuple):  # a pipeline's last stage
+            logits, totals = output
+        else:
+            logits = output
+            totals = self.totals.of(self.holder.model, logits.device)
+        aux, z = self.totals.losses(totals)
         self.last = {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
-        layers = moe_layers(self.holder.model)
-        for name, layer in layers:
-            counted = layer.stats.tokens_per_expert.detach()
+        for name, value in self.last.items():
+            self.step_sums[name] = self.step_sums.get(name, 0) + value
+        self.step_calls += 1
+        for name, counted in self.totals.expert_tokens(totals).items():
             self.expert_tokens[name] = self.expert_tokens.get(name, 0) + counted
         if self.capacity:  # (token, expert) pairs over capacity, every layer
-            dropped = sum(layer.stats.dropped for _, layer in layers)
-            self.last["moe_dropped_tokens"] = torch.tensor(float(dropped))
+            self.last["moe_dropped_tokens"] = self.totals.dropped(totals)
         return self.loss_fn(logits, labels) + self.aux_coef * aux + self.z_coef * z

@@ -206,10 +206,10 @@ class ParallelConfig:
                     f"expert_parallel {ep}: generation and evaluation run a mixture-of-experts model with its "
                     f"experts whole (expert_parallel 1) so far"
                 )
-        if getattr(config, "moe", False) and self.pipeline_parallel > 1:
+        if getattr(config, "moe", False) and self.pipeline_parallel > 1 and inference:
             raise MTNLGError(
-                f"pipeline_parallel {self.pipeline_parallel}: a mixture-of-experts model runs with data, expert, "
-                f"tensor and context parallelism so far (its layers are not split over pipeline stages yet)"
+                f"pipeline_parallel {self.pipeline_parallel}: generation and evaluation run a mixture-of-experts "
+                f"model in tensor-parallel layouts so far (training splits it over pipeline stages)"
             )
         if getattr(config, "qk_norm_over", "head") == "projection" and tp > 1:
             raise MTNLGError(

@@ -25,6 +25,7 @@ from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import MODEL_INPUTS
+from mtnlg_lightning.moe import RouterTotals
 
 SCHEDULES = {
     "1f1b": "Schedule1F1B",
@@ -123,6 +124,31 @@ def _send_back_contiguous_gradients(module, args):
     return (_ContiguousGradient.apply(args[0]), *args[1:])
 
 
+def carry_router_totals(stage_model: nn.Module, totals: RouterTotals) -> None:
+    """A mixture-of-experts model's stage passes the router statistics on with its activations: it takes the
+    totals of the stages before it as a second input (the first stage starts from zeros), adds its own layers'
+    (`RouterTotals.add`), and outputs (activations, totals). The last stage's loss then sees every layer's
+    routing of the micro-batch, as one process does (the auxiliary loss couples all layers: E x sum_e f_e P_e over
+    every layer's rows), and the loss's gradient reaches each stage's routers back through the totals. Under 1F1B
+    no stage waits for it: a micro-batch's forward has passed every stage before its backward starts."""
+
+    def take_totals(module, args):
+        if module.embed is not None:  # the first stage: (tokens,)
+            module.carried_router_totals = None
+            return None
+        hidden, carried, *rest = args
+        module.carried_router_totals = carried
+        return (hidden, *rest)
+
+    def give_totals(module, args, output):
+        carried = module.carried_router_totals
+        module.carried_router_totals = None
+        return output, totals.add(totals.zeros(output.device) if carried is None else carried, module)
+
+    stage_model.register_forward_pre_hook(take_totals)
+    stage_model.register_forward_hook(give_totals)
+
+
 def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:
     """When one rank holds both the first and the last stage (V-shaped schedules), the head shares the embedding
     parameter again, as in the single-process model. Returns whether it did."""
@@ -164,6 +190,9 @@ def split_into_stages(
     indices = stages_held_by_rank(schedule, pp_size, virtual_stages)[pp_rank]
     models = [build_stage(model if len(indices) == 1 else copy.deepcopy(model), i, counts) for i in indices]
     retie_on_same_rank(models)
+    if model.config.moe:
+        for stage_model in models:
+            carry_router_totals(stage_model, RouterTotals(model.config))
     return models, indices, counts
 
 
@@ -265,5 +294,9 @@ class PipelineRunner:
             loss = torch.stack([loss.detach().float() for loss in kwargs["losses"]]).sum()
         else:
             loss = torch.zeros((), device=input_ids.device)
-        dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
-        return loss
+        return self.from_last_stage(loss)
+
+    def from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` as the last stage holds them, on every rank of the pipeline (in place)."""
+        dist.broadcast(values, src=self.last_stage_rank, group=self.pp_group)
+        return values

@@ -233,7 +233,7 @@ class MTNLGModule(L.LightningModule):
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
         if isinstance(self.loss_fn, WithRouterLosses):  # this step's tokens per expert, for the logs
-            self.loss_fn.reset_expert_tokens()
+            self.loss_fn.reset_step()
         if self.preference is not None:
             loss = self.preference.forward_backward(self, batch)
         else:
@@ -279,12 +279,12 @@ class MTNLGModule(L.LightningModule):
 
     def _log_expert_tokens(self, expert_tokens: dict[str, torch.Tensor]) -> None:
         """Each MoE layer's (token, expert) assignments of the step, summed over micro-batches and ranks (one
-        all-reduce): `moe_tokens/LAYER/expert_E`, and `moe_max_load/LAYER`, the busiest expert's count over the
-        mean (1.0 when balanced)."""
-        if not expert_tokens:
-            return
-        names = list(expert_tokens)
-        counts = self.trainer.strategy.reduce(torch.stack([expert_tokens[n] for n in names]), reduce_op="sum")
+        all-reduce, on every rank: a pipeline's last stage holds the counts, the others zeros): `moe_tokens/LAYER/
+        expert_E`, and `moe_max_load/LAYER`, the busiest expert's count over the mean (1.0 when balanced)."""
+        names = self.loss_fn.totals.layer_names
+        none = torch.zeros(self.config.num_experts, device=self.device)
+        local = torch.stack([torch.as_tensor(expert_tokens.get(name, none), device=self.device) for name in names])
+        counts = self.trainer.strategy.reduce(local, reduce_op="sum")
         layout = getattr(self.trainer.strategy, "layout", None)
         # the ranks of a TP (and CP) group count the same tokens: each the whole sequence's
         counts /= layout.tensor_parallel * layout.context_parallel if layout is not None else 1
@@ -292,6 +292,23 @@ class MTNLGModule(L.LightningModule):
             for expert, tokens in enumerate(per_expert.tolist()):
                 self.log(f"moe_tokens/{name}/expert_{expert}", tokens)
             self.log(f"moe_max_load/{name}", float(per_expert.max() / per_expert.mean().clamp(min=1e-9)))
+
+    def _router_logs(self) -> dict[str, torch.Tensor]:
+        """The router's unscaled losses averaged over the step's micro-batches (the caller averages them over the
+        ranks, as train_loss: the same values in any layout), and under a capacity factor the (token, expert) pairs
+        this rank's last micro-batch dropped. A pipeline's last stage computes them; every rank of the pipeline
+        gets its values (rank 0 writes the logs)."""
+        values = self.loss_fn.step_means()
+        if self.loss_fn.capacity and "moe_dropped_tokens" in self.loss_fn.last:
+            values["moe_dropped_tokens"] = self.loss_fn.last["moe_dropped_tokens"]
+        pipeline = getattr(self.runner, "pipeline", None)
+        if pipeline is None:
+            return values
+        names = ["router_aux_loss", "router_z_loss"] + (["moe_dropped_tokens"] if self.loss_fn.capacity else [])
+        local = torch.zeros(len(names), device=self.device)
+        if pipeline.is_last:
+            local = torch.stack([values[name].float().to(self.device) for name in names])
+        return dict(zip(names, pipeline.from_last_stage(local), strict=True))
 
     def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
@@ -304,9 +321,9 @@ class MTNLGModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
         self.log("lr", lr, prog_bar=True)
         self.log("grad_norm", torch.as_tensor(grad_norm, dtype=torch.float32))
-        for name, value in getattr(self.loss_fn, "last", {}).items():  # the router's, of the last micro-batch
-            self.log(name, value)
         if isinstance(self.loss_fn, WithRouterLosses):
+            for name, value in self._router_logs().items():
+                self.log(name, value, sync_dist=name.startswith("router_"))
             self._log_expert_tokens(self.loss_fn.expert_tokens)
         self.log("consumed_samples", float(self.consumed_samples))
         self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
