@@ -41,6 +41,7 @@ class Recorder(Callback):
     def __init__(self, capture_steps=(CAPTURE_STEP,)):
         self.capture_steps = set(capture_steps)
         self.losses, self.grad_norms, self.lrs = [], [], []
+        self.router_logs: list[dict[str, float]] = []  # a mixture of experts': its router losses, expert loads
         self.params: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_train_start(self, trainer, pl_module):
@@ -52,6 +53,7 @@ class Recorder(Callback):
         self.losses.append(float(metrics["train_loss"]))
         self.grad_norms.append(float(metrics["grad_norm"]))
         self.lrs.append(float(metrics["lr"]))
+        self.router_logs.append({k: float(v) for k, v in metrics.items() if k.startswith(("router_", "moe_"))})
         if trainer.global_step in self.capture_steps:
             self._capture(trainer, pl_module)
 
@@ -267,8 +269,9 @@ def tiny_run(
 
 
 def trained(rec: Recorder) -> dict:
-    """What the layout comparisons compare of a run: losses, pre-clip gradient norms, captured parameters."""
-    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
+    """What the layout comparisons compare of a run: losses, pre-clip gradient norms, captured parameters (and a
+    mixture of experts' router logs, each step's)."""
+    return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params, "router_logs": rec.router_logs}
 
 
 def launch_runs(script: Path, out: Path, names: list[str], ranks: int = 2, args: tuple = ()) -> dict[str, dict]:

@@ -196,6 +196,10 @@ def split_into_stages(
     return models, indices, counts
 
 
+def _as_tuple(output) -> tuple:
+    return output if isinstance(output, tuple) else (output,)
+
+
 class PipelineRunner:
     """Drives this rank's stages through a `torch.distributed.pipelining` schedule for one step.
 
@@ -224,13 +228,14 @@ class PipelineRunner:
         self.backward_context = backward_context
         self._schedules: dict[int, object] = {}
         self._loss_fn = None
+        self._inferring_shapes = False
 
     def _schedule(self, num_microbatches: int):
         if num_microbatches not in self._schedules:
             # torch.distributed.pipelining takes ~2 s to import: only a pipeline-parallel run pays it
             from torch.distributed.pipelining import PipelineStage
 
-            context = self.backward_context
+            context, runner = self.backward_context, self
 
             class Stage(PipelineStage):
                 def backward_maybe_with_nosync(self, *args, **kwargs):
@@ -238,6 +243,16 @@ class PipelineRunner:
                         return super().backward_maybe_with_nosync(*args, **kwargs)
                     with context():
                         return super().backward_maybe_with_nosync(*args, **kwargs)
+
+                def _backward_metadata_inference(self, *args, **kwargs):
+                    # torch learns the gradients' shapes from a backward of a loss of placeholder activations (at a
+                    # schedule's first step and after each evaluation): no loss of ours may record it (the router's
+                    # logs of a mixture of experts took its routing of uninitialised memory, NaN)
+                    runner._inferring_shapes = True
+                    try:
+                        return super()._backward_metadata_inference(*args, **kwargs)
+                    finally:
+                        runner._inferring_shapes = False
 
             stages = [
                 Stage(m, i, self.num_stages, self.device, group=self.pp_group)
@@ -252,6 +267,9 @@ class PipelineRunner:
             cls = schedule_class(name)
 
             def loss_fn(output, target):
+                if self._inferring_shapes:  # depends on what the real loss depends on; its value is never used
+                    # (squares: their gradients are laid out as the outputs, a sum's would be expanded views)
+                    return sum(t.float().square().sum() for t in _as_tuple(output) if t.is_floating_point()) * 0.0
                 return self._loss_fn(output, target)
 
             try:
