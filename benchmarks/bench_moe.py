@@ -1,16 +1,22 @@
 #!/usr/bin/env python
-"""The mixture-of-experts layer, forward and backward, against transformers' Qwen 3-MoE block: same shapes, same
-weights, same tokens, side by side in one run.
+"""The mixture-of-experts layer, forward and backward, against transformers' Qwen 3-MoE block and torchtitan's MoE
+layer: same shapes, same weights, same tokens, side by side in one run.
 
     python benchmarks/bench_moe.py [--hidden 256 --experts 16 --top-k 4 --ffn 128 --tokens 4096 --rounds 5]
+    python benchmarks/bench_moe.py --dtype bf16     # every layer in bf16 (torchtitan's experts always run in bf16)
 
 Ours (`mtnlg_lightning.moe.MoE`, stacked experts) runs with each expert kernel (`grouped_mm`: torch._grouped_mm,
 `loop`: one GEMM per expert); transformers' `Qwen3MoeSparseMoeBlock` with each experts implementation this machine
 runs (eager: a loop over the experts hit; grouped_mm). Every variant first shows it computes the same
-output as the first (max |difference|, fp32), then the variants alternate for --rounds rounds of --steps timed
+output as the first (max |difference|), then the variants alternate for --rounds rounds of --steps timed
 forward + backward passes; reported: the median tokens/s of each, and how many times as fast ours is with the
-kernel `auto` picks (torch._grouped_mm where it runs). torchtitan's MoE layer is not
-compared: it is not installed here (not on PyPI), and the run says so.
+kernel `auto` picks (torch._grouped_mm where it runs).
+
+torchtitan's layer (`torchtitan.models.common.moe.MoE`, 0.3: softmax top-k router with renormalised weights, grouped
+GEMM experts, no load-balancing bias) is compared where torchtitan imports. It is not an extra of this project: its
+import needs triton, which its wheel does not declare (`pip install torchtitan triton`); the run says when it is
+missing. It casts the experts' GEMM inputs to bf16 whatever the layer's dtype, so `--dtype bf16` compares like with
+like.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import importlib.util
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +41,7 @@ OURS_KERNELS = ("grouped_mm", "loop")
 # batched_mm (each pair's expert weights gathered: ~240 tokens/s at the default shape on CPU) is left out: its memory
 # traffic slowed whichever variant ran after it.
 THEIR_IMPLEMENTATIONS = ("eager", "grouped_mm")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def our_layer(args) -> MoE:
@@ -74,6 +82,36 @@ def their_layer(ours: MoE, args, implementation: str):
     return block
 
 
+def torchtitan_layer(ours: MoE, args):
+    """torchtitan's MoE layer holding our weights (router gate; w1 = gate, w3 = up, w2 = down)."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.moe import MoE as TitanMoE
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    e, k = args.experts, args.top_k
+    experts = GroupedExperts.Config(dim=args.hidden, hidden_dim=args.ffn, num_experts=e)
+    gate = Linear.Config(in_features=args.hidden, out_features=e)
+    config = TitanMoE.Config(
+        num_experts=e,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=experts, token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=k)
+        ),
+        router=TokenChoiceTopKRouter.Config(num_experts=e, gate=gate, top_k=k, score_func="softmax", route_norm=True),
+        load_balance_coeff=None,
+    )
+    # its router asks CPU autocast for fp32, which CPU autocast refuses with a warning each call (then runs in fp32)
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+    layer = config.build()
+    inner = layer.routed_experts.inner_experts
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(ours.router.weight)
+        inner.w1_EFD.copy_(ours.experts.gate.weight)
+        inner.w3_EFD.copy_(ours.experts.up.weight)
+        inner.w2_EDF.copy_(ours.experts.down.weight)
+    return layer
+
+
 def output(layer, x: torch.Tensor) -> torch.Tensor:
     out = layer(x)
     return out[0] if isinstance(out, tuple) else out
@@ -101,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     for flag, (default, what) in shape.items():
         ap.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    ap.add_argument(
+        "--dtype", choices=DTYPES, default="fp32", help="every layer's and the input's dtype (default fp32)"
+    )
     add_rounds_arg(ap, 5)
     args = benchmark_args(ap, argv)
+    dtype = DTYPES[args.dtype]
     torch.manual_seed(1)
-    x = torch.randn(1, args.tokens, args.hidden, requires_grad=True)
+    x = torch.randn(1, args.tokens, args.hidden, dtype=dtype, requires_grad=True)
     ours = our_layer(args)
     variants = {}
     for kernel in OURS_KERNELS:
@@ -112,10 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("transformers") is not None:
         for implementation in THEIR_IMPLEMENTATIONS:
             variants[f"transformers Qwen3-MoE ({implementation})"] = (their_layer(ours, args, implementation), None)
+    try:
+        variants["torchtitan MoE"] = (torchtitan_layer(ours, args), None)
+    except ImportError as error:  # not an extra of this project (see the docstring)
+        print(f"torchtitan's MoE layer: not compared ({error}; pip install torchtitan triton)")
+    variants = {name: (layer.to(dtype), kernel) for name, (layer, kernel) in variants.items()}
     print(f"# bench_moe: H {args.hidden}, E {args.experts}, k {args.top_k}, expert width {args.ffn}, "
-          f"{args.tokens} tokens, fp32, {torch.get_num_threads()} threads")  # fmt: skip
-    if importlib.util.find_spec("torchtitan") is None:
-        print("torchtitan's MoE layer: not compared (torchtitan is not installed here; it is not on PyPI)")
+          f"{args.tokens} tokens, {args.dtype}, {torch.get_num_threads()} threads")  # fmt: skip
     reference = None
     runnable = {}
     for name, (layer, kernel) in variants.items():
