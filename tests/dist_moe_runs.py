@@ -8,9 +8,11 @@ A run is epN: data parallelism over the whole world with each MoE layer's expert
 _tpM: beside M-way tensor parallelism (the experts whole on each TP rank), _sp: with sequence parallelism, _cpM:
 M-way context parallelism (each sequence split over M ranks, the experts' copies over DP x CP), _ppM: M pipeline
 stages (1F1B; the router statistics travel with the activations), _v2: two virtual stages per rank (interleaved
-1F1B). A run name may start with ppM or tpM (no EP).
-Suffixes: _accum takes micro-batches of 1 (two accumulated per step); _full recomputes every block in the backward
-(activation checkpointing: the routing and the all-to-alls run again); _ckpt trains 6 steps saving at 3 and 6;
+1F1B), _zK: ZeRO stage K (DeepSpeed; the experts' state partitioned over the ranks holding them). A run name
+may start with ppM or tpM (no EP).
+Suffixes: _bf16 runs in bf16-mixed precision; _accum takes micro-batches of 1 (two accumulated per step); _full
+recomputes every block in the backward (activation checkpointing: the routing and the all-to-alls run again); _ckpt
+trains 6 steps saving at 3 and 6;
 _from_RUN resumes that run's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms, parameters).
 """
 
@@ -36,6 +38,8 @@ def run_settings(name: str, out: Path) -> dict:
     layout, _, source = name.partition("_from_")
     parts = layout.split("_")
     settings = {"micro_batch_size": 1 if "accum" in parts else 2, "model_overrides": ROUTER_LOSSES}
+    if "bf16" in parts:
+        settings["precision"] = "bf16-mixed"
     if "full" in parts:
         settings["callbacks"] = [ActivationCheckpointing(mode="full")]
     if "ckpt" in parts:
@@ -58,7 +62,7 @@ def strategy_of(layout: str) -> MegatronDeepSpeedStrategy:
         pipeline_parallel=size["pp"],
         **({"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 2} if "v2" in parts else {}),
         sequence_parallel="sp" in parts,
-        zero_stage=0,
+        zero_stage=next((int(p.removeprefix("z")) for p in parts if p in ("z1", "z2", "z3")), 0),
         print_layout=False,
     )
 

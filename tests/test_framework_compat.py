@@ -51,6 +51,15 @@ DEEPSPEED_PRIVATE_NAMES = {
         "relink_moment_fragments"
     ),
     "deepspeed.runtime.bf16_optimizer:BF16_Optimizer._lazy_init_hp_params_optimizer_state": "relink_moment_fragments",
+    "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model": "engine_with_experts",
+    "deepspeed.utils.groups:_EXPERT_PARALLEL_GROUP": "register_expert_groups",
+    "deepspeed.utils.groups:_EXPERT_PARALLEL_GROUP_RANKS": "register_expert_groups",
+    "deepspeed.utils.groups:_EXPERT_DATA_PARALLEL_GROUP": "register_expert_groups",
+    "deepspeed.utils.groups:_EXPERT_DATA_PARALLEL_GROUP_RANKS": "register_expert_groups",
+    # the placement ZeRO-3 reads from each expert (mark_expert_parameters): its family's name
+    "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._autoep_expert_parallel_group": (
+        "mark_expert_parameters"
+    ),
 }
 
 

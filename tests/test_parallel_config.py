@@ -71,17 +71,13 @@ ROWS = [
         dimensions={"num_layers": 4}),
     Row("sp without tp", {"sequence_parallel": True}, 1,
         "sequence_parallel shards over the tensor-parallel group: it needs tensor_parallel > 1"),
-    Row("expert parallel under zero", {"expert_parallel": 2}, 2, "expert_parallel 2 runs with zero_stage 0"),
+    Row("expert parallel under zero 3", {"expert_parallel": 2, "zero_stage": 3}, 2, None, preset="qwen3-30b-a3b"),
     Row("expert parallel of a dense model", {"expert_parallel": 2, "zero_stage": 0}, 2,
         "expert_parallel 2 needs a mixture-of-experts model"),
     Row("expert parallel beyond dp", {"expert_parallel": 4, "zero_stage": 0}, 2,
-        "expert_parallel 4 does not divide the data-parallel size 2", preset="qwen3-30b-a3b",
-        inference="expert_parallel 4: generation and evaluation run a mixture-of-experts model with its experts "
-                  "whole (expert_parallel 1) so far"),
+        "expert_parallel 4 does not divide the data-parallel size 2", preset="qwen3-30b-a3b"),
     Row("moe in ep2 x tp2", {"expert_parallel": 2, "tensor_parallel": 2, "zero_stage": 0}, 4, None,
-        preset="qwen3-30b-a3b",
-        inference="expert_parallel 2: generation and evaluation run a mixture-of-experts model with its experts "
-                  "whole (expert_parallel 1) so far"),
+        preset="qwen3-30b-a3b"),
     Row("moe in tp2", {"tensor_parallel": 2, "zero_stage": 0}, 2, None, preset="qwen3-30b-a3b"),
     Row("moe in pp2", {"pipeline_parallel": 2, "zero_stage": 0}, 2, None, preset="qwen3-30b-a3b",
         inference="pipeline_parallel 2: generation and evaluation run a mixture-of-experts model in tensor-parallel "

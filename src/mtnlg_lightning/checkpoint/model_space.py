@@ -16,6 +16,7 @@ from mtnlg_lightning.parallel.pipeline import PipelineChunks
 VOCAB_PARAMS = ("embed.wte.weight", "lm_head.weight")  # rows = the vocabulary, padded in memory, not on disk
 # What tensor parallelism writes on a parameter about its shard (`parallel/tensor_parallel.py`).
 PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_index", "partition_count")
+PARALLEL_MARKS += ("expert_parallel_index", "expert_parallel_count")  # a run of stacked experts (expert parallelism)
 
 
 @dataclass

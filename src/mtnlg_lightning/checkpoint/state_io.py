@@ -32,9 +32,13 @@ def _step_of(optimizer) -> float | None:
     return None
 
 
+# A group's parameters, and DeepSpeed's marks of an expert group (its EP group's name): the layout's, not the run's.
+LAYOUT_KEYS = ("params", "moe", "name")
+
+
 def optimizer_meta(optimizer) -> dict:
     """Hyper-parameters of each param group (lr, betas, weight decay ...) and the update count."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in base_optimizer(optimizer).param_groups]
+    groups = [{k: v for k, v in g.items() if k not in LAYOUT_KEYS} for g in base_optimizer(optimizer).param_groups]
     return {"param_groups": groups, "step": _step_of(optimizer)}
 
 
@@ -45,7 +49,7 @@ def restore_optimizer_meta(optimizer, meta: dict) -> None:
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(groups)}")
     for group, values in zip(groups, saved, strict=True):
         for key, value in values.items():
-            if key in group:
+            if key in group and key not in LAYOUT_KEYS:
                 group[key] = value
 
 

@@ -38,6 +38,12 @@ class _Adapter:
         super().__init__()
         if not isinstance(model, ShardedModel):
             model = ShardedModel.whole(model)
+        if model.layout.expert_parallel > 1:  # mtnlg-eval's own tasks pad every replica to the same passes
+            raise MTNLGError(
+                f"expert_parallel {model.layout.expert_parallel}: lm-evaluation-harness deals its requests unevenly "
+                "over the data-parallel ranks, and the ranks of an expert-parallel group must pass in step: run "
+                "harness tasks with expert_parallel 1"
+            )
         self.model, self.tokenizer, self.max_gen_toks = model, tokenizer, max_gen_toks
         self.scorer = Scorer(model, batch_size, split_over_dp=False, progress=True)
         self._rank, self._world_size = model.groups.coord.dp, model.layout.data_parallel

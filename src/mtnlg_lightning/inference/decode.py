@@ -7,6 +7,10 @@ token and all stop together. Prompts of different lengths share a batch: the pre
 a longer prompt's remaining tokens are fed (forced) one position at a time while the others decode, so every
 sequence sees exactly its own positions and no mask or padding enters the arithmetic.
 
+Under expert parallelism the replicas of an EP group run every MoE layer's all-to-alls together, so they take the
+same number of forward passes (`InStep`): a replica whose sequences have all ended, or that was dealt none, passes one
+token through until every replica of its group has ended (as scoring pads the replicas' batches to one count).
+
 Each sequence samples from its own generator, seeded from the run's seed and the sequence's number, so what a
 sequence gets does not depend on which other sequences share its batch or replica: the same command prints the same
 text in every layout.
@@ -42,6 +46,33 @@ def decoding_of(settings) -> dict:
 def sequence_seed(seed: int, sequence: int) -> int:
     """The seed of one sequence's generator: distinct per (seed, sequence), the same in every layout."""
     return (seed * 1_000_003 + sequence) % 2**63
+
+
+class InStep:
+    """The forward passes of the replicas of one EP group, kept in step: each pass is followed by `all_ended`, the
+    agreement whether every replica has ended; a replica that has ended (or has nothing to decode) `idle`s, passing
+    one token through per pass of the others. Without expert parallelism each replica goes alone."""
+
+    def __init__(self, model: ShardedModel):
+        self.model = model
+        self.group = model.groups.expert_parallel_group if model.layout.expert_parallel > 1 else None
+
+    def all_ended(self, ended: bool) -> bool:
+        if self.group is None:
+            return ended
+        flag = torch.tensor([int(ended)], device=self.model.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def idle(self) -> None:
+        if self.group is None:
+            return
+        model = self.model
+        token = torch.zeros(1, model.padded_width(1), dtype=torch.long)
+        ended = False
+        while not ended:  # a pass, then the agreement, as the replicas still decoding take them
+            model.forward([token if model.is_first else tuple(token.shape)], lambda m, logits: None)
+            ended = self.all_ended(True)
 
 
 def check_prompts(prompts: list[list[int]], limit: int) -> None:
@@ -95,6 +126,7 @@ def generate_batch(
             for s in (seeds or [None] * len(prompts))
         ]
     cache = KVCache(total) if use_cache else None
+    in_step = InStep(model)
     out: list[list[int]] = [[] for _ in prompts]
     stop = [""] * len(prompts)
     position, following = 0, min(lengths)
@@ -152,7 +184,10 @@ def generate_batch(
                         stop[i] = EOS
                     elif len(out[i]) == steps[i]:
                         stop[i] = LENGTH if steps[i] == max_new_tokens else POSITIONS
-        if finished:
+        if in_step.all_ended(finished):
+            break
+        if finished:  # the others of the EP group go on
+            in_step.idle()
             break
         position, following = following, following + 1
     ended = [s or (LENGTH if steps[i] == max_new_tokens else POSITIONS) for i, s in enumerate(stop)]
@@ -194,6 +229,8 @@ def generate_over_replicas(
         result = generate_batch(model, [prompts[i] for i in mine], seeds=seeds, **kwargs)
         found = {i: (t, s) for i, t, s in zip(mine, result.tokens, result.stop, strict=True)}
         seconds = result.seconds
+    else:
+        InStep(model).idle()  # the EP group's other replicas decode theirs
     if dp > 1:
         parts = [None] * dp
         dist.all_gather_object(parts, (found, seconds), group=model.groups.data_parallel_group)

@@ -168,7 +168,8 @@ def generate_and_print(args, prompts: list[str], model, plan, chat: Chat | None 
     print(
         f"mtnlg-generate: {made} tokens for {len(prompts)} prompt(s) in {result.seconds:.2f} s "
         f"({made / max(result.seconds, 1e-9):.1f} tokens/s) on {layout.world_size} rank(s) "
-        f"(tp {layout.tensor_parallel} x pp {layout.pipeline_parallel} x dp {layout.data_parallel}) of "
+        f"(tp {layout.tensor_parallel} x pp {layout.pipeline_parallel} x dp {layout.data_parallel}"
+        f"{f', experts over ep {layout.expert_parallel}' if layout.expert_parallel > 1 else ''}) of "
         f"{model.device.type}, {str(model.dtype)[6:]}",
         file=sys.stderr,
     )

@@ -188,11 +188,6 @@ class ParallelConfig:
             raise MTNLGError(
                 f"context_parallel_kernel {self.context_parallel_kernel!r} is not one of {', '.join(KERNELS)}"
             )
-        if self.expert_parallel > 1 and self.zero_stage != 0:
-            raise MTNLGError(
-                f"expert_parallel {self.expert_parallel} runs with zero_stage 0 (plain data parallelism) so far: "
-                f"ZeRO {self.zero_stage} would average the experts' gradients over ranks holding different experts"
-            )
 
     def _check_model(self, config, inference: bool) -> None:
         tp, ep = self.tensor_parallel, self.expert_parallel
@@ -201,11 +196,6 @@ class ParallelConfig:
                 raise MTNLGError(f"expert_parallel {ep} needs a mixture-of-experts model (num_experts > 0)")
             if config.num_experts % ep:
                 raise MTNLGError(f"num_experts {config.num_experts} is not divisible by expert_parallel {ep}")
-            if inference:
-                raise MTNLGError(
-                    f"expert_parallel {ep}: generation and evaluation run a mixture-of-experts model with its "
-                    f"experts whole (expert_parallel 1) so far"
-                )
         if getattr(config, "moe", False) and self.pipeline_parallel > 1 and inference:
             raise MTNLGError(
                 f"pipeline_parallel {self.pipeline_parallel}: generation and evaluation run a mixture-of-experts "

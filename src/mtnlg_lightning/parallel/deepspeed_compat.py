@@ -77,3 +77,59 @@ def relink_moment_fragments(optimizer) -> None:
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
+
+
+# ------------------------------------------------------------------------------------------- expert parallelism
+def expert_group_name(expert_parallel: int) -> str:
+    """DeepSpeed's key for an expert-parallel group (it parses the size back out of it)."""
+    return f"ep_size_{expert_parallel}"
+
+
+def register_expert_groups(name: str, groups) -> None:
+    """Hand our EP and expert-data-parallel groups to DeepSpeed under `name`, where its ZeRO optimizers look them
+    up (`deepspeed.utils.groups`), instead of DeepSpeed making its own with its own rank order."""
+    from deepspeed.utils import groups as ds_groups  # optional extra [deepspeed]: imported on use
+
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = groups.expert_parallel_group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = groups.ranks["ep"]
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = groups.expert_data_parallel_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = groups.ranks["edp"]
+
+
+def mark_expert_parameters(params, name: str, expert_data_parallel_group, zero_stage: int) -> None:
+    """Tell ZeRO that `params` are experts of the EP group `name`: ZeRO-1/2 reduce their gradients and partition
+    their optimizer state over the expert-data-parallel group (DeepSpeed-MoE's `allreduce=False` and `group_name`),
+    ZeRO-3 partitions the parameters themselves over it and averages their gradients over the whole DP size
+    (AutoEP's placement, which DeepSpeed >= 0.19 gives ZeRO-3)."""
+    import torch.distributed as dist
+
+    for param in params:
+        param.allreduce, param.group_name = False, name
+        if zero_stage == 3:
+            param.ds_zero_placement_family = "autoep_expert"
+            param.ds_zero_partition_group_name = name
+            param.ds_zero_partition_process_group = expert_data_parallel_group
+            param.ds_zero_partition_rank = dist.get_rank(group=expert_data_parallel_group)
+            param.ds_zero_partition_world_size = dist.get_world_size(group=expert_data_parallel_group)
+
+
+@contextmanager
+def engine_with_experts(enabled: bool):
+    """DeepSpeed's engine sets `has_moe_layers` (which ZeRO-1/2 need to treat expert groups apart) only when it
+    finds its own MoE module class: while building an engine, say it for a model whose experts we marked."""
+    if not enabled:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine  # optional extra [deepspeed]: imported on use
+
+    original = DeepSpeedEngine._configure_distributed_model
+
+    def configure(self, model):
+        original(self, model)
+        self.has_moe_layers = True
+
+    DeepSpeedEngine._configure_distributed_model = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_distributed_model = original

@@ -24,7 +24,15 @@ from packaging.specifiers import SpecifierSet
 from mtnlg_lightning.config import deep_merge
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.parallel.deepspeed_compat import local_partition, moves_gradients_in_hooks
+from mtnlg_lightning.parallel.deepspeed_compat import (
+    engine_with_experts,
+    expert_group_name,
+    local_partition,
+    mark_expert_parameters,
+    moves_gradients_in_hooks,
+    register_expert_groups,
+)
+from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 from mtnlg_lightning.parallel.layout import ProcessGroups
 
 
@@ -133,10 +141,33 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     supported = supported_deepspeed()
     if supported and deepspeed.__version__.split("+")[0] not in SpecifierSet(supported):
         raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install 'deepspeed{supported}'")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False
-    )
+    experts = expose_experts(model, optimizer, mpu.groups, config["zero_optimization"]["stage"])
+    with engine_with_experts(experts and config["zero_optimization"]["stage"] < 3):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False
+        )
     return engine
+
+
+def expose_experts(model: torch.nn.Module, optimizer, groups: ProcessGroups, zero_stage: int) -> bool:
+    """Under expert parallelism, mark this rank's experts (and their optimizer group) for ZeRO: it then reduces
+    their gradients over the ranks holding the same experts only, partitions their state over those ranks, and
+    divides their gradients by the whole data-parallel size as the dense ones' (the sum over the EP group's tokens
+    that reached an expert is its gradient). Whether the model has such experts."""
+    experts = [p for p in model.parameters() if is_expert_parallel(p)]
+    if not experts:
+        return False
+    name = expert_group_name(groups.layout.expert_parallel)
+    register_expert_groups(name, groups)
+    mark_expert_parameters(experts, name, groups.expert_data_parallel_group, zero_stage)
+    ids = {id(p) for p in experts}
+    for group in optimizer.param_groups:
+        held = [id(p) in ids for p in group["params"]]
+        if any(held) and not all(held):  # optimizer_recipe.decay_groups gives the experts a group of their own
+            raise MTNLGError("an optimizer group mixes experts with other parameters: ZeRO cannot partition it")
+        if any(held):
+            group["moe"], group["name"] = True, name
+    return True
 
 
 def takes_gradients_in_hooks(engine) -> bool:

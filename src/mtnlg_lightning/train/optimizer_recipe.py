@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import torch
 
+from mtnlg_lightning.moe import Experts
+
 
 def decay_groups(model: torch.nn.Module) -> list[list]:
-    """AdamW's groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not. Only
-    parameters that train (a LoRA run's frozen base has no optimizer state), and only non-empty groups (LoRA's
-    adapters are all matrices; DeepSpeed drops an empty group, which the LR scheduler would still count)."""
-    decay, no_decay = [], []
+    """AdamW's groups, in parameter order: weight matrices and embeddings decay; biases and LayerNorms not; a
+    mixture of experts' stacked experts decay in a group of their own (ZeRO reduces and partitions them over the
+    ranks holding the same experts under expert parallelism; the groups are the same in every layout, so a
+    checkpoint's optimizer fits any). Only parameters that train (a LoRA run's frozen base has no optimizer state),
+    and only non-empty groups (LoRA's adapters are all matrices; DeepSpeed drops an empty group, which the LR
+    scheduler would still count)."""
+    experts = {id(p) for module in model.modules() if isinstance(module, Experts) for p in module.parameters()}
+    decay, no_decay, stacked = [], [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [group for group in (decay, no_decay) if group]
+            (stacked if id(param) in experts else decay if param.ndim >= 2 else no_decay).append(param)
+    return [group for group in (decay, no_decay, stacked) if group]
 
 
 def build_adamw(

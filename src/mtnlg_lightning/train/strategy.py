@@ -106,7 +106,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 training goes on (`checkpoint/async_save.py`); at most one save in flight; published only complete.
             expert_parallel: data-parallel ranks that split each mixture-of-experts layer's experts (E / EP each;
                 tokens travel to their experts by all-to-all); it divides the data-parallel size. Expert gradients
-                are averaged over the ranks holding the same experts. So far with zero_stage 0, TP = PP = CP = 1.
+                are averaged over the ranks holding the same experts; under ZeRO their optimizer state (ZeRO-3:
+                the experts themselves) is partitioned over those ranks. Composes with TP, SP, CP, PP and ZeRO 0-3.
         """
         super().__init__()
         # Checked later (`_check_arguments`): the CLI's argument parser would bury a message raised here.
