@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from dist_moe_runs import run_settings
 from hf_models import exported_logits_gap, random_moe_dir
 from parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
@@ -22,6 +23,7 @@ from parallel_harness import assert_resumes_like, assert_trains_like, launch_run
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
 
+STRATEGY = "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
 LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full")
 LAUNCH += ("ep2_tp2_sp_full", "ep1_cp2", "ep2_cp2_ckpt", "ep2_z1_ckpt", "ep2_z3_ckpt", "ep4_z1_from_ep2_z3_ckpt")
 LAUNCH += ("ep1_z1_bf16", "ep2_z1_bf16", "ep2_z3_bf16")  # one launch of 4 ranks
@@ -139,10 +141,11 @@ def test_expert_parallel_under_zero_in_bf16_stays_within_bf16_noise_of_data_para
 def test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layouts_as_in_one_process(
     runs, tmp_path, capfd, monkeypatch
 ):
-    """The ep2 ZeRO-3 checkpoint (6 steps trained) in ep2 on 2 ranks (each reads only its experts) and in ep2 x tp2
-    with SP on 4: the same greedy text for three prompts of different lengths (dealt over the 2 replicas, which
-    pass in step, the one whose prompts end first passing a token through until the other ends) and the same
-    perplexity (rel 1e-5) as one process."""
+    """The ep2 ZeRO-3 checkpoint (6 steps trained) in ep2 on 2 ranks (each reads only its experts), in ep2 x tp2
+    with SP and in ep2 x pp2 on 4: the same greedy text for three prompts of different lengths (dealt over the 2
+    replicas, which pass in step, the one whose prompts end first passing a token through until the other ends) and
+    the same perplexity (rel 1e-5) as one process. ep2 x pp2 scores micro-batches of 1 (each replica's batches
+    padded to as many micro-batches as the others pass)."""
     from mtnlg_lightning.evaluation.cli import main as eval_main
     from mtnlg_lightning.inference.generate_cli import main as generate_main
 
@@ -153,8 +156,11 @@ def test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layout
     source = ["--checkpoint", str(checkpoint), "--dtype", "fp32"]
     greedy = ["--prompt", "-", "--max-new-tokens", "12", "--temperature", "0"]
     printed, perplexity = [], []
+    ep2_pp2 = tmp_path / "ep2_pp2.yaml"  # written as `mtnlg fit` takes it
+    init_args = {"expert_parallel": 2, "pipeline_parallel": 2, "zero_stage": 0}
+    ep2_pp2.write_text(yaml.safe_dump({"class_path": STRATEGY, "init_args": init_args}))
     layouts = ([], ["--strategy", "strategy/ep2_zero1", "--devices", "2"])
-    layouts += (["--strategy", "strategy/ep2_tp2_sp", "--devices", "4"],)
+    layouts += (["--strategy", "strategy/ep2_tp2_sp", "--devices", "4"], ["--strategy", str(ep2_pp2), "--devices", "4"])
     for where in layouts:
         monkeypatch.setattr("sys.stdin", io.StringIO(prompts))
         capfd.readouterr()
@@ -163,20 +169,9 @@ def test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layout
         printed.append(out[out.index("--- prompt 1") :])  # the texts (after any library's start-up notice)
         assert ("experts over ep 2" in err) == bool(where)
         scores = tmp_path / f"perplexity{len(printed)}.json"
-        scored = [
-            "--task",
-            "perplexity",
-            "--data",
-            str(text),
-            "--stride",
-            "16",
-            "--no-progress",
-            "--output",
-            str(scores),
-        ]
+        scored = ["--task", "perplexity", "--data", str(text), "--stride", "16", "--no-progress"]
+        scored += ["--output", str(scores), *(["--micro-batch-size", "1"] if str(ep2_pp2) in where else [])]
         assert eval_main([*source, *scored, *where]) == 0
         perplexity.append(json.loads(scores.read_text())["results"]["perplexity"]["-"]["perplexity"])
-    assert printed[0].count("--- prompt") == 3 and printed[1] == printed[0] and printed[2] == printed[0]
-    assert perplexity[1] == pytest.approx(perplexity[0], rel=1e-5) and perplexity[2] == pytest.approx(
-        perplexity[0], rel=1e-5
-    )
+    assert printed[0].count("--- prompt") == 3 and all(made == printed[0] for made in printed[1:])
+    assert all(value == pytest.approx(perplexity[0], rel=1e-5) for value in perplexity[1:])

@@ -92,6 +92,8 @@ class Scorer:
             tokens[row, : len(r.inputs)] = torch.tensor(r.inputs)
         size = self.micro_batch_size
         micro = [tokens[i : i + size] for i in range(0, len(requests), size)]
+        if model.layout.expert_parallel > 1:  # the replicas of an EP group pass as many micro-batches, in step
+            micro += [torch.zeros(1, width, dtype=torch.long)] * (-(-self.batch_size // size) - len(micro))
         if not model.is_first:
             micro = [tuple(t.shape) for t in micro]
         group, tp_rank = model.tp_group, model.groups.coord.tp
@@ -100,6 +102,8 @@ class Scorer:
         local = {int(p): i for i, p in enumerate(model.local_positions(width))}
 
         def on_output(m: int, logits: torch.Tensor) -> None:
+            if m * size >= len(requests):  # a micro-batch that only keeps the EP group in step
+                return
             rows, positions, targets, owners = [], [], [], []
             for row in range(logits.shape[0]):
                 r = requests[m * size + row]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,10 @@ class ShardedModel:
         """Run micro-batches through the pipeline. `micro_batches[m]` is the token tensor [b, S] on the first
         stage's ranks and its (b, S) shape elsewhere; `on_output(m, logits)` is called on the last stage's ranks
         with this rank's vocabulary slice [b, S, V/TP]. `caches[m]`: the micro-batch's KV cache (decoding)."""
+        with _activations_only(module for _, module in self.stages):
+            self._forward(micro_batches, on_output, caches)
+
+    def _forward(self, micro_batches, on_output, caches) -> None:
         started = time.perf_counter()
         pending, local = [], {}
         hidden, tp = self.config.hidden_size, self.layout.tensor_parallel
@@ -197,6 +202,20 @@ class ShardedModel:
         for work, _ in pending:
             work.wait()
         self.times.wall += time.perf_counter() - started
+
+
+@contextmanager
+def _activations_only(modules):
+    """A mixture of experts' training stages pass its router statistics on with the activations
+    (`pipeline.carry_router_totals`), which serve only the training loss: here the stages pass activations."""
+    carrying = [m for m in modules if getattr(m, "carries_router_totals", False)]
+    for module in carrying:
+        module.carries_router_totals = False
+    try:
+        yield
+    finally:
+        for module in carrying:
+            module.carries_router_totals = True
 
 
 # ---------------------------------------------------------------------------------------------- loading

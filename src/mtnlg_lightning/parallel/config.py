@@ -196,11 +196,6 @@ class ParallelConfig:
                 raise MTNLGError(f"expert_parallel {ep} needs a mixture-of-experts model (num_experts > 0)")
             if config.num_experts % ep:
                 raise MTNLGError(f"num_experts {config.num_experts} is not divisible by expert_parallel {ep}")
-        if getattr(config, "moe", False) and self.pipeline_parallel > 1 and inference:
-            raise MTNLGError(
-                f"pipeline_parallel {self.pipeline_parallel}: generation and evaluation run a mixture-of-experts "
-                f"model in tensor-parallel layouts so far (training splits it over pipeline stages)"
-            )
         if getattr(config, "qk_norm_over", "head") == "projection" and tp > 1:
             raise MTNLGError(
                 f"tensor_parallel {tp}: q/k norms over the whole projection (OLMoE) would need the sum of squares "

@@ -133,6 +133,8 @@ def carry_router_totals(stage_model: nn.Module, totals: RouterTotals) -> None:
     no stage waits for it: a micro-batch's forward has passed every stage before its backward starts."""
 
     def take_totals(module, args):
+        if not module.carries_router_totals:
+            return None
         if module.embed is not None:  # the first stage: (tokens,)
             module.carried_router_totals = None
             return None
@@ -141,10 +143,13 @@ def carry_router_totals(stage_model: nn.Module, totals: RouterTotals) -> None:
         return (hidden, *rest)
 
     def give_totals(module, args, output):
+        if not module.carries_router_totals:
+            return None
         carried = module.carried_router_totals
         module.carried_router_totals = None
         return output, totals.add(totals.zeros(output.device) if carried is None else carried, module)
 
+    stage_model.carries_router_totals = True  # inference passes activations only (`ShardedModel.load`)
     stage_model.register_forward_pre_hook(take_totals)
     stage_model.register_forward_hook(give_totals)
 
