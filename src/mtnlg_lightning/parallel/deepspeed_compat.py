@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 
 @contextmanager
@@ -101,8 +102,6 @@ def mark_expert_parameters(params, name: str, expert_data_parallel_group, zero_s
     their optimizer state over the expert-data-parallel group (DeepSpeed-MoE's `allreduce=False` and `group_name`),
     ZeRO-3 partitions the parameters themselves over it and averages their gradients over the whole DP size
     (AutoEP's placement, which DeepSpeed >= 0.19 gives ZeRO-3)."""
-    import torch.distributed as dist
-
     for param in params:
         param.allreduce, param.group_name = False, name
         if zero_stage == 3:

@@ -149,7 +149,7 @@ def carry_router_totals(stage_model: nn.Module, totals: RouterTotals) -> None:
         module.carried_router_totals = None
         return output, totals.add(totals.zeros(output.device) if carried is None else carried, module)
 
-    stage_model.carries_router_totals = True  # inference passes activations only (`ShardedModel.load`)
+    stage_model.carries_router_totals = True  # inference passes activations only (`ShardedModel.forward`)
     stage_model.register_forward_pre_hook(take_totals)
     stage_model.register_forward_hook(give_totals)
 

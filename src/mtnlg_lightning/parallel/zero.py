@@ -141,8 +141,9 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     supported = supported_deepspeed()
     if supported and deepspeed.__version__.split("+")[0] not in SpecifierSet(supported):
         raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install 'deepspeed{supported}'")
-    experts = expose_experts(model, optimizer, mpu.groups, config["zero_optimization"]["stage"])
-    with engine_with_experts(experts and config["zero_optimization"]["stage"] < 3):
+    stage = config["zero_optimization"]["stage"]
+    experts = expose_experts(model, optimizer, mpu.groups, stage)
+    with engine_with_experts(experts and stage < 3):  # ZeRO-3 reads the experts' placement, not has_moe_layers
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mtnlg_lightning.moe import Experts
+from mtnlg_lightning.moe import moe_layers
 
 
 def decay_groups(model: torch.nn.Module) -> list[list]:
@@ -18,7 +18,7 @@ def decay_groups(model: torch.nn.Module) -> list[list]:
     checkpoint's optimizer fits any). Only parameters that train (a LoRA run's frozen base has no optimizer state),
     and only non-empty groups (LoRA's adapters are all matrices; DeepSpeed drops an empty group, which the LR
     scheduler would still count)."""
-    experts = {id(p) for module in model.modules() if isinstance(module, Experts) for p in module.parameters()}
+    experts = {id(p) for _, layer in moe_layers(model) for p in layer.experts.parameters()}
     decay, no_decay, stacked = [], [], []
     for param in model.parameters():
         if param.requires_grad:
