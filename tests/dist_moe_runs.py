@@ -10,6 +10,8 @@ M-way context parallelism (each sequence split over M ranks, the experts' copies
 stages (1F1B; the router statistics travel with the activations), _v2: two virtual stages per rank (interleaved
 1F1B), _zK: ZeRO stage K (DeepSpeed; the experts' state partitioned over the ranks holding them). A run name
 may start with ppM or tpM (no EP).
+A name starting with sig_ routes by sigmoid (DeepSeek-V3's router: a bias chooses, moved 0.01 toward balance
+after each step; with norm_topk_prob) instead of Qwen 3-MoE's softmax.
 Suffixes: _bf16 runs in bf16-mixed precision; _accum takes micro-batches of 1 (two accumulated per step); _full
 recomputes every block in the backward (activation checkpointing: the routing and the all-to-alls run again); _ckpt
 trains 6 steps saving at 3 and 6;
@@ -31,13 +33,16 @@ from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E4
 
 # The router's auxiliary (load-balancing) and z losses both on, dropless routing (no capacity factor).
 ROUTER_LOSSES = {"router_aux_loss_coef": 0.02, "router_z_loss_coef": 0.001}
+# A step large enough that the bias changes which experts some tokens go to within the 6 steps of a run.
+SIGMOID_ROUTER = {"router": "sigmoid", "router_bias_update_rate": 0.01, "norm_topk_prob": True}
 
 
 def run_settings(name: str, out: Path) -> dict:
     """`tiny_run`'s arguments for a run name (the one-process references take the same, less the strategy)."""
     layout, _, source = name.partition("_from_")
     parts = layout.split("_")
-    settings = {"micro_batch_size": 1 if "accum" in parts else 2, "model_overrides": ROUTER_LOSSES}
+    overrides = ROUTER_LOSSES | (SIGMOID_ROUTER if "sig" in parts else {})
+    settings = {"micro_batch_size": 1 if "accum" in parts else 2, "model_overrides": overrides}
     if "bf16" in parts:
         settings["precision"] = "bf16-mixed"
     if "full" in parts:

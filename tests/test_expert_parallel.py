@@ -5,7 +5,9 @@ reproduce one process in ep2 and ep4 on 4 ranks, in ep2 x tp2 with sequence para
 (and cp2 with the experts whole), with every block recomputed (activation checkpointing), under gradient
 accumulation, and in ep2 with ZeRO-1 and with ZeRO-3 (in bf16 within bf16's noise of data parallelism); an ep2
 checkpoint resumes in one process and in ep4 with the uninterrupted losses (ZeRO-0, and ZeRO-3 into ep4 ZeRO-1),
-ep2 x tp2 (SP), ep2 x cp2 and ep2 ZeRO-1 ones in one process, and each exports to a directory transformers loads."""
+ep2 x tp2 (SP), ep2 x cp2 and ep2 ZeRO-1 ones in one process, and each exports to a directory transformers loads.
+The sigmoid router (DeepSeek-V3's, its bias balanced after each step without a loss) trains alike in ep2, ep2 x tp2
+with SP, ep2 x pp2 and ep2 ZeRO-3; its bias resumes, generates and scores in any layout and the export refuses it."""
 
 from __future__ import annotations
 
@@ -16,17 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from dist_moe_runs import run_settings
+from dist_moe_runs import ROUTER_LOSSES, SIGMOID_ROUTER, run_settings
 from hf_models import exported_logits_gap, random_moe_dir
 from parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
 
+from mtnlg_lightning.checkpoint.model_state import read_model_state
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
 
 STRATEGY = "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
 LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full")
 LAUNCH += ("ep2_tp2_sp_full", "ep1_cp2", "ep2_cp2_ckpt", "ep2_z1_ckpt", "ep2_z3_ckpt", "ep4_z1_from_ep2_z3_ckpt")
-LAUNCH += ("ep1_z1_bf16", "ep2_z1_bf16", "ep2_z3_bf16")  # one launch of 4 ranks
+LAUNCH += ("ep1_z1_bf16", "ep2_z1_bf16", "ep2_z3_bf16")
+SIGMOID = ("sig_ep2_ckpt", "sig_ep2_tp2_sp_ckpt", "sig_ep2_pp2_ckpt", "sig_ep2_z3_ckpt")
+LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
+MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
 
 def test_expert_groups_are_runs_of_each_data_parallel_group():
@@ -83,6 +89,60 @@ def test_expert_parallel_trains_like_one_process(run, runs, references):
     assert_trains_like(runs[run], reference | {k: reference[k][:steps] for k in ("losses", "grad_norms")})
     experts = [name for name in references["micro2"]["params"][5] if ".experts." in name]
     assert len(experts) == 2 * 3  # two MoE layers (layer 1 is dense) of gate, up and down stacks, compared whole
+
+
+@pytest.fixture(scope="module")
+def sigmoid_reference(moe_dir, tmp_path_factory):
+    """One process, the sigmoid router: 6 steps, saved at 3 and 6 (its checkpoints under `_dir`)."""
+    scratch = tmp_path_factory.mktemp("sigmoid_reference")
+    return one_process(moe_dir, "sig_ep1_ckpt", scratch) | {"_dir": scratch / "sig_ep1_ckpt"}
+
+
+def expert_biases(checkpoint: Path) -> dict[str, torch.Tensor]:
+    weights = read_model_state(checkpoint).weights
+    return {layer: weights[f"{layer}.expert_bias"] for layer in MOE_LAYERS}
+
+
+def bias_from_logged_loads(router_logs: list[dict], rate: float = 0.01) -> dict[str, torch.Tensor]:
+    """The bias the update rule makes of each step's logged tokens per expert: + rate under the mean, - over it."""
+    out = {}
+    for layer in MOE_LAYERS:
+        bias = torch.zeros(4)
+        for logs in router_logs:
+            loads = torch.tensor([logs[f"moe_tokens/{layer}/expert_{e}"] for e in range(4)], dtype=torch.float64)
+            bias += rate * torch.sign(loads.mean() - loads).float()
+        out[layer] = bias
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", SIGMOID)
+def test_the_sigmoid_router_and_its_balancing_bias_train_like_one_process(run, runs, sigmoid_reference):
+    """DeepSeek-V3's router: each layer's bias moves after every step by the step's load over every micro-batch and
+    rank, so every replica, TP rank and pipeline stage holds the one-process bias; the runs reproduce one process's
+    losses, gradients, router logs and, in their step-6 checkpoints, its biases. The bias did move (by the rule,
+    from the logged loads), and it changes routing: the losses of steps 2-6 differ from a run whose bias stays 0."""
+    assert_trains_like(runs[run], sigmoid_reference)
+    for ran, expected in zip(runs[run]["router_logs"], sigmoid_reference["router_logs"], strict=True):
+        assert ran.keys() == expected.keys()
+        assert all(ran[k] == pytest.approx(expected[k], rel=1e-5) for k in expected)
+    biases = expert_biases(runs["_dir"] / run / "step=6.ckpt")
+    expected = expert_biases(sigmoid_reference["_dir"] / "step=6.ckpt")
+    assert all(torch.equal(biases[layer], expected[layer]) for layer in MOE_LAYERS)
+    from_logs = bias_from_logged_loads(sigmoid_reference["router_logs"])
+    assert all(torch.allclose(expected[layer], from_logs[layer], rtol=0, atol=1e-6) for layer in MOE_LAYERS)
+    assert all(expected[layer].abs().sum() > 0 for layer in MOE_LAYERS)
+
+
+@pytest.mark.slow
+def test_the_expert_bias_changes_which_experts_tokens_go_to(moe_dir, sigmoid_reference):
+    """The same one-process run with the bias left at 0 (rate 0): step 1 routes alike, the later steps do not."""
+    overrides = ROUTER_LOSSES | SIGMOID_ROUTER | {"router_bias_update_rate": 0.0}
+    rec, _ = tiny_run(init_from=str(moe_dir), micro_batch_size=2, max_steps=6, model_overrides=overrides)
+    fixed, balanced = torch.tensor(rec.losses), torch.tensor(sigmoid_reference["losses"])
+    assert fixed[0] == balanced[0]
+    assert ((fixed[1:] - balanced[1:]).abs() / balanced[1:]).max() > 1e-5  # the layout tests' tolerance is 1e-6
 
 
 @pytest.mark.slow
@@ -175,3 +235,54 @@ def test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layout
         perplexity.append(json.loads(scores.read_text())["results"]["perplexity"]["-"]["perplexity"])
     assert printed[0].count("--- prompt") == 3 and all(made == printed[0] for made in printed[1:])
     assert all(value == pytest.approx(perplexity[0], rel=1e-5) for value in perplexity[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_sigmoid_router_checkpoint_resumes_its_bias_in_one_process_and_in_ep4(runs, sigmoid_reference, moe_dir):
+    """The ep2 ZeRO-3 step-3 checkpoint holds each layer's bias (fp32, written once); one process and ep4 (ZeRO-0)
+    read it back and continue with the uninterrupted losses of steps 4-6, whose routing the bias decides."""
+    resumed_alone = one_process(moe_dir, "sig_ep1_from_sig_ep2_z3_ckpt", runs["_dir"])
+    for resumed in (resumed_alone, runs["sig_ep4_from_sig_ep2_z3_ckpt"]):
+        assert_resumes_like(resumed, sigmoid_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_trained_sigmoid_router_model_generates_and_scores_with_its_bias_in_ep2_as_in_one_process(
+    runs, tmp_path, capfd, monkeypatch
+):
+    """The ep2 ZeRO-3 sigmoid checkpoint (6 steps trained): loaded, every router holds the trained bias; in ep2 on 2
+    ranks it gives one process's greedy text and perplexity; the export refuses it in one line (no family it
+    writes routes this way) and writes nothing."""
+    from mtnlg_lightning.evaluation.cli import main as eval_main
+    from mtnlg_lightning.inference.generate_cli import main as generate_main
+    from mtnlg_lightning.inference.load import load_model
+
+    checkpoint = runs["_dir"] / "sig_ep2_z3_ckpt" / "step=6.ckpt"
+    model, _ = load_model(checkpoint)
+    trained_bias = expert_biases(checkpoint)
+    for layer in MOE_LAYERS:
+        held = model.get_submodule(layer).expert_bias
+        assert held.dtype == torch.float32 and torch.equal(held, trained_bias[layer]) and held.abs().sum() > 0
+    text = tmp_path / "text.txt"
+    text.write_text("Return the value of the argument. If the file does not exist, the function raises an error. " * 4)
+    prompts = "The value of the argument is\nReturn\nIf the file does not exist, the function raises an error and\n"
+    source = ["--checkpoint", str(checkpoint), "--dtype", "fp32"]
+    printed, perplexity = [], []
+    for where in ([], ["--strategy", "strategy/ep2_zero1", "--devices", "2"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO(prompts))
+        capfd.readouterr()
+        assert generate_main([*source, "--prompt", "-", "--max-new-tokens", "12", "--temperature", "0", *where]) == 0
+        out = capfd.readouterr().out
+        printed.append(out[out.index("--- prompt 1") :])
+        scores = tmp_path / f"perplexity{len(printed)}.json"
+        scored = ["--task", "perplexity", "--data", str(text), "--stride", "16", "--no-progress"]
+        assert eval_main([*source, *scored, "--output", str(scores), *where]) == 0
+        perplexity.append(json.loads(scores.read_text())["results"]["perplexity"]["-"]["perplexity"])
+    assert printed[0].count("--- prompt") == 3 and printed[1] == printed[0]
+    assert perplexity[1] == pytest.approx(perplexity[0], rel=1e-5)
+    capfd.readouterr()
+    assert export_main([str(checkpoint), str(tmp_path / "exported")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "router sigmoid" in err[0] and not (tmp_path / "exported").exists()

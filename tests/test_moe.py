@@ -23,7 +23,9 @@ from mtnlg_lightning.families import active_parameters, count_parameters, family
 from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop import llama_mapping
+from mtnlg_lightning.interop.hf import family_of as hf_family_of
 from mtnlg_lightning.model import build_model
+from mtnlg_lightning.model import persistent_buffers as moe_buffers
 from mtnlg_lightning.planning.plan_cli import main as plan_main
 
 transformers = pytest.importorskip("transformers")
@@ -154,6 +156,52 @@ def test_a_capacity_factor_drops_and_counts_the_overflow_and_a_large_one_is_drop
             assert dropped > 0 and not torch.allclose(out, expected)
         else:
             torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------- sigmoid router
+def test_the_sigmoid_router_chooses_by_score_plus_bias_and_weighs_by_the_score_alone():
+    """DeepSeek-V3's routing: each expert's sigmoid score; the bias only decides which k experts a token goes to,
+    the weights are the chosen scores (renormalised with norm_topk_prob)."""
+    torch.manual_seed(0)
+    layer = moe.MoE(tiny_moe(router="sigmoid", shared_expert_ffn_hidden_size=0, norm_topk_prob=True))
+    torch.nn.init.normal_(layer.router.weight, std=0.5)
+    x = torch.randn(32, layer.router.weight.shape[1])
+    scores = torch.sigmoid(layer.router(x))
+    assert layer.expert_bias.dtype == torch.float32 and not layer.expert_bias.any()  # balanced: no bias yet
+    weights, chosen = layer.route(x)
+    torch.testing.assert_close(chosen, scores.topk(2).indices, rtol=0, atol=0)
+    layer.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 2.0]))  # expert 3 wins every token's first place
+    weights, chosen = layer.route(x)
+    assert (chosen[:, 0] == 3).all()
+    picked = scores.gather(-1, chosen)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))  # the bias never weighs
+    assert torch.equal(layer.stats.tokens_per_expert, torch.bincount(chosen.flatten(), minlength=4).float())
+
+
+def test_the_expert_bias_steps_toward_balance_after_a_step_and_stays_fp32_through_a_cast():
+    """Megatron's and DeepSeek-V3's update: + rate for an expert under the mean load, - rate over it, 0 at it."""
+    model = build_model(tiny_moe(router="sigmoid", shared_expert_ffn_hidden_size=0, num_layers=2))
+    step_tokens = torch.tensor([[10.0, 30.0, 20.0, 20.0], [0.0, 0.0, 0.0, 80.0]])  # per MoE layer, per expert
+    moe.balance_expert_bias(model, step_tokens, model.config.moe_layers, 0.25)
+    moe.balance_expert_bias(model, step_tokens, model.config.moe_layers, 0.25)
+    assert model.blocks["0"].mlp.expert_bias.tolist() == [0.5, -0.5, 0.0, 0.0]
+    assert model.blocks["1"].mlp.expert_bias.tolist() == [0.5, 0.5, 0.5, -0.5]
+    model.blocks["0"].mlp.expert_bias.fill_(1 + 2**-20)  # bf16 would round it to 1
+    model.to(torch.bfloat16)
+    bias = model.blocks["0"].mlp.expert_bias
+    assert bias.dtype == torch.float32 and bias[0].item() == 1 + 2**-20
+    assert model.blocks["0"].mlp.router.weight.dtype == torch.bfloat16
+    assert [name for name, _ in moe_buffers(model)] == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
+
+
+def test_a_sigmoid_router_model_is_refused_by_the_export_in_one_line():
+    """No Hugging Face family this export writes routes by sigmoid with a bias (DeepSeek-V3's does, with latent
+    attention this trainer lacks)."""
+    assert family_of(get_config("qwen3-30b-a3b")).hf_model_type == "qwen3_moe"
+    config = get_config("qwen3-30b-a3b", router="sigmoid")
+    assert family_of(config) is None
+    with pytest.raises(MTNLGError, match="router sigmoid"):
+        hf_family_of(config)
 
 
 def dataclass_replace(config, **changes):
@@ -310,8 +358,12 @@ def test_flops_per_token_count_the_active_experts():
 def test_bad_moe_settings_are_one_line():
     with pytest.raises(MTNLGError, match="experts_per_token 5 must be between 1 and num_experts 4"):
         tiny_moe(experts_per_token=5)
-    with pytest.raises(MTNLGError, match="router 'sigmoid' is not one of softmax"):
-        tiny_moe(router="sigmoid")
+    with pytest.raises(MTNLGError, match="router 'top1' is not one of softmax, sigmoid"):
+        tiny_moe(router="top1")
+    with pytest.raises(MTNLGError, match="router_bias_update_rate moves the sigmoid router's expert bias"):
+        tiny_moe(router_bias_update_rate=0.01)
+    with pytest.raises(MTNLGError, match="router_bias_update_rate must be a number >= 0"):
+        tiny_moe(router="sigmoid", router_bias_update_rate=-0.01)
     with pytest.raises(MTNLGError, match="capacity_factor must be positive"):
         tiny_moe(capacity_factor=0)
 

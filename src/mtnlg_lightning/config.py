@@ -11,7 +11,10 @@ from mtnlg_lightning.errors import MTNLGError
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-ROUTERS = ("softmax",)  # softmax over the experts, then the top k (renormalised when norm_topk_prob)
+# softmax: over the experts, then the top k (renormalised when norm_topk_prob); sigmoid: each expert's own score,
+# the top k chosen by score + a per-expert bias that balances the load without a loss (DeepSeek-V3)
+ROUTERS = ("softmax", "sigmoid")
+EXPERT_BIAS_UPDATE_RATE = 1e-3  # the sigmoid router's default bias step (DeepSeek-V3's gamma, Megatron's default)
 QK_NORMS = ("head", "projection")  # over each head's dims (Qwen 3) or the whole q / k projection (OLMoE)
 ROPE_SCALINGS = ("default", "linear", "llama3")  # Hugging Face's `rope_type` names
 
@@ -59,7 +62,10 @@ class ModelConfig:
     moe_layer_step: int = 1  # every step-th block: layer i when (i + 1) % step == 0 (Qwen's decoder_sparse_step)
     first_dense_layers: int = 0  # the first k blocks stay dense (DeepSeek's first_k_dense_replace)
     dense_layers: list[int] | None = None  # these blocks stay dense (Qwen's mlp_only_layers)
-    router: str = "softmax"  # softmax over every expert's logit, then the top k
+    router: str = "softmax"  # softmax over every expert's logit, then the top k; or sigmoid (`ROUTERS`)
+    # sigmoid router: after each optimizer step every expert's selection bias moves by this toward balance (+ when
+    # it took fewer tokens than the mean, - when more); None: 0.001 (EXPERT_BIAS_UPDATE_RATE); 0: the bias stays 0
+    router_bias_update_rate: float | None = None
     norm_topk_prob: bool = False  # renormalise the k chosen probabilities (Mixtral: a softmax over the top k)
     router_aux_loss_coef: float = 0.0  # Switch / GShard load balancing, as transformers computes it
     router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
@@ -121,6 +127,14 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
+    def expert_bias_update_rate(self) -> float:
+        """The step of the sigmoid router's balancing bias (0: none; a softmax router has no bias)."""
+        if self.router != "sigmoid":
+            return 0.0
+        rate = self.router_bias_update_rate
+        return EXPERT_BIAS_UPDATE_RATE if rate is None else float(rate)
+
+    @property
     def every_layer_moe(self) -> bool:
         return len(self.moe_layers) == self.num_layers
 
@@ -151,6 +165,11 @@ def check_experts(config: ModelConfig) -> None:
         raise MTNLGError("mixture-of-experts blocks have SwiGLU experts: set mlp to swiglu")
     if config.router not in ROUTERS:
         raise MTNLGError(f"router {config.router!r} is not one of {', '.join(ROUTERS)}")
+    rate = config.router_bias_update_rate
+    if rate is not None and config.router != "sigmoid":
+        raise MTNLGError("router_bias_update_rate moves the sigmoid router's expert bias: set router to sigmoid")
+    if rate is not None and not (isinstance(rate, int | float) and 0 <= rate < math.inf):
+        raise MTNLGError(f"router_bias_update_rate must be a number >= 0 (0: no bias), got {rate!r}")
     if config.moe_layer_step < 1 or config.first_dense_layers < 0:
         raise MTNLGError("moe_layer_step must be >= 1 and first_dense_layers >= 0")
     if config.capacity_factor is not None and config.capacity_factor <= 0:

@@ -121,7 +121,7 @@ def _llama_modules(qk_norms: bool, experts: dict | None = None) -> dict[str, tup
 
 _GPT_BLOCK = dict(position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, moe=False)
 _LLAMA_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, moe=False)
-_MOE_BLOCK = {**_LLAMA_BLOCK, "moe": True}
+_MOE_BLOCK = {**_LLAMA_BLOCK, "moe": True, "router": "softmax"}  # none of these families routes by sigmoid
 
 # MT-NLG / GPT-3 and GPT-2: learned positions, LayerNorm, tanh-GELU MLP, multi-head attention, biases, tied head.
 GPT = Family(

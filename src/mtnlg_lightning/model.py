@@ -339,6 +339,8 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, MoE) and module.expert_bias is not None:  # a sigmoid router's: balanced
+                module.expert_bias.zero_()
 
     def positions(self, start: int, length: int, device) -> torch.Tensor:
         """The positions of `length` tokens starting at `start` (context parallelism replaces this: a rank holds
@@ -454,3 +456,14 @@ def build_model(config: ModelConfig, device: str | torch.device | None = None) -
     """Build on `device`; on "meta" nothing is allocated (used to size the 530B model)."""
     with torch.device(device or "cpu"):
         return GPT(config)
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the model's persistent buffers: state that is not trained by gradients (a sigmoid
+    router's expert bias), saved and loaded with the weights under its module path."""
+    return [
+        (f"{prefix}.{name}" if prefix else name, buffer)
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    ]

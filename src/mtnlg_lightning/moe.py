@@ -2,7 +2,10 @@
 `[E, ...]` weights, an optional shared expert, and the router's auxiliary losses.
 
 Routing (as transformers' Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE route): softmax over the experts' logits in
-fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that). Dispatch: the
+fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that). Or (`router:
+sigmoid`, DeepSeek-V3's): each expert's sigmoid score, the top k chosen by score plus a per-expert bias that only
+chooses (the weights are the scores, renormalised when `norm_topk_prob`); after each optimizer step the bias moves
+a fixed step toward balance (`balance_expert_bias`), no gradient and no loss involved. Dispatch: the
 (token, expert) pairs sorted by expert, each expert's rows one GEMM (`torch._grouped_mm` where it runs, a loop over
 the experts otherwise: the same numbers), weighted and summed back per token. Dropless by default; a
 `capacity_factor` keeps each expert's first ceil(cf * tokens * k / E) pairs (in token order) and counts the rest.
@@ -111,6 +114,10 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = config.experts_per_token, config.norm_topk_prob
         self.capacity_factor = config.capacity_factor
         self.router = Gate(h, e)
+        # The sigmoid router's selection bias: state, not a parameter (no gradient reaches it: it only chooses), so a
+        # buffer, saved and restored with the weights. fp32 whatever the model is cast to (`_apply`): a bf16 bias
+        # of 0.25 would round steps of 1e-3 away.
+        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32) if config.router == "sigmoid" else None)
         self.experts = Experts(e, h, config.moe_ffn_hidden_size)
         if shared is not None:
             self.shared = shared
@@ -127,8 +134,16 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k]); records this forward's `stats`."""
         logits = self.router(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits.float())
+            chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+            # the auxiliary loss's routing probabilities (if one is set too): the scores normalised per token, as
+            # DeepSeek-V3's complementary sequence-wise loss takes them
+            probs = scores / scores.sum(dim=-1, keepdim=True)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).float()
@@ -140,6 +155,15 @@ class MoE(nn.Module):
             tokens *= dist.get_world_size(group)
         self.stats = RouterStats(probability_sums, counts, z, tokens, 0)
         return weights.to(x.dtype), chosen
+
+    def _apply(self, fn, recurse=True):
+        """Moves and casts as nn.Module does, except that the expert bias keeps its fp32 values through a cast
+        (`.to(torch.bfloat16)`, `.half()`): it moves to the new device only."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(self.expert_bias.device)
+        return self
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
@@ -186,6 +210,25 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
 
 
+def block_index(layer_name: str) -> int:
+    """The block of an MoE layer named `...blocks.N.mlp` (under any prefix: a pipeline chunk's, an engine's)."""
+    return int(layer_name.rsplit(".", 2)[-2])
+
+
+@torch.no_grad()
+def balance_expert_bias(model: nn.Module, step_tokens: torch.Tensor, layer_indices, rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3; Megatron's `get_updated_expert_bias`): after an optimizer step,
+    each sigmoid router of `model` (or of a pipeline stage) moves its expert bias by `rate` toward the mean load:
+    up for an expert that took fewer of the step's (token, expert) assignments than the mean, down for one that
+    took more. `step_tokens` [MoE layers (`layer_indices` order), E]: the step's assignments over every
+    micro-batch and rank, the same on every rank: every replica's bias stays equal, whatever the layout."""
+    for name, layer in moe_layers(model):
+        if layer.expert_bias is None:
+            continue
+        counts = step_tokens[layer_indices.index(block_index(name))].to(layer.expert_bias.device, torch.float64)
+        layer.expert_bias += rate * torch.sign(counts.mean() - counts).float()
+
+
 class RouterTotals:
     """The router statistics of one forward, summed over a model's MoE layers, in one flat fp32 tensor: what the
     auxiliary and z losses and the logs need, and what travels from one pipeline stage to the next with the
@@ -215,7 +258,7 @@ class RouterTotals:
         for name, layer in moe_layers(model):
             if layer.stats is None:
                 continue
-            counts[self.layer_indices.index(int(name.rsplit(".", 2)[-2]))] = layer.stats.tokens_per_expert
+            counts[self.layer_indices.index(block_index(name))] = layer.stats.tokens_per_expert
             probability, z = probability + layer.stats.probability_sums, z + layer.stats.z_sum
             tokens, dropped = tokens + layer.stats.tokens, dropped + layer.stats.dropped
         scalars = torch.tensor([float(tokens), float(dropped)], device=device)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.model import persistent_buffers
 from mtnlg_lightning.parallel.deepspeed_compat import full_shape
 from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 from mtnlg_lightning.parallel.pipeline import PipelineChunks
@@ -80,3 +81,13 @@ def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size
         writer = bool(getattr(param, "tensor_model_parallel", False)) if sharded else tp_rank == 0
         slots.append(Slot(name, param, tuple(global_shape), tuple(offsets), tuple(stored), not sharded, writer))
     return slots
+
+
+def model_buffers(model: nn.Module, lora: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """(model-space name, tensor) of every persistent buffer of this rank's part of the model
+    (`model.persistent_buffers`): whole and equal on every rank holding its block, so one rank writes each. None in
+    a LoRA run (`lora`): like the frozen weights, they are its base's."""
+    if lora:
+        return []
+    chunked = isinstance(model, PipelineChunks)
+    return [(global_name(name, chunked), buffer) for name, buffer in persistent_buffers(model)]

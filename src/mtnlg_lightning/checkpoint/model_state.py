@@ -21,6 +21,7 @@ from mtnlg_lightning.checkpoint.format import (
 from mtnlg_lightning.checkpoint.validate import CheckpointError, config_of
 from mtnlg_lightning.config import ModelConfig, get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.model import persistent_buffers
 
 
 @dataclass
@@ -186,8 +187,12 @@ def load_model_space(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]
     """Copy model-space weights into a full single-process `GPT` (before any strategy shards it). The vocabulary
     rows past the source's (padding for the layout) are zeroed: no token maps to them. `weights` may be lazy
     (`LazyWeights`): each tensor is read when its parameter is filled, then let go."""
-    params = dict(model.named_parameters())  # a tied head is the embedding's parameter: named once
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    # A tied head is the embedding's parameter: named once. Persistent buffers (a sigmoid router's bias) load too; a
+    # source without them (a Hugging Face directory: its routers have none) leaves them at their initial values.
+    names = set(weights)  # iterating a lazy mapping reads no tensor; `in` on it would
+    buffers = {name: buffer for name, buffer in persistent_buffers(model) if name in names}
+    params = {**dict(model.named_parameters()), **buffers}
+    missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
     if missing or unexpected:
         raise MTNLGError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     for name, param in params.items():

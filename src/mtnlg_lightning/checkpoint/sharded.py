@@ -25,8 +25,15 @@ from mtnlg_lightning.checkpoint.format import (
     write_meta,
     write_pieces,
 )
-from mtnlg_lightning.checkpoint.model_space import Slot, model_slots
-from mtnlg_lightning.checkpoint.state_io import collect_pieces, optimizer_meta, restore_optimizer_meta, restore_pieces
+from mtnlg_lightning.checkpoint.model_space import Slot, model_buffers, model_slots
+from mtnlg_lightning.checkpoint.state_io import (
+    buffer_pieces,
+    collect_pieces,
+    optimizer_meta,
+    restore_buffers,
+    restore_optimizer_meta,
+    restore_pieces,
+)
 from mtnlg_lightning.checkpoint.validate import config_mismatch
 from mtnlg_lightning.data.chat_template import directory_template_files
 from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
@@ -90,6 +97,11 @@ def checkpoint_info(module, trainer, layout: dict) -> dict:
     return info
 
 
+def module_buffers(module) -> list:
+    """The model-space buffers of a training module's part of the model (`model_space.model_buffers`)."""
+    return model_buffers(module.model, lora=getattr(module, "lora", None) is not None)
+
+
 def balanced_owners(slots: list[Slot], replicas: int) -> list[int]:
     """Which data-parallel replica writes each parameter: largest first to the least loaded (the same answer on
     every rank), so the replicas write about equal bytes in parallel."""
@@ -132,6 +144,8 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     pieces = collect_pieces(
         slots, optimizer, strategy.engine, writer_of, groups.replica_size, tp_rank, snapshot=snapshot
     )
+    if replica == 0 and tp_rank == 0:  # buffers are whole on every rank of the stage: its first writes them
+        pieces += buffer_pieces(module_buffers(module), snapshot=snapshot)
     header = None
     if strategy.is_global_zero:  # everything rank 0 publishes, taken now (the writer runs after later steps)
         layout = strategy.layout
@@ -216,7 +230,9 @@ def load_sharded(strategy, path: Path) -> dict[str, Any]:
     manifest, meta = check_checkpoint(path, slots, module.config, strategy.global_rank, strategy.world_size)
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
     optimizer_state = meta.get("optimizer") or {}
-    restore_pieces(TensorReader(path, manifest), slots, optimizer, strategy.engine, optimizer_state, groups)
+    reader = TensorReader(path, manifest)
+    restore_pieces(reader, slots, optimizer, strategy.engine, optimizer_state, groups)
+    restore_buffers(reader, module_buffers(module))  # checked present: `config_mismatch` expects them
     if optimizer is not None and optimizer_state:
         restore_optimizer_meta(optimizer, optimizer_state)
     return meta

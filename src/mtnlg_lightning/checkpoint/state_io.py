@@ -91,6 +91,23 @@ def collect_pieces(
     return pieces
 
 
+def buffer_pieces(buffers: list[tuple[str, torch.Tensor]], snapshot=False) -> list[Piece]:
+    """The pieces of `model_space.model_buffers`, each whole (the caller picks the one rank that writes them)."""
+    pieces = []
+    for name, buffer in buffers:
+        host = buffer.detach().to("cpu", copy=snapshot)
+        pieces.append(Piece(f"model/{name}", host, (0,) * buffer.dim(), tuple(buffer.shape)))
+    return pieces
+
+
+@torch.no_grad()
+def restore_buffers(reader: TensorReader, buffers: list[tuple[str, torch.Tensor]]) -> None:
+    """Every rank fills the buffers it holds from the checkpoint (the caller checked they are there)."""
+    for name, buffer in buffers:
+        value = reader.read(f"model/{name}", (0,) * buffer.dim(), tuple(buffer.shape), dtype=buffer.dtype)
+        buffer.copy_(value.to(buffer.device))
+
+
 def _flat_in_model_space(slot: Slot) -> bool:
     """A ZeRO-1/2 fragment (a flat range of this rank's shard) is a flat range of the model-space tensor when the
     shard is whole rows of it: TP-replicated, or split along the first dimension."""

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mtnlg_lightning.checkpoint.model_space import PARALLEL_MARKS, model_slots
+from mtnlg_lightning.checkpoint.model_space import PARALLEL_MARKS, model_buffers, model_slots
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.model import GPT
 from mtnlg_lightning.parallel import context_parallel
@@ -240,6 +240,9 @@ def _materialize(module: nn.Module, weights, config: ModelConfig, tp_rank: int, 
         value = weights.read_box(name, slot.offsets, slot.shape).to(dtype)
         with torch.no_grad():
             slot.fill(param.data, value.to(device))
+    for name, buffer in model_buffers(module):  # whole on every rank holding its block (fp32: `MoE._apply`)
+        with torch.no_grad():
+            buffer.copy_(weights.read_box(name, (0,) * buffer.dim(), tuple(buffer.shape)).to(device, buffer.dtype))
     if tied:  # to_empty gave the head its own tensor: share the embedding's again, as the model does
         module.lm_head.weight = module.embed.wte.weight
     elif head_copy is not None:

@@ -91,7 +91,8 @@ def family_of(config: ModelConfig):
     raise MTNLGError(
         f"no Hugging Face architecture this export writes (GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, "
         f"Mixtral, OLMoE) holds this block "
-        f"(positions {config.position_embedding}, norm {config.norm}, mlp {config.mlp}, bias {config.bias})"
+        f"(positions {config.position_embedding}, norm {config.norm}, mlp {config.mlp}, bias {config.bias}"
+        f"{f', router {config.router}' if config.moe else ''})"
     )
 
 

@@ -15,9 +15,10 @@ from mtnlg_lightning.checkpoint.model_space import model_slots
 from mtnlg_lightning.checkpoint.sharded import (
     check_checkpoint,
     checkpoint_header,
+    module_buffers,
     write_and_publish,
 )
-from mtnlg_lightning.checkpoint.state_io import MOMENTS, collect_pieces, weight_key
+from mtnlg_lightning.checkpoint.state_io import MOMENTS, buffer_pieces, collect_pieces, weight_key
 from mtnlg_lightning.train.optimizer_recipe import decay_groups
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
@@ -36,6 +37,7 @@ class ModelSpaceCheckpointIO(CheckpointIO):
         optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
         slots = model_slots(module.model, module.config)
         pieces = collect_pieces(slots, optimizer, None, lambda index, slot: True)
+        pieces += buffer_pieces(module_buffers(module))
         header = checkpoint_header(module, checkpoint, optimizer, SINGLE_PROCESS)
         write_and_publish(staging, path, "rank-00000.safetensors", pieces, header, alone=True)
 
@@ -63,6 +65,8 @@ class ModelSpaceCheckpointIO(CheckpointIO):
                 state_dict[f"model.{name}"] = param.detach()
             else:  # the tied head
                 state_dict[f"model.{name}"] = by_name["embed.wte.weight"]
+        for name, buffer in module_buffers(module):  # checked present: `config_mismatch` expects them
+            state_dict[f"model.{name}"] = reader.read(f"model/{name}", dtype=buffer.dtype)
         checkpoint = {**meta, "state_dict": state_dict}
         optimizer = meta.get("optimizer")
         if optimizer and optimizer.get("step") is not None:

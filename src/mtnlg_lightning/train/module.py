@@ -19,7 +19,7 @@ from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.interop.lora_base import LORA_BASE, base_reference, check_base
 from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
-from mtnlg_lightning.moe import WithRouterLosses
+from mtnlg_lightning.moe import WithRouterLosses, balance_expert_bias
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
 from mtnlg_lightning.parallel.lora import lora_config
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
@@ -243,8 +243,12 @@ class MTNLGModule(L.LightningModule):
         # Every vetoer is asked (each observes the step); every rank gets the same answers.
         votes = [cb.should_skip_update(self.trainer, self, loss, update.grad_norm) for cb in vetoers]
         update.finish(vetoed=any(votes))
+        expert_tokens = self._step_expert_tokens() if isinstance(self.loss_fn, WithRouterLosses) else None
+        rate = self.config.expert_bias_update_rate if self.lora is None else 0.0  # LoRA: the bias is the base's
+        if expert_tokens is not None and rate > 0 and not any(votes):  # a vetoed step leaves the model as it was
+            balance_expert_bias(self.model, expert_tokens, self.config.moe_layers, rate)
         self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
-        self._log_step(loss, update.grad_norm, lr, global_batch)
+        self._log_step(loss, update.grad_norm, lr, global_batch, expert_tokens)
         if self.preference is not None:
             self.preference.log_rewards(self)
         return loss
@@ -277,17 +281,23 @@ class MTNLGModule(L.LightningModule):
             return -1  # Lightning: end this epoch now
         return None
 
-    def _log_expert_tokens(self, expert_tokens: dict[str, torch.Tensor]) -> None:
-        """Each MoE layer's (token, expert) assignments of the step, summed over micro-batches and ranks (one
-        all-reduce, on every rank: a pipeline's last stage holds the counts, the others zeros): `moe_tokens/LAYER/
-        expert_E`, and `moe_max_load/LAYER`, the busiest expert's count over the mean (1.0 when balanced)."""
-        names = self.loss_fn.totals.layer_names
+    def _step_expert_tokens(self) -> torch.Tensor:
+        """[MoE layers, E]: each MoE layer's (token, expert) assignments of the step, summed over micro-batches and
+        ranks (one all-reduce, on every rank: a pipeline's last stage holds the counts, the others zeros). fp64:
+        a large step's counts pass 2**24, past which fp32 sums depend on their order (so on the layout)."""
+        expert_tokens = self.loss_fn.expert_tokens
         none = torch.zeros(self.config.num_experts, device=self.device)
-        local = torch.stack([torch.as_tensor(expert_tokens.get(name, none), device=self.device) for name in names])
+        per_layer = [expert_tokens.get(name, none) for name in self.loss_fn.totals.layer_names]
+        local = torch.stack([torch.as_tensor(t, device=self.device) for t in per_layer]).double()
         counts = self.trainer.strategy.reduce(local, reduce_op="sum")
         layout = getattr(self.trainer.strategy, "layout", None)
         # the ranks of a TP (and CP) group count the same tokens: each the whole sequence's
-        counts /= layout.tensor_parallel * layout.context_parallel if layout is not None else 1
+        return counts / (layout.tensor_parallel * layout.context_parallel if layout is not None else 1)
+
+    def _log_expert_tokens(self, counts: torch.Tensor) -> None:
+        """The step's assignments (`_step_expert_tokens`): `moe_tokens/LAYER/expert_E`, and `moe_max_load/LAYER`,
+        the busiest expert's count over the mean (1.0 when balanced)."""
+        names = self.loss_fn.totals.layer_names
         for name, per_expert in zip(names, counts.cpu(), strict=True):
             for expert, tokens in enumerate(per_expert.tolist()):
                 self.log(f"moe_tokens/{name}/expert_{expert}", tokens)
@@ -310,7 +320,7 @@ class MTNLGModule(L.LightningModule):
             local = torch.stack([values[name].float().to(self.device) for name in names])
         return dict(zip(names, pipeline.from_last_stage(local), strict=True))
 
-    def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
+    def _log_step(self, loss, grad_norm, lr: float, global_batch: int, expert_tokens=None) -> None:
         now = time.perf_counter()
         seconds, self._step_started = now - self._step_started, now
         # A DPO sample is a pair of sequences (the reference's forward is not counted in the FLOPs).
@@ -324,7 +334,7 @@ class MTNLGModule(L.LightningModule):
         if isinstance(self.loss_fn, WithRouterLosses):
             for name, value in self._router_logs().items():
                 self.log(name, value, sync_dist=name.startswith("router_"))
-            self._log_expert_tokens(self.loss_fn.expert_tokens)
+            self._log_expert_tokens(expert_tokens)
         self.log("consumed_samples", float(self.consumed_samples))
         self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
         self.log("global_batch_size", float(global_batch))
