@@ -20,6 +20,7 @@ import torch
 import yaml
 from dist_moe_runs import ROUTER_LOSSES, SIGMOID_ROUTER, run_settings
 from hf_models import exported_logits_gap, random_moe_dir
+from lightning.pytorch import Callback
 from parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
 
 from mtnlg_lightning.checkpoint.model_state import read_model_state
@@ -235,6 +236,30 @@ def test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layout
         perplexity.append(json.loads(scores.read_text())["results"]["perplexity"]["-"]["perplexity"])
     assert printed[0].count("--- prompt") == 3 and all(made == printed[0] for made in printed[1:])
     assert all(value == pytest.approx(perplexity[0], rel=1e-5) for value in perplexity[1:])
+
+
+class VetoThirdUpdate(Callback):
+    """Vetoes the third step's update (as the loss-spike detector's skip does) and keeps each step's biases."""
+
+    def __init__(self):
+        self.asked, self.biases = 0, []
+
+    def should_skip_update(self, trainer, pl_module, loss, grad_norm) -> bool:
+        self.asked += 1
+        return self.asked == 3
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.biases.append(torch.cat([pl_module.model.get_submodule(n).expert_bias.clone() for n in MOE_LAYERS]))
+
+
+@pytest.mark.slow
+def test_a_vetoed_step_leaves_the_expert_bias_as_it_was(moe_dir):
+    veto = VetoThirdUpdate()
+    overrides = ROUTER_LOSSES | SIGMOID_ROUTER
+    tiny_run(init_from=str(moe_dir), micro_batch_size=2, max_steps=4, model_overrides=overrides, callbacks=[veto])
+    first, second, third, fourth = veto.biases
+    assert not torch.equal(first, second) and not torch.equal(third, fourth)  # the bias moves after each step
+    assert torch.equal(second, third)  # but not after a step whose update was vetoed
 
 
 @pytest.mark.slow
