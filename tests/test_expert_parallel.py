@@ -31,7 +31,14 @@ STRATEGY = "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
 LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full")
 LAUNCH += ("ep2_tp2_sp_full", "ep1_cp2", "ep2_cp2_ckpt", "ep2_z1_ckpt", "ep2_z3_ckpt", "ep4_z1_from_ep2_z3_ckpt")
 LAUNCH += ("ep1_z1_bf16", "ep2_z1_bf16", "ep2_z3_bf16")
-SIGMOID = ("sig_ep2_ckpt", "sig_ep2_tp2_sp_ckpt", "sig_ep2_pp2_ckpt", "sig_ep2_z3_ckpt")
+SIGMOID = (
+    "sig_ep2_ckpt",
+    "sig_ep2_tp2_sp_ckpt",
+    "sig_ep2_pp2_ckpt",
+    "sig_ep2_z3_ckpt",
+    "sig_ep2_cp2_ckpt",
+    "sig_ep2_full_ckpt",
+)
 LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
 MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
