@@ -66,6 +66,15 @@ def test_seq_len_above_position_table_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_dotted_model_override_is_read_in_its_fields_type(tmp_path):
+    """`--model.model_overrides.seq_len 128` reaches the model as the string "128" (the parser cannot know a dict's
+    value types); the field's type reads it: the number 128, which the position table refuses as in the dict form."""
+    out = run_cli("fit", "--config", "configs/tiny.yaml", "--model.model_overrides.seq_len", "128")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "seq_len 128 is above the position table size 64" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
 def test_missing_dataset_files_are_one_line(tmp_path):
     out = run_cli(
         "fit", "--config", "configs/tiny.yaml", "--data.builtin_corpus", "null", "--data.datasets", f"[{tmp_path}/nope]"

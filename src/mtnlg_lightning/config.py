@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
+
+import yaml
 
 from mtnlg_lightning.errors import MTNLGError
 
@@ -339,11 +342,30 @@ def reject_unknown_fields(values: dict, cls, what: str) -> None:
         raise MTNLGError(f"{what} {unknown}; valid fields: {sorted(known)}")
 
 
+def typed_overrides(overrides: dict) -> dict:
+    """Overrides in their fields' types: on the command line `--model.model_overrides.num_layers 4` arrives as the
+    string "4" (a dict's value types are unknown to the parser), so a string for a field that is not a string is
+    read as YAML ("4" -> 4, "0.01" -> 0.01, "null" -> None, "true" -> True)."""
+    hints = typing.get_type_hints(ModelConfig)
+    return {
+        key: _yaml_value(value) if isinstance(value, str) and hints.get(key, str) is not str else value
+        for key, value in overrides.items()
+    }
+
+
+def _yaml_value(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text  # not YAML: left as typed, for the field's own check to name
+
+
 def get_config(preset: str, **overrides) -> ModelConfig:
     """Build a config from a preset name, with field overrides (e.g. num_layers=5)."""
     if preset not in PRESETS:
         raise MTNLGError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     reject_unknown_fields(overrides, ModelConfig, "unknown model config field(s)")
+    overrides = typed_overrides(overrides)
     # The position table belongs to the preset (as it would to a checkpoint): a longer seq_len is an error.
     values = {"max_position_embeddings": PRESETS[preset]["seq_len"], **PRESETS[preset], **overrides}
     return ModelConfig(**values, name=preset)

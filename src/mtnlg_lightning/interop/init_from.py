@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from mtnlg_lightning.checkpoint.model_state import load_model_space
-from mtnlg_lightning.config import PRESETS, ModelConfig
+from mtnlg_lightning.config import PRESETS, ModelConfig, typed_overrides
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.hf import read_source, source_config
 
@@ -41,7 +41,7 @@ ARCHITECTURE = (
 def config_for_init(init_from: str, preset: str, overrides: dict | None) -> ModelConfig:
     """The run's model config: the source's architecture, the preset's (or overridden) seq_len, the overrides."""
     source = source_config(init_from)
-    overrides = dict(overrides or {})
+    overrides = typed_overrides(dict(overrides or {}))
     for field in ARCHITECTURE:
         theirs = getattr(source, field)
         if field in overrides and overrides[field] != theirs:
