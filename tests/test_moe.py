@@ -24,8 +24,7 @@ from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop import llama_mapping
 from mtnlg_lightning.interop.hf import family_of as hf_family_of
-from mtnlg_lightning.model import build_model
-from mtnlg_lightning.model import persistent_buffers as moe_buffers
+from mtnlg_lightning.model import build_model, persistent_buffers
 from mtnlg_lightning.planning.plan_cli import main as plan_main
 
 transformers = pytest.importorskip("transformers")
@@ -191,7 +190,7 @@ def test_the_expert_bias_steps_toward_balance_after_a_step_and_stays_fp32_throug
     bias = model.blocks["0"].mlp.expert_bias
     assert bias.dtype == torch.float32 and bias[0].item() == 1 + 2**-20
     assert model.blocks["0"].mlp.router.weight.dtype == torch.bfloat16
-    assert [name for name, _ in moe_buffers(model)] == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
+    assert [name for name, _ in persistent_buffers(model)] == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
 
 
 def test_a_sigmoid_router_model_is_refused_by_the_export_in_one_line():

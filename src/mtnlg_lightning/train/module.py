@@ -242,10 +242,11 @@ class MTNLGModule(L.LightningModule):
         update = self.runner.update(optimizer, self.grad_clip, undoable=bool(vetoers))
         # Every vetoer is asked (each observes the step); every rank gets the same answers.
         votes = [cb.should_skip_update(self.trainer, self, loss, update.grad_norm) for cb in vetoers]
-        update.finish(vetoed=any(votes))
+        vetoed = any(votes)
+        update.finish(vetoed=vetoed)
         expert_tokens = self._step_expert_tokens() if isinstance(self.loss_fn, WithRouterLosses) else None
         rate = self.config.expert_bias_update_rate if self.lora is None else 0.0  # LoRA: the bias is the base's
-        if expert_tokens is not None and rate > 0 and not any(votes):  # a vetoed step leaves the model as it was
+        if expert_tokens is not None and rate > 0 and not vetoed:  # a vetoed step leaves the model as it was
             balance_expert_bias(self.model, expert_tokens, self.config.moe_layers, rate)
         self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
         self._log_step(loss, update.grad_norm, lr, global_batch, expert_tokens)
