@@ -177,6 +177,43 @@ def test_the_sigmoid_router_chooses_by_score_plus_bias_and_weighs_by_the_score_a
     assert torch.equal(layer.stats.tokens_per_expert, torch.bincount(chosen.flatten(), minlength=4).float())
 
 
+def test_the_sigmoid_router_routes_and_its_layer_computes_as_transformers_deepseek_v3_does():
+    """transformers' DeepSeek-V3 router (one expert group, routed_scaling_factor 1, norm_topk_prob) and its experts,
+    holding our router's weight, our bias after balancing steps and our stacked experts: the same experts chosen,
+    the same weights and the same layer output (no shared expert)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3TopkRouter
+
+    torch.manual_seed(0)
+    config = tiny_moe(router="sigmoid", shared_expert_ffn_hidden_size=0, norm_topk_prob=True)
+    model = build_model(config)
+    layer = model.blocks["0"].mlp
+    torch.nn.init.normal_(layer.router.weight, std=0.3)
+    x = torch.randn(1, 64, config.hidden_size)
+    unbiased = layer.route(x[0])[1]
+    for _ in range(4):  # the bias our rule makes of this layer's loads
+        layer(x)
+        loads = torch.stack([layer.stats.tokens_per_expert, torch.zeros(4)])  # block 1 balanced: left as it is
+        moe.balance_expert_bias(model, loads, config.moe_layers, 0.05)
+    assert layer.expert_bias.abs().sum() > 0
+    theirs_config = transformers.DeepseekV3Config(
+        hidden_size=config.hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+    )  # fmt: skip
+    router, experts = DeepseekV3TopkRouter(theirs_config), DeepseekV3Experts(theirs_config)
+    with torch.no_grad():
+        router.weight.copy_(layer.router.weight)
+        router.e_score_correction_bias.copy_(layer.expert_bias)
+        experts.gate_up_proj.copy_(torch.cat([layer.experts.gate.weight, layer.experts.up.weight], dim=1))
+        experts.down_proj.copy_(layer.experts.down.weight)
+    _, their_weights, their_chosen = router(x)
+    our_weights, our_chosen = layer.route(x[0])
+    assert not torch.equal(our_chosen.sort(-1).values, unbiased.sort(-1).values)  # the bias moved some tokens
+    order, their_order = our_chosen.argsort(-1), their_chosen.argsort(-1)  # theirs come unsorted
+    assert torch.equal(our_chosen.gather(-1, order), their_chosen.gather(-1, their_order))
+    torch.testing.assert_close(our_weights.gather(-1, order), their_weights.gather(-1, their_order))
+    torch.testing.assert_close(layer(x)[0], experts(x[0], their_chosen, their_weights), rtol=1e-5, atol=1e-6)
+
+
 def test_the_expert_bias_steps_toward_balance_after_a_step_and_stays_fp32_through_a_cast():
     """Megatron's and DeepSeek-V3's update: + rate for an expert under the mean load, - rate over it, 0 at it."""
     model = build_model(tiny_moe(router="sigmoid", shared_expert_ffn_hidden_size=0, num_layers=2))
