@@ -15,14 +15,15 @@ import torch
 from mtnlg_lightning.checkpoint.format import read_meta
 from mtnlg_lightning.data.preferences import PreferenceDataModule, encode_completion, pairs_batch, to_pair
 from mtnlg_lightning.demo.synthetic.preferences import preference_examples, write_preferences
-from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, objective_config, pair_losses
+from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, adapters_disabled, apply_lora
-from mtnlg_lightning.train.dpo import PreferenceLoss, ReferenceLogps, SequenceScores, with_row_index
 from mtnlg_lightning.train.module import MTNLGModule
+from mtnlg_lightning.train.objectives import LanguageModelling, build_objective
+from mtnlg_lightning.train.objectives.preference import PreferenceLoss, ReferenceLogps, SequenceScores, with_row_index
 
 SEQ_LEN = 128
 
@@ -42,18 +43,23 @@ def our_model(directory: Path) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ the settings
+def objective_of(name: str, beta: float = 0.1, loss: str = "sigmoid", label_smoothing: float = 0.0):
+    settings = {"objective": name, "dpo_beta": beta, "dpo_loss": loss, "dpo_label_smoothing": label_smoothing}
+    return build_objective(settings)
+
+
 def test_dpo_settings_are_checked_in_one_line_each():
-    assert objective_config("lm", 0.1, "sigmoid", 0.0) is None
-    assert objective_config("dpo", 0.1, "ipo", 0.0) == DPOConfig(0.1, "ipo")
+    assert isinstance(objective_of("lm", 0.0, "hinge"), LanguageModelling)  # DPO's settings are DPO's alone
+    assert objective_of("dpo", 0.1, "ipo").config == DPOConfig(0.1, "ipo")
     for beta in (0.0, -0.5):
         with pytest.raises(MTNLGError, match=r"dpo_beta must be a number > 0"):
             MTNLGModule(objective="dpo", dpo_beta=beta)
     with pytest.raises(MTNLGError, match="dpo_loss must be one of sigmoid, ipo"):
-        objective_config("dpo", 0.1, "hinge", 0.0)
+        objective_of("dpo", 0.1, "hinge")
     with pytest.raises(MTNLGError, match="objective must be one of lm, dpo"):
-        objective_config("ppo", 0.1, "sigmoid", 0.0)
+        objective_of("ppo")
     with pytest.raises(MTNLGError, match=r"label_smoothing must be in \[0, 0.5\)"):
-        objective_config("dpo", 0.1, "sigmoid", 0.5)
+        objective_of("dpo", 0.1, "sigmoid", 0.5)
 
 
 def test_label_smoothing_is_cdpo():
@@ -285,7 +291,7 @@ def test_the_reference_pass_of_a_lora_fit_equals_the_base_model(base_dir, tmp_pa
             if trainer.global_step != 3:
                 return
             targeted = {**batch, "labels": with_row_index(batch["labels"])}
-            seen["step"] = module.preference.reference_logps(module, targeted, 2 * module.micro_batch_size)
+            seen["step"] = module.objective.reference_logps(module, targeted, 2 * module.micro_batch_size)
             base = our_model(base_dir)
             collector = ReferenceLogps(SequenceScores(), len(batch["labels"]), batch["labels"].device)
             with torch.no_grad():
@@ -332,7 +338,7 @@ def test_precomputed_reference_log_probs_need_no_copy_travel_in_the_checkpoint_a
 
     with_copy, _ = dpo_fit(base_dir, tmp_path / "copy", 4, callbacks=[saving("plain")])
     straight, module = dpo_fit(base_dir, tmp_path / "straight", 4, precompute_reference=True)
-    assert module.preference.reference_weights is None
+    assert module.objective.reference_weights is None
     for ours, theirs in zip(straight, with_copy, strict=True):
         assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
         assert ours["rewards/margin"] == pytest.approx(theirs["rewards/margin"], rel=1e-5, abs=1e-7)

@@ -75,7 +75,7 @@ def test_the_planned_copy_is_the_copy_a_full_weight_dpo_run_takes(tmp_path):
     from test_dpo import dpo_fit
 
     _, module = dpo_fit(random_family_dir(tmp_path / "base", "llama"), tmp_path / "run", 1)
-    held = sum(t.numel() * t.element_size() for t in module.preference.reference_weights.copies)
+    held = sum(t.numel() * t.element_size() for t in module.objective.reference_weights.copies)
     dpo = preference_plan("copy", False, 0)
     planned = plan(module.config, 1, 1, 1, 1, "h100", 4, zero_stage=0, precision="fp32", dpo=dpo)
     assert held > 0 and planned.dpo["reference_gb"] * 1e9 == pytest.approx(held, rel=1e-9)

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.loss import IGNORE_INDEX
 
-OBJECTIVES = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo")
 # The logged reward statistics, in the order `PairRewards.totals` holds them (then the pair count).
 REWARD_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
@@ -45,13 +44,6 @@ class DPOConfig:
             raise MTNLGError(f"model.dpo_label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
         if self.label_smoothing and self.loss != "sigmoid":
             raise MTNLGError("model.dpo_label_smoothing applies to dpo_loss sigmoid only")
-
-
-def objective_config(objective: str, beta: float, loss: str, label_smoothing: float) -> DPOConfig | None:
-    """None for language modelling; the DPO settings for `dpo` (checked: one line each)."""
-    if objective not in OBJECTIVES:
-        raise MTNLGError(f"model.objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    return DPOConfig(beta, loss, label_smoothing) if objective == "dpo" else None
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -83,11 +83,11 @@ def model_slots(model: nn.Module, config: ModelConfig, tp_rank: int = 0, tp_size
     return slots
 
 
-def model_buffers(model: nn.Module, lora: bool = False) -> list[tuple[str, torch.Tensor]]:
+def model_buffers(model: nn.Module, frozen_base: bool = False) -> list[tuple[str, torch.Tensor]]:
     """(model-space name, tensor) of every persistent buffer of this rank's part of the model
     (`model.persistent_buffers`): whole and equal on every rank holding its block, so one rank writes each. None in
-    a LoRA run (`lora`): like the frozen weights, they are its base's."""
-    if lora:
+    a run that trains adapters over a `frozen_base`: like the frozen weights, they are its base's."""
+    if frozen_base:
         return []
     chunked = isinstance(model, PipelineChunks)
     return [(global_name(name, chunked), buffer) for name, buffer in persistent_buffers(model)]

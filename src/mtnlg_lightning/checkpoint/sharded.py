@@ -91,15 +91,12 @@ def checkpoint_info(module, trainer, layout: dict) -> dict:
         "model_config": dataclasses.asdict(module.config),
         "saved_by": layout,
     }
-    lora = getattr(module, "lora", None)
-    if lora is not None:  # the stored tensors are the adapters of these settings (the frozen base is not stored)
-        info["lora"] = dataclasses.asdict(lora)
-    return info
+    return {**info, **module.manifest_entries()}  # what the run's extensions add (LoRA: its settings)
 
 
 def module_buffers(module) -> list:
     """The model-space buffers of a training module's part of the model (`model_space.model_buffers`)."""
-    return model_buffers(module.model, lora=getattr(module, "lora", None) is not None)
+    return model_buffers(module.model, frozen_base=module.frozen_base)
 
 
 def balanced_owners(slots: list[Slot], replicas: int) -> list[int]:

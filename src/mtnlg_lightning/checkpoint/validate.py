@@ -18,7 +18,7 @@ from pathlib import Path
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.model import build_model, persistent_buffers
-from mtnlg_lightning.parallel.lora import apply_lora, lora_config
+from mtnlg_lightning.parallel.lora import stored_parameters
 
 # The dtypes a checkpoint stores (manifest name -> safetensors name, bytes per element).
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
@@ -237,24 +237,22 @@ def config_of(manifest: dict, where: str):
 
 
 # ------------------------------------------------------------------------------------------------ model shapes
-def expected_shapes(config, tensor_count: int, lora: dict | None = None) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config, tensor_count: int, adapters: dict | None = None) -> dict[str, tuple[int, ...]]:
     """Model-space shapes of every parameter and persistent buffer of `config` (tied head left out, vocabulary
     unpadded), built on the meta device; a config claiming more layers than the manifest has tensors is refused
-    before building. With `lora` (a LoRA run's settings), the parameters that train: the adapters (the base is
-    frozen, not stored)."""
+    before building. With `adapters` (the settings of a run that trained adapters), the parameters that train: the
+    adapters (the base is frozen, not stored)."""
     if config.num_layers > tensor_count:
         raise _error(f"model_config says {config.num_layers} layers but the manifest has {tensor_count} tensors")
     try:  # meta tensors allocate nothing, but torch still refuses sizes past 2**63 bytes
         model = build_model(config, "meta")
     except (RuntimeError, OverflowError, ValueError) as error:
         raise _error(f"model_config describes a model that cannot be built ({one_line(error)})") from None
-    if lora is not None:
-        try:
-            apply_lora(model, lora_config(lora))
-        except MTNLGError as error:
-            raise _error(f"the checkpoint's LoRA settings do not fit its model ({one_line(error)})") from None
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad or lora is None}
-    if lora is None:  # a LoRA run's buffers are its base's, as its frozen weights are
+    try:
+        expected = {name: tuple(p.shape) for name, p in stored_parameters(model, adapters).items()}
+    except MTNLGError as error:
+        raise _error(f"the checkpoint's adapter settings do not fit its model ({one_line(error)})") from None
+    if adapters is None:  # an adapter run's buffers are its base's, as its frozen weights are
         expected |= {name: tuple(buffer.shape) for name, buffer in persistent_buffers(model)}
     for name in ("embed.wte.weight", "lm_head.weight"):
         if name in expected:

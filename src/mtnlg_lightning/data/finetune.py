@@ -149,8 +149,11 @@ class ChatDataModule(StepDataModule):
         """The tokenizer.json of the data (copied into every checkpoint)."""
         return self.chat.tokenizer_file if self.chat is not None else None
 
+    served = "sequences"  # what a sample is (`Objective.data_kind`)
+
     def check_objective(self) -> None:
-        """Refuse a model objective this data cannot train (every objective, here)."""
+        """Refuse a model objective this data cannot train, before the data is read."""
+        self._module.objective.check_data(self)
 
     def encode(self, specs, seq_len: int):
         """The examples of one split: an object with `each_example()`, `left_out` (reason -> count) and

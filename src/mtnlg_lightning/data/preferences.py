@@ -176,6 +176,8 @@ class PreferenceDataModule(ChatDataModule):
     and the rewards of the held-out pairs."""
 
     kind = "preference"
+    served = "pairs"
+    objective_hint = "set model.objective dpo (or --config dpo)"
     collate = staticmethod(pairs_batch)
 
     def __init__(self, precompute_reference: bool = False, **chat_records):
@@ -213,10 +215,6 @@ class PreferenceDataModule(ChatDataModule):
     def skipped(self) -> dict[str, Counter]:
         """Split -> reason -> records not made into pairs (chosen equal to rejected, no assistant tokens)."""
         return self.left_out
-
-    def check_objective(self) -> None:
-        if self._module.preference is None:
-            raise MTNLGError("preference data trains the dpo objective: set model.objective dpo (or --config dpo)")
 
     def encode(self, specs, seq_len: int) -> PairExamples:
         return encode_pairs(specs, self.chat, seq_len)

@@ -298,6 +298,15 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def stored_parameters(model: nn.Module, settings: dict | None) -> dict[str, nn.Parameter]:
+    """The parameters a checkpoint stores of `model` (a full GPT, any device): every one, or with a LoRA run's
+    recorded `settings`, its adapters only (put on `model` here; the base is frozen, not stored)."""
+    if settings is None:
+        return dict(model.named_parameters())
+    apply_lora(model, lora_config(settings))
+    return {name: param for name, param in model.named_parameters() if param.requires_grad}
+
+
 def adapter_names(config: ModelConfig, lora: LoRAConfig) -> dict[str, str]:
     """Model-space adapter module of every target (`blocks.N.attn.q`) -> its base weight's name."""
     names = lora.projections(config)

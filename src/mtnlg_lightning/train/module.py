@@ -13,27 +13,24 @@ from torch import nn
 
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
-from mtnlg_lightning.dpo_loss import objective_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.interop.lora_base import LORA_BASE, base_reference, check_base
-from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
+from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
-from mtnlg_lightning.moe import WithRouterLosses, balance_expert_bias
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
-from mtnlg_lightning.parallel.lora import lora_config
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
 from mtnlg_lightning.train import lightning_compat
 from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
-from mtnlg_lightning.train.dpo import PreferenceStep
+from mtnlg_lightning.train.extensions import extensions_for
 from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
+from mtnlg_lightning.train.objectives import build_objective
 from mtnlg_lightning.train.optimizer_recipe import build_adamw
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
-from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto, count_micro_batches
+from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 from mtnlg_lightning.train.training_position import TrainingPosition
 
@@ -107,9 +104,9 @@ class MTNLGModule(L.LightningModule):
                 alpha: 32, dropout: 0.0, targets: [q_proj, v_proj], rslora: false} (`parallel/lora.py`; targets:
                 our projection names or Hugging Face's, default every attention and MLP projection). Checkpoints
                 then hold the adapter and name the base by path and content hash.
-            objective: `lm` (next-token cross-entropy) or `dpo` (preference pairs from
-                `data.preferences.PreferenceDataModule`: a sample is one pair; `train/dpo.py`). The DPO reference is
-                the base with the adapters off under LoRA, else a frozen copy of the starting weights.
+            objective: what the run trains (`train/objectives`): `lm` (next-token cross-entropy) or `dpo` (chosen
+                and rejected answers of `--config dpo`'s data: a sample is one pair). The DPO reference is the base
+                with the adapters off under `lora`, else a frozen copy of the starting weights.
             dpo_beta: DPO's beta (> 0), the strength of the pull toward the reference.
             dpo_loss: `sigmoid` (DPO) or `ipo` (IPO: log-ratios averaged over the completion tokens).
             dpo_label_smoothing: cDPO's assumed share of flipped labels, in [0, 0.5) (sigmoid only).
@@ -137,9 +134,10 @@ class MTNLGModule(L.LightningModule):
         self.grad_clip = grad_clip
         self.automatic_optimization = False  # micro-batch accumulation and the update are driven here
         self.model: torch.nn.Module | None = None
-        self.loss_fn = cross_entropy
-        if self.config.moe:  # the router's auxiliary and z losses join the objective (`moe.py`)
-            self.loss_fn = WithRouterLosses(cross_entropy, self, self.config)
+        # what the model's family and the config add to the step (`train/extensions`), before the objective
+        self.extensions = extensions_for(self.config, self.hparams)
+        self.objective = build_objective(self.hparams)  # what the step trains (`train/objectives`)
+        self.loss_fn = self.layout_loss(cross_entropy)
         self.position = TrainingPosition(self.batch_schedule)  # consumed samples, step, LR-schedule position
         self._step_started: float | None = None
         self._first_loss: float | None = None
@@ -152,15 +150,6 @@ class MTNLGModule(L.LightningModule):
         self.compile_with = compile_backend if compile else None  # the backend each block is compiled with
         self.runner: LocalRunner | MegatronDeepSpeedStrategy | None = None  # the step's parts, set by `setup`
         self.count_wait_s = 0.0  # this step's wait in the all-reduce of the counted labels
-        self.lora = lora_config(lora)
-        self.lora_base: dict | None = None  # the base the adapter trains on: {path, content}
-        preference = objective_config(objective, dpo_beta, dpo_loss, dpo_label_smoothing)
-        self.preference = PreferenceStep(preference) if preference is not None else None
-        if self.lora is not None:
-            self.lora.projections(self.config)  # a target the model lacks is one line now
-            if not init_from:
-                raise MTNLGError("model.lora needs model.init_from: the model directory the adapter trains on")
-            self.lora_base = base_reference(init_from)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -170,17 +159,37 @@ class MTNLGModule(L.LightningModule):
             load_init_weights(model, self.hparams.init_from)
         strategy = lightning_compat.strategy_of(self)
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it applies the layout in its setup (collectives)
-            self.model = model
+            self.set_model(model)
         else:  # one process, or Lightning's DDP: no layout, only adapters, recomputation and compilation
-            self.model = parallelize_gpt(model, None, model_device(model), recompute=self.recompute,
-                                         compile_backend=self.compile_with, lora=self.lora).model  # fmt: skip
-            self.on_layout_applied()
+            self.on_layout_applied(parallelize_gpt(model, None, model_device(model), **self.model_transforms()).model)
 
-    def on_layout_applied(self) -> None:
-        """The model is this rank's part of the layout, before a checkpoint is restored into it (the 3D strategy
+    def model_transforms(self) -> dict:
+        """What the layout applies besides its sharding (`parallelize_gpt`'s keyword arguments): recomputation,
+        compilation and the extensions' transforms."""
+        transforms = {"recompute": self.recompute, "compile_backend": self.compile_with}
+        for extension in self.extensions:
+            transforms.update(extension.model_transforms())
+        return transforms
+
+    def set_model(self, model: nn.Module) -> None:
+        self.model = model
+        for extension in self.extensions:
+            extension.on_model(model)
+
+    def layout_loss(self, loss_fn) -> object:
+        """The micro-batch loss of the layout (`loss_fn`: its token loss) with the extensions' terms."""
+        for extension in self.extensions:
+            loss_fn = extension.wrap_loss(loss_fn)
+        return loss_fn
+
+    def on_layout_applied(self, model: nn.Module, loss_fn=None) -> None:
+        """`model` is this rank's part of the layout (`loss_fn` its token loss, where the layout has its own: TP's
+        vocabulary-parallel, PP's last stage, CP's chunks), before a checkpoint is restored into it (the 3D strategy
         calls this from its `setup`): full-weight DPO copies its reference here."""
-        if self.preference is not None:
-            self.preference.take_reference(self)
+        self.set_model(model)
+        if loss_fn is not None:
+            self.loss_fn = self.layout_loss(loss_fn)
+        self.objective.on_layout_applied(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -198,8 +207,9 @@ class MTNLGModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         strategy = self.trainer.strategy
-        if self.preference is not None:
-            self.preference.check_layout(self, strategy)
+        if self.trainer.datamodule is not None:
+            self.objective.check_data(self.trainer.datamodule)
+        self.objective.check_layout(self, strategy)
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return
@@ -232,42 +242,26 @@ class MTNLGModule(L.LightningModule):
         optimizer = self.trainer.optimizers[0]
         batch_start, global_batch = int(batch["consumed_samples"]), int(batch["global_batch_size"])
         lr = optimizer.param_groups[0]["lr"]
-        if isinstance(self.loss_fn, WithRouterLosses):  # this step's tokens per expert, for the logs
-            self.loss_fn.reset_step()
-        if self.preference is not None:
-            loss = self.preference.forward_backward(self, batch)
-        else:
-            loss = self.runner.forward_backward(batch, self.micro_batch_size, self.step_loss(batch))
+        for extension in self.extensions:
+            extension.before_step(self)
+        loss = self.objective.forward_backward(self, batch)
         vetoers = [cb for cb in self.trainer.callbacks if isinstance(cb, UpdateVeto)]
         update = self.runner.update(optimizer, self.grad_clip, undoable=bool(vetoers))
         # Every vetoer is asked (each observes the step); every rank gets the same answers.
         votes = [cb.should_skip_update(self.trainer, self, loss, update.grad_norm) for cb in vetoers]
         vetoed = any(votes)
         update.finish(vetoed=vetoed)
-        expert_tokens = self._step_expert_tokens() if isinstance(self.loss_fn, WithRouterLosses) else None
-        rate = self.config.expert_bias_update_rate if self.lora is None else 0.0  # LoRA: the bias is the base's
-        if expert_tokens is not None and rate > 0 and not vetoed:  # a vetoed step leaves the model as it was
-            balance_expert_bias(self.model, expert_tokens, self.config.moe_layers, rate)
+        for extension in self.extensions:
+            extension.after_update(self, vetoed)
         self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
-        self._log_step(loss, update.grad_norm, lr, global_batch, expert_tokens)
-        if self.preference is not None:
-            self.preference.log_rewards(self)
+        self._log_step(loss, update.grad_norm, lr, global_batch)
+        self.objective.log_metrics(self)
         return loss
 
     @property
     def consumed_samples(self) -> int:
         """Samples of the blended stream consumed so far (the data position's; read-only here)."""
         return self.position.consumed_samples
-
-    def step_loss(self, batch: dict) -> StepLoss:
-        """A micro-batch's loss in this step (`loss.StepLoss`): its token mean weighted by its share of the labels
-        counted over the whole global batch (one all-reduce of a count per step)."""
-        started = time.perf_counter()
-        counted = int(self.trainer.strategy.reduce(counted_labels(batch["labels"]), reduce_op="sum"))
-        # Waiting here is waiting for the slowest rank: `StragglerMonitor` leaves it out of this rank's own time.
-        self.count_wait_s = time.perf_counter() - started
-        micro_batches = count_micro_batches(batch, self.micro_batch_size)
-        return StepLoss(self.loss_fn, micro_batches, self.trainer.world_size, counted)
 
     def restart_train_data(self) -> None:
         """Restart the train data stream at the data position after a callback moved it (loss-spike rewind, recorded
@@ -282,60 +276,18 @@ class MTNLGModule(L.LightningModule):
             return -1  # Lightning: end this epoch now
         return None
 
-    def _step_expert_tokens(self) -> torch.Tensor:
-        """[MoE layers, E]: each MoE layer's (token, expert) assignments of the step, summed over micro-batches and
-        ranks (one all-reduce, on every rank: a pipeline's last stage holds the counts, the others zeros). fp64:
-        a large step's counts pass 2**24, past which fp32 sums depend on their order (so on the layout)."""
-        expert_tokens = self.loss_fn.expert_tokens
-        none = torch.zeros(self.config.num_experts, device=self.device)
-        per_layer = [expert_tokens.get(name, none) for name in self.loss_fn.totals.layer_names]
-        local = torch.stack([torch.as_tensor(t, device=self.device) for t in per_layer]).double()
-        counts = self.trainer.strategy.reduce(local, reduce_op="sum")
-        layout = getattr(self.trainer.strategy, "layout", None)
-        # the ranks of a TP (and CP) group count the same tokens: each the whole sequence's
-        return counts / (layout.tensor_parallel * layout.context_parallel if layout is not None else 1)
-
-    def _log_expert_tokens(self, counts: torch.Tensor) -> None:
-        """The step's assignments (`_step_expert_tokens`): `moe_tokens/LAYER/expert_E`, and `moe_max_load/LAYER`,
-        the busiest expert's count over the mean (1.0 when balanced)."""
-        names = self.loss_fn.totals.layer_names
-        for name, per_expert in zip(names, counts.cpu(), strict=True):
-            for expert, tokens in enumerate(per_expert.tolist()):
-                self.log(f"moe_tokens/{name}/expert_{expert}", tokens)
-            self.log(f"moe_max_load/{name}", float(per_expert.max() / per_expert.mean().clamp(min=1e-9)))
-
-    def _router_logs(self) -> dict[str, torch.Tensor]:
-        """The router's unscaled losses averaged over the step's micro-batches (the caller averages them over the
-        ranks, as train_loss: the same values in any layout), and under a capacity factor the (token, expert) pairs
-        this rank's last micro-batch dropped. A pipeline's last stage computes them; every rank of the pipeline
-        gets its values (rank 0 writes the logs)."""
-        values = self.loss_fn.step_means()
-        if self.loss_fn.capacity and "moe_dropped_tokens" in self.loss_fn.last:
-            values["moe_dropped_tokens"] = self.loss_fn.last["moe_dropped_tokens"]
-        pipeline = getattr(self.runner, "pipeline", None)
-        if pipeline is None:
-            return values
-        names = ["router_aux_loss", "router_z_loss"] + (["moe_dropped_tokens"] if self.loss_fn.capacity else [])
-        local = torch.zeros(len(names), device=self.device)
-        if pipeline.is_last:
-            local = torch.stack([values[name].float().to(self.device) for name in names])
-        return dict(zip(names, pipeline.from_last_stage(local), strict=True))
-
-    def _log_step(self, loss, grad_norm, lr: float, global_batch: int, expert_tokens=None) -> None:
+    def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
         now = time.perf_counter()
         seconds, self._step_started = now - self._step_started, now
-        # A DPO sample is a pair of sequences (the reference's forward is not counted in the FLOPs).
-        sequences = global_batch * (2 if self.preference is not None else 1)
+        sequences = global_batch * self.objective.sequences_per_sample
         tokens = sequences * self.config.seq_len
         flops = flops_per_iteration(self.config, sequences)
         tflops = flops / seconds / self.trainer.world_size / 1e12
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
         self.log("lr", lr, prog_bar=True)
         self.log("grad_norm", torch.as_tensor(grad_norm, dtype=torch.float32))
-        if isinstance(self.loss_fn, WithRouterLosses):
-            for name, value in self._router_logs().items():
-                self.log(name, value, sync_dist=name.startswith("router_"))
-            self._log_expert_tokens(expert_tokens)
+        for extension in self.extensions:
+            extension.log_step(self)
         self.log("consumed_samples", float(self.consumed_samples))
         self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
         self.log("global_batch_size", float(global_batch))
@@ -353,8 +305,7 @@ class MTNLGModule(L.LightningModule):
     def on_fit_start(self) -> None:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self._peak_flops = peak_flops_for(device_name, self.hparams.peak_tflops)
-        if self.preference is not None:  # before a checkpoint is restored under the 3D strategy, and any step
-            self.preference.precompute(self)
+        self.objective.on_fit_start(self)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._first_loss is None and "train_loss" in self.trainer.callback_metrics:
@@ -369,36 +320,37 @@ class MTNLGModule(L.LightningModule):
             )
 
     # ---------------------------------------------------------------- evaluation
-    def _eval_loss(self, batch) -> torch.Tensor:
-        """The batch's token-mean loss (DPO: pair-mean), forward only."""
-        if self.preference is not None:
-            return self.preference.evaluate(self, batch)
-        return self.runner.evaluate(batch, self.micro_batch_size, self.step_loss(batch))
-
     def validation_step(self, batch, batch_idx):
         size = len(batch["labels"])
-        self.log("val_loss", self._eval_loss(batch), prog_bar=True, sync_dist=True, batch_size=size)
-        if self.preference is not None:  # the held-out pairs' rewards
-            self.preference.log_rewards(self, prefix="val_")
+        self.log("val_loss", self.objective.evaluate(self, batch), prog_bar=True, sync_dist=True, batch_size=size)
+        self.objective.log_metrics(self, prefix="val_")  # e.g. the held-out pairs' rewards
 
     def test_step(self, batch, batch_idx):
-        self.log("test_loss", self._eval_loss(batch), sync_dist=True, batch_size=len(batch["labels"]))
+        self.log("test_loss", self.objective.evaluate(self, batch), sync_dist=True, batch_size=len(batch["labels"]))
 
     # ---------------------------------------------------------------- checkpoint state
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint.update(self.position.state_dict())
-        if self.lora_base is not None:
-            checkpoint[LORA_BASE] = self.lora_base
-        if self.preference is not None:
-            checkpoint.update(self.preference.state_dict(self))
+        for extension in self.extensions:
+            extension.on_save_checkpoint(self, checkpoint)
+        checkpoint.update(self.objective.state_dict(self))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if checkpoint.get(LORA_BASE) is not None and self.lora_base is not None:
-            check_base(checkpoint[LORA_BASE], self.lora_base)
+        for extension in self.extensions:
+            extension.on_load_checkpoint(self, checkpoint)
         self.position.load_state_dict(checkpoint)
-        if self.preference is not None:
-            self.preference.load_state_dict(self, checkpoint)
+        self.objective.load_state_dict(self, checkpoint)
         self.configure_model()
+
+    # ---------------------------------------------------------------- what checkpoints record of the extensions
+    @property
+    def frozen_base(self) -> bool:
+        """The run trains adapters over a frozen base: its buffers, as its frozen weights, are the base's."""
+        return any(extension.frozen_base for extension in self.extensions)
+
+    def manifest_entries(self) -> dict:
+        """What a checkpoint's manifest records of the extensions (e.g. the adapters' settings)."""
+        return {key: value for extension in self.extensions for key, value in extension.manifest_entries().items()}
 
 
 def model_device(model: nn.Module) -> torch.device:

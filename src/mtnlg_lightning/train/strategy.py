@@ -31,7 +31,6 @@ from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
 from mtnlg_lightning.checkpoint.commit import remove_checkpoint
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
 from mtnlg_lightning.extras import require_extra
-from mtnlg_lightning.moe import WithRouterLosses
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.config import ParallelConfig, PipelineParallelSettings
 from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
@@ -252,17 +251,10 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
                 self.pipeline_settings,
                 self.sequence_parallel,
                 self.context_parallel_kernel,
-                module.recompute,
-                module.compile_with,
-                module.lora,
+                **module.model_transforms(),
             )
-            module.model = self.parallel.model
-            if isinstance(module.loss_fn, WithRouterLosses):  # the router's losses stay around the layout's
-                module.loss_fn.loss_fn = self.parallel.loss_fn or module.loss_fn.loss_fn
-            elif self.parallel.loss_fn is not None:
-                module.loss_fn = self.parallel.loss_fn
-            if hasattr(module, "on_layout_applied"):  # before a checkpoint is restored into the model
-                module.on_layout_applied()
+            # before a checkpoint is restored into the model
+            module.on_layout_applied(self.parallel.model, self.parallel.loss_fn)
         self.model = self.precision_plugin.convert_module(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -1,4 +1,4 @@
-"""A preference-tuning step (`--model.objective dpo`): the reference pass, then the policy's forward and backward
+"""The preference objective (`--model.objective dpo`): the reference pass, then the policy's forward and backward
 through the same step path as language modelling (`runner.forward_backward`: one process, TP, PP, ZeRO).
 
 A sample is one pair: a rank's batch holds its pairs as interleaved rows (chosen, rejected, ...), and a micro-batch
@@ -13,12 +13,13 @@ The reference model:
 - with full weights, a frozen copy of this rank's shards, taken once the layout is applied and before a checkpoint
   is restored (`ReferenceWeights`: the starting weights, on a resume too), swapped in for the reference pass only;
 - or, with `data.precompute_reference`, log-probs computed once before the first step with the starting weights in
-  the run's layout (`PreferenceStep.precompute`: no copy, so full weights run under ZeRO-3 too), which the data
+  the run's layout (`Preference.on_fit_start`: no copy, so full weights run under ZeRO-3 too), which the data
   then brings (`reference_logps` in the batch) and every checkpoint keeps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -29,6 +30,7 @@ from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses, per_to
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss
 from mtnlg_lightning.parallel.lora import adapters_disabled
+from mtnlg_lightning.train.objectives.objective import Objective
 
 REFERENCE_STATE = "dpo_reference_logps"  # the checkpoint's precomputed reference log-probs, split -> [2 x pairs]
 
@@ -130,31 +132,41 @@ class ReferenceWeights:
 def precomputing(module) -> bool:
     """Whether the run's data brings the reference log-probabilities (`data.precompute_reference`): full weights
     only; under LoRA the reference is the base with the adapters off, nothing to precompute."""
-    return module.lora is None and bool(getattr(module.trainer.datamodule, "precompute_reference", False))
+    return not module.frozen_base and bool(getattr(module.trainer.datamodule, "precompute_reference", False))
 
 
-class PreferenceStep:
-    """The module's DPO step: `forward_backward` and `evaluate` as the runner's, on pairs; `log_rewards` after."""
+class Preference(Objective):
+    """DPO / IPO on pairs: `forward_backward` and `evaluate` as the runner's, on pairs; the rewards logged after.
+    Settings: the module's `dpo_beta`, `dpo_loss`, `dpo_label_smoothing` (`dpo_loss.DPOConfig`)."""
+
+    name = "dpo"
+    data_kind = "pairs"
+    data_hint = "preference records (data.PreferenceDataModule: --config dpo)"
+    sequences_per_sample = 2  # a chosen and a rejected sequence (the reference's forward is not counted)
 
     def __init__(self, config: DPOConfig):
         self.config = config
         self.reference_weights: ReferenceWeights | None = None
         self.rewards: PairRewards | None = None
 
-    def take_reference(self, module) -> None:
+    @classmethod
+    def from_hparams(cls, hparams: Mapping) -> Preference:
+        return cls(DPOConfig(hparams["dpo_beta"], hparams["dpo_loss"], hparams["dpo_label_smoothing"]))
+
+    def on_layout_applied(self, module) -> None:
         """Full-weight DPO: the reference is the model as its layout holds it before a checkpoint is restored into
         it or any update (the starting weights, on a resume too); none is kept when the data brings its log-probs."""
-        if module.lora is None and self.reference_weights is None and not precomputing(module):
+        if not module.frozen_base and self.reference_weights is None and not precomputing(module):
             self.reference_weights = ReferenceWeights(module.model)
 
     def check_layout(self, module, strategy) -> None:
-        if module.lora is None and getattr(strategy, "zero_stage", 0) >= 3 and not precomputing(module):
+        if not module.frozen_base and getattr(strategy, "zero_stage", 0) >= 3 and not precomputing(module):
             raise MTNLGError(
                 "full-weight DPO under ZeRO-3 keeps no reference copy: set data.precompute_reference true, or use "
                 "LoRA, or zero_stage 1 or 2"
             )
 
-    def precompute(self, module) -> None:
+    def on_fit_start(self, module) -> None:
         """Before the first step of a run (the model holds its starting weights), with `data.precompute_reference`:
         every pair's reference log-probabilities, computed in the run's layout a global batch of pairs at a time
         (this data-parallel rank its share, as a step's batch), then summed over the ranks that computed each row
@@ -208,7 +220,7 @@ class PreferenceStep:
         return SequenceScores(module.loss_fn)
 
     def _reference_model(self, module):
-        if module.lora is not None:
+        if module.frozen_base:
             return adapters_disabled(module.model)
         if precomputing(module):
             return nullcontext(module.model)  # before the first step: the policy is the reference
@@ -254,7 +266,7 @@ class PreferenceStep:
         self.rewards = loss_fn.rewards
         return loss
 
-    def log_rewards(self, module, prefix: str = "") -> None:
+    def log_metrics(self, module, prefix: str = "") -> None:
         """The step's rewards, means over the global batch's pairs (one all-reduce of five sums)."""
         totals = module.trainer.strategy.reduce(self.rewards.totals, reduce_op="sum")
         pairs = int(self.rewards.seen.numel())
