@@ -23,7 +23,7 @@ from mtnlg_lightning.families import active_parameters, count_parameters, family
 from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop import llama_mapping
-from mtnlg_lightning.interop.hf import family_of as hf_family_of
+from mtnlg_lightning.interop.hf import mapping_for
 from mtnlg_lightning.model import build_model, persistent_buffers
 from mtnlg_lightning.planning.plan_cli import main as plan_main
 
@@ -237,7 +237,7 @@ def test_a_sigmoid_router_model_is_refused_by_the_export_in_one_line():
     config = get_config("qwen3-30b-a3b", router="sigmoid")
     assert family_of(config) is None
     with pytest.raises(MTNLGError, match="router sigmoid"):
-        hf_family_of(config)
+        mapping_for(config)
 
 
 def dataclass_replace(config, **changes):

@@ -33,6 +33,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
+from mtnlg_lightning.torch_compat import non_persistent_buffer_names
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -158,40 +159,39 @@ class DocumentMask:
 
 # ---------------------------------------------------------------------------------------------- the block
 class Attention(nn.Module):
+    """Self-attention; its subclass, chosen once by `make_attention`, says how the input becomes q, k and v."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.head_dim = config.head_dim
         heads, kv_heads, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-        if config.fused_qkv:  # rows laid out [heads, 3, head_dim]: a contiguous column shard holds whole heads
-            self.qkv = nn.Linear(h, 3 * heads * hd, bias=config.qkv_bias)
-        else:  # grouped-query: key/value heads split (or replicated) over TP apart from the query heads
-            self.q = nn.Linear(h, heads * hd, bias=config.qkv_bias)
-            self.k = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
-            self.v = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
+        self.make_projections(config)  # first: the parameters' order (and the init's draws) is q/k/v, proj, norms
         self.proj = nn.Linear(heads * hd, h, bias=config.bias)
-        if config.qk_norm:  # over each head's dims, or over the whole projection (OLMoE)
-            whole = config.qk_norm_over == "projection"
+        # q/k norms: None, over each head's dims (Qwen 3) or over the whole projection (OLMoE)
+        self.qk_norm_over = config.qk_norm_over if config.qk_norm else None
+        if self.qk_norm_over is not None:
+            whole = self.qk_norm_over == "projection"
             self.q_norm = nn.RMSNorm(heads * hd if whole else hd, eps=config.layernorm_eps)
             self.k_norm = nn.RMSNorm(kv_heads * hd if whole else hd, eps=config.layernorm_eps)
         self.dropout = config.attention_dropout
         # Swappable so activation checkpointing can recompute just the attention core (Megatron's selective).
         self.core = AttentionCore()
 
+    def make_projections(self, config: ModelConfig) -> None:
+        """The q, k and v projections."""
+        raise NotImplementedError
+
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, S, heads, hd], k and v [B, S, kv_heads, hd] of this rank's heads."""
+        raise NotImplementedError
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, heads, S, hd], k and v [B, kv_heads, S, hd] (this rank's heads)."""
-        if hasattr(self, "qkv"):
-            qkv = self.qkv(x)
-            B, S, _ = qkv.shape  # from the projection: a sequence-parallel qkv receives a slice and gathers it
-            q, k, v = qkv.view(B, S, -1, 3, self.head_dim).unbind(dim=3)  # -1: heads held by this rank
-        else:
-            q, k, v = self.q(x), self.k(x), self.v(x)
-            B, S, _ = q.shape
-            q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))
-        if hasattr(self, "q_norm"):  # before the rotation: over each head's dims (Qwen 3) or all of them (OLMoE)
-            if self.q_norm.normalized_shape[0] == self.head_dim:
-                q, k = self.q_norm(q), self.k_norm(k)
-            else:
-                q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        q, k, v = self.split_heads(x)
+        if self.qk_norm_over == "head":  # before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm_over == "projection":
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
@@ -212,6 +212,41 @@ class Attention(nn.Module):
             y = attention(q, k, v, causal=q.shape[2] > 1)
         B, _, S, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class FusedQKVAttention(Attention):
+    """Multi-head attention with one q/k/v projection, rows laid out [heads, 3, head_dim]: a contiguous column shard
+    holds whole heads (GPT, MT-NLG)."""
+
+    def make_projections(self, config: ModelConfig) -> None:
+        width = 3 * config.num_heads * config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, width, bias=config.qkv_bias)
+
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv(x)
+        B, S, _ = qkv.shape  # from the projection: a sequence-parallel qkv receives a slice and gathers it
+        q, k, v = qkv.view(B, S, -1, 3, self.head_dim).unbind(dim=3)  # -1: heads held by this rank
+        return q, k, v
+
+
+class GroupedQueryAttention(Attention):
+    """Separate q, k and v projections: the key/value heads split (or replicated) over TP apart from the query
+    heads (Llama, Qwen, the mixtures of experts)."""
+
+    def make_projections(self, config: ModelConfig) -> None:
+        heads, kv_heads, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+        self.q = nn.Linear(h, heads * hd, bias=config.qkv_bias)
+        self.k = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
+        self.v = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
+
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        B, S, _ = q.shape
+        return tuple(t.view(B, S, -1, self.head_dim) for t in (q, k, v))
+
+
+def make_attention(config: ModelConfig) -> Attention:
+    return FusedQKVAttention(config) if config.fused_qkv else GroupedQueryAttention(config)
 
 
 def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True) -> torch.Tensor:
@@ -238,33 +273,44 @@ class AttentionCore(nn.Module):
         return attention(q, k, v, dropout_p)
 
 
-class MLP(nn.Module):
-    """GELU (tanh): fc2(gelu(fc1(x))); SwiGLU: down(silu(gate(x)) * up(x)). `width`: the hidden width if not
-    ffn_hidden_size (a mixture of experts' shared expert)."""
+class GeluMLP(nn.Module):
+    """fc2(gelu(fc1(x))), GELU's tanh form (GPT, MT-NLG). `width`: the hidden width if not ffn_hidden_size."""
 
     def __init__(self, config: ModelConfig, width: int | None = None):
         super().__init__()
         h, f = config.hidden_size, width or config.ffn_hidden_size
-        if config.mlp == "swiglu":
-            self.gate = nn.Linear(h, f, bias=config.bias)
-            self.up = nn.Linear(h, f, bias=config.bias)
-            self.down = nn.Linear(f, h, bias=config.bias)
-        else:
-            self.fc1 = nn.Linear(h, f, bias=config.bias)
-            self.fc2 = nn.Linear(f, h, bias=config.bias)
+        self.fc1 = nn.Linear(h, f, bias=config.bias)
+        self.fc2 = nn.Linear(f, h, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate"):
-            return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Llama, Qwen). `width`: the hidden width if not ffn_hidden_size (a mixture of
+    experts' shared expert)."""
+
+    def __init__(self, config: ModelConfig, width: int | None = None):
+        super().__init__()
+        h, f = config.hidden_size, width or config.ffn_hidden_size
+        self.gate = nn.Linear(h, f, bias=config.bias)
+        self.up = nn.Linear(h, f, bias=config.bias)
+        self.down = nn.Linear(f, h, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+DENSE_MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU}  # by `ModelConfig.mlp`
 
 
 def make_mlp(config: ModelConfig, index: int) -> nn.Module:
     """Block `index`'s MLP: dense, or a mixture of experts (`moe.py`) where the config says."""
+    dense = DENSE_MLPS[config.mlp]
     if not config.is_moe_layer(index):
-        return MLP(config)
+        return dense(config)
     shared = config.shared_expert_ffn_hidden_size
-    return MoE(config, MLP(config, shared) if shared else None)
+    return MoE(config, dense(config, shared) if shared else None)
 
 
 class Block(nn.Module):
@@ -273,7 +319,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         self.ln1 = make_norm(config, config.hidden_size)
-        self.attn = Attention(config)
+        self.attn = make_attention(config)
         self.ln2 = make_norm(config, config.hidden_size)
         self.mlp = make_mlp(config, index)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -285,18 +331,32 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
+    """The word embedding (positions enter the attention: RoPE)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.wte = nn.Embedding(config.padded_vocab_size(), config.hidden_size)
-        if config.position_embedding == "learned":
-            self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.make_positions(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    def make_positions(self, config: ModelConfig) -> None:
+        """A position table, where positions enter here."""
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens)
-        if hasattr(self, "wpe"):
-            x = x + self.wpe(positions)
-        return self.dropout(x)
+        return self.dropout(self.wte(tokens))
+
+
+class LearnedPositionEmbedding(Embedding):
+    """The word embedding plus a learned position table (GPT, MT-NLG)."""
+
+    def make_positions(self, config: ModelConfig) -> None:
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.wte(tokens) + self.wpe(positions))
+
+
+EMBEDDINGS = {"learned": LearnedPositionEmbedding, "rope": Embedding}  # by `ModelConfig.position_embedding`
 
 
 class GPT(nn.Module):
@@ -307,7 +367,7 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed = Embedding(config)
+        self.embed = EMBEDDINGS[config.position_embedding](config)
         # A dict keeps parameter names stable when pipeline stages delete the blocks they do not own.
         self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_layers)})
         self.norm = make_norm(config, config.hidden_size)
@@ -465,5 +525,5 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         (f"{prefix}.{name}" if prefix else name, buffer)
         for prefix, module in model.named_modules()
         for name, buffer in module.named_buffers(recurse=False)
-        if name not in module._non_persistent_buffers_set
+        if name not in non_persistent_buffer_names(module)
     ]

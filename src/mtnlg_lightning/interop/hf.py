@@ -37,7 +37,8 @@ from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
 from mtnlg_lightning.interop.lora_base import base_path, with_base
 from mtnlg_lightning.outputs import staged_dir
 
-FAMILIES = {kind: family for family in (gpt2_mapping, llama_mapping) for kind in family.MODEL_TYPES}
+# config.json's model_type -> the mapping module that reads and writes it
+MAPPINGS = {kind: mapping for mapping in (gpt2_mapping, llama_mapping) for kind in mapping.MODEL_TYPES}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Mixtures of experts whose design this decoder does not have: named in the one line that refuses them.
 UNSUPPORTED_DESIGNS = {
@@ -71,23 +72,23 @@ def _family_and_config(path: Path):
     if kind in UNSUPPORTED_DESIGNS:
         raise MTNLGError(
             f"{path} holds a {kind} mixture of experts, whose {UNSUPPORTED_DESIGNS[kind]} this decoder does not "
-            f"have; the architectures that can be read are {', '.join(sorted(FAMILIES))}"
+            f"have; the architectures that can be read are {', '.join(sorted(MAPPINGS))}"
         )
-    if kind not in FAMILIES:
+    if kind not in MAPPINGS:
         named = ", ".join(cfg.get("architectures") or []) if isinstance(cfg.get("architectures"), list) else ""
         raise MTNLGError(
             f"{path} holds a {kind!r} model{f' ({named})' if named else ''}; the architectures that can be read "
-            f"are {', '.join(sorted(FAMILIES))}"
+            f"are {', '.join(sorted(MAPPINGS))}"
         )
-    family = FAMILIES[kind]
-    return family, family.read_config(cfg, path)
+    mapping = MAPPINGS[kind]
+    return mapping, mapping.read_config(cfg, path)
 
 
-def family_of(config: ModelConfig):
-    """The Hugging Face family that holds this block, for export."""
-    for family in (gpt2_mapping, llama_mapping):
-        if family.holds(config):
-            return family
+def mapping_for(config: ModelConfig):
+    """The mapping module (`gpt2_mapping`, `llama_mapping`) that writes this block as a Hugging Face family."""
+    for mapping in (gpt2_mapping, llama_mapping):
+        if mapping.holds(config):
+            return mapping
     raise MTNLGError(
         f"no Hugging Face architecture this export writes (GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, "
         f"Mixtral, OLMoE) holds this block "
@@ -206,7 +207,7 @@ def export_hf(
     overwrite: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict:
-    """Write `state` as a Hugging Face directory of its family (`family_of`) at `output` (temp dir, then rename),
+    """Write `state` as a Hugging Face directory of its family (`mapping_for`) at `output` (temp dir, then rename),
     its weights streamed into shards of at most `max_shard_size` bytes (Hugging Face's layout). Returns a summary;
     its `tokenizer` is None when none was known (the model is still written: pass one later or copy its files in).
     The tokenizer goes with the source's chat template (`state.chat`; a `tokenizer` directory's own first)."""
@@ -221,7 +222,7 @@ def export_hf(
     tokenizer = tokenizer or state.tokenizer
     tok = Tokenizer(tokenizer) if tokenizer else None
     config, weights = state.config, as_lazy(state.weights)
-    family = family_of(config)
+    family = mapping_for(config)
     eod_id = tok.eod_id if tok else None
     vocab = config.vocab_size
     if tok is not None:  # the padded rows and any rows past the tokenizer's ids are never produced: trim them

@@ -33,16 +33,16 @@ from mtnlg_lightning.families import (
     stacked_over_experts,
 )
 
-FAMILIES = {family.hf_model_type: family for family in (LLAMA, QWEN2, QWEN3, *MOE_FAMILIES)}
+BY_MODEL_TYPE = {family.hf_model_type: family for family in (LLAMA, QWEN2, QWEN3, *MOE_FAMILIES)}
 MOE_TYPES = tuple(family.hf_model_type for family in MOE_FAMILIES)
-MODEL_TYPES = tuple(FAMILIES)
+MODEL_TYPES = tuple(BY_MODEL_TYPE)
 HEAD = "lm_head.weight"
 CONSTANT_BUFFERS = ("rotary_emb.inv_freq",)  # older files carry RoPE's frequencies: constants, not weights
 
 
 def holds(config: ModelConfig) -> bool:
     """Whether the block is one of these families' (RoPE, RMSNorm, SwiGLU, no bias but maybe on q/k/v)."""
-    return family_of(config) in FAMILIES.values()
+    return family_of(config) in BY_MODEL_TYPE.values()
 
 
 def label(config: ModelConfig) -> str:
@@ -174,7 +174,7 @@ def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None,
         tie_word_embeddings=config.tie_embeddings,
         bos_token_id=eod_id,
         eos_token_id=eod_id,
-        architectures=[FAMILIES[kind].hf_architecture],
+        architectures=[BY_MODEL_TYPE[kind].hf_architecture],
         dtype=dtype,
     )
     if kind in MOE_TYPES:

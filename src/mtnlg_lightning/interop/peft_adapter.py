@@ -32,7 +32,7 @@ from mtnlg_lightning.data.chat_template import has_chat_template
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
-from mtnlg_lightning.interop.hf import DTYPES, family_of, write_tokenizer
+from mtnlg_lightning.interop.hf import DTYPES, mapping_for, write_tokenizer
 from mtnlg_lightning.interop.lora_base import base_path
 from mtnlg_lightning.outputs import staged_dir
 from mtnlg_lightning.parallel.lora import adapter_names, lora_config
@@ -67,7 +67,7 @@ def _target_modules(modules: list[str], family) -> list[str]:
 def adapter_tensors(state: ModelState) -> tuple[dict[str, torch.Tensor], list[str]]:
     """peft's tensors of a LoRA checkpoint and its target modules."""
     lora = lora_config(state.lora)
-    family = family_of(state.config)
+    family = mapping_for(state.config)
     tensors, modules = {}, []
     for module in adapter_names(state.config, lora):
         lora_a, lora_b = state.weights[f"{module}.lora_a"], state.weights[f"{module}.lora_b"]
@@ -90,7 +90,7 @@ def peft_config(state: ModelState, target_modules: list[str]) -> dict:
         "use_rslora": lora.rslora,
         "target_modules": target_modules,
         "bias": "none",
-        "fan_in_fan_out": family_of(state.config) is gpt2_mapping,  # GPT-2's Conv1D stores weights [in, out]
+        "fan_in_fan_out": mapping_for(state.config) is gpt2_mapping,  # GPT-2's Conv1D stores weights [in, out]
         "modules_to_save": None,
         "inference_mode": True,
         "init_lora_weights": True,
