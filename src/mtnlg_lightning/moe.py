@@ -26,6 +26,7 @@ from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.torch_compat import grouped_mm, has_grouped_mm
 
 EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
 
@@ -52,7 +53,7 @@ class StackedLinear(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int], offsets: torch.Tensor | None) -> torch.Tensor:
         """x [N, in], rows sorted by expert (`counts[e]` rows for expert e) -> [N, out]."""
         if offsets is not None:
-            return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=offsets)
+            return grouped_mm(x, self.weight.transpose(-2, -1), offsets)
         parts = [F.linear(rows, w) for rows, w in zip(x.split(counts), self.weight.unbind(0), strict=True)]
         return torch.cat(parts) if parts else x.new_empty(0, self.weight.shape[1])
 
@@ -77,7 +78,7 @@ class Experts(nn.Module):
         # _grouped_mm takes fp32/bf16/fp16 with 16-byte-aligned rows (torch 2.13 on CPU; CUDA not checked here).
         widths = self.gate.weight.shape[1:]
         runs = (
-            hasattr(torch, "_grouped_mm")
+            has_grouped_mm()
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(w * x.element_size() % 16 == 0 for w in widths)
         )

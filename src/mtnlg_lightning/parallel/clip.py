@@ -9,6 +9,7 @@ import torch.distributed as dist
 from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 from mtnlg_lightning.parallel.layout import ProcessGroups
 from mtnlg_lightning.parallel.tensor_parallel import is_tensor_parallel
+from mtnlg_lightning.torch_compat import flatten_dense_tensors, foreach_mul_, unflatten_dense_tensors
 
 
 def all_reduce_data_parallel_grads(params: list[torch.Tensor], groups: ProcessGroups) -> None:
@@ -24,10 +25,10 @@ def all_reduce_data_parallel_grads(params: list[torch.Tensor], groups: ProcessGr
 def _average(grads: list[torch.Tensor], group, divisor: int) -> None:
     if divisor == 1 or not grads:
         return
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     flat /= divisor
-    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+    for grad, reduced in zip(grads, unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(reduced)
 
 
@@ -60,5 +61,5 @@ def clip_grad_norm_(
     if max_norm:
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
-            torch._foreach_mul_([p.grad for p in params], coef)
+            foreach_mul_([p.grad for p in params], coef)
     return norm

@@ -33,9 +33,9 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning import torch_compat
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.loss import counted_labels
 from mtnlg_lightning.model import DocumentMask, document_mask
@@ -109,31 +109,17 @@ class BlockKernel:
 
     def forward(self, q, k, v, causal: bool):
         if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            return torch_compat.flash_attention_cpu(q, k, v, causal)
         if self.name == "flash":
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-            return out, lse
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., : q.shape[2]]  # the kernel pads its log-sum-exp rows
+            return torch_compat.flash_attention(q, k, v, causal)
+        return torch_compat.efficient_attention(q, k, v, causal)
 
     def backward(self, grad, q, k, v, out, lse, causal: bool):
         if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad, q, k, v, out, lse, 0.0, causal
-            )
+            return torch_compat.flash_attention_cpu_backward(grad, q, k, v, out, lse, causal)
         if self.name == "flash":
-            sizes = (q.shape[2], k.shape[2])
-            empty = torch.empty(0, device=q.device)
-            none = torch.zeros((), dtype=torch.long, device=q.device)
-            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                grad, q, k, v, out, lse, empty, empty, *sizes, 0.0, causal, none, none
-            )
-        padded = F.pad(lse, (0, -lse.shape[-1] % 32))
-        none = torch.zeros((), dtype=torch.long, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, None, out, padded, none, none, 0.0, [True, True, True, False], causal
-        )
-        return dq, dk, dv
+            return torch_compat.flash_attention_backward(grad, q, k, v, out, lse, causal)
+        return torch_compat.efficient_attention_backward(grad, q, k, v, out, lse, causal)
 
 
 def _masked_scores(q, k, mask: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from mtnlg_lightning.moe import Experts, moe_layers
 from mtnlg_lightning.parallel.layout import ProcessGroups
 from mtnlg_lightning.parallel.sequence_parallel import mark_sequence_parallel
+from mtnlg_lightning.torch_compat import all_to_all_autograd
 
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
@@ -47,13 +47,13 @@ class ExpertParallelDispatch:
         received = received.view(ep, local)
         send_splits = counts.view(ep, local).sum(dim=1).tolist()
         recv_splits = received.sum(dim=1).tolist()
-        arrived = wait_tensor(all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, self.group))
+        arrived = all_to_all_autograd(rows.contiguous(), recv_splits, send_splits, self.group)
         # arrived rows run (source, local expert); the experts want them by (local expert, source)
         segment = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), received.flatten())
         by_expert = torch.argsort((segment % local) * ep + segment // local, stable=True)
         out = experts(arrived[by_expert], received.sum(dim=0))
         back = torch.empty_like(out).index_copy(0, by_expert, out)  # (source, local expert) order again
-        return wait_tensor(all_to_all_single_autograd(back, send_splits, recv_splits, self.group))
+        return all_to_all_autograd(back, send_splits, recv_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:

@@ -18,6 +18,7 @@ every stage), so the later stages rotate and mask as the first does.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch import nn
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import MODEL_INPUTS
 from mtnlg_lightning.moe import RouterTotals
+from mtnlg_lightning.torch_compat import pipeline_stage_class
 
 SCHEDULES = {
     "1f1b": "Schedule1F1B",
@@ -235,29 +237,27 @@ class PipelineRunner:
         self._loss_fn = None
         self._inferring_shapes = False
 
+    @contextmanager
+    def _inferring_shapes_now(self):
+        self._inferring_shapes = True
+        try:
+            yield
+        finally:
+            self._inferring_shapes = False
+
     def _schedule(self, num_microbatches: int):
         if num_microbatches not in self._schedules:
-            # torch.distributed.pipelining takes ~2 s to import: only a pipeline-parallel run pays it
-            from torch.distributed.pipelining import PipelineStage
+            context = self.backward_context
 
-            context, runner = self.backward_context, self
-
-            class Stage(PipelineStage):
+            # torch learns the gradients' shapes from a backward of a loss of placeholder activations (at a
+            # schedule's first step and after each evaluation): no loss of ours may record it (the router's logs of
+            # a mixture of experts took its routing of uninitialised memory, NaN)
+            class Stage(pipeline_stage_class(self._inferring_shapes_now)):
                 def backward_maybe_with_nosync(self, *args, **kwargs):
                     if context is None:
                         return super().backward_maybe_with_nosync(*args, **kwargs)
                     with context():
                         return super().backward_maybe_with_nosync(*args, **kwargs)
-
-                def _backward_metadata_inference(self, *args, **kwargs):
-                    # torch learns the gradients' shapes from a backward of a loss of placeholder activations (at a
-                    # schedule's first step and after each evaluation): no loss of ours may record it (the router's
-                    # logs of a mixture of experts took its routing of uninitialised memory, NaN)
-                    runner._inferring_shapes = True
-                    try:
-                        return super()._backward_metadata_inference(*args, **kwargs)
-                    finally:
-                        runner._inferring_shapes = False
 
             stages = [
                 Stage(m, i, self.num_stages, self.device, group=self.pp_group)

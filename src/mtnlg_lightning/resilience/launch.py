@@ -46,14 +46,13 @@ import time
 import uuid
 from pathlib import Path
 
-import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from mtnlg_lightning.resilience.attempt import ATTEMPT_ENV, ATTEMPT_ID_ENV, RESTART_CAUSE_ENV
 from mtnlg_lightning.resilience.elastic import agree, layout_rule
+from mtnlg_lightning.resilience.elastic_compat import ElasticAgent, install_agent
 from mtnlg_lightning.resilience.exit_codes import NOT_RETRIED, ExitCode, describe, run_exit_code
 from mtnlg_lightning.resilience.phase_limits import DEFAULT_CAPS, resolve_limits
 from mtnlg_lightning.resilience.rank_status import STATUS_DIR_ENV, read_statuses
@@ -73,8 +72,8 @@ class RunEndedElsewhere(Exception):
         self.code = code
 
 
-class ResilientAgent(LocalElasticAgent):
-    """torchrun's local agent with the restart policy above."""
+class ResilientAgent(ElasticAgent):
+    """torchrun's local agent with the restart policy above (torch's steps it changes: `elastic_compat.py`)."""
 
     starts: list[dict] = []  # every start of the group on this node, with its cause: the summary at the end
 
@@ -92,13 +91,13 @@ class ResilientAgent(LocalElasticAgent):
         self.node_id = f"{socket.gethostname()}:{os.getpid()}"
 
     # ------------------------------------------------------------------ every node agrees on each start
-    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec):
+    def assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec):
         """Before torchrun numbers the ranks, the launchers of all nodes exchange their reports over this round's
         store and agree on the start (`elastic.agree`): its number and id, its cause, and which nodes train. A
         spare node offers no ranks, so the training ranks are numbered 0..N-1 on the nodes in front of it."""
         # torchrun's static rendezvous keeps one store over restarts (and its restart counts agree: no elastic nodes)
         static = spec.rdzv_handler.get_backend() == "static"
-        prefix = f"mtnlg/{spec.max_restarts - self._remaining_restarts}/" if static else "mtnlg/"
+        prefix = f"mtnlg/{spec.max_restarts - self.remaining_restarts}/" if static else "mtnlg/"
         mine = {
             "node": self.node_id,
             "host": socket.gethostname(),
@@ -130,8 +129,8 @@ class ResilientAgent(LocalElasticAgent):
             )
             offered = copy.copy(spec)
             offered.local_world_size = 0  # torchrun's own numbering then leaves this node out
-            return super()._assign_worker_ranks(store, group_rank, group_world_size, offered)
-        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+            return super().assign_worker_ranks(store, group_rank, group_world_size, offered)
+        return super().assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     def _layout_rule(self) -> dict | None:
         """Which world sizes the run can use, from the status files this node's ranks wrote."""
@@ -142,25 +141,25 @@ class ResilientAgent(LocalElasticAgent):
                     return rule
         return None
 
-    def _start_workers(self, worker_group):
+    def start_workers(self, worker_group):
         self._started += 1
         if self._spare:
-            self._pcontext = None  # no ranks here: _monitor_workers waits for the end or the next rendezvous
+            self.forget_workers()  # no ranks here: monitor_workers waits for the end or the next rendezvous
             return {}
-        started = super()._start_workers(worker_group)
+        started = super().start_workers(worker_group)
         # torchrun installs its own handlers when the workers start: forward ours instead, from then on.
         for name in FORWARDED_SIGNALS:
             signal.signal(getattr(signal, name), self._forward)
         return started
 
-    def _stop_workers(self, worker_group, *args, **kwargs):
+    def stop_workers(self, worker_group, *args, **kwargs):
         if worker_group.state == WorkerState.HEALTHY:  # a node joined: torchrun's restart of a healthy group
-            self._shutdown(signal.SIGTERM, membership_restart_grace_s())
+            self.shutdown(signal.SIGTERM, membership_restart_grace_s())
             return
-        super()._stop_workers(worker_group, *args, **kwargs)
+        super().stop_workers(worker_group, *args, **kwargs)
 
     # ------------------------------------------------------------------ watching the ranks
-    def _monitor_workers(self, worker_group):
+    def monitor_workers(self, worker_group):
         if self._spare:
             return self._wait_as_a_spare(worker_group)
         codes = self._exit_codes()
@@ -171,7 +170,7 @@ class ResilientAgent(LocalElasticAgent):
             self._kill_peers_of_a_failed_worker(ended, running)
         if self._peers_of_a_clean_end_still_ending(clean_end and bool(running)):
             return RunResult(state=WorkerState.HEALTHY)  # not yet: torchrun's poll would SIGTERM them
-        result = super()._monitor_workers(worker_group)
+        result = super().monitor_workers(worker_group)
         if result.is_failed():
             local_of = {w.global_rank: w.local_rank for w in worker_group.workers}
             own = self._failed_first or {local_of[g]: f.exitcode for g, f in result.failures.items()}
@@ -179,12 +178,12 @@ class ResilientAgent(LocalElasticAgent):
             self._fault = self._describe_fault(worker_group, own)
             os.environ[RESTART_CAUSE_ENV] = "; ".join(f["text"] for f in self._fault["failures"])
             code = run_exit_code([f.exitcode for f in result.failures.values()])
-            if code in NOT_RETRIED and self._remaining_restarts > 0:
+            if code in NOT_RETRIED and self.remaining_restarts > 0:
                 print(
                     f"mtnlg launch: {describe(code)}: not restarting ({os.environ[RESTART_CAUSE_ENV]})", file=sys.stderr
                 )
-                self._remaining_restarts = 0
-            if self._remaining_restarts == 0:
+                self.remaining_restarts = 0
+            if self.remaining_restarts == 0:
                 self._tell_the_spares(worker_group, int(code))
         elif result.state == WorkerState.SUCCEEDED:
             self._tell_the_spares(worker_group, int(ExitCode.FINISHED))
@@ -233,8 +232,7 @@ class ResilientAgent(LocalElasticAgent):
 
     def _exit_codes(self) -> dict[int, int | None]:
         """local rank -> exit code, None while running."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        return {rank: handler.proc.poll() for rank, handler in handlers.items()}
+        return {rank: process.poll() for rank, process in self.worker_processes().items()}
 
     def _peers_of_a_clean_end_still_ending(self, waiting: bool) -> bool:
         """`waiting`: a rank ended with a configuration error or a preemption and others still run. They will end
@@ -252,12 +250,12 @@ class ResilientAgent(LocalElasticAgent):
         rank ignores SIGTERM, and the others have lost a peer, so they cannot save anything: kill them now. (A
         configuration error or a preemption is a clean end on every rank: those ranks are left to finish.)"""
         self._failed_first = failed  # the cause, told apart from the ranks killed here
+        processes = self.worker_processes()
         for rank in running:
-            self._pcontext.subprocess_handlers[rank].proc.kill()
+            processes[rank].kill()
 
     def _forward(self, signum, frame) -> None:
-        context = self._pcontext
-        for pid in context.pids().values() if context is not None else []:
+        for pid in self.worker_pids().values():
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
@@ -307,9 +305,8 @@ def elastic(nnodes: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if not hasattr(launcher_api, "LocalElasticAgent"):
+    if not install_agent(ResilientAgent):
         raise SystemExit("mtnlg launch: error: this torch builds torchrun's agent elsewhere; use plain torchrun")
-    launcher_api.LocalElasticAgent = ResilientAgent  # the one name torchrun's launch_agent builds its agent from
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] in (["-h"], ["--help"]):
         print(__doc__.strip() + "\n\nThe arguments are torchrun's:\n", flush=True)

@@ -34,7 +34,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from mtnlg_lightning.checkpoint.format import read_meta
 from mtnlg_lightning.heartbeat import unwatch, watch
@@ -53,6 +52,7 @@ from mtnlg_lightning.resilience.phase_limits import (
 from mtnlg_lightning.resilience.rank_status import read_statuses, status_dir, write_status
 from mtnlg_lightning.resilience.restart import checkpoint_dirs, newest_checkpoint
 from mtnlg_lightning.resilience.restart_record import layout_of
+from mtnlg_lightning.torch_compat import process_groups, set_group_timeout
 
 COLLECTIVE_MARGIN_S = 30.0
 __all__ = ["ENV_VARS", "FLOORS", "PHASES", "SAFETY_FACTOR", "HangWatchdog", "resolve_limits"]
@@ -80,11 +80,11 @@ def set_collective_timeout(seconds: float) -> None:
     """Every process group of this rank (the strategy's, DeepSpeed's) times out its collectives after `seconds`."""
     if not dist.is_initialized():
         return
-    for group in list(_world.pg_map):
+    for group in process_groups():
         if id(group) in _KEEP_TIMEOUT:
             continue
         try:
-            _set_pg_timeout(timedelta(seconds=seconds), group)
+            set_group_timeout(timedelta(seconds=seconds), group)
         except (ValueError, RuntimeError, AssertionError):
             pass  # a group this rank is not part of, or a backend without settable timeouts
 
