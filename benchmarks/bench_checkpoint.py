@@ -18,21 +18,22 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from local_ranks import run_on_ranks
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
+from testing.local_ranks import run_on_ranks  # noqa: E402
 
 
 def _trainer(preset: str, devices: int, strategy):
     import lightning as L
-    from lightning_run import quiet_trainer
 
     from mtnlg_lightning.data.datamodule import GPTDataModule
     from mtnlg_lightning.train.module import MTNLGModule
+    from testing.lightning_run import quiet_trainer
 
     L.seed_everything(0, verbose=False)
     module = MTNLGModule(

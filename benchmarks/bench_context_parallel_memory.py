@@ -19,13 +19,13 @@ import argparse
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # its sibling helpers
-from local_ranks import worker_rows, write_rows  # noqa: E402
-from model_shape import add_model_shape_args, shape_fields, shape_options  # noqa: E402
-from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
+from model_shape import add_model_shape_args, shape_fields, shape_options
+from results import benchmark_args, benchmark_parser, write_result
 
+HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
+from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 DEGREES = (1, 2, 4)
 

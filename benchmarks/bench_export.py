@@ -5,15 +5,15 @@ did before it streamed), each measured in its own subprocess in the same run.
 
     python benchmarks/bench_export.py [--layers 24 --hidden 1024 --heads 16 --vocab 50257 --max-shard-size 100MB]
 
-The default model is GPT-2 medium's shape, ~355M parameters (1.42 GB in fp32). Its checkpoint is written here in
-the project's format (model-space tensors in a rank file, manifest last), streamed with random values. Peak RSS is
-the child's VmHWM from /proc (it counts pages of memory-mapped files the process touched, as the kernel charges
-them; `ru_maxrss` is not used: after fork and exec it starts from the parent's size).
+The default model is GPT-2 medium's shape, ~355M parameters (1.42 GB in fp32). Its checkpoint is written in the
+project's format (model-space tensors in a rank file, manifest last), streamed with random values
+(testing/synthetic_checkpoint.py). Peak RSS is the child's VmHWM from /proc (it counts pages of memory-mapped files
+the process touched, as the kernel charges them; `ru_maxrss` is not used: after fork and exec it starts from the
+parent's size).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -24,9 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling helpers, also when a test imports it as benchmarks.*
+sys.path.insert(0, str(ROOT))  # the repository root: testing.*
 from model_shape import add_model_shape_args  # noqa: E402
 from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
+
+from testing.synthetic_checkpoint import write_synthetic_checkpoint  # noqa: E402
 
 PROBE = """
 import re, sys
@@ -44,43 +46,6 @@ elif mode == "whole":  # the previous export: every tensor read into one dict fi
 # VmHWM: this process's own peak (ru_maxrss would start from the parent's size at the fork)
 print("peak_rss_bytes", int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024)
 """
-
-
-def write_synthetic_checkpoint(directory: Path, num_layers: int, hidden_size: int, vocab_size: int, num_heads=4):
-    """A checkpoint folder of the project's format holding random model-space weights of a GPT of this shape,
-    written a slice at a time (so a big one costs no memory to make)."""
-    import torch
-
-    from mtnlg_lightning.checkpoint.format import WrittenFile, file_digest, write_manifest, write_meta
-    from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec, write_safetensors
-    from mtnlg_lightning.config import get_config
-    from mtnlg_lightning.model import build_model
-
-    overrides = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, vocab_size=vocab_size)
-    config = get_config("gpt3-125m", **overrides, seq_len=1024, max_position_embeddings=1024)
-    shapes = {name: tuple(p.shape) for name, p in build_model(config, device="meta").named_parameters()}
-    shapes.pop("lm_head.weight", None)  # tied: stored once
-    shapes["embed.wte.weight"] = (config.vocab_size, hidden_size)  # the format stores no vocabulary padding
-
-    def random_rows(shape):
-        return lambda r0, r1: torch.randn((r1 - r0, *shape[1:])) * 0.02
-
-    directory.mkdir(parents=True)
-    name = "rank-00000.safetensors"
-    specs = [TensorSpec(f"model/{n}", s, torch.float32, random_rows(s)) for n, s in sorted(shapes.items())]
-    write_safetensors(directory / name, specs)
-    written = WrittenFile(name, (directory / name).stat().st_size, file_digest(directory / name))
-    for spec in specs:
-        written.pieces[spec.name] = {
-            "global_shape": list(spec.shape),
-            "dtype": "float32",
-            "offsets": [0] * len(spec.shape),
-            "shape": list(spec.shape),
-        }
-    meta = write_meta(directory, {"hyper_parameters": {"preset": "gpt3-125m", "model_overrides": overrides}})
-    info = {"model_config": dataclasses.asdict(config), "global_step": 0, "consumed_samples": 0}
-    write_manifest(directory, [written, meta], info)
-    return directory
 
 
 def peak_rss(mode: str, *args: str) -> tuple[int, float]:

@@ -20,16 +20,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-from local_ranks import worker_rows, write_rows  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
 from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
+
+from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 MB = 1e6
 
 
 def worker(out: Path, preset: str, stages: list[int]) -> None:
     import torch.distributed as dist
-    from lightning_run import fit, megatron_strategy
-    from state_bytes import StateBytesProbe
+
+    from testing.lightning_run import fit, megatron_strategy
+    from testing.state_bytes import StateBytesProbe
 
     world = int(os.environ["WORLD_SIZE"])
     rows = []

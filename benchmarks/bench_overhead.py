@@ -17,15 +17,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the repository root: testing.*
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from lightning_run import quiet_trainer  # noqa: E402
 from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
 
 from mtnlg_lightning.data.datamodule import GPTDataModule  # noqa: E402
 from mtnlg_lightning.model import build_model  # noqa: E402
 from mtnlg_lightning.train.module import MTNLGModule, cross_entropy  # noqa: E402
+from testing.lightning_run import quiet_trainer  # noqa: E402
 
 
 class StepTimer(L.Callback):

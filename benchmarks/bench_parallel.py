@@ -41,8 +41,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-from local_ranks import run_on_ranks  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
 from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
+
+from testing.local_ranks import run_on_ranks  # noqa: E402
 
 LAYOUTS = {
     "tp2": dict(tp=2),
@@ -67,13 +69,14 @@ def pipeline_supported() -> tuple[bool, str]:
 
 # ------------------------------------------------------------------ the ranks
 def worker(args) -> None:
-    import comm_counter
+    from testing import comm_counter
 
     comm_counter.install()  # before DeepSpeed builds its communication backend
     import lightning as L
     import torch
     import torch.distributed as dist
-    from lightning_run import StepTimer, fit, megatron_strategy
+
+    from testing.lightning_run import StepTimer, fit, megatron_strategy
 
     class CommProbe(L.Callback):
         def __init__(self):

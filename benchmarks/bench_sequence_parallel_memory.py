@@ -25,14 +25,14 @@ import argparse
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # its sibling helpers also when a test imports it as benchmarks.bench_...
-# sibling helpers (tests/test_planner_activation_memory.py imports this module for its worker's measurement)
-from local_ranks import worker_rows, write_rows  # noqa: E402
-from model_shape import add_model_shape_args, shape_fields, shape_options  # noqa: E402
-from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
+from model_shape import add_model_shape_args, shape_fields, shape_options
+from results import benchmark_args, benchmark_parser, write_result
 
+HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
+from testing.activation_memory import saved_bytes_per_layer  # noqa: E402
+from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]  # (tensor_parallel, sequence_parallel)
 
@@ -45,40 +45,6 @@ def formula_bytes(s: int, b: int, h: int, t: int, sp: bool) -> float:
 
 
 # ------------------------------------------------------------------ the ranks
-def saved_bytes_per_layer(model, tokens) -> list[int]:
-    """Bytes saved for backward while each block runs its forward (distinct storages, parameters excluded)."""
-    import torch
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    head = getattr(model.lm_head, "weight", None)
-    if head is not None:
-        params.add(head.untyped_storage().data_ptr())
-    current: list[int | None] = [None]
-    seen: set[int] = set()
-    per_block = [0] * len(model.blocks)
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if current[0] is not None and key not in params and key not in seen:
-            seen.add(key)
-            per_block[current[0]] += storage.nbytes()
-        return t
-
-    def enter(i):
-        return lambda *_: current.__setitem__(0, i)
-
-    handles = []
-    for i, block in enumerate(model.blocks.values()):
-        handles.append(block.register_forward_pre_hook(enter(i)))
-        handles.append(block.register_forward_hook(lambda *_: current.__setitem__(0, None)))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens)
-    for handle in handles:
-        handle.remove()
-    return per_block
-
-
 def worker(args) -> None:
     import copy
 

@@ -44,7 +44,8 @@ def fit_command(args, save_dir: Path, ckpt: Path, probe: Path, restarts: int, ho
     command = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--standalone"]
     command += ["--nproc-per-node", str(args.ranks), "--max-restarts", str(restarts), "--monitor-interval", "0.2"]
     # `mtnlg` with each checkpoint write held open `hold_s` seconds: a kill's window (the hold is test code)
-    command += [str(ROOT / "tests" / "slow_checkpoint_writes.py"), str(hold_s), "fit", "--config", "configs/tiny.yaml"]
+    command += [str(ROOT / "testing" / "slow_checkpoint_writes.py"), str(hold_s)]
+    command += ["fit", "--config", "configs/tiny.yaml"]
     command += ["--trainer.max_steps", str(args.steps), "--trainer.devices", str(args.ranks)]
     command += ["--trainer.strategy", f"configs/strategy/{args.strategy}.yaml"]
     if args.async_save:
@@ -52,7 +53,7 @@ def fit_command(args, save_dir: Path, ckpt: Path, probe: Path, restarts: int, ho
     command += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(save_dir)]
     command += ["--trainer.enable_checkpointing", "true", "--trainer.callbacks+=callbacks/checkpoint.yaml"]
     command += ["--trainer.callbacks.dirpath", str(ckpt), "--trainer.callbacks.every_n_train_steps", str(args.every)]
-    command += ["--trainer.callbacks+=benchmarks.fault_probe.Probe", "--trainer.callbacks.dir", str(probe)]
+    command += ["--trainer.callbacks+=testing.fault_probe.Probe", "--trainer.callbacks.dir", str(probe)]
     return [*command, "--ckpt_path", "last"]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the repository root: testing.*
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
@@ -27,12 +28,12 @@ from finetune_steps import StepLog, labelled  # noqa: E402
 
 def run_ours(spec: dict, log: StepLog) -> None:
     import lightning as L
-    from lightning_run import quiet_trainer
-    from state_bytes import StateBytesProbe
 
     from mtnlg_lightning.data.finetune import FineTuneDataModule
     from mtnlg_lightning.data.packing import PADDING_DOCUMENT
     from mtnlg_lightning.train.module import MTNLGModule
+    from testing.lightning_run import quiet_trainer
+    from testing.state_bytes import StateBytesProbe
 
     class Record(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -89,7 +90,8 @@ def run_trl(spec: dict, log: StepLog) -> None:
     import peft
     import transformers
     import trl
-    from state_bytes import grad_bytes, state_bytes
+
+    from testing.state_bytes import grad_bytes, state_bytes
 
     class Record(transformers.TrainerCallback):
         def __init__(self):

@@ -9,7 +9,7 @@ Stages, each timed and recorded (a failing stage is recorded with its error; the
   equivalence   one device: the tiny model's 5 fp32 steps with compiled blocks (inductor) equal eager within 1e-5
                 (losses) / 2e-5 (parameters), TF32 off; bf16-mixed within 1e-3 of fp32 losses. With 2+ GPUs also
                 tp2, pp2 and dp2 ZeRO-1 (+ bf16 dp2 ZeRO-2) under torchrun with NCCL against the same reference
-                (tests/dist_parallel_runs.py with MTNLG_TEST_ACCELERATOR=gpu).
+                (testing/dist_parallel_runs.py with MTNLG_TEST_ACCELERATOR=gpu).
   training      `mtnlg fit` of gpt3-1.3b (seq 2048) in bf16-mixed: eager and compiled blocks, without and with full
                 activation checkpointing: median tokens/s, TFLOP/s and MFU per GPU of the steps after warm-up, peak
                 memory.
@@ -37,11 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))  # the equivalence harness the suite uses (parallel_harness.py)
-sys.path.insert(0, str(ROOT))  # the repository root: the harness imports benchmarks.lightning_run
-from local_ranks import run_on_ranks  # noqa: E402
-
+sys.path.insert(0, str(ROOT))  # the repository root: testing.* (the equivalence harness the suite uses)
 from mtnlg_lightning.outputs import write_json  # noqa: E402
+from testing.local_ranks import run_on_ranks  # noqa: E402
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5  # fp32, as tests/test_parallel_equivalence.py
 BF16_LOSS_RTOL = 1e-3  # bf16 vs fp32 losses over 5 steps (the suite's bf16 section argues it)
@@ -75,7 +73,8 @@ def max_param_diff(a: dict, b: dict) -> float:
 
 def equivalence(dry_run: bool, gpus: int, tmp: Path) -> dict:
     import torch
-    from parallel_harness import tiny_run
+
+    from testing.parallel_harness import tiny_run
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here (TF32 would be a 1e-3 difference)
     torch.backends.cudnn.allow_tf32 = False
@@ -108,7 +107,7 @@ def distributed(runs: list[str], ref, out: Path, accelerator: str) -> dict:
     import torch
 
     env = {"MTNLG_TEST_ACCELERATOR": accelerator}
-    proc = run_on_ranks(2, ROOT / "tests" / "dist_parallel_runs.py", out, *runs, env=env, cwd=ROOT, timeout=900)
+    proc = run_on_ranks(2, ROOT / "testing" / "dist_parallel_runs.py", out, *runs, env=env, cwd=ROOT, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"torchrun failed: {proc.stderr[-2000:]}")
     results = {}

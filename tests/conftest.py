@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository root: the tests share the benchmarks' helpers (benchmarks/)
+sys.path.insert(0, str(ROOT))  # the repository root: the helpers the tests share with the benchmarks (testing/)
 os.environ.setdefault("WANDB_MODE", "offline")
 
 

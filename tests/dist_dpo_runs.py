@@ -17,15 +17,15 @@ from pathlib import Path
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
 from dist_family_runs import layout_kwargs  # noqa: E402
-from parallel_harness import ACCELERATOR, GRAD_CLIP, SEED, Recorder, run_each, run_script  # noqa: E402
 
-from benchmarks.lightning_run import quiet_trainer  # noqa: E402
 from mtnlg_lightning.data.preferences import PreferenceDataModule  # noqa: E402
 from mtnlg_lightning.dpo_loss import REWARD_NAMES  # noqa: E402
 from mtnlg_lightning.train.module import MTNLGModule  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from testing.lightning_run import quiet_trainer  # noqa: E402
+from testing.parallel_harness import ACCELERATOR, GRAD_CLIP, SEED, Recorder, run_each, run_script  # noqa: E402
 
 DPO_SEQ_LEN = 128
 PAIRS_PER_STEP = 4

@@ -22,11 +22,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
-from parallel_harness import run_each, run_script, tiny_run  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
 from mtnlg_lightning.callbacks import ActivationCheckpointing  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from testing.parallel_harness import run_each, run_script, tiny_run  # noqa: E402
 
 FAMILY_DIRS = json.loads(os.environ.get("MTNLG_TEST_FAMILY_DIRS", "{}"))  # gpt: the tiny preset, no directory
 LONG = 256  # the sequence length of the context-parallel runs

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
 from dist_family_runs import strategy_of  # noqa: E402
-from parallel_harness import IgnoreLabels, PackDocuments, run_each, run_script, tiny_run, trained  # noqa: E402
+
+from testing.parallel_harness import IgnoreLabels, PackDocuments, run_each, run_script, tiny_run, trained  # noqa: E402
 
 
 def train(name: str) -> dict:

@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
-from parallel_harness import run_script, tiny_run  # noqa: E402
-
-from benchmarks.state_bytes import StateBytesProbe  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from testing.parallel_harness import run_script, tiny_run  # noqa: E402
+from testing.state_bytes import StateBytesProbe  # noqa: E402
 
 
 def state_bytes_run(zero: int, world: int) -> dict:

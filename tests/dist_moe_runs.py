@@ -25,11 +25,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
-from parallel_harness import run_each, run_script, tiny_run, trained  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
 from mtnlg_lightning.callbacks import ActivationCheckpointing  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from testing.parallel_harness import run_each, run_script, tiny_run, trained  # noqa: E402
 
 # The router's auxiliary (load-balancing) and z losses both on, dropless routing (no capacity factor).
 ROUTER_LOSSES = {"router_aux_loss_coef": 0.02, "router_z_loss_coef": 0.001}

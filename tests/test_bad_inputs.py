@@ -17,10 +17,9 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-sys.path.insert(0, str(ROOT))  # the repository root: benchmarks
 # Imported here, outside any test's captured stderr: Lightning binds its log handler to sys.stderr on import.
 import mtnlg_lightning.train.cli  # noqa: E402, F401
-from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
+from testing.checkpoint_fuzzing import make_checkpoint  # noqa: E402
 
 
 def _main(tool: str):

@@ -10,13 +10,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.callbacks import ActivationCheckpointing, apply_activation_checkpointing, checkpointed_modules
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import AttentionCore, Block, build_model
 from mtnlg_lightning.train.module import MTNLGModule, cross_entropy
+from testing.lightning_run import TINY_RECIPE, quiet_trainer
 
 # dropout on: the recomputation must replay the same masks (non-reentrant checkpoint restores the RNG state)
 CONFIG = get_config("tiny", num_layers=4, hidden_dropout=0.1, attention_dropout=0.1)

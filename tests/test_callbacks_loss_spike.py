@@ -12,10 +12,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
 from mtnlg_lightning.callbacks import LossSpikeDetection, LossSpikeError, SpikeDetector
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.train.module import MTNLGModule, cross_entropy
+from testing.lightning_run import TINY_RECIPE, quiet_trainer
 
 BATCH = 8  # global batch of the tiny recipe: step s covers samples [8s, 8s + 8)
 

@@ -25,7 +25,6 @@ from hf_models import TEST_BLOCK, random_family_dir
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_finetune_data import LLAMA3, tokenizer_dir
 
-from benchmarks.lightning_run import quiet_trainer
 from mtnlg_lightning.checkpoint import read_model_state
 from mtnlg_lightning.checkpoint.format import CheckpointError
 from mtnlg_lightning.checkpoint.sharded import chat_files_of
@@ -42,6 +41,7 @@ from mtnlg_lightning.inference.scoring import Scorer
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import generation_config
 from mtnlg_lightning.train.module import MTNLGModule
+from testing.lightning_run import quiet_trainer
 
 transformers = pytest.importorskip("transformers")
 

@@ -120,12 +120,12 @@ def job_log(args) -> Path:
 
 def start(args, save_pause_s: float) -> subprocess.Popen:
     """A job in its own process group (as a scheduler sees it), output to files; each checkpoint file it writes
-    stays unpublished `save_pause_s` seconds longer (tests/slow_checkpoint_writes.py)."""
+    stays unpublished `save_pause_s` seconds longer (testing/slow_checkpoint_writes.py)."""
     inherited = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
     full_env = {**inherited, "WANDB_MODE": "offline"}
     log = job_log(args).open("w")  # noqa: SIM115
     job = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "slow_checkpoint_writes.py"), str(save_pause_s), *args],
+        [sys.executable, str(ROOT / "testing" / "slow_checkpoint_writes.py"), str(save_pause_s), *args],
         cwd=ROOT,
         env=full_env,
         stdout=log,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,17 +13,16 @@ import pytest
 import torch
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
-from benchmarks import fuzz_checkpoint  # noqa: E402
-from mtnlg_lightning.checkpoint.format import MANIFEST, META, CheckpointError, open_verified, read_meta  # noqa: E402
-from mtnlg_lightning.checkpoint.model_state import read_model_state  # noqa: E402
-from mtnlg_lightning.errors import MTNLGError  # noqa: E402
+from mtnlg_lightning.checkpoint.format import MANIFEST, META, CheckpointError, open_verified, read_meta
+from mtnlg_lightning.checkpoint.model_state import read_model_state
+from mtnlg_lightning.errors import MTNLGError
+from testing import checkpoint_fuzzing
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("trust")
-    originals = fuzz_checkpoint.make_checkpoint(root / "pristine", root / "outside.safetensors")
+    originals = checkpoint_fuzzing.make_checkpoint(root / "pristine", root / "outside.safetensors")
     return root / "pristine", originals
 
 
@@ -59,7 +57,7 @@ def refused(folder: Path, match: str) -> str:
 
 
 def test_the_pristine_checkpoint_loads_exactly(ckpt, pristine):
-    loaded = fuzz_checkpoint.load_everything(ckpt)
+    loaded = checkpoint_fuzzing.load_everything(ckpt)
     assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in pristine[1].items())
     assert read_model_state(ckpt).tokenizer == ckpt / "tokenizer.json"
 
@@ -209,7 +207,7 @@ def hf_dir(tmp_path):
     from mtnlg_lightning.interop.gpt2_mapping import tensor_pairs
     from mtnlg_lightning.model import build_model
 
-    config = ModelConfig(**fuzz_checkpoint.CONFIG)
+    config = ModelConfig(**checkpoint_fuzzing.CONFIG)
     weights = {k: v.detach() for k, v in build_model(config).named_parameters() if k != "lm_head.weight"}
     weights["embed.wte.weight"] = weights["embed.wte.weight"][: config.vocab_size]
     folder = tmp_path / "gpt2"
@@ -260,6 +258,6 @@ def test_hf_shard_names_are_confined_to_the_directory(hf_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------ fuzz
 def test_fuzzed_checkpoints_load_exactly_or_fail_with_one_line(tmp_path):
     """300 seeded mutations (the full run: python benchmarks/fuzz_checkpoint.py --cases 5000)."""
-    result = fuzz_checkpoint.run(300, seed=26, workdir=tmp_path)
+    result = checkpoint_fuzzing.run(300, seed=26, workdir=tmp_path)
     assert not result["failures"], result["failures"][:3]
     assert result["loaded"] > 0 and result["refused"] > 200  # both outcomes are exercised

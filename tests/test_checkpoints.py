@@ -24,9 +24,7 @@ from mtnlg_lightning.checkpoint.format import (
     write_manifest,
     write_pieces,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_harness import tiny_run  # noqa: E402
+from testing.parallel_harness import tiny_run
 
 
 def write_checkpoint(directory: Path, pieces_by_file: dict[str, list[Piece]], step: int = 0) -> Path:

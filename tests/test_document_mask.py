@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_models import random_family_dir
-from parallel_harness import PackDocuments, assert_trains_like, launch_runs, pack_documents, tiny_run, trained
 
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import StepBatches, language_modelling_batch, positions_within_documents
@@ -30,6 +29,7 @@ from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.model import DocumentMask, build_model
 from mtnlg_lightning.parallel.context_parallel import Ring, RingAttentionCore, split_sequence
+from testing.parallel_harness import PackDocuments, assert_trains_like, launch_runs, pack_documents, tiny_run, trained
 
 HERE = Path(__file__).resolve().parent
 LENGTHS = [11, 20, 17]  # the documents of the packed row

@@ -228,7 +228,7 @@ def dpo_fit(
     precompute_reference: bool = False,
     **module_args,
 ):
-    from benchmarks.lightning_run import quiet_trainer
+    from testing.lightning_run import quiet_trainer
 
     train = write_preferences(tmp_path / "prefs.jsonl", 64)
     L.seed_everything(1234, verbose=False)
@@ -507,7 +507,7 @@ def dpo_runs(base_dir, tmp_path_factory):
     torchrun launch."""
     from dist_dpo_runs import DPO_LORA, dpo_run
 
-    from benchmarks.local_ranks import run_on_ranks
+    from testing.local_ranks import run_on_ranks
 
     root = tmp_path_factory.mktemp("dpo_runs")
     pairs = str(write_preferences(root / "pairs.jsonl", 64))

@@ -21,11 +21,11 @@ import yaml
 from dist_moe_runs import ROUTER_LOSSES, SIGMOID_ROUTER, run_settings
 from hf_models import exported_logits_gap, random_moe_dir
 from lightning.pytorch import Callback
-from parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
 
 from mtnlg_lightning.checkpoint.model_state import read_model_state
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.parallel.layout import ParallelLayout
+from testing.parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
 
 STRATEGY = "mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy"
 LAUNCH = ("ep2_ckpt", "ep4", "ep2_accum", "ep4_from_ep2_ckpt", "ep2_tp2", "ep2_tp2_sp_ckpt", "ep2_full")

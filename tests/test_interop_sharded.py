@@ -206,7 +206,7 @@ def test_export_memory_does_not_grow_with_the_model(tmp_path):
     """Checkpoints of 16 MB and 93 MB exported in 4 MB shards peak within 2 shards of each other: memory is a
     slice of a shard, not the model (benchmarks/bench_export.py measures a 355M-parameter model against the
     import baseline; reading the whole model first would add the 78 MB difference here)."""
-    from benchmarks.bench_export import write_synthetic_checkpoint
+    from testing.synthetic_checkpoint import write_synthetic_checkpoint
 
     small = write_synthetic_checkpoint(tmp_path / "small", num_layers=2, hidden_size=256, vocab_size=8192)
     big = write_synthetic_checkpoint(tmp_path / "big", num_layers=8, hidden_size=256, vocab_size=65536)

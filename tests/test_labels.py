@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import run_cli
-from parallel_harness import IgnoreLabels, assert_trains_like, launch_runs, tiny_run, trained
 from threaded_group import run_ranks
 
 from mtnlg_lightning.loss import IGNORE_INDEX, StepLoss, cross_entropy
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss
 from mtnlg_lightning.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from testing.parallel_harness import IgnoreLabels, assert_trains_like, launch_runs, tiny_run, trained
 
 HERE = Path(__file__).resolve().parent
 V = 50

@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import exported_logits_gap, random_family_dir
-from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
 
-from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.evaluation.cli import main as eval_main
 from mtnlg_lightning.interop.export_cli import main as export_main
+from testing.local_ranks import run_on_ranks
+from testing.parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent

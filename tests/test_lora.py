@@ -266,7 +266,8 @@ def lora_run(tmp_path_factory):
     """5 LoRA steps from a Hugging Face Llama directory (grouped-query: separate q, k, v) in one process, a
     checkpoint after every step."""
     from hf_models import random_family_dir
-    from parallel_harness import tiny_run
+
+    from testing.parallel_harness import tiny_run
 
     root = tmp_path_factory.mktemp("lora_run")
     base_dir = random_family_dir(root, "llama")
@@ -355,10 +356,10 @@ def test_adapter_export_of_a_checkpoint_without_lora_is_one_line(lora_run, tmp_p
 def test_a_resume_continues_the_uninterrupted_losses_on_the_same_base_and_refuses_another(lora_run, tmp_path):
     import shutil
 
-    from parallel_harness import tiny_run
     from safetensors.torch import load_file, save_file
 
     from mtnlg_lightning.checkpoint.format import CheckpointError  # noqa: F401 - the error's family
+    from testing.parallel_harness import tiny_run
 
     same = shutil.copytree(lora_run["base"], tmp_path / "same-base")  # another path, the same content
     rec, _ = tiny_run(init_from=str(same), lora=LORA_RUN, ckpt_path=lora_run["ckpt"] / "step=3.ckpt")
@@ -376,11 +377,10 @@ def test_a_resume_continues_the_uninterrupted_losses_on_the_same_base_and_refuse
 def zero1_lora_state(lora_run):
     """One LoRA step under ZeRO-1 and bf16 (one process, gloo): the optimizer's bytes (DeepSpeed's fp32 master
     partitions and Adam's two moments), the adapter's and the model's parameters, and the model's config."""
-    from parallel_harness import tiny_run
-
     from mtnlg_lightning.parallel.deepspeed_compat import fp32_flat_partitions
     from mtnlg_lightning.parallel.zero import base_optimizer
     from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
+    from testing.parallel_harness import tiny_run
 
     strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False)
     _, trainer = tiny_run(strategy, init_from=str(lora_run["base"]), lora=LORA_RUN, max_steps=1,
@@ -428,7 +428,8 @@ WORLD8 = ("tp2_pp2_dp2_zero1",)
 def lora_run_long(lora_run):
     """The one-process LoRA run of the context-parallel layouts: 5 steps on sequences of LONG tokens."""
     from dist_family_runs import LONG
-    from parallel_harness import tiny_run
+
+    from testing.parallel_harness import tiny_run
 
     rec, _ = tiny_run(init_from=str(lora_run["base"]), lora=LORA_RUN, seq_len=LONG)
     return {"losses": rec.losses, "grad_norms": rec.grad_norms, "params": rec.params}
@@ -437,7 +438,7 @@ def lora_run_long(lora_run):
 def _launch(world: int, layouts: tuple[str, ...], out, base) -> dict:
     from pathlib import Path
 
-    from benchmarks.local_ranks import run_on_ranks
+    from testing.local_ranks import run_on_ranks
 
     here = Path(__file__).resolve().parent
     proc = run_on_ranks(world, here / "dist_lora_runs.py", out, base, *layouts, timeout=900, cwd=here.parent)

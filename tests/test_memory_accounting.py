@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.planning.planner import model_state_bytes
+from testing.local_ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from dist_moe_runs import run_settings
 from hf_models import exported_logits_gap, random_moe_dir
-from parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
 
 from mtnlg_lightning.interop.export_cli import main as export_main
 from mtnlg_lightning.interop.hf import source_config
 from mtnlg_lightning.parallel.pipeline import layers_per_stage
+from testing.parallel_harness import assert_resumes_like, assert_trains_like, launch_runs, tiny_run, trained
 
 SCRIPT = Path(__file__).resolve().parent / "dist_moe_runs.py"
 

@@ -8,15 +8,12 @@ import json
 import os
 import shutil
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
-from benchmarks.fuzz_checkpoint import make_checkpoint  # noqa: E402
-from mtnlg_lightning.errors import MTNLGError  # noqa: E402
-from mtnlg_lightning.outputs import (  # noqa: E402
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.outputs import (
     StagedFile,
     atomic_path,
     atomic_write,
@@ -24,6 +21,7 @@ from mtnlg_lightning.outputs import (  # noqa: E402
     kept_until_done,
     staged_dir,
 )
+from testing.checkpoint_fuzzing import make_checkpoint
 
 
 def mode(path: Path) -> int:

@@ -9,7 +9,7 @@ resume in the same layout (6 steps == 3 + resume + 3), an update veto under ZeRO
 untouched, and ZeRO-1's real per-rank optimizer state halves at dp=2.
 
 Launches are expensive here (2 CPU cores), so all layouts of one world size share one torchrun launch
-(`dist_parallel_runs.py`), each writing its results for these assertions.
+(`testing/dist_parallel_runs.py`), each writing its results for these assertions.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
 
-from benchmarks.local_ranks import run_on_ranks
+from testing.local_ranks import run_on_ranks
+from testing.parallel_harness import CAPTURE_STEP, GRAD_CLIP, tiny_run
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
+PARALLEL_RUNS = HERE.parent / "testing" / "dist_parallel_runs.py"  # the layouts' rank script (gpu_check runs it too)
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5  # fp32 noise after 5 Adam steps (re-ordered sums); a wrong shard or norm is >= 1e-3
 
@@ -82,7 +83,7 @@ WORLD1_RUNS = ["bf16_zero1", "bf16_zero1_mb2"]
 
 
 def launch(world: int, runs: list[str], out: Path) -> dict[str, dict]:
-    proc = run_on_ranks(world, HERE / "dist_parallel_runs.py", out, *runs, timeout=900, cwd=HERE.parent)
+    proc = run_on_ranks(world, PARALLEL_RUNS, out, *runs, timeout=900, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"_dir": out, **{name: torch.load(out / f"{name}.pt", weights_only=False) for name in runs}}
 
@@ -216,7 +217,7 @@ def test_tied_embedding_on_the_last_stage_stays_identical_to_the_first_stage(lay
 
 def test_pipeline_follows_the_batch_ramp_up_even_below_one_micro_batch_per_stage(world2):
     """MT-NLG starts at 32 sequences over 16 replicas: 2 micro-batches for 35 stages. Here: 1 for 2 stages."""
-    from dist_parallel_runs import RAMPUP
+    from testing.dist_parallel_runs import RAMPUP
 
     rec, _ = tiny_run(max_steps=5, rampup_batch_size=RAMPUP, micro_batch_size=2)
     run = world2["pp2_rampup"]
@@ -304,7 +305,7 @@ def test_pipeline_stage_boundary_carries_the_sequence_shard(world8):
 def test_sequence_parallel_dropout_and_its_recomputation_match_one_process(world2):
     """hidden_dropout 0.1: each TP rank keeps its slice of a whole-sequence mask (independent masks per shard, as in
     one process, bit-identical on CPU), and full activation checkpointing redraws the same masks."""
-    from dist_parallel_runs import DROPOUT
+    from testing.dist_parallel_runs import DROPOUT
 
     ref, _ = tiny_run(max_steps=5, model_overrides=DROPOUT)
     plain, _ = tiny_run(max_steps=1, capture_steps=())

@@ -2,8 +2,6 @@
 one process and for TP + sequence parallelism (ranks as threads of this process)."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mtnlg_lightning.planning.planner import activation_bytes_per_layer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
-from benchmarks.bench_sequence_parallel_memory import saved_bytes_per_layer  # noqa: E402
+from testing.activation_memory import saved_bytes_per_layer
 
 BATCH, SEQ = 2, 256
 CONFIG = get_config("tiny", hidden_size=128, num_heads=4, seq_len=SEQ, max_position_embeddings=SEQ)

@@ -292,7 +292,7 @@ def launch(
 
 
 def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # benchmarks.fault_probe
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # testing.fault_probe
     full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": pythonpath, **(env or {})}
     for name in ("MTNLG_STARTUP_TIMEOUT", "MTNLG_STEP_TIMEOUT", "MTNLG_DATA_TIMEOUT", "MTNLG_SAVE_TIMEOUT"):
         if name not in (env or {}):
@@ -409,10 +409,10 @@ def test_plain_torchrun_heals_a_kill_after_a_save_stops_during_a_save_and_a_step
     args = run_args(tmp_path, 2) + ["--trainer.enable_checkpointing", "true", "--model.straggler_every_n_steps", "2"]
     args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.dirpath"]
     args += [str(ckpt), "--trainer.callbacks.every_n_train_steps", str(SAVE_EVERY)]
-    args += ["--trainer.callbacks.save_top_k", "-1", "--trainer.callbacks+=benchmarks.fault_probe.Probe"]
+    args += ["--trainer.callbacks.save_top_k", "-1", "--trainer.callbacks+=testing.fault_probe.Probe"]
     args += ["--trainer.callbacks.dir", str(probe), "--trainer.callbacks.slow_rank", "1"]
     args += ["--trainer.callbacks.slow_s", "0.3", "--trainer.callbacks.slow_eval_s", "1.0", "--ckpt_path", "last"]
-    held_writes = (str(Path(__file__).parent / "slow_checkpoint_writes.py"), "1.0")
+    held_writes = (str(ROOT / "testing" / "slow_checkpoint_writes.py"), "1.0")
     arguments = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "4", "--monitor-interval", "0.2")
     job = start(torchrun(*arguments, *held_writes, *args), log, {"MTNLG_STEP_TIMEOUT": str(step_limit)})
 
@@ -510,7 +510,7 @@ def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0, nodes: str
     args = run_args(work, 1) + ["--trainer.enable_checkpointing", "true"]
     args += ["--trainer.callbacks+=callbacks/checkpoint.yaml", "--trainer.callbacks.dirpath", str(work / "ckpt")]
     args += ["--trainer.callbacks.every_n_train_steps", str(SAVE_EVERY)]
-    args += ["--trainer.callbacks+=benchmarks.fault_probe.Probe", "--trainer.callbacks.dir", str(work / "probe")]
+    args += ["--trainer.callbacks+=testing.fault_probe.Probe", "--trainer.callbacks.dir", str(work / "probe")]
     args += ["--trainer.callbacks.slow_rank", "0", "--trainer.callbacks.slow_s", str(slow_s)]
     node = [sys.executable, "-m", "mtnlg_lightning.resilience.launch", "--nnodes", nodes, "--nproc-per-node", "1"]
     node += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", work.name]
@@ -647,14 +647,14 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_changes_i
     """ZeRO-1, one rank: the background save returns before its (held) write, every weight, master weight and
     Adam moment is then changed in place, as the next steps would; the published checkpoint still holds the saved
     step's state, bit for bit as a synchronous save of it."""
-    from parallel_harness import tiny_run
     from safetensors.torch import load_file
-    from slow_checkpoint_writes import slowed
 
     from mtnlg_lightning.checkpoint import format as checkpoint_format
     from mtnlg_lightning.checkpoint.format import is_checkpoint
     from mtnlg_lightning.parallel.zero import base_optimizer
     from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
+    from testing.parallel_harness import tiny_run
+    from testing.slow_checkpoint_writes import slowed
 
     strategy = MegatronDeepSpeedStrategy(zero_stage=1, print_layout=False, async_save=True)
     _, trainer = tiny_run(strategy=strategy, max_steps=2, capture_steps=())

@@ -1,9 +1,10 @@
-"""Checkpoint writes held open for a while, so that the crash tests can kill a job in the middle of a save.
+"""Checkpoint writes held open for a while, so that the crash tests and the fault drill can kill a job in
+the middle of a save.
 
 `slowed(save_file, seconds)` wraps the function `checkpoint/format.py` writes every rank's tensor file with: the
 file stays unpublished `seconds` longer after it is written, and a background writer (not the training thread)
 also waits `seconds` before writing, while training goes on. Run as a script,
-``python tests/slow_checkpoint_writes.py SECONDS ARGS...`` is ``mtnlg ARGS...`` with its writes slowed; Lightning
+``python testing/slow_checkpoint_writes.py SECONDS ARGS...`` is ``mtnlg ARGS...`` with its writes slowed; Lightning
 starts the other ranks with the same command, so every rank is slowed alike.
 """
 

@@ -1,7 +1,7 @@
 """`torchrun` for the tests and benchmarks, without paying the start-up once per rank.
 
-    python benchmarks/forked_ranks.py --standalone --nproc-per-node 8 SCRIPT ARGS...
-    python benchmarks/forked_ranks.py --standalone --nproc-per-node 4 -m mtnlg_lightning.train.cli fit ...
+    python testing/forked_ranks.py --standalone --nproc-per-node 8 SCRIPT ARGS...
+    python testing/forked_ranks.py --standalone --nproc-per-node 4 -m mtnlg_lightning.train.cli fit ...
 
 It takes torchrun's own arguments and builds torchrun's own launch (`torch.distributed.run.config_from_args`): the
 same elastic agent, standalone rendezvous and rank environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
@@ -53,4 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # Run as a script, this folder is sys.path[0]: the ranks get the repository root there instead (as under
+    # `python -m testing.forked_ranks`), so a shared helper is only ever imported as testing.NAME, once.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
     main()

@@ -14,17 +14,17 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from gathered_weights import full_state_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from benchmarks.lightning_run import TINY_RECIPE, quiet_trainer
-from benchmarks.local_ranks import run_on_ranks
 from mtnlg_lightning.data.datamodule import GPTDataModule
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 from mtnlg_lightning.train.module import MTNLGModule
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
+from testing.gathered_weights import full_state_dict
+from testing.lightning_run import TINY_RECIPE, quiet_trainer
+from testing.local_ranks import run_on_ranks
 
 SEED = 1234
 # Small enough that clipping triggers on every step of the tiny model (its grad norm is ~0.3 .. 2).
@@ -172,7 +172,7 @@ def ignore_some_labels(labels: torch.Tensor, samples: list[int]) -> torch.Tensor
 
 class CommPerStep(Callback):
     """Bytes of every torch.distributed call of the next-to-last training step (the last one also gathers the
-    captured parameters), by group kind and op, max over ranks (`benchmarks/comm_counter.py`, installed by the
+    captured parameters), by group kind and op, max over ranks (`comm_counter.py`, installed by the
     launch before DeepSpeed starts). Disabled: records nothing."""
 
     def __init__(self, enabled: bool = True):
@@ -180,14 +180,14 @@ class CommPerStep(Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.enabled:
-            from benchmarks import comm_counter
+            from testing import comm_counter
 
             comm_counter.register_groups(trainer.strategy.groups)
             comm_counter.reset()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.enabled:
-            from benchmarks import comm_counter
+            from testing import comm_counter
 
             self.last = comm_counter.snapshot()  # the previous step, start to start
             comm_counter.reset()

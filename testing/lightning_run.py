@@ -1,7 +1,9 @@
-"""One short `mtnlg fit`-machinery training run (Trainer + MTNLGModule + GPTDataModule) for the benchmarks.
+"""One short `mtnlg fit`-machinery training run (Trainer + MTNLGModule + GPTDataModule) for the benchmarks and
+the tests.
 
-Shared by bench_parallel (throughput, communication) and bench_memory (model-state bytes) so every layout, and the
-single-process baseline, trains the same model on the same data with the same recipe.
+Shared by bench_parallel (throughput, communication), bench_memory (model-state bytes) and the tests' harness
+(`parallel_harness.tiny_run`) so every layout, and the single-process baseline, trains the same model on the same
+data with the same recipe.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Several layouts in one torchrun launch (launches are the expensive part on a small CPU machine).
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_parallel_runs.py OUT_DIR tp2 dp2_zero1 ...
+    torchrun --standalone --nproc-per-node 2 testing/dist_parallel_runs.py OUT_DIR tp2 dp2_zero1 ...
 
 Each named run trains the tiny model through Lightning with `MegatronDeepSpeedStrategy`; rank 0 writes
 OUT_DIR/NAME.pt = {losses, grad_norms, lrs, params: {step: {name: full tensor}}, ...} for pytest to compare with
@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.comm_counter
-from parallel_harness import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
+from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
+from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
+from testing.parallel_harness import (  # noqa: E402
     CommPerStep,
     ScaleLossAt,
     VetoStep,
@@ -29,9 +30,6 @@ from parallel_harness import (  # noqa: E402
     tied_head_copy,
     tiny_run,
 )
-
-from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
-from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 
 
 def strategy(tp=1, zero=0, **kw):
@@ -62,7 +60,7 @@ COMPILED = "compiled_"  # run-name prefix: the same run with every block torch.c
 # can break, without inductor's C++ code generation (paid again by every rank of every compiled layout on 2 shared
 # cores; its numerics are checked in one process by test_compiled_blocks_with_inductor_train_like_eager, marked slow).
 COMPILE_BACKEND = "aot_eager"
-# Runs whose torch.distributed traffic is counted per group (benchmarks/comm_counter.py) at their last step.
+# Runs whose torch.distributed traffic is counted per group (testing/comm_counter.py) at their last step.
 COUNTED_RUNS = {"tp2_pp2_dp2_zero1", "tp2_pp2_dp2_zero1_sp", "tp2_sp"}
 
 
@@ -342,7 +340,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     names = sys.argv[2:]
     if COUNTED_RUNS.intersection(names):
-        from benchmarks import comm_counter
+        from testing import comm_counter
 
         comm_counter.install()  # before DeepSpeed builds its communication backend
     world = int(os.environ["WORLD_SIZE"])
