@@ -25,6 +25,7 @@ from results import benchmark_args, benchmark_parser, write_result
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
+from testing.forked_ranks import MODEL_RANK  # noqa: E402
 from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 DEGREES = (1, 2, 4)
@@ -53,7 +54,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from mtnlg_lightning.config import get_config
-    from mtnlg_lightning.model import build_model, cross_entropy
+    from mtnlg_lightning.loss import cross_entropy
+    from mtnlg_lightning.model import build_model
     from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring, apply_context_parallel
     from mtnlg_lightning.train.peak_memory import StepPeakMemory
 
@@ -97,7 +99,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    rows = [worker_rows(cp, __file__, *shape_options(args)) for cp in DEGREES]
+    rows = [worker_rows(cp, __file__, *shape_options(args), preload=MODEL_RANK) for cp in DEGREES]
     alone = rows[0]
     print(
         f"one sequence of {args.seq} tokens, {args.layers} layers, hidden {args.hidden}, {args.heads} heads "

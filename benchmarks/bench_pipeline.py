@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """Pipeline schedule efficiency: measured idle fraction per stage vs the theoretical bubble (PP-1)/(MB+PP-1).
 
-Each stage runs the real schedules of `torch.distributed.pipelining` (as the strategy does) over gloo, one process
-per stage. Stage compute is a fixed-duration wait (forward t, backward 2t, as a transformer layer) so that the
-measurement isolates the schedule: with 2 CPU cores, real matmuls in 4 processes would measure core sharing instead
-of pipeline bubbles. Idle fraction of a stage = 1 - busy / step time, over several steps after a warm-up.
+Each stage runs the real schedules of `torch.distributed.pipelining` (as the strategy does) over gloo, one rank per
+stage (one launch of PP local ranks, `testing/local_ranks.py`). Stage compute is a fixed-duration wait (forward t,
+backward 2t, as a transformer layer) so that the measurement isolates the schedule: with 2 CPU cores, real matmuls
+in 4 processes would measure core sharing instead of pipeline bubbles. Idle fraction of a stage = 1 - busy / step
+time, over several steps after a warm-up.
 
     python benchmarks/bench_pipeline.py [--pp 2 4] [--microbatches 4 8 16] [--forward-ms 4] [--steps 3]
 """
 
-import os
-import socket
+import argparse
 import statistics
 import sys
 import time
@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from results import benchmark_args, benchmark_parser, write_result
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-
-from results import benchmark_args, benchmark_parser, write_result  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the repository root: testing.*
 
 from mtnlg_lightning.parallel.pipeline import schedule_class, stages_held_by_rank  # noqa: E402
+from testing.forked_ranks import MODEL_RANK  # noqa: E402
+from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 HIDDEN = 16
 
@@ -60,9 +61,10 @@ class SimulatedStage(nn.Module):
         return TimedWait.apply(self.proj(x), self.seconds, self.busy)
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(args) -> None:
+    """One stage of a PP-rank launch: every schedule and micro-batch count; rank 0 writes the rows."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     from torch.distributed.pipelining import PipelineStage
 
@@ -109,15 +111,7 @@ def worker(rank, world, port, args, queue):
                         "theory_interleaved": (world - 1) / (per_rank * m + world - 1),
                     }
                 )
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_rows(args.worker, results)
 
 
 def main() -> int:
@@ -138,13 +132,14 @@ def main() -> int:
         "bookkeeping, ~1-2 ms here) adds idle time that theory does not count, so keep it large",
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after 1 warm-up)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank of the launch: rank 0 writes its rows here
     args = benchmark_args(parser)
-    ctx = mp.get_context("spawn")
-    rows = []
-    for pp in args.pp:
-        queue = ctx.Queue()
-        mp.start_processes(worker, args=(pp, free_port(), args, queue), nprocs=pp, start_method="spawn", join=True)
-        rows += queue.get()
+    if args.worker:
+        worker(args)
+        return 0
+    options = ["--microbatches", *args.microbatches, "--schedules", *args.schedules]
+    options += ["--forward-ms", args.forward_ms, "--steps", args.steps]
+    rows = [row for pp in args.pp for row in worker_rows(pp, __file__, *options, what=f"pp={pp} ", preload=MODEL_RANK)]
     print(f"{'schedule':<17} {'pp':>3} {'mb':>3} {'idle/stage (measured)':<30} {'mean':>6} {'theory':>7}")
     for r in rows:
         theory = r["theory_interleaved"] if r["schedule"] == "interleaved_1f1b" else r["theory_1f1b"]

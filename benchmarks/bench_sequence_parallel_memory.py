@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent))  # the repository root: testing.*
 from testing.activation_memory import saved_bytes_per_layer  # noqa: E402
+from testing.forked_ranks import MODEL_RANK  # noqa: E402
 from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]  # (tensor_parallel, sequence_parallel)
@@ -86,7 +87,7 @@ def main() -> int:
         worker(args)
         return 0
 
-    rows = worker_rows(4, __file__, *shape_options(args), "--batch", args.batch)
+    rows = worker_rows(4, __file__, *shape_options(args), "--batch", args.batch, preload=MODEL_RANK)
 
     s, b, h = args.seq, args.batch, args.hidden
     none = next(r for r in rows if r["tp"] == 1)["measured_bytes"]
