@@ -62,7 +62,8 @@ def child(args) -> dict:
 
     from mtnlg_lightning.callbacks import apply_activation_checkpointing
     from mtnlg_lightning.config import ModelConfig
-    from mtnlg_lightning.model import build_model, cross_entropy
+    from mtnlg_lightning.loss import cross_entropy
+    from mtnlg_lightning.model import build_model
 
     torch.manual_seed(0)
     config = ModelConfig(**shape_fields(args), name="bench")
