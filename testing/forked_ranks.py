@@ -16,7 +16,11 @@ training rank's preload costs ~4 s of CPU once per launch, more than such ranks 
 themselves.
 
 What stays torchrun's alone: the tests of the launch itself (the resilience drills, the crash and signal drills) and
-every command a user types run through the real `torchrun` or Lightning's launcher.
+every command a user types run through the real `torchrun` or Lightning's launcher. The product's own launchers are
+not this one: `mtnlg-launch` (resilience/launch.py) is torchrun's agent with the restart policy, and
+`mtnlg-eval`/`mtnlg-generate --devices N` start fresh interpreters with Lightning's rank environment and stop the
+others at the first failure, with the exit code a user's script reads (inference/launch.py; its tests launch it as
+users do: tests/dist_inference_runs.py). A fork server would change what those commands' ranks inherit.
 """
 
 from __future__ import annotations
