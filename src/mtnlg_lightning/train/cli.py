@@ -25,6 +25,7 @@ from mtnlg_lightning.resilience.exit_codes import ExitCode
 from mtnlg_lightning.resilience.restart import resolve_ckpt_path
 from mtnlg_lightning.shipped_configs import resolve_cli_args
 from mtnlg_lightning.train.module import MTNLGModule
+from mtnlg_lightning.train.quiet import quiet_known_noise, quiet_resume, quiet_trainer, trainer_arguments
 
 _MISSING_INIT_ARGS = re.compile(
     r'Parser key "(\w+)".*?class_path \'([\w.]+)\': the following arguments are required: ([\w, ]+?)(?: -| Expected|$)'
@@ -71,6 +72,13 @@ class MTNLGCLI(LightningCLI):
         if config is not None:
             check_accelerator(config.trainer.accelerator)
 
+    def instantiate_trainer(self, **kwargs):
+        """The Trainer, without the frameworks' messages that mean nothing here (`train/quiet.py`)."""
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer = super().instantiate_trainer(**{**trainer_arguments(config.get("trainer") or {}), **kwargs})
+        quiet_trainer(trainer)
+        return trainer
+
     def _parse_ckpt_path(self) -> None:
         """Lightning reads a `ckpt_path` file's hyper-parameters before anything else: an unreadable one is one
         line (a checkpoint folder of this format is read, and checked, by the strategy later)."""
@@ -85,6 +93,7 @@ class MTNLGCLI(LightningCLI):
         of the run's checkpoint folders (`resilience/restart.py`)."""
         config = self.config_init[self.subcommand]
         config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
+        quiet_resume(config["ckpt_path"])
 
 
 def check_finetune_run(model, data) -> None:
@@ -165,6 +174,7 @@ def _wandb_configured() -> bool:
 
 def main(args: list[str] | None = None) -> int:
     skip_final_garbage_collection()  # quick_exit.py: a quicker exit
+    quiet_known_noise()  # quiet.py: the frameworks' warnings that mean nothing here
     if "WANDB_MODE" not in os.environ and not _wandb_configured():
         os.environ["WANDB_MODE"] = "offline"  # no credentials (or no network): keep the run locally
 
