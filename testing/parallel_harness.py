@@ -268,6 +268,27 @@ def tiny_run(
     return recorder, trainer
 
 
+def fine_tuning_module(base: str, seq_len: int, micro_batch_size: int, global_batch_size: int, lr: float, **settings):
+    """A module that fine-tunes the model directory `base` in a layout test: the layout tests' clipping, no warmup,
+    a cosine to lr / 10, none of a run's services (preemption, watchdog, straggler reports); `settings`: the
+    objective's and the adapters' (objective, dpo_beta, grpo, rewards, lora, ...)."""
+    return MTNLGModule(
+        preset="tiny",
+        init_from=base,
+        model_overrides={"seq_len": seq_len},
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        lr=lr,
+        min_lr=lr / 10,
+        warmup_tokens=0,
+        grad_clip=GRAD_CLIP,
+        preemption=False,
+        watchdog=False,
+        straggler_every_n_steps=0,
+        **settings,
+    )
+
+
 def trained(rec: Recorder) -> dict:
     """What the layout comparisons compare of a run: losses, pre-clip gradient norms, captured parameters (and a
     mixture of experts' router logs, each step's)."""

@@ -22,10 +22,9 @@ from dist_family_runs import layout_kwargs  # noqa: E402
 
 from mtnlg_lightning.data.preferences import PreferenceDataModule  # noqa: E402
 from mtnlg_lightning.dpo_loss import REWARD_NAMES  # noqa: E402
-from mtnlg_lightning.train.module import MTNLGModule  # noqa: E402
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy  # noqa: E402
 from testing.lightning_run import quiet_trainer  # noqa: E402
-from testing.parallel_harness import ACCELERATOR, GRAD_CLIP, SEED, Recorder, run_each, run_script  # noqa: E402
+from testing.parallel_harness import ACCELERATOR, SEED, Recorder, fine_tuning_module, run_each, run_script  # noqa: E402
 
 DPO_SEQ_LEN = 128
 PAIRS_PER_STEP = 4
@@ -51,22 +50,8 @@ def dpo_run(
 ) -> dict:
     """5 DPO steps of 4 pairs (clipped, so the updates depend on the global gradient norm)."""
     L.seed_everything(SEED, verbose=False)
-    module = MTNLGModule(
-        preset="tiny",
-        init_from=base,
-        model_overrides={"seq_len": DPO_SEQ_LEN},
-        micro_batch_size=micro_batch_size,
-        global_batch_size=PAIRS_PER_STEP,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_tokens=0,
-        grad_clip=GRAD_CLIP,
-        objective="dpo",
-        dpo_beta=0.5,
-        lora=lora,
-        preemption=False,
-        watchdog=False,
-        straggler_every_n_steps=0,
+    module = fine_tuning_module(
+        base, DPO_SEQ_LEN, micro_batch_size, PAIRS_PER_STEP, 1e-3, objective="dpo", dpo_beta=0.5, lora=lora
     )
     data = PreferenceDataModule(train=pairs, chat_template="chatml", precompute_reference=precompute_reference)
     recorder, rewards = Recorder(), RewardRecorder()

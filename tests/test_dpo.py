@@ -56,7 +56,7 @@ def test_dpo_settings_are_checked_in_one_line_each():
             MTNLGModule(objective="dpo", dpo_beta=beta)
     with pytest.raises(MTNLGError, match="dpo_loss must be one of sigmoid, ipo"):
         objective_of("dpo", 0.1, "hinge")
-    with pytest.raises(MTNLGError, match="objective must be one of lm, dpo"):
+    with pytest.raises(MTNLGError, match="objective must be one of lm, dpo, grpo"):
         objective_of("ppo")
     with pytest.raises(MTNLGError, match=r"label_smoothing must be in \[0, 0.5\)"):
         objective_of("dpo", 0.1, "sigmoid", 0.5)

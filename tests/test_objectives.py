@@ -85,7 +85,7 @@ def test_a_new_objective_is_one_class_and_its_line_in_the_registry(monkeypatch):
 
 
 def test_an_unknown_objective_is_one_line_naming_the_registered_ones():
-    with pytest.raises(MTNLGError, match=r"^model\.objective must be one of lm, dpo, got 'ppo'$"):
+    with pytest.raises(MTNLGError, match=r"^model\.objective must be one of lm, dpo, grpo, got 'ppo'$"):
         build_objective({"objective": "ppo"})
 
 

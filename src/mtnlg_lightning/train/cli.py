@@ -17,6 +17,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.datamodule import GPTDataModule, StepDataModule
 from mtnlg_lightning.data.finetune import FineTuneDataModule  # noqa: F401 - a known `data` subclass in --help
 from mtnlg_lightning.data.preferences import PreferenceDataModule  # noqa: F401 - a known `data` subclass in --help
+from mtnlg_lightning.data.prompts import PromptDataModule  # noqa: F401 - a known `data` subclass in --help
 from mtnlg_lightning.errors import MTNLGError, one_line, run_main
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.config import ParallelConfig

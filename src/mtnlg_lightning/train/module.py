@@ -69,6 +69,9 @@ class MTNLGModule(L.LightningModule):
         dpo_beta: float = 0.1,
         dpo_loss: str = "sigmoid",
         dpo_label_smoothing: float = 0.0,
+        grpo: dict | None = None,
+        rewards: list[str | dict] | None = None,
+        reward_weights: list[float] | None = None,
     ):
         """
         Args:
@@ -104,12 +107,22 @@ class MTNLGModule(L.LightningModule):
                 alpha: 32, dropout: 0.0, targets: [q_proj, v_proj], rslora: false} (`parallel/lora.py`; targets:
                 our projection names or Hugging Face's, default every attention and MLP projection). Checkpoints
                 then hold the adapter and name the base by path and content hash.
-            objective: what the run trains (`train/objectives`): `lm` (next-token cross-entropy) or `dpo` (chosen
-                and rejected answers of `--config dpo`'s data: a sample is one pair). The DPO reference is the base
-                with the adapters off under `lora`, else a frozen copy of the starting weights.
+            objective: what the run trains (`train/objectives`): `lm` (next-token cross-entropy), `dpo` (chosen
+                and rejected answers of `--config dpo`'s data: a sample is one pair) or `grpo` (prompts of
+                `--config grpo`'s data, completions sampled and scored by `rewards` each step: a sample is one
+                prompt). The DPO and GRPO reference is the base with the adapters off under `lora`, else a frozen
+                copy of the starting weights.
             dpo_beta: DPO's beta (> 0), the strength of the pull toward the reference.
             dpo_loss: `sigmoid` (DPO) or `ipo` (IPO: log-ratios averaged over the completion tokens).
             dpo_label_smoothing: cDPO's assumed share of flipped labels, in [0, 0.5) (sigmoid only).
+            grpo: GRPO's settings with TRL's names and defaults, each optional: {num_generations: 8,
+                max_completion_length: 512, temperature: 1.0, top_p: 1.0, top_k: null, loss_type: dapo,
+                scale_rewards: group, importance_sampling_level: token, epsilon: 0.2, epsilon_high: null,
+                num_iterations: 1, beta: 0.0, mask_truncated_completions: false} (`grpo_loss.GRPOConfig`).
+            rewards: GRPO's reward functions, TRL's signature `fn(prompts, completions, completion_ids, **columns)`:
+                shipped names (accuracy, format, length), `package.module:function`, `path/file.py:function` (the
+                file's code runs), or a mapping {name: SPEC, ...keyword arguments} (`rewards.load_rewards`).
+            reward_weights: one weight per reward function (default 1.0 each); the reward is their weighted sum.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
@@ -321,12 +334,13 @@ class MTNLGModule(L.LightningModule):
 
     # ---------------------------------------------------------------- evaluation
     def validation_step(self, batch, batch_idx):
-        size = len(batch["labels"])
+        size = self.objective.samples_in(batch)
         self.log("val_loss", self.objective.evaluate(self, batch), prog_bar=True, sync_dist=True, batch_size=size)
         self.objective.log_metrics(self, prefix="val_")  # e.g. the held-out pairs' rewards
 
     def test_step(self, batch, batch_idx):
-        self.log("test_loss", self.objective.evaluate(self, batch), sync_dist=True, batch_size=len(batch["labels"]))
+        size = self.objective.samples_in(batch)
+        self.log("test_loss", self.objective.evaluate(self, batch), sync_dist=True, batch_size=size)
 
     # ---------------------------------------------------------------- checkpoint state
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.train.objectives.grpo import GRPO
 from mtnlg_lightning.train.objectives.language_modelling import LanguageModelling
 from mtnlg_lightning.train.objectives.objective import Objective
 from mtnlg_lightning.train.objectives.preference import Preference
 
-OBJECTIVES: dict[str, type[Objective]] = {"lm": LanguageModelling, "dpo": Preference}
+OBJECTIVES: dict[str, type[Objective]] = {"lm": LanguageModelling, "dpo": Preference, "grpo": GRPO}
 
 
 def build_objective(hparams: Mapping) -> Objective:

@@ -62,6 +62,10 @@ class Objective:
         """The batch's loss, forward only."""
         raise NotImplementedError
 
+    def samples_in(self, batch: dict) -> int:
+        """The samples a batch holds (the logged values' batch size)."""
+        return len(batch["labels"])
+
     def log_metrics(self, module, prefix: str = "") -> None:
         """After the step (`prefix` "") or a validation batch (`val_`): this objective's own metrics."""
 

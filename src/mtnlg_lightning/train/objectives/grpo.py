@@ -1,0 +1,322 @@
+"""GRPO (`--model.objective grpo`, `--config grpo`): each step samples `num_generations` completions of every prompt
+with the policy (`rollouts.LayoutGenerator`), scores them with the reward functions (`rewards`), turns the rewards
+into group-relative advantages and trains on the completions with the clipped objective (`grpo_loss`, TRL 1.16's
+arithmetic), through the same step path as language modelling (`runner.forward_backward`: one process, DDP, TP,
+PP, ZeRO).
+
+A sample is one prompt: a rank's batch holds its prompts; each becomes G rows (prompt + completion, padded to
+seq_len) that lie next to each other, and a micro-batch holds `micro_batch_size x G` rows, so a group never
+straddles micro-batches or ranks. As DPO does, each row's target is its labels with one more column, its index in
+the rank's rows, by which the loss finds the row's advantage and reference log-probs however the runner cuts the
+batch (the pipeline hands the last stage each micro-batch's targets).
+
+The loss of a micro-batch is its share of the loss of the whole global batch (`grpo_loss.loss_of`, with the step's
+completion and sequence counts summed over the world, as `loss.StepLoss` counts labels), times micro-batches x world
+size: after the runner's division by the micro-batches and the replicas' gradient average, the step's gradient is the
+one of the whole batch in one process, in any layout. The rewards are gathered over the data-parallel replicas before
+the advantages (TRL gathers them too), so `scale_rewards: batch` and the logged statistics are the global batch's.
+
+The reference (beta > 0): the base with its adapters off under LoRA, else a frozen copy of the starting weights taken
+when the layout is applied (`preference.ReferenceWeights`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from mtnlg_lightning.dpo_loss import per_token_cross_entropy
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.grpo_loss import (
+    GRPOConfig,
+    group_advantages,
+    loss_of,
+    metric_means,
+    metric_sums,
+    per_token_losses,
+    reward_metrics,
+    sequence_sums,
+)
+from mtnlg_lightning.loss import IGNORE_INDEX
+from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss
+from mtnlg_lightning.parallel.lora import adapters_disabled
+from mtnlg_lightning.rewards import RewardFunctions, load_rewards, score
+from mtnlg_lightning.train.objectives.objective import Objective
+from mtnlg_lightning.train.objectives.preference import ReferenceWeights, split_target, with_row_index
+from mtnlg_lightning.train.objectives.rollouts import LayoutGenerator, completion_rows, completion_seeds
+
+METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class TokenScores:
+    """(output, labels) -> each completion token's log-probability at the sampling temperature, in the run's layout:
+    vocabulary-parallel under TP (`per_token` of the layout's loss); under CP the logits are this rank's chunks of
+    each row, so the labels are cut alike and per-row sums are added over the ranks (`sum_over_sequence`)."""
+
+    def __init__(self, loss_fn, temperature: float):
+        self.temperature = temperature
+        while not hasattr(loss_fn, "per_token") and not isinstance(loss_fn, ContextParallelLoss):
+            inner = getattr(loss_fn, "loss_fn", None)  # the extensions' wrappers (router losses) hold it
+            if inner is None:
+                break
+            loss_fn = inner
+        self.context = loss_fn if isinstance(loss_fn, ContextParallelLoss) else None
+        inner = self.context.loss_fn if self.context is not None else loss_fn
+        self.per_token = getattr(inner, "per_token", per_token_cross_entropy)
+        self.tensor_group = getattr(inner, "group", None)
+
+    def mine(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of whole-row values [B, S]."""
+        return self.context.chunk_of(full) if self.context is not None else full
+
+    def sum_over_sequence(self, per_row: torch.Tensor) -> torch.Tensor:
+        return self.context.sum_over_sequence(per_row) if self.context is not None else per_row
+
+    def logps(self, output, labels: torch.Tensor) -> torch.Tensor:
+        logits = output[0] if isinstance(output, tuple) else output  # a mixture of experts' last stage adds totals
+        return -self.per_token(logits / self.temperature, labels).masked_fill(labels.eq(IGNORE_INDEX), 0.0)
+
+    @torch.no_grad()
+    def entropy(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The entropy [B, S] of the sampling distribution where the label is a completion token (0 elsewhere),
+        over the whole vocabulary under TP."""
+        logits = (output[0] if isinstance(output, tuple) else output).float() / self.temperature
+        peak = logits.amax(-1, keepdim=True)
+        if self.tensor_group is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.tensor_group)
+        weights = torch.exp(logits - peak)
+        parts = torch.stack([weights.sum(-1), (weights * (logits - peak)).sum(-1)])
+        if self.tensor_group is not None:
+            dist.all_reduce(parts, group=self.tensor_group)
+        entropy = torch.log(parts[0]) - parts[1] / parts[0]
+        return entropy.masked_fill(labels.eq(IGNORE_INDEX), 0.0)
+
+
+class TokenLogps:
+    """A forward-only 'loss' that records each row's per-token completion log-probabilities (whole rows, [R, S];
+    on the ranks that compute the loss) and contributes nothing: the reference pass."""
+
+    def __init__(self, scores: TokenScores, rows: int, seq_len: int, device):
+        self.scores = scores
+        self.logps = torch.zeros(rows, seq_len, dtype=torch.float32, device=device)
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        labels, rows = split_target(target)
+        mine = self.scores.mine(labels)
+        logps = self.scores.logps(output, mine).detach().float()
+        if self.scores.context is not None:  # whole rows on every CP rank: each adds its chunks' positions
+            positions = self.scores.mine(torch.arange(labels.shape[1], device=labels.device).expand_as(labels))
+            whole = torch.zeros(labels.shape, dtype=logps.dtype, device=logps.device).scatter_(1, positions, logps)
+            dist.all_reduce(whole, group=self.scores.context.group)
+            logps = whole
+        self.logps[rows] = logps
+        return logps.new_zeros(())
+
+
+class GRPOLoss:
+    """A micro-batch's GRPO loss (see the module docstring), and the metric sums it adds to `totals`."""
+
+    def __init__(self, config: GRPOConfig, scores: TokenScores, advantages, reference, counts, scale: float):
+        self.config, self.scores = config, scores
+        self.advantages, self.reference = advantages, reference  # per row of the rank's batch
+        self.global_sequences, self.global_tokens = counts
+        self.scale = scale  # micro-batches x world size
+        self.totals = {name: torch.zeros(2, dtype=torch.float64, device=advantages.device) for name in METRICS}
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        labels, rows = split_target(target)
+        mine = self.scores.mine(labels)
+        mask = mine.ne(IGNORE_INDEX)
+        logp = self.scores.logps(output, mine)
+        reference = self.scores.mine(self.reference[rows]) if self.reference is not None else None
+        losses, parts = per_token_losses(logp, None, reference, self.advantages[rows], mask, self.config)
+        sums, tokens = sequence_sums(losses, mask)
+        sums, tokens = self.scores.sum_over_sequence(sums), self.scores.sum_over_sequence(tokens)
+        entropy = self.scores.entropy(output, mine)
+        for name, total in metric_sums(parts, mask, entropy).items():
+            self.totals[name] += total.to(self.totals[name].device)
+        share = loss_of(sums, tokens, self.config, self.global_sequences, self.global_tokens)
+        return share * self.scale
+
+
+class GRPO(Objective):
+    """Settings: the module's `grpo` (a mapping with TRL's names: `grpo_loss.GRPOConfig`), `rewards` and
+    `reward_weights` (`rewards.load_rewards`)."""
+
+    name = "grpo"
+    data_kind = "prompts"
+    data_hint = "prompt records (data.PromptDataModule: --config grpo)"
+
+    def __init__(self, config: GRPOConfig, rewards: RewardFunctions):
+        self.config, self.rewards = config, rewards
+        self.sequences_per_sample = config.num_generations  # a prompt's G rows (tokens per second, FLOPs)
+        self.reference_weights: ReferenceWeights | None = None
+        self.seed = 0
+        self.metrics: dict[str, float | torch.Tensor] = {}
+        self.completions: list[list[int]] = []  # this rank's completions of the last step, G per prompt
+
+    @classmethod
+    def from_hparams(cls, hparams: Mapping) -> GRPO:
+        config = GRPOConfig.from_mapping(hparams.get("grpo"))
+        if not hparams.get("rewards"):
+            raise MTNLGError("model.objective grpo needs model.rewards: reward functions, e.g. [accuracy, format]")
+        return cls(config, load_rewards(hparams.get("rewards"), hparams.get("reward_weights")))
+
+    def max_prompt_tokens(self, seq_len: int) -> int:
+        """The longest prompt that leaves room for a whole completion in a row of `seq_len` (the data drops longer
+        ones)."""
+        room = seq_len - self.config.max_completion_length
+        if room < 1:
+            raise MTNLGError(
+                f"model.grpo max_completion_length {self.config.max_completion_length} leaves no room for a prompt "
+                f"in seq_len {seq_len}: lower it or raise seq_len"
+            )
+        return room
+
+    def samples_in(self, batch: dict) -> int:
+        return len(batch["prompt_ids"])
+
+    def check_layout(self, module, strategy) -> None:
+        if getattr(strategy, "sequence_parallel", False):
+            raise MTNLGError("GRPO's generation cuts no sequence over TP: train it with sequence_parallel false")
+        if self.config.num_iterations != 1:
+            raise MTNLGError(
+                "model.grpo num_iterations > 1 (several updates per generated batch) is not built yet: use 1"
+            )
+        if getattr(strategy, "context_parallel", 1) > 1:  # as mtnlg-generate: decoding runs whole sequences
+            raise MTNLGError("GRPO's generation cuts no sequence over context-parallel ranks: use context_parallel 1")
+        if getattr(strategy, "zero_stage", 0) >= 3:  # its hooks gather each block's weights per forward, in step
+            raise MTNLGError("GRPO's generation under ZeRO-3 is not built yet: use zero_stage 1 or 2")
+
+    def on_layout_applied(self, module) -> None:
+        if self.config.beta and not module.frozen_base and self.reference_weights is None:
+            self.reference_weights = ReferenceWeights(module.model)
+
+    def on_fit_start(self, module) -> None:
+        self.seed = torch.initial_seed()  # the run's seed (the same on every rank): the sampling seeds' root
+
+    # ---------------------------------------------------------------------------------------------- the step
+    def forward_backward(self, module, batch: dict) -> torch.Tensor:
+        return self._step(module, batch, train=True)
+
+    def evaluate(self, module, batch: dict) -> torch.Tensor:
+        return self._step(module, batch, train=False)
+
+    def _generator(self, module) -> LayoutGenerator:
+        chat = module.trainer.datamodule.chat
+        end = chat.end_of_turn()
+        texts = end.texts
+        window = max((len(t.encode("utf-8")) for t in texts), default=0) + 2
+
+        def ends_in_text(tokens: list[int]) -> bool:
+            return bool(texts) and end.ends(chat.decode(tokens[-window:]))
+
+        return LayoutGenerator(end.ids, ends_in_text if texts else None)
+
+    def _step(self, module, batch: dict, train: bool) -> torch.Tensor:
+        config, G = self.config, self.config.num_generations
+        data = module.trainer.datamodule
+        prompts = batch["prompt_ids"]
+        dp_rank, _ = data.data_parallel_rank_and_size()
+        first = int(batch["consumed_samples"]) + dp_rank * len(prompts)  # this rank's first prompt in the stream
+        repeated = [p for p in prompts for _ in range(G)]
+        seeds = completion_seeds(self.seed, first if train else -1 - first, len(prompts), G)
+        rollouts = self._generator(module).generate(module, repeated, seeds, config)
+        self.completions = rollouts.ids
+        rewards = self._rewards(batch, rollouts, data.chat)
+        rows = completion_rows(repeated, rollouts.ids, module.config.seq_len, data.chat.pad_id)
+        if config.mask_truncated_completions:
+            rows["labels"][~torch.tensor(rollouts.ended)] = IGNORE_INDEX
+        rows = {name: value.to(module.device) for name, value in rows.items()}
+        everyone = self._over_replicas(module, rewards.to(module.device))
+        advantages, stats = group_advantages(everyone, self.rewards.weights.to(module.device), G, config.scale_rewards)
+        local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
+        advantages = advantages[local]
+        started = time.perf_counter()
+        targeted = {**rows, "labels": with_row_index(rows["labels"])}
+        per_micro_batch = module.micro_batch_size * G
+        scores = TokenScores(module.loss_fn, config.temperature)
+        reference = self._reference_logps(module, targeted, per_micro_batch, scores) if config.beta else None
+        counts = module.trainer.strategy.reduce(
+            torch.tensor([float(len(repeated)), float(rows["labels"].ne(IGNORE_INDEX).sum())], device=module.device),
+            reduce_op="sum",
+        )
+        micro_batches = -(-len(repeated) // per_micro_batch)
+        scale = float(micro_batches * module.trainer.world_size)
+        loss_fn = GRPOLoss(config, scores, advantages, reference, (counts[0], counts[1]), scale)
+        run = module.runner.forward_backward if train else module.runner.evaluate
+        loss = run(targeted, per_micro_batch, loss_fn)
+        self.metrics = self._metrics(module, loss_fn, rollouts, stats, rows["labels"])
+        self.metrics["timing/generation_s"] = rollouts.seconds
+        self.metrics["timing/training_s"] = time.perf_counter() - started
+        # the micro-batches' mean of their scaled shares: this rank's part of the global batch's loss x world
+        # size, whose mean over the ranks (the logged value) is the global batch's loss
+        return loss
+
+    def _rewards(self, batch: dict, rollouts, chat) -> torch.Tensor:
+        G = self.config.num_generations
+        prompts = [p for p in batch["prompts"] for _ in range(G)]
+        texts = [chat.decode(ids) for ids in rollouts.ids]
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(prompts, texts, strict=True)
+        ]
+        columns = {name: [v for v in values for _ in range(G)] for name, values in batch["columns"].items()}
+        return score(self.rewards.functions, prompts, completions, rollouts.ids, columns)
+
+    @staticmethod
+    def _over_replicas(module, local: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel replica's rows of `local`, in replica order (the ranks of one replica hold the
+        same rows: one of them counts)."""
+        if module.trainer.world_size == 1:
+            return local
+        dp_rank, dp_size = module.trainer.datamodule.data_parallel_rank_and_size()
+        gathered = module.trainer.strategy.all_gather(local)
+        ranks = module.trainer.strategy.all_gather(torch.tensor(dp_rank, device=local.device))
+        first_of = {}
+        for index, replica in enumerate(ranks.tolist()):
+            first_of.setdefault(replica, index)
+        return torch.cat([gathered[first_of[r]] for r in range(dp_size)])
+
+    def _reference_logps(self, module, batch: dict, rows_per_micro_batch: int, scores: TokenScores) -> torch.Tensor:
+        collector = TokenLogps(scores, len(batch["labels"]), module.config.seq_len, module.device)
+        if module.frozen_base:
+            reference = adapters_disabled(module.model)
+        elif self.reference_weights is not None:
+            reference = self.reference_weights.swapped_into(module.model)
+        else:
+            reference = nullcontext(module.model)
+        training = module.model.training
+        module.model.eval()  # the reference is deterministic: no dropout (as TRL's reference model)
+        try:
+            with torch.no_grad(), reference:
+                module.runner.evaluate(batch, rows_per_micro_batch, collector)
+        finally:
+            module.model.train(training)
+        return collector.logps
+
+    def _metrics(self, module, loss_fn: GRPOLoss, rollouts, stats, labels) -> dict:
+        """TRL's metric names: the rewards' (the global batch's), the completions' lengths, and the loss's means
+        (one all-reduce of their sums)."""
+        out = reward_metrics(stats, self.rewards.names)
+        lengths = torch.tensor([len(ids) for ids in rollouts.ids], dtype=torch.float64, device=module.device)
+        clipped = torch.tensor([not e for e in rollouts.ended], dtype=torch.float64, device=module.device)
+        lengths, clipped = self._over_replicas(module, lengths), self._over_replicas(module, clipped)
+        out["completions/mean_length"] = float(lengths.mean())
+        out["completions/min_length"] = float(lengths.min())
+        out["completions/max_length"] = float(lengths.max())
+        out["completions/clipped_ratio"] = float(clipped.mean())
+        names = [name for name in METRICS if name != "kl" or self.config.beta]
+        totals = torch.stack([loss_fn.totals[name] for name in names])
+        totals = module.trainer.strategy.reduce(totals, reduce_op="sum")
+        means = metric_means(dict(zip(names, totals, strict=True)))
+        out.update({name: float(value) for name, value in means.items()})
+        return out
+
+    def log_metrics(self, module, prefix: str = "") -> None:
+        for name, value in self.metrics.items():
+            module.log(f"{prefix}{name}", float(value))

@@ -1,0 +1,112 @@
+"""Generation inside the training loop (GRPO's rollouts): a `Generator` continues each prompt of this rank's batch
+`num_generations` times with the policy's current weights, and `completion_rows` turns prompts and completions into
+the rows the step trains on.
+
+One `Generator` today: `LayoutGenerator`, the project's own KV-cache decoder (`inference.decode.generate_batch`) in
+the run's layout (one process; each replica of Lightning's DDP; TP x PP x EP under the 3D strategy, through
+`ShardedModel.from_strategy`), in eval mode and without autograd state. A vLLM engine would be a second
+implementation of the same method (docs/how-to/reinforcement-learning.md says how it would plug in).
+
+Each completion samples from its own generator, seeded from the run's seed and the completion's place in the data
+stream (its prompt's sample number x G + its index in the group): the completions depend neither on the layout, nor
+on the rank, nor on a resume.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mtnlg_lightning.inference.decode import generate_batch, sequence_seed
+from mtnlg_lightning.inference.sampling import EOS
+from mtnlg_lightning.inference.sharded_model import ShardedModel
+from mtnlg_lightning.loss import IGNORE_INDEX
+
+
+@dataclass
+class Rollouts:
+    """This rank's completions, G per prompt, contiguous per prompt: their ids (an end token included where the
+    completion ended on one), whether each ended on its own (not cut at max_completion_length or the position
+    limit), and the seconds the generation took."""
+
+    ids: list[list[int]]
+    ended: list[bool]
+    seconds: float
+
+
+class Generator:
+    """Continues prompts with the policy; every rank of a replica calls it with the same prompts."""
+
+    def generate(self, module, prompts: Sequence[Sequence[int]], seeds: Sequence[int], settings) -> Rollouts:
+        raise NotImplementedError
+
+
+class LayoutGenerator(Generator):
+    """The project's decoder in the training layout: `end_ids` and `end_texts` end a completion (the template's end
+    of turn, the eos token), which keeps its end token."""
+
+    def __init__(self, end_ids: Sequence[int], end_text=None):
+        self.end_ids, self.end_text = set(end_ids), end_text
+
+    def _stops(self, tokens: list[int]) -> bool:
+        return tokens[-1] in self.end_ids or (self.end_text is not None and self.end_text(tokens))
+
+    def generate(self, module, prompts, seeds, settings) -> Rollouts:
+        started = time.perf_counter()
+        strategy = module.trainer.strategy
+        if hasattr(strategy, "groups"):  # the 3D strategy: this rank's stages, TP shards and experts
+            model = ShardedModel.from_strategy(strategy)
+        else:  # one process, or a DDP replica: the whole model
+            model = ShardedModel.whole(module.model)
+        limit = module.config.seq_len
+        training = module.model.training
+        module.model.eval()  # no dropout while sampling (the policy's distribution itself)
+        try:
+            batch = generate_batch(
+                model,
+                [list(p) for p in prompts],
+                max_new_tokens=min(settings.max_completion_length, limit - min(len(p) for p in prompts)),
+                temperature=settings.temperature,
+                top_k=settings.top_k,
+                top_p=settings.top_p,
+                seeds=list(seeds),
+                stop_text=self._stops,
+            )
+        finally:
+            module.model.train(training)
+        ids, ended = [], []
+        for prompt, tokens, stop in zip(prompts, batch.tokens, batch.stop, strict=True):
+            room = min(settings.max_completion_length, limit - len(prompt))
+            ids.append(tokens[:room])
+            ended.append(stop == EOS and len(tokens) <= room)
+        return Rollouts(ids, ended, time.perf_counter() - started)
+
+
+def completion_seeds(seed: int, first_sample: int, prompts: int, generations: int) -> list[int]:
+    """The seeds of `prompts` x `generations` completions whose first prompt is sample `first_sample` of the data
+    stream: completion g of sample s samples with `sequence_seed(seed, s x G + g)`."""
+    return [
+        sequence_seed(seed, (first_sample + p) * generations + g) for p in range(prompts) for g in range(generations)
+    ]
+
+
+def completion_rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """The rows the step trains on, one per completion, padded on the right to `seq_len`: `input_ids` (prompt then
+    completion), `labels` (each completion token at the position that predicts it; IGNORE_INDEX elsewhere) and
+    `position_ids`."""
+    rows = len(prompts)
+    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        tokens = [*prompt, *completion][:seq_len]
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        n = len(tokens) - len(prompt)
+        if n > 0:
+            labels[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(tokens[len(prompt) :])
+    positions = torch.arange(seq_len).expand(rows, seq_len).contiguous()
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
