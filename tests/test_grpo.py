@@ -115,7 +115,8 @@ def test_a_dp2_checkpoint_resumes_in_one_process_with_the_same_next_completions_
 @pytest.mark.slow
 def test_a_policy_learns_a_reward_and_logs_trls_metric_names(grpo_inputs, tmp_path):
     """16 steps of 4 prompts x 8 completions, full weights: the reward of the last 4 steps is well above the first 4
-    steps' (measured: 0.53 -> 0.82 on average); the metrics carry TRL's names."""
+    steps' (measured: 0.52 -> 0.82 on average); the metrics carry TRL's names; the sampling/training probability
+    ratio of the sampled tokens is 1.0 (1e-5)."""
     from conftest import run_cli
 
     base, prompts, rewards = grpo_inputs
@@ -136,8 +137,13 @@ def test_a_policy_learns_a_reward_and_logs_trls_metric_names(grpo_inputs, tmp_pa
     expected = {"reward", "reward_std", "rewards/low_ids/mean", "rewards/low_ids/std", "frac_reward_zero_std",
                 "completions/mean_length", "completions/min_length", "completions/max_length",
                 "completions/clipped_ratio", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                "clip_ratio/region_mean", "timing/generation_s", "timing/training_s", "train_loss"}  # fmt: skip
+                "clip_ratio/region_mean", "timing/generation_s", "timing/training_s", "train_loss",
+                "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/mean"}  # fmt: skip
     assert expected <= names, expected - names
+    # the health check: the sampler's log-probabilities of the sampled tokens are the trained ones (fp32, no update
+    # between sampling and the forward of the same step)
+    ratios = [float(row["sampling/importance_sampling_ratio/mean"]) for row in rows if row.get("reward")]
+    assert ratios == pytest.approx([1.0] * 16, abs=1e-5)
 
 
 def test_each_completion_token_is_labelled_at_the_position_that_predicts_it():

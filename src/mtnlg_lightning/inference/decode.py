@@ -128,6 +128,7 @@ def generate_batch(
     cache = KVCache(total) if use_cache else None
     in_step = InStep(model)
     out: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
     stop = [""] * len(prompts)
     position, following = 0, min(lengths)
     decision = torch.zeros(len(prompts) + 1, dtype=torch.long, device=model.device)  # next tokens + stop flag
@@ -144,6 +145,8 @@ def generate_batch(
         if model.tp_group is not None:
             dist.broadcast(tokens, src=tp_source, group=model.tp_group)
         chosen["tokens"] = tokens
+        scaled = last[:, :vocab].float() / (temperature if temperature > 0 else 1.0)
+        chosen["logprobs"] = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1).cpu()
 
     while True:
         if cache is not None:
@@ -177,6 +180,8 @@ def generate_batch(
                     stop[i] = EOS
                 else:
                     out[i].append(int(nxt[i]))
+                    if model.is_last:
+                        logprobs[i].append(float(chosen["logprobs"][i]))
                     sequence[i, following] = nxt[i]
                     if on_token is not None:
                         on_token(i, out[i])
@@ -191,7 +196,7 @@ def generate_batch(
             break
         position, following = following, following + 1
     ended = [s or (LENGTH if steps[i] == max_new_tokens else POSITIONS) for i, s in enumerate(stop)]
-    return Generation(out, ended, time.perf_counter() - started)
+    return Generation(out, ended, time.perf_counter() - started, logprobs if model.is_last else None)
 
 
 def sample_each(logits: torch.Tensor, temperature: float, top_k, top_p, generators, sampling=None) -> torch.Tensor:

@@ -32,3 +32,6 @@ class Generation:
     tokens: list[list[int]]  # new tokens per sample (an end token excluded, a stop text's tokens included)
     stop: list[str]  # per sample: "<|endoftext|>" (an end token or stop text), "max-new-tokens" or "position limit"
     seconds: float
+    # per sample, each new token's log-probability under softmax(logits / temperature) as the sampler saw it (argmax's
+    # logits unscaled at temperature 0); on the ranks of the last pipeline stage, None elsewhere
+    logprobs: list[list[float]] | None = None

@@ -47,9 +47,17 @@ from mtnlg_lightning.parallel.lora import adapters_disabled
 from mtnlg_lightning.rewards import RewardFunctions, load_rewards, score
 from mtnlg_lightning.train.objectives.objective import Objective
 from mtnlg_lightning.train.objectives.preference import ReferenceWeights, split_target, with_row_index
-from mtnlg_lightning.train.objectives.rollouts import LayoutGenerator, completion_rows, completion_seeds
+from mtnlg_lightning.train.objectives.rollouts import (
+    LayoutGenerator,
+    at_label_positions,
+    completion_rows,
+    completion_seeds,
+)
 
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+# the sampler's log-probabilities against the trained ones on the sampled tokens (TRL's names): the ratio is 1.0 in
+# fp32 when nothing changed the weights in between (a health check of the generation path)
+SAMPLING_METRICS = ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/mean")
 
 
 class TokenScores:
@@ -120,12 +128,14 @@ class TokenLogps:
 class GRPOLoss:
     """A micro-batch's GRPO loss (see the module docstring), and the metric sums it adds to `totals`."""
 
-    def __init__(self, config: GRPOConfig, scores: TokenScores, advantages, reference, counts, scale: float):
+    def __init__(self, config: GRPOConfig, scores: TokenScores, rows: dict, counts, scale: float):
         self.config, self.scores = config, scores
-        self.advantages, self.reference = advantages, reference  # per row of the rank's batch
+        # per row of the rank's batch: advantages [R]; reference and sampling log-probs [R, S] (or None)
+        self.advantages, self.reference, self.sampling = rows["advantages"], rows["reference"], rows["sampling"]
         self.global_sequences, self.global_tokens = counts
         self.scale = scale  # micro-batches x world size
-        self.totals = {name: torch.zeros(2, dtype=torch.float64, device=advantages.device) for name in METRICS}
+        device = self.advantages.device
+        self.totals = {name: torch.zeros(2, dtype=torch.float64, device=device) for name in METRICS + SAMPLING_METRICS}
 
     def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
         labels, rows = split_target(target)
@@ -139,6 +149,12 @@ class GRPOLoss:
         entropy = self.scores.entropy(output, mine)
         for name, total in metric_sums(parts, mask, entropy).items():
             self.totals[name] += total.to(self.totals[name].device)
+        if self.sampling is not None:
+            gap = (logp.detach() - self.scores.mine(self.sampling[rows])).masked_fill(~mask, 0.0).double()
+            counted = mask.sum().double()
+            ratio = torch.exp(gap).masked_fill(~mask, 0.0).sum()
+            self.totals[SAMPLING_METRICS[0]] += torch.stack([ratio, counted])
+            self.totals[SAMPLING_METRICS[1]] += torch.stack([gap.abs().sum(), counted])
         share = loss_of(sums, tokens, self.config, self.global_sequences, self.global_tokens)
         return share * self.scale
 
@@ -247,7 +263,11 @@ class GRPO(Objective):
         )
         micro_batches = -(-len(repeated) // per_micro_batch)
         scale = float(micro_batches * module.trainer.world_size)
-        loss_fn = GRPOLoss(config, scores, advantages, reference, (counts[0], counts[1]), scale)
+        sampling = None
+        if rollouts.logprobs is not None:
+            sampling = at_label_positions(repeated, rollouts.logprobs, module.config.seq_len).to(module.device)
+        per_row = {"advantages": advantages, "reference": reference, "sampling": sampling}
+        loss_fn = GRPOLoss(config, scores, per_row, (counts[0], counts[1]), scale)
         run = module.runner.forward_backward if train else module.runner.evaluate
         loss = run(targeted, per_micro_batch, loss_fn)
         self.metrics = self._metrics(module, loss_fn, rollouts, stats, rows["labels"])
@@ -310,7 +330,7 @@ class GRPO(Objective):
         out["completions/min_length"] = float(lengths.min())
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(clipped.mean())
-        names = [name for name in METRICS if name != "kl" or self.config.beta]
+        names = [name for name in METRICS + SAMPLING_METRICS if name != "kl" or self.config.beta]
         totals = torch.stack([loss_fn.totals[name] for name in names])
         totals = module.trainer.strategy.reduce(totals, reduce_op="sum")
         means = metric_means(dict(zip(names, totals, strict=True)))

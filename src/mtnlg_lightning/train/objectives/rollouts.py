@@ -30,11 +30,13 @@ from mtnlg_lightning.loss import IGNORE_INDEX
 class Rollouts:
     """This rank's completions, G per prompt, contiguous per prompt: their ids (an end token included where the
     completion ended on one), whether each ended on its own (not cut at max_completion_length or the position
-    limit), and the seconds the generation took."""
+    limit), the seconds the generation took, and each token's log-probability as the sampler saw it (on the last
+    pipeline stage's ranks; None elsewhere)."""
 
     ids: list[list[int]]
     ended: list[bool]
     seconds: float
+    logprobs: list[list[float]] | None = None
 
 
 class Generator:
@@ -82,7 +84,10 @@ class LayoutGenerator(Generator):
             room = min(settings.max_completion_length, limit - len(prompt))
             ids.append(tokens[:room])
             ended.append(stop == EOS and len(tokens) <= room)
-        return Rollouts(ids, ended, time.perf_counter() - started)
+        logprobs = None
+        if batch.logprobs is not None:
+            logprobs = [values[: len(kept)] for values, kept in zip(batch.logprobs, ids, strict=True)]
+        return Rollouts(ids, ended, time.perf_counter() - started, logprobs)
 
 
 def completion_seeds(seed: int, first_sample: int, prompts: int, generations: int) -> list[int]:
@@ -110,3 +115,16 @@ def completion_rows(
             labels[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(tokens[len(prompt) :])
     positions = torch.arange(seq_len).expand(rows, seq_len).contiguous()
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+def at_label_positions(
+    prompts: Sequence[Sequence[int]], values: Sequence[Sequence[float]], seq_len: int
+) -> torch.Tensor:
+    """[rows, seq_len] fp32: each completion token's value (its sampling log-probability) where `completion_rows`
+    puts its label, 0 elsewhere."""
+    out = torch.zeros(len(prompts), seq_len, dtype=torch.float32)
+    for row, (prompt, row_values) in enumerate(zip(prompts, values, strict=True)):
+        n = min(len(row_values), seq_len - len(prompt))
+        if n > 0:
+            out[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(row_values[:n], dtype=torch.float32)
+    return out
