@@ -116,13 +116,13 @@ def test_a_dp2_checkpoint_resumes_in_one_process_with_the_same_next_completions_
 def test_a_policy_learns_a_reward_and_logs_trls_metric_names(grpo_inputs, tmp_path):
     """16 steps of 4 prompts x 8 completions, full weights: the reward of the last 4 steps is well above the first 4
     steps' (measured: 0.52 -> 0.82 on average); the metrics carry TRL's names; the sampling/training probability
-    ratio of the sampled tokens is 1.0 (1e-5)."""
+    ratio of the sampled tokens is 1.0 (1e-5); the completions table is written every 8 steps."""
     from conftest import run_cli
 
     base, prompts, rewards = grpo_inputs
     args = ["fit", "--config", "grpo", "--model.init_from", base, "--data.train", prompts, "--data.chat_template",
             "chatml", "--model.rewards", f"[{rewards}]",
-            "--model.grpo", "{num_generations: 8, max_completion_length: 16}",
+            "--model.grpo", "{num_generations: 8, max_completion_length: 16, log_completions_every_n_steps: 8}",
             "--model.model_overrides", "{seq_len: 64}", "--model.global_batch_size", "4", "--model.lr", "2e-2",
             "--model.min_lr", "2e-2", "--model.lora", "null", "--trainer.max_steps", "16", "--trainer.precision",
             "32-true", "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.callbacks", "[]"]  # fmt: skip
@@ -144,6 +144,10 @@ def test_a_policy_learns_a_reward_and_logs_trls_metric_names(grpo_inputs, tmp_pa
     # between sampling and the forward of the same step)
     ratios = [float(row["sampling/importance_sampling_ratio/mean"]) for row in rows if row.get("reward")]
     assert ratios == pytest.approx([1.0] * 16, abs=1e-5)
+    # the completions table: the first 2 prompts' 8 completions as text with their rewards, at steps 8 and 16
+    table = [json.loads(line) for line in open(next(tmp_path.rglob("completions.jsonl")))]
+    assert [row["step"] for row in table] == [8] * 16 + [16] * 16
+    assert {"prompt", "completion", "low_ids"} <= table[0].keys() and table[0]["prompt"].startswith("Count on from")
 
 
 def test_each_completion_token_is_labelled_at_the_position_that_predicts_it():

@@ -72,6 +72,8 @@ class GRPOConfig:
     num_iterations: int = 1
     beta: float = 0.0
     mask_truncated_completions: bool = False
+    # ours (TRL's log_completions): every N steps a table of a few prompts, completions and rewards (0: never)
+    log_completions_every_n_steps: int = 0
 
     def __post_init__(self):
         if _is_int(self.top_k) and self.top_k == 0:
@@ -115,6 +117,9 @@ class GRPOConfig:
             yield f"beta must be a number >= 0, got {self.beta!r}"
         if not isinstance(self.mask_truncated_completions, bool):
             yield f"mask_truncated_completions must be true or false, got {self.mask_truncated_completions!r}"
+        if not _is_int(self.log_completions_every_n_steps) or self.log_completions_every_n_steps < 0:
+            every = self.log_completions_every_n_steps
+            yield f"log_completions_every_n_steps must be an integer >= 0, got {every!r}"
 
     @property
     def clip_high(self) -> float:

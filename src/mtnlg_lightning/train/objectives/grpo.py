@@ -22,9 +22,11 @@ when the layout is applied (`preference.ReferenceWeights`).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -174,6 +176,7 @@ class GRPO(Objective):
         self.seed = 0
         self.metrics: dict[str, float | torch.Tensor] = {}
         self.completions: list[list[int]] = []  # this rank's completions of the last step, G per prompt
+        self.shown: list[dict] = []  # a few of them as text, with their rewards (the completions table)
 
     @classmethod
     def from_hparams(cls, hparams: Mapping) -> GRPO:
@@ -244,6 +247,7 @@ class GRPO(Objective):
         rollouts = self._generator(module).generate(module, repeated, seeds, config)
         self.completions = rollouts.ids
         rewards = self._rewards(batch, rollouts, data.chat)
+        self.shown = self._table_rows(batch, rollouts, rewards, data.chat)
         rows = completion_rows(repeated, rollouts.ids, module.config.seq_len, data.chat.pad_id)
         if config.mask_truncated_completions:
             rows["labels"][~torch.tensor(rollouts.ended)] = IGNORE_INDEX
@@ -287,6 +291,33 @@ class GRPO(Objective):
         ]
         columns = {name: [v for v in values for _ in range(G)] for name, values in batch["columns"].items()}
         return score(self.rewards.functions, prompts, completions, rollouts.ids, columns)
+
+    def _table_rows(self, batch: dict, rollouts, rewards: torch.Tensor, chat, prompts: int = 2) -> list[dict]:
+        """The first `prompts` prompts of this rank with each of their completions and rewards, as text."""
+        G, rows = self.config.num_generations, []
+        for p, prompt in enumerate(batch["prompts"][:prompts]):
+            for g in range(G):
+                i = p * G + g
+                values = dict(zip(self.rewards.names, rewards[i].tolist(), strict=True))
+                text = prompt if isinstance(prompt, str) else chat.render(prompt, add_generation_prompt=True)
+                rows.append({"prompt": text, "completion": chat.decode(rollouts.ids[i]), **values})
+        return rows
+
+    def _log_table(self, module) -> None:
+        """Every `log_completions_every_n_steps` steps, on global rank 0: a few prompts with their completions and
+        rewards, appended to `completions.jsonl` in the run's log folder and, with a wandb logger, as a table."""
+        every, step = self.config.log_completions_every_n_steps, module.trainer.global_step
+        if not every or step % every or not module.trainer.is_global_zero or not self.shown:
+            return
+        folder = Path(module.trainer.log_dir or module.trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "completions.jsonl", "a", encoding="utf-8") as handle:
+            for row in self.shown:
+                handle.write(json.dumps({"step": step, **row}) + "\n")
+        for logger in module.trainer.loggers:
+            if hasattr(logger, "log_table"):  # WandbLogger
+                columns = list(self.shown[0])
+                logger.log_table("completions", columns=columns, data=[list(row.values()) for row in self.shown])
 
     @staticmethod
     def _over_replicas(module, local: torch.Tensor) -> torch.Tensor:
@@ -340,3 +371,5 @@ class GRPO(Objective):
     def log_metrics(self, module, prefix: str = "") -> None:
         for name, value in self.metrics.items():
             module.log(f"{prefix}{name}", float(value))
+        if not prefix:
+            self._log_table(module)
