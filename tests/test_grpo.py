@@ -199,3 +199,32 @@ def test_grpo_without_a_model_directory_is_one_line(tmp_path):
     proc = run_cli("fit", "--config", "grpo", "--data.train", str(prompts), "--model.rewards", "[length]", cwd=tmp_path)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("mtnlg: error: model.lora needs model.init_from")
+
+
+@pytest.mark.slow
+def test_a_lora_grpo_checkpoint_exports_a_peft_adapter_and_a_merged_model_with_the_trained_logits(
+    grpo_inputs, tmp_path
+):
+    """`mtnlg-export-hf CKPT OUT --adapter` and `mtnlg-export-hf CKPT OUT` after GRPO, as after SFT: PEFT's base +
+    adapter and transformers' merged directory give the same logits, which are not the base's."""
+    import peft
+    import transformers
+    from dist_grpo_runs import GRPO_LORA, grpo_run
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from mtnlg_lightning.interop.export_cli import main as export_main
+
+    base = grpo_inputs[0]
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    grpo_run(*grpo_inputs, lora=GRPO_LORA, callbacks=[saving])
+    checkpoint = str(tmp_path / "ckpt" / "step=3.ckpt")
+    assert export_main([checkpoint, str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert export_main([checkpoint, str(tmp_path / "merged")]) == 0
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        base_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, merged(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, merged(tokens).logits, rtol=1e-5, atol=1e-5)
