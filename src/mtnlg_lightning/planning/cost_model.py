@@ -161,11 +161,12 @@ class Breakdown:
     cp_comm: float = 0.0  # the ring's key/value exchange not hidden under the attention it overlaps
     reference: float = 0.0  # DPO's reference pass: a forward of the step's sequences, no gradients
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (routed rows to their experts and back)
+    generation: float = 0.0  # GRPO's sampling of the step's completions before its training (`grpo_plan`)
 
     @property
     def total(self) -> float:
         exposed = self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer + self.cp_comm
-        return self.compute + self.reference + exposed + self.ep_comm
+        return self.compute + self.reference + exposed + self.ep_comm + self.generation
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}

@@ -21,14 +21,17 @@ REFERENCES = ("copy", "precomputed")  # full-weight DPO's reference; LoRA's is a
 
 @dataclass(frozen=True)
 class PreferencePlan:
+    """What a sample trains beside its sequences' own pass: `sequences_per_sample` rows and a reference (DPO's; GRPO's
+    `grpo_plan.GRPOPlan` too, whose reference may be "none")."""
+
     reference: str  # "copy", "precomputed" or "base" (LoRA)
 
     sequences_per_sample: int = 2
 
     @property
     def reference_forward(self) -> bool:
-        """Whether each step runs the reference's forward pass."""
-        return self.reference != "precomputed"
+        """Whether each step runs the reference's forward pass (a copy's, or the base's with adapters off)."""
+        return self.reference in ("copy", "base")
 
     def reference_bytes(self, weight_bytes: float) -> float:
         """What the reference holds beside a rank's weights of `weight_bytes`."""

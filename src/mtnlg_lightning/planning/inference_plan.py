@@ -16,14 +16,9 @@ from dataclasses import asdict, dataclass
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
-from mtnlg_lightning.planning.planner import (
-    MEMORY_BUDGET,
-    activation_bytes_per_layer,
-    kv_heads_per_rank,
-    params_per_stage,
-)
+from mtnlg_lightning.planning.activations import DTYPE_BYTES, forward_working_bytes, kv_cache_bytes
+from mtnlg_lightning.planning.planner import MEMORY_BUDGET, params_per_stage
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TP_DEGREES = (1, 2, 4, 8, 16)
 
 
@@ -47,12 +42,6 @@ class InferencePlan:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def kv_cache_bytes(config: ModelConfig, layers: int, batch: int, length: int, tp: int, dtype: str = "bf16") -> float:
-    """Keys and values of `layers` layers for `batch` x `length` tokens, one TP rank's key/value heads (2 x layers
-    x kv_heads x head_dim x bytes per token: grouped-query attention caches only its key/value heads)."""
-    return 2 * layers * batch * length * kv_heads_per_rank(config, tp) * config.head_dim * DTYPE_BYTES[dtype]
 
 
 def inference_plan(
@@ -81,9 +70,7 @@ def inference_plan(
     layers = layers_per_stage(config.num_layers, pp)  # the split `--strategy` runs (first/last stages lighter)
     width = DTYPE_BYTES[dtype]
     stage_params = params_per_stage(config, tp, pp, layers)
-    # Korthikanti's counts are for 2-byte activations; "selective" leaves out the attention scores.
-    working = activation_bytes_per_layer(config, batch, tp, "selective", seq_len=length) * width / 2
-    logits = 4 * batch * length * config.padded_vocab_size(tp) / tp
+    working, logits = forward_working_bytes(config, batch, length, tp, width)
     stages = []
     for i, n in enumerate(layers):
         weights = stage_params[i] * width

@@ -22,15 +22,19 @@ from mtnlg_lightning.families import linear_shapes_per_rank
 from mtnlg_lightning.parallel.lora import PROJECTIONS, LoRAConfig, lora_config
 
 
+def flag_yaml(text: str, flag: str, example: str):
+    """The value of a `FLAG YAML` option as YAML reads it (a YAML error in one line naming `flag` and `example`)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise MTNLGError(f"{flag} is not a YAML mapping such as '{example}': {first}") from None
+
+
 def parse_lora(text: str, config: ModelConfig) -> LoRAConfig:
     """`--lora '{rank: 16, alpha: 32, targets: [q_proj, v_proj]}'` as `--model.lora` takes it, its targets checked
     against `config` (one line for a bad value)."""
-    try:
-        values = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise MTNLGError(f"--lora is not a YAML mapping such as '{{rank: 16, alpha: 32}}': {first}") from None
-    lora = lora_config(values)
+    lora = lora_config(flag_yaml(text, "--lora", "{rank: 16, alpha: 32}"))
     lora.projections(config)
     return lora
 

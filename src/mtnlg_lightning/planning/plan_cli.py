@@ -13,6 +13,9 @@ Long sequences: which context-parallel layouts fit Llama 3.1 8B at 128k tokens o
 LoRA fine-tuning of Llama 3.1 8B (frozen base: weights only; the adapters' gradients and optimizer state):
     mtnlg-plan --model llama3.1-8b --seq 4096 --tp 2 --pp 1 --dp 4 --gpu h100 --global-batch 64 \\
         --lora '{rank: 16, alpha: 32, targets: [q_proj, v_proj]}'
+GRPO of Qwen3 8B, 16 prompts a step x 8 completions of up to 256 tokens (the generation's KV cache and time):
+    mtnlg-plan --model qwen3-8b --seq 1024 --tp 2 --pp 1 --dp 4 --zero-stage 2 --gpu h100 --global-batch 16 \\
+        --grpo '{num_generations: 8, max_completion_length: 256, beta: 0.0}'
 A model by its dimensions instead of a preset:
     mtnlg-plan --layers 48 --hidden 6144 --heads 64 --seq 2048 --vocab 51200 --gpus 64 --search
 How many GPUs to evaluate or generate with a model (weights + KV cache of a batch; smallest TP x PP per GPU kind):
@@ -34,6 +37,7 @@ from mtnlg_lightning.outputs import atomic_write
 from mtnlg_lightning.parallel.config import STRATEGY_PATHS, ParallelConfig, read_strategy_file
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS
 from mtnlg_lightning.planning.dpo_plan import REFERENCES, preference_plan
+from mtnlg_lightning.planning.grpo_plan import ONE_OBJECTIVE, parse_grpo
 from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
 from mtnlg_lightning.planning.lora_plan import parse_lora
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
@@ -120,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
         "adds the reference's forward pass. REFERENCE for full weights: 'copy' (a frozen copy of each GPU's weights, "
         "not under ZeRO-3) or 'precomputed' (data.precompute_reference: no copy, no reference pass per step); "
         "with --lora the reference is the base with the adapters off",
+    )
+    layout.add_argument(
+        "--grpo",
+        metavar="YAML",
+        help="size GRPO (--model.objective grpo), settings as --model.grpo takes them, e.g. '{num_generations: 8, "
+        "max_completion_length: 256, beta: 0.0}' (TRL's defaults for keys left out): --global-batch counts prompts, "
+        "each trained as num_generations sequences of --seq; each step first generates them: the KV cache of a "
+        "GPU's sequences beside the model states (prompts of up to seq - max_completion_length tokens), the prefill "
+        "and the memory-bound decode of max_completion_length tokens beside the training time; beta > 0 adds the "
+        "reference's forward pass (and a frozen copy of the weights without --lora). Not with --dpo, ZeRO-3, "
+        "--cp or --sequence-parallel (as the trainer)",
     )
     infer = parser.add_argument_group("inference: how many GPUs to evaluate or generate with the model")
     infer.add_argument(
@@ -266,7 +281,7 @@ def parallel_config(args) -> ParallelConfig:
     )
 
 
-def plan_layout(args, config: ModelConfig, gpu, lora=None) -> Plan:
+def plan_layout(args, config: ModelConfig, gpu, lora=None, grpo=None) -> Plan:
     """One layout, first validated as the trainer validates it (`ParallelConfig.validate`), then planned."""
     parallel = parallel_config(args)
     world = args.gpus or parallel.tensor_parallel * parallel.context_parallel * parallel.pipeline_parallel * args.dp
@@ -279,7 +294,7 @@ def plan_layout(args, config: ModelConfig, gpu, lora=None) -> Plan:
         args.global_batch, args.micro_batch, args.recompute, parallel.zero_stage, precision=args.precision,
         layers=layers, virtual_stages=parallel.virtual_pipeline_stages, sequence_parallel=parallel.sequence_parallel,
         implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel, lora=lora, dpo=dpo,
-        ep=layout.expert_parallel,
+        ep=layout.expert_parallel, grpo=grpo,
     )  # fmt: skip
 
 
@@ -302,12 +317,15 @@ def run(args) -> None:
     args.gpu = args.gpu or "a100-80g"
     gpu = get_gpu(args.gpu, extra)
     lora = parse_lora(args.lora, config) if args.lora is not None else None
+    if args.dpo and args.grpo is not None:
+        raise MTNLGError(ONE_OBJECTIVE)
+    grpo = parse_grpo(args.grpo, config, lora is not None) if args.grpo is not None else None
     if args.search:
         gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
         ParallelConfig().layout(gpus, args.gpus_per_node)  # a cluster of whole nodes
         plans = search(
             config, gpus, args.gpus_per_node, gpu, args.global_batch, args.precision, args.implementation, lora=lora,
-            dpo_reference=args.dpo,
+            dpo_reference=args.dpo, grpo=grpo,
         )  # fmt: skip
         plans = [p for p in plans if trainer_runs(p, config, args.gpus_per_node)]
         for p in plans:
@@ -323,7 +341,7 @@ def run(args) -> None:
         else:
             print_search(plans, args, gpus, config.name)
     else:
-        chosen = plan_layout(args, config, gpu, lora)
+        chosen = plan_layout(args, config, gpu, lora, grpo)
         chosen.gpu = args.gpu
         print(json.dumps(chosen.as_dict(), indent=1) if args.json else format_plan(chosen))
     if args.write_config:

@@ -2,8 +2,8 @@
 
 Model-state bytes follow the ZeRO paper's mixed-precision Adam accounting (MT-NLG: ~20 bytes/parameter:
 bf16 weights 2 + bf16 grads 2 + fp32 grads 4 + fp32 master weights 4 + Adam moments 8); activation bytes
-follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), with and
-without sequence parallelism. Time comes from `cost_model.iteration_breakdown`.
+(`activations`) follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+with and without sequence parallelism. Time comes from `cost_model.iteration_breakdown`.
 """
 
 from __future__ import annotations
@@ -14,16 +14,13 @@ from functools import partial
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import (
-    active_parameters,
-    expert_parameters_per_layer,
-    kv_heads_per_rank,
-    parameters_per_rank,
-)
+from mtnlg_lightning.families import active_parameters, expert_parameters_per_layer, parameters_per_rank
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.parallel.lora import LoRAConfig
+from mtnlg_lightning.planning.activations import activation_bytes_per_layer
 from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
 from mtnlg_lightning.planning.dpo_plan import PreferencePlan, format_dpo, preference_plan
+from mtnlg_lightning.planning.grpo_plan import ONE_OBJECTIVE, GRPOPlan, format_grpo
 from mtnlg_lightning.planning.lora_plan import format_lora, lora_summary, stage_state
 from mtnlg_lightning.train.flops import flops_per_iteration
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
@@ -84,47 +81,6 @@ def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "b
     return weights, grads, optimizer
 
 
-def activation_bytes_per_layer(
-    config: ModelConfig,
-    micro_batch: int,
-    tp: int,
-    recompute: str,
-    seq_len: int | None = None,
-    sequence_parallel: bool = False,
-) -> float:
-    """Stored activation bytes of one transformer layer for one micro-batch (bf16), Korthikanti et al. 2022. For
-    the GPT block: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h·(34/t + 5·a·s/(h·t)) with TP + SP (t = 1:
-    34 + 5as/h); selective recompute drops the 5as/h attention-score term; full recompute keeps only the layer input.
-    The same accounting for any block: the 10 replicated s·b·h (2 norm inputs, the q/k/v and MLP inputs, 2 dropout
-    masks) and, sharded over TP, q and k for QK^T, v, the projection's input, and the MLP's wide tensors (GELU: its
-    input and output, 2 x F/h; SwiGLU: gate, up, silu(gate) and their product, 4 x F/h)."""
-    s, b, h, a = seq_len or config.seq_len, micro_batch, config.hidden_size, config.num_heads
-    hd, f = config.head_dim, config.ffn_hidden_size
-    sp = sequence_parallel and tp > 1
-    if recompute == "full":
-        return 2 * s * b * h / (tp if sp else 1)  # only the layer input is kept
-    q, kv = a * hd / tp, kv_heads_per_rank(config, tp) * hd
-    mlp = (4 if config.mlp == "swiglu" else 2) * 2 * f / tp / h
-    if config.moe:  # averaged over the layers: a MoE layer's MLP in place of the dense one
-        share = len(config.moe_layers) / config.num_layers
-        mlp = (1 - share) * mlp + share * _moe_mlp_bytes(config, tp, sp)
-    sharded = (2 * (q + kv) + 2 * kv + 2 * q) / h + mlp  # GPT: 24 / t
-    kept = 10 / tp + sharded if sp else 10 + sharded
-    if recompute == "selective":
-        return s * b * h * kept
-    return s * b * h * (kept + 5 * a * s / (h * tp))
-
-
-def _moe_mlp_bytes(config: ModelConfig, tp: int, sp: bool) -> float:
-    """A MoE layer's stored MLP activations per token and hidden unit (bf16): each token's k routed copies (the
-    gathered rows and the experts' outputs, 2 + 2 bytes) and the experts' SwiGLU tensors (4 of moe_ffn each), whole
-    on every TP rank for the tokens it routes (its slice under SP, every token without); a shared expert as a
-    dense SwiGLU MLP, split over TP."""
-    h, k = config.hidden_size, config.experts_per_token
-    routed = k * (4 + 8 * config.moe_ffn_hidden_size / h) / (tp if sp else 1)
-    return routed + 8 * config.shared_expert_ffn_hidden_size / h / tp
-
-
 def balanced_layers(num_layers: int, pp: int) -> list[int]:
     base, extra = divmod(num_layers, pp)
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
@@ -168,6 +124,7 @@ class Plan:
     optimizer_state_gb: float = 0.0
     lora: dict | None = None  # LoRA's settings and bytes (`lora_plan.lora_summary`); None: full fine-tuning
     dpo: dict | None = None  # DPO's reference and its bytes (`dpo_plan`); None: language modelling
+    grpo: dict | None = None  # GRPO's settings, reference, generation bytes and seconds (`grpo_plan`); None: not GRPO
     # Parameters one token goes through (a mixture of experts' k of E experts; the whole model when dense), as
     # `families.active_parameters` counts them; the FLOPs above count these.
     active_params: int = 0
@@ -218,6 +175,7 @@ def plan(
     lora: LoRAConfig | None = None,
     dpo: PreferencePlan | None = None,
     ep: int = 1,
+    grpo: GRPOPlan | None = None,
 ) -> Plan:
     """One layout: memory per GPU and the time of one iteration. `cp`: context-parallel ranks per sequence (each
     holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
@@ -225,13 +183,21 @@ def plan(
     a frozen base (`lora_plan`: its model states); activations and time are full fine-tuning's. `dpo`: preference
     pairs (`dpo_plan`: two sequences a sample, the reference's bytes and forward pass); batches count pairs. `ep`:
     expert-parallel ranks out of dp (each MoE layer's experts split over them: their states divided by ep, their
-    gradients reduced over dp x cp / ep ranks, the routed rows' all-to-alls costed in `cost_model`)."""
+    gradients reduced over dp x cp / ep ranks, the routed rows' all-to-alls costed in `cost_model`). `grpo`: GRPO
+    (`grpo_plan`: G sequences a prompt, its reference, and the step's generation: the KV cache beside the model
+    states, the prefill and decode seconds before the training); batches count prompts."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
                               virtual_stages, layers)  # fmt: skip
     _check_experts(config, dp, ep)
-    per_sample = dpo.sequences_per_sample if dpo is not None else 1
+    if dpo is not None and grpo is not None:
+        raise MTNLGError(ONE_OBJECTIVE)
+    refusal = grpo.refusal(zero_stage, cp, sequence_parallel) if grpo is not None else None
+    if refusal:
+        raise MTNLGError(refusal)
+    trained = dpo or grpo  # what a sample trains: its sequences and its reference
+    per_sample = trained.sequences_per_sample if trained is not None else 1
     sequences = global_batch * per_sample
     layout = Layout(
         tp, pp, dp, micro_batch * per_sample, virtual_stages, zero_stage, recompute, sequence_parallel, cp, ep
@@ -240,10 +206,15 @@ def plan(
     stage_experts = expert_params_per_stage(config, per_gpu, ep)
     fullest = max(range(pp), key=lambda i: stage_params[i])
     held = (stage_params[fullest], stage_experts[fullest])  # the fullest stage's parameters, of which experts
-    memory = _memory(config, layout, sequences, per_gpu, stage_params, stage_experts, precision, lora, dpo)
+    memory = _memory(config, layout, sequences, per_gpu, stage_params, stage_experts, precision, lora, trained, grpo)
     breakdown = iteration_breakdown(config, spec, layout, sequences, per_gpu, held[0], gpus_per_node, impl, held[1])
-    if dpo is not None and dpo.reference_forward:  # a forward is a third of a step's compute without recompute
+    if trained is not None and trained.reference_forward:  # a forward is a third of a step's compute without recompute
         breakdown.reference = (breakdown.compute - breakdown.recompute) / 3
+    generation = (0.0, 0.0)  # GRPO's (prefill, decode) seconds: before the training, on every rank
+    if grpo is not None:  # a decode step reads the rank's TP shard of every stage
+        weights = sum(stage_params) * STATE_BYTES[precision]["weights"]
+        generation = grpo.seconds(config, spec, weights, sequences // dp, tp, precision)
+        breakdown.generation = sum(generation)  # in the step's time, not in its model FLOPs (training's only)
     gpus = tp * cp * pp * dp
     model_flops = flops_per_iteration(config, sequences)
     seconds = breakdown.total
@@ -288,6 +259,7 @@ def plan(
         dpo=dpo.summary(memory["reference"]) if dpo is not None else None,
         active_params=active_parameters(config),
         ep=ep,
+        grpo=grpo.summary(memory["reference"], sequences // dp, memory, generation, seconds) if grpo else None,
     )
 
 
@@ -322,10 +294,13 @@ def _check_experts(config: ModelConfig, dp: int, ep: int) -> None:
         )
 
 
-def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_experts, precision, lora, dpo) -> dict:
-    """Model states (with DPO's reference, if it holds one), activations and their total (bytes) on the fullest
-    pipeline stage, and what trains there (`lora_plan.StageState`). A stage's experts (`stage_experts`, of
-    `stage_params`) are partitioned over their own replicas, dp x cp / ep, under ZeRO."""
+def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_experts, precision, lora, trained,
+            grpo=None) -> dict:  # fmt: skip
+    """Model states (with the reference of DPO or GRPO, `trained`, if it holds one), activations and their total
+    (bytes) on the fullest pipeline stage, and what trains there (`lora_plan.StageState`). A stage's experts
+    (`stage_experts`, of `stage_params`) are partitioned over their own replicas, dp x cp / ep, under ZeRO. GRPO's
+    generation holds the model states and its KV cache and prefill, but no training activation: the total is the
+    larger of the two peaks (`grpo_plan`)."""
     tp, pp, micro = layout.tp, layout.pp, layout.micro_batch
     local = config.seq_len // layout.cp  # the tokens of each sequence this rank holds
     num_microbatches = global_batch // (micro * layout.dp)
@@ -340,17 +315,23 @@ def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_e
     if layout.recompute != "none":
         working = activation_bytes_per_layer(config, micro, tp, "none", seq_len=local, sequence_parallel=sp)
     logits = 4 * local * micro * config.padded_vocab_size(tp) / tp
-    stages = []
+    stages, generating = [], [(0.0, 0.0, 0.0)]
     parts = partial(model_state_parts, dp=layout.replicas, zero_stage=layout.zero_stage, precision=precision)
     expert_parts = partial(parts, dp=layout.replicas // layout.ep)
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
-        trained = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora, stage_experts[i], expert_parts)
-        reference = dpo.reference_bytes(parts(stage_params[i])[0]) if dpo is not None else 0.0
-        stages.append((act + trained.total + reference, act, trained, reference))
-    total, act, trained, reference = max(stages, key=lambda stage: stage[:2])
-    return {"state": trained.total + reference, "activations": act, "total": total, "trained": trained,
-            "reference": reference}  # fmt: skip
+        state = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora, stage_experts[i], expert_parts)
+        reference = trained.reference_bytes(parts(stage_params[i])[0]) if trained is not None else 0.0
+        stages.append((act + state.total + reference, act, state, reference))
+        if grpo is not None:
+            rows = global_batch // layout.dp  # this replica's sequences, generated in one batch
+            kv, prefill = grpo.memory(config, per_gpu[i], rows, tp, precision, i == pp - 1)
+            generating.append((state.total + reference + kv + prefill, kv, prefill))
+    total, act, state, reference = max(stages, key=lambda stage: stage[:2])
+    generation, kv, prefill = max(generating)
+    return {"state": state.total + reference, "activations": act, "total": max(total, generation), "trained": state,
+            "reference": reference, "training": total, "generation": generation, "kv_cache": kv,
+            "prefill_working": prefill, "prompt": grpo.prompt_tokens(config.seq_len) if grpo else 0}  # fmt: skip
 
 
 def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, held, gpus_per_node, impl):
@@ -389,6 +370,7 @@ def search(
     recompute_modes: tuple[str, ...] | None = None,
     lora: LoRAConfig | None = None,
     dpo_reference: str | None = None,
+    grpo: GRPOPlan | None = None,
 ) -> list[Plan]:
     """Every valid layout (tp, cp, pp, dp, ep, virtual stages, micro-batch, ZeRO, recompute, SP) that fits, fastest
     first.
@@ -398,7 +380,8 @@ def search(
     the stages (as Megatron's schedule); pipelines the implementation cannot run (`Implementation.runs_pipeline`:
     Megatron's even layer split, no interleaving on 2 stages) are skipped. A mixture-of-experts model adds each EP
     dividing both dp and its experts. `dpo_reference` (`dpo_plan.REFERENCES`):
-    DPO on pairs, without the layouts it cannot run (a reference copy under ZeRO-3)."""
+    DPO on pairs, without the layouts it cannot run (a reference copy under ZeRO-3). `grpo` (`grpo_plan`): GRPO's
+    steps, without the layouts the trainer refuses for it (ZeRO-3, CP, SP)."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
@@ -420,7 +403,7 @@ def search(
             zeros = [z for z in impl.zero_stages if (dp * cp > 1 or z == 0) and not (z == 3 and pp > 1)]
             eps = [e for e in _divisors(dp) if config.num_experts % e == 0] if config.moe else [1]
             for micro, v, recompute, sp, zero, ep in itertools.product(micro_batches, virtuals, modes, sps, zeros, eps):
-                if global_batch % (micro * dp):
+                if global_batch % (micro * dp) or (grpo is not None and grpo.refusal(zero, cp, sp)):
                     continue
                 m = global_batch // (micro * dp)
                 if v > 1 and m % pp:
@@ -433,7 +416,7 @@ def search(
                 candidate = plan(
                     config, tp, pp, dp, gpus_per_node, gpu, global_batch, micro, recompute, zero,
                     precision=precision, virtual_stages=v, sequence_parallel=sp, implementation=impl, cp=cp,
-                    lora=lora, dpo=dpo, ep=ep,
+                    lora=lora, dpo=dpo, ep=ep, grpo=grpo,
                 )  # fmt: skip
                 if candidate.fits:
                     plans.append(candidate)
@@ -462,7 +445,8 @@ def format_breakdown(p: Plan) -> str:
         ("CP ring", b.get("cp_comm", 0.0)),
         ("EP all-to-all", b.get("ep_comm", 0.0)),
         ("optimizer", b["optimizer"]),
-        ("DPO reference", b.get("reference", 0.0)),
+        (f"{'GRPO' if p.grpo else 'DPO'} reference", b.get("reference", 0.0)),
+        ("GRPO generation", b.get("generation", 0.0)),
     ]
     return ", ".join(f"{name} {seconds:.3g} s ({seconds / total:.0%})" for name, seconds in parts if seconds > 0)
 
@@ -496,6 +480,8 @@ def format_plan(p: Plan) -> str:
         lines[4:4] = format_lora(p.lora, p.frozen_params, p.trainable_params, p.zero_stage)
     if p.dpo is not None:
         lines.insert(4, format_dpo(p.dpo))
+    if p.grpo is not None:
+        lines[4:4] = format_grpo(p.grpo)
     if p.rampup_seconds is not None:
         lines.append(
             f"  batch ramp-up        {p.rampup_steps:,} steps in {p.rampup_seconds / 3600:,.1f} h "
