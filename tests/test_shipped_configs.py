@@ -52,7 +52,8 @@ def test_an_existing_file_wins_and_names_that_are_not_files_pass_through(tmp_pat
 def test_a_name_that_means_nothing_is_one_line_listing_what_ships(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
-        InputError, match=r"^--config nosuch: no such file, and no shipped config .*demo, demo_finetune, demo_llama"
+        InputError,
+        match=r"^--config nosuch: no such file, and no shipped config .*demo, demo_finetune, demo_grpo, demo_llama",
     ):
         resolve_cli_args(["fit", "--config", "nosuch"], REGISTERED)
     with pytest.raises(InputError, match=r"^--trainer.strategy tp9: neither a strategy name .*strategy/tp2,"):

@@ -9,6 +9,7 @@ download); `write_instructions` writes them as OpenAI-style `messages` JSON line
 from __future__ import annotations
 
 import argparse
+import csv
 import random
 import re
 import sys
@@ -89,6 +90,15 @@ def answer_of(question: str) -> str | None:
     return None
 
 
+def prompt_records(count: int, seed: int) -> list[dict]:
+    """The set's questions as GRPO prompts in TRL's conversational form: `prompt` (the system and user turns) and
+    the `answer` column the shipped `accuracy` reward reads."""
+    return [
+        {"prompt": record["messages"][:-1], "answer": record["messages"][-1]["content"]}
+        for record in instruction_examples(count, seed)
+    ]
+
+
 def write_instructions(path: str | Path, count: int = 400, seed: int = 0) -> Path:
     """The set as JSON lines at `path` (written atomically)."""
     return write_json_lines(path, instruction_examples(count, seed))
@@ -135,17 +145,40 @@ def score(questions: list[str], runs: dict[str, list[str]], shown: int = 10) -> 
     return "\n".join(lines)
 
 
+def reward_curve(run_directory: str | Path, window: int = 5) -> str:
+    """The mean reward of each step of the newest GRPO run under `run_directory` (its CSV metrics), and the mean of
+    the first and last `window` steps."""
+    found = sorted(Path(run_directory).rglob("metrics.csv"), key=lambda path: path.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no metrics.csv under {run_directory}: run the GRPO demo first")
+    with open(found[-1], encoding="utf-8") as handle:
+        rewards = [float(row["reward"]) for row in csv.DictReader(handle) if row.get("reward")]
+    if not rewards:
+        raise SystemExit(f"{found[-1]} logs no reward")
+    steps = " ".join(f"{value:.2f}" for value in rewards)
+    first, last = sum(rewards[:window]) / len(rewards[:window]), sum(rewards[-window:]) / len(rewards[-window:])
+    return f"reward by step: {steps}\nfirst {window} steps {first:.3f} -> last {window} steps {last:.3f} ({found[-1]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mtnlg_lightning.demo.synthetic.instructions",
-        description="The fine-tuning demo's synthetic instruction set (scripts/finetune_demo.sh): write its files, or "
-        "score the answers mtnlg-generate --chat gave to its held-out questions.",
+        description="The synthetic instruction set of the fine-tuning and GRPO demos (scripts/finetune_demo.sh, "
+        "scripts/grpo_demo.sh): write its files or the GRPO prompts, score the answers mtnlg-generate --chat gave to "
+        "its held-out questions, or print a GRPO run's reward curve.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write train.jsonl, valid.jsonl and questions.txt into DIR")
     write.add_argument("directory", help="the folder to write into (created if missing)")
     write.add_argument("--train", type=int, default=2000, help="training records")
     write.add_argument("--questions", type=int, default=100, help="held-out questions")
+    prompts = commands.add_parser(
+        "prompts", help="write the GRPO demo's prompts.jsonl and valid_prompts.jsonl into DIR"
+    )
+    prompts.add_argument("directory", help="the folder to write into (created if missing)")
+    prompts.add_argument("--count", type=int, default=512, help="training prompts (seed 3: not the SFT set's)")
+    curve = commands.add_parser("curve", help="the reward of each step of the newest GRPO run under DIR")
+    curve.add_argument("directory", help="the run's folder (e.g. runs/grpo_demo)")
     scorer = commands.add_parser("score", help="a before/after table and each run's accuracy")
     scorer.add_argument("questions", help="questions.txt, one question a line")
     scorer.add_argument("answers", nargs="+", metavar="NAME=FILE", help="a run's name and its mtnlg-generate output")
@@ -154,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_demo_files(args.directory, args.train, args.questions)
         counts = {"train": args.train, "valid": 128, "questions": args.questions}
         print("wrote " + ", ".join(f"{paths[name]} ({count})" for name, count in counts.items()))
+        return 0
+    if args.command == "curve":
+        print(reward_curve(args.directory))
+        return 0
+    if args.command == "prompts":
+        directory = Path(args.directory)
+        train = write_json_lines(directory / "prompts.jsonl", prompt_records(args.count, seed=3))
+        valid = write_json_lines(directory / "valid_prompts.jsonl", prompt_records(64, seed=4))
+        print(f"wrote {train} ({args.count}), {valid} (64)")
         return 0
     questions = Path(args.questions).read_text(encoding="utf-8").splitlines()
     runs = {}

@@ -284,7 +284,10 @@ class GRPO(Objective):
     def _rewards(self, batch: dict, rollouts, chat) -> torch.Tensor:
         G = self.config.num_generations
         prompts = [p for p in batch["prompts"] for _ in range(G)]
-        texts = [chat.decode(ids) for ids in rollouts.ids]
+        # what the turn says, as TRL's decode with skip_special_tokens gives it: an end-of-turn marker that this
+        # tokenizer spells as text (ChatML's on a tokenizer without it) cut off too
+        end = chat.end_of_turn()
+        texts = [end.cut(chat.tokenizer.decode(list(ids), skip_special_tokens=True)) for ids in rollouts.ids]
         completions = [
             [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
             for prompt, text in zip(prompts, texts, strict=True)
