@@ -118,7 +118,8 @@ class MTNLGModule(L.LightningModule):
             grpo: GRPO's settings with TRL's names and defaults, each optional: {num_generations: 8,
                 max_completion_length: 512, temperature: 1.0, top_p: 1.0, top_k: null, loss_type: dapo,
                 scale_rewards: group, importance_sampling_level: token, epsilon: 0.2, epsilon_high: null,
-                num_iterations: 1, beta: 0.0, mask_truncated_completions: false} (`grpo_loss.GRPOConfig`).
+                num_iterations: 1, beta: 0.0, mask_truncated_completions: false}, and ours,
+                log_completions_every_n_steps: 0 (a completions table every N steps) (`grpo_loss.GRPOConfig`).
             rewards: GRPO's reward functions, TRL's signature `fn(prompts, completions, completion_ids, **columns)`:
                 shipped names (accuracy, format, length), `package.module:function`, `path/file.py:function` (the
                 file's code runs), or a mapping {name: SPEC, ...keyword arguments} (`rewards.load_rewards`).
