@@ -244,3 +244,16 @@ def test_the_demo_prompts_are_the_instruction_questions_with_their_answers(tmp_p
     metrics.parent.mkdir(parents=True)
     metrics.write_text("reward,step\n0.25,0\n,0\n0.75,1\n")
     assert reward_curve(tmp_path / "run", window=1).startswith("reward by step: 0.25 0.75\nfirst 1 steps 0.250 -> last")
+
+
+def test_dotted_grpo_settings_on_the_command_line_are_read_in_their_types():
+    """`--model.grpo.temperature 0.8` reaches the mapping as the string "0.8" (a dict's value types are unknown to the
+    parser): a string for a setting that is not a string is read as YAML."""
+    from mtnlg_lightning.grpo_loss import GRPOConfig
+
+    config = GRPOConfig.from_mapping(
+        {"temperature": "0.8", "top_k": "null", "num_generations": "4", "loss_type": "grpo"}
+    )
+    assert (config.temperature, config.top_k, config.num_generations, config.loss_type) == (0.8, None, 4, "grpo")
+    with pytest.raises(MTNLGError, match=r"^model\.grpo temperature must be a number > 0, got 'hot'$"):
+        GRPOConfig.from_mapping({"temperature": "hot"})

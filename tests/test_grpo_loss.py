@@ -74,7 +74,7 @@ def test_the_defaults_are_trls():
         ({"num_iterations": 0}, r"model.grpo num_iterations must be an integer >= 1"),
         ({"beta": -0.04}, r"model.grpo beta must be a number >= 0, got -0.04"),
         ({"beta": float("nan")}, r"model.grpo beta must be a number >= 0"),
-        ({"mask_truncated_completions": "yes"}, r"model.grpo mask_truncated_completions must be true or false"),
+        ({"mask_truncated_completions": "maybe"}, r"model.grpo mask_truncated_completions must be true or false"),
         ({"epsilon_low": 0.1}, r"model.grpo: unknown key\(s\) \['epsilon_low'\]; valid fields: "),
         ("dapo", r"model.grpo must be a mapping of GRPO settings, got 'dapo'"),
     ],

@@ -342,11 +342,12 @@ def reject_unknown_fields(values: dict, cls, what: str) -> None:
         raise MTNLGError(f"{what} {unknown}; valid fields: {sorted(known)}")
 
 
-def typed_overrides(overrides: dict) -> dict:
-    """Overrides in their fields' types: on the command line `--model.model_overrides.num_layers 4` arrives as the
-    string "4" (a dict's value types are unknown to the parser), so a string for a field that is not a string is
-    read as YAML ("4" -> 4, "0.01" -> 0.01, "null" -> None, "true" -> True)."""
-    hints = typing.get_type_hints(ModelConfig)
+def typed_overrides(overrides: dict, fields=None) -> dict:
+    """Overrides in their fields' types (of the dataclass `fields`, default ModelConfig): on the command line
+    `--model.model_overrides.num_layers 4` arrives as the string "4" (a dict's value types are unknown to the
+    parser), so a string for a field that is not a string is read as YAML ("4" -> 4, "0.01" -> 0.01, "null" -> None,
+    "true" -> True)."""
+    hints = typing.get_type_hints(fields or ModelConfig)
     return {
         key: _yaml_value(value) if isinstance(value, str) and hints.get(key, str) is not str else value
         for key, value in overrides.items()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mtnlg_lightning.config import reject_unknown_fields
+from mtnlg_lightning.config import reject_unknown_fields, typed_overrides
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.loss import IGNORE_INDEX
 
@@ -134,7 +134,7 @@ class GRPOConfig:
         if not isinstance(values, dict):
             raise MTNLGError(f"model.grpo must be a mapping of GRPO settings, got {values!r}")
         reject_unknown_fields(values, cls, "model.grpo: unknown key(s)")
-        return cls(**values)
+        return cls(**typed_overrides(values, cls))  # --model.grpo.temperature 0.8 arrives as "0.8"
 
 
 # ------------------------------------------------------------------------------------------------ advantages
