@@ -2,7 +2,9 @@
 mixes) and gives byte-identical results to the same records as plain JSON lines; bad records have a policy."""
 
 import json
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -351,3 +353,27 @@ def test_a_huge_single_line_is_read_whole_and_a_huge_broken_one_is_one_named_bad
         "huge",
     ]
     assert policy.summary()["malformed_json"] == 1
+
+
+def _fails_on_two(shared, item):
+    if item == 2:
+        raise ValueError("item 2 is bad")
+    time.sleep(0.2)
+    return item
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_pool_run_ends_its_workers_whatever_sigterm_handler_the_driver_installed():
+    """The pool's terminate() ends its workers with SIGTERM. A driver's Python-level handler that does not exit (Ray
+    installs one at ray.init, and it outlives ray.shutdown) is inherited by forked workers: the workers reset it, so
+    a failed stage does not wait for them forever."""
+    from mtnlg_lightning.corpora.engine import LocalEngine
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        engine = LocalEngine(workers=2)
+        with pytest.raises(ValueError, match="item 2 is bad"):
+            list(engine.map(_fails_on_two, range(6)))
+        engine.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,6 +32,10 @@ _pool_shared: Any = None
 
 
 def _set_pool_shared(shared: Any) -> None:
+    # A worker must die on the pool's terminate() (SIGTERM). Forked workers inherit the driver's Python-level
+    # handlers (Ray installs one at ray.init and it outlives ray.shutdown), and such a handler left an idle worker
+    # running and terminate() waiting for it forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _pool_shared
     _pool_shared = shared
 
