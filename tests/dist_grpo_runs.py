@@ -1,10 +1,11 @@
 """GRPO runs from a Hugging Face Llama directory in the layouts named on the command line (one torchrun launch):
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_grpo_runs.py OUT_DIR BASE_DIR PROMPTS REWARDS tp2 pp2 zero1
+    torchrun --standalone --nproc-per-node 2 tests/dist_grpo_runs.py OUT_DIR BASE_DIR MOE_DIR PROMPTS REWARDS tp2 pp2
 
 Full weights; a layout with _lora trains LoRA adapters; one with _kl sets beta 0.04 (the reference pass: a frozen
 copy of the starting weights, or the base with its adapters off); one with _ckpt saves a checkpoint after every step
-in OUT_DIR/NAME_checkpoints. Rank 0 writes OUT_DIR/NAME.pt (losses,
+in OUT_DIR/NAME_checkpoints; one starting moe_ trains the mixture of experts in MOE_DIR (ep2: its experts split over
+the 2 ranks). Rank 0 writes OUT_DIR/NAME.pt (losses,
 grad norms, every step's completions gathered over the replicas and rewards, parameters at step 3) for pytest to
 compare with one process (`grpo_run` there too).
 """
@@ -83,25 +84,28 @@ def saving_every_step(folder: Path) -> ModelCheckpoint:
     return ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{step}")
 
 
-def train(layout: str, out: Path, base: str, prompts: str, rewards: str) -> dict:
+def train(layout: str, out: Path, bases: tuple[str, str], prompts: str, rewards: str) -> dict:
     lora = GRPO_LORA if "_lora" in layout else None
     beta = 0.04 if "_kl" in layout else 0.0
     callbacks = [saving_every_step(out / f"{layout}_checkpoints")] if "_ckpt" in layout else []
     kwargs = layout_kwargs(layout.replace("_lora", "").replace("_kl", "").replace("_ckpt", ""))
+    if "ep2" in layout.split("_"):
+        kwargs["expert_parallel"] = 2
     if kwargs["zero_stage"] == 3:
         kwargs["deepspeed_config"] = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     micro_batch = 1 if kwargs["pipeline_parallel"] > 1 else 2  # a pipeline needs several micro-batches
     strategy = MegatronDeepSpeedStrategy(**kwargs, print_layout=False)
     world = int(os.environ["WORLD_SIZE"])
+    base = bases[1] if layout.startswith("moe_") else bases[0]
     return grpo_run(
         base, prompts, rewards, lora=lora, beta=beta, layout=(strategy, world, micro_batch), callbacks=callbacks
     )
 
 
 def main() -> None:
-    out, base, prompts, rewards = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    out, bases, (prompts, rewards) = Path(sys.argv[1]), (sys.argv[2], sys.argv[3]), sys.argv[4:6]
     out.mkdir(parents=True, exist_ok=True)
-    run_each("dist_grpo_runs", sys.argv[5:], out, lambda layout: train(layout, out, base, prompts, rewards))
+    run_each("dist_grpo_runs", sys.argv[6:], out, lambda layout: train(layout, out, bases, prompts, rewards))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,9 @@ DEEPSPEED_PRIVATE_NAMES = {
     ),
     "deepspeed.runtime.bf16_optimizer:BF16_Optimizer._lazy_init_hp_params_optimizer_state": "relink_moment_fragments",
     "deepspeed.runtime.engine:DeepSpeedEngine._configure_distributed_model": "engine_with_experts",
+    "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload._register_deepspeed_module": (
+        "whole_parameters_without_hooks"
+    ),
     "deepspeed.utils.groups:_EXPERT_PARALLEL_GROUP": "register_expert_groups",
     "deepspeed.utils.groups:_EXPERT_PARALLEL_GROUP_RANKS": "register_expert_groups",
     "deepspeed.utils.groups:_EXPERT_DATA_PARALLEL_GROUP": "register_expert_groups",

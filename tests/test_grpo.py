@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_models import random_family_dir
+from hf_models import random_family_dir, random_moe_dir
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.decode import sequence_seed
@@ -21,8 +21,12 @@ from mtnlg_lightning.train.objectives import build_objective
 from mtnlg_lightning.train.objectives.rollouts import completion_rows, completion_seeds
 
 HERE = Path(__file__).resolve().parent
-# 2 ranks: data parallelism (plain and ZeRO-1), TP, PP; with the KL (the reference pass), LoRA, ZeRO-2; a checkpoint
-GRPO_LAYOUTS = ("dp2", "tp2", "pp2", "zero1", "dp2_kl", "tp2_kl", "tp2_lora", "pp2_kl_lora", "zero2_kl_lora")
+# 2 ranks: data parallelism (plain, ZeRO-1 and ZeRO-3), TP (with and without SP), PP, CP; with the KL (the reference
+# pass), LoRA, ZeRO-2 and -3; a Qwen 3-MoE's experts split over the ranks (moe_ep2); a checkpoint
+GRPO_LAYOUTS = (
+    "dp2", "tp2", "tp2_sp", "pp2", "cp2", "zero1", "zero3", "dp2_kl", "tp2_kl", "tp2_lora", "pp2_kl_lora",
+    "zero2_kl_lora", "zero3_kl_lora", "cp2_kl_lora", "moe_ep2",
+)  # fmt: skip
 LOW_IDS = '''
 def low_ids(prompts, completions, completion_ids, **columns):
     """The share of a completion's tokens in the lower half of the 4096-token vocabulary."""
@@ -46,29 +50,34 @@ def grpo_inputs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grpo_runs(grpo_inputs, tmp_path_factory):
-    """3 GRPO steps in one process (full weights, LoRA, each with and without the KL), then the layouts in one
-    2-rank launch."""
+    """3 GRPO steps in one process (full weights, LoRA, each with and without the KL; a Qwen 3-MoE with its
+    router losses), then the layouts in one 2-rank launch."""
     from dist_grpo_runs import GRPO_LORA, grpo_run
 
     from testing.local_ranks import run_on_ranks
 
     base, prompts, rewards = grpo_inputs
+    moe_dir = tmp_path_factory.mktemp("grpo_moe")  # its router's auxiliary loss on, as transformers trains it
+    moe = str(random_moe_dir(moe_dir, "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01))
     runs = {
         "one": grpo_run(base, prompts, rewards),
         "one_kl": grpo_run(base, prompts, rewards, beta=0.04),
         "one_lora": grpo_run(base, prompts, rewards, lora=GRPO_LORA),
         "one_lora_kl": grpo_run(base, prompts, rewards, lora=GRPO_LORA, beta=0.04),
+        "one_moe": grpo_run(moe, prompts, rewards),
     }
     out = tmp_path_factory.mktemp("grpo_layouts")
     names = (*GRPO_LAYOUTS, "dp2_ckpt")
     proc = run_on_ranks(
-        2, HERE / "dist_grpo_runs.py", out, base, prompts, rewards, *names, timeout=900, cwd=HERE.parent
+        2, HERE / "dist_grpo_runs.py", out, base, moe, prompts, rewards, *names, timeout=900, cwd=HERE.parent
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return runs | {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names} | {"out": out}
 
 
 def reference_of(layout: str) -> str:
+    if layout.startswith("moe_"):
+        return "one_moe"
     return "one" + ("_lora" if "_lora" in layout else "") + ("_kl" if "_kl" in layout else "")
 
 
@@ -78,9 +87,12 @@ def reference_of(layout: str) -> str:
 def test_grpo_samples_and_trains_alike_in_every_layout(layout, grpo_runs):
     """dp2 (each replica generates its prompts' completions; the rewards gathered before the advantages), tp2 (the
     sampler on TP rank 0, the log-probs and entropy vocabulary-parallel), pp2 (the decoder through the stages, the
-    loss on the last), ZeRO-1 and -2, the KL's reference pass (a frozen copy, or LoRA's adapters off) reproduce one
-    process: every step's completions token for token (steps 2 and 3 sample the updated policy), the rewards, the
-    losses (rel 1e-5, atol 1e-7: on-policy GRPO's loss is ~0 without the KL), the pre-clip gradient norms (5e-5: one
+    loss on the last), tp2 with SP and cp2 (the decoder on whole sequences: `ShardedModel.decoding` suspends both;
+    the loss on SP's gathered and CP's chunked rows), ZeRO-1, -2 and -3 (ZeRO-3's parameters gathered whole and its
+    hooks off while decoding: the replicas decode different numbers of passes), the KL's reference pass (a frozen
+    copy, or LoRA's adapters off), a Qwen 3-MoE with its experts over 2 ranks (ep2: the replicas' decoders kept in
+    step; the router losses join the GRPO loss) reproduce one process: every step's completions token for token
+    (steps 2 and 3 sample the updated policy), the rewards, the losses (rel 1e-5, atol 1e-7: on-policy GRPO's loss is ~0 without the KL), the pre-clip gradient norms (5e-5: one
     process's fp32 norm) and the weights after 3 clipped Adam steps (2e-5)."""
     run, one = grpo_runs[layout], grpo_runs[reference_of(layout)]
     assert run["completions"] == one["completions"]
@@ -177,15 +189,11 @@ def test_bad_grpo_settings_and_layouts_are_one_line_each():
     objective = build_objective(grpo_settings(max_completion_length=64))
     with pytest.raises(MTNLGError, match=r"^model\.grpo max_completion_length 64 leaves no room for a prompt"):
         objective.max_prompt_tokens(64)
-    module = SimpleNamespace(frozen_base=False)
-    refusals = {
-        "sequence_parallel": (SimpleNamespace(sequence_parallel=True), "sequence_parallel false"),
-        "context_parallel": (SimpleNamespace(context_parallel=2), "context_parallel 1"),
-        "zero3": (SimpleNamespace(zero_stage=3), "zero_stage 1 or 2"),
-    }
-    for strategy, message in refusals.values():
-        with pytest.raises(MTNLGError, match=message):
-            objective.check_layout(module, strategy)
+    full_weights, with_kl = SimpleNamespace(frozen_base=False), build_objective(grpo_settings(beta=0.04))
+    with pytest.raises(MTNLGError, match=r"^full-weight GRPO with beta > 0 under ZeRO-3 keeps no reference copy"):
+        with_kl.check_layout(full_weights, SimpleNamespace(zero_stage=3))
+    with_kl.check_layout(SimpleNamespace(frozen_base=True), SimpleNamespace(zero_stage=3))  # LoRA: adapters off
+    module = full_weights
     with pytest.raises(MTNLGError, match=r"num_iterations > 1 .* not built yet"):
         build_objective(grpo_settings(num_iterations=2)).check_layout(module, SimpleNamespace())
 

@@ -17,6 +17,7 @@ layers into the auxiliary (Switch/GShard) and z losses.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +212,21 @@ def _over_slices(local: torch.Tensor, group, scale: int = 1) -> torch.Tensor:
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """(name, layer) of every MoE layer this model (or pipeline stage) holds."""
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+
+
+@contextmanager
+def routing_alone(modules):
+    """The MoE layers of `modules` route whole sequences for a while: their router statistics are no longer summed
+    over the sequence splits (`MoE.sequence_groups`) that sequence or context parallelism set up (decoding runs
+    whole sequences on each rank)."""
+    layers = [(layer, list(layer.sequence_groups)) for root in modules for _, layer in moe_layers(root)]
+    for layer, _ in layers:
+        layer.sequence_groups.clear()
+    try:
+        yield
+    finally:
+        for layer, groups in layers:
+            layer.sequence_groups[:] = groups
 
 
 def block_index(layer_name: str) -> int:

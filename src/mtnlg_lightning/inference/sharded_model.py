@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,8 @@ from torch import nn
 from mtnlg_lightning.checkpoint.model_space import PARALLEL_MARKS, model_buffers, model_slots
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.model import GPT
-from mtnlg_lightning.parallel import context_parallel
+from mtnlg_lightning.moe import routing_alone
+from mtnlg_lightning.parallel import context_parallel, deepspeed_compat, sequence_parallel
 from mtnlg_lightning.parallel.layout import ProcessGroups
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.parallel.pipeline import stages_held_by_rank
@@ -58,9 +59,12 @@ class ShardedModel:
         placement: list[list[int]],
         device: torch.device,
         sequence_parallel: bool = False,
+        whole_sequences: bool = False,
     ):
         self.config, self.groups, self.device = config, groups, device
         self.stages, self.num_stages, self.sequence_parallel = stages, num_stages, sequence_parallel
+        # the CP ranks' share of a sequence: 1 where each runs whole sequences (`decoding`)
+        self.context_parallel = 1 if whole_sequences else groups.layout.context_parallel
         self.holder = {s: r for r, held in enumerate(placement) for s in held}  # stage -> pipeline rank
         self.times = StageTimes()
         self.dtype = next(stages[0][1].parameters()).dtype
@@ -124,8 +128,9 @@ class ShardedModel:
         return cls(model.config, ProcessGroups.single(), [(0, model)], 1, [[0]], device)
 
     @classmethod
-    def from_strategy(cls, strategy) -> ShardedModel:
-        """The live stage models of a `MegatronDeepSpeedStrategy` (weights as trained so far)."""
+    def from_strategy(cls, strategy, whole_sequences: bool = False) -> ShardedModel:
+        """The live stage models of a `MegatronDeepSpeedStrategy` (weights as trained so far). `whole_sequences`:
+        each rank runs whole sequences, neither cut over TP (sequence parallelism) nor over CP (`decoding`)."""
         runner = strategy.pipeline
         if runner is not None:
             stages = list(zip(runner.stage_indices, runner.stage_models, strict=True))
@@ -141,21 +146,40 @@ class ShardedModel:
             num_stages,
             placement,
             strategy.root_device,
-            strategy.sequence_parallel,
+            strategy.sequence_parallel and not whole_sequences,
+            whole_sequences,
         )
+
+    @classmethod
+    @contextmanager
+    def decoding(cls, strategy):
+        """The live stage models of a `MegatronDeepSpeedStrategy` set up to decode for a while (generation inside
+        training): whole sequences on every rank (sequence and context parallelism suspended, `whole_sequences` of
+        each), a mixture of experts' router statistics kept local, and under ZeRO-3 the parameters gathered whole
+        with DeepSpeed's per-module hooks off (the data-parallel ranks decode different numbers of passes). The
+        weights are the training ones, in place; everything is restored on the way out."""
+        model = cls.from_strategy(strategy, whole_sequences=True)
+        modules = model.modules()
+        with ExitStack() as stack:
+            stack.enter_context(sequence_parallel.whole_sequences(modules))
+            stack.enter_context(context_parallel.whole_sequences(modules))
+            stack.enter_context(routing_alone(modules))
+            if strategy.engine is not None and strategy.zero_stage == 3:
+                stack.enter_context(deepspeed_compat.whole_parameters_without_hooks(strategy.engine))
+            yield model
 
     # ------------------------------------------------------------------ running
     def padded_width(self, width: int) -> int:
         """Context parallelism cuts the sequence into 2 x CP chunks, sequence parallelism a rank's part over TP:
         widths are rounded up to a multiple of what they cut (right padding: no real token attends to it)."""
-        multiple = 2 * self.layout.context_parallel if self.layout.context_parallel > 1 else 1
+        multiple = 2 * self.context_parallel if self.context_parallel > 1 else 1
         multiple *= self.layout.tensor_parallel if self.sequence_parallel else 1
         return -(-width // multiple) * multiple
 
     def local_positions(self, width: int) -> torch.Tensor:
         """The positions of a `width`-token sequence whose outputs this rank's last stage produces (all of them
         without context parallelism; this rank's two chunks with it)."""
-        cp = self.layout.context_parallel
+        cp = self.context_parallel
         if cp == 1:
             return torch.arange(width)
         return context_parallel.local_positions(self.groups.coord.cp, cp, 0, width // cp, "cpu")
@@ -185,7 +209,7 @@ class ShardedModel:
                     x = local.pop((stage - 1, m))
                 else:
                     b, width = batch.shape if isinstance(batch, torch.Tensor) else batch
-                    width //= self.layout.context_parallel  # this rank's chunks
+                    width //= self.context_parallel  # this rank's chunks
                     width = width // tp if self.sequence_parallel else width
                     x = torch.empty(b, width, hidden, dtype=self.dtype, device=self.device)
                     dist.recv(x, src=self.stage_rank(stage - 1))

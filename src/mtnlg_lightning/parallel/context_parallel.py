@@ -30,6 +30,7 @@ masked kernel (`masked_block_forward`/`backward`: the scores materialised in fp3
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -298,6 +299,8 @@ def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
     """A forward pre-hook of every stage: the tokens [B, S] (the stage holding the embedding; later stages receive
     this rank's hidden states already) and the `position_ids` when given become this rank's chunks. The
     `document_ids` stay whole: the ring masks each block from the ids of both its query and its key chunks."""
+    if getattr(module, "whole_sequences", False):  # decoding (`whole_sequences`): the tokens stay whole
+        return None
     tokens = args[0]
     if tokens.dtype in (torch.int32, torch.int64):
         tokens = split_sequence(tokens, cp_rank, cp_size)
@@ -365,3 +368,21 @@ class ContextParallelLoss:
     def sum_over_sequence(self, per_row: torch.Tensor) -> torch.Tensor:
         """Per-row values summed over this rank's chunks [B] -> over the whole rows, on every CP rank."""
         return _SumOverContext.apply(per_row, self.group, self.cp_size)
+
+
+@contextmanager
+def whole_sequences(modules):
+    """Run context-parallel `modules` (a model or its pipeline stages) on whole sequences for a while: the tokens
+    stay whole and the positions are the plain ones, on every rank of the CP group alike. Decoding needs it (one new
+    position at a time cannot be cut into chunks; it attends through the KV cache, not the ring); the weights are
+    the same tensors, nothing is copied. (A mixture of experts' router statistics: `moe.routing_alone`.)"""
+    chunked = [m for m in modules if isinstance(m.__dict__.get("positions"), functools.partial)]
+    saved = [m.__dict__["positions"] for m in chunked]
+    for module in chunked:
+        del module.positions  # the model's own: contiguous positions
+        module.whole_sequences = True
+    try:
+        yield
+    finally:
+        for module, positions in zip(chunked, saved, strict=True):
+            module.positions, module.whole_sequences = positions, False

@@ -132,3 +132,27 @@ def engine_with_experts(enabled: bool):
         yield
     finally:
         DeepSpeedEngine._configure_distributed_model = original
+
+
+# ------------------------------------------------------------------------------------------- ZeRO-3 decoding
+@contextmanager
+def whole_parameters_without_hooks(engine):
+    """A ZeRO-3 engine's parameters gathered whole on every rank, its per-module fetch and release hooks removed,
+    for a while: decoding runs as many forward passes as its own sequences need, which differ between the data-
+    parallel ranks, so the hooks' per-module all-gathers would not meet. The hooks are registered again (and the
+    prefetch trace invalidated) on the way out, then the parameters partitioned again. TRL's
+    `unwrap_model_for_generation` does the same (`remove_hooks` / `add_hooks`)."""
+    import deepspeed  # optional extra [deepspeed]: imported on use (a ZeRO-3 engine)
+
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    params = list(offload.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for param in params:
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)  # it invalidates the prefetch trace itself

@@ -25,6 +25,8 @@ clipping sees it (so it works under ZeRO 1/2/3, pipelining and activation checkp
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -155,8 +157,28 @@ def all_gather_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def scatter_output_to_sequence(module: nn.Module, group) -> None:
     """`module`'s output (the embedding's, whole on every TP rank) is cut to this rank's sequence slice.
 
-    A forward hook rather than a wrapper module, so parameter names stay those of the single-process model."""
-    module.register_forward_hook(lambda _module, _args, out: scatter_to_sequence_parallel_region(out, group))
+    A forward hook rather than a wrapper module, so parameter names stay those of the single-process model; it
+    follows the module's `sequence_parallel` flag (`whole_sequences` lowers it while decoding)."""
+    module.sequence_parallel = True
+    module.register_forward_hook(
+        lambda module, _args, out: scatter_to_sequence_parallel_region(out, group) if module.sequence_parallel else out
+    )
+
+
+@contextmanager
+def whole_sequences(modules):
+    """Run sequence-parallel `modules` (a model or its pipeline stages) on whole sequences for a while: every layer
+    that cuts or gathers the sequence over TP (its `sequence_parallel` flag) runs as plain TP. Decoding needs it
+    (one new position at a time cannot be cut over TP ranks); the weights are the same tensors, nothing is copied.
+    (A mixture of experts' router statistics: `moe.routing_alone`.)"""
+    switched = [m for root in modules for m in root.modules() if getattr(m, "sequence_parallel", False) is True]
+    for module in switched:
+        module.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.sequence_parallel = True
 
 
 class SequenceParallelDropout(nn.Module):

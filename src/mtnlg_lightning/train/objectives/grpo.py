@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mtnlg_lightning.dpo_loss import per_token_cross_entropy
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.grpo_loss import (
     GRPOConfig,
@@ -44,11 +43,16 @@ from mtnlg_lightning.grpo_loss import (
     sequence_sums,
 )
 from mtnlg_lightning.loss import IGNORE_INDEX
-from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss
 from mtnlg_lightning.parallel.lora import adapters_disabled
 from mtnlg_lightning.rewards import RewardFunctions, load_rewards, score
 from mtnlg_lightning.train.objectives.objective import Objective
-from mtnlg_lightning.train.objectives.preference import ReferenceWeights, split_target, with_row_index
+from mtnlg_lightning.train.objectives.preference import (
+    ReferenceWeights,
+    logits_of,
+    split_target,
+    token_scoring,
+    with_row_index,
+)
 from mtnlg_lightning.train.objectives.rollouts import (
     LayoutGenerator,
     at_label_positions,
@@ -69,15 +73,7 @@ class TokenScores:
 
     def __init__(self, loss_fn, temperature: float):
         self.temperature = temperature
-        while not hasattr(loss_fn, "per_token") and not isinstance(loss_fn, ContextParallelLoss):
-            inner = getattr(loss_fn, "loss_fn", None)  # the extensions' wrappers (router losses) hold it
-            if inner is None:
-                break
-            loss_fn = inner
-        self.context = loss_fn if isinstance(loss_fn, ContextParallelLoss) else None
-        inner = self.context.loss_fn if self.context is not None else loss_fn
-        self.per_token = getattr(inner, "per_token", per_token_cross_entropy)
-        self.tensor_group = getattr(inner, "group", None)
+        self.context, self.per_token, self.tensor_group = token_scoring(loss_fn)
 
     def mine(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's positions of whole-row values [B, S]."""
@@ -87,14 +83,13 @@ class TokenScores:
         return self.context.sum_over_sequence(per_row) if self.context is not None else per_row
 
     def logps(self, output, labels: torch.Tensor) -> torch.Tensor:
-        logits = output[0] if isinstance(output, tuple) else output  # a mixture of experts' last stage adds totals
-        return -self.per_token(logits / self.temperature, labels).masked_fill(labels.eq(IGNORE_INDEX), 0.0)
+        return -self.per_token(logits_of(output) / self.temperature, labels).masked_fill(labels.eq(IGNORE_INDEX), 0.0)
 
     @torch.no_grad()
     def entropy(self, output, labels: torch.Tensor) -> torch.Tensor:
         """The entropy [B, S] of the sampling distribution where the label is a completion token (0 elsewhere),
         over the whole vocabulary under TP."""
-        logits = (output[0] if isinstance(output, tuple) else output).float() / self.temperature
+        logits = logits_of(output).float() / self.temperature
         peak = logits.amax(-1, keepdim=True)
         if self.tensor_group is not None:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.tensor_group)
@@ -177,6 +172,9 @@ class GRPO(Objective):
         self.metrics: dict[str, float | torch.Tensor] = {}
         self.completions: list[list[int]] = []  # this rank's completions of the last step, G per prompt
         self.shown: list[dict] = []  # a few of them as text, with their rewards (the completions table)
+        self.end_of_turn = None  # the chat template's end-of-turn marker, and the generator stopping at it: set
+        self.generator: LayoutGenerator | None = None  # when the fit starts (the data module brings the template)
+        self.scores_rewards = True
 
     @classmethod
     def from_hparams(cls, hparams: Mapping) -> GRPO:
@@ -200,16 +198,15 @@ class GRPO(Objective):
         return len(batch["prompt_ids"])
 
     def check_layout(self, module, strategy) -> None:
-        if getattr(strategy, "sequence_parallel", False):
-            raise MTNLGError("GRPO's generation cuts no sequence over TP: train it with sequence_parallel false")
         if self.config.num_iterations != 1:
             raise MTNLGError(
                 "model.grpo num_iterations > 1 (several updates per generated batch) is not built yet: use 1"
             )
-        if getattr(strategy, "context_parallel", 1) > 1:  # as mtnlg-generate: decoding runs whole sequences
-            raise MTNLGError("GRPO's generation cuts no sequence over context-parallel ranks: use context_parallel 1")
-        if getattr(strategy, "zero_stage", 0) >= 3:  # its hooks gather each block's weights per forward, in step
-            raise MTNLGError("GRPO's generation under ZeRO-3 is not built yet: use zero_stage 1 or 2")
+        if self.config.beta and not module.frozen_base and getattr(strategy, "zero_stage", 0) >= 3:
+            raise MTNLGError(
+                "full-weight GRPO with beta > 0 under ZeRO-3 keeps no reference copy: use LoRA (the reference is "
+                "the base with its adapters off), beta 0, or zero_stage 1 or 2"
+            )
 
     def on_layout_applied(self, module) -> None:
         if self.config.beta and not module.frozen_base and self.reference_weights is None:
@@ -217,6 +214,14 @@ class GRPO(Objective):
 
     def on_fit_start(self, module) -> None:
         self.seed = torch.initial_seed()  # the run's seed (the same on every rank): the sampling seeds' root
+        chat = module.trainer.datamodule.chat
+        self.end_of_turn = chat.end_of_turn()
+        self.generator = self._generator(chat, self.end_of_turn)
+        self.scores_rewards = True  # the first rank of each replica (in global rank order) runs the rewards
+        if module.trainer.world_size > 1:
+            dp_rank, _ = module.trainer.datamodule.data_parallel_rank_and_size()
+            replicas = module.trainer.strategy.all_gather(torch.tensor(dp_rank, device=module.device)).tolist()
+            self.scores_rewards = replicas.index(dp_rank) == module.trainer.global_rank
 
     # ---------------------------------------------------------------------------------------------- the step
     def forward_backward(self, module, batch: dict) -> torch.Tensor:
@@ -225,9 +230,10 @@ class GRPO(Objective):
     def evaluate(self, module, batch: dict) -> torch.Tensor:
         return self._step(module, batch, train=False)
 
-    def _generator(self, module) -> LayoutGenerator:
-        chat = module.trainer.datamodule.chat
-        end = chat.end_of_turn()
+    @staticmethod
+    def _generator(chat, end) -> LayoutGenerator:
+        """The project's decoder, stopping at the template's end of turn (its token ids, or its text where this
+        tokenizer spells the marker as several tokens)."""
         texts = end.texts
         window = max((len(t.encode("utf-8")) for t in texts), default=0) + 2
 
@@ -239,22 +245,23 @@ class GRPO(Objective):
     def _step(self, module, batch: dict, train: bool) -> torch.Tensor:
         config, G = self.config, self.config.num_generations
         data = module.trainer.datamodule
+        if self.generator is None:  # a validation outside a fit
+            self.on_fit_start(module)
         prompts = batch["prompt_ids"]
         dp_rank, _ = data.data_parallel_rank_and_size()
         first = int(batch["consumed_samples"]) + dp_rank * len(prompts)  # this rank's first prompt in the stream
         repeated = [p for p in prompts for _ in range(G)]
         seeds = completion_seeds(self.seed, first if train else -1 - first, len(prompts), G)
-        rollouts = self._generator(module).generate(module, repeated, seeds, config)
+        rollouts = self.generator.generate(module, repeated, seeds, config)
         self.completions = rollouts.ids
-        rewards = self._rewards(batch, rollouts, data.chat)
-        self.shown = self._table_rows(batch, rollouts, rewards, data.chat)
+        everyone = self._scored_over_replicas(module, batch, rollouts)
+        local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
+        self.shown = self._table_rows(batch, rollouts, everyone[local].cpu(), data.chat)
         rows = completion_rows(repeated, rollouts.ids, module.config.seq_len, data.chat.pad_id)
         if config.mask_truncated_completions:
             rows["labels"][~torch.tensor(rollouts.ended)] = IGNORE_INDEX
         rows = {name: value.to(module.device) for name, value in rows.items()}
-        everyone = self._over_replicas(module, rewards.to(module.device))
         advantages, stats = group_advantages(everyone, self.rewards.weights.to(module.device), G, config.scale_rewards)
-        local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
         advantages = advantages[local]
         started = time.perf_counter()
         targeted = {**rows, "labels": with_row_index(rows["labels"])}
@@ -271,22 +278,45 @@ class GRPO(Objective):
         if rollouts.logprobs is not None:
             sampling = at_label_positions(repeated, rollouts.logprobs, module.config.seq_len).to(module.device)
         per_row = {"advantages": advantages, "reference": reference, "sampling": sampling}
-        loss_fn = GRPOLoss(config, scores, per_row, (counts[0], counts[1]), scale)
+        grpo_loss = GRPOLoss(config, scores, per_row, (counts[0], counts[1]), scale)
         run = module.runner.forward_backward if train else module.runner.evaluate
-        loss = run(targeted, per_micro_batch, loss_fn)
-        self.metrics = self._metrics(module, loss_fn, rollouts, stats, rows["labels"])
+        loss = run(targeted, per_micro_batch, module.layout_loss(grpo_loss))  # + the extensions' terms (routers)
+        self.metrics = self._metrics(module, grpo_loss, rollouts, stats, rows["labels"])
         self.metrics["timing/generation_s"] = rollouts.seconds
         self.metrics["timing/training_s"] = time.perf_counter() - started
         # the micro-batches' mean of their scaled shares: this rank's part of the global batch's loss x world
         # size, whose mean over the ranks (the logged value) is the global batch's loss
         return loss
 
+    def _scored_over_replicas(self, module, batch: dict, rollouts) -> torch.Tensor:
+        """[rows of the global batch, functions]: the rewards of every replica's completions, in replica order. One
+        rank of each replica runs the reward functions (the others of its TP, PP and CP groups hold the same
+        completions: a reward that runs tests or calls a service runs once per completion); a failure there stops
+        every rank with its one-line message."""
+        rows, functions = len(rollouts.ids), len(self.rewards.names)
+        local = torch.full((rows, functions + 1), float("nan"), dtype=torch.float32)  # + a column: it failed
+        failure = None
+        if self.scores_rewards:
+            try:
+                local[:, :functions] = self._rewards(batch, rollouts, module.trainer.datamodule.chat)
+                local[:, functions] = 0.0
+            except MTNLGError as error:
+                failure, local[:, functions] = str(error), 1.0
+        everyone = self._over_replicas(module, local.to(module.device))
+        if bool((everyone[:, functions] == 1.0).any()):
+            if module.trainer.world_size > 1:  # every rank says what failed, on whichever replica
+                messages = [None] * module.trainer.world_size
+                dist.all_gather_object(messages, failure)
+                failure = next(m for m in messages if m is not None)
+            raise MTNLGError(failure)
+        return everyone[:, :functions]
+
     def _rewards(self, batch: dict, rollouts, chat) -> torch.Tensor:
         G = self.config.num_generations
         prompts = [p for p in batch["prompts"] for _ in range(G)]
         # what the turn says, as TRL's decode with skip_special_tokens gives it: an end-of-turn marker that this
         # tokenizer spells as text (ChatML's on a tokenizer without it) cut off too
-        end = chat.end_of_turn()
+        end = self.end_of_turn
         texts = [end.cut(chat.tokenizer.decode(list(ids), skip_special_tokens=True)) for ids in rollouts.ids]
         completions = [
             [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text

@@ -45,17 +45,33 @@ def split_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return target[:, :-1], target[:, -1]
 
 
+def token_scoring(loss_fn):
+    """The parts of a layout's micro-batch loss (`module.loss_fn`) that score single tokens, for an objective that
+    scores tokens itself: (CP's `ContextParallelLoss` or None, the per-token -log p of the layout's token loss
+    (vocabulary-parallel under TP) or the full-vocabulary one, the TP group or None). The extensions' wrappers
+    (the router losses) hold the loss they wrap as `loss_fn` and are looked through."""
+    while loss_fn is not None and not hasattr(loss_fn, "per_token") and not isinstance(loss_fn, ContextParallelLoss):
+        loss_fn = getattr(loss_fn, "loss_fn", None)
+    context = loss_fn if isinstance(loss_fn, ContextParallelLoss) else None
+    inner = context.loss_fn if context is not None else loss_fn
+    return context, getattr(inner, "per_token", per_token_cross_entropy), getattr(inner, "group", None)
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits of a forward's output: a mixture of experts' last pipeline stage adds its router totals."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class SequenceScores:
-    """(logits, labels) -> each row's summed completion log-probability and its counted tokens, [R] each, in the
-    run's layout: vocabulary-parallel under TP; under CP the logits are this rank's chunks of each row, so the
-    labels are cut alike and the ranks' parts added (`ContextParallelLoss.sum_over_sequence`)."""
+    """(output, labels) -> each row's summed completion log-probability and its counted tokens, [R] each, in the
+    run's layout (`token_scoring`): vocabulary-parallel under TP; under CP the logits are this rank's chunks of each
+    row, so the labels are cut alike and the ranks' parts added (`ContextParallelLoss.sum_over_sequence`)."""
 
     def __init__(self, loss_fn=None):
-        self.context = loss_fn if isinstance(loss_fn, ContextParallelLoss) else None
-        inner = self.context.loss_fn if self.context is not None else loss_fn
-        self.per_token = getattr(inner, "per_token", per_token_cross_entropy)
+        self.context, self.per_token, _ = token_scoring(loss_fn)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, output, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits_of(output)
         if self.context is None:
             return sequence_logps(self.per_token(logits, labels), labels)
         mine = self.context.chunk_of(labels)

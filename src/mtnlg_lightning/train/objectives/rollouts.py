@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -59,24 +60,25 @@ class LayoutGenerator(Generator):
     def generate(self, module, prompts, seeds, settings) -> Rollouts:
         started = time.perf_counter()
         strategy = module.trainer.strategy
-        if hasattr(strategy, "groups"):  # the 3D strategy: this rank's stages, TP shards and experts
-            model = ShardedModel.from_strategy(strategy)
+        if hasattr(strategy, "groups"):  # the 3D strategy: this rank's stages, TP shards and experts, set to decode
+            decoding = ShardedModel.decoding(strategy)
         else:  # one process, or a DDP replica: the whole model
-            model = ShardedModel.whole(module.model)
+            decoding = nullcontext(ShardedModel.whole(module.model))
         limit = module.config.seq_len
         training = module.model.training
         module.model.eval()  # no dropout while sampling (the policy's distribution itself)
         try:
-            batch = generate_batch(
-                model,
-                [list(p) for p in prompts],
-                max_new_tokens=min(settings.max_completion_length, limit - min(len(p) for p in prompts)),
-                temperature=settings.temperature,
-                top_k=settings.top_k,
-                top_p=settings.top_p,
-                seeds=list(seeds),
-                stop_text=self._stops,
-            )
+            with decoding as model:
+                batch = generate_batch(
+                    model,
+                    [list(p) for p in prompts],
+                    max_new_tokens=min(settings.max_completion_length, limit - min(len(p) for p in prompts)),
+                    temperature=settings.temperature,
+                    top_k=settings.top_k,
+                    top_p=settings.top_p,
+                    seeds=list(seeds),
+                    stop_text=self._stops,
+                )
         finally:
             module.model.train(training)
         ids, ended = [], []
