@@ -3,11 +3,11 @@
     torchrun --standalone --nproc-per-node 2 tests/dist_grpo_runs.py OUT_DIR BASE_DIR MOE_DIR PROMPTS REWARDS tp2 pp2
 
 Full weights; a layout with _lora trains LoRA adapters; one with _kl sets beta 0.04 (the reference pass: a frozen
-copy of the starting weights, or the base with its adapters off); one with _ckpt saves a checkpoint after every step
-in OUT_DIR/NAME_checkpoints; one starting moe_ trains the mixture of experts in MOE_DIR (ep2: its experts split over
-the 2 ranks). Rank 0 writes OUT_DIR/NAME.pt (losses,
-grad norms, every step's completions gathered over the replicas and rewards, parameters at step 3) for pytest to
-compare with one process (`grpo_run` there too).
+copy of the starting weights, or the base with its adapters off); one with _mu2 sets num_iterations 2; one with
+_ckpt saves a checkpoint after every step in OUT_DIR/NAME_checkpoints; one starting moe_ trains the mixture of
+experts in MOE_DIR (ep2: its experts split over the 2 ranks). Rank 0 writes OUT_DIR/NAME.pt (losses, grad norms,
+every step's completions gathered over the replicas and rewards, parameters at step 3) for pytest to compare with
+one process (`grpo_run` there too).
 """
 
 from __future__ import annotations
@@ -54,13 +54,17 @@ class Rollouts(L.Callback):
         self.rewards.append(float(trainer.callback_metrics["reward"]))
 
 
-def grpo_run(base: str, prompts: str, rewards: str, *, lora=None, beta=0.0, layout=None, callbacks=(), ckpt_path=None):
+def grpo_run(
+    base: str, prompts: str, rewards: str, *, lora=None, beta=0.0, mu=1, layout=None, callbacks=(), ckpt_path=None
+):
     """3 GRPO steps of 4 prompts x 4 completions (clipped updates: the completions of steps 2 and 3 come from the
-    updated policy); `layout`: (strategy, devices, micro-batch size), one process by default."""
+    updated policy; with `mu` 2 step 2 trains again on step 1's); `layout`: (strategy, devices, micro-batch size),
+    one process by default."""
     strategy, devices, micro_batch_size = layout or ("auto", 1, 2)
     steps = GRPO_STEPS
     L.seed_everything(SEED, verbose=False)
-    settings = {"objective": "grpo", "grpo": {**GRPO_SETTINGS, "beta": beta}, "rewards": [rewards], "lora": lora}
+    grpo = {**GRPO_SETTINGS, "beta": beta, "num_iterations": mu}
+    settings = {"objective": "grpo", "grpo": grpo, "rewards": [rewards], "lora": lora}
     lr = 1e-3 if lora is None else 1e-2
     module = fine_tuning_module(base, GRPO_SEQ_LEN, micro_batch_size, PROMPTS_PER_STEP, lr, **settings)
     data = PromptDataModule(train=prompts, chat_template="chatml")
@@ -87,8 +91,9 @@ def saving_every_step(folder: Path) -> ModelCheckpoint:
 def train(layout: str, out: Path, bases: tuple[str, str], prompts: str, rewards: str) -> dict:
     lora = GRPO_LORA if "_lora" in layout else None
     beta = 0.04 if "_kl" in layout else 0.0
+    mu = 2 if "_mu2" in layout else 1
     callbacks = [saving_every_step(out / f"{layout}_checkpoints")] if "_ckpt" in layout else []
-    kwargs = layout_kwargs(layout.replace("_lora", "").replace("_kl", "").replace("_ckpt", ""))
+    kwargs = layout_kwargs(layout.replace("_lora", "").replace("_kl", "").replace("_ckpt", "").replace("_mu2", ""))
     if "ep2" in layout.split("_"):
         kwargs["expert_parallel"] = 2
     if kwargs["zero_stage"] == 3:
@@ -98,7 +103,7 @@ def train(layout: str, out: Path, bases: tuple[str, str], prompts: str, rewards:
     world = int(os.environ["WORLD_SIZE"])
     base = bases[1] if layout.startswith("moe_") else bases[0]
     return grpo_run(
-        base, prompts, rewards, lora=lora, beta=beta, layout=(strategy, world, micro_batch), callbacks=callbacks
+        base, prompts, rewards, lora=lora, beta=beta, mu=mu, layout=(strategy, world, micro_batch), callbacks=callbacks
     )
 
 

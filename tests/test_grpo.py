@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 # pass), LoRA, ZeRO-2 and -3; a Qwen 3-MoE's experts split over the ranks (moe_ep2); a checkpoint
 GRPO_LAYOUTS = (
     "dp2", "tp2", "tp2_sp", "pp2", "cp2", "zero1", "zero3", "dp2_kl", "tp2_kl", "tp2_lora", "pp2_kl_lora",
-    "zero2_kl_lora", "zero3_kl_lora", "cp2_kl_lora", "moe_ep2",
+    "zero2_kl_lora", "zero3_kl_lora", "cp2_kl_lora", "moe_ep2", "dp2_mu2",
 )  # fmt: skip
 LOW_IDS = '''
 def low_ids(prompts, completions, completion_ids, **columns):
@@ -65,6 +65,7 @@ def grpo_runs(grpo_inputs, tmp_path_factory):
         "one_lora": grpo_run(base, prompts, rewards, lora=GRPO_LORA),
         "one_lora_kl": grpo_run(base, prompts, rewards, lora=GRPO_LORA, beta=0.04),
         "one_moe": grpo_run(moe, prompts, rewards),
+        "one_mu2": grpo_run(base, prompts, rewards, mu=2),
     }
     out = tmp_path_factory.mktemp("grpo_layouts")
     names = (*GRPO_LAYOUTS, "dp2_ckpt")
@@ -78,6 +79,8 @@ def grpo_runs(grpo_inputs, tmp_path_factory):
 def reference_of(layout: str) -> str:
     if layout.startswith("moe_"):
         return "one_moe"
+    if layout.endswith("_mu2"):
+        return "one_mu2"
     return "one" + ("_lora" if "_lora" in layout else "") + ("_kl" if "_kl" in layout else "")
 
 
@@ -92,8 +95,9 @@ def test_grpo_samples_and_trains_alike_in_every_layout(layout, grpo_runs):
     hooks off while decoding: the replicas decode different numbers of passes), the KL's reference pass (a frozen
     copy, or LoRA's adapters off), a Qwen 3-MoE with its experts over 2 ranks (ep2: the replicas' decoders kept in
     step; the router losses join the GRPO loss) reproduce one process: every step's completions token for token
-    (steps 2 and 3 sample the updated policy), the rewards, the losses (rel 1e-5, atol 1e-7: on-policy GRPO's loss is ~0 without the KL), the pre-clip gradient norms (5e-5: one
-    process's fp32 norm) and the weights after 3 clipped Adam steps (2e-5)."""
+    (steps 2 and 3 sample the updated policy), the rewards, the losses (rel 1e-5, atol 1e-7: on-policy GRPO's loss
+    is ~0 without the KL), the pre-clip gradient norms (5e-5: one process's fp32 norm) and the weights after 3
+    clipped Adam steps (2e-5). With num_iterations 2 (dp2_mu2) step 2 trains again on step 1's completions."""
     run, one = grpo_runs[layout], grpo_runs[reference_of(layout)]
     assert run["completions"] == one["completions"]
     assert len(one["completions"]) == 3 and len(one["completions"][0]) == 16  # 4 prompts x 4 completions a step
@@ -105,6 +109,9 @@ def test_grpo_samples_and_trains_alike_in_every_layout(layout, grpo_runs):
     assert max((params[k] - expected[k]).abs().max().item() for k in expected) <= 2e-5
     if "_kl" in layout:  # the KL term is in the loss: steps 2 and 3 move off the reference
         assert min(one["losses"][1:]) > 1e-5
+    if "_mu2" in layout:  # num_iterations 2: step 2 trains again on step 1's completions, off-policy (clipped)
+        assert one["completions"][1] == one["completions"][0] != one["completions"][2]
+        assert abs(one["losses"][1]) > 1e-3 > abs(one["losses"][0])
 
 
 @pytest.mark.slow
@@ -193,9 +200,6 @@ def test_bad_grpo_settings_and_layouts_are_one_line_each():
     with pytest.raises(MTNLGError, match=r"^full-weight GRPO with beta > 0 under ZeRO-3 keeps no reference copy"):
         with_kl.check_layout(full_weights, SimpleNamespace(zero_stage=3))
     with_kl.check_layout(SimpleNamespace(frozen_base=True), SimpleNamespace(zero_stage=3))  # LoRA: adapters off
-    module = full_weights
-    with pytest.raises(MTNLGError, match=r"num_iterations > 1 .* not built yet"):
-        build_objective(grpo_settings(num_iterations=2)).check_layout(module, SimpleNamespace())
 
 
 @pytest.mark.slow

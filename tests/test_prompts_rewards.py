@@ -448,3 +448,17 @@ def test_length_peaks_at_its_target_and_falls_to_zero_at_none_and_twice_it():
     assert length([torch.ones(64, dtype=torch.long)], target=64) == [1.0]  # ids as tensors
     with pytest.raises(ValueError, match="target must be a number of tokens > 0"):
         length([[1]], target=0)
+
+
+def test_num_iterations_serves_each_global_batch_that_many_times_in_a_row():
+    """TRL's RepeatSampler with num_iterations mu: steps k mu ... (k + 1) mu - 1 serve global batch k; the count of
+    samples (so of steps) is unchanged."""
+    from mtnlg_lightning.data.packing import ShuffledRows
+    from mtnlg_lightning.data.prompts import RepeatedBatches
+
+    rows = ShuffledRows(list(range(10)), count=12, seed=3)
+    repeated = RepeatedBatches(rows, global_batch_size=3, repeats=2)
+    served = [repeated[i] for i in range(len(repeated))]
+    assert len(repeated) == 12
+    assert served[0:3] == served[3:6] == [rows[i] for i in range(3)]
+    assert served[6:9] == served[9:12] == [rows[i] for i in range(3, 6)]

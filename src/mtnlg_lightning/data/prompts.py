@@ -156,5 +156,31 @@ class PromptDataModule(ChatDataModule):
     def encode(self, specs, seq_len: int) -> PromptExamples:
         return encode_prompts(specs, self.chat, self._module.objective.max_prompt_tokens(seq_len))
 
-    def sample_set(self, encoded: PromptExamples, name: str, seq_len: int) -> ShuffledRows:
-        return ShuffledRows(encoded.examples, *self.sample_count(name, len(encoded.examples)))
+    def sample_set(self, encoded: PromptExamples, name: str, seq_len: int) -> ShuffledRows | RepeatedBatches:
+        samples = ShuffledRows(encoded.examples, *self.sample_count(name, len(encoded.examples)))
+        repeats = self._module.objective.batch_repeats if name == "train" else 1
+        if repeats == 1:
+            return samples
+        schedule = self._module.batch_schedule
+        if schedule.rampup_start is not None:
+            raise MTNLGError(
+                "model.grpo num_iterations > 1 serves each global batch of prompts several times, which a batch "
+                "ramp-up would cut differently: drop the ramp-up or use num_iterations 1"
+            )
+        return RepeatedBatches(samples, schedule.global_batch_size, repeats)
+
+
+class RepeatedBatches:
+    """The samples of `samples` served a global batch at a time, each global batch `repeats` times in a row (TRL's
+    RepeatSampler with `repeat_count` num_iterations): steps k x repeats ... (k + 1) x repeats - 1 serve global batch
+    k. As many samples as `samples` holds (the steps' count is unchanged); fewer distinct prompts are read."""
+
+    def __init__(self, samples: ShuffledRows, global_batch_size: int, repeats: int):
+        self.samples, self.global_batch_size, self.repeats = samples, global_batch_size, repeats
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        step, at = divmod(index, self.global_batch_size)
+        return self.samples[(step // self.repeats) * self.global_batch_size + at]

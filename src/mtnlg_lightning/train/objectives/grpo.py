@@ -26,10 +26,12 @@ import json
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.grpo_loss import (
@@ -129,6 +131,7 @@ class GRPOLoss:
         self.config, self.scores = config, scores
         # per row of the rank's batch: advantages [R]; reference and sampling log-probs [R, S] (or None)
         self.advantages, self.reference, self.sampling = rows["advantages"], rows["reference"], rows["sampling"]
+        self.old = rows["old"]  # the generating policy's log-probs (num_iterations > 1), or None: the policy's own
         self.global_sequences, self.global_tokens = counts
         self.scale = scale  # micro-batches x world size
         device = self.advantages.device
@@ -140,7 +143,8 @@ class GRPOLoss:
         mask = mine.ne(IGNORE_INDEX)
         logp = self.scores.logps(output, mine)
         reference = self.scores.mine(self.reference[rows]) if self.reference is not None else None
-        losses, parts = per_token_losses(logp, None, reference, self.advantages[rows], mask, self.config)
+        old = self.scores.mine(self.old[rows]) if self.old is not None else None
+        losses, parts = per_token_losses(logp, old, reference, self.advantages[rows], mask, self.config)
         sums, tokens = sequence_sums(losses, mask)
         sums, tokens = self.scores.sum_over_sequence(sums), self.scores.sum_over_sequence(tokens)
         entropy = self.scores.entropy(output, mine)
@@ -156,6 +160,20 @@ class GRPOLoss:
         return share * self.scale
 
 
+@dataclass
+class Generated:
+    """One generation's batch as the loss reads it: the prompts it came from, the rows with their row-index targets,
+    the per-row values (advantages [R]; reference, sampling and old log-probs [R, S] or None), the global batch's
+    completion and token counts, the generation's metrics and its seconds."""
+
+    prompt_ids: list[list[int]]
+    targeted: dict[str, torch.Tensor]
+    per_row: dict[str, torch.Tensor | None]
+    counts: tuple[torch.Tensor, torch.Tensor]
+    metrics: dict[str, float]
+    seconds: float
+
+
 class GRPO(Objective):
     """Settings: the module's `grpo` (a mapping with TRL's names: `grpo_loss.GRPOConfig`), `rewards` and
     `reward_weights` (`rewards.load_rewards`)."""
@@ -167,6 +185,7 @@ class GRPO(Objective):
     def __init__(self, config: GRPOConfig, rewards: RewardFunctions):
         self.config, self.rewards = config, rewards
         self.sequences_per_sample = config.num_generations  # a prompt's G rows (tokens per second, FLOPs)
+        self.batch_repeats = config.num_iterations  # mu steps train on each generated batch
         self.reference_weights: ReferenceWeights | None = None
         self.seed = 0
         self.metrics: dict[str, float | torch.Tensor] = {}
@@ -175,6 +194,7 @@ class GRPO(Objective):
         self.end_of_turn = None  # the chat template's end-of-turn marker, and the generator stopping at it: set
         self.generator: LayoutGenerator | None = None  # when the fit starts (the data module brings the template)
         self.scores_rewards = True
+        self.generated: Generated | None = None  # num_iterations > 1: the batch the next iterations train on again
 
     @classmethod
     def from_hparams(cls, hparams: Mapping) -> GRPO:
@@ -198,10 +218,6 @@ class GRPO(Objective):
         return len(batch["prompt_ids"])
 
     def check_layout(self, module, strategy) -> None:
-        if self.config.num_iterations != 1:
-            raise MTNLGError(
-                "model.grpo num_iterations > 1 (several updates per generated batch) is not built yet: use 1"
-            )
         if self.config.beta and not module.frozen_base and getattr(strategy, "zero_stage", 0) >= 3:
             raise MTNLGError(
                 "full-weight GRPO with beta > 0 under ZeRO-3 keeps no reference copy: use LoRA (the reference is "
@@ -243,16 +259,54 @@ class GRPO(Objective):
         return LayoutGenerator(end.ids, ends_in_text if texts else None)
 
     def _step(self, module, batch: dict, train: bool) -> torch.Tensor:
-        config, G = self.config, self.config.num_generations
-        data = module.trainer.datamodule
+        """Generate, score and train on this batch's prompts; with num_iterations mu > 1, a training step whose
+        number is not a multiple of mu trains again on the last generated batch (the data serves each global batch
+        of prompts mu times in a row, as TRL's RepeatSampler), against the log-probs its policy had when it was
+        generated (`old`)."""
         if self.generator is None:  # a validation outside a fit
             self.on_fit_start(module)
+        mu = self.config.num_iterations
+        reuse = train and mu > 1 and module.trainer.global_step % mu != 0 and self.generated is not None
+        if reuse and self.generated.prompt_ids != batch["prompt_ids"]:
+            raise MTNLGError(
+                "GRPO num_iterations > 1 trains again on the last generated batch, but the data served other "
+                "prompts (a resume inside a generation's iterations): resume from a step that is a multiple of "
+                f"num_iterations {mu}"
+            )
+        if train and mu > 1 and module.trainer.global_step % mu and self.generated is None:
+            rank_zero_warn(
+                f"GRPO resumed at step {module.trainer.global_step}, inside a generation's num_iterations {mu}: the "
+                "checkpoint holds no generated batch, so this step generates afresh from the same prompts (a resume "
+                "at a multiple of num_iterations is exact)"
+            )
+        generated = self.generated if reuse else self._generate(module, batch, train)
+        self.generated = generated if train and mu > 1 else None
+        started = time.perf_counter()
+        config, per_micro_batch = self.config, module.micro_batch_size * self.config.num_generations
+        scores = TokenScores(module.loss_fn, config.temperature)
+        rows = len(generated.targeted["labels"])
+        scale = float(-(-rows // per_micro_batch) * module.trainer.world_size)  # micro-batches x world size
+        grpo_loss = GRPOLoss(config, scores, generated.per_row, generated.counts, scale)
+        run = module.runner.forward_backward if train else module.runner.evaluate
+        loss = run(generated.targeted, per_micro_batch, module.layout_loss(grpo_loss))  # + the extensions' terms
+        self.metrics = {**generated.metrics, **self._loss_metrics(module, grpo_loss)}
+        self.metrics["timing/generation_s"] = 0.0 if reuse else generated.seconds
+        self.metrics["timing/training_s"] = time.perf_counter() - started
+        # the micro-batches' mean of their scaled shares: this rank's part of the global batch's loss x world
+        # size, whose mean over the ranks (the logged value) is the global batch's loss
+        return loss
+
+    def _generate(self, module, batch: dict, train: bool) -> Generated:
+        """This rank's completions of its prompts, their rewards, the rows and per-row values the loss reads."""
+        config, G = self.config, self.config.num_generations
+        data = module.trainer.datamodule
         prompts = batch["prompt_ids"]
         dp_rank, _ = data.data_parallel_rank_and_size()
         first = int(batch["consumed_samples"]) + dp_rank * len(prompts)  # this rank's first prompt in the stream
         repeated = [p for p in prompts for _ in range(G)]
         seeds = completion_seeds(self.seed, first if train else -1 - first, len(prompts), G)
         rollouts = self.generator.generate(module, repeated, seeds, config)
+        started = time.perf_counter()
         self.completions = rollouts.ids
         everyone = self._scored_over_replicas(module, batch, rollouts)
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
@@ -262,31 +316,24 @@ class GRPO(Objective):
             rows["labels"][~torch.tensor(rollouts.ended)] = IGNORE_INDEX
         rows = {name: value.to(module.device) for name, value in rows.items()}
         advantages, stats = group_advantages(everyone, self.rewards.weights.to(module.device), G, config.scale_rewards)
-        advantages = advantages[local]
-        started = time.perf_counter()
         targeted = {**rows, "labels": with_row_index(rows["labels"])}
         per_micro_batch = module.micro_batch_size * G
         scores = TokenScores(module.loss_fn, config.temperature)
-        reference = self._reference_logps(module, targeted, per_micro_batch, scores) if config.beta else None
+        reference = self._logps(module, targeted, per_micro_batch, scores, reference=True) if config.beta else None
+        # mu > 1: the policy's log-probs now, which the later iterations' ratios are taken against (TRL's
+        # old_per_token_logps); mu = 1 trains on the policy that sampled: the ratio is exactly 1 (old = None)
+        old = self._logps(module, targeted, per_micro_batch, scores) if train and config.num_iterations > 1 else None
         counts = module.trainer.strategy.reduce(
             torch.tensor([float(len(repeated)), float(rows["labels"].ne(IGNORE_INDEX).sum())], device=module.device),
             reduce_op="sum",
         )
-        micro_batches = -(-len(repeated) // per_micro_batch)
-        scale = float(micro_batches * module.trainer.world_size)
         sampling = None
         if rollouts.logprobs is not None:
             sampling = at_label_positions(repeated, rollouts.logprobs, module.config.seq_len).to(module.device)
-        per_row = {"advantages": advantages, "reference": reference, "sampling": sampling}
-        grpo_loss = GRPOLoss(config, scores, per_row, (counts[0], counts[1]), scale)
-        run = module.runner.forward_backward if train else module.runner.evaluate
-        loss = run(targeted, per_micro_batch, module.layout_loss(grpo_loss))  # + the extensions' terms (routers)
-        self.metrics = self._metrics(module, grpo_loss, rollouts, stats, rows["labels"])
-        self.metrics["timing/generation_s"] = rollouts.seconds
-        self.metrics["timing/training_s"] = time.perf_counter() - started
-        # the micro-batches' mean of their scaled shares: this rank's part of the global batch's loss x world
-        # size, whose mean over the ranks (the logged value) is the global batch's loss
-        return loss
+        per_row = {"advantages": advantages[local], "reference": reference, "sampling": sampling, "old": old}
+        metrics = self._rollout_metrics(module, rollouts, stats)
+        metrics["timing/scoring_s"] = time.perf_counter() - started
+        return Generated(list(prompts), targeted, per_row, (counts[0], counts[1]), metrics, rollouts.seconds)
 
     def _scored_over_replicas(self, module, batch: dict, rollouts) -> torch.Tensor:
         """[rows of the global batch, functions]: the rewards of every replica's completions, in replica order. One
@@ -366,26 +413,27 @@ class GRPO(Objective):
             first_of.setdefault(replica, index)
         return torch.cat([gathered[first_of[r]] for r in range(dp_size)])
 
-    def _reference_logps(self, module, batch: dict, rows_per_micro_batch: int, scores: TokenScores) -> torch.Tensor:
+    def _logps(self, module, batch: dict, rows_per_micro_batch: int, scores: TokenScores, reference=False):
+        """[R, S]: each completion token's log-probability under the policy as it is now, or under the reference
+        (the base with its adapters off under LoRA, else the frozen starting weights), in eval mode (no dropout) and
+        without autograd state."""
         collector = TokenLogps(scores, len(batch["labels"]), module.config.seq_len, module.device)
-        if module.frozen_base:
-            reference = adapters_disabled(module.model)
-        elif self.reference_weights is not None:
-            reference = self.reference_weights.swapped_into(module.model)
-        else:
-            reference = nullcontext(module.model)
+        swapped = nullcontext(module.model)
+        if reference and module.frozen_base:
+            swapped = adapters_disabled(module.model)
+        elif reference and self.reference_weights is not None:
+            swapped = self.reference_weights.swapped_into(module.model)
         training = module.model.training
-        module.model.eval()  # the reference is deterministic: no dropout (as TRL's reference model)
+        module.model.eval()
         try:
-            with torch.no_grad(), reference:
+            with torch.no_grad(), swapped:
                 module.runner.evaluate(batch, rows_per_micro_batch, collector)
         finally:
             module.model.train(training)
         return collector.logps
 
-    def _metrics(self, module, loss_fn: GRPOLoss, rollouts, stats, labels) -> dict:
-        """TRL's metric names: the rewards' (the global batch's), the completions' lengths, and the loss's means
-        (one all-reduce of their sums)."""
+    def _rollout_metrics(self, module, rollouts, stats) -> dict:
+        """TRL's names for the rewards' statistics (the global batch's) and the completions' lengths."""
         out = reward_metrics(stats, self.rewards.names)
         lengths = torch.tensor([len(ids) for ids in rollouts.ids], dtype=torch.float64, device=module.device)
         clipped = torch.tensor([not e for e in rollouts.ended], dtype=torch.float64, device=module.device)
@@ -394,12 +442,15 @@ class GRPO(Objective):
         out["completions/min_length"] = float(lengths.min())
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(clipped.mean())
+        return out
+
+    def _loss_metrics(self, module, loss_fn: GRPOLoss) -> dict:
+        """The loss's means under TRL's names (kl, entropy, clip ratios, the sampling ratio): one all-reduce of
+        their sums."""
         names = [name for name in METRICS + SAMPLING_METRICS if name != "kl" or self.config.beta]
         totals = torch.stack([loss_fn.totals[name] for name in names])
         totals = module.trainer.strategy.reduce(totals, reduce_op="sum")
-        means = metric_means(dict(zip(names, totals, strict=True)))
-        out.update({name: float(value) for name, value in means.items()})
-        return out
+        return {name: float(value) for name, value in metric_means(dict(zip(names, totals, strict=True))).items()}
 
     def log_metrics(self, module, prefix: str = "") -> None:
         for name, value in self.metrics.items():

@@ -29,6 +29,8 @@ class Objective:
     data_hint: ClassVar[str] = "the pretraining or fine-tuning data modules"  # where such data comes from
     # sequences the model sees per sample (tokens per second and FLOPs count them): a pair is 2
     sequences_per_sample: ClassVar[int] = 1
+    # steps in a row that train on each global batch the data serves (GRPO's num_iterations)
+    batch_repeats: ClassVar[int] = 1
 
     @classmethod
     def from_hparams(cls, hparams: Mapping) -> Objective:
