@@ -65,18 +65,20 @@ class LayoutGenerator(Generator):
         else:  # one process, or a DDP replica: the whole model
             decoding = nullcontext(ShardedModel.whole(module.model))
         limit = module.config.seq_len
+        new_tokens = min(settings.max_completion_length, limit - min(len(p) for p in prompts))
         training = module.model.training
         module.model.eval()  # no dropout while sampling (the policy's distribution itself)
         try:
-            with decoding as model:
+            with decoding as model, GenerationProgress(module.trainer, new_tokens) as progress:
                 batch = generate_batch(
                     model,
                     [list(p) for p in prompts],
-                    max_new_tokens=min(settings.max_completion_length, limit - min(len(p) for p in prompts)),
+                    max_new_tokens=new_tokens,
                     temperature=settings.temperature,
                     top_k=settings.top_k,
                     top_p=settings.top_p,
                     seeds=list(seeds),
+                    on_token=progress.on_token,
                     stop_text=self._stops,
                 )
         finally:
@@ -90,6 +92,32 @@ class LayoutGenerator(Generator):
         if batch.logprobs is not None:
             logprobs = [values[: len(kept)] for values, kept in zip(batch.logprobs, ids, strict=True)]
         return Rollouts(ids, ended, time.perf_counter() - started, logprobs)
+
+
+class GenerationProgress:
+    """A progress bar of the step's generation on global rank 0 (beside Lightning's, gone when it ends), counting the
+    new tokens of the longest completion so far against the most it may make; none where the trainer shows no
+    progress bar."""
+
+    def __init__(self, trainer, total: int):
+        self.shown = trainer.is_global_zero and trainer.progress_bar_callback is not None
+        self.total, self.made, self.bar = total, 0, None
+
+    def __enter__(self) -> GenerationProgress:
+        if self.shown:
+            from tqdm import tqdm  # Lightning's own bar's dependency
+
+            self.bar = tqdm(total=self.total, desc="Generating", unit="tok", leave=False, dynamic_ncols=True)
+        return self
+
+    def on_token(self, index: int, tokens: list[int]) -> None:
+        if self.bar is not None and len(tokens) > self.made:
+            self.bar.update(len(tokens) - self.made)
+            self.made = len(tokens)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def completion_seeds(seed: int, first_sample: int, prompts: int, generations: int) -> list[int]:
