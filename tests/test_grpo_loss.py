@@ -2,23 +2,33 @@
 kl, entropy and clip metrics equal TRL 1.16's `GRPOTrainer._compute_loss` for each loss type, importance-sampling
 level, KL weight and old log-probs; the advantages, reward statistics and truncation mask equal what TRL's
 `_generate_and_score_completions` makes of the same rewards; the shares of any micro-batch split sum to the
-whole-batch loss; and every bad setting is one line."""
+whole-batch loss; and every bad setting is one line. With LoRA, and one optimizer step: test_grpo_trl_parity.py."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from grpo_trl import (
+    CASES,
+    GENERATIONS,
+    REWARDS,
+    hand_built_batch,
+    llama_directory,
+    our_loss,
+    our_model,
+    trl_case_inputs,
+    trl_loss,
+    trl_trainer,
+)
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.grpo_loss import (
     LOSS_TYPES,
     GRPOConfig,
     completion_entropy,
-    completion_logps,
     group_advantages,
     loss_of,
     mask_truncated,
@@ -29,19 +39,6 @@ from mtnlg_lightning.grpo_loss import (
     sequence_clip_fractions,
     sequence_sums,
 )
-from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.loss import IGNORE_INDEX
-from mtnlg_lightning.model import build_model
-
-GENERATIONS, PROMPT, COMPLETION = 3, 5, 7
-# The settings TRL's trainer and our config share (TRL's names); each case sets loss type, ratio level and beta.
-SHARED = dict(num_generations=GENERATIONS, max_completion_length=16, temperature=0.7, epsilon=0.2, epsilon_high=0.28)
-LENGTHS = (7, 4, 6, 2, 7, 5)  # each completion's length: right padding up to COMPLETION
-ADVANTAGES = (1.2, -0.7, 0.3, -1.5, 0.9, -0.4)
-# The rewards of 2 prompts x 3 completions from two functions weighted 1 and 0.5 (NaN: the function returned None).
-# Group 0's weighted sums are equal (std 0); in group 1 the last completion is unscorable (every function None).
-NAN = float("nan")
-REWARDS = ((1.0, 0.5), (1.5, -0.5), (1.25, 0.0), (0.0, 1.0), (2.0, NAN), (NAN, NAN))
 
 
 # ------------------------------------------------------------------------------------------------ the settings
@@ -128,103 +125,26 @@ def test_losses_are_zero_off_the_mask_even_where_old_log_probs_are_far_off():
 
 
 # ------------------------------------------------------------------------------------------------ against TRL
-def reward_a(prompts, completions, completion_ids, **kwargs):
-    return [None if math.isnan(a) else a for a, _ in REWARDS]
-
-
-def reward_b(prompts, completions, completion_ids, **kwargs):
-    return [None if math.isnan(b) else b for _, b in REWARDS]
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    from hf_models import random_family_dir
-
-    return random_family_dir(tmp_path_factory.mktemp("grpo"), "llama")
+    return llama_directory(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def trainer(llama_dir, tmp_path_factory):
     """TRL's GRPOTrainer on the Llama directory, built once; each test sets the attributes `_compute_loss` reads."""
-    transformers = pytest.importorskip("transformers")
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
-
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(llama_dir / "tokenizer.json"), eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("trl")),
-        use_cpu=True,
-        bf16=False,  # TRL's default autocasts to bf16 on CPUs that have it
-        report_to=[],
-        save_strategy="no",
-        per_device_train_batch_size=2 * GENERATIONS,
-        reward_weights=[1.0, 0.5],
-        **SHARED,
-    )
-    dataset = Dataset.from_list([{"prompt": "a b"}, {"prompt": "c d"}])
-    trainer = trl.GRPOTrainer(
-        model=str(llama_dir),
-        reward_funcs=[reward_a, reward_b],
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop only
-    trainer.model.train()
-    return trainer
+    pytest.importorskip("trl")
+    return trl_trainer(llama_dir, tmp_path_factory.mktemp("trl"))
 
 
 @pytest.fixture(scope="module")
 def ours(llama_dir):
-    model = build_model(config_for_init(str(llama_dir), "tiny", None))
-    load_init_weights(model, str(llama_dir))
-    return model.train()
+    return our_model(llama_dir)
 
 
 @pytest.fixture(scope="module")
 def batch(ours, trainer):
-    """TRL's layout (prompts of one length, as our model reads no padding mask; completions right-padded, a
-    completion mask) and ours (prompt and completion in one row, the completion tokens as the labels of the
-    positions before them); old and reference log-probs perturbed from the policy's so that ratios fall on both
-    sides of the clip range."""
-    generator = torch.Generator().manual_seed(0)
-    rows, pad = len(LENGTHS), trainer.processing_class.pad_token_id
-    prompt_ids = torch.randint(5, 4096, (rows // GENERATIONS, PROMPT), generator=generator)
-    prompt_ids = prompt_ids.repeat_interleave(GENERATIONS, dim=0)
-    completion_mask = (torch.arange(COMPLETION) < torch.tensor(LENGTHS).unsqueeze(1)).long()
-    completion_ids = torch.randint(5, 4096, (rows, COMPLETION), generator=generator)
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    labels[:, PROMPT - 1 : -1] = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
-    with torch.no_grad():
-        logp = completion_logps(ours(ids), labels, SHARED["temperature"])[:, PROMPT - 1 : -1]
-    # log pi_old - log pi per sequence: the ratio crosses 1 + epsilon_high where A > 0 (rows 0 and 4), 1 - epsilon
-    # where A < 0 (rows 1 and 3) and stays inside for rows 2 and 5, per sequence (and mostly per token)
-    per_sequence = torch.tensor([-0.4, 0.4, 0.1, 0.35, -0.35, -0.05]).unsqueeze(1)
-    old = (logp + per_sequence + 0.2 * torch.randn(rows, COMPLETION, generator=generator)) * completion_mask
-    ref = (logp + 0.1 * torch.randn(rows, COMPLETION, generator=generator)) * completion_mask
-    trl_inputs = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor(ADVANTAGES),
-        "num_items_in_batch": completion_mask.sum(),
-    }
-    return trl_inputs, ids, labels, old, ref
-
-
-def in_our_layout(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Values at TRL's completion positions [B, C] placed at the positions whose labels are those tokens [B, S]."""
-    out = torch.zeros(labels.shape)
-    out[:, PROMPT - 1 : -1] = values
-    return out
-
-
-CASES = list(itertools.product(LOSS_TYPES, ("token", "sequence"), (0.0, 0.04), ("on-policy", "perturbed")))
+    return hand_built_batch(ours, trainer.processing_class.pad_token_id)
 
 
 @pytest.mark.parametrize("loss_type, level, beta, old", CASES)
@@ -234,31 +154,12 @@ def test_loss_gradients_and_metrics_equal_trls(loss_type, level, beta, old, trai
     and the kl, entropy and clip-ratio metrics."""
     from mtnlg_lightning import families
 
+    case = (loss_type, level, beta, old)
     trl_inputs, ids, labels, old_logp, ref_logp = batch
-    trl_inputs = dict(trl_inputs, ref_per_token_logps=ref_logp)
-    if old == "perturbed":
-        trl_inputs["old_per_token_logps"] = old_logp
-    trainer.loss_type, trainer.importance_sampling_level, trainer.beta = loss_type, level, beta
-    trainer._metrics["train"].clear()
-    trainer.model.zero_grad(set_to_none=True)
-    trl_loss = trainer._compute_loss(trainer.model, trl_inputs)
-    trl_loss.backward()
-    theirs = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    trl_value, theirs = trl_loss(trainer, trl_case_inputs(trainer, trl_inputs, old_logp, ref_logp, case))
+    loss, config, logits, parts, mask = our_loss(ours, ids, labels, old_logp, ref_logp, case)
 
-    config = GRPOConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta, **SHARED)
-    ours.zero_grad(set_to_none=True)
-    logits = ours(ids)
-    mask = labels.ne(IGNORE_INDEX)
-    old_ours = in_our_layout(old_logp, labels) if old == "perturbed" else None
-    logp = completion_logps(logits, labels, config.temperature)
-    losses, parts = per_token_losses(
-        logp, old_ours, in_our_layout(ref_logp, labels), trl_inputs["advantages"], mask, config
-    )
-    sums, tokens = sequence_sums(losses, mask)
-    loss = loss_of(sums, tokens, config, len(ids), int(mask.sum()))
-    loss.backward()
-
-    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss, trl_value, rtol=1e-5, atol=1e-7)
     compared = 0
     for name, sources in families.hf_tensors(families.family_of(ours.config), ours.config).items():
         expected = trainer.model.get_parameter(sources[0]).grad
