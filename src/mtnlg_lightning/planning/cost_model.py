@@ -159,14 +159,15 @@ class Breakdown:
     dp_comm: float
     optimizer: float
     cp_comm: float = 0.0  # the ring's key/value exchange not hidden under the attention it overlaps
-    reference: float = 0.0  # DPO's reference pass: a forward of the step's sequences, no gradients
+    reference: float = 0.0  # DPO's (GRPO's) reference pass: a forward of the step's sequences, no gradients
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (routed rows to their experts and back)
     generation: float = 0.0  # GRPO's sampling of the step's completions before its training (`grpo_plan`)
+    old_logps: float = 0.0  # GRPO with num_iterations > 1: the generating policy's forward of the rows
 
     @property
     def total(self) -> float:
         exposed = self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer + self.cp_comm
-        return self.compute + self.reference + exposed + self.ep_comm + self.generation
+        return self.compute + self.reference + exposed + self.ep_comm + self.generation + self.old_logps
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -175,6 +176,11 @@ class Breakdown:
 def _allreduce_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
     """Ring all-reduce: every rank moves 2(n-1)/n of the bytes over its link (`bandwidth` is bytes/s)."""
     return 0.0 if ranks <= 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def all_gather_seconds(nbytes: float, ranks: int, bandwidth: float) -> float:
+    """Ring all-gather of `nbytes` whole from `ranks` partitions: half an all-reduce."""
+    return 0.5 * _allreduce_seconds(nbytes, ranks, bandwidth)
 
 
 def _layer_gemm_shapes(config: ModelConfig, t: int) -> list[tuple[float, float]]:

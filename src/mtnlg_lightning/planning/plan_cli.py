@@ -132,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         "max_completion_length: 256, beta: 0.0}' (TRL's defaults for keys left out): --global-batch counts prompts, "
         "each trained as num_generations sequences of --seq; each step first generates them: the KV cache of a "
         "GPU's sequences beside the model states (prompts of up to seq - max_completion_length tokens), the prefill "
-        "and the memory-bound decode of max_completion_length tokens beside the training time; beta > 0 adds the "
-        "reference's forward pass (and a frozen copy of the weights without --lora). Not with --dpo, ZeRO-3, "
-        "--cp or --sequence-parallel (as the trainer)",
+        "and the memory-bound decode of max_completion_length tokens beside the training time (under ZeRO-3 the "
+        "weights gathered whole while generating; under --cp each rank decodes whole rows); beta > 0 adds the "
+        "reference's forward pass (and a frozen copy of the weights without --lora); num_iterations mu > 1 spreads "
+        "a generation and its forwards over mu steps. Not with --dpo, a frozen copy under ZeRO-3, or "
+        "num_iterations > 1 with --rampup (as the trainer)",
     )
     infer = parser.add_argument_group("inference: how many GPUs to evaluate or generate with the model")
     infer.add_argument(

@@ -18,7 +18,14 @@ from mtnlg_lightning.families import active_parameters, expert_parameters_per_la
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.parallel.lora import LoRAConfig
 from mtnlg_lightning.planning.activations import activation_bytes_per_layer
-from mtnlg_lightning.planning.cost_model import IMPLEMENTATIONS, Implementation, Layout, iteration_breakdown
+from mtnlg_lightning.planning.cost_model import (
+    IMPLEMENTATIONS,
+    Implementation,
+    Layout,
+    all_gather_seconds,
+    dp_bandwidth,
+    iteration_breakdown,
+)
 from mtnlg_lightning.planning.dpo_plan import PreferencePlan, format_dpo, preference_plan
 from mtnlg_lightning.planning.grpo_plan import ONE_OBJECTIVE, GRPOPlan, format_grpo
 from mtnlg_lightning.planning.lora_plan import format_lora, lora_summary, stage_state
@@ -184,8 +191,9 @@ def plan(
     pairs (`dpo_plan`: two sequences a sample, the reference's bytes and forward pass); batches count pairs. `ep`:
     expert-parallel ranks out of dp (each MoE layer's experts split over them: their states divided by ep, their
     gradients reduced over dp x cp / ep ranks, the routed rows' all-to-alls costed in `cost_model`). `grpo`: GRPO
-    (`grpo_plan`: G sequences a prompt, its reference, and the step's generation: the KV cache beside the model
-    states, the prefill and decode seconds before the training); batches count prompts."""
+    (`grpo_plan`: G sequences a prompt, its reference, and the step's generation: the KV cache, and under ZeRO-3 the
+    gathered weights, beside the model states; the prefill and decode seconds before the training, over
+    num_iterations steps); batches count prompts."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
@@ -193,7 +201,7 @@ def plan(
     _check_experts(config, dp, ep)
     if dpo is not None and grpo is not None:
         raise MTNLGError(ONE_OBJECTIVE)
-    refusal = grpo.refusal(zero_stage, cp, sequence_parallel) if grpo is not None else None
+    refusal = grpo.refusal(zero_stage, bool(rampup)) if grpo is not None else None
     if refusal:
         raise MTNLGError(refusal)
     trained = dpo or grpo  # what a sample trains: its sequences and its reference
@@ -208,13 +216,23 @@ def plan(
     held = (stage_params[fullest], stage_experts[fullest])  # the fullest stage's parameters, of which experts
     memory = _memory(config, layout, sequences, per_gpu, stage_params, stage_experts, precision, lora, trained, grpo)
     breakdown = iteration_breakdown(config, spec, layout, sequences, per_gpu, held[0], gpus_per_node, impl, held[1])
-    if trained is not None and trained.reference_forward:  # a forward is a third of a step's compute without recompute
-        breakdown.reference = (breakdown.compute - breakdown.recompute) / 3
-    generation = (0.0, 0.0)  # GRPO's (prefill, decode) seconds: before the training, on every rank
+    forward = (breakdown.compute - breakdown.recompute) / 3  # a forward: a third of a step's compute without recompute
+    mu = grpo.num_iterations if grpo is not None else 1  # GRPO's steps a generation (and its forwards)
+    if trained is not None and trained.reference_forward:
+        breakdown.reference = forward / mu
+    generation = (0.0, 0.0, 0.0)  # GRPO's (prefill, decode, gather) seconds: before the training, on every rank
     if grpo is not None:  # a decode step reads the rank's TP shard of every stage
-        weights = sum(stage_params) * STATE_BYTES[precision]["weights"]
-        generation = grpo.seconds(config, spec, weights, sequences // dp, tp, precision)
-        breakdown.generation = sum(generation)  # in the step's time, not in its model FLOPs (training's only)
+        weight_bytes = STATE_BYTES[precision]["weights"]
+        prefill, decode = grpo.seconds(config, spec, sum(stage_params) * weight_bytes, sequences // dp, tp, precision)
+        gather = 0.0
+        if zero_stage >= 3:  # the fullest stage's TP shard gathered whole over its replicas (experts over theirs)
+            bandwidth = dp_bandwidth(spec, layout, gpus_per_node)
+            dense, experts = (held[0] - held[1]) * weight_bytes, held[1] * weight_bytes
+            gather = all_gather_seconds(dense, layout.replicas, bandwidth)
+            gather += all_gather_seconds(experts, layout.replicas // ep, bandwidth)
+        generation = (prefill, decode, gather)
+        breakdown.generation = sum(generation) / mu  # in the step's time, not in its model FLOPs (training's only)
+        breakdown.old_logps = forward / mu if mu > 1 else 0.0
     gpus = tp * cp * pp * dp
     model_flops = flops_per_iteration(config, sequences)
     seconds = breakdown.total
@@ -300,7 +318,8 @@ def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_e
     (bytes) on the fullest pipeline stage, and what trains there (`lora_plan.StageState`). A stage's experts
     (`stage_experts`, of `stage_params`) are partitioned over their own replicas, dp x cp / ep, under ZeRO. GRPO's
     generation holds the model states and its KV cache and prefill, but no training activation: the total is the
-    larger of the two peaks (`grpo_plan`)."""
+    larger of the two peaks, and under ZeRO-3 its generating peak holds the stage's gathered weights besides
+    (`grpo_plan`)."""
     tp, pp, micro = layout.tp, layout.pp, layout.micro_batch
     local = config.seq_len // layout.cp  # the tokens of each sequence this rank holds
     num_microbatches = global_batch // (micro * layout.dp)
@@ -315,23 +334,29 @@ def _memory(config, layout: Layout, global_batch, per_gpu, stage_params, stage_e
     if layout.recompute != "none":
         working = activation_bytes_per_layer(config, micro, tp, "none", seq_len=local, sequence_parallel=sp)
     logits = 4 * local * micro * config.padded_vocab_size(tp) / tp
-    stages, generating = [], [(0.0, 0.0, 0.0)]
+    stages, generating = [], [(0.0,) * 5]
+    rows = global_batch // layout.dp  # GRPO: this replica's sequences, generated in one batch by each of its ranks
     parts = partial(model_state_parts, dp=layout.replicas, zero_stage=layout.zero_stage, precision=precision)
     expert_parts = partial(parts, dp=layout.replicas // layout.ep)
     for i in range(pp):
         act = per_layer * per_gpu[i] * in_flight[i] * interleave + working + (logits if i == pp - 1 else 0)
         state = stage_state(parts, stage_params[i], per_gpu[i], config, tp, lora, stage_experts[i], expert_parts)
         reference = trained.reference_bytes(parts(stage_params[i])[0]) if trained is not None else 0.0
-        stages.append((act + state.total + reference, act, state, reference))
+        kept = grpo.kept_bytes(rows, config.seq_len, i == pp - 1) if grpo is not None else 0.0
+        stages.append((act + state.total + reference + kept, act, state, reference))
         if grpo is not None:
-            rows = global_batch // layout.dp  # this replica's sequences, generated in one batch
             kv, prefill = grpo.memory(config, per_gpu[i], rows, tp, precision, i == pp - 1)
-            generating.append((state.total + reference + kv + prefill, kv, prefill))
+            # ZeRO-3: the stage's TP shard gathered whole (frozen base and adapters under LoRA) beside its partitions
+            gathered = 0.0
+            if layout.zero_stage >= 3:
+                gathered = (state.frozen_params + state.trainable_params) * STATE_BYTES[precision]["weights"]
+            generating.append((state.total + reference + kv + prefill + gathered + kept, kv, prefill, gathered, kept))
     total, act, state, reference = max(stages, key=lambda stage: stage[:2])
-    generation, kv, prefill = max(generating)
+    generation, kv, prefill, gathered, kept = max(generating)
     return {"state": state.total + reference, "activations": act, "total": max(total, generation), "trained": state,
             "reference": reference, "training": total, "generation": generation, "kv_cache": kv,
-            "prefill_working": prefill, "prompt": grpo.prompt_tokens(config.seq_len) if grpo else 0}  # fmt: skip
+            "prefill_working": prefill, "gathered_weights": gathered, "kept_rows": kept,
+            "prompt": grpo.prompt_tokens(config.seq_len) if grpo else 0}  # fmt: skip
 
 
 def _rampup(config, spec, layout: Layout, global_batch, rampup, per_gpu, held, gpus_per_node, impl):
@@ -381,7 +406,7 @@ def search(
     Megatron's even layer split, no interleaving on 2 stages) are skipped. A mixture-of-experts model adds each EP
     dividing both dp and its experts. `dpo_reference` (`dpo_plan.REFERENCES`):
     DPO on pairs, without the layouts it cannot run (a reference copy under ZeRO-3). `grpo` (`grpo_plan`): GRPO's
-    steps, without the layouts the trainer refuses for it (ZeRO-3, CP, SP)."""
+    steps, without the layouts the trainer refuses for it (a full-weight reference copy under ZeRO-3)."""
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     modes = [r for r in (recompute_modes or impl.recompute_modes) if r in impl.recompute_modes]
     plans = []
@@ -403,7 +428,7 @@ def search(
             zeros = [z for z in impl.zero_stages if (dp * cp > 1 or z == 0) and not (z == 3 and pp > 1)]
             eps = [e for e in _divisors(dp) if config.num_experts % e == 0] if config.moe else [1]
             for micro, v, recompute, sp, zero, ep in itertools.product(micro_batches, virtuals, modes, sps, zeros, eps):
-                if global_batch % (micro * dp) or (grpo is not None and grpo.refusal(zero, cp, sp)):
+                if global_batch % (micro * dp) or (grpo is not None and grpo.refusal(zero)):
                     continue
                 m = global_batch // (micro * dp)
                 if v > 1 and m % pp:
@@ -446,6 +471,7 @@ def format_breakdown(p: Plan) -> str:
         ("EP all-to-all", b.get("ep_comm", 0.0)),
         ("optimizer", b["optimizer"]),
         (f"{'GRPO' if p.grpo else 'DPO'} reference", b.get("reference", 0.0)),
+        ("GRPO old log-probs", b.get("old_logps", 0.0)),
         ("GRPO generation", b.get("generation", 0.0)),
     ]
     return ", ".join(f"{name} {seconds:.3g} s ({seconds / total:.0%})" for name, seconds in parts if seconds > 0)
