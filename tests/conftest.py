@@ -113,6 +113,14 @@ LONGEST_MODULES = (  # measured: a suite run's per-module totals (--junitxml), 2
 )
 
 
+def pytest_configure(config):
+    """The time budget per test file (testing/suite_budget.py): the 10 slowest files at the end, and a whole-suite
+    run (no file, node id or -k given) fails when one file's tests took longer than 600 s (MTNLG_FILE_BUDGET_S)."""
+    from testing.suite_budget import register
+
+    register(config)
+
+
 def pytest_collection_modifyitems(config, items):
     """Every multi-process test is also slow, so the fast lane is one marker: -m "not slow". Longest modules first."""
     for item in items:

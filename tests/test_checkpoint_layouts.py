@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import RENDEZVOUS_VARIABLES, ROOT, run_cli
 
+from testing.run_watch import RunWatch
+
 pytestmark = pytest.mark.distributed
 
 LOSS_RTOL = 1e-5
@@ -100,6 +102,9 @@ def test_resume_in_another_layout_continues_the_single_process_losses(
 
 # ------------------------------------------------------------------------------------------------ crashes
 STARTED_JOBS: list[subprocess.Popen] = []
+# pytest-timeout of a drill: above its waits' ceiling (testing/run_watch.py, 1500 s), so that a job that stalls fails
+# in its wait, saying what it was doing
+WATCHED = 2400
 
 
 @pytest.fixture(autouse=True)
@@ -136,16 +141,21 @@ def start(args, save_pause_s: float) -> subprocess.Popen:
     return job
 
 
-def wait_for(condition, job: subprocess.Popen, what: str, timeout=240.0) -> None:
-    """Until `condition()` holds; a job that ended first fails the test at once, with the end of its log."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if job.poll() is not None:
-            log = job_log(job.args).read_text()[-3000:]
-            raise AssertionError(f"the job ended (rc {job.returncode}) before {what}:\n{log}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+WRITTEN = ("--trainer.logger.save_dir", "--trainer.callbacks.dirpath")
+
+
+def watch(job: subprocess.Popen) -> RunWatch:
+    """The job, its log and what it writes (its logger's folder, its checkpoints), watched (testing/run_watch.py)."""
+    written = [job.args[job.args.index(flag) + 1] for flag in WRITTEN if flag in job.args]
+    return RunWatch({"job": (job, job_log(job.args))}, progress=[Path(p) for p in written])
+
+
+def wait_for(condition, job: subprocess.Popen, what: str) -> RunWatch:
+    """Until `condition()` holds, while the job makes progress; a job that ended first fails the test at once, and
+    every failure says what the job was doing (its processes, the end of its log)."""
+    job_watch = watch(job)
+    job_watch.until(condition, what)
+    return job_watch
 
 
 def child_ranks(pid: int) -> list[int]:
@@ -153,6 +163,7 @@ def child_ranks(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+@pytest.mark.timeout(WATCHED)
 def test_kill_9_of_the_job_during_a_save_resumes_from_the_previous_complete_checkpoint(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
@@ -168,6 +179,7 @@ def test_kill_9_of_the_job_during_a_save_resumes_from_the_previous_complete_chec
     assert_continues(reference["tiny"], losses(tmp_path / "b"), first=2, last=12)
 
 
+@pytest.mark.timeout(WATCHED)
 def test_kill_9_of_one_rank_ends_the_job_within_60_s_and_it_resumes(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
@@ -184,15 +196,16 @@ def test_kill_9_of_one_rank_ends_the_job_within_60_s_and_it_resumes(tmp_path, re
     assert_continues(reference["tiny"], resumed, first=min(resumed), last=12)
 
 
+@pytest.mark.timeout(WATCHED)
 @pytest.mark.parametrize("target", ["launcher", "one_rank"])
 def test_sigterm_saves_on_every_rank_at_the_same_step_and_the_restart_matches(tmp_path, reference, target):
     ckpt = tmp_path / "ckpt"
     args = fit_args(tmp_path / "a", 12, strategy="dp_zero0", devices=2, ckpt_dir=ckpt, every=2)
     job = start(args, save_pause_s=1)
-    wait_for(lambda: (ckpt / "step=2.ckpt" / "manifest.json").exists(), job, "the checkpoint of step 2")
+    job_watch = wait_for(lambda: (ckpt / "step=2.ckpt" / "manifest.json").exists(), job, "the checkpoint of step 2")
     pid = job.pid if target == "launcher" else child_ranks(job.pid)[0]
     os.kill(pid, signal.SIGTERM)
-    assert job.wait(timeout=120) == 75, (tmp_path / "a.log").read_text()[-3000:]  # preempted: resume me
+    assert job_watch.finish("job") == 75, (tmp_path / "a.log").read_text()[-3000:]  # preempted: resume me
     log = (tmp_path / "a.log").read_text()
     (line,) = [x for x in log.splitlines() if x.startswith("preemption (")]
     stopped = int(line.rsplit("at step ", 1)[1].split(";")[0])

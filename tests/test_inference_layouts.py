@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ from mtnlg_lightning.evaluation.cli import main as eval_main
 from mtnlg_lightning.inference.decode import generate
 from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
+from testing.run_watch import run as watched_run
 
 HANS = ROOT / "tests" / "data" / "hans_sample.jsonl"
 LAYOUTS = {
@@ -91,7 +91,7 @@ def test_layout_evaluation_and_generation_equal_one_process(layout, checkpoints,
     command += ["--strategy", strategy, "--devices", str(devices)]
     command += [x for name, path in checkpoints.items() for x in ("--checkpoint", f"{name}={path}")]
     command += [x for key, value in inputs.items() for x in (f"--{key.replace('_', '-')}", value)]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    run = watched_run(command, tmp_path / "logs", layout, progress=[tmp_path], cwd=ROOT)  # no fixed timeout
     assert run.returncode == 0, run.stderr[-3000:]
     for name in checkpoints:
         reference = references[name]

@@ -21,6 +21,7 @@ from mtnlg_lightning.resilience.exit_codes import ExitCode, describe, run_exit_c
 from mtnlg_lightning.resilience.phase_limits import PHASES, PhaseLimits, resolve_limits
 from mtnlg_lightning.resilience.restart_record import read_records
 from mtnlg_lightning.resilience.watchdog import HangWatchdog
+from testing.run_watch import RunWatch, alive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_layouts import losses  # noqa: E402
@@ -130,7 +131,7 @@ def test_a_frozen_rank_is_found_within_the_learned_limit_of_its_phase_save_and_e
             watchdog.on_save_checkpoint(trainer, None, {})  # and no heartbeat after it
         else:
             watchdog.on_validation_start(trainer, None)
-        wait_for(lambda w=watchdog: w.found, timeout=60, what=f"the watchdog in {freeze}")
+        RunWatch(ceiling_s=60).until(lambda w=watchdog: w.found, f"the watchdog in {freeze}")  # nothing to watch
         found_after = time.monotonic() - frozen
         watchdog.stop()
         ((key, waited, limit, diagnosis),) = watchdog.found
@@ -301,23 +302,19 @@ def start(command: list[str], log: Path, env: dict | None = None) -> subprocess.
     return subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=handle, stderr=subprocess.STDOUT)
 
 
-def wait_for(condition, timeout=240.0, what=""):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status  # exited, not yet reaped by the launcher
+def ranks_report(probe: Path, ranks: int) -> str:
+    """What the probe says of each rank, for a failed wait: its pid, alive or not, its last finished step."""
+    lines = []
+    for rank in range(ranks):
+        try:
+            pid = int((probe / f"rank{rank}.pid").read_text())
+        except (FileNotFoundError, ValueError):
+            lines.append(f"rank {rank}: no pid written yet")
+            continue
+        steps = [s for p, s in probed(probe, rank) if p == pid]
+        state = "alive" if alive(pid) else "gone"
+        lines.append(f"rank {rank}: pid {pid} {state}, last step {steps[-1] if steps else None} in this attempt")
+    return "\n".join(lines)
 
 
 def probed(probe: Path, rank: int, what: str = "steps") -> list[tuple[int, int]]:
@@ -361,6 +358,9 @@ def assert_losses_equal(attempts: list[dict[int, float]], reference: dict[int, f
 
 
 STEPS, SAVE_EVERY, EVAL_EVERY = 16, 2, 4
+# pytest-timeout of a watched drill: above the waits' ceiling (testing/run_watch.py, 1500 s from each watch's start),
+# so that a run that stalls or overruns fails in its wait, with what it was doing, not in pytest-timeout's stack dump
+WATCHED = 2400
 ZERO1_DP2 = ["--trainer.strategy", "configs/strategy/zero1.yaml"]
 
 
@@ -390,12 +390,14 @@ def uninterrupted_dp2(tmp_path_factory) -> dict[int, float]:
     work = tmp_path_factory.mktemp("uninterrupted")
     command = torchrun("--standalone", "--nproc-per-node", "2", "-m", "mtnlg_lightning.train.cli", *run_args(work, 2))
     job = start(command, work / "log")
-    assert job.wait(timeout=600) == 0, (work / "log").read_text()[-3000:]
+    watch = RunWatch({"torchrun": (job, work / "log")}, progress=[work])
+    assert watch.finish("torchrun") == 0, (work / "log").read_text()[-3000:]
     (reference,) = all_losses(work)
     return reference
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(WATCHED)
 def test_plain_torchrun_heals_a_kill_after_a_save_stops_during_a_save_and_a_step_and_a_kill_in_an_evaluation(
     tmp_path, uninterrupted_dp2
 ):
@@ -415,42 +417,43 @@ def test_plain_torchrun_heals_a_kill_after_a_save_stops_during_a_save_and_a_step
     held_writes = (str(ROOT / "testing" / "slow_checkpoint_writes.py"), "1.0")
     arguments = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "4", "--monitor-interval", "0.2")
     job = start(torchrun(*arguments, *held_writes, *args), log, {"MTNLG_STEP_TIMEOUT": str(step_limit)})
+    watch = RunWatch({"torchrun": (job, log)}, progress=[probe, ckpt], describe=lambda: ranks_report(probe, 2))
 
     def published() -> set[int]:
         return {step_of(p) for p in ckpt.glob("*.ckpt") if (p / "manifest.json").exists()}
 
     try:
         # 1. kill -9 after a save
-        first = wait_for(lambda: running_group(probe, 2, 3), what="the first group's step 3")
-        wait_for(lambda: published(), what="the first checkpoint")
+        first = watch.until(lambda: running_group(probe, 2, 3), "the first group's step 3")
+        watch.until(lambda: published(), "the first checkpoint")
         os.kill(first[1], signal.SIGKILL)
         # 2. SIGSTOP during a save, once the restarted group has seen a save of its own
-        second = wait_for(lambda: running_group(probe, 2, 1, not_pids=first.values()), what="the second group")
+        second = watch.until(lambda: running_group(probe, 2, 1, not_pids=first.values()), "the second group")
         seen = published()
-        wait_for(lambda: published() - seen, what="a save of the second group")
+        watch.until(lambda: published() - seen, "a save of the second group")
         seen = max(published())
-        wait_for(lambda: [p for p in ckpt.glob(".*.incomplete") if step_of(p) > seen], what="the next save")
+        watch.until(lambda: [p for p in ckpt.glob(".*.incomplete") if step_of(p) > seen], "the next save")
         time.sleep(0.3)  # inside the held write
         os.kill(second[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: not alive(second[0]), timeout=120, what="rank 0 to find the stop during the save")
+        watch.until(lambda: not alive(second[0]), "rank 0 to find the stop during the save")
         found_in_save = time.monotonic() - stopped
         # 3. SIGSTOP during a step: after an odd step, in the next one, the one before a save (rank 1 sleeps 0.3 s
         # at its start). Rank 0 waits for it in the step's all-reduce, or, if the stop lands before the collective
         # Lightning runs between two steps, in that one: the data phase, with its own limit.
-        third = wait_for(lambda: running_group(probe, 2, 2, not_pids=second.values()), timeout=300, what="group 3")
-        wait_for(lambda: max(s for p, s in probed(probe, 1) if p == third[1]) % 2, what="an odd step of group 3")
+        third = watch.until(lambda: running_group(probe, 2, 2, not_pids=second.values()), "group 3")
+        watch.until(lambda: max(s for p, s in probed(probe, 1) if p == third[1]) % 2, "an odd step of group 3")
         time.sleep(0.1)
         os.kill(third[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: not alive(third[0]), timeout=120, what="rank 0 to find the stop during a step")
+        watch.until(lambda: not alive(third[0]), "rank 0 to find the stop during a step")
         found_in_step = time.monotonic() - stopped
         # 4. kill -9 during a validation
-        fourth = wait_for(lambda: running_group(probe, 2, 1, not_pids=third.values()), timeout=300, what="group 4")
-        wait_for(lambda: [p for p, _ in probed(probe, 1, "evals") if p == fourth[1]], what="a validation of group 4")
+        fourth = watch.until(lambda: running_group(probe, 2, 1, not_pids=third.values()), "group 4")
+        watch.until(lambda: [p for p, _ in probed(probe, 1, "evals") if p == fourth[1]], "a validation of group 4")
         time.sleep(0.3)  # inside its first held batch
         os.kill(fourth[1], signal.SIGKILL)
-        assert job.wait(timeout=400) == 0, log.read_text()[-4000:]
+        assert watch.finish("torchrun") == 0, log.read_text()[-4000:]
     finally:
         if job.poll() is None:
             job.kill()
@@ -520,6 +523,7 @@ def elastic_node(work: Path, last_call_s: float, slow_s: float = 0.0, nodes: str
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(WATCHED)
 def test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_losses_of_the_uninterrupted_run(
     tmp_path, uninterrupted_dp2
 ):
@@ -532,14 +536,18 @@ def test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_lo
     ckpt, probe = tmp_path / "ckpt", tmp_path / "probe"
     node = elastic_node(tmp_path, last_call_s=10)
     first = start(node, tmp_path / "node1.log")
-    wait_for(lambda: listening(rendezvous_port(node)), what="the first node to host the rendezvous")
+    watch = RunWatch(progress=[probe, ckpt], describe=lambda: ranks_report(probe, 2))
+    watch.add("node1", first, tmp_path / "node1.log")
+    watch.until(lambda: listening(rendezvous_port(node)), "the first node to host the rendezvous")
     second = start(node, tmp_path / "node2.log")  # the node lost below: it must not be the rendezvous host
+    watch.add("node2", second, tmp_path / "node2.log")
     try:
-        ranks = wait_for(lambda: running_group(probe, 2, 5), what="step 5 on both nodes")
+        ranks = watch.until(lambda: running_group(probe, 2, 5), "step 5 on both nodes")
         (lost,) = [pid for pid in ranks.values() if parent_of(pid) == second.pid]
         second.kill()
+        watch.stopped("node2")
         os.kill(lost, signal.SIGKILL)
-        assert first.wait(timeout=400) == 0, (tmp_path / "node1.log").read_text()[-4000:]
+        assert watch.finish("node1") == 0, (tmp_path / "node1.log").read_text()[-4000:]
     finally:
         for job in (first, second):
             if job.poll() is None:
@@ -559,6 +567,7 @@ def test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_lo
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(WATCHED)
 def test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_a_spare_and_the_spare_takes_over(
     tmp_path, uninterrupted_dp2
 ):
@@ -571,26 +580,29 @@ def test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_
     probe, node = tmp_path / "probe", elastic_node(tmp_path, last_call_s=2, slow_s=1.0, nodes="1:3")
     logs = {name: tmp_path / f"node_{name}.log" for name in "ABC"}
     jobs = {"A": start(node, logs["A"])}
+    watch = RunWatch(progress=[probe, tmp_path / "ckpt"], describe=lambda: ranks_report(probe, 2))
+    watch.add("A", jobs["A"], logs["A"])
     try:
-        alone = wait_for(lambda: running_group(probe, 1, 2), what="node A alone at step 2")
-        jobs["B"] = start(node, logs["B"])
-        pair = wait_for(lambda: running_group(probe, 2, 1, not_pids=alone.values()), what="A and B together")
-        jobs["C"] = start(node, logs["C"])
-        wait_for(lambda: any("waits as a spare" in log.read_text() for log in logs.values()), what="a spare")
+        alone = watch.until(lambda: running_group(probe, 1, 2), "node A alone at step 2")
+        jobs["B"] = watch.add("B", start(node, logs["B"]), logs["B"])
+        pair = watch.until(lambda: running_group(probe, 2, 1, not_pids=alone.values()), "A and B together")
+        jobs["C"] = watch.add("C", start(node, logs["C"]), logs["C"])
+        watch.until(lambda: any("waits as a spare" in log.read_text() for log in logs.values()), "a spare")
         (spare,) = [name for name, log in logs.items() if "waits as a spare" in log.read_text()]
         # after a step that is not saved, so that the kill below lands in a step (rank 0 sleeps 1 s before each),
         # not in a save: a rank killed in one can leave a complete checkpoint whose step's loss was never logged
         # (Lightning logs a step after its checkpoint callbacks) and that no restart redoes (seen: "rank 0 crash in
         # save at step 8", step 7's loss missing)
         in_a_step = lambda: running_group(probe, 2, 1, not_pids=pair.values(), after_unsaved=True)  # noqa: E731
-        pair_again = wait_for(in_a_step, what="the pair, again")
+        pair_again = watch.until(in_a_step, "the pair, again")
         # a training node, not A: A hosts the rendezvous (torchrun's c10d rendezvous ends with its host)
         other = next(name for name in "BC" if name != spare)
         (lost,) = [pid for pid in pair_again.values() if parent_of(pid) == jobs[other].pid]
         jobs[other].kill()
+        watch.stopped(other)
         os.kill(lost, signal.SIGKILL)
         for name in sorted(set("ABC") - {other}):
-            assert jobs[name].wait(timeout=400) == 0, logs[name].read_text()[-4000:]
+            assert watch.finish(name) == 0, logs[name].read_text()[-4000:]
     finally:
         for job in jobs.values():
             if job.poll() is None:
@@ -607,13 +619,14 @@ def test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(WATCHED)
 def test_a_configuration_error_exits_once_with_its_code_and_is_not_restarted_even_when_rank_0_is_last(tmp_path):
     """Rank 1 fails first; torchrun alone would SIGTERM rank 0, the rank that prints the error, before it gets there."""
     args = ["fit", "--config", "configs/tiny.yaml", "--trainer.strategy", "configs/strategy/zero1.yaml"]
     args += ["--trainer.devices", "2", "--trainer.strategy.zero_stage", "7"]
     late_rank_zero = (str(Path(__file__).parent / "late_rank_zero.py"), "5")
     job = launch(args, tmp_path / "log", max_restarts=3, entry=late_rank_zero)
-    assert job.wait(timeout=300) == ExitCode.CONFIG_ERROR
+    assert RunWatch({"launcher": (job, tmp_path / "log")}).finish("launcher") == ExitCode.CONFIG_ERROR
     log = (tmp_path / "log").read_text()
     assert log.count("mtnlg: error: zero_stage 7 is not one of") == 1, log[-3000:]  # one attempt, one line
     assert "not restarting" in log and "will restart worker group" not in log, log[-3000:]
