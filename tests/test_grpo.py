@@ -244,14 +244,17 @@ def test_a_lora_grpo_checkpoint_exports_a_peft_adapter_and_a_merged_model_with_t
 
 def test_the_demo_prompts_are_the_instruction_questions_with_their_answers(tmp_path):
     """scripts/grpo_demo.sh's prompts: TRL's conversational form (system and user turns), the answer as a column
-    the shipped accuracy reward reads; and the curve it prints comes from the run's metrics."""
+    the shipped accuracy reward reads, one task's questions when asked; and the curve it prints comes from the
+    run's metrics."""
     from mtnlg_lightning.demo.synthetic.instructions import answer_of, main, prompt_records, reward_curve
 
     records = prompt_records(20, seed=3)
     assert all([turn["role"] for turn in r["prompt"]] == ["system", "user"] for r in records)
     assert all(r["answer"] == answer_of(r["prompt"][-1]["content"]) for r in records)
-    assert main(["prompts", str(tmp_path / "run"), "--count", "20"]) == 0
-    assert len((tmp_path / "run" / "prompts.jsonl").read_text().splitlines()) == 20
+    assert main(["prompts", str(tmp_path / "run"), "--count", "20", "--tasks", "length"]) == 0
+    lines = (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()
+    assert len(lines) == 20  # the demo's task alone: how many letters a word has
+    assert all(json.loads(line)["prompt"][-1]["content"].startswith("How many letters are in ") for line in lines)
     metrics = tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv"
     metrics.parent.mkdir(parents=True)
     metrics.write_text("reward,step\n0.25,0\n,0\n0.75,1\n")

@@ -59,11 +59,11 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 
-def instruction_examples(count: int = 400, seed: int = 0, system: bool = True) -> list[dict]:
+def instruction_examples(count: int = 400, seed: int = 0, system: bool = True, tasks=None) -> list[dict]:
     """`count` chat records (`messages`: an optional system turn, a user question, the assistant's answer), the
-    tasks in turn, deterministic in `seed`."""
+    tasks (all, or those named in `tasks`) in turn, deterministic in `seed`."""
     rng = random.Random(seed)
-    names = list(TASKS)
+    names = list(tasks or TASKS)
     records = []
     for index in range(count):
         question, answer = TASKS[names[index % len(names)]](rng)
@@ -90,12 +90,12 @@ def answer_of(question: str) -> str | None:
     return None
 
 
-def prompt_records(count: int, seed: int) -> list[dict]:
-    """The set's questions as GRPO prompts in TRL's conversational form: `prompt` (the system and user turns) and
-    the `answer` column the shipped `accuracy` reward reads."""
+def prompt_records(count: int, seed: int, tasks=None) -> list[dict]:
+    """The set's questions (of every task, or of those named in `tasks`) as GRPO prompts in TRL's conversational
+    form: `prompt` (the system and user turns) and the `answer` column the shipped `accuracy` reward reads."""
     return [
         {"prompt": record["messages"][:-1], "answer": record["messages"][-1]["content"]}
-        for record in instruction_examples(count, seed)
+        for record in instruction_examples(count, seed, tasks=tasks)
     ]
 
 
@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts.add_argument("directory", help="the folder to write into (created if missing)")
     prompts.add_argument("--count", type=int, default=512, help="training prompts (seed 3: not the SFT set's)")
+    prompts.add_argument(
+        "--tasks", nargs="+", choices=list(TASKS), default=None, help="only these tasks' questions (default: all)"
+    )
     curve = commands.add_parser("curve", help="the reward of each step of the newest GRPO run under DIR")
     curve.add_argument("directory", help="the run's folder (e.g. runs/grpo_demo)")
     scorer = commands.add_parser("score", help="a before/after table and each run's accuracy")
@@ -193,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "prompts":
         directory = Path(args.directory)
-        train = write_json_lines(directory / "prompts.jsonl", prompt_records(args.count, seed=3))
-        valid = write_json_lines(directory / "valid_prompts.jsonl", prompt_records(64, seed=4))
+        train = write_json_lines(directory / "prompts.jsonl", prompt_records(args.count, seed=3, tasks=args.tasks))
+        valid = write_json_lines(directory / "valid_prompts.jsonl", prompt_records(64, seed=4, tasks=args.tasks))
         print(f"wrote {train} ({args.count}), {valid} (64)")
         return 0
     questions = Path(args.questions).read_text(encoding="utf-8").splitlines()
