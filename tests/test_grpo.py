@@ -68,7 +68,7 @@ def grpo_runs(grpo_inputs, tmp_path_factory):
         "one_mu2": grpo_run(base, prompts, rewards, mu=2),
     }
     out = tmp_path_factory.mktemp("grpo_layouts")
-    names = (*GRPO_LAYOUTS, "dp2_ckpt")
+    names = (*GRPO_LAYOUTS, "dp2_ckpt", "dp2_mu2_ckpt")
     proc = run_on_ranks(
         2, HERE / "dist_grpo_runs.py", out, base, moe, prompts, rewards, *names, timeout=900, cwd=HERE.parent
     )
@@ -127,6 +127,24 @@ def test_a_dp2_checkpoint_resumes_in_one_process_with_the_same_next_completions_
     assert grpo_runs["dp2_ckpt"]["completions"] == one["completions"]
     assert resumed["completions"] == one["completions"][2:]
     torch.testing.assert_close(resumed["losses"], one["losses"][2:], rtol=1e-5, atol=1e-7)
+    apart = max((resumed["params"][3][k] - v).abs().max().item() for k, v in one["params"][3].items())
+    assert apart <= 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_checkpoint_inside_a_generations_iterations_resumes_on_the_same_rows(grpo_inputs, grpo_runs):
+    """num_iterations 2: the dp2 run's step-1 checkpoint holds the generation that step 2 trains on again (every
+    replica's completions, the rewards, the generating policy's log-probs); resumed in one process, step 2 trains on
+    the same rows against the same log-probs and step 3 samples the uninterrupted run's completions, with its losses
+    and weights."""
+    from dist_grpo_runs import grpo_run
+
+    checkpoint = grpo_runs["out"] / "dp2_mu2_ckpt_checkpoints" / "step=1.ckpt"
+    resumed = grpo_run(*grpo_inputs, mu=2, ckpt_path=checkpoint)
+    one = grpo_runs["one_mu2"]
+    assert resumed["completions"] == one["completions"][1:]
+    torch.testing.assert_close(resumed["losses"], one["losses"][1:], rtol=1e-5, atol=1e-7)
     apart = max((resumed["params"][3][k] - v).abs().max().item() for k, v in one["params"][3].items())
     assert apart <= 2e-5
 

@@ -62,6 +62,7 @@ from mtnlg_lightning.train.objectives.rollouts import (
     completion_seeds,
 )
 
+GENERATION_STATE = "grpo_generation"  # a checkpoint's generation inside its num_iterations (see GRPO.state_dict)
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # the sampler's log-probabilities against the trained ones on the sampled tokens (TRL's names): the ratio is 1.0 in
 # fp32 when nothing changed the weights in between (a health check of the generation path)
@@ -172,6 +173,9 @@ class Generated:
     counts: tuple[torch.Tensor, torch.Tensor]
     metrics: dict[str, float]
     seconds: float
+    completions: list[list[int]]  # this rank's completions and whether each ended on its own
+    ended: list[bool]
+    rewards: torch.Tensor  # the global batch's [rows, functions]
 
 
 class GRPO(Objective):
@@ -195,6 +199,7 @@ class GRPO(Objective):
         self.generator: LayoutGenerator | None = None  # when the fit starts (the data module brings the template)
         self.scores_rewards = True
         self.generated: Generated | None = None  # num_iterations > 1: the batch the next iterations train on again
+        self.resumed: dict | None = None  # the generation a checkpoint kept (`state_dict`), until a step takes it
 
     @classmethod
     def from_hparams(cls, hparams: Mapping) -> GRPO:
@@ -273,11 +278,12 @@ class GRPO(Objective):
                 "prompts (a resume inside a generation's iterations): resume from a step that is a multiple of "
                 f"num_iterations {mu}"
             )
-        if train and mu > 1 and module.trainer.global_step % mu and self.generated is None:
+        if train and mu > 1 and module.trainer.global_step % mu and self.generated is None and self.resumed:
+            self.generated, reuse = self._resumed_generation(module, batch), True
+        elif train and mu > 1 and module.trainer.global_step % mu and self.generated is None:
             rank_zero_warn(
-                f"GRPO resumed at step {module.trainer.global_step}, inside a generation's num_iterations {mu}: the "
-                "checkpoint holds no generated batch, so this step generates afresh from the same prompts (a resume "
-                "at a multiple of num_iterations is exact)"
+                f"GRPO resumed at step {module.trainer.global_step}, inside a generation's num_iterations {mu}, from "
+                "a checkpoint without its generated batch: this step generates afresh from the same prompts"
             )
         generated = self.generated if reuse else self._generate(module, batch, train)
         self.generated = generated if train and mu > 1 else None
@@ -311,29 +317,101 @@ class GRPO(Objective):
         everyone = self._scored_over_replicas(module, batch, rollouts)
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
         self.shown = self._table_rows(batch, rollouts, everyone[local].cpu(), data.chat)
-        rows = completion_rows(repeated, rollouts.ids, module.config.seq_len, data.chat.pad_id)
+        sampling = None
+        if rollouts.logprobs is not None:
+            sampling = at_label_positions(repeated, rollouts.logprobs, module.config.seq_len).to(module.device)
+        old = None if train and config.num_iterations > 1 else False  # to compute (mu > 1), or none (mu = 1)
+        generated = self._batch_of(module, prompts, rollouts.ids, rollouts.ended, everyone, old, sampling)
+        generated.metrics.update(self._rollout_metrics(module, rollouts, generated.metrics.pop("stats")))
+        generated.metrics["timing/scoring_s"] = time.perf_counter() - started
+        generated.seconds = rollouts.seconds
+        return generated
+
+    def _batch_of(self, module, prompts, completions, ended, everyone, old=False, sampling=None) -> Generated:
+        """The rows this rank trains on from its prompts' `completions` (G each, with whether each `ended`) and the
+        global batch's rewards `everyone`: the advantages, the reference's log-probs (beta > 0), and `old`: the
+        policy's log-probs as they are now when None (num_iterations > 1: later iterations' ratios are taken
+        against them, TRL's old_per_token_logps), given ones (a resumed generation's), or none (False: mu = 1
+        trains on the policy that sampled, the ratio is exactly 1)."""
+        config, G = self.config, self.config.num_generations
+        data = module.trainer.datamodule
+        dp_rank, _ = data.data_parallel_rank_and_size()
+        repeated = [p for p in prompts for _ in range(G)]
+        local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
+        rows = completion_rows(repeated, completions, module.config.seq_len, data.chat.pad_id)
         if config.mask_truncated_completions:
-            rows["labels"][~torch.tensor(rollouts.ended)] = IGNORE_INDEX
+            rows["labels"][~torch.tensor(ended)] = IGNORE_INDEX
         rows = {name: value.to(module.device) for name, value in rows.items()}
         advantages, stats = group_advantages(everyone, self.rewards.weights.to(module.device), G, config.scale_rewards)
         targeted = {**rows, "labels": with_row_index(rows["labels"])}
         per_micro_batch = module.micro_batch_size * G
         scores = TokenScores(module.loss_fn, config.temperature)
         reference = self._logps(module, targeted, per_micro_batch, scores, reference=True) if config.beta else None
-        # mu > 1: the policy's log-probs now, which the later iterations' ratios are taken against (TRL's
-        # old_per_token_logps); mu = 1 trains on the policy that sampled: the ratio is exactly 1 (old = None)
-        old = self._logps(module, targeted, per_micro_batch, scores) if train and config.num_iterations > 1 else None
+        if old is None:
+            old = self._logps(module, targeted, per_micro_batch, scores)
         counts = module.trainer.strategy.reduce(
             torch.tensor([float(len(repeated)), float(rows["labels"].ne(IGNORE_INDEX).sum())], device=module.device),
             reduce_op="sum",
         )
-        sampling = None
-        if rollouts.logprobs is not None:
-            sampling = at_label_positions(repeated, rollouts.logprobs, module.config.seq_len).to(module.device)
-        per_row = {"advantages": advantages[local], "reference": reference, "sampling": sampling, "old": old}
-        metrics = self._rollout_metrics(module, rollouts, stats)
-        metrics["timing/scoring_s"] = time.perf_counter() - started
-        return Generated(list(prompts), targeted, per_row, (counts[0], counts[1]), metrics, rollouts.seconds)
+        per_row = {"advantages": advantages[local], "reference": reference, "sampling": sampling}
+        per_row["old"] = None if old is False else old
+        return Generated(
+            list(prompts), targeted, per_row, (counts[0], counts[1]), {"stats": stats}, 0.0, list(completions),
+            list(ended), everyone,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------ a generation across a checkpoint
+    def state_dict(self, module) -> dict:
+        """Inside a generation's num_iterations (mu > 1, the next step trains on it again): the global batch's
+        completions, rewards, the generating policy's log-probs and the generation's metrics, gathered from every
+        replica (a collective: every rank saves), so a resume in any layout trains the next iterations on the same
+        rows against the same log-probs."""
+        kept, mu = self.generated, self.config.num_iterations
+        if kept is None or mu == 1 or module.trainer.global_step % mu == 0:  # the next step generates anew
+            return {}
+        if module.trainer.world_size == 1:
+            return {GENERATION_STATE: {"completions": kept.completions, "ended": kept.ended,
+                                       "rewards": kept.rewards.cpu(), "old": kept.per_row["old"].cpu(),
+                                       "metrics": kept.metrics}}  # fmt: skip
+        dp_rank, dp_size = module.trainer.datamodule.data_parallel_rank_and_size()
+        mine = (dp_rank, kept.completions, kept.ended)
+        everyone = [None] * module.trainer.world_size
+        dist.all_gather_object(everyone, mine)
+        by_replica = {}
+        for replica, completions, ended in everyone:
+            by_replica.setdefault(replica, (completions, ended))
+        old = module.trainer.strategy.all_gather(kept.per_row["old"])  # [world, R, S]
+        replicas = [entry[0] for entry in everyone]
+        # the ranks that computed the rows' log-probs (a pipeline's last stage) hold them, the others zeros
+        chosen = [max((i for i, r in enumerate(replicas) if r == d), key=lambda i: float(old[i].abs().sum()))
+                  for d in range(dp_size)]  # fmt: skip
+        return {
+            GENERATION_STATE: {
+                "completions": [ids for d in range(dp_size) for ids in by_replica[d][0]],
+                "ended": [e for d in range(dp_size) for e in by_replica[d][1]],
+                "rewards": kept.rewards.cpu(),
+                "old": torch.cat([old[i] for i in chosen]).cpu(),
+                "metrics": kept.metrics,
+            }
+        }
+
+    def load_state_dict(self, module, checkpoint: dict) -> None:
+        self.resumed = checkpoint.get(GENERATION_STATE)
+
+    def _resumed_generation(self, module, batch: dict) -> Generated:
+        """The generation a checkpoint kept, as this rank's rows in this run's layout."""
+        state, self.resumed = self.resumed, None
+        dp_rank, _ = module.trainer.datamodule.data_parallel_rank_and_size()
+        rows = len(batch["prompt_ids"]) * self.config.num_generations
+        local = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        old = state["old"][local].to(module.device)
+        everyone = state["rewards"].to(module.device)
+        generated = self._batch_of(
+            module, batch["prompt_ids"], state["completions"][local], state["ended"][local], everyone, old
+        )
+        generated.metrics = dict(state["metrics"])
+        self.completions = generated.completions
+        return generated
 
     def _scored_over_replicas(self, module, batch: dict, rollouts) -> torch.Tensor:
         """[rows of the global batch, functions]: the rewards of every replica's completions, in replica order. One
