@@ -343,6 +343,13 @@ def running_group(
     return pids
 
 
+def hold(probe: Path, group: dict[int, int]) -> None:
+    """Hold `group` (rank -> pid) at its next step boundary until its launcher stops it for a membership change
+    (testing/fault_probe.py): the run cannot finish before the node the drill starts next has joined."""
+    newest = max(s for rank, pid in group.items() for p, s in probed(probe, rank) if p == pid)
+    (probe / "hold").write_text(" ".join(str(n) for n in (newest, *group.values())))
+
+
 def all_losses(save_dir: Path) -> list[dict[int, float]]:
     """train_loss by step of each attempt (CSVLogger writes one `version_N` per start)."""
     by_version = sorted(save_dir.rglob("metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
@@ -576,7 +583,9 @@ def test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_
     launcher's SIGTERM and exits; both resume from that save); node C joins, but 3 replicas cannot share a batch of
     4 micro-batches: one node (the rendezvous picks which) waits as a spare, the others go on at dp 2; a training
     node other than A (the rendezvous host) is then killed for good, and the spare takes its place. Every loss
-    equals the uninterrupted dp-2 run's; restarts.jsonl tells each start's story."""
+    equals the uninterrupted dp-2 run's; restarts.jsonl tells each start's story. Before B and before C starts, the
+    group that runs is held at its next step boundary until the join stops it (the probe's `hold`), so that a slow
+    start-up on a loaded machine cannot let the run finish first."""
     probe, node = tmp_path / "probe", elastic_node(tmp_path, last_call_s=2, slow_s=1.0, nodes="1:3")
     logs = {name: tmp_path / f"node_{name}.log" for name in "ABC"}
     jobs = {"A": start(node, logs["A"])}
@@ -584,8 +593,10 @@ def test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_
     watch.add("A", jobs["A"], logs["A"])
     try:
         alone = watch.until(lambda: running_group(probe, 1, 2), "node A alone at step 2")
+        hold(probe, alone)  # until B has joined: B's start-up may outlast the run's 16 steps on a loaded machine
         jobs["B"] = watch.add("B", start(node, logs["B"]), logs["B"])
         pair = watch.until(lambda: running_group(probe, 2, 1, not_pids=alone.values()), "A and B together")
+        hold(probe, pair)  # until C has joined
         jobs["C"] = watch.add("C", start(node, logs["C"]), logs["C"])
         watch.until(lambda: any("waits as a spare" in log.read_text() for log in logs.values()), "a spare")
         (spare,) = [name for name, log in logs.items() if "waits as a spare" in log.read_text()]
