@@ -109,9 +109,10 @@ def chat_records(count: int, seed: int, most_questions: int) -> list[dict]:
     return records
 
 
-def build_model_dir(directory: Path, args) -> Path:
+def build_model_dir(directory: Path, args, **fields) -> Path:
     """The random Llama (fixed seed) with the demo tokenizer + ChatML tokens and template, as a Hugging Face
-    directory every trainer loads."""
+    directory every trainer loads; `fields`: ModelConfig fields over the shape's (bench_grpo: rope_theta,
+    tie_embeddings)."""
     import transformers
     from tokenizers import AddedToken, Tokenizer
 
@@ -120,8 +121,8 @@ def build_model_dir(directory: Path, args) -> Path:
     if tokenizer.get_vocab_size() > args.vocab:
         raise SystemExit(f"bench_finetune: --vocab {args.vocab} < the tokenizer's {tokenizer.get_vocab_size()}")
     plain_rope = {"rope_theta": 10000.0, "rope_scaling": None}  # litgpt's converter is given no RoPE scaling
-    shape = get_config("demo-llama", **shape_fields(args), **plain_rope, num_kv_heads=args.kv_heads,
-                       ffn_hidden_size=args.ffn, max_position_embeddings=max(1024, args.seq))  # fmt: skip
+    shape = get_config("demo-llama", **shape_fields(args), num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn,
+                       max_position_embeddings=max(1024, args.seq), **{**plain_rope, **fields})  # fmt: skip
     config = hf_config(transformers, shape, args.vocab, None, "float32")
     config.eos_token_id = tokenizer.token_to_id("<|im_end|>")
     config.pad_token_id = tokenizer.token_to_id("<|endoftext|>")

@@ -397,6 +397,24 @@ def finetune_rows(d):
     return rows
 
 
+def grpo_rows(d):
+    v, m = d["variants"], d["model"]
+    shape = (
+        f"{m['hidden']}x{m['layers']} Llama, vocab {m['vocab']}, {d['prompts']}x{d['generations']}x"
+        f"{d['completion_length']} tokens, LoRA r{d['lora']['rank']}, {d['threads']} thread(s)"
+    )
+    ours, rows = v["ours"], []
+    for name, label in (("trl", "TRL GRPOTrainer+peft"), ("trl_recompute", "TRL with its gradient checkpointing")):
+        if name in v:
+            for key, what in (("steps_per_s", "steps/s"), ("tokens_per_s", "generated tokens/s")):
+                figure = f"grpo: {what}, ours vs {label} ({shape})"
+                rows.append((figure, ours[key], v[name][key], _ratio(ours[key], v[name][key]), ">= 1.5"))
+    for name, f in v.items():
+        split = ", ".join(f"{k} {s:.2f}" for k, s in f["split_s"].items())
+        rows.append((f"grpo: {name} s/step: {split}", f["step_s"], None, None, "-"))
+    return rows
+
+
 def readers_rows(d):
     rows = []
     names = {"zst": ("jsonl.zst", ".jsonl.zst"), "parquet": ("parquet", "parquet")}
@@ -571,6 +589,8 @@ SUITE = [
     ),
     Benchmark("eval", "bench_eval.py", ["--repeats", "2"], eval_rows),
     Benchmark("finetune", "bench_finetune.py", ["--rounds", "2", "--steps", "6"], finetune_rows),
+    # SmolLM2-135M's shape, one thread (as generate: two threads per op stall whenever another process runs)
+    Benchmark("grpo", "bench_grpo.py", ["--steps", "3", "--threads", "1"], grpo_rows),
     Benchmark("export", "bench_export.py", ["--layers", "8", "--max-shard-size", "50MB"], export_rows),
     Benchmark("crawl", "bench_crawl.py", ["--copies", "1", "--english-pages", "100"], crawl_rows),
     Benchmark("crawl_languages", "bench_crawl_languages.py", ["--seeds", "1"], crawl_languages_rows),

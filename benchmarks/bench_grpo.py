@@ -1,0 +1,512 @@
+#!/usr/bin/env python
+"""GRPO with LoRA against TRL's GRPOTrainer with peft, in one run on the same model, prompts, reward function, group
+size and lengths: steps per second, generated tokens per second, and where a step's time goes (generation, scoring,
+training, the rest).
+
+The model: a random Llama built with transformers from a fixed seed, by default in SmolLM2-135M's shape (30 layers,
+hidden 576, 9 heads, 3 key/value heads, SwiGLU 1536, vocabulary 49152, tied embeddings, RoPE theta 100000), saved as
+a Hugging Face directory with bench_finetune's tokenizer (the demo BPE plus ChatML's two special tokens, the ChatML
+template; `build_model_dir`). The tokenizer knows only the first ~4.2k ids: the sampler still draws from the whole
+vocabulary (the cost of the head is the model's), and ids beyond the tokenizer decode to nothing on both sides.
+`--small` is a tiny shape for a smoke run (under a minute).
+
+Both sides, per step: the same `--prompts` chat prompts (a system turn and one question of the synthetic instruction
+set, with an `answer` column; the same prompts every step), `--generations` completions each (G), at most
+`--completion-length` new tokens, temperature 1.0, the same deterministic reward function with TRL's signature (the
+share of a completion's ids in the lower half of the vocabulary, read from `completion_ids`), beta 0 (no reference
+pass), one update per generated batch, every completion of the step in one micro-batch, LoRA rank/alpha on every
+attention and MLP projection (dropout 0), AdamW at a constant learning rate (betas 0.9/0.999, no weight decay),
+clipping at 1.0, fp32, `--threads` torch threads, `--steps` steps of which the first `--warmup` are not timed. TRL's
+gradient checkpointing (on by default in GRPOConfig) is off, as ours recomputes nothing (`--variants trl_recompute`
+adds a TRL run with its default). Ours: `mtnlg fit`'s machinery (MTNLGModule with objective grpo, PromptDataModule)
+under Lightning's Trainer; our rows are padded to seq_len, by default the longest prompt + the completion length
+(`--seq-len` sets it; TRL pads each batch to its longest prompt + longest completion).
+
+The runs share this process (the same threads and memory), one after the other, the order rotated each round
+(`--rounds`; medians compared). A step is timed from its first callback (Lightning's `on_train_batch_start`,
+transformers' `on_step_begin`) to its last (`on_train_batch_end`, `on_step_end`); the rates are the measured steps'
+sums over the time from the first measured step's start to the last one's end, on the wall clock and in CPU time of
+the process (the machine may be shared: a wait for a core is the neighbour's cost, not the trainer's). Generated
+tokens are counted from each side's completions (after the end-of-turn token, which counts, as TRL's
+completions/mean_length counts it).
+
+The split of a step:
+- ours: the objective's `timing/generation_s` (decoding), `timing/scoring_s` (the reward functions on the decoded
+  completions, the advantages, the rows to train on; where an objective logs none, the reward call timed here) and
+  `timing/training_s` (the forward and backward passes); the rest (the optimizer step, clipping, logging,
+  Lightning) is the step less those;
+- TRL: generation is `_generate` (chat template, `generate`, decoding), scoring `_generate_and_score_completions`
+  less `_generate` (the reward functions, the advantages, the rows), training `training_step` less
+  `_prepare_inputs` (the forward and backward passes), each timed here around the method; the rest (the optimizer
+  step, clipping, logging) is the step less those.
+
+    python benchmarks/bench_grpo.py [--small] [--steps 4 --warmup 1 --threads 1 --rounds 1 --json grpo.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the repository root: testing.*
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from bench_finetune import HF_TARGETS, build_model_dir  # noqa: E402
+from model_shape import add_model_shape_args  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
+
+from mtnlg_lightning.data.chat_template import ChatTokenizer  # noqa: E402
+from mtnlg_lightning.demo.synthetic.instructions import SYSTEM, TASKS  # noqa: E402
+
+# SmolLM2-135M's shape (its config.json): the defaults; --small replaces them.
+SMOLLM2_135M = dict(layers=30, hidden=576, heads=9, kv_heads=3, ffn=1536, vocab=49152, rope_theta=100000.0)
+SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=4224, rope_theta=100000.0)
+VARIANTS = ("ours", "trl", "trl_recompute")  # trl_recompute: TRL with GRPOConfig's default gradient checkpointing
+REWARD = '''
+def low_ids(prompts, completions, completion_ids, **kwargs):
+    """The share of a completion's ids in the lower half of the {vocab}-id vocabulary."""
+    return [sum(t < {half} for t in ids) / max(len(ids), 1) for ids in completion_ids]
+'''
+PHASES = ("generation", "scoring", "training")
+
+
+class StepClock:
+    """Every step's wall and CPU start and end, its generated tokens and the seconds of its phases."""
+
+    def __init__(self):
+        self.starts, self.ends, self.cpu_starts, self.cpu_ends = [], [], [], []
+        self.tokens: list[int] = []
+        self.phases: list[dict[str, float]] = []
+        self.threads: list[int] = []
+        self._open: dict[str, float] = {}
+
+    def begin(self) -> None:
+        self.threads.append(torch.get_num_threads())
+        self._open = {}
+        self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+
+    def end(self, tokens: int, phases: dict[str, float]) -> None:
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
+        self.tokens.append(int(tokens))
+        self.phases.append({name: float(seconds) for name, seconds in phases.items()})
+
+    def timed(self, name: str, method):
+        """`method` wrapped to add its wall seconds to this step's `name`."""
+
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._open[name] = self._open.get(name, 0.0) + time.perf_counter() - started
+
+        return wrapper
+
+    def taken(self, name: str) -> float:
+        return self._open.get(name, 0.0)
+
+    def as_dict(self) -> dict:
+        keys = ("starts", "ends", "cpu_starts", "cpu_ends", "tokens", "phases", "threads")
+        return {key: getattr(self, key) for key in keys}
+
+
+def chat_prompts(count: int, seed: int) -> list[dict]:
+    """`count` prompt records in TRL's conversational form: the system turn and one question of the synthetic
+    instruction set, with its answer as a column."""
+    rng = random.Random(seed)
+    tasks = list(TASKS.values())
+    records = []
+    for _ in range(count):
+        question, answer = rng.choice(tasks)(rng)
+        turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        records.append({"prompt": turns, "answer": answer})
+    return records
+
+
+# ------------------------------------------------------------------------------------------------------ ours
+def run_ours(spec: dict, clock: StepClock) -> dict:
+    import lightning as L
+
+    from mtnlg_lightning.data.prompts import PromptDataModule
+    from mtnlg_lightning.train.module import MTNLGModule
+    from testing.lightning_run import quiet_trainer
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            objective = pl_module.objective
+            objective._rewards = clock.timed("scoring", objective._rewards)  # where no timing/scoring_s is logged
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            clock.begin()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            objective = pl_module.objective
+            metrics = objective.metrics
+            phases = {
+                "generation": float(metrics["timing/generation_s"]),
+                "scoring": float(metrics.get("timing/scoring_s", clock.taken("scoring"))),
+                "training": float(metrics["timing/training_s"]),
+            }
+            clock.end(sum(len(ids) for ids in objective.completions), phases)
+            prompts.extend(len(ids) for ids in batch["prompt_ids"])
+
+    prompts: list[int] = []
+    L.seed_everything(spec["seed"], verbose=False)
+    lr = spec["lr"]
+    module = MTNLGModule(
+        init_from=spec["model_dir"],
+        model_overrides={"seq_len": spec["seq_len"]},
+        micro_batch_size=spec["prompts"],  # every completion of the step in one micro-batch, as TRL's
+        global_batch_size=spec["prompts"],
+        lr=lr,
+        min_lr=lr,
+        warmup_tokens=0,
+        decay_tokens=10**15,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        grad_clip=1.0,
+        preemption=False,
+        watchdog=False,
+        straggler_every_n_steps=0,
+        lora={"rank": spec["rank"], "alpha": spec["alpha"], "dropout": 0.0, "targets": None},
+        objective="grpo",
+        grpo={
+            "num_generations": spec["generations"],
+            "max_completion_length": spec["completion_length"],
+            "temperature": spec["temperature"],
+            "beta": 0.0,
+        },
+        rewards=[spec["reward_spec"]],
+    )
+    data = PromptDataModule(train=spec["prompts_file"], seed=spec["seed"])
+    trainer = quiet_trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=spec["steps"],
+                            callbacks=[Record()])  # fmt: skip
+    trainer.fit(module, data)
+    return {
+        "trainable_parameters": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in module.model.parameters()),
+        "mean_prompt_tokens": statistics.mean(prompts),
+        "rows_trained_positions": spec["seq_len"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ TRL
+def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
+    import datasets
+    import peft
+    import transformers
+    import trl
+
+    from mtnlg_lightning.rewards import load_rewards
+
+    reward = load_rewards([spec["reward_spec"]]).functions[0].function  # the very function ours calls
+    prompts: list[int] = []
+
+    class Record(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            phases = {
+                "generation": clock.taken("generation"),
+                "scoring": clock.taken("generate_and_score") - clock.taken("generation"),
+                "training": clock.taken("training_step") - clock.taken("prepare"),
+            }
+            clock.end(generated[0], phases)
+
+    generated = [0]
+
+    def counted(method):
+        def generate(prompts_in):
+            out = method(prompts_in)
+            prompt_ids, completion_ids = out[0], out[1]
+            generated[0] = sum(len(ids) for ids in completion_ids)
+            prompts.extend(len(ids) for ids in prompt_ids)
+            return out
+
+        return generate
+
+    torch.manual_seed(spec["seed"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model_dir"])
+    records = [json.loads(line) for line in open(spec["prompts_file"], encoding="utf-8")]
+    with tempfile.TemporaryDirectory(prefix="bench_grpo_trl_") as out:
+        config = trl.GRPOConfig(
+            output_dir=out,
+            max_steps=spec["steps"],
+            per_device_train_batch_size=spec["prompts"] * spec["generations"],
+            gradient_accumulation_steps=1,
+            num_generations=spec["generations"],
+            max_completion_length=spec["completion_length"],
+            temperature=spec["temperature"],
+            beta=0.0,
+            learning_rate=spec["lr"],
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            max_grad_norm=1.0,
+            activation_checkpointing=recompute,  # GRPOConfig's default (gradient_checkpointing) is on
+            use_cpu=True,
+            bf16=False,  # GRPOConfig's default autocasts to bf16 on CPUs that have it
+            report_to=[],
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=spec["seed"],
+        )
+        trainer = trl.GRPOTrainer(
+            model=spec["model_dir"],
+            reward_funcs=reward,
+            args=config,
+            train_dataset=datasets.Dataset.from_list(records),
+            processing_class=tokenizer,
+            peft_config=peft.LoraConfig(
+                r=spec["rank"],
+                lora_alpha=spec["alpha"],
+                lora_dropout=0.0,
+                target_modules=HF_TARGETS,
+                task_type="CAUSAL_LM",
+            ),
+            callbacks=[Record()],
+        )
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its per-step log lines
+        trainer._generate = clock.timed("generation", counted(trainer._generate))
+        trainer._generate_and_score_completions = clock.timed(
+            "generate_and_score", trainer._generate_and_score_completions
+        )
+        trainer._prepare_inputs = clock.timed("prepare", trainer._prepare_inputs)
+        trainer.training_step = clock.timed("training_step", trainer.training_step)
+        trainer.train()
+    model = trainer.model
+    return {
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "mean_prompt_tokens": statistics.mean(prompts),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ figures
+def rates(log: dict, warmup: int) -> dict:
+    """Over the steps after `warmup`: seconds and CPU seconds per step, steps and generated tokens per second (wall
+    and CPU), the mean split of a step, and the warm-up steps' own seconds."""
+    n = len(log["starts"])
+    measured = range(warmup, n)
+    if not measured:
+        raise ValueError(f"no step after the {warmup} warm-up steps ({n} steps run)")
+    seconds = log["ends"][-1] - log["starts"][warmup]
+    cpu_seconds = log["cpu_ends"][-1] - log["cpu_starts"][warmup]
+    tokens = sum(log["tokens"][i] for i in measured)
+    durations = [log["ends"][i] - log["starts"][i] for i in measured]
+    cpu_durations = [log["cpu_ends"][i] - log["cpu_starts"][i] for i in measured]
+    split = {name: statistics.mean(log["phases"][i][name] for i in measured) for name in PHASES}
+    split["rest"] = statistics.mean(durations) - sum(split.values())
+    return {
+        "steps": len(measured),
+        "step_s": seconds / len(measured),
+        "step_cpu_s": cpu_seconds / len(measured),
+        "steps_per_s": len(measured) / seconds,
+        "steps_per_cpu_s": len(measured) / cpu_seconds,
+        "median_step_s": statistics.median(durations),  # the figure a neighbour's burst moves least
+        "median_step_cpu_s": statistics.median(cpu_durations),
+        "tokens_per_step": tokens / len(measured),
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / cpu_seconds,
+        "split_s": split,
+        "warmup_step_s": [log["ends"][i] - log["starts"][i] for i in range(warmup)],
+        "warmup_split_s": [log["phases"][i] for i in range(warmup)],
+        "each_step_s": [log["ends"][i] - log["starts"][i] for i in range(n)],
+        "threads": sorted(set(log["threads"])),
+    }
+
+
+def summarise(runs: dict[str, list[dict]], warmup: int) -> dict:
+    """Per variant: the median over rounds of each figure (the split: of each phase)."""
+    out = {}
+    for name, logs in runs.items():
+        per_round = [rates(log, warmup) for log in logs]
+        scalar = [k for k, v in per_round[0].items() if isinstance(v, float)]
+        figures = {key: statistics.median(r[key] for r in per_round) for key in scalar}
+        figures["split_s"] = {k: statistics.median(r["split_s"][k] for r in per_round) for k in per_round[0]["split_s"]}
+        figures["warmup_step_s"] = [r["warmup_step_s"] for r in per_round]
+        figures["warmup_split_s"] = [r["warmup_split_s"] for r in per_round]
+        figures["each_step_s"] = [r["each_step_s"] for r in per_round]
+        figures["step_s_each_round"] = [r["step_s"] for r in per_round]
+        figures["threads"] = sorted({t for r in per_round for t in r["threads"]})
+        figures["rounds"] = len(per_round)
+        figures.update(logs[-1]["extra"])
+        out[name] = figures
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main() -> int:
+    ap = benchmark_parser(__doc__)
+    add_model_shape_args(ap, layers=SMOLLM2_135M["layers"], hidden=SMOLLM2_135M["hidden"],
+                         heads=SMOLLM2_135M["heads"], vocab=SMOLLM2_135M["vocab"])  # fmt: skip
+    ap.add_argument("--kv-heads", type=int, default=SMOLLM2_135M["kv_heads"], help="key/value heads (default 3)")
+    ap.add_argument("--ffn", type=int, default=SMOLLM2_135M["ffn"], help="SwiGLU width (default 1536)")
+    ap.add_argument("--rope-theta", type=float, default=SMOLLM2_135M["rope_theta"], help="RoPE base (default 1e5)")
+    ap.add_argument(
+        "--small", action="store_true", help="a tiny Llama (2 layers, hidden 64, vocabulary 4224): a smoke run"
+    )
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step, the same every step (default 4)")
+    ap.add_argument("--generations", type=int, default=4, help="completions per prompt, G (default 4)")
+    ap.add_argument("--completion-length", type=int, default=16, help="new tokens per completion at most (default 16)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    ap.add_argument("--seq-len", type=int, default=0,
+                    help="our rows' length (default 0: the longest prompt + --completion-length)")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (default 4)")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps of each run not timed (default 1)")
+    add_rounds_arg(ap, 1)
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    ap.add_argument("--alpha", type=int, default=32, help="LoRA alpha (default 32)")
+    ap.add_argument("--lr", type=float, default=1e-5, help="constant learning rate, both sides (default 1e-5)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of every run (default 1: on a shared 2-core machine two threads per op stall "
+                    "whenever another process runs)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--variants", nargs="+", default=["ours", "trl"], choices=VARIANTS,
+                    help="the runs of each round (default ours trl; trl_recompute: TRL with its default gradient "
+                    "checkpointing)")  # fmt: skip
+    args = benchmark_args(ap)
+    if args.small:
+        for key, value in SMALL.items():
+            setattr(args, key, value)
+    args.seq = 1024  # the directory's position limit and tokenizer length (the rows' length is --seq-len's)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
+        scratch = Path(tmp)
+        model_dir = build_model_dir(scratch, args, rope_theta=args.rope_theta, tie_embeddings=True)
+        chat = ChatTokenizer(model_dir)
+        records = chat_prompts(args.prompts, args.seed)
+        prompt_lengths = [len(chat.prompt_ids(r["prompt"])) for r in records]
+        seq_len = args.seq_len or max(prompt_lengths) + args.completion_length
+        prompts_file = scratch / "prompts.jsonl"
+        prompts_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        (scratch / "grpo_reward.py").write_text(REWARD.format(vocab=args.vocab, half=args.vocab // 2))
+        spec = {
+            "model_dir": str(model_dir),
+            "prompts_file": str(prompts_file),
+            "reward_spec": f"{scratch / 'grpo_reward.py'}:low_ids",
+            "prompts": args.prompts,
+            "generations": args.generations,
+            "completion_length": args.completion_length,
+            "temperature": args.temperature,
+            "seq_len": seq_len,
+            "steps": args.steps,
+            "lr": args.lr,
+            "rank": args.rank,
+            "alpha": args.alpha,
+            "seed": args.seed,
+        }
+        print(f"bench_grpo: prompts of {prompt_lengths} tokens, our rows of {seq_len}; {args.threads} thread(s), "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        runs: dict[str, list[dict]] = {name: [] for name in args.variants}
+        for round_ in range(args.rounds):
+            turn = round_ % len(args.variants)
+            for name in args.variants[turn:] + args.variants[:turn]:  # rotate who goes first
+                torch.set_num_threads(args.threads)
+                clock = StepClock()
+                started = time.perf_counter()
+                if name == "ours":
+                    extra = run_ours(spec, clock)
+                else:
+                    extra = run_trl(spec, clock, recompute=name == "trl_recompute")
+                log = {**clock.as_dict(), "extra": extra, "run_s": time.perf_counter() - started}
+                runs[name].append(log)
+                r = rates(log, args.warmup)
+                split = ", ".join(f"{k} {v:.2f}" for k, v in r["split_s"].items())
+                steps = ", ".join(f"{s:.2f}" for s in r["each_step_s"])
+                print(f"round {round_ + 1}/{args.rounds} {name:<14} {r['step_s']:7.2f} s/step {r['step_cpu_s']:7.2f} "
+                      f"CPU-s/step {r['tokens_per_s']:7.1f} tokens/s ({r['tokens_per_step']:.0f} tokens/step; "
+                      f"{split} s; every step {steps} s; run {log['run_s']:.0f} s, load average "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    figures = summarise(runs, args.warmup)
+    result = {
+        "device": "cpu",
+        "threads": args.threads,
+        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "rope_theta")},
+        "small": args.small,
+        "prompts": args.prompts,
+        "generations": args.generations,
+        "completion_length": args.completion_length,
+        "prompt_tokens": prompt_lengths,
+        "seq_len": seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "lora": {"rank": args.rank, "alpha": args.alpha, "targets": HF_TARGETS},
+        "lr": args.lr,
+        "variants": figures,
+    }
+    ours = figures.get("ours", {})
+    result["ratios"] = {
+        f"ours_vs_{name}": {
+            key: ratio(ours.get(key), figures[name].get(key))
+            for key in ("steps_per_s", "steps_per_cpu_s", "tokens_per_s", "tokens_per_cpu_s")
+        }
+        | {
+            key: ratio(figures[name].get(key), ours.get(key))  # a time: theirs / ours
+            for key in ("median_step_s", "median_step_cpu_s")
+        }
+        for name in figures
+        if name != "ours"
+    }
+    print_table(result)
+    write_result(args.json, result)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    m = result["model"]
+    print(
+        f"\n# bench_grpo: Llama hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads ({m['kv_heads']} kv), "
+        f"ffn {m['ffn']}, vocab {m['vocab']}, fp32; {result['prompts']} prompts x {result['generations']} "
+        f"generations x <= {result['completion_length']} new tokens a step; prompts of {result['prompt_tokens']} "
+        f"tokens, our rows {result['seq_len']}; LoRA r{result['lora']['rank']} alpha {result['lora']['alpha']}; "
+        f"{result['steps']} steps ({result['warmup']} untimed), {result['rounds']} round(s), {result['threads']} "
+        f"thread(s)"
+    )
+    print(f"{'run':<14} {'s/step':>7} {'CPU-s/step':>10} {'median s':>8} {'steps/s':>8} {'tokens/step':>11} "
+          f"{'tokens/s':>9} {'tokens/CPU-s':>12} | {'generation':>10} {'scoring':>8} {'training':>8} {'rest':>6} "
+          f"(s/step)")  # fmt: skip
+    for name, f in result["variants"].items():
+        s = f["split_s"]
+        print(f"{name:<14} {f['step_s']:7.2f} {f['step_cpu_s']:10.2f} {f['median_step_s']:8.2f} "
+              f"{f['steps_per_s']:8.3f} {f['tokens_per_step']:11.1f} {f['tokens_per_s']:9.1f} "
+              f"{f['tokens_per_cpu_s']:12.1f} | {s['generation']:10.2f} {s['scoring']:8.3f} {s['training']:8.2f} "
+              f"{s['rest']:6.2f}")  # fmt: skip
+    for name, r in result["ratios"].items():
+        shown = ", ".join(f"{key} {value:.2f}x" for key, value in r.items() if value is not None)
+        print(f"{name}: {shown}  (target >= 1.5x; median_*: the other's median step time / ours)")
+    for name, f in result["variants"].items():
+        warm = "; ".join(
+            f"{seconds:.2f} s ({', '.join(f'{k} {v:.2f}' for k, v in split.items())})"
+            for rounds, splits in zip(f["warmup_step_s"], f["warmup_split_s"], strict=True)
+            for seconds, split in zip(rounds, splits, strict=True)
+        )
+        print(f"{name}: warm-up step(s) {warm or 'none'}; mean prompt {f['mean_prompt_tokens']:.1f} tokens; "
+              f"trainable {f['trainable_parameters']:,} of {f['parameters']:,}; threads {f['threads']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
