@@ -27,8 +27,8 @@ The runs share this process (the same threads and memory), one after the other, 
 transformers' `on_step_begin`) to its last (`on_train_batch_end`, `on_step_end`); the rates are the measured steps'
 sums over the time from the first measured step's start to the last one's end, on the wall clock and in CPU time of
 the process (the machine may be shared: a wait for a core is the neighbour's cost, not the trainer's). Generated
-tokens are counted from each side's completions (after the end-of-turn token, which counts, as TRL's
-completions/mean_length counts it).
+tokens are counted from each side's completions (up to and including an end-of-turn token, as TRL's
+completions/mean_length counts them).
 
 The split of a step:
 - ours: the objective's `timing/generation_s` (decoding), `timing/scoring_s` (the reward functions on the decoded
