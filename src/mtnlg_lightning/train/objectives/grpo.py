@@ -62,6 +62,7 @@ from mtnlg_lightning.train.objectives.rollouts import (
     completion_seeds,
 )
 
+ROW_MULTIPLE = 64  # rows are padded to a multiple of this (`GRPO._row_width`), not to seq_len
 GENERATION_STATE = "grpo_generation"  # a checkpoint's generation inside its num_iterations (see GRPO.state_dict)
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # the sampler's log-probabilities against the trained ones on the sampled tokens (TRL's names): the ratio is 1.0 in
@@ -317,17 +318,31 @@ class GRPO(Objective):
         everyone = self._scored_over_replicas(module, batch, rollouts)
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
         self.shown = self._table_rows(batch, rollouts, everyone[local].cpu(), data.chat)
+        width = self._row_width(module, repeated, rollouts.ids)
         sampling = None
         if rollouts.logprobs is not None:
-            sampling = at_label_positions(repeated, rollouts.logprobs, module.config.seq_len).to(module.device)
+            sampling = at_label_positions(repeated, rollouts.logprobs, width).to(module.device)
         old = None if train and config.num_iterations > 1 else False  # to compute (mu > 1), or none (mu = 1)
-        generated = self._batch_of(module, prompts, rollouts.ids, rollouts.ended, everyone, old, sampling)
+        generated = self._batch_of(module, prompts, rollouts.ids, rollouts.ended, everyone, width, old, sampling)
         generated.metrics.update(self._rollout_metrics(module, rollouts, generated.metrics.pop("stats")))
         generated.metrics["timing/scoring_s"] = time.perf_counter() - started
         generated.seconds = rollouts.seconds
         return generated
 
-    def _batch_of(self, module, prompts, completions, ended, everyone, old=False, sampling=None) -> Generated:
+    @staticmethod
+    def _row_width(module, prompts, completions) -> int:
+        """The width the rows are padded to: the global batch's longest prompt + completion rounded up to a multiple
+        of 64 (which sequence and context parallelism's cuts divide), at most seq_len; the same in every layout (a
+        maximum over every rank). A pipeline's schedule runs fixed shapes: seq_len there."""
+        limit = module.config.seq_len
+        if getattr(module.trainer.strategy, "pipeline", None) is not None:
+            return limit
+        longest = torch.tensor(max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)))
+        if module.trainer.world_size > 1:
+            longest = module.trainer.strategy.reduce(longest.to(module.device), reduce_op="max")
+        return min(limit, -(-int(longest) // ROW_MULTIPLE) * ROW_MULTIPLE)
+
+    def _batch_of(self, module, prompts, completions, ended, everyone, width, old=False, sampling=None) -> Generated:
         """The rows this rank trains on from its prompts' `completions` (G each, with whether each `ended`) and the
         global batch's rewards `everyone`: the advantages, the reference's log-probs (beta > 0), and `old`: the
         policy's log-probs as they are now when None (num_iterations > 1: later iterations' ratios are taken
@@ -338,7 +353,7 @@ class GRPO(Objective):
         dp_rank, _ = data.data_parallel_rank_and_size()
         repeated = [p for p in prompts for _ in range(G)]
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
-        rows = completion_rows(repeated, completions, module.config.seq_len, data.chat.pad_id)
+        rows = completion_rows(repeated, completions, width, data.chat.pad_id)
         if config.mask_truncated_completions:
             rows["labels"][~torch.tensor(ended)] = IGNORE_INDEX
         rows = {name: value.to(module.device) for name, value in rows.items()}
@@ -406,9 +421,10 @@ class GRPO(Objective):
         local = slice(dp_rank * rows, (dp_rank + 1) * rows)
         old = state["old"][local].to(module.device)
         everyone = state["rewards"].to(module.device)
-        generated = self._batch_of(
-            module, batch["prompt_ids"], state["completions"][local], state["ended"][local], everyone, old
-        )
+        completions, prompts = state["completions"][local], batch["prompt_ids"]
+        repeated = [p for p in prompts for _ in range(self.config.num_generations)]
+        width = self._row_width(module, repeated, completions)
+        generated = self._batch_of(module, prompts, completions, state["ended"][local], everyone, width, old)
         generated.metrics = dict(state["metrics"])
         self.completions = generated.completions
         return generated
@@ -495,7 +511,7 @@ class GRPO(Objective):
         """[R, S]: each completion token's log-probability under the policy as it is now, or under the reference
         (the base with its adapters off under LoRA, else the frozen starting weights), in eval mode (no dropout) and
         without autograd state."""
-        collector = TokenLogps(scores, len(batch["labels"]), module.config.seq_len, module.device)
+        collector = TokenLogps(scores, len(batch["labels"]), batch["input_ids"].shape[1], module.device)
         swapped = nullcontext(module.model)
         if reference and module.frozen_base:
             swapped = adapters_disabled(module.model)
