@@ -5,11 +5,12 @@ send to the controller, so `-n 2 --dist loadfile` counts as one process would), 
 fails the session (exit status 1, one line per file naming it, its seconds and the budget) when a file took longer
 than its budget.
 
-The budget: BUDGET_S (600 s) per file, `MTNLG_FILE_BUDGET_S` to change it (0: no budget). Why 600 s: the slowest
+The budget: BUDGET_S (900 s) per file, `MTNLG_FILE_BUDGET_S` to change it (0: no budget). Why 900 s: the slowest
 file, tests/test_resilience.py, took about 6 to 7 minutes of the 24-minute suite on the 2-core CI machine (2026-12-06:
-its three launcher drills 192 + 88 + 79 s, its reference run and the rest); 600 s leaves it room for a slower
-machine, and under `--dist loadfile` one worker runs a whole file, so a file much longer than that would set the
-suite's wall time by itself. A file that grows past it should be split, or its launches shared.
+its three launcher drills 192 + 88 + 79 s, its reference run and the rest), and 497 to 559 s of its drills alone
+with a CPU hog on both cores (`scripts/test.sh --under-load`); 900 s stays above a loaded machine's figure, so a red
+run means a file grew, not a busy machine. Under `--dist loadfile` one worker runs a whole file, so a file much
+longer than that would set the suite's wall time by itself: split it, or share its launches.
 
 When it is checked: only when pytest was given no test paths or node ids and no `-k` (the whole suite, or a lane of
 it chosen with `-m`, e.g. the fast lane: its files' totals can only be smaller). A run of a few files or tests, like
@@ -23,7 +24,7 @@ from collections import defaultdict
 
 import pytest
 
-BUDGET_S = 600.0
+BUDGET_S = 900.0
 BUDGET_ENV = "MTNLG_FILE_BUDGET_S"
 SHOWN = 10
 
