@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 from finetune_steps import rates  # noqa: E402
 from model_shape import add_model_shape_args, shape_fields  # noqa: E402
-from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, ratio, report  # noqa: E402
 
 from mtnlg_lightning.config import get_config  # noqa: E402
 from mtnlg_lightning.data.chat_template import NAMED_TEMPLATES, ChatTokenizer  # noqa: E402
@@ -243,10 +243,6 @@ def summarise(runs: dict[str, list[dict]], warmup: int) -> dict:
     return out
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
 def main() -> int:
     ap = benchmark_parser(__doc__)
     add_model_shape_args(ap, layers=4, hidden=384, heads=6, vocab=4224, seq=256)
@@ -345,9 +341,7 @@ def main() -> int:
         for name in figures
         if name != "ours_lora"
     }
-    print_table(result)
-    write_result(args.json, result)
-    return 0
+    return report(result, args.json, print_table)
 
 
 def print_table(result: dict) -> None:

@@ -65,7 +65,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from bench_finetune import HF_TARGETS, build_model_dir  # noqa: E402
 from model_shape import add_model_shape_args  # noqa: E402
-from results import add_rounds_arg, benchmark_args, benchmark_parser, write_result  # noqa: E402
+from results import add_rounds_arg, benchmark_args, benchmark_parser, ratio, report, trl_training_args  # noqa: E402
 
 from mtnlg_lightning.data.chat_template import ChatTokenizer  # noqa: E402
 from mtnlg_lightning.demo.synthetic.instructions import SYSTEM, TASKS  # noqa: E402
@@ -245,30 +245,16 @@ def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
     records = [json.loads(line) for line in open(spec["prompts_file"], encoding="utf-8")]
     with tempfile.TemporaryDirectory(prefix="bench_grpo_trl_") as out:
         config = trl.GRPOConfig(
-            output_dir=out,
-            max_steps=spec["steps"],
-            per_device_train_batch_size=spec["prompts"] * spec["generations"],
-            gradient_accumulation_steps=1,
+            **trl_training_args(out, spec["steps"], spec["lr"], 0.0, (0.9, 0.999), spec["seed"]),  # bf16 off:
+            per_device_train_batch_size=spec["prompts"] * spec["generations"],  # GRPOConfig's default autocasts
             num_generations=spec["generations"],
             max_completion_length=spec["completion_length"],
             temperature=spec["temperature"],
             beta=0.0,
-            learning_rate=spec["lr"],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
-            max_grad_norm=1.0,
             activation_checkpointing=recompute,  # GRPOConfig's default (gradient_checkpointing) is on
             use_cpu=True,
-            bf16=False,  # GRPOConfig's default autocasts to bf16 on CPUs that have it
             report_to=[],
             logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            seed=spec["seed"],
         )
         trainer = trl.GRPOTrainer(
             model=spec["model_dir"],
@@ -352,10 +338,6 @@ def summarise(runs: dict[str, list[dict]], warmup: int) -> dict:
         figures.update(logs[-1]["extra"])
         out[name] = figures
     return out
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
 
 
 def main() -> int:
@@ -471,9 +453,7 @@ def main() -> int:
         for name in figures
         if name != "ours"
     }
-    print_table(result)
-    write_result(args.json, result)
-    return 0
+    return report(result, args.json, print_table)
 
 
 def print_table(result: dict) -> None:

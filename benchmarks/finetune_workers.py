@@ -24,6 +24,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
 from finetune_steps import StepLog, labelled  # noqa: E402
+from results import trl_training_args  # noqa: E402
 
 
 def run_ours(spec: dict, log: StepLog) -> None:
@@ -136,29 +137,15 @@ def run_trl(spec: dict, log: StepLog) -> None:
         )
     with tempfile.TemporaryDirectory() as out:
         config = trl.SFTConfig(
-            output_dir=out,
-            max_steps=spec["steps"],
+            **trl_training_args(out, spec["steps"], spec["lr"], spec["weight_decay"], spec["betas"], spec["seed"]),
             per_device_train_batch_size=spec["micro_batch"],
-            gradient_accumulation_steps=1,
-            learning_rate=spec["lr"],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=spec["weight_decay"],
-            adam_beta1=spec["betas"][0],
-            adam_beta2=spec["betas"][1],
-            max_grad_norm=1.0,
             max_length=spec["seq_len"],
             packing=spec["pack"],
             assistant_only_loss=True,
             gradient_checkpointing=False,  # SFTConfig's default is on: neither other trainer recomputes
-            bf16=False,
             use_cpu=not log.device.startswith("cuda"),
-            dataloader_num_workers=0,
             logging_steps=spec["steps"],
-            save_strategy="no",
             report_to="none",
-            disable_tqdm=True,
-            seed=spec["seed"],
         )
         trainer = RecordedSFTTrainer(
             model=model,

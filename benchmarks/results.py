@@ -22,6 +22,30 @@ def write_result(path: str | os.PathLike | None, result: Any, **dump_options) ->
         write_json(path, result, **dump_options)
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None where either is missing or zero (a run that did not measure it)."""
+    return a / b if a and b else None
+
+
+def trl_training_args(output_dir: str, steps: int, lr: float, weight_decay: float, betas, seed: int) -> dict:
+    """The transformers TrainingArguments every TRL run of the benchmarks shares with ours: `steps` optimizer steps of
+    one micro-batch each, a constant lr, AdamW with `betas` and `weight_decay`, clipping at 1.0, fp32, no saving,
+    no progress bar, no loader workers."""
+    return dict(
+        output_dir=output_dir, max_steps=steps, gradient_accumulation_steps=1, learning_rate=lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=weight_decay, adam_beta1=betas[0],
+        adam_beta2=betas[1], max_grad_norm=1.0, bf16=False, save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, seed=seed,
+    )  # fmt: skip
+
+
+def report(result: dict, json_path, print_table) -> int:
+    """Print the run's table, write its JSON (`--json`), exit 0."""
+    print_table(result)
+    write_result(json_path, result)
+    return 0
+
+
 def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's parser: its module docstring, as written, for the description."""
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
