@@ -55,11 +55,21 @@ class Rollouts(L.Callback):
 
 
 def grpo_run(
-    base: str, prompts: str, rewards: str, *, lora=None, beta=0.0, mu=1, layout=None, callbacks=(), ckpt_path=None
+    base: str,
+    prompts: str,
+    rewards: str,
+    *,
+    lora=None,
+    beta=0.0,
+    mu=1,
+    layout=None,
+    callbacks=(),
+    ckpt_path=None,
+    validate_every=None,
 ):
     """3 GRPO steps of 4 prompts x 4 completions (clipped updates: the completions of steps 2 and 3 come from the
     updated policy; with `mu` 2 step 2 trains again on step 1's); `layout`: (strategy, devices, micro-batch size),
-    one process by default."""
+    one process by default; `validate_every` N: a validation of the prompts' first batch every N steps."""
     strategy, devices, micro_batch_size = layout or ("auto", 1, 2)
     steps = GRPO_STEPS
     L.seed_everything(SEED, verbose=False)
@@ -67,7 +77,8 @@ def grpo_run(
     settings = {"objective": "grpo", "grpo": grpo, "rewards": [rewards], "lora": lora}
     lr = 1e-3 if lora is None else 1e-2
     module = fine_tuning_module(base, GRPO_SEQ_LEN, micro_batch_size, PROMPTS_PER_STEP, lr, **settings)
-    data = PromptDataModule(train=prompts, chat_template="chatml")
+    data = PromptDataModule(train=prompts, valid=prompts if validate_every else None, chat_template="chatml")
+    validation = {"val_check_interval": validate_every, "limit_val_batches": 1} if validate_every else {}
     recorder, rollouts = Recorder(capture_steps=(steps,)), Rollouts()
     trainer = quiet_trainer(
         accelerator=ACCELERATOR,
@@ -78,6 +89,7 @@ def grpo_run(
         callbacks=[recorder, rollouts, *callbacks],
         deterministic=True,
         enable_checkpointing=bool(callbacks),
+        **validation,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "params": recorder.params,

@@ -150,6 +150,18 @@ def test_a_checkpoint_inside_a_generations_iterations_resumes_on_the_same_rows(g
 
 
 @pytest.mark.slow
+def test_a_validation_between_a_generations_iterations_leaves_the_training_rows_in_place(grpo_inputs, grpo_runs):
+    """num_iterations 2 with a validation after every step: the validation generates its own completions, and step
+    2 still trains again on step 1's rows: the same losses and weights as the run without validation."""
+    from dist_grpo_runs import grpo_run
+
+    validated = grpo_run(*grpo_inputs, mu=2, validate_every=1)
+    one = grpo_runs["one_mu2"]
+    assert validated["completions"] == one["completions"]
+    torch.testing.assert_close(validated["losses"], one["losses"], rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.slow
 def test_a_policy_learns_a_reward_and_logs_trls_metric_names(grpo_inputs, tmp_path):
     """16 steps of 4 prompts x 8 completions, full weights: the reward of the last 4 steps is well above the first 4
     steps' (measured: 0.52 -> 0.82 on average); the metrics carry TRL's names; the sampling/training probability

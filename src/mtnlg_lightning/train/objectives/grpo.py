@@ -287,7 +287,8 @@ class GRPO(Objective):
                 "a checkpoint without its generated batch: this step generates afresh from the same prompts"
             )
         generated = self.generated if reuse else self._generate(module, batch, train)
-        self.generated = generated if train and mu > 1 else None
+        if train:  # a validation between the iterations leaves the training generation in place
+            self.generated = generated if mu > 1 else None
         started = time.perf_counter()
         config, per_micro_batch = self.config, module.micro_batch_size * self.config.num_generations
         scores = TokenScores(module.loss_fn, config.temperature)
@@ -314,10 +315,12 @@ class GRPO(Objective):
         seeds = completion_seeds(self.seed, first if train else -1 - first, len(prompts), G)
         rollouts = self.generator.generate(module, repeated, seeds, config)
         started = time.perf_counter()
-        self.completions = rollouts.ids
+        if train:  # the training generation's, which a validation in between leaves in place
+            self.completions = rollouts.ids
         everyone = self._scored_over_replicas(module, batch, rollouts)
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
-        self.shown = self._table_rows(batch, rollouts, everyone[local].cpu(), data.chat)
+        if train:
+            self.shown = self._table_rows(batch, rollouts, everyone[local].cpu(), data.chat)
         width = self._row_width(module, repeated, rollouts.ids)
         sampling = None
         if rollouts.logprobs is not None:
