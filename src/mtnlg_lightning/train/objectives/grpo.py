@@ -199,6 +199,8 @@ class GRPO(Objective):
         self.end_of_turn = None  # the chat template's end-of-turn marker, and the generator stopping at it: set
         self.generator: LayoutGenerator | None = None  # when the fit starts (the data module brings the template)
         self.scores_rewards = True
+        self.replica_of_rank: list[int] = []  # set when the fit starts
+        self.first_of_replica: dict[int, int] = {}
         self.generated: Generated | None = None  # num_iterations > 1: the batch the next iterations train on again
         self.resumed: dict | None = None  # the generation a checkpoint kept (`state_dict`), until a step takes it
 
@@ -239,11 +241,15 @@ class GRPO(Objective):
         chat = module.trainer.datamodule.chat
         self.end_of_turn = chat.end_of_turn()
         self.generator = self._generator(chat, self.end_of_turn)
-        self.scores_rewards = True  # the first rank of each replica (in global rank order) runs the rewards
+        # each global rank's data-parallel replica, and the first rank of each (in global rank order): the one whose
+        # rows count when every rank's are gathered, and the one that runs the rewards
+        dp_rank, _ = module.trainer.datamodule.data_parallel_rank_and_size()
+        self.replica_of_rank = [dp_rank]
         if module.trainer.world_size > 1:
-            dp_rank, _ = module.trainer.datamodule.data_parallel_rank_and_size()
-            replicas = module.trainer.strategy.all_gather(torch.tensor(dp_rank, device=module.device)).tolist()
-            self.scores_rewards = replicas.index(dp_rank) == module.trainer.global_rank
+            mine = torch.tensor(dp_rank, device=module.device)
+            self.replica_of_rank = module.trainer.strategy.all_gather(mine).tolist()
+        self.first_of_replica = {r: self.replica_of_rank.index(r) for r in sorted(set(self.replica_of_rank))}
+        self.scores_rewards = self.first_of_replica[dp_rank] == module.trainer.global_rank
 
     # ---------------------------------------------------------------------------------------------- the step
     def forward_backward(self, module, batch: dict) -> torch.Tensor:
@@ -391,22 +397,18 @@ class GRPO(Objective):
             return {GENERATION_STATE: {"completions": kept.completions, "ended": kept.ended,
                                        "rewards": kept.rewards.cpu(), "old": kept.per_row["old"].cpu(),
                                        "metrics": kept.metrics}}  # fmt: skip
-        dp_rank, dp_size = module.trainer.datamodule.data_parallel_rank_and_size()
-        mine = (dp_rank, kept.completions, kept.ended)
         everyone = [None] * module.trainer.world_size
-        dist.all_gather_object(everyone, mine)
-        by_replica = {}
-        for replica, completions, ended in everyone:
-            by_replica.setdefault(replica, (completions, ended))
+        dist.all_gather_object(everyone, (kept.completions, kept.ended))
+        firsts = [everyone[first] for first in self.first_of_replica.values()]
         old = module.trainer.strategy.all_gather(kept.per_row["old"])  # [world, R, S]
-        replicas = [entry[0] for entry in everyone]
+        replicas = self.replica_of_rank
         # the ranks that computed the rows' log-probs (a pipeline's last stage) hold them, the others zeros
         chosen = [max((i for i, r in enumerate(replicas) if r == d), key=lambda i: float(old[i].abs().sum()))
-                  for d in range(dp_size)]  # fmt: skip
+                  for d in self.first_of_replica]  # fmt: skip
         return {
             GENERATION_STATE: {
-                "completions": [ids for d in range(dp_size) for ids in by_replica[d][0]],
-                "ended": [e for d in range(dp_size) for e in by_replica[d][1]],
+                "completions": [ids for completions, _ in firsts for ids in completions],
+                "ended": [e for _, ended in firsts for e in ended],
                 "rewards": kept.rewards.cpu(),
                 "old": torch.cat([old[i] for i in chosen]).cpu(),
                 "metrics": kept.metrics,
@@ -496,19 +498,13 @@ class GRPO(Objective):
                 columns = list(self.shown[0])
                 logger.log_table("completions", columns=columns, data=[list(row.values()) for row in self.shown])
 
-    @staticmethod
-    def _over_replicas(module, local: torch.Tensor) -> torch.Tensor:
+    def _over_replicas(self, module, local: torch.Tensor) -> torch.Tensor:
         """Every data-parallel replica's rows of `local`, in replica order (the ranks of one replica hold the
-        same rows: one of them counts)."""
+        same rows: the first of them counts)."""
         if module.trainer.world_size == 1:
             return local
-        dp_rank, dp_size = module.trainer.datamodule.data_parallel_rank_and_size()
         gathered = module.trainer.strategy.all_gather(local)
-        ranks = module.trainer.strategy.all_gather(torch.tensor(dp_rank, device=local.device))
-        first_of = {}
-        for index, replica in enumerate(ranks.tolist()):
-            first_of.setdefault(replica, index)
-        return torch.cat([gathered[first_of[r]] for r in range(dp_size)])
+        return torch.cat([gathered[first] for first in self.first_of_replica.values()])
 
     def _logps(self, module, batch: dict, rows_per_micro_batch: int, scores: TokenScores, reference=False):
         """[R, S]: each completion token's log-probability under the policy as it is now, or under the reference
