@@ -397,6 +397,18 @@ def finetune_rows(d):
     return rows
 
 
+def output_layer_rows(d):
+    rows = []
+    for r in d["rows"]:
+        shape = f"{d['tokens']} tokens x hidden {d['hidden']}, vocab {r['vocab']}"
+        one, chunked = r["one piece"], r["chunked (auto)"]
+        rows.append((f"output layer: peak +MiB, one piece vs chunked ({shape})", one["peak_added_mib"],
+                     chunked["peak_added_mib"], r["memory_ratio"], ">= 2 at 128k+"))  # fmt: skip
+        rows.append((f"output layer: s/step, chunked vs one piece ({shape})", chunked["seconds"], one["seconds"],
+                     r["time_ratio"], "<= 1.1"))  # fmt: skip
+    return rows
+
+
 def grpo_rows(d):
     v, m = d["variants"], d["model"]
     shape = (
@@ -592,6 +604,7 @@ SUITE = [
     Benchmark("finetune", "bench_finetune.py", ["--rounds", "2", "--steps", "6"], finetune_rows),
     # SmolLM2-135M's shape, one thread (as generate: two threads per op stall whenever another process runs)
     Benchmark("grpo", "bench_grpo.py", ["--steps", "3", "--threads", "1"], grpo_rows),
+    Benchmark("output_layer", "bench_output_layer.py", ["--repeats", "2"], output_layer_rows),
     Benchmark("export", "bench_export.py", ["--layers", "8", "--max-shard-size", "50MB"], export_rows),
     Benchmark("crawl", "bench_crawl.py", ["--copies", "1", "--english-pages", "100"], crawl_rows),
     Benchmark("crawl_languages", "bench_crawl_languages.py", ["--seeds", "1"], crawl_languages_rows),

@@ -1,6 +1,7 @@
 """The tiny model trained on labels of which a varying share is ignored (`parallel_harness.IgnoreLabels`), or on
-packed rows (`parallel_harness.PackDocuments`: names packed_LAYOUT), in the layouts named on the command line (one
-torchrun launch):
+packed rows (`parallel_harness.PackDocuments`: names packed_LAYOUT), with the LM head and its loss in chunks of 16
+tokens (`parallel/output_layer.py`: names chunked_LAYOUT), in the layouts named on the command line (one torchrun
+launch):
 
     torchrun --standalone --nproc-per-node 2 tests/dist_label_runs.py OUT_DIR tp2 pp2 cp2 dp2 packed_tp2_sp ...
 
@@ -21,13 +22,14 @@ from testing.parallel_harness import IgnoreLabels, PackDocuments, run_each, run_
 
 
 def train(name: str) -> dict:
+    chunked, name = name.startswith("chunked_"), name.removeprefix("chunked_")
     packed, layout = name.startswith("packed_"), name.removeprefix("packed_")
     strategy, micro_batch = strategy_of(layout)
     # dp2: a local batch of 4 in micro-batches of 2, so the ranks accumulate as well
     micro_batch = 2 if layout.startswith("dp") else micro_batch
     callback = PackDocuments() if packed else IgnoreLabels()
     rec, _ = tiny_run(strategy, devices=int(os.environ["WORLD_SIZE"]), micro_batch_size=micro_batch,
-                      callbacks=[callback])  # fmt: skip
+                      callbacks=[callback], loss_chunk_tokens=16 if chunked else None)  # fmt: skip
     return trained(rec)
 
 

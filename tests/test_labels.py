@@ -148,11 +148,13 @@ def test_pretraining_losses_are_bit_equal_to_round_4(config, tmp_path):
 
 
 LAYOUTS = ["tp2", "pp2", "cp2", "dp2"]
+# the LM head and its loss in chunks of 16 tokens (`parallel/output_layer.py`), against one process without chunks
+CHUNKED = ["chunked_tp2_sp", "chunked_pp2", "chunked_cp2", "chunked_dp2_zero3"]
 
 
 @pytest.fixture(scope="module")
 def ignored_label_runs(tmp_path_factory):
-    return launch_runs(HERE / "dist_label_runs.py", tmp_path_factory.mktemp("labels"), LAYOUTS)
+    return launch_runs(HERE / "dist_label_runs.py", tmp_path_factory.mktemp("labels"), LAYOUTS + CHUNKED)
 
 
 @pytest.fixture(scope="module")
@@ -168,4 +170,16 @@ def test_ignored_labels_train_alike_in_every_layout(layout, ignored_label_runs, 
     """tp2 (vocabulary-parallel loss), pp2 (the last stage's loss), cp2 (chunks with unequal counts) and dp2 with
     accumulation reproduce one process: losses (fp32, rel 1e-6), pre-clip gradient norms, and the parameters after
     5 clipped Adam steps (within the fp32 noise of re-ordered sums that the layout tests allow, 2e-5)."""
+    assert_trains_like(ignored_label_runs[layout], one_process_with_ignored_labels)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", CHUNKED)
+def test_the_chunked_output_layer_trains_alike_in_every_layout(
+    layout, ignored_label_runs, one_process_with_ignored_labels
+):
+    """The LM head inside the loss, on counted positions only and 16 tokens at a time (recomputed in the backward):
+    vocabulary-parallel with SP, on the last pipeline stage, on CP's chunks and under ZeRO-3's gathered head,
+    against one process in one piece, with the layout tests' tolerances."""
     assert_trains_like(ignored_label_runs[layout], one_process_with_ignored_labels)

@@ -25,6 +25,7 @@ from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.interop import llama_mapping
 from mtnlg_lightning.interop.hf import mapping_for
 from mtnlg_lightning.model import build_model, persistent_buffers
+from mtnlg_lightning.parallel.output_layer import heads_in_loss
 from mtnlg_lightning.planning.plan_cli import main as plan_main
 
 transformers = pytest.importorskip("transformers")
@@ -468,14 +469,14 @@ def test_the_training_objective_is_transformers_loss_with_router_logits(tmp_path
     module.configure_model()
     assert module.config.router_aux_loss_coef == 0.25
     tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
+    with torch.no_grad(), heads_in_loss(module.model):  # as a training step runs it: the loss applies the head
         theirs = hf_model(directory)(tokens, labels=tokens)
         ours = module.loss_fn(module.model(tokens)[:, :-1], tokens[:, 1:])
     assert theirs.aux_loss > 0
     torch.testing.assert_close(ours, theirs.loss, rtol=1e-5, atol=0)
     assert module.loss_fn.last["router_aux_loss"] == pytest.approx(theirs.aux_loss.item(), rel=1e-5)
     module.config.router_z_loss_coef = module.loss_fn.z_coef = 0.5
-    with torch.no_grad():
+    with torch.no_grad(), heads_in_loss(module.model):
         with_z = module.loss_fn(module.model(tokens)[:, :-1], tokens[:, 1:])
     torch.testing.assert_close(with_z, ours + 0.5 * module.loss_fn.last["router_z_loss"], rtol=1e-6, atol=0)
     assert MTNLGModule(preset="tiny-llama").loss_fn is cross_entropy  # a dense model keeps the plain objective
@@ -518,6 +519,7 @@ def test_dropped_tokens_are_reported_with_the_router_losses():
     module = MTNLGModule(preset="tiny-llama", model_overrides=overrides)
     module.configure_model()
     tokens = torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(0))
-    module.loss_fn(module.model(tokens[:, :-1]), tokens[:, 1:])
+    with heads_in_loss(module.model):
+        module.loss_fn(module.model(tokens[:, :-1]), tokens[:, 1:])
     dropped = sum(layer.stats.dropped for _, layer in moe.moe_layers(module.model))
     assert module.loss_fn.last["moe_dropped_tokens"].item() == dropped > 0

@@ -359,10 +359,23 @@ class LearnedPositionEmbedding(Embedding):
 EMBEDDINGS = {"learned": LearnedPositionEmbedding, "rope": Embedding}  # by `ModelConfig.position_embedding`
 
 
+class OutputHead(nn.Linear):
+    """The LM head: an `nn.Linear` (same parameter, same keys) that can also hand its weight to a function run
+    inside its own call (`within`): the loss that applies the head in chunks (`parallel/output_layer.py`) runs in one
+    call of this module, so that hooks on module calls (ZeRO-3 gathering the weight) fire once per micro-batch on
+    every rank, however many chunks each rank's counted labels make."""
+
+    def forward(self, h: torch.Tensor, within=None) -> torch.Tensor:
+        return within(self.weight) if within is not None else super().forward(h)
+
+
 class GPT(nn.Module):
     # How packed rows are masked (`DocumentMask`): auto (FlexAttention on CUDA, SDPA with a dense mask elsewhere);
     # context parallelism sets "blocks" (its ring masks block by block); tests set "flex" to run it on CPU.
     document_mask_kernel = "auto"
+    # Set while a training step's runner runs (`output_layer.heads_in_loss`): forward stops at the final norm and
+    # the loss applies the head, in chunks (`parallel/output_layer.py`); decoding with a cache still gets logits.
+    head_in_loss = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -371,7 +384,7 @@ class GPT(nn.Module):
         # A dict keeps parameter names stable when pipeline stages delete the blocks they do not own.
         self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_layers)})
         self.norm = make_norm(config, config.hidden_size)
-        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
+        self.lm_head = OutputHead(config.hidden_size, config.padded_vocab_size(), bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.wte.weight
         # RoPE's frequencies in fp32 whatever dtype the model is cast to (not a buffer, which `.to(bf16)` would round).
@@ -419,7 +432,8 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V].
+        """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V]
+        (the final hidden states [B, S, H] where the head is in the loss, `head_in_loss`).
         `position_ids` [B, S]: each token's position (the data's; packed documents restart theirs); None: 0..S-1.
         `document_ids` [B, S]: the document of each token of a packed row; attention stays within it. None: the
         row is one sequence (plain causal attention).
@@ -448,8 +462,10 @@ class GPT(nn.Module):
             h = h[:, -1:]
         if self.norm is not None:
             h = self.norm(h)
-        # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
-        return self.lm_head(h) if self.lm_head is not None else h.contiguous()
+        if self.lm_head is None or (self.head_in_loss and cache is None):
+            # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
+            return h.contiguous()
+        return self.lm_head(h)
 
 
 class KVCache:

@@ -10,6 +10,7 @@ working on what the one before made:
   4. activation checkpointing: of the blocks or attention cores as they now are (a ring core included);
   5. compilation: each block, lazily, so what wraps or shards it is traced at its first call;
   6. the tied embedding linked across the first and last stages (after the sharding: it links the final tensors);
+  7. in training, the LM head applied by the loss (`output_layer.py`: logits where labels count, in chunks);
 then the ZeRO hand-off, which needs the optimizer: the strategy gives model and optimizer to DeepSpeed in its
 `setup`. The 3D strategy calls this in its `setup`; under Lightning's
 own strategies (one device, DDP) the module calls it without process groups (steps 0, 4 and 5 only).
@@ -23,7 +24,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import compile_blocks
 from mtnlg_lightning.parallel.activation_checkpointing import NO_RECOMPUTE, Recompute
 from mtnlg_lightning.parallel.config import PipelineParallelSettings
@@ -31,8 +31,9 @@ from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss, Ring,
 from mtnlg_lightning.parallel.expert_parallel import apply_expert_parallel
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, kv_head_copies
 from mtnlg_lightning.parallel.lora import LoRAConfig, apply_lora, shard_with_adapters
+from mtnlg_lightning.parallel.output_layer import OutputLoss
 from mtnlg_lightning.parallel.pipeline import PipelineChunks, PipelineRunner, split_into_stages, stages_held_by_rank
-from mtnlg_lightning.parallel.tensor_parallel import VocabParallelCrossEntropy, apply_tensor_parallel
+from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
 
 ONE_STAGE = PipelineParallelSettings()
@@ -43,7 +44,7 @@ class ParallelGPT:
     """This rank's part of the model and how to run it."""
 
     model: nn.Module  # the TP-sharded model, this rank's stage, or `PipelineChunks` of its virtual stages
-    loss_fn: object | None  # the vocab-parallel (TP) and/or chunked (CP) cross-entropy; None: the module's own
+    loss_fn: object | None  # training's token loss with the head in it (`OutputLoss`; CP: of this rank's chunks)
     pipeline: PipelineRunner | None  # the schedule runner when pipelined
     tied_embedding: TiedEmbedding | None  # this rank's end of the embedding / LM-head tie across stages
 
@@ -58,9 +59,13 @@ def parallelize_gpt(
     recompute: Recompute = NO_RECOMPUTE,
     compile_backend: str | None = None,
     lora: LoRAConfig | None = None,
+    head_in_loss: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> ParallelGPT:
     """This rank's part of `model` with every transform applied in the module docstring's order. `groups` None:
-    one process, no model parallelism. `model` must hold full (unsharded) weights; it is modified in place."""
+    one process, no model parallelism. `model` must hold full (unsharded) weights; it is modified in place.
+    head_in_loss (training): `loss_fn` applies the LM head, in chunks of `loss_chunk_tokens`, to the final hidden
+    states the model returns inside `output_layer.heads_in_loss` (`output_layer.OutputLoss`)."""
     layout = groups.layout if groups is not None else ParallelLayout(1)
     if lora is not None:
         apply_lora(model, lora)
@@ -99,10 +104,15 @@ def parallelize_gpt(
     # Under LoRA the embedding is frozen: the last stage's copy made at the split stays equal to it, nothing to link.
     if runner is not None and lora is None:
         tied = TiedEmbedding.link(stage_models, groups, pipeline.schedule, pipeline.virtual_stages)
-    loss_fn = VocabParallelCrossEntropy(groups.tensor_parallel_group) if layout.tensor_parallel > 1 else None
-    if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
-        cp_rank, cp_group = groups.context_parallel_rank, groups.context_parallel_group
-        loss_fn = ContextParallelLoss(loss_fn or cross_entropy, cp_rank, layout.context_parallel, cp_group)
+    loss_fn = None
+    if head_in_loss:  # training: the head runs inside the loss (`output_layer`) while the runner steps
+        last = next((m for m in stage_models if m.lm_head is not None), stage_models[-1])
+        tp_group = groups.tensor_parallel_group if layout.tensor_parallel > 1 else None
+        vocab_local = model.config.padded_vocab_size() // layout.tensor_parallel
+        loss_fn = OutputLoss(last, vocab_local, tp_group, loss_chunk_tokens)
+        if layout.context_parallel > 1:  # the loss of this rank's chunks of the targets
+            cp_rank, cp_group = groups.context_parallel_rank, groups.context_parallel_group
+            loss_fn = ContextParallelLoss(loss_fn, cp_rank, layout.context_parallel, cp_group)
     model = PipelineChunks(stage_models) if len(stage_models) > 1 else stage_models[0]
     return ParallelGPT(model, loss_fn, runner, tied)
 

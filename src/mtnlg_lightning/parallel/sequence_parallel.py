@@ -102,12 +102,31 @@ class _ReduceScatterToSequenceRegion(_IntoSequenceRegion):
         return _reduce_scatter_sequence(x, group)
 
 
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """Out of the sequence-sharded region: all-gather forward (shard -> whole sequence on every TP rank);
+    backward, the whole-sequence gradients the ranks computed from their parts of what follows (a vocabulary slice
+    of the LM head) are summed and each rank keeps its slice (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ScatterToSequenceRegion.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _GatherFromSequenceRegion.apply(x, group)
 
 
 # ---------------------------------------------------------------------------------------------- the gathered matmul

@@ -39,6 +39,7 @@ from mtnlg_lightning.parallel.layout import kv_head_copies
 from mtnlg_lightning.parallel.sequence_parallel import (
     SequenceParallelDropout,
     all_gather_linear,
+    gather_from_sequence_parallel_region,
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,
     scatter_output_to_sequence,
@@ -195,36 +196,52 @@ class VocabParallelLMHead(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = weight  # tied: the embedding's Parameter, or the pipeline copy
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, within=None) -> torch.Tensor:
+        """`within(weight)`: run inside this call (the chunked loss on `whole_input(h)`: `model.OutputHead`)."""
+        if within is not None:
+            return within(self.weight)
         if self.sequence_parallel:  # h is this rank's sequence slice: the loss needs every token
             return all_gather_linear(h, self.weight, None, self.group)
         return F.linear(copy_to_tensor_parallel_region(h, self.group), self.weight)
 
+    def whole_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's input as every TP rank needs it: the whole sequence (gathered under SP), its gradient summed
+        over the ranks (each projects it on its own vocabulary slice)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(h, self.group)
+        return copy_to_tensor_parallel_region(h, self.group)
+
 
 # ---------------------------------------------------------------------------------------------- loss
+def softmax_and_nll(logits: torch.Tensor, labels: torch.Tensor, group=None):
+    """Of fp32 logits [n, V_local] (this rank's vocabulary slice under TP, `group`) against labels [n]: (-log
+    p(label) [n], softmax [n, V_local], the label in this slice [n] bool, its column [n]);
+    three all-reduces of [n] under TP. The vocabulary-parallel loss's forward, and the fused chunks' of the output
+    layer (`output_layer.py`)."""
+    vocab_local = logits.shape[-1]
+    start = dist.get_rank(group) * vocab_local if group is not None else 0
+    peak = logits.max(dim=-1).values
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    logits = logits - peak.unsqueeze(-1)
+    inside = (labels >= start) & (labels < start + vocab_local)
+    column = (labels - start).masked_fill(~inside, 0)
+    target = logits.gather(1, column.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+    exp = logits.exp_()
+    total = exp.sum(dim=-1)
+    if group is not None:
+        dist.all_reduce(target, group=group)
+        dist.all_reduce(total, group=group)
+    return total.log() - target, exp.div_(total.unsqueeze(-1)), inside, column
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token CE over logits split along the vocabulary: three all-reduces of [N] tensors, no gather."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
-        vocab_local = logits.shape[-1]
-        vocab_start = dist.get_rank(group) * vocab_local
-        logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - logits_max.unsqueeze(-1)
-
-        outside = (target < vocab_start) | (target >= vocab_start + vocab_local)
-        local_target = (target - vocab_start).masked_fill(outside, 0)
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        target_logit = logits[rows, local_target].masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, group=group)
-
-        exp_logits = logits.exp()
-        sum_exp = exp_logits.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        loss = sum_exp.log() - target_logit
-
-        ctx.save_for_backward(exp_logits.div_(sum_exp.unsqueeze(-1)), outside, local_target)
+        loss, softmax, inside, local_target = softmax_and_nll(logits, target, group)
+        ctx.save_for_backward(softmax, ~inside, local_target)
         return loss
 
     @staticmethod
@@ -236,26 +253,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None
 
 
+def vocab_parallel_nll(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    """-log p(label) per row of vocabulary-split logits [N, V/TP] (fp32) against labels [N]; an ignored label's
+    row holds its log-sum-exp (mask it)."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, group)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
     """Token-mean loss of vocabulary-split logits [B, S, V/TP] against labels [B, S] (same on every TP rank); an
     ignored label (`loss.IGNORE_INDEX`) lies outside every rank's slice, and its loss is masked out of the mean."""
     per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), labels.flatten(), group)
     return token_mean(per_token, labels.flatten())
-
-
-class VocabParallelCrossEntropy:
-    """A picklable `module.loss_fn` bound to a TP group."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.group)
-
-    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """-log p(label) per position [B, S] (any value where the label is ignored): sequence log-probs (DPO)."""
-        per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), labels.flatten(), self.group)
-        return per_token.view_as(labels)
 
 
 # ------------------------------------------------------------------------------------ apply_tensor_parallel

@@ -18,6 +18,7 @@ from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
+from mtnlg_lightning.parallel.output_layer import check_chunk_tokens
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
 from mtnlg_lightning.resilience.stragglers import StragglerMonitor
@@ -64,6 +65,7 @@ class MTNLGModule(L.LightningModule):
         compile_backend: str = "inductor",
         activation_checkpointing: str = "none",
         activation_checkpointing_every_n: int = 2,
+        loss_chunk_tokens: int | None = None,
         lora: dict | None = None,
         objective: str = "lm",
         dpo_beta: float = 0.1,
@@ -103,6 +105,11 @@ class MTNLGModule(L.LightningModule):
                 selective (the attention core, Megatron's) or every_n (blocks 0, n, 2n, ...); applied with the
                 layout (`parallel/parallelize.py`). The `ActivationCheckpointing` callback sets it too.
             activation_checkpointing_every_n: the n of every_n.
+            loss_chunk_tokens: the LM head and its cross-entropy run inside the loss, only where a label counts
+                (prompts and padding cost no head FLOPs), and in chunks of this many tokens, each recomputed in the
+                backward, so that no [tokens x vocabulary] fp32 logits outlive one chunk
+                (`parallel/output_layer.py`). null (default): chunks only where a micro-batch's fp32 logits would
+                pass 256 MiB (large vocabularies: Llama 3's 128k, Qwen's 152k, long rows); 0: one piece.
             lora: train LoRA adapters on the frozen `init_from` model instead of every weight, e.g. {rank: 16,
                 alpha: 32, dropout: 0.0, targets: [q_proj, v_proj], rslora: false} (`parallel/lora.py`; targets:
                 our projection names or Hugging Face's, default every attention and MLP projection). Checkpoints
@@ -139,6 +146,7 @@ class MTNLGModule(L.LightningModule):
             self.config = get_config(preset, **(model_overrides or {}))
         if micro_batch_size < 1:
             raise MTNLGError(f"model.micro_batch_size must be at least 1, got {micro_batch_size}")
+        check_chunk_tokens(loss_chunk_tokens)
         self.micro_batch_size = micro_batch_size
         ramp = rampup_batch_size or [None, None, 0]
         if len(ramp) != 3:
@@ -175,12 +183,18 @@ class MTNLGModule(L.LightningModule):
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it applies the layout in its setup (collectives)
             self.set_model(model)
         else:  # one process, or Lightning's DDP: no layout, only adapters, recomputation and compilation
-            self.on_layout_applied(parallelize_gpt(model, None, model_device(model), **self.model_transforms()).model)
+            parallel = parallelize_gpt(model, None, model_device(model), **self.model_transforms())
+            self.on_layout_applied(parallel.model, parallel.loss_fn)
 
     def model_transforms(self) -> dict:
         """What the layout applies besides its sharding (`parallelize_gpt`'s keyword arguments): recomputation,
         compilation and the extensions' transforms."""
-        transforms = {"recompute": self.recompute, "compile_backend": self.compile_with}
+        transforms = {
+            "recompute": self.recompute,
+            "compile_backend": self.compile_with,
+            "head_in_loss": True,
+            "loss_chunk_tokens": self.hparams.get("loss_chunk_tokens"),
+        }
         for extension in self.extensions:
             transforms.update(extension.model_transforms())
         return transforms

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mtnlg_lightning.model import MODEL_INPUTS
+from mtnlg_lightning.parallel.output_layer import heads_in_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # What the data gives a micro-batch (data/datamodule.py): always input_ids and labels; position_ids and, for packed
@@ -103,10 +104,12 @@ class LocalRunner:
     def forward_backward(self, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
         no_sync = getattr(self.strategy, "block_backward_sync", None)
         model, backward = self.module.model, self.module.manual_backward
-        return accumulate(model, backward, batch, micro_batch_size, step_loss, no_sync)
+        with heads_in_loss(model):
+            return accumulate(model, backward, batch, micro_batch_size, step_loss, no_sync)
 
     def evaluate(self, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
-        return evaluate(self.module.model, batch, micro_batch_size, step_loss)
+        with heads_in_loss(self.module.model):
+            return evaluate(self.module.model, batch, micro_batch_size, step_loss)
 
     def update(self, optimizer, max_norm: float | None, undoable: bool) -> Update:
         parameters = self.module.model.parameters()

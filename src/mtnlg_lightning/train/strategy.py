@@ -35,6 +35,7 @@ from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.config import ParallelConfig, PipelineParallelSettings
 from mtnlg_lightning.parallel.deepspeed_compat import engine_backward
 from mtnlg_lightning.parallel.layout import ParallelLayout, ProcessGroups, gpus_per_node_from_env
+from mtnlg_lightning.parallel.output_layer import heads_in_loss
 from mtnlg_lightning.parallel.parallelize import ParallelGPT, parallelize_gpt
 from mtnlg_lightning.parallel.pipeline import PipelineRunner
 from mtnlg_lightning.parallel.tied_embedding import TiedEmbedding
@@ -324,18 +325,21 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         """Accumulate this rank's micro-batches: through the pipeline schedule (Lightning's backward unused; the
         loss, computed on the last stage, broadcast along the pipeline), else one by one (through the engine under
         ZeRO)."""
-        if self.pipeline is None:
-            return accumulate(self.forward_module, self._backward, batch, micro_batch_size, step_loss)
-        loss = self.pipeline.run(batch, micro_batch_size, self._pipeline_loss(batch, micro_batch_size, step_loss))
+        with heads_in_loss(self.lightning_module.model):  # the layout's loss applies the LM head (output_layer)
+            if self.pipeline is None:
+                return accumulate(self.forward_module, self._backward, batch, micro_batch_size, step_loss)
+            loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
+            loss = self.pipeline.run(batch, micro_batch_size, loss_fn)
         if self.tied_embedding is not None:
             self.tied_embedding.after_backward()
         return loss
 
     def evaluate(self, batch: dict, micro_batch_size: int, step_loss) -> torch.Tensor:
-        if self.pipeline is None:
-            return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss)
-        loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
-        return self.pipeline.run(batch, micro_batch_size, loss_fn, train=False)
+        with heads_in_loss(self.lightning_module.model):
+            if self.pipeline is None:
+                return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss)
+            loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
+            return self.pipeline.run(batch, micro_batch_size, loss_fn, train=False)
 
     @staticmethod
     def _pipeline_loss(batch: dict, micro_batch_size: int, step_loss):

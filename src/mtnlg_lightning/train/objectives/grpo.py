@@ -77,7 +77,7 @@ class TokenScores:
 
     def __init__(self, loss_fn, temperature: float):
         self.temperature = temperature
-        self.context, self.per_token, self.tensor_group = token_scoring(loss_fn)
+        self.context, self.output = token_scoring(loss_fn)
 
     def mine(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's positions of whole-row values [B, S]."""
@@ -87,22 +87,12 @@ class TokenScores:
         return self.context.sum_over_sequence(per_row) if self.context is not None else per_row
 
     def logps(self, output, labels: torch.Tensor) -> torch.Tensor:
-        return -self.per_token(logits_of(output) / self.temperature, labels).masked_fill(labels.eq(IGNORE_INDEX), 0.0)
+        return -self.output.per_token(logits_of(output), labels, self.temperature)
 
-    @torch.no_grad()
     def entropy(self, output, labels: torch.Tensor) -> torch.Tensor:
         """The entropy [B, S] of the sampling distribution where the label is a completion token (0 elsewhere),
         over the whole vocabulary under TP."""
-        logits = logits_of(output).float() / self.temperature
-        peak = logits.amax(-1, keepdim=True)
-        if self.tensor_group is not None:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.tensor_group)
-        weights = torch.exp(logits - peak)
-        parts = torch.stack([weights.sum(-1), (weights * (logits - peak)).sum(-1)])
-        if self.tensor_group is not None:
-            dist.all_reduce(parts, group=self.tensor_group)
-        entropy = torch.log(parts[0]) - parts[1] / parts[0]
-        return entropy.masked_fill(labels.eq(IGNORE_INDEX), 0.0)
+        return self.output.entropy(logits_of(output), labels, self.temperature)
 
 
 class TokenLogps:

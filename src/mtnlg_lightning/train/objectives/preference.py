@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from mtnlg_lightning.data.preferences import REFERENCE_LOGPS, pair_rows, pairs_batch
-from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses, per_token_cross_entropy, sequence_logps
+from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses, sequence_logps
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.context_parallel import ContextParallelLoss
 from mtnlg_lightning.parallel.lora import adapters_disabled
+from mtnlg_lightning.parallel.output_layer import OutputLoss
 from mtnlg_lightning.train.objectives.objective import Objective
 
 REFERENCE_STATE = "dpo_reference_logps"  # the checkpoint's precomputed reference log-probs, split -> [2 x pairs]
@@ -47,14 +48,14 @@ def split_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def token_scoring(loss_fn):
     """The parts of a layout's micro-batch loss (`module.loss_fn`) that score single tokens, for an objective that
-    scores tokens itself: (CP's `ContextParallelLoss` or None, the per-token -log p of the layout's token loss
-    (vocabulary-parallel under TP) or the full-vocabulary one, the TP group or None). The extensions' wrappers
-    (the router losses) hold the loss they wrap as `loss_fn` and are looked through."""
-    while loss_fn is not None and not hasattr(loss_fn, "per_token") and not isinstance(loss_fn, ContextParallelLoss):
+    scores tokens itself: (CP's `ContextParallelLoss` or None, the layout's `OutputLoss`: the head inside the loss,
+    vocabulary-parallel under TP, in chunks; without one, the scorer of whole logits). The extensions' wrappers (the
+    router losses) hold the loss they wrap as `loss_fn` and are looked through."""
+    while loss_fn is not None and not isinstance(loss_fn, OutputLoss | ContextParallelLoss):
         loss_fn = getattr(loss_fn, "loss_fn", None)
     context = loss_fn if isinstance(loss_fn, ContextParallelLoss) else None
     inner = context.loss_fn if context is not None else loss_fn
-    return context, getattr(inner, "per_token", per_token_cross_entropy), getattr(inner, "group", None)
+    return context, inner if isinstance(inner, OutputLoss) else OutputLoss()  # None: logits of a plain model
 
 
 def logits_of(output) -> torch.Tensor:
@@ -68,14 +69,14 @@ class SequenceScores:
     row, so the labels are cut alike and the ranks' parts added (`ContextParallelLoss.sum_over_sequence`)."""
 
     def __init__(self, loss_fn=None):
-        self.context, self.per_token, _ = token_scoring(loss_fn)
+        self.context, self.output = token_scoring(loss_fn)
 
     def __call__(self, output, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_of(output)
         if self.context is None:
-            return sequence_logps(self.per_token(logits, labels), labels)
+            return sequence_logps(self.output.per_token(logits, labels), labels)
         mine = self.context.chunk_of(labels)
-        logps, tokens = sequence_logps(self.per_token(logits, mine), mine)
+        logps, tokens = sequence_logps(self.output.per_token(logits, mine), mine)
         return self.context.sum_over_sequence(logps), self.context.sum_over_sequence(tokens)
 
 
