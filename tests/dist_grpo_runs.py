@@ -12,6 +12,7 @@ one process (`grpo_run` there too).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -66,6 +67,7 @@ def grpo_run(
     callbacks=(),
     ckpt_path=None,
     validate_every=None,
+    loss_chunk_tokens=None,
 ):
     """3 GRPO steps of 4 prompts x 4 completions (clipped updates: the completions of steps 2 and 3 come from the
     updated policy; with `mu` 2 step 2 trains again on step 1's); `layout`: (strategy, devices, micro-batch size),
@@ -75,6 +77,7 @@ def grpo_run(
     L.seed_everything(SEED, verbose=False)
     grpo = {**GRPO_SETTINGS, "beta": beta, "num_iterations": mu}
     settings = {"objective": "grpo", "grpo": grpo, "rewards": [rewards], "lora": lora}
+    settings["loss_chunk_tokens"] = loss_chunk_tokens
     lr = 1e-3 if lora is None else 1e-2
     module = fine_tuning_module(base, GRPO_SEQ_LEN, micro_batch_size, PROMPTS_PER_STEP, lr, **settings)
     data = PromptDataModule(train=prompts, valid=prompts if validate_every else None, chat_template="chatml")
@@ -105,7 +108,9 @@ def train(layout: str, out: Path, bases: tuple[str, str], prompts: str, rewards:
     beta = 0.04 if "_kl" in layout else 0.0
     mu = 2 if "_mu2" in layout else 1
     callbacks = [saving_every_step(out / f"{layout}_checkpoints")] if "_ckpt" in layout else []
-    kwargs = layout_kwargs(layout.replace("_lora", "").replace("_kl", "").replace("_ckpt", "").replace("_mu2", ""))
+    chunk = 8 if "_chunked" in layout else None  # the LM head scored 8 tokens at a time (parallel/output_layer.py)
+    flags = ("_lora", "_kl", "_ckpt", "_mu2", "_chunked")
+    kwargs = layout_kwargs(functools.reduce(lambda name, flag: name.replace(flag, ""), flags, layout))
     if "ep2" in layout.split("_"):
         kwargs["expert_parallel"] = 2
     if kwargs["zero_stage"] == 3:
@@ -115,7 +120,15 @@ def train(layout: str, out: Path, bases: tuple[str, str], prompts: str, rewards:
     world = int(os.environ["WORLD_SIZE"])
     base = bases[1] if layout.startswith("moe_") else bases[0]
     return grpo_run(
-        base, prompts, rewards, lora=lora, beta=beta, mu=mu, layout=(strategy, world, micro_batch), callbacks=callbacks
+        base,
+        prompts,
+        rewards,
+        lora=lora,
+        beta=beta,
+        mu=mu,
+        layout=(strategy, world, micro_batch),
+        callbacks=callbacks,
+        loss_chunk_tokens=chunk,
     )
 
 

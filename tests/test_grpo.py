@@ -22,10 +22,11 @@ from mtnlg_lightning.train.objectives.rollouts import completion_rows, completio
 
 HERE = Path(__file__).resolve().parent
 # 2 ranks: data parallelism (plain, ZeRO-1 and ZeRO-3), TP (with and without SP), PP, CP; with the KL (the reference
-# pass), LoRA, ZeRO-2 and -3; a Qwen 3-MoE's experts split over the ranks (moe_ep2); a checkpoint
+# pass), LoRA, ZeRO-2 and -3; a Qwen 3-MoE's experts split over the ranks (moe_ep2); the LM head's scores in chunks
+# of 8 tokens, recomputed in the backward (_chunked); a checkpoint
 GRPO_LAYOUTS = (
     "dp2", "tp2", "tp2_sp", "pp2", "cp2", "zero1", "zero3", "dp2_kl", "tp2_kl", "tp2_lora", "pp2_kl_lora",
-    "zero2_kl_lora", "zero3_kl_lora", "cp2_kl_lora", "moe_ep2", "dp2_mu2",
+    "zero2_kl_lora", "zero3_kl_lora", "cp2_kl_lora", "moe_ep2", "dp2_mu2", "tp2_sp_kl_chunked", "cp2_chunked",
 )  # fmt: skip
 LOW_IDS = '''
 def low_ids(prompts, completions, completion_ids, **columns):
