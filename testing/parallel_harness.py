@@ -7,6 +7,7 @@ so both sides build exactly the same config, data and seed.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -338,6 +339,14 @@ def run_each(tag: str, names: Iterable[str], out: Path, run: Callable[[str], dic
             torch.save(result, out / f"{name}.pt")
             print(f"[{tag}] {name}: {result['seconds']:.1f}s losses={result.get('losses')}", flush=True)
         dist.barrier()
+
+
+def run_named_with_source(tag: str, train: Callable[[str, Path, str], dict]) -> None:
+    """The runs of a `SCRIPT OUT_DIR SOURCE NAME...` command line (SOURCE: e.g. a model directory), each
+    `train(name, out, source)`, through `run_each`."""
+    out, source = Path(sys.argv[1]), sys.argv[2]
+    out.mkdir(parents=True, exist_ok=True)
+    run_each(tag, sys.argv[3:], out, lambda name: train(name, out, source))
 
 
 def run_script(main: Callable[[], None]) -> None:

@@ -28,8 +28,10 @@ from mtnlg_lightning.checkpoint.format import (
 from mtnlg_lightning.checkpoint.model_space import Slot, model_buffers, model_slots
 from mtnlg_lightning.checkpoint.state_io import (
     buffer_pieces,
+    check_same_optimizer,
     collect_pieces,
     optimizer_meta,
+    optimizer_name,
     restore_buffers,
     restore_optimizer_meta,
     restore_pieces,
@@ -227,6 +229,11 @@ def load_sharded(strategy, path: Path) -> dict[str, Any]:
     manifest, meta = check_checkpoint(path, slots, module.config, strategy.global_rank, strategy.world_size)
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
     optimizer_state = meta.get("optimizer") or {}
+    if optimizer is not None and module.hparams.get("reset_optimizer"):  # a fresh optimizer and LR schedule
+        optimizer, optimizer_state = None, {}
+        meta["lr_schedulers"] = [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs]
+    elif optimizer is not None and optimizer_state:
+        check_same_optimizer(optimizer_state, optimizer_name(optimizer))
     reader = TensorReader(path, manifest)
     restore_pieces(reader, slots, optimizer, strategy.engine, optimizer_state, groups)
     restore_buffers(reader, module_buffers(module))  # checked present: `config_mismatch` expects them

@@ -31,6 +31,7 @@ from mtnlg_lightning.errors import MTNLGError
 
 MOMENTUM_BUFFER = "momentum_buffer"  # Muon's one state tensor per matrix (torch's name)
 ADJUST_LR = ("original", "match_rms_adamw")
+NS_DTYPES = ("bfloat16", "float32")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch's (Keller Jordan's quintic)
 # What torch.optim.AdamW's step passes from a group to the functional `adam` (torch 2.13).
 ADAM_SETTINGS = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused")
@@ -40,7 +41,9 @@ ADAM_SETTINGS = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", 
 class MuonSettings:
     """Muon's hyper-parameters, torch's names and defaults except `adjust_lr` (torch's `adjust_lr_fn`): lr and
     weight_decay default to the run's AdamW ones (None), so `match_rms_adamw` (Moonlight's scale, which lets Muon
-    reuse AdamW's lr and decay) is the default."""
+    reuse AdamW's lr and decay) is the default. `ns_dtype` (ours): the Newton-Schulz iteration's precision, torch's
+    bfloat16 or float32 (slower; its result moves smoothly with the gradient, where bf16's rounding turns the fp32
+    noise of re-ordered sums, e.g. another layout's, into differences of ~1e-3 of an update)."""
 
     lr: float | None = None
     weight_decay: float | None = None
@@ -50,6 +53,7 @@ class MuonSettings:
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
     eps: float = 1e-7
     adjust_lr: str = "match_rms_adamw"
+    ns_dtype: str = "bfloat16"
 
     @classmethod
     def from_dict(cls, values: dict | None) -> MuonSettings:
@@ -65,6 +69,8 @@ class MuonSettings:
         return settings
 
     def check(self) -> None:
+        if self.ns_dtype not in NS_DTYPES:
+            raise MTNLGError(f"model.muon.ns_dtype {self.ns_dtype!r} is not one of {', '.join(NS_DTYPES)}")
         if self.adjust_lr not in ADJUST_LR:
             raise MTNLGError(f"model.muon.adjust_lr {self.adjust_lr!r} is not one of {', '.join(ADJUST_LR)}")
         if len(self.ns_coefficients) != 3:
@@ -101,9 +107,9 @@ def matrix_layout(param: torch.Tensor, fused_qkv_head_dim: int | None, tp_size: 
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
-    """torch's `_zeropower_via_newtonschulz`: the orthogonalised bf16 `matrix` (2-D)."""
+    """torch's `_zeropower_via_newtonschulz` in the precision of `matrix` (2-D; torch's: bf16): it orthogonalised."""
     a, b, c = coefficients
-    x = matrix.bfloat16()
+    x = matrix
     tall = matrix.size(0) > matrix.size(1)
     if tall:
         x = x.T
@@ -154,6 +160,13 @@ class MuonAdamW(torch.optim.AdamW):
         self.tp_group = tp_group
         self._shard_order: dict[int, list[int]] = {}  # TP rank -> shard index, per shard count
 
+    def __setstate__(self, state: dict) -> None:
+        """Adam's (which `load_state_dict` runs) reads a `step` in every parameter's state: the AdamW groups' only."""
+        groups = state["param_groups"]
+        state["param_groups"] = [group for group in groups if not group.get("muon")]
+        super().__setstate__(state)
+        self.param_groups = groups
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -191,7 +204,7 @@ class MuonAdamW(torch.optim.AdamW):
             buf.lerp_(grad, 1 - momentum)
             combined = grad.lerp(buf, momentum) if group["nesterov"] else buf
             layout = self.layouts.get(param, MatrixLayout())
-            whole = self._gather(combined.bfloat16(), layout)
+            whole = self._gather(combined.to(getattr(torch, group["ns_dtype"])), layout)
             update, ratio = orthogonalised_update(whole, group, layout.qkv_head_dim)
             if layout.tp_dim is not None:
                 size = update.shape[layout.tp_dim] // layout.tp_count

@@ -30,7 +30,7 @@ from mtnlg_lightning.train.extensions import extensions_for
 from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.objectives import build_objective
-from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_optimizer
+from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_muon_layout, check_optimizer
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
 from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
@@ -258,11 +258,8 @@ class MTNLGModule(L.LightningModule):
         if self.trainer.datamodule is not None:
             self.objective.check_data(self.trainer.datamodule)
         self.objective.check_layout(self, strategy)
-        if self.muon is not None and getattr(strategy, "zero_stage", 0) >= 1:
-            raise MTNLGError(
-                f"model.optimizer muon cannot run under ZeRO stage {strategy.zero_stage} (its flat partitions cut "
-                "the weight matrices Muon orthogonalises whole): use zero_stage 0"
-            )
+        if self.muon is not None:
+            check_muon_layout(getattr(strategy, "zero_stage", 0))
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return

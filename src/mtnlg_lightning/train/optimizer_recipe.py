@@ -85,6 +85,7 @@ def build_muon(
         "ns_coefficients": tuple(muon.ns_coefficients),
         "eps": muon.eps,
         "adjust_lr": muon.adjust_lr,
+        "ns_dtype": muon.ns_dtype,
     }
     groups = [
         {"params": decay, "weight_decay": weight_decay},
@@ -98,6 +99,16 @@ def build_muon(
         qkv = fused_qkv_head_dim if fused_names & set(name.split(".")) else None
         layouts[param] = matrix_layout(param, qkv, tp_size)
     return MuonAdamW(groups, layouts=layouts, tp_group=tp_group, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
+
+
+def check_muon_layout(zero_stage: int) -> None:
+    """DeepSpeed ZeRO 1-3 step the optimizer on flat partitions of the parameters, which cut the matrices Muon
+    orthogonalises whole."""
+    if zero_stage >= 1:
+        raise MTNLGError(
+            f"model.optimizer muon cannot run under ZeRO stage {zero_stage} (DeepSpeed's flat partitions cut the "
+            "weight matrices Muon orthogonalises whole): use zero_stage 0"
+        )
 
 
 def check_optimizer(optimizer: str) -> None:
