@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: testing.*
 import dist_family_runs  # noqa: E402
 import dist_moe_runs  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from mtnlg_lightning.parallel import muon  # noqa: E402
 from mtnlg_lightning.train import optimizer_recipe  # noqa: E402
@@ -60,10 +61,13 @@ def train(name: str, out: Path, source: str) -> dict:
     if "alone" in layout.split("_"):  # every TP shard orthogonalised as a matrix of its own
         optimizer_recipe.matrix_layout = lambda param, qkv, tp_size: muon.MatrixLayout(qkv)
     try:
-        rec, _ = tiny_run(strategy, devices=world, **settings)
+        rec, trainer = tiny_run(strategy, devices=world, **settings)
     finally:
         optimizer_recipe.matrix_layout = real
-    return trained(rec)
+    held = [None] * world  # how many momentum buffers each rank holds
+    state = trainer.optimizers[0].state.values()
+    dist.all_gather_object(held, sum(muon.MOMENTUM_BUFFER in s for s in state))
+    return trained(rec) | {"momentum_buffers": held}
 
 
 if __name__ == "__main__":

@@ -219,7 +219,8 @@ def test_another_optimizers_checkpoint_is_refused_in_one_line_unless_the_optimiz
 # ------------------------------------------------------------------------------------------------ layouts
 WORLD2 = ("gpt_tp2_sp", "gpt_pp2", "gpt_dp2", "gpt_tp2_alone", "gpt_tp2_sp_bf16ns", "moe_ep2", "moe_tp2_sp")
 WORLD2 += ("moe_pp2",)
-WORLD2 += ("gpt_tp2_sp_ckpt", "gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt")
+WORLD2 += ("gpt_tp2_sp_ckpt", "gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt", "gpt_dp2_ckpt")
+WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt",)
 WORLD8 = ("gpt_tp2_pp2_dp2", "moe_ep2_tp2_pp2")
 
 
@@ -315,6 +316,20 @@ def test_a_tensor_parallel_shard_orthogonalised_alone_is_not_one_process_muon(mu
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_data_parallel_replicas_share_the_dense_matrices_out_and_every_expert_holder_steps_its_experts(
+    muon_world2, muon_references
+):
+    """Under dp2 each replica keeps the momentum of half the dense matrices (the tiny GPT's 8: 4 each) and steps
+    only those; under ep2 (the Qwen 3-MoE directory: 3 blocks, blocks 0 and 2 MoE) the 15 dense matrices (q, k, v,
+    proj of each block, block 1's MLP) are shared out and each rank steps its own experts (2 layers x 3 stacks)."""
+    assert muon_world2["gpt_dp2"]["momentum_buffers"] == [4, 4]
+    assert muon_world2["gpt_tp2_sp"]["momentum_buffers"] == [8, 8]  # TP ranks hold different shards: all of them
+    held = muon_world2["moe_ep2"]["momentum_buffers"]
+    assert sum(held) == 15 + 2 * 6 and min(held) > 6
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_in_bf16_the_layouts_noise_stays_far_below_a_shard_orthogonalised_alone(muon_world2, muon_references):
     """Torch's bf16 Newton-Schulz rounds the fp32 noise of tp2's re-ordered sums into differences of a few 1e-4
     after 5 steps (fp32: ~2e-6); a shard orthogonalised alone is 1e-2 away."""
@@ -323,12 +338,13 @@ def test_in_bf16_the_layouts_noise_stays_far_below_a_shard_orthogonalised_alone(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", ["gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt"])
-def test_a_tp2_muon_checkpoint_resumes_in_another_layout_with_the_uninterrupted_losses(
-    run, muon_world2, muon_references
-):
-    """The momentum buffers are saved whole in model space: a tp2 + SP run's step-3 checkpoint resumed in dp2 and
-    in pp2 continues the uninterrupted one-process run (steps 4-6: losses rel 1e-5, parameters 2e-5)."""
+@pytest.mark.parametrize(
+    "run", ["gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt", "gpt_tp2_sp_from_gpt_dp2_ckpt"]
+)
+def test_a_muon_checkpoint_resumes_in_another_layout_with_the_uninterrupted_losses(run, muon_world2, muon_references):
+    """The momentum buffers are saved whole in model space (under DP each by the replica holding it): a tp2 + SP
+    run's step-3 checkpoint resumed in dp2 and in pp2, a dp2 run's in tp2 + SP, continue the uninterrupted
+    one-process run (steps 4-6: losses rel 1e-5, parameters 2e-5)."""
     from testing.parallel_harness import assert_resumes_like
 
     assert_resumes_like(muon_world2[run], muon_references["gpt"])

@@ -35,6 +35,7 @@ from mtnlg_lightning.checkpoint.state_io import (
     restore_buffers,
     restore_optimizer_meta,
     restore_pieces,
+    stepping_replicas,
 )
 from mtnlg_lightning.checkpoint.validate import config_mismatch
 from mtnlg_lightning.data.chat_template import directory_template_files
@@ -127,7 +128,9 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     strategy.barrier()
     staging = staging_path(path)
     slots = model_slots(module.model, module.config, groups.tensor_parallel_rank, groups.tensor_parallel_size)
+    optimizer = strategy.optimizers[0] if strategy.optimizers else None
     owner = balanced_owners(slots, groups.replica_size)  # DP x CP ranks hold the same shard: one writes it
+    owner = stepping_replicas(optimizer, slots, owner)
     replica, tp_rank = groups.replica_rank, groups.tensor_parallel_rank
 
     def writer_of(index: int, slot: Slot) -> bool:
@@ -138,7 +141,6 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
             return owner[index] % copies == groups.expert_place()[1] and slot.tp_writer
         return owner[index] == replica and slot.tp_writer
 
-    optimizer = strategy.optimizers[0] if strategy.optimizers else None
     snapshot = background is not None  # training goes on: the pieces must not alias live tensors
     pieces = collect_pieces(
         slots, optimizer, strategy.engine, writer_of, groups.replica_size, tp_rank, snapshot=snapshot

@@ -49,6 +49,14 @@ def optimizer_meta(optimizer) -> dict:
     return {"name": optimizer_name(optimizer), "param_groups": groups, "step": _step_of(optimizer)}
 
 
+def stepping_replicas(optimizer, slots: list[Slot], writers: list[int]) -> list[int]:
+    """The replica writing each slot (`writers`, one per slot), except that a Muon matrix stepped by one replica
+    only is written by that one, which holds its momentum buffer."""
+    inner = base_optimizer(optimizer) if optimizer is not None else None
+    owners = inner.owners if isinstance(inner, MuonAdamW) else {}
+    return [owners.get(slot.param, writer) for slot, writer in zip(slots, writers, strict=True)]
+
+
 def check_same_optimizer(meta: dict, name: str) -> None:
     """A checkpoint's optimizer state only fits the optimizer that wrote it (checkpoints before Muon: AdamW)."""
     saved = meta.get("name", "adamw")
@@ -236,6 +244,8 @@ def _restore_torch(reader, slots, optimizer, step) -> None:
         if not has_state:
             continue
         group = group_of[id(param)]
+        if group.get("muon") and not inner.owns(param):  # another data-parallel replica steps it
+            continue
         state = (
             {MOMENTUM_BUFFER: torch.zeros_like(param)} if group.get("muon") else _fresh_adam_state(param, group, step)
         )

@@ -10,8 +10,10 @@ orthogonalisation only (the momentum, the decay and the update stay elementwise 
   and keeps its own shard of the result. Cost per step: an all-gather of every TP-split hidden matrix in bf16
   ((TP-1)/TP x 2 bytes x the stage's TP-split hidden weights received per rank) and the Newton-Schulz FLOPs of the
   whole matrices on every TP rank (TP times the one-process share);
-- a pipeline stage steps the matrices it holds; data-parallel replicas (ZeRO stage 0) step the same reduced
-  gradients alike. DeepSpeed ZeRO 1-3 hand the optimizer flat partitions that cut matrices anywhere: refused.
+- a pipeline stage steps the matrices it holds;
+- data-parallel replicas (ZeRO stage 0, DP x CP) share the dense matrices out (`balanced_owners`): each is stepped
+  by one replica, which keeps its momentum and broadcasts the updated weight; stacked experts are stepped by every
+  rank holding them. DeepSpeed ZeRO 1-3 hand the optimizer flat partitions that cut matrices anywhere: refused.
 
 The Newton-Schulz iteration, the learning-rate adjustment and the order of the update are torch 2.13's
 (`torch/optim/_muon.py`), except that the momentum buffer is never normalised in place (torch does, for bf16
@@ -149,16 +151,49 @@ def orthogonalised_update(whole: torch.Tensor, group: dict, qkv_head_dim: int | 
     return update, lr_ratio(adjust, update.numel() // cols // len(logical_matrices(update, qkv_head_dim)), cols)
 
 
+def balanced_owners(params: list[torch.Tensor], replicas: int) -> list[int]:
+    """Which of `replicas` data-parallel replicas steps each matrix: the costliest first (Newton-Schulz FLOPs, rows x
+    cols x min(rows, cols)) to the least loaded; the same answer on every rank (the shapes are)."""
+    load, owner = [0] * replicas, [0] * len(params)
+    cost = [p.shape[-2] * p.shape[-1] * min(p.shape[-2:]) for p in params]
+    for index in sorted(range(len(params)), key=lambda i: (-cost[i], i)):
+        owner[index] = min(range(replicas), key=lambda r: (load[r], r))
+        load[owner[index]] += cost[index]
+    return owner
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The data-parallel replicas of this rank's matrices (DP x CP: every rank holding the same shard) over which
+    the Muon matrices are shared out: this rank's index among them, and their group."""
+
+    group: object
+    rank: int
+    size: int
+
+
 class MuonAdamW(torch.optim.AdamW):
     """AdamW for the groups without `muon: True`, Muon for those with it (`momentum`, `nesterov`, `ns_steps`,
-    `ns_coefficients`, `eps`, `adjust_lr`); `layouts` maps a Muon parameter to its `MatrixLayout` (default: one
-    whole 2-D matrix, or whole stacked experts), `tp_group` the group its TP shards are gathered over."""
+    `ns_coefficients`, `eps`, `adjust_lr`, `ns_dtype`); `layouts` maps a Muon parameter to its `MatrixLayout`
+    (default: one whole 2-D matrix, or whole stacked experts), `tp_group` the group its TP shards are gathered over.
+    `shared`: Muon parameters each stepped by one data-parallel replica of `replicas` only (balanced by
+    `balanced_owners`), which keeps its momentum buffer, orthogonalises it and broadcasts the updated weight to the
+    others: the Newton-Schulz FLOPs and the momentum memory divided by the replicas, for one broadcast of the weights
+    (what ZeRO-1's all-gather of the updated weights costs). The others (stacked experts, whose copies live on the
+    expert-data-parallel group) are stepped by every rank holding them."""
 
-    def __init__(self, groups: list[dict], *, layouts=None, tp_group=None, **adamw):
+    def __init__(self, groups: list[dict], *, layouts=None, tp_group=None, shared=(), replicas=None, **adamw):
         super().__init__(groups, **adamw)
         self.layouts: dict[torch.Tensor, MatrixLayout] = dict(layouts or {})
         self.tp_group = tp_group
         self._shard_order: dict[int, list[int]] = {}  # TP rank -> shard index, per shard count
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        shared = list(shared) if self.replicas is not None else []
+        self.owners = dict(zip(shared, balanced_owners(shared, self.replicas.size), strict=True)) if shared else {}
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this rank steps (and keeps the state of) a Muon parameter."""
+        return param not in self.owners or self.owners[param] == self.replicas.rank
 
     def __setstate__(self, state: dict) -> None:
         """Adam's (which `load_state_dict` runs) reads a `step` in every parameter's state: the AdamW groups' only."""
@@ -194,7 +229,7 @@ class MuonAdamW(torch.optim.AdamW):
     def _muon_step(self, group: dict) -> None:
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
         for param in group["params"]:
-            if param.grad is None:
+            if param.grad is None or not self.owns(param):
                 continue
             grad = param.grad
             state = self.state[param]
@@ -211,6 +246,10 @@ class MuonAdamW(torch.optim.AdamW):
                 update = update.narrow(layout.tp_dim, layout.tp_index * size, size)
             param.mul_(1 - lr * decay)
             param.add_(update, alpha=-lr * ratio)  # torch's order: the decay with the unadjusted lr first
+        for param in group["params"]:  # each shared matrix from the replica that stepped it
+            if param in self.owners and param.grad is not None:
+                src = dist.get_global_rank(self.replicas.group, self.owners[param])
+                dist.broadcast(param.data, src=src, group=self.replicas.group)
 
     def _gather(self, shard: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
         """The whole matrix of a TP shard: every TP rank's shard, one per shard index (ranks sharing a key/value

@@ -18,7 +18,7 @@ from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
-from mtnlg_lightning.parallel.muon import MuonSettings
+from mtnlg_lightning.parallel.muon import MuonSettings, Replicas
 from mtnlg_lightning.parallel.output_layer import check_chunk_tokens
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
@@ -288,6 +288,7 @@ class MTNLGModule(L.LightningModule):
                 fused_qkv_head_dim=config.head_dim if config.fused_qkv else None,
                 tp_group=groups.tensor_parallel_group if groups is not None else None,
                 tp_size=groups.tensor_parallel_size if groups is not None else 1,
+                replicas=Replicas(groups.replica_group, groups.replica_rank, groups.replica_size) if groups else None,
             )
         seq_len, peak, position = self.config.seq_len, hp.lr, self.position
 

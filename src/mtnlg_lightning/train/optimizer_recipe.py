@@ -11,7 +11,7 @@ import torch
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.moe import moe_layers
-from mtnlg_lightning.parallel.muon import MuonAdamW, MuonSettings, matrix_layout
+from mtnlg_lightning.parallel.muon import MuonAdamW, MuonSettings, Replicas, matrix_layout
 
 OPTIMIZERS = ("adamw", "muon")
 # Matrices that stay with AdamW under Muon (Moonlight's recipe, and the routers): the embeddings, the LM head, a
@@ -70,10 +70,12 @@ def build_muon(
     fused_qkv_head_dim: int | None = None,
     tp_group=None,
     tp_size: int = 1,
+    replicas: Replicas | None = None,
 ) -> MuonAdamW:
     """Muon for the hidden matrices (its lr and decay default to AdamW's), AdamW (the run's) for the rest.
     `fused_qkv_head_dim`: the model fuses q, k, v in one weight of rows [heads, 3, head_dim]; `tp_group`: the
-    tensor-parallel group the shards of this rank's matrices are gathered over."""
+    tensor-parallel group the shards of this rank's matrices are gathered over; `replicas`: the data-parallel
+    replicas the dense Muon matrices are shared out over (`MuonAdamW`)."""
     decay, no_decay, hidden, stacked = muon_split(model)
     settings = {
         "muon": True,
@@ -98,7 +100,8 @@ def build_muon(
     for name, param in model.named_parameters():
         qkv = fused_qkv_head_dim if fused_names & set(name.split(".")) else None
         layouts[param] = matrix_layout(param, qkv, tp_size)
-    return MuonAdamW(groups, layouts=layouts, tp_group=tp_group, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
+    adamw = {"lr": lr, "betas": tuple(betas), "eps": eps, "fused": fused}
+    return MuonAdamW(groups, layouts=layouts, tp_group=tp_group, shared=hidden, replicas=replicas, **adamw)
 
 
 def check_muon_layout(zero_stage: int) -> None:
