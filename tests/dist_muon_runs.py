@@ -6,7 +6,8 @@ A run is FAMILY_LAYOUT: FAMILY `gpt` (the tiny preset: a fused QKV) or `moe` (th
 its settings and layouts as in dist_moe_runs.py: epN, tpM, ppM, _sp); LAYOUT for gpt spelled as in
 dist_family_runs.py (tp2, pp2, dp2, tp2_pp2_dp2, _sp). Suffixes: _alone orthogonalises each TP shard as if it were
 the whole matrix (what Megatron's `blockwise` mode does; the test shows it is not one process's Muon); _bf16ns
-runs the Newton-Schulz iteration in torch's bf16 (the others in fp32, smooth in the gradient); _ckpt trains
+runs the Newton-Schulz iteration in torch's bf16 (the others in fp32, smooth in the gradient); _qk clips the
+attention heads' logits at QK_CLIP (`model.qk_clip`); _ckpt trains
 6 steps saving at 3 and 6; _from_RUN resumes RUN's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt.
 """
 
@@ -28,6 +29,7 @@ from testing.parallel_harness import run_named_with_source, run_script, tiny_run
 
 # Newton-Schulz in fp32: bf16's rounding would turn the layouts' fp32 noise into differences above the tests' bounds.
 MUON = {"optimizer": "muon", "muon": {"lr": 0.01, "adjust_lr": "original", "ns_dtype": "float32"}}
+QK_CLIP = 1.0  # below the tiny GPT's largest logits (~1.1-1.4): some heads are clipped every step
 
 
 def run_settings(name: str, out: Path, source: str | None) -> dict:
@@ -36,6 +38,7 @@ def run_settings(name: str, out: Path, source: str | None) -> dict:
     layout, _, origin = rest.partition("_from_")
     parts = layout.split("_")
     muon = MUON if "bf16ns" not in parts else {**MUON, "muon": {**MUON["muon"], "ns_dtype": "bfloat16"}}
+    muon = muon | ({"qk_clip": QK_CLIP} if "qk" in parts else {})
     settings = dist_moe_runs.run_settings(layout, out) if family == "moe" else {}
     settings = {key: value for key, value in settings.items() if key not in ("max_steps", "capture_steps")}
     settings |= {"module_settings": muon, "init_from": source if family == "moe" else None}
@@ -49,7 +52,7 @@ def run_settings(name: str, out: Path, source: str | None) -> dict:
 def train(name: str, out: Path, source: str) -> dict:
     family, _, rest = name.partition("_")
     layout = rest.partition("_from_")[0]
-    parts = [p for p in layout.split("_") if p not in ("alone", "ckpt", "bf16ns")]
+    parts = [p for p in layout.split("_") if p not in ("alone", "ckpt", "bf16ns", "qk")]
     if family == "moe":
         strategy, micro_batch = dist_moe_runs.strategy_of("_".join(parts)), 2
     else:
@@ -67,7 +70,8 @@ def train(name: str, out: Path, source: str) -> dict:
     held = [None] * world  # how many momentum buffers each rank holds
     state = trainer.optimizers[0].state.values()
     dist.all_gather_object(held, sum(muon.MOMENTUM_BUFFER in s for s in state))
-    return trained(rec) | {"momentum_buffers": held}
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("qk_")}
+    return trained(rec) | {"momentum_buffers": held, "qk_logs": logged}
 
 
 if __name__ == "__main__":

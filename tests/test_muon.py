@@ -220,7 +220,7 @@ def test_another_optimizers_checkpoint_is_refused_in_one_line_unless_the_optimiz
 WORLD2 = ("gpt_tp2_sp", "gpt_pp2", "gpt_dp2", "gpt_tp2_alone", "gpt_tp2_sp_bf16ns", "moe_ep2", "moe_tp2_sp")
 WORLD2 += ("moe_pp2",)
 WORLD2 += ("gpt_tp2_sp_ckpt", "gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt", "gpt_dp2_ckpt")
-WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt",)
+WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt", "gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk")
 WORLD8 = ("gpt_tp2_pp2_dp2", "moe_ep2_tp2_pp2")
 
 
@@ -236,8 +236,9 @@ def _one_process(name: str, moe_dir, out) -> dict:
 
     from testing.parallel_harness import tiny_run, trained
 
-    rec, _ = tiny_run(**run_settings(name, out, str(moe_dir)))
-    return trained(rec)
+    rec, trainer = tiny_run(**run_settings(name, out, str(moe_dir)))
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("qk_")}
+    return trained(rec) | {"qk_logs": logged}
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +248,7 @@ def muon_references(muon_moe_dir, tmp_path_factory):
     return {
         "gpt": _one_process("gpt_ckpt", muon_moe_dir, out),
         "gpt_bf16ns": _one_process("gpt_bf16ns", muon_moe_dir, out),
+        "gpt_qk": _one_process("gpt_qk", muon_moe_dir, out),
         "moe": _one_process("moe_ep1", muon_moe_dir, out),
     }
 
@@ -285,7 +287,7 @@ def assert_muon_trains_like(run: dict, reference: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", [n for n in WORLD2 if not any(s in n for s in ("alone", "from", "bf16ns"))])
+@pytest.mark.parametrize("run", [n for n in WORLD2 if not any(s in n for s in ("alone", "from", "bf16ns", "qk"))])
 def test_muon_trains_like_one_process_in_every_layout(run, muon_world2, muon_references):
     """tp2 with sequence parallelism (each TP-split matrix gathered and orthogonalised whole; the fused QKV's
     shards hold whole heads, so Q, K and V come back whole), pp2 (each stage its own matrices), dp2 (plain DP:
@@ -348,3 +350,82 @@ def test_a_muon_checkpoint_resumes_in_another_layout_with_the_uninterrupted_loss
     from testing.parallel_harness import assert_resumes_like
 
     assert_resumes_like(muon_world2[run], muon_references["gpt"])
+
+
+# ------------------------------------------------------------------------------------------------ QK-clip
+def _planted(preset: str, head: int = 1, factor: float = 20.0):
+    """A model (random biases) whose block-0 query head `head` has its query weights `factor` times larger, its
+    per-head maxima on a batch, and that batch."""
+    from mtnlg_lightning.parallel.qk_clip import QKClip
+
+    config = get_config(preset)
+    torch.manual_seed(0)
+    model = build_model(config)
+    hd = config.head_dim
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # non-zero biases: the clip must scale the query's too
+            if name.endswith("bias"):
+                param.uniform_(-0.5, 0.5)
+        if config.fused_qkv:
+            model.blocks["0"].attn.qkv.weight.view(config.num_heads, 3, hd, -1)[head, 0] *= factor
+        else:
+            model.blocks["0"].attn.q.weight.view(config.num_heads, hd, -1)[head] *= factor
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    clipper = QKClip(1e9, config.num_layers, config.num_heads, config.num_kv_heads)
+    clipper.attach(model)
+    model(tokens)
+    return config, model, clipper, tokens, clipper.reduce("cpu")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_qk_clip_brings_the_planted_heads_maximum_logit_to_tau_and_leaves_the_others(preset):
+    """A planted large query weight makes block 0's head 1 exceed tau: after the clip the same batch gives that head
+    (under grouped-query attention, its key/value group: the larger of heads 0 and 1) a maximum of exactly tau
+    (rel 1e-4), block 0's other heads their own maxima, and every other weight stays as it was (the later blocks'
+    maxima move with their inputs)."""
+    config, model, clipper, tokens, before = _planted(preset)
+    group = config.num_heads // config.num_kv_heads
+    planted = list(range(group)) if group > 1 else [1]  # the heads sharing the planted one's key/value head
+    others = before.clone()
+    others[0, planted] = float("-inf")
+    tau = float((before[0, planted].max() + others.max()) / 2)
+    assert before[0, planted].max() > tau > others.max()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clipper.tau = tau
+    clipper.clip()
+    clipper.reset()
+    model(tokens)
+    after = clipper.reduce("cpu")
+    torch.testing.assert_close(after[0, planted].max(), torch.tensor(tau), rtol=1e-4, atol=0)
+    kept = [h for h in range(config.num_heads) if h not in planted]
+    torch.testing.assert_close(after[0, kept], before[0, kept], rtol=1e-6, atol=0)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
+    expected = {"blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias"} if config.fused_qkv else set()
+    assert changed == (expected or {"blocks.0.attn.q.weight", "blocks.0.attn.k.weight"})
+
+
+def test_qk_clip_refuses_q_k_norms_and_a_bad_tau_in_one_line():
+    from mtnlg_lightning.parallel.qk_clip import QKClip
+
+    with pytest.raises(MTNLGError, match="^model.qk_clip must be > 0, got 0.0$"):
+        QKClip(0.0, 2, 4, 4)
+    config = get_config("tiny-llama", qk_norm=True)
+    clipper = QKClip(1.0, config.num_layers, config.num_heads, config.num_kv_heads)
+    with pytest.raises(MTNLGError, match="^model.qk_clip cannot clip a model with q/k norms"):
+        clipper.attach(build_model(config))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk"])
+def test_muon_with_qk_clip_trains_like_one_process(run, muon_world2, muon_references):
+    """MuonClip (tau 1.0, below the tiny GPT's largest logits: heads are clipped every step) in tp2 + SP (each TP
+    rank's heads), pp2 (each stage's blocks; torch's shape inference on placeholder activations is not recorded) and
+    dp2 (the maxima over the replicas' samples) reproduces one process, and logs the same per-layer maxima and
+    clipped heads."""
+    reference = muon_references["gpt_qk"]
+    assert reference["qk_logs"]["qk_clipped_heads"] > 0
+    assert_muon_trains_like(muon_world2[run], reference)
+    logs = muon_world2[run]["qk_logs"]
+    assert logs.keys() == reference["qk_logs"].keys()
+    torch.testing.assert_close(logs, reference["qk_logs"], rtol=1e-5, atol=0)

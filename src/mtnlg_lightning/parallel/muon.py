@@ -27,16 +27,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.optim.adam import adam
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.torch_compat import adamw_group_step
 
 MOMENTUM_BUFFER = "momentum_buffer"  # Muon's one state tensor per matrix (torch's name)
 ADJUST_LR = ("original", "match_rms_adamw")
 NS_DTYPES = ("bfloat16", "float32")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch's (Keller Jordan's quintic)
-# What torch.optim.AdamW's step passes from a group to the functional `adam` (torch 2.13).
-ADAM_SETTINGS = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused")
 
 
 @dataclass(frozen=True)
@@ -216,15 +214,8 @@ class MuonAdamW(torch.optim.AdamW):
         return loss
 
     def _adamw_step(self, group: dict) -> None:
-        """torch.optim.AdamW's step of one group (its `_init_group` and functional `adam`)."""
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-        if not params:
-            return
-        beta1, beta2 = group["betas"]
-        settings = {key: group[key] for key in ADAM_SETTINGS} | {"decoupled_weight_decay": True}
-        moments = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-        adam(params, grads, *moments, steps, has_complex=has_complex, beta1=beta1, beta2=beta2, **settings)
+        """torch.optim.AdamW's step of one group."""
+        adamw_group_step(self, group)
 
     def _muon_step(self, group: dict) -> None:
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
