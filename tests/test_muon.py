@@ -429,3 +429,38 @@ def test_muon_with_qk_clip_trains_like_one_process(run, muon_world2, muon_refere
     logs = muon_world2[run]["qk_logs"]
     assert logs.keys() == reference["qk_logs"].keys()
     torch.testing.assert_close(logs, reference["qk_logs"], rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+def test_the_plan_counts_the_newton_schulz_flops_of_the_whole_logical_matrices():
+    """The demo preset (hidden 256, MLP 1024, 4 blocks): per block Q, K, V, proj [256, 256] and fc1, fc2 [1024, 256]
+    (m = 256, n = 1024), 5 iterations of 4 m^2 n + 2 m^3 each; the experts of a MoE directory one matrix each."""
+    from mtnlg_lightning.planning.muon_plan import muon_layers
+
+    square, wide = 5 * 6 * 256**3, 5 * (4 * 256 * 256 * 1024 + 2 * 256**3)
+    layers = muon_layers(get_config("demo"))
+    assert [layer.dense_flops for layer in layers] == [4 * square + 2 * wide] * 4
+    assert sum(layer.dense_params for layer in layers) == 4 * (4 * 256 * 256 + 2 * 256 * 1024)
+    moe = muon_layers(_models()["moe"])[0]
+    assert moe.expert_params == 4 * 3 * 64 * 32 and moe.expert_flops == 4 * 3 * 5 * (4 * 32 * 32 * 64 + 2 * 32**3)
+
+
+def test_the_plan_holds_one_shared_momentum_buffer_instead_of_two_moments_and_times_the_step():
+    """tp2 x pp2 x dp2 of the tiny GPT at ZeRO-0: the model states shrink by AdamW's 8 bytes per hidden parameter of
+    the stage's TP shard less Muon's 4 shared over the 2 replicas; the optimizer's seconds grow by the Newton-Schulz,
+    TP-gather and DP-broadcast seconds; ZeRO 1-3 are refused in one line."""
+    from mtnlg_lightning.planning.muon_plan import MuonPlan, muon_layers
+    from mtnlg_lightning.planning.planner import plan
+
+    config = get_config("tiny")
+    settings = dict(config=config, tp=2, pp=2, dp=2, gpus_per_node=8, gpu="h100-80g", global_batch=8, zero_stage=0)
+    adamw, muon = plan(**settings), plan(**settings, muon=MuonPlan())
+    hidden = muon_layers(config)[0].dense_params / 2  # one block per stage, its TP shard
+    saved = 8 * hidden - 4 * hidden / 2
+    assert (adamw.model_state_gb - muon.model_state_gb) * 1e9 == pytest.approx(saved, rel=1e-9)
+    assert muon.muon["state_saved_gb"] * 1e9 == pytest.approx(saved, rel=1e-9)
+    added = muon.breakdown["optimizer"] - adamw.breakdown["optimizer"]
+    parts = ("newton_schulz_seconds", "tp_gather_seconds", "dp_broadcast_seconds")
+    assert added == pytest.approx(sum(muon.muon[k] for k in parts)) and all(muon.muon[k] > 0 for k in parts)
+    with pytest.raises(MTNLGError, match="^model.optimizer muon cannot run under ZeRO stage 1 "):
+        plan(**(settings | {"zero_stage": 1}), muon=MuonPlan())
