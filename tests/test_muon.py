@@ -220,7 +220,7 @@ def test_another_optimizers_checkpoint_is_refused_in_one_line_unless_the_optimiz
 WORLD2 = ("gpt_tp2_sp", "gpt_pp2", "gpt_dp2", "gpt_tp2_alone", "gpt_tp2_sp_bf16ns", "moe_ep2", "moe_tp2_sp")
 WORLD2 += ("moe_pp2",)
 WORLD2 += ("gpt_tp2_sp_ckpt", "gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt", "gpt_dp2_ckpt")
-WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt", "gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk")
+WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt", "gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk", "gpt_cp2_qk", "gpt_cp2")
 WORLD8 = ("gpt_tp2_pp2_dp2", "moe_ep2_tp2_pp2")
 
 
@@ -293,7 +293,7 @@ def test_muon_trains_like_one_process_in_every_layout(run, muon_world2, muon_ref
     shards hold whole heads, so Q, K and V come back whole), pp2 (each stage its own matrices), dp2 (plain DP:
     every replica steps the same reduced gradients), the Qwen 3-MoE directory in ep2 (each expert one matrix on
     the rank holding it), in tp2 with SP (grouped-query q / k / v column-split, experts whole on each TP rank) and
-    in pp2: 5 steps reproduce one process."""
+    in pp2, and cp2 (the dense matrices shared out over the DP x CP replicas): 5 steps reproduce one process."""
     assert_muon_trains_like(muon_world2[run], muon_references[run.split("_")[0]])
 
 
@@ -417,12 +417,12 @@ def test_qk_clip_refuses_q_k_norms_and_a_bad_tau_in_one_line():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", ["gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk"])
+@pytest.mark.parametrize("run", ["gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk", "gpt_cp2_qk"])
 def test_muon_with_qk_clip_trains_like_one_process(run, muon_world2, muon_references):
     """MuonClip (tau 1.0, below the tiny GPT's largest logits: heads are clipped every step) in tp2 + SP (each TP
-    rank's heads), pp2 (each stage's blocks; torch's shape inference on placeholder activations is not recorded) and
-    dp2 (the maxima over the replicas' samples) reproduces one process, and logs the same per-layer maxima and
-    clipped heads."""
+    rank's heads), pp2 (each stage's blocks; torch's shape inference on placeholder activations is not recorded),
+    dp2 (the maxima over the replicas' samples) and cp2 (each rank's query chunks against the whole sequence's keys)
+    reproduces one process, and logs the same per-layer maxima and clipped heads."""
     reference = muon_references["gpt_qk"]
     assert reference["qk_logs"]["qk_clipped_heads"] > 0
     assert_muon_trains_like(muon_world2[run], reference)

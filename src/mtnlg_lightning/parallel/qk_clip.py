@@ -9,10 +9,12 @@ the whole group's query rows and the shared key rows are scaled. Models with q/k
 the scaling), as are key/value heads copied over TP ranks (each copy would see another group maximum).
 
 In every layout the maximum is over the step's micro-batches (a running maximum, also over an activation
-checkpoint's recomputation) and then over the world (one MAX all-reduce of [layers, heads], each rank's entries at
-its global heads and layers: TP ranks hold different heads, pipeline stages different layers, data-parallel replicas
-different samples). The logits are computed beside the attention kernel (which does not return them): a [B, heads,
-S, S] product per layer and micro-batch, causal over the whole row (with packed documents, an upper bound).
+checkpoint's recomputation), under context parallelism over the whole sequence's keys (gathered over the CP group
+for it: the ring attention never holds them all), and then over the world (one MAX all-reduce of [layers, heads],
+each rank's entries at its global heads and layers: TP ranks hold different heads, pipeline stages different
+layers, data-parallel replicas different samples). The logits are computed beside the attention kernel (which
+does not return them): a [B, heads, S, S] product per layer and micro-batch, causal over the whole row (with packed
+documents, an upper bound).
 """
 
 from __future__ import annotations
@@ -26,18 +28,37 @@ from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import Attention, FusedQKVAttention
+from mtnlg_lightning.parallel.context_parallel import chunk_indices
 
 ALPHA = 0.5  # the query's share of the scaling (Kimi K2's)
 
 
-def max_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Each query head's largest causal pre-softmax logit q.k / sqrt(d): q [B, H, S, d], k [B, KV, S, d] -> [H]."""
+def max_logits(q: torch.Tensor, k: torch.Tensor, query_positions=None, key_positions=None) -> torch.Tensor:
+    """Each query head's largest causal pre-softmax logit q.k / sqrt(d): q [B, H, Sq, d], k [B, KV, Sk, d] -> [H];
+    the positions in the sequence of the query and key rows (default: both 0 .. S-1) say which key a query sees."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1) if groups > 1 else k
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    S = q.shape[2]
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    if query_positions is None:
+        query_positions = key_positions = torch.arange(q.shape[2], device=q.device)
+    causal = key_positions[None, :] <= query_positions[:, None]
     return scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def _chunk_positions(cp_rank: int, cp_size: int, chunk: int, device) -> torch.Tensor:
+    """The sequence positions of a CP rank's rows: its two chunks (`context_parallel.chunk_indices`)."""
+    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in chunk_indices(cp_rank, cp_size)])
+
+
+def context_max_logits(q: torch.Tensor, k: torch.Tensor, ring) -> torch.Tensor:
+    """`max_logits` of this CP rank's query chunks against the whole sequence's keys, gathered over the CP group
+    (the ring attention never holds them all at once)."""
+    parts = [torch.empty_like(k) for _ in range(ring.size)]
+    dist.all_gather(parts, k.contiguous(), group=ring.group)
+    chunk = k.shape[2] // 2
+    keys = [_chunk_positions(r, ring.size, chunk, k.device) for r in range(ring.size)]
+    query = _chunk_positions(ring.cp_rank, ring.size, chunk, k.device)
+    return max_logits(q, torch.cat(parts, dim=2), query, torch.cat(keys))
 
 
 class QKClip:
@@ -66,9 +87,10 @@ class QKClip:
         def record(core, args) -> None:
             if self.ignore():
                 return
-            q, k = args[0], args[1]
+            q, k = args[0].detach(), args[1].detach()
+            ring = getattr(core, "ring", None)  # context parallelism's ring attention
             with torch.no_grad():
-                found = max_logits(q.detach(), k.detach())
+                found = max_logits(q, k) if ring is None or ring.size == 1 else context_max_logits(q, k, ring)
             seen = self.local.get(index)
             self.local[index] = found if seen is None else torch.maximum(seen, found)
 

@@ -149,7 +149,7 @@ class MTNLGModule(L.LightningModule):
             qk_clip: tau of QK-clip (Kimi K2's MuonClip, with either optimizer): after each update the query and key
                 weights of every attention head whose largest pre-softmax logit of the step exceeded tau are scaled
                 back to tau (`parallel/qk_clip.py`); logs `qk_max_logit/LAYER` and `qk_clipped_heads`. Not with
-                q/k norms, context parallelism, or key/value heads copied over TP ranks.
+                q/k norms or key/value heads copied over TP ranks.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
@@ -265,9 +265,6 @@ class MTNLGModule(L.LightningModule):
         self.objective.check_layout(self, strategy)
         if self.muon is not None:
             check_muon_layout(getattr(strategy, "zero_stage", 0))
-        parallel = getattr(strategy, "parallel_config", None)
-        if self.hparams.get("qk_clip") is not None and parallel is not None and parallel.context_parallel > 1:
-            raise MTNLGError("model.qk_clip does not run under context parallelism yet (its ring hides the logits)")
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return
