@@ -2,12 +2,13 @@
 
     torchrun --standalone --nproc-per-node 2 tests/dist_muon_runs.py OUT_DIR MOE_DIR gpt_tp2_sp gpt_pp2 moe_ep2 ...
 
-A run is FAMILY_LAYOUT: FAMILY `gpt` (the tiny preset: a fused QKV) or `moe` (the Qwen 3-MoE directory MOE_DIR,
+A run is FAMILY_LAYOUT: FAMILY `gpt` (the tiny preset: a fused QKV), `adamw` (the same with AdamW) or `moe` (the
+Qwen 3-MoE directory MOE_DIR,
 its settings and layouts as in dist_moe_runs.py: epN, tpM, ppM, _sp); LAYOUT for gpt spelled as in
 dist_family_runs.py (tp2, pp2, dp2, tp2_pp2_dp2, _sp). Suffixes: _alone orthogonalises each TP shard as if it were
 the whole matrix (what Megatron's `blockwise` mode does; the test shows it is not one process's Muon); _bf16ns
 runs the Newton-Schulz iteration in torch's bf16 (the others in fp32, smooth in the gradient); _qk clips the
-attention heads' logits at QK_CLIP (`model.qk_clip`); _ckpt trains
+attention heads' logits at QK_CLIP (`model.qk_clip`); _reset resumes with `model.reset_optimizer`; _ckpt trains
 6 steps saving at 3 and 6; _from_RUN resumes RUN's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt.
 """
 
@@ -38,7 +39,11 @@ def run_settings(name: str, out: Path, source: str | None) -> dict:
     layout, _, origin = rest.partition("_from_")
     parts = layout.split("_")
     muon = MUON if "bf16ns" not in parts else {**MUON, "muon": {**MUON["muon"], "ns_dtype": "bfloat16"}}
-    muon = muon | ({"qk_clip": QK_CLIP} if "qk" in parts else {})
+    muon = (
+        muon | ({"qk_clip": QK_CLIP} if "qk" in parts else {}) | ({"reset_optimizer": True} if "reset" in parts else {})
+    )
+    if family == "adamw":  # the tiny GPT with AdamW
+        muon = {}
     settings = dist_moe_runs.run_settings(layout, out) if family == "moe" else {}
     settings = {key: value for key, value in settings.items() if key not in ("max_steps", "capture_steps")}
     settings |= {"module_settings": muon, "init_from": source if family == "moe" else None}
@@ -52,7 +57,7 @@ def run_settings(name: str, out: Path, source: str | None) -> dict:
 def train(name: str, out: Path, source: str) -> dict:
     family, _, rest = name.partition("_")
     layout = rest.partition("_from_")[0]
-    parts = [p for p in layout.split("_") if p not in ("alone", "ckpt", "bf16ns", "qk")]
+    parts = [p for p in layout.split("_") if p not in ("alone", "ckpt", "bf16ns", "qk", "reset")]
     if family == "moe":
         strategy, micro_batch = dist_moe_runs.strategy_of("_".join(parts)), 2
     else:
@@ -70,8 +75,12 @@ def train(name: str, out: Path, source: str) -> dict:
     held = [None] * world  # how many momentum buffers each rank holds
     state = trainer.optimizers[0].state.values()
     dist.all_gather_object(held, sum(muon.MOMENTUM_BUFFER in s for s in state))
+    optimizer = trainer.optimizers[0]
+    tp_rank = strategy.groups.tensor_parallel_rank
+    orthogonalised = [None] * world  # how many TP-split matrices each rank orthogonalises
+    dist.all_gather_object(orthogonalised, sum(o == tp_rank for o in getattr(optimizer, "tp_owners", {}).values()))
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("qk_")}
-    return trained(rec) | {"momentum_buffers": held, "qk_logs": logged}
+    return trained(rec) | {"momentum_buffers": held, "qk_logs": logged, "tp_orthogonalised": orthogonalised}
 
 
 if __name__ == "__main__":

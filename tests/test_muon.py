@@ -221,6 +221,7 @@ WORLD2 = ("gpt_tp2_sp", "gpt_pp2", "gpt_dp2", "gpt_tp2_alone", "gpt_tp2_sp_bf16n
 WORLD2 += ("moe_pp2",)
 WORLD2 += ("gpt_tp2_sp_ckpt", "gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_tp2_sp_ckpt", "gpt_dp2_ckpt")
 WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt", "gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk", "gpt_cp2_qk", "gpt_cp2")
+WORLD2 += ("adamw_tp2_ckpt", "gpt_dp2_reset_from_adamw_tp2_ckpt")
 WORLD8 = ("gpt_tp2_pp2_dp2", "moe_ep2_tp2_pp2")
 
 
@@ -287,7 +288,10 @@ def assert_muon_trains_like(run: dict, reference: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", [n for n in WORLD2 if not any(s in n for s in ("alone", "from", "bf16ns", "qk"))])
+@pytest.mark.parametrize(
+    "run",
+    [n for n in WORLD2 if n.startswith(("gpt", "moe")) and not any(s in n for s in ("alone", "from", "bf16ns", "qk"))],
+)
 def test_muon_trains_like_one_process_in_every_layout(run, muon_world2, muon_references):
     """tp2 with sequence parallelism (each TP-split matrix gathered and orthogonalised whole; the fused QKV's
     shards hold whole heads, so Q, K and V come back whole), pp2 (each stage its own matrices), dp2 (plain DP:
@@ -322,10 +326,12 @@ def test_data_parallel_replicas_share_the_dense_matrices_out_and_every_expert_ho
     muon_world2, muon_references
 ):
     """Under dp2 each replica keeps the momentum of half the dense matrices (the tiny GPT's 8: 4 each) and steps
-    only those; under ep2 (the Qwen 3-MoE directory: 3 blocks, blocks 0 and 2 MoE) the 15 dense matrices (q, k, v,
-    proj of each block, block 1's MLP) are shared out and each rank steps its own experts (2 layers x 3 stacks)."""
+    only those; under tp2 each TP rank orthogonalises half of them whole; under ep2 (the Qwen 3-MoE directory: 3
+    blocks, blocks 0 and 2 MoE) the 15 dense matrices (q, k, v, proj of each block, block 1's MLP) are shared out
+    and each rank steps its own experts (2 layers x 3 stacks)."""
     assert muon_world2["gpt_dp2"]["momentum_buffers"] == [4, 4]
     assert muon_world2["gpt_tp2_sp"]["momentum_buffers"] == [8, 8]  # TP ranks hold different shards: all of them
+    assert muon_world2["gpt_tp2_sp"]["tp_orthogonalised"] == [4, 4]  # each TP rank orthogonalises half, whole
     held = muon_world2["moe_ep2"]["momentum_buffers"]
     assert sum(held) == 15 + 2 * 6 and min(held) > 6
 
@@ -464,3 +470,15 @@ def test_the_plan_holds_one_shared_momentum_buffer_instead_of_two_moments_and_ti
     assert added == pytest.approx(sum(muon.muon[k] for k in parts)) and all(muon.muon[k] > 0 for k in parts)
     with pytest.raises(MTNLGError, match="^model.optimizer muon cannot run under ZeRO stage 1 "):
         plan(**(settings | {"zero_stage": 1}), muon=MuonPlan())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tp2_adamw_checkpoint_resumes_with_muon_in_dp2_when_the_optimizer_is_reset(muon_world2):
+    """An AdamW run's tp2 checkpoint resumed with Muon in dp2 and `reset_optimizer`: the weights are the checkpoint's
+    (step 4's loss is the AdamW run's, computed before the update), the steps go on from 3, and then Muon trains."""
+    adamw, resumed = muon_world2["adamw_tp2_ckpt"], muon_world2["gpt_dp2_reset_from_adamw_tp2_ckpt"]
+    assert len(resumed["losses"]) == 3
+    torch.testing.assert_close(resumed["losses"][0], adamw["losses"][3], rtol=1e-6, atol=0)
+    assert abs(resumed["losses"][2] - adamw["losses"][5]) > 1e-3
+    assert sum(resumed["momentum_buffers"]) == 8  # the tiny GPT's matrices, shared out over the two replicas

@@ -5,11 +5,11 @@ Muon needs each weight matrix whole, and the layouts take matrices apart; here e
 orthogonalisation only (the momentum, the decay and the update stay elementwise on the local shard):
 - a fused QKV weight (rows [heads, 3, head_dim]) is three matrices, Q, K and V, as the unfused model's q, k, v;
 - stacked experts [E, out, in] are E matrices (under expert parallelism each rank holds whole experts);
-- a tensor-parallel shard is gathered over the TP group (the momentum-combined update in bf16, which is what the
-  Newton-Schulz iteration starts from, so the gather is exact), every TP rank orthogonalises the whole matrices
-  and keeps its own shard of the result. Cost per step: an all-gather of every TP-split hidden matrix in bf16
-  ((TP-1)/TP x 2 bytes x the stage's TP-split hidden weights received per rank) and the Newton-Schulz FLOPs of the
-  whole matrices on every TP rank (TP times the one-process share);
+- a tensor-parallel shard is gathered to one TP rank (the TP-split matrices shared out over the TP ranks,
+  balanced), in the Newton-Schulz dtype (the iteration starts from it, so the gather is exact), which
+  orthogonalises the whole matrix and scatters the shards of the result (fp32) back. Cost per step: every TP-split
+  hidden matrix gathered (bf16) and scattered (fp32) once, (TP-1)/TP of it over the owner's link each way; the
+  Newton-Schulz FLOPs divided by TP (all TP ranks orthogonalise their share at the same time);
 - a pipeline stage steps the matrices it holds;
 - data-parallel replicas (ZeRO stage 0, DP x CP) share the dense matrices out (`balanced_owners`): each is stepped
   by one replica, which keeps its momentum and broadcasts the updated weight; stacked experts are stepped by every
@@ -137,16 +137,22 @@ def logical_matrices(whole: torch.Tensor, qkv_head_dim: int | None) -> list[torc
     return [whole]
 
 
-def orthogonalised_update(whole: torch.Tensor, group: dict, qkv_head_dim: int | None) -> tuple[torch.Tensor, float]:
+def update_ratio(shape, group: dict, qkv_head_dim: int | None) -> float:
+    """The lr ratio of a whole parameter of `shape`: its logical matrices' (one shape for all of them: experts
+    alike, and a fused QKV only under multi-head attention)."""
+    matrix = logical_matrices(torch.empty(shape, device="meta"), qkv_head_dim)[0]
+    return lr_ratio(group["adjust_lr"], matrix.numel() // shape[-1], shape[-1])
+
+
+def orthogonalised_update(whole: torch.Tensor, group: dict, qkv_head_dim: int | None) -> torch.Tensor:
     """The update of a whole parameter (2-D, or stacked experts 3-D) from its momentum-combined gradient: each
-    logical matrix orthogonalised, in the parameter's shape (fp32), and their lr ratio (the logical matrices of one
-    parameter have one shape: experts alike, and a fused QKV only under multi-head attention)."""
-    steps, coefficients, eps, adjust = group["ns_steps"], group["ns_coefficients"], group["eps"], group["adjust_lr"]
+    logical matrix orthogonalised, in the parameter's shape (fp32); its lr ratio is `update_ratio`'s."""
+    steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
     update = torch.empty(whole.shape, dtype=torch.float32, device=whole.device)
     cols = whole.shape[-1]
     for matrix, out in zip(logical_matrices(whole, qkv_head_dim), logical_matrices(update, qkv_head_dim), strict=True):
         out.copy_(newton_schulz(matrix.reshape(-1, cols), coefficients, steps, eps).view_as(out))
-    return update, lr_ratio(adjust, update.numel() // cols // len(logical_matrices(update, qkv_head_dim)), cols)
+    return update
 
 
 def balanced_owners(params: list[torch.Tensor], replicas: int) -> list[int]:
@@ -173,7 +179,8 @@ class Replicas:
 class MuonAdamW(torch.optim.AdamW):
     """AdamW for the groups without `muon: True`, Muon for those with it (`momentum`, `nesterov`, `ns_steps`,
     `ns_coefficients`, `eps`, `adjust_lr`, `ns_dtype`); `layouts` maps a Muon parameter to its `MatrixLayout`
-    (default: one whole 2-D matrix, or whole stacked experts), `tp_group` the group its TP shards are gathered over.
+    (default: one whole 2-D matrix, or whole stacked experts), `tp_group` the group its TP shards are gathered over
+    (each TP-split matrix to the TP rank `tp_owners` names, which orthogonalises it and scatters the shards back).
     `shared`: Muon parameters each stepped by one data-parallel replica of `replicas` only (balanced by
     `balanced_owners`), which keeps its momentum buffer, orthogonalises it and broadcasts the updated weight to the
     others: the Newton-Schulz FLOPs and the momentum memory divided by the replicas, for one broadcast of the weights
@@ -184,10 +191,17 @@ class MuonAdamW(torch.optim.AdamW):
         super().__init__(groups, **adamw)
         self.layouts: dict[torch.Tensor, MatrixLayout] = dict(layouts or {})
         self.tp_group = tp_group
-        self._shard_order: dict[int, list[int]] = {}  # TP rank -> shard index, per shard count
+        self._shard_order: dict[int, tuple] = {}  # shard index <-> TP rank, per shard count
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         shared = list(shared) if self.replicas is not None else []
         self.owners = dict(zip(shared, balanced_owners(shared, self.replicas.size), strict=True)) if shared else {}
+        # The TP-split matrices, each orthogonalised by one TP rank (balanced), which gathers it and scatters it back
+        split = [p for g in self.param_groups if g.get("muon") for p in g["params"] if self._split_over_tp(p)]
+        tp_size = dist.get_world_size(tp_group) if split else 1
+        self.tp_owners = dict(zip(split, balanced_owners(split, tp_size), strict=True)) if split else {}
+
+    def _split_over_tp(self, param: torch.Tensor) -> bool:
+        return self.layouts.get(param, MatrixLayout()).tp_dim is not None
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this rank steps (and keeps the state of) a Muon parameter."""
@@ -218,7 +232,12 @@ class MuonAdamW(torch.optim.AdamW):
         adamw_group_step(self, group)
 
     def _muon_step(self, group: dict) -> None:
+        """Three passes, so that the TP ranks orthogonalise their matrices at the same time: the momentum and each
+        TP-split matrix's update gathered to the TP rank that orthogonalises it; the Newton-Schulz iterations of the
+        matrices this rank holds whole; the shards scattered back, the decay and the update applied."""
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        dtype = getattr(torch, group["ns_dtype"])
+        stepped = []  # (parameter, its layout, its whole update-to-be here or None)
         for param in group["params"]:
             if param.grad is None or not self.owns(param):
                 continue
@@ -230,32 +249,53 @@ class MuonAdamW(torch.optim.AdamW):
             buf.lerp_(grad, 1 - momentum)
             combined = grad.lerp(buf, momentum) if group["nesterov"] else buf
             layout = self.layouts.get(param, MatrixLayout())
-            whole = self._gather(combined.to(getattr(torch, group["ns_dtype"])), layout)
-            update, ratio = orthogonalised_update(whole, group, layout.qkv_head_dim)
+            stepped.append((param, layout, self._gather(param, combined.to(dtype), layout)))
+        updates = {param: orthogonalised_update(whole, group, layout.qkv_head_dim) for param, layout, whole in stepped
+                   if whole is not None}  # fmt: skip
+        for param, layout, _ in stepped:
+            whole_shape = list(param.shape)
             if layout.tp_dim is not None:
-                size = update.shape[layout.tp_dim] // layout.tp_count
-                update = update.narrow(layout.tp_dim, layout.tp_index * size, size)
-            param.mul_(1 - lr * decay)
-            param.add_(update, alpha=-lr * ratio)  # torch's order: the decay with the unadjusted lr first
+                whole_shape[layout.tp_dim] *= layout.tp_count
+            update = self._scatter(param, updates.get(param), layout)
+            param.mul_(1 - lr * decay)  # torch's order: the decay with the unadjusted lr first
+            param.add_(update, alpha=-lr * update_ratio(whole_shape, group, layout.qkv_head_dim))
         for param in group["params"]:  # each shared matrix from the replica that stepped it
             if param in self.owners and param.grad is not None:
                 src = dist.get_global_rank(self.replicas.group, self.owners[param])
                 dist.broadcast(param.data, src=src, group=self.replicas.group)
 
-    def _gather(self, shard: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
-        """The whole matrix of a TP shard: every TP rank's shard, one per shard index (ranks sharing a key/value
-        head's copy hold the same one), concatenated along the partition dimension."""
+    def _gather(self, param: torch.Tensor, shard: torch.Tensor, layout: MatrixLayout) -> torch.Tensor | None:
+        """The whole matrix of a TP shard on the TP rank that orthogonalises it (None on the others): every TP
+        rank's shard, one per shard index (ranks sharing a key/value head's copy hold the same one), concatenated
+        along the partition dimension. A tensor whole on this rank is itself."""
         if layout.tp_dim is None:
             return shard
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(self.tp_group))]
-        dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
-        order = self._ranks_of_shards(layout)
-        return torch.cat([parts[rank] for rank in order], dim=layout.tp_dim)
+        order, _ = self._shard_places(layout)
+        owner = self.tp_owners[param]
+        mine = dist.get_rank(self.tp_group) == owner
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(self.tp_group))] if mine else None
+        dist.gather(shard.contiguous(), parts, dst=dist.get_global_rank(self.tp_group, owner), group=self.tp_group)
+        return torch.cat([parts[rank] for rank in order], dim=layout.tp_dim) if mine else None
 
-    def _ranks_of_shards(self, layout: MatrixLayout) -> list[int]:
-        """For each shard index, the first TP rank holding it (asked once per shard count)."""
+    def _scatter(self, param: torch.Tensor, update: torch.Tensor | None, layout: MatrixLayout) -> torch.Tensor:
+        """This rank's shard of a parameter's whole update, sent by the TP rank that computed it."""
+        if layout.tp_dim is None:
+            return update
+        _, index_of = self._shard_places(layout)
+        owner = self.tp_owners[param]
+        shard = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        shards = None
+        if update is not None:
+            size = update.shape[layout.tp_dim] // layout.tp_count
+            shards = [update.narrow(layout.tp_dim, i * size, size).contiguous() for i in index_of]
+        dist.scatter(shard, shards, src=dist.get_global_rank(self.tp_group, owner), group=self.tp_group)
+        return shard
+
+    def _shard_places(self, layout: MatrixLayout) -> tuple[list[int], list[int]]:
+        """For each shard index the first TP rank holding it, and for each TP rank its shard index (asked once per
+        shard count)."""
         if layout.tp_count not in self._shard_order:
             indices = [None] * dist.get_world_size(self.tp_group)
             dist.all_gather_object(indices, layout.tp_index, group=self.tp_group)
-            self._shard_order[layout.tp_count] = [indices.index(i) for i in range(layout.tp_count)]
+            self._shard_order[layout.tp_count] = ([indices.index(i) for i in range(layout.tp_count)], indices)
         return self._shard_order[layout.tp_count]

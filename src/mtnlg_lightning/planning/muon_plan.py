@@ -1,7 +1,7 @@
 """What `--model.optimizer muon` changes in a plan (`parallel/muon.py`): the hidden matrices' optimizer state is one
 fp32 momentum buffer instead of AdamW's two moments, shared out over the data-parallel replicas (DP x CP) for the
-dense matrices; the step adds the Newton-Schulz FLOPs of the whole matrices (each TP rank orthogonalises them
-whole; the replicas share them out), the TP all-gather of the TP-split matrices' updates (bf16) and the replicas'
+dense matrices; the step adds the Newton-Schulz FLOPs of the whole matrices (shared out over the replicas and
+the TP ranks), the TP gather (bf16) and scatter (fp32) of the TP-split matrices' updates and the replicas'
 broadcast of the updated weights (fp32). ZeRO 1-3 are refused, as the trainer refuses them.
 
 The matrices are read off the model itself (built on the meta device: no memory), with the split the trainer uses
@@ -77,10 +77,13 @@ class MuonPlan:
         replicas, tp, ep = layout.replicas, layout.tp, layout.ep
         momentum = MOMENTUM * (dense / tp / replicas + experts / ep)
         delta = momentum - ADAM_MOMENTS * (dense / tp + experts / ep)
-        flops = sum(layer.dense_flops for layer in held) / replicas + sum(layer.expert_flops for layer in held) / ep
+        dense_flops = sum(layer.dense_flops for layer in held) / replicas / tp  # shared over replicas and TP ranks
+        flops = dense_flops + sum(layer.expert_flops for layer in held) / ep
         ns_seconds = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency)
         nvlink = gpu.nvlink_gbps * 1e9 * gpu.nvlink_efficiency
-        gather = all_gather_seconds(2 * dense / replicas, tp, nvlink)  # the owner's TP ranks gather its matrices
+        # each TP-split matrix gathered to its TP rank in bf16 and its shards scattered back in fp32: the traffic of
+        # an all-gather of 2 + 4 bytes per parameter of the replica's share
+        gather = all_gather_seconds(6 * dense / replicas, tp, nvlink)
         broadcast = all_gather_seconds(4 * dense / tp, replicas, dp_bandwidth(gpu, layout, gpus_per_node))
         summary = {
             "ns_steps": self.ns_steps,
