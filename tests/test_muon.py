@@ -261,7 +261,7 @@ def _launch(ranks: int, names: tuple[str, ...], moe_dir, tmp_path_factory) -> di
 
     script = Path(__file__).resolve().parent / "dist_muon_runs.py"
     out = tmp_path_factory.mktemp(f"muon_world{ranks}")
-    return launch_runs(script, out, list(names), ranks=ranks, args=(str(moe_dir),))
+    return launch_runs(script, out, list(names), ranks=ranks, args=(str(moe_dir),)) | {"_dir": out}
 
 
 @pytest.fixture(scope="module")
@@ -482,3 +482,17 @@ def test_a_tp2_adamw_checkpoint_resumes_with_muon_in_dp2_when_the_optimizer_is_r
     torch.testing.assert_close(resumed["losses"][0], adamw["losses"][3], rtol=1e-6, atol=0)
     assert abs(resumed["losses"][2] - adamw["losses"][5]) > 1e-3
     assert sum(resumed["momentum_buffers"]) == 8  # the tiny GPT's matrices, shared out over the two replicas
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_dp2_muon_checkpoint_resumes_in_one_process(muon_world2, muon_references):
+    """The dp2 run's step-3 checkpoint (each momentum buffer written by the replica that held it) resumed by
+    Lightning's one-process strategy continues the uninterrupted run."""
+    from dist_muon_runs import run_settings
+
+    from testing.parallel_harness import assert_resumes_like, tiny_run, trained
+
+    settings = run_settings("gpt_ckpt", muon_world2["_dir"], None) | {"checkpoint_dir": None, "capture_steps": (6,)}
+    rec, _ = tiny_run(**settings, ckpt_path=muon_world2["_dir"] / "gpt_dp2_ckpt" / "step=3.ckpt")
+    assert_resumes_like(trained(rec), muon_references["gpt"])
