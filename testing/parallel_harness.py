@@ -7,6 +7,7 @@ so both sides build exactly the same config, data and seed.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -223,6 +224,7 @@ def tiny_run(
     seq_len=None,
     lora=None,
     loss_chunk_tokens=None,
+    module_settings=None,
 ) -> tuple[Recorder, L.Trainer]:
     """`micro_batch_size` changes only how the global batch of 8 is cut (the loss and gradients are the same
     mean); pipelines need several micro-batches per step. `model_overrides` e.g. {"num_layers": 5}. `precision`:
@@ -230,7 +232,8 @@ def tiny_run(
     `compile_backend`: compile each block with this torch.compile backend (`model.compile: true`). `init_from`:
     start from a Hugging Face directory (its architecture). `seq_len`: train on longer sequences than the preset's.
     `lora`: train LoRA adapters of these settings on the frozen `init_from` model. `loss_chunk_tokens`: the
-    module's (the LM head and its loss in chunks of this many tokens)."""
+    module's (the LM head and its loss in chunks of this many tokens). `module_settings`: more `MTNLGModule`
+    arguments (e.g. {"optimizer": "muon"})."""
     L.seed_everything(SEED, verbose=False)
     if seq_len is not None:  # the preset's position table grows with it (a source's stays its own)
         longer = {"seq_len": seq_len} | ({} if init_from else {"max_position_embeddings": seq_len})
@@ -247,6 +250,7 @@ def tiny_run(
         init_from=init_from,
         lora=lora,
         loss_chunk_tokens=loss_chunk_tokens,
+        **(module_settings or {}),
     )
     data = GPTDataModule(builtin_corpus="python-docs", seed=SEED)
     recorder = Recorder(capture_steps)
@@ -335,6 +339,14 @@ def run_each(tag: str, names: Iterable[str], out: Path, run: Callable[[str], dic
             torch.save(result, out / f"{name}.pt")
             print(f"[{tag}] {name}: {result['seconds']:.1f}s losses={result.get('losses')}", flush=True)
         dist.barrier()
+
+
+def run_named_with_source(tag: str, train: Callable[[str, Path, str], dict]) -> None:
+    """The runs of a `SCRIPT OUT_DIR SOURCE NAME...` command line (SOURCE: e.g. a model directory), each
+    `train(name, out, source)`, through `run_each`."""
+    out, source = Path(sys.argv[1]), sys.argv[2]
+    out.mkdir(parents=True, exist_ok=True)
+    run_each(tag, sys.argv[3:], out, lambda name: train(name, out, source))
 
 
 def run_script(main: Callable[[], None]) -> None:

@@ -66,6 +66,11 @@ TORCH_PRIVATE_NAMES = {
     "torch.distributed.pipelining:PipelineStage._backward_metadata_inference": (
         "parallel/pipeline.py (overrides it: no loss of ours records torch's shape inference)"
     ),
+    "torch.distributed.pipelining:PipelineStage._forward_metadata_inference": (
+        "parallel/pipeline.py (overrides it: no forward hook of ours, e.g. QK-clip's, records the placeholders)"
+    ),
+    "torch.optim:AdamW._init_group(group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, "
+    "state_steps)": "parallel/muon.py (AdamW's step of the groups Muon does not step)",
     "torch.nn:Module()._non_persistent_buffers_set": "model.py (persistent_buffers)",
     "torch.nn:Module._apply(fn, recurse)": "moe.py (MoE overrides it: the expert bias stays fp32 through a cast)",
 }

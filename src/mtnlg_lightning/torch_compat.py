@@ -19,6 +19,25 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+# ------------------------------------------------------------------------------------------- optimizers
+# What torch.optim.AdamW's step passes from a group to the functional `adam` (torch 2.13).
+ADAM_SETTINGS = ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused")
+
+
+def adamw_group_step(optimizer: torch.optim.AdamW, group: dict) -> None:
+    """What `torch.optim.AdamW.step` does for one of `optimizer`'s param groups (its private `_init_group`, then the
+    functional `adam`): an optimizer that steps some groups otherwise (`parallel/muon.py`) steps the rest with it."""
+    from torch.optim.adam import adam
+
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+    has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    settings = {key: group[key] for key in ADAM_SETTINGS} | {"decoupled_weight_decay": True}
+    moments = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+    adam(params, grads, *moments, steps, has_complex=has_complex, beta1=beta1, beta2=beta2, **settings)
+
 
 # ------------------------------------------------------------------------------------------- modules
 def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
@@ -132,13 +151,18 @@ def set_group_timeout(timeout: timedelta, group) -> None:
 
 # ------------------------------------------------------------------------------------------- pipeline stages
 def pipeline_stage_class(inferring_shapes):
-    """torch's `PipelineStage`, entering `inferring_shapes()` (a context manager) around the backward of a loss of
-    placeholder activations by which torch learns its gradients' shapes (`_backward_metadata_inference`, torch >=
-    2.12: at a schedule's first step and after each evaluation), so that no loss of ours records it. Were the hook
+    """torch's `PipelineStage`, entering `inferring_shapes()` (a context manager) around the forward of placeholder
+    activations and the backward of their loss by which torch learns its shapes (`_forward_metadata_inference`,
+    `_backward_metadata_inference`, torch >= 2.12: at a schedule's first step and after each evaluation), so that
+    no loss or forward hook of ours records them. Were the hook
     renamed, torch's inference would run unnoticed: the test of this name fails first."""
     from torch.distributed.pipelining import PipelineStage  # ~2 s to import: only a pipeline-parallel run pays it
 
     class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            with inferring_shapes():
+                return super()._forward_metadata_inference(*args, **kwargs)
+
         def _backward_metadata_inference(self, *args, **kwargs):
             with inferring_shapes():
                 return super()._backward_metadata_inference(*args, **kwargs)

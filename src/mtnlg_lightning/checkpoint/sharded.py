@@ -28,11 +28,14 @@ from mtnlg_lightning.checkpoint.format import (
 from mtnlg_lightning.checkpoint.model_space import Slot, model_buffers, model_slots
 from mtnlg_lightning.checkpoint.state_io import (
     buffer_pieces,
+    check_same_optimizer,
     collect_pieces,
     optimizer_meta,
+    optimizer_name,
     restore_buffers,
     restore_optimizer_meta,
     restore_pieces,
+    stepping_replicas,
 )
 from mtnlg_lightning.checkpoint.validate import config_mismatch
 from mtnlg_lightning.data.chat_template import directory_template_files
@@ -125,7 +128,9 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
     strategy.barrier()
     staging = staging_path(path)
     slots = model_slots(module.model, module.config, groups.tensor_parallel_rank, groups.tensor_parallel_size)
+    optimizer = strategy.optimizers[0] if strategy.optimizers else None
     owner = balanced_owners(slots, groups.replica_size)  # DP x CP ranks hold the same shard: one writes it
+    owner = stepping_replicas(optimizer, slots, owner)
     replica, tp_rank = groups.replica_rank, groups.tensor_parallel_rank
 
     def writer_of(index: int, slot: Slot) -> bool:
@@ -136,7 +141,6 @@ def save_sharded(strategy, checkpoint: dict, path: Path, background=None) -> Non
             return owner[index] % copies == groups.expert_place()[1] and slot.tp_writer
         return owner[index] == replica and slot.tp_writer
 
-    optimizer = strategy.optimizers[0] if strategy.optimizers else None
     snapshot = background is not None  # training goes on: the pieces must not alias live tensors
     pieces = collect_pieces(
         slots, optimizer, strategy.engine, writer_of, groups.replica_size, tp_rank, snapshot=snapshot
@@ -227,6 +231,11 @@ def load_sharded(strategy, path: Path) -> dict[str, Any]:
     manifest, meta = check_checkpoint(path, slots, module.config, strategy.global_rank, strategy.world_size)
     optimizer = strategy.optimizers[0] if strategy.optimizers else None
     optimizer_state = meta.get("optimizer") or {}
+    if optimizer is not None and module.hparams.get("reset_optimizer"):  # a fresh optimizer and LR schedule
+        optimizer, optimizer_state = None, {}
+        meta["lr_schedulers"] = [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs]
+    elif optimizer is not None and optimizer_state:
+        check_same_optimizer(optimizer_state, optimizer_name(optimizer))
     reader = TensorReader(path, manifest)
     restore_pieces(reader, slots, optimizer, strategy.engine, optimizer_state, groups)
     restore_buffers(reader, module_buffers(module))  # checked present: `config_mismatch` expects them

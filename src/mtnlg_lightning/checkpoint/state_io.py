@@ -1,4 +1,5 @@
-"""Per-parameter training state (weights, fp32 master, Adam moments) between live objects and model-space pieces.
+"""Per-parameter training state (weights, fp32 master, Adam moments, Muon's momentum buffer) between live objects
+and model-space pieces.
 
 Two owners of that state: a torch optimizer over the (sharded) model parameters, or a DeepSpeed ZeRO engine
 whose fp32 master and moments are flat partitions over the data-parallel group, reached per parameter through
@@ -11,7 +12,7 @@ import torch
 
 from mtnlg_lightning.checkpoint.format import CheckpointError, Piece, TensorReader
 from mtnlg_lightning.checkpoint.model_space import Slot
-from mtnlg_lightning.checkpoint.validate import MOMENTS
+from mtnlg_lightning.checkpoint.validate import MOMENTS, STATE_KEYS
 from mtnlg_lightning.parallel.deepspeed_compat import (
     fp32_flat_partitions,
     fragment_mapping,
@@ -20,6 +21,7 @@ from mtnlg_lightning.parallel.deepspeed_compat import (
     is_partitioned,
     relink_moment_fragments,
 )
+from mtnlg_lightning.parallel.muon import MOMENTUM_BUFFER, MuonAdamW
 from mtnlg_lightning.parallel.zero import base_optimizer
 
 
@@ -36,10 +38,33 @@ def _step_of(optimizer) -> float | None:
 LAYOUT_KEYS = ("params", "moe", "name")
 
 
+def optimizer_name(optimizer) -> str:
+    """`muon` (Muon with AdamW, `parallel/muon.py`) or `adamw`: what `model.optimizer` names."""
+    return "muon" if isinstance(base_optimizer(optimizer), MuonAdamW) else "adamw"
+
+
 def optimizer_meta(optimizer) -> dict:
-    """Hyper-parameters of each param group (lr, betas, weight decay ...) and the update count."""
+    """Which optimizer, the hyper-parameters of each param group (lr, betas, weight decay ...), the update count."""
     groups = [{k: v for k, v in g.items() if k not in LAYOUT_KEYS} for g in base_optimizer(optimizer).param_groups]
-    return {"param_groups": groups, "step": _step_of(optimizer)}
+    return {"name": optimizer_name(optimizer), "param_groups": groups, "step": _step_of(optimizer)}
+
+
+def stepping_replicas(optimizer, slots: list[Slot], writers: list[int]) -> list[int]:
+    """The replica writing each slot (`writers`, one per slot), except that a Muon matrix stepped by one replica
+    only is written by that one, which holds its momentum buffer."""
+    inner = base_optimizer(optimizer) if optimizer is not None else None
+    owners = inner.owners if isinstance(inner, MuonAdamW) else {}
+    return [owners.get(slot.param, writer) for slot, writer in zip(slots, writers, strict=True)]
+
+
+def check_same_optimizer(meta: dict, name: str) -> None:
+    """A checkpoint's optimizer state only fits the optimizer that wrote it (checkpoints before Muon: AdamW)."""
+    saved = meta.get("name", "adamw")
+    if saved != name:
+        raise CheckpointError(
+            f"the checkpoint's optimizer is {saved} and this run's {name}: resume with --model.optimizer {saved}, "
+            "or set --model.reset_optimizer true to start the optimizer afresh"
+        )
 
 
 def restore_optimizer_meta(optimizer, meta: dict) -> None:
@@ -141,7 +166,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
     if engine is None:
         yield f"model/{slot.name}", param.data
         state = base_optimizer(optimizer).state.get(param, {}) if optimizer is not None else {}
-        for moment in MOMENTS:
+        for moment in STATE_KEYS:
             if moment in state:
                 yield f"optim/{slot.name}/{moment}", state[moment]
         return
@@ -179,10 +204,10 @@ def _deepspeed_state_initialized(engine) -> bool:
 def restore_pieces(reader: TensorReader, slots: list[Slot], optimizer, engine, meta: dict, groups=None) -> None:
     """Load every slot's weight (and, with an optimizer, its master weight and moments) from the checkpoint."""
     step = meta.get("step")
-    has_moments = step is not None and all(f"optim/{s.name}/exp_avg" in reader for s in slots if not s.empty)
     if engine is None:
-        _restore_torch(reader, slots, optimizer, step, has_moments)
+        _restore_torch(reader, slots, optimizer, step)
     else:
+        has_moments = step is not None and all(f"optim/{s.name}/exp_avg" in reader for s in slots if not s.empty)
         _restore_deepspeed(reader, slots, engine, step, has_moments, groups)
 
 
@@ -201,17 +226,30 @@ def weight_key(reader: TensorReader, name: str, dtype: torch.dtype) -> str:
 
 
 @torch.no_grad()
-def _restore_torch(reader, slots, optimizer, step, has_moments) -> None:
+def _restore_torch(reader, slots, optimizer, step) -> None:
+    """The weights, and with an optimizer each parameter's state as its group keeps it: Adam's moments (and the
+    step), or Muon's momentum buffer. The state is restored only when the checkpoint holds all of it."""
     inner = base_optimizer(optimizer) if optimizer is not None else None
     group_of = {id(p): g for g in (inner.param_groups if inner else []) for p in g["params"]}
+
+    def keys_of(param) -> tuple[str, ...]:
+        return (MOMENTUM_BUFFER,) if group_of[id(param)].get("muon") else MOMENTS
+
+    stored = (f"optim/{s.name}/{k}" in reader for s in slots if not s.empty for k in keys_of(s.param))
+    has_state = inner is not None and step is not None and all(stored)
     for slot in slots:
         param = slot.param
         key = weight_key(reader, slot.name, param.dtype)
         param.data.copy_(_read_local(reader, key, slot, param.dtype, param.device))
-        if inner is None or not has_moments:
+        if not has_state:
             continue
-        state = _fresh_adam_state(param, group_of[id(param)], step)
-        for moment in MOMENTS:
+        group = group_of[id(param)]
+        if group.get("muon") and not inner.owns(param):  # another data-parallel replica steps it
+            continue
+        state = (
+            {MOMENTUM_BUFFER: torch.zeros_like(param)} if group.get("muon") else _fresh_adam_state(param, group, step)
+        )
+        for moment in keys_of(param):
             value = _read_local(reader, f"optim/{slot.name}/{moment}", slot, state[moment].dtype, param.device)
             state[moment].copy_(value)
         inner.state[param] = state

@@ -19,11 +19,13 @@ from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.model import build_model, persistent_buffers
 from mtnlg_lightning.parallel.lora import stored_parameters
+from mtnlg_lightning.parallel.muon import MOMENTUM_BUFFER
 
 # The dtypes a checkpoint stores (manifest name -> safetensors name, bytes per element).
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state a checkpoint stores per parameter (AdamW)
+STATE_KEYS = (*MOMENTS, MOMENTUM_BUFFER)  # ... and Muon's (`parallel/muon.py`), per matrix it steps
 POSITIVE_INT_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -279,7 +281,8 @@ def config_mismatch(manifest: dict, config, subject: str = "this model") -> str 
     for key, entry in sorted(tensors.items()):
         kind, _, rest = key.partition("/")
         name, moment = (rest.rsplit("/", 1) + [""])[:2] if kind == "optim" else (rest, "")
-        known = (kind == "master" and name in expected) or (kind == "optim" and name in expected and moment in MOMENTS)
+        optim = kind == "optim" and name in expected and moment in STATE_KEYS
+        known = (kind == "master" and name in expected) or optim
         if kind != "model" and not known:
             return f"the checkpoint has a tensor {key} that {subject} does not have"
         if kind != "model" and tuple(entry["shape"]) != expected[name]:

@@ -237,6 +237,11 @@ class PipelineRunner:
         self._loss_fn = None
         self._inferring_shapes = False
 
+    @property
+    def inferring_shapes(self) -> bool:
+        """torch is running the stage on placeholder activations to learn shapes: nothing may record it."""
+        return self._inferring_shapes
+
     @contextmanager
     def _inferring_shapes_now(self):
         self._inferring_shapes = True

@@ -40,6 +40,7 @@ from mtnlg_lightning.planning.dpo_plan import REFERENCES, preference_plan
 from mtnlg_lightning.planning.grpo_plan import ONE_OBJECTIVE, parse_grpo
 from mtnlg_lightning.planning.inference_plan import inference_report, smallest_layouts
 from mtnlg_lightning.planning.lora_plan import parse_lora
+from mtnlg_lightning.planning.muon_plan import MuonPlan
 from mtnlg_lightning.planning.planner import RECOMPUTE_MODES, Plan, format_breakdown, format_plan, plan, search
 
 DIMENSIONS = {
@@ -96,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (TP > 1)")
     layout.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over DP")
     layout.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training precision")
+    layout.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "muon"),
+        help="--model.optimizer: muon keeps one momentum buffer for the hidden matrices and adds Newton-Schulz "
+        "FLOPs and communication to the step (one layout; with --zero-stage 0)",
+    )
     layout.add_argument(
         "--rampup",
         type=int,
@@ -296,7 +304,7 @@ def plan_layout(args, config: ModelConfig, gpu, lora=None, grpo=None) -> Plan:
         args.global_batch, args.micro_batch, args.recompute, parallel.zero_stage, precision=args.precision,
         layers=layers, virtual_stages=parallel.virtual_pipeline_stages, sequence_parallel=parallel.sequence_parallel,
         implementation=args.implementation, rampup=args.rampup, cp=layout.context_parallel, lora=lora, dpo=dpo,
-        ep=layout.expert_parallel, grpo=grpo,
+        ep=layout.expert_parallel, grpo=grpo, muon=MuonPlan() if args.optimizer == "muon" else None,
     )  # fmt: skip
 
 
@@ -322,6 +330,8 @@ def run(args) -> None:
     if args.dpo and args.grpo is not None:
         raise MTNLGError(ONE_OBJECTIVE)
     grpo = parse_grpo(args.grpo, config, lora is not None) if args.grpo is not None else None
+    if args.search and args.optimizer != "adamw":
+        raise MTNLGError("--optimizer muon plans one layout: give it with --tp/--pp/--dp (and --zero-stage 0)")
     if args.search:
         gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
         ParallelConfig().layout(gpus, args.gpus_per_node)  # a cluster of whole nodes

@@ -29,6 +29,7 @@ from mtnlg_lightning.planning.cost_model import (
 from mtnlg_lightning.planning.dpo_plan import PreferencePlan, format_dpo, preference_plan
 from mtnlg_lightning.planning.grpo_plan import ONE_OBJECTIVE, GRPOPlan, format_grpo
 from mtnlg_lightning.planning.lora_plan import format_lora, lora_summary, stage_state
+from mtnlg_lightning.planning.muon_plan import MuonPlan, format_muon
 from mtnlg_lightning.train.flops import flops_per_iteration
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule
 
@@ -136,6 +137,7 @@ class Plan:
     # `families.active_parameters` counts them; the FLOPs above count these.
     active_params: int = 0
     ep: int = 1  # expert-parallel ranks (out of the dp ranks) each MoE layer's experts are split over
+    muon: dict | None = None  # Muon's momentum, saved bytes and optimizer seconds (`muon_plan`); None: AdamW
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -183,6 +185,7 @@ def plan(
     dpo: PreferencePlan | None = None,
     ep: int = 1,
     grpo: GRPOPlan | None = None,
+    muon: MuonPlan | None = None,
 ) -> Plan:
     """One layout: memory per GPU and the time of one iteration. `cp`: context-parallel ranks per sequence (each
     holds seq_len / cp of its tokens: activations, compute and logits divided by cp; the model states partitioned
@@ -193,7 +196,9 @@ def plan(
     gradients reduced over dp x cp / ep ranks, the routed rows' all-to-alls costed in `cost_model`). `grpo`: GRPO
     (`grpo_plan`: G sequences a prompt, its reference, and the step's generation: the KV cache, and under ZeRO-3 the
     gathered weights, beside the model states; the prefill and decode seconds before the training, over
-    num_iterations steps); batches count prompts."""
+    num_iterations steps); batches count prompts. `muon`: `--model.optimizer muon` (`muon_plan`: one momentum
+    buffer for the hidden matrices, shared out over the replicas, instead of AdamW's two moments; the Newton-Schulz
+    FLOPs, TP gather and DP broadcast in the optimizer's seconds; counted on the stage with the most parameters)."""
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     per_gpu = _checked_layers(config, tp, pp, dp, cp, global_batch, micro_batch, recompute, sequence_parallel,
@@ -233,6 +238,17 @@ def plan(
         generation = (prefill, decode, gather)
         breakdown.generation = sum(generation) / mu  # in the step's time, not in its model FLOPs (training's only)
         breakdown.old_logps = forward / mu if mu > 1 else 0.0
+    muon_summary, muon_delta = None, 0.0
+    if muon is not None:
+        if lora is not None:
+            raise MTNLGError("model.optimizer muon does not train LoRA adapters: plan without --optimizer muon")
+        first = sum(per_gpu[:fullest])
+        muon_delta, extra, muon_summary = muon.stage(config, layout, first, per_gpu[fullest], spec, gpus_per_node)
+        memory = memory | {"state": memory["state"] + muon_delta, "training": memory["training"] + muon_delta}
+        if grpo is not None:
+            memory["generation"] += muon_delta
+        memory["total"] = max(memory["training"], memory["generation"])
+        breakdown.optimizer += extra
     gpus = tp * cp * pp * dp
     model_flops = flops_per_iteration(config, sequences)
     seconds = breakdown.total
@@ -272,12 +288,13 @@ def plan(
         cp=cp,
         trainable_params=memory["trained"].trainable_params,
         frozen_params=memory["trained"].frozen_params,
-        optimizer_state_gb=memory["trained"].optimizer_bytes / 1e9,
+        optimizer_state_gb=(memory["trained"].optimizer_bytes + muon_delta) / 1e9,
         lora=lora_summary(lora, config, memory["trained"]) if lora is not None else None,
         dpo=dpo.summary(memory["reference"]) if dpo is not None else None,
         active_params=active_parameters(config),
         ep=ep,
         grpo=grpo.summary(memory["reference"], sequences // dp, memory, generation, seconds) if grpo else None,
+        muon=muon_summary,
     )
 
 
@@ -508,6 +525,8 @@ def format_plan(p: Plan) -> str:
         lines.insert(4, format_dpo(p.dpo))
     if p.grpo is not None:
         lines[4:4] = format_grpo(p.grpo)
+    if p.muon is not None:
+        lines.insert(4, format_muon(p.muon))
     if p.rampup_seconds is not None:
         lines.append(
             f"  batch ramp-up        {p.rampup_steps:,} steps in {p.rampup_seconds / 3600:,.1f} h "

@@ -18,8 +18,15 @@ from mtnlg_lightning.checkpoint.sharded import (
     module_buffers,
     write_and_publish,
 )
-from mtnlg_lightning.checkpoint.state_io import MOMENTS, buffer_pieces, collect_pieces, weight_key
-from mtnlg_lightning.train.optimizer_recipe import decay_groups
+from mtnlg_lightning.checkpoint.state_io import (
+    MOMENTS,
+    buffer_pieces,
+    check_same_optimizer,
+    collect_pieces,
+    weight_key,
+)
+from mtnlg_lightning.parallel.muon import MOMENTUM_BUFFER
+from mtnlg_lightning.train.optimizer_recipe import optimizer_groups
 
 SINGLE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "zero_stage": 0}
 
@@ -69,7 +76,12 @@ class ModelSpaceCheckpointIO(CheckpointIO):
             state_dict[f"model.{name}"] = reader.read(f"model/{name}", dtype=buffer.dtype)
         checkpoint = {**meta, "state_dict": state_dict}
         optimizer = meta.get("optimizer")
-        if optimizer and optimizer.get("step") is not None:
+        if module.hparams.get("reset_optimizer"):  # Lightning restores these: a fresh optimizer's and schedule's
+            fresh = module.configure_optimizers()
+            checkpoint["optimizer_states"] = [fresh["optimizer"].state_dict()]
+            checkpoint["lr_schedulers"] = [fresh["lr_scheduler"]["scheduler"].state_dict()]
+        elif optimizer and optimizer.get("step") is not None:
+            check_same_optimizer(optimizer, module.hparams.get("optimizer", "adamw"))
             checkpoint["optimizer_states"] = [_torch_optimizer_state(module, reader, slots, optimizer)]
         return checkpoint
 
@@ -78,15 +90,18 @@ class ModelSpaceCheckpointIO(CheckpointIO):
 
 
 def _torch_optimizer_state(module, reader: TensorReader, slots, optimizer: dict) -> dict:
-    """AdamW's `state_dict()` for the optimizer `configure_optimizers` builds (parameters numbered in its order)."""
+    """The `state_dict()` of the optimizer `configure_optimizers` builds (parameters numbered in its order): AdamW's
+    moments and step, or Muon's momentum buffer in its groups."""
     slot_of = {id(s.param): s for s in slots}
     state, param_groups, index = {}, [], 0
-    for params, saved in zip(decay_groups(module.model), optimizer["param_groups"], strict=True):
+    groups = optimizer_groups(module.model, module.hparams.get("optimizer", "adamw"))
+    for params, saved in zip(groups, optimizer["param_groups"], strict=True):
         ids = []
         for param in params:
             slot = slot_of[id(param)]
-            entry = {"step": torch.tensor(float(optimizer["step"]))}
-            for moment in MOMENTS:
+            muon = saved.get("muon")
+            entry = {} if muon else {"step": torch.tensor(float(optimizer["step"]))}
+            for moment in (MOMENTUM_BUFFER,) if muon else MOMENTS:
                 local = torch.zeros(param.shape, dtype=torch.float32)
                 slot.fill(local, reader.read(f"optim/{slot.name}/{moment}", slot.offsets, slot.shape))
                 entry[moment] = local

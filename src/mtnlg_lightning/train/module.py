@@ -18,6 +18,7 @@ from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
+from mtnlg_lightning.parallel.muon import MuonSettings, Replicas
 from mtnlg_lightning.parallel.output_layer import check_chunk_tokens
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
@@ -29,7 +30,7 @@ from mtnlg_lightning.train.extensions import extensions_for
 from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.objectives import build_objective
-from mtnlg_lightning.train.optimizer_recipe import build_adamw
+from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_muon_layout, check_optimizer
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
 from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
@@ -74,6 +75,10 @@ class MTNLGModule(L.LightningModule):
         grpo: dict | None = None,
         rewards: list[str | dict] | None = None,
         reward_weights: list[float] | None = None,
+        optimizer: str = "adamw",
+        muon: dict | None = None,
+        reset_optimizer: bool = False,
+        qk_clip: float | None = None,
     ):
         """
         Args:
@@ -131,12 +136,32 @@ class MTNLGModule(L.LightningModule):
                 shipped names (accuracy, format, length), `package.module:function`, `path/file.py:function` (the
                 file's code runs), or a mapping {name: SPEC, ...keyword arguments} (`rewards.load_rewards`).
             reward_weights: one weight per reward function (default 1.0 each); the reward is their weighted sum.
+            optimizer: `adamw` (MT-NLG's, above) or `muon`: Muon for the blocks' weight matrices (attention and MLP
+                projections, each expert), this AdamW for the embeddings, the LM head, norms, biases and routers
+                (Moonlight's split; `parallel/muon.py`). A fused QKV weight is orthogonalised as Q, K and V, a
+                tensor-parallel shard as its whole matrix (gathered over TP). Not under ZeRO 1-3 nor with LoRA.
+            muon: Muon's settings, torch.optim.Muon's names and defaults, each optional: {lr: the AdamW lr,
+                weight_decay: the AdamW weight_decay, momentum: 0.95, nesterov: true, ns_steps: 5,
+                ns_coefficients: [3.4445, -4.775, 2.0315], eps: 1.0e-7, adjust_lr: match_rms_adamw} (adjust_lr:
+                torch's adjust_lr_fn, `original` or `match_rms_adamw`; the lr schedule scales both lrs alike).
+            reset_optimizer: a resume starts the optimizer afresh (weights, step and data position from the
+                checkpoint): how a run changes optimizer (AdamW <-> Muon) at a resume.
+            qk_clip: tau of QK-clip (Kimi K2's MuonClip, with either optimizer): after each update the query and key
+                weights of every attention head whose largest pre-softmax logit of the step exceeded tau are scaled
+                back to tau (`parallel/qk_clip.py`); logs `qk_max_logit/LAYER` and `qk_clipped_heads`. Not with
+                q/k norms or key/value heads copied over TP ranks.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
         (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
         """
         super().__init__()
         self.save_hyperparameters()
+        check_optimizer(optimizer)
+        self.muon = MuonSettings.from_dict(muon) if optimizer == "muon" else None
+        if muon and self.muon is None:
+            raise MTNLGError("model.muon is set, but model.optimizer is not muon")
+        if self.muon is not None and lora:
+            raise MTNLGError("model.optimizer muon does not train LoRA adapters: use adamw")
         if init_from:
             self.config = config_for_init(init_from, preset, model_overrides)
             # Checkpoints rebuild the config from preset + overrides: record the resolved one.
@@ -238,6 +263,8 @@ class MTNLGModule(L.LightningModule):
         if self.trainer.datamodule is not None:
             self.objective.check_data(self.trainer.datamodule)
         self.objective.check_layout(self, strategy)
+        if self.muon is not None:
+            check_muon_layout(getattr(strategy, "zero_stage", 0))
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return
@@ -250,7 +277,24 @@ class MTNLGModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         fused = self.device.type == "cuda" or None
-        optimizer = build_adamw(self.model, hp.lr, hp.weight_decay, hp.betas, hp.eps, fused)
+        if self.muon is None:
+            optimizer = build_adamw(self.model, hp.lr, hp.weight_decay, hp.betas, hp.eps, fused)
+        else:
+            groups = getattr(lightning_compat.strategy_of(self), "groups", None)  # the 3D strategy's process groups
+            config = self.config
+            optimizer = build_muon(
+                self.model,
+                self.muon,
+                hp.lr,
+                hp.weight_decay,
+                hp.betas,
+                hp.eps,
+                fused,
+                fused_qkv_head_dim=config.head_dim if config.fused_qkv else None,
+                tp_group=groups.tensor_parallel_group if groups is not None else None,
+                tp_size=groups.tensor_parallel_size if groups is not None else 1,
+                replicas=Replicas(groups.replica_group, groups.replica_rank, groups.replica_size) if groups else None,
+            )
         seq_len, peak, position = self.config.seq_len, hp.lr, self.position
 
         def lr_multiplier(_step: int) -> float:  # the schedule runs on tokens consumed, not on steps

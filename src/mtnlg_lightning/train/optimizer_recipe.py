@@ -1,4 +1,5 @@
-"""MT-NLG's optimizer: AdamW (beta2 = 0.95) with weight decay on weight matrices and embeddings only.
+"""MT-NLG's optimizer: AdamW (beta2 = 0.95) with weight decay on weight matrices and embeddings only; or, with
+`model.optimizer: muon`, Muon for the hidden weight matrices and that AdamW for the rest (`parallel/muon.py`).
 
 Its own file so the module (which builds it) and the checkpoint reader (which rebuilds its state dict in the same
 parameter order) both depend on it, not on each other.
@@ -8,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.moe import moe_layers
+from mtnlg_lightning.parallel.muon import MuonAdamW, MuonSettings, Replicas, matrix_layout
+
+OPTIMIZERS = ("adamw", "muon")
+# Matrices that stay with AdamW under Muon (Moonlight's recipe, and the routers): the embeddings, the LM head, a
+# mixture of experts' router and shared-expert gate; by a component of the parameter's name.
+ADAMW_MATRICES = ("embed", "lm_head", "router", "shared_gate")
 
 
 def decay_groups(model: torch.nn.Module) -> list[list]:
@@ -24,6 +32,91 @@ def decay_groups(model: torch.nn.Module) -> list[list]:
         if param.requires_grad:
             (stacked if id(param) in experts else decay if param.ndim >= 2 else no_decay).append(param)
     return [group for group in (decay, no_decay, stacked) if group]
+
+
+def muon_split(model: torch.nn.Module) -> list[list]:
+    """Muon's groups, in this order, each present (possibly empty) in every layout and pipeline stage so that a
+    checkpoint's groups fit any: AdamW with decay (embeddings, LM head, routers), AdamW without (norms, biases),
+    Muon (the blocks' other matrices), Muon of the stacked experts (one matrix per expert). Trained parameters only."""
+    experts = {id(p) for _, layer in moe_layers(model) for p in layer.experts.parameters()}
+    decay, no_decay, hidden, stacked = [], [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if id(param) in experts:
+            stacked.append(param)
+        elif param.ndim < 2:
+            no_decay.append(param)
+        elif set(name.split(".")) & set(ADAMW_MATRICES):
+            decay.append(param)
+        else:
+            hidden.append(param)
+    return [decay, no_decay, hidden, stacked]
+
+
+def optimizer_groups(model: torch.nn.Module, optimizer: str) -> list[list]:
+    """The parameter groups of the run's optimizer, in its order (what a checkpoint's optimizer state is read by)."""
+    return muon_split(model) if optimizer == "muon" else decay_groups(model)
+
+
+def build_muon(
+    model: torch.nn.Module,
+    muon: MuonSettings,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool | None,
+    fused_qkv_head_dim: int | None = None,
+    tp_group=None,
+    tp_size: int = 1,
+    replicas: Replicas | None = None,
+) -> MuonAdamW:
+    """Muon for the hidden matrices (its lr and decay default to AdamW's), AdamW (the run's) for the rest.
+    `fused_qkv_head_dim`: the model fuses q, k, v in one weight of rows [heads, 3, head_dim]; `tp_group`: the
+    tensor-parallel group the shards of this rank's matrices are gathered over; `replicas`: the data-parallel
+    replicas the dense Muon matrices are shared out over (`MuonAdamW`)."""
+    decay, no_decay, hidden, stacked = muon_split(model)
+    settings = {
+        "muon": True,
+        "lr": lr if muon.lr is None else muon.lr,
+        "weight_decay": weight_decay if muon.weight_decay is None else muon.weight_decay,
+        "momentum": muon.momentum,
+        "nesterov": muon.nesterov,
+        "ns_steps": muon.ns_steps,
+        "ns_coefficients": tuple(muon.ns_coefficients),
+        "eps": muon.eps,
+        "adjust_lr": muon.adjust_lr,
+        "ns_dtype": muon.ns_dtype,
+    }
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": hidden, **settings},
+        {"params": stacked, **settings},
+    ]
+    fused_names = {"qkv"} if fused_qkv_head_dim else set()
+    layouts = {}
+    for name, param in model.named_parameters():
+        qkv = fused_qkv_head_dim if fused_names & set(name.split(".")) else None
+        layouts[param] = matrix_layout(param, qkv, tp_size)
+    adamw = {"lr": lr, "betas": tuple(betas), "eps": eps, "fused": fused}
+    return MuonAdamW(groups, layouts=layouts, tp_group=tp_group, shared=hidden, replicas=replicas, **adamw)
+
+
+def check_muon_layout(zero_stage: int) -> None:
+    """DeepSpeed ZeRO 1-3 step the optimizer on flat partitions of the parameters, which cut the matrices Muon
+    orthogonalises whole."""
+    if zero_stage >= 1:
+        raise MTNLGError(
+            f"model.optimizer muon cannot run under ZeRO stage {zero_stage} (DeepSpeed's flat partitions cut the "
+            "weight matrices Muon orthogonalises whole): use zero_stage 0"
+        )
+
+
+def check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise MTNLGError(f"model.optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def build_adamw(

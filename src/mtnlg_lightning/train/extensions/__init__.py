@@ -8,15 +8,19 @@ from mtnlg_lightning.parallel.lora import lora_config
 from mtnlg_lightning.train.extensions.adapters import LowRankAdapters
 from mtnlg_lightning.train.extensions.extension import Extension
 from mtnlg_lightning.train.extensions.mixture_of_experts import RouterBalancing
+from mtnlg_lightning.train.extensions.qk_clip import QKClipping
 
 
 def extensions_for(config, hparams: Mapping) -> list[Extension]:
     """The extensions of a model (`config`) and the module's settings (`hparams`): LoRA where `model.lora` is set
-    (first: it transforms the model the others see), then mixture of experts where the model has MoE layers."""
+    (first: it transforms the model the others see), then mixture of experts where the model has MoE layers, then
+    QK-clip where `model.qk_clip` is set."""
     lora = lora_config(hparams.get("lora"))
     extensions: list[Extension] = []
     if lora is not None:
         extensions.append(LowRankAdapters(lora, config, hparams.get("init_from")))
     if config.moe:
         extensions.append(RouterBalancing(config, frozen_base=lora is not None))
+    if hparams.get("qk_clip") is not None:
+        extensions.append(QKClipping(config, float(hparams["qk_clip"])))
     return extensions
