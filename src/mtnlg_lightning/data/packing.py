@@ -22,6 +22,11 @@ from mtnlg_lightning.loss import IGNORE_INDEX
 
 PADDING_DOCUMENT = -1
 ROW_FIELDS = ("input_ids", "labels", "position_ids", "document_ids")
+# [B]: the positions before each row's padding. A layout that may change shapes computes a micro-batch only up to its
+# longest row, rounded up to a multiple of ROW_MULTIPLE (`train.step_interfaces.micro_batches_of`): one example per
+# row leaves most of seq_len as padding, and its attention and output layer would cost as much as the documents.
+ROW_LENGTHS = "row_lengths"
+ROW_MULTIPLE = 64  # what sequence and context parallelism's cuts divide, and few distinct shapes for the kernels
 
 
 @dataclass
@@ -126,5 +131,8 @@ class ShuffledRows:
 
 
 def rows_batch(rows: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Rows stacked into a batch: each of ROW_FIELDS [B, seq_len] int64."""
-    return {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in ROW_FIELDS}
+    """Rows stacked into a batch: each of ROW_FIELDS [B, seq_len] int64, and ROW_LENGTHS [B] (the padding is at
+    each row's end)."""
+    batch = {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in ROW_FIELDS}
+    batch[ROW_LENGTHS] = (batch["document_ids"] != PADDING_DOCUMENT).sum(dim=1)
+    return batch

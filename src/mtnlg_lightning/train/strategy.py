@@ -16,6 +16,7 @@ evaluate, update). Works under Lightning's launcher, torchrun and SLURM (Lightni
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
 from mtnlg_lightning.checkpoint.commit import remove_checkpoint
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
+from mtnlg_lightning.data.packing import ROW_LENGTHS, ROW_MULTIPLE
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.config import ParallelConfig, PipelineParallelSettings
@@ -134,6 +136,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.async_save = async_save
         self.background_saver: BackgroundSaver | None = None
         self.layout: ParallelLayout | None = None
+        self._said_fixed_shapes = False  # the log says once that a pipeline pads rows to seq_len
         self.groups: ProcessGroups | None = None
         self.engine = None  # the DeepSpeed engine when zero_stage >= 1
         self.num_nodes = 1
@@ -327,7 +330,15 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         ZeRO)."""
         with heads_in_loss(self.lightning_module.model):  # the layout's loss applies the LM head (output_layer)
             if self.pipeline is None:
-                return accumulate(self.forward_module, self._backward, batch, micro_batch_size, step_loss)
+                return accumulate(
+                    self.forward_module,
+                    self._backward,
+                    batch,
+                    micro_batch_size,
+                    step_loss,
+                    row_multiple=self.row_multiple,
+                )
+            self._say_fixed_shapes(batch)
             loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
             loss = self.pipeline.run(batch, micro_batch_size, loss_fn)
         if self.tied_embedding is not None:
@@ -337,9 +348,28 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
     def evaluate(self, batch: dict, micro_batch_size: int, step_loss) -> torch.Tensor:
         with heads_in_loss(self.lightning_module.model):
             if self.pipeline is None:
-                return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss)
+                return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss, self.row_multiple)
+            self._say_fixed_shapes(batch)
             loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
             return self.pipeline.run(batch, micro_batch_size, loss_fn, train=False)
+
+    @property
+    def row_multiple(self) -> int | None:
+        """What a micro-batch's width must be a multiple of (`step_interfaces.micro_batches_of`): ROW_MULTIPLE and the
+        cuts of sequence and context parallelism; None under a pipeline, whose schedule sends seq_len-wide
+        activations between the stages (fixed shapes)."""
+        if self.pipeline is not None:
+            return None
+        return math.lcm(ROW_MULTIPLE, self.parallel_config.sequence_multiple)
+
+    def _say_fixed_shapes(self, batch: dict) -> None:
+        if self._said_fixed_shapes or batch.get(ROW_LENGTHS) is None:
+            return
+        self._said_fixed_shapes = True
+        rank_zero_info(
+            f"pipeline parallelism runs fixed shapes: each row is padded to seq_len {batch['input_ids'].shape[1]}, "
+            "not to its micro-batch's longest row (pack the data to spend fewer positions on padding)"
+        )
 
     @staticmethod
     def _pipeline_loss(batch: dict, micro_batch_size: int, step_loss):
