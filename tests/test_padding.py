@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -25,9 +24,9 @@ from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS, Rows, ro
 from mtnlg_lightning.demo.synthetic.instructions import write_instructions
 from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import build_model
+from mtnlg_lightning.parallel.config import ParallelConfig
 from mtnlg_lightning.train.flops import flops_per_iteration
-from mtnlg_lightning.train.step_interfaces import accumulate, micro_batch_shapes, micro_batches_of
-from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
+from mtnlg_lightning.train.step_interfaces import RowWidths, accumulate, micro_batch_shapes, micro_batches_of
 from testing.lightning_run import quiet_trainer
 from testing.parallel_harness import PADDED_SEQ_LEN, PadRows, assert_trains_like, launch_runs, tiny_run, trained
 
@@ -75,23 +74,33 @@ def test_cutting_the_padding_leaves_every_loss_and_gradient():
         torch.testing.assert_close(cut_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_the_layouts_cut_rows_to_a_multiple_of_their_sequence_cuts_and_a_pipeline_keeps_seq_len(caplog):
-    plain = MegatronDeepSpeedStrategy(print_layout=False)
-    assert plain.row_multiple == 64
-    cut = MegatronDeepSpeedStrategy(tensor_parallel=2, sequence_parallel=True, context_parallel=3, print_layout=False)
-    assert cut.row_multiple == 192  # 64 and 2 x CP x TP = 12 both divide it
-    piped = MegatronDeepSpeedStrategy(pipeline_parallel=2, print_layout=False)
-    piped.parallel = SimpleNamespace(pipeline=object())  # what setup leaves under PP: the schedule's runner
-    assert piped.row_multiple is None
+def test_a_layout_cuts_rows_to_a_multiple_of_its_sequence_cuts_where_shapes_may_change_and_says_once_where_not(
+    caplog,
+):
+    """One process: multiples of 64; SP and CP: of 64 and their cuts; a pipeline's fixed shapes and a mixture of
+    experts (whose router losses count the padding too) keep seq_len, and the log says why, once."""
+    dense, moe = get_config("tiny"), get_config("tiny-llama", num_experts=4, experts_per_token=2)
+    assert moe.moe and not dense.moe
+    assert RowWidths().multiple(dense) == 64
+    sp_cp = ParallelConfig(tensor_parallel=2, sequence_parallel=True, context_parallel=3).sequence_multiple
+    assert RowWidths().multiple(dense, sequence_multiple=sp_cp) == 192  # 64 and 2 x CP x TP = 12 both divide it
+    assert RowWidths().multiple(dense, pipeline=True) is None and RowWidths().multiple(moe) is None
     batch = unpacked_batch([10, 20])
-    with caplog.at_level(logging.INFO):
-        for _ in range(3):
-            piped._say_fixed_shapes(batch)
-    said = [r.getMessage() for r in caplog.records if "fixed shapes" in r.getMessage()]
+    said = []
+    for config, pipeline in ((dense, True), (moe, False), (dense, False)):
+        widths = RowWidths()
+        with caplog.at_level(logging.INFO):
+            for _ in range(3):
+                widths.note(batch, config, pipeline)
+        said.append([r.getMessage() for r in caplog.records if "seq_len" in r.getMessage()])
+        caplog.clear()
+    tail = ": each row is padded to seq_len 256, not to its micro-batch's longest row (pack the data to spend fewer "
     assert said == [
-        "pipeline parallelism runs fixed shapes: each row is padded to seq_len 256, not to its micro-batch's "
-        "longest row (pack the data to spend fewer positions on padding)"
-    ]
+        ["pipeline parallelism runs fixed shapes" + tail + "positions on padding)"],
+        ["a mixture of experts routes the padding too (its router losses count every position)" + tail
+         + "positions on padding)"],
+        [],
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the layouts

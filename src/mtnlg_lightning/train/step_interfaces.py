@@ -6,7 +6,7 @@ returns an `Update` holding the pre-clip norm; the module asks the callbacks tha
 norm and hands their answer down: `update.finish(vetoed)` applies or discards. The runner is the 3D strategy
 itself, or `LocalRunner` under Lightning's own strategies (one device, DDP), chosen once when the module is set up.
 A runner's `row_multiple` says what its layout lets a micro-batch's width be: a multiple of it (rows that give their
-lengths are cut to their longest), or None where a schedule needs seq_len (a pipeline's).
+lengths are cut to their longest), or None where the rows keep seq_len (`RowWidths`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from mtnlg_lightning.data.packing import ROW_LENGTHS, ROW_MULTIPLE
@@ -36,6 +37,39 @@ def trimmed_width(lengths: torch.Tensor | None, width: int, row_multiple: int | 
     if lengths is None or row_multiple is None:
         return width
     return min(width, -(-int(lengths.max()) // row_multiple) * row_multiple)
+
+
+class RowWidths:
+    """How wide a layout computes a micro-batch of rows that give their lengths (`micro_batches_of`): up to its longest
+    row, rounded up to ROW_MULTIPLE and to the cuts of sequence and context parallelism (`sequence_multiple`); or
+    seq_len where the layout needs it, which the log says once: a pipeline's schedule sends seq_len-wide activations
+    between its stages, and a mixture of experts' router losses and balancing count every position, padding too, so
+    rows cut in one layout and whole in another would route other tokens."""
+
+    def __init__(self):
+        self.said = False
+
+    @staticmethod
+    def why_fixed(config, pipeline: bool) -> str | None:
+        if pipeline:
+            return "pipeline parallelism runs fixed shapes"
+        if config.moe:
+            return "a mixture of experts routes the padding too (its router losses count every position)"
+        return None
+
+    def multiple(self, config, pipeline: bool = False, sequence_multiple: int = 1) -> int | None:
+        return None if self.why_fixed(config, pipeline) else math.lcm(ROW_MULTIPLE, sequence_multiple)
+
+    def note(self, batch: dict, config, pipeline: bool = False) -> None:
+        """Say once why rows that could be cut keep seq_len."""
+        why = self.why_fixed(config, pipeline)
+        if why is None or self.said or batch.get(ROW_LENGTHS) is None:
+            return
+        self.said = True
+        rank_zero_info(
+            f"{why}: each row is padded to seq_len {batch['input_ids'].shape[1]}, not to its micro-batch's longest "
+            "row (pack the data to spend fewer positions on padding)"
+        )
 
 
 def micro_batches_of(batch: dict, micro_batch_size: int, row_multiple: int | None = None):
@@ -143,18 +177,23 @@ class LocalRunner:
     """The step's parts under Lightning's own strategies: one process, or DDP (which reduces the gradients in the
     backward: `block_backward_sync` defers that to the last micro-batch)."""
 
-    row_multiple = ROW_MULTIPLE  # micro-batches of any width run here: rows are cut to their longest (`accumulate`)
-
     def __init__(self, module, strategy):
         self.module, self.strategy = module, strategy
+        self.widths = RowWidths()
+
+    @property
+    def row_multiple(self) -> int | None:
+        return self.widths.multiple(self.module.config)
 
     def forward_backward(self, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
         no_sync = getattr(self.strategy, "block_backward_sync", None)
         model, backward = self.module.model, self.module.manual_backward
+        self.widths.note(batch, self.module.config)
         with heads_in_loss(model):
             return accumulate(model, backward, batch, micro_batch_size, step_loss, no_sync, self.row_multiple)
 
     def evaluate(self, batch: dict, micro_batch_size: int, step_loss: LossFn) -> torch.Tensor:
+        self.widths.note(batch, self.module.config)
         with heads_in_loss(self.module.model):
             return evaluate(self.module.model, batch, micro_batch_size, step_loss, self.row_multiple)
 

@@ -16,7 +16,6 @@ evaluate, update). Works under Lightning's launcher, torchrun and SLURM (Lightni
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from mtnlg_lightning.checkpoint.async_save import BackgroundSaver
 from mtnlg_lightning.checkpoint.commit import remove_checkpoint
 from mtnlg_lightning.checkpoint.sharded import load_sharded, save_sharded
-from mtnlg_lightning.data.packing import ROW_LENGTHS, ROW_MULTIPLE
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.clip import clip_grad_norm_
 from mtnlg_lightning.parallel.config import ParallelConfig, PipelineParallelSettings
@@ -50,7 +48,14 @@ from mtnlg_lightning.parallel.zero import (
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
 from mtnlg_lightning.train import lightning_compat
-from mtnlg_lightning.train.step_interfaces import Update, accumulate, count_micro_batches, evaluate, optimizer_update
+from mtnlg_lightning.train.step_interfaces import (
+    RowWidths,
+    Update,
+    accumulate,
+    count_micro_batches,
+    evaluate,
+    optimizer_update,
+)
 
 
 class MegatronDeepSpeedStrategy(ParallelStrategy):
@@ -136,7 +141,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.async_save = async_save
         self.background_saver: BackgroundSaver | None = None
         self.layout: ParallelLayout | None = None
-        self._said_fixed_shapes = False  # the log says once that a pipeline pads rows to seq_len
+        self.widths = RowWidths()  # how wide micro-batches of rows are computed
         self.groups: ProcessGroups | None = None
         self.engine = None  # the DeepSpeed engine when zero_stage >= 1
         self.num_nodes = 1
@@ -328,17 +333,11 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         """Accumulate this rank's micro-batches: through the pipeline schedule (Lightning's backward unused; the
         loss, computed on the last stage, broadcast along the pipeline), else one by one (through the engine under
         ZeRO)."""
+        self.widths.note(batch, self.lightning_module.config, self.pipeline is not None)
         with heads_in_loss(self.lightning_module.model):  # the layout's loss applies the LM head (output_layer)
             if self.pipeline is None:
-                return accumulate(
-                    self.forward_module,
-                    self._backward,
-                    batch,
-                    micro_batch_size,
-                    step_loss,
-                    row_multiple=self.row_multiple,
-                )
-            self._say_fixed_shapes(batch)
+                forward, multiple = self.forward_module, self.row_multiple
+                return accumulate(forward, self._backward, batch, micro_batch_size, step_loss, row_multiple=multiple)
             loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
             loss = self.pipeline.run(batch, micro_batch_size, loss_fn)
         if self.tied_embedding is not None:
@@ -346,29 +345,19 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         return loss
 
     def evaluate(self, batch: dict, micro_batch_size: int, step_loss) -> torch.Tensor:
+        self.widths.note(batch, self.lightning_module.config, self.pipeline is not None)
         with heads_in_loss(self.lightning_module.model):
             if self.pipeline is None:
                 return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss, self.row_multiple)
-            self._say_fixed_shapes(batch)
             loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
             return self.pipeline.run(batch, micro_batch_size, loss_fn, train=False)
 
     @property
     def row_multiple(self) -> int | None:
-        """What a micro-batch's width must be a multiple of (`step_interfaces.micro_batches_of`): ROW_MULTIPLE and the
-        cuts of sequence and context parallelism; None under a pipeline, whose schedule sends seq_len-wide
-        activations between the stages (fixed shapes)."""
-        if self.pipeline is not None:
-            return None
-        return math.lcm(ROW_MULTIPLE, self.parallel_config.sequence_multiple)
-
-    def _say_fixed_shapes(self, batch: dict) -> None:
-        if self._said_fixed_shapes or batch.get(ROW_LENGTHS) is None:
-            return
-        self._said_fixed_shapes = True
-        rank_zero_info(
-            f"pipeline parallelism runs fixed shapes: each row is padded to seq_len {batch['input_ids'].shape[1]}, "
-            "not to its micro-batch's longest row (pack the data to spend fewer positions on padding)"
+        """What a micro-batch's width must be a multiple of (`step_interfaces.RowWidths`): ROW_MULTIPLE and the cuts
+        of sequence and context parallelism; None under a pipeline (fixed shapes) or for a mixture of experts."""
+        return self.widths.multiple(
+            self.lightning_module.config, self.pipeline is not None, self.parallel_config.sequence_multiple
         )
 
     @staticmethod
