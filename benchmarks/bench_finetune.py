@@ -23,7 +23,7 @@ run once, in the first round (`--variants`, `--once` choose).
 What a token is (both reported):
 - ours packs examples into rows of --seq by best-fit decreasing and pads each row's tail; the model computes on
   rows x seq positions; without packing, one example a row, each micro-batch cut to its longest row (rounded up to
-  64);
+  8);
 - TRL with `packing=True` packs by best-fit decreasing too, then flattens the step's rows into one padding-free
   sequence (no padding computed); TRL without packing (its default) and litgpt (which cannot pack) pad each batch
   to its longest example.
@@ -44,7 +44,8 @@ huggingface_hub and jsonargparse conflict with this project's); without one, its
 
     python benchmarks/bench_finetune.py [--hidden 384 --layers 4 --seq 256 --micro-batch 4 --steps 6 --rounds 2]
     python benchmarks/bench_finetune.py --preset smollm2-135m --precision fp32 bf16 --clock wall --rounds 1 \
-        --steps 4 --warmup 1 --variants ours_lora trl_lora ours_lora_unpacked trl_lora_unpacked --once
+        --steps 5 --warmup 1 --most-questions 4 --micro-batch 4 --unpacked-micro-batch 12 \
+        --variants ours_lora trl_lora ours_lora_unpacked trl_lora_unpacked --once
 """
 
 from __future__ import annotations
@@ -274,6 +275,9 @@ def main() -> int:
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=PRECISIONS,
                     help="each run in each: fp32, bf16 (autocast over fp32 weights) (default fp32)")  # fmt: skip
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per step, every trainer (default 4)")
+    ap.add_argument("--unpacked-micro-batch", type=int,
+                    help="rows per step of the unpacked runs (default --micro-batch): a packed row holds several "
+                    "examples, so as many examples a step as the packed runs takes more unpacked rows")  # fmt: skip
     ap.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed (default 2)")
     add_rounds_arg(ap, 2)
@@ -328,6 +332,7 @@ def main() -> int:
             "lora": {"rank": args.rank, "alpha": args.alpha, "targets": None, "hf_targets": HF_TARGETS},
         }
         runs: dict[str, list[dict]] = {}
+        unpacked_rows = args.unpacked_micro_batch or args.micro_batch
         for round_ in range(args.rounds):
             turn = round_ % max(1, len(variants))
             order = variants[turn:] + variants[:turn]  # rotate who goes first
@@ -336,7 +341,9 @@ def main() -> int:
                     if VARIANTS[name][0] == "litgpt" and precision != "fp32":
                         continue  # its worker trains in fp32 only
                     label = labelled_run(name, precision)
-                    log = run_worker(name, {**spec, "precision": precision}, scratch, args.litgpt_python)
+                    rows = spec["micro_batch"] if VARIANTS[name][2] else unpacked_rows
+                    log = run_worker(name, {**spec, "precision": precision, "micro_batch": rows}, scratch,
+                                     args.litgpt_python)  # fmt: skip
                     runs.setdefault(label, []).append(log)
                     r = rates(log, args.warmup)
                     peak = log["peak_memory_bytes"] / 2**20
@@ -356,6 +363,7 @@ def main() -> int:
         "model": {k: getattr(args, k) for k in SHAPE},
         "seq_len": args.seq,
         "micro_batch": args.micro_batch,
+        "unpacked_micro_batch": args.unpacked_micro_batch or args.micro_batch,
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
@@ -394,7 +402,8 @@ def print_table(result: dict) -> None:
     print(
         f"\n# bench_finetune ({result.get('preset', 'default')}): Llama hidden {m['hidden']}, {m['layers']} layers, "
         f"{m['heads']} heads ({m['kv_heads']} kv), ffn {m['ffn']}, vocab {m['vocab']}{tied}; seq {result['seq_len']}, "
-        f"{result['micro_batch']} rows/step, {result['steps']} steps ({result['warmup']} untimed), "
+        f"{result['micro_batch']} rows/step ({result.get('unpacked_micro_batch', result['micro_batch'])} unpacked), "
+        f"{result['steps']} steps ({result['warmup']} untimed), "
         f"{result['rounds']} rounds, {result['device']}, {result['threads']} thread(s) every run, "
         f"{' and '.join(result.get('precisions', ['fp32']))}; LoRA r{result['lora']['rank']} alpha "
         f"{result['lora']['alpha']} on {', '.join(result['lora']['targets'])}"

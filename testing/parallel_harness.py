@@ -135,7 +135,7 @@ class PackDocuments(Callback):
         batch.update(packed)
 
 
-PADDED_SEQ_LEN = 256  # `PadRows`' runs: rows of 8 to 200 tokens make micro-batches 64 to 256 wide
+PADDED_SEQ_LEN = 256  # `PadRows`' runs: rows of 8 to 200 tokens, micro-batches of many widths below 256
 
 
 class PadRows(Callback):

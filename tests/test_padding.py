@@ -2,7 +2,7 @@
 
 Unpacked fine-tuning rows (`--data.pack false`: one example per row) come from the data padded to seq_len, with
 their lengths (ROW_LENGTHS). A layout that may change shapes computes each micro-batch only up to its longest row,
-rounded up to a multiple of 64 (and of sequence and context parallelism's cuts); a pipeline's schedule runs fixed
+rounded up to a multiple of 8 (and of sequence and context parallelism's cuts); a pipeline's schedule runs fixed
 shapes, so there the rows keep seq_len and the log says so once. The cut changes no loss and no gradient, in any
 layout. `tokens_per_sec` counts the documents' tokens, `padding_share` the padding's share of the positions
 computed, and TFLOP/s and MFU the model FLOPs of the positions computed.
@@ -20,7 +20,7 @@ import torch
 from test_finetune_data import example, tiny_chat_run
 
 from mtnlg_lightning.config import get_config
-from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS, Rows, rows_batch
+from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS, ROW_MULTIPLE, Rows, rows_batch
 from mtnlg_lightning.demo.synthetic.instructions import write_instructions
 from mtnlg_lightning.loss import cross_entropy
 from mtnlg_lightning.model import build_model
@@ -38,21 +38,22 @@ def unpacked_batch(lengths, seq_len: int = 256) -> dict[str, torch.Tensor]:
     return rows_batch([rows[i] for i in range(len(rows))])
 
 
-def test_a_micro_batch_of_unpacked_rows_is_computed_up_to_its_longest_row_rounded_up_to_64():
+def test_a_micro_batch_of_unpacked_rows_is_computed_up_to_its_longest_row_rounded_up_to_8():
     batch = unpacked_batch([10, 70, 3, 20, 200, 1])
     assert batch[ROW_LENGTHS].tolist() == [10, 70, 3, 20, 200, 1]
-    micro_batches = list(micro_batches_of(batch, 2, row_multiple=64))
-    assert [input_ids.shape for input_ids, _, _ in micro_batches] == [(2, 128), (2, 64), (2, 256)]
+    assert ROW_MULTIPLE == 8
+    micro_batches = list(micro_batches_of(batch, 2, row_multiple=ROW_MULTIPLE))
+    assert [input_ids.shape for input_ids, _, _ in micro_batches] == [(2, 72), (2, 24), (2, 200)]
     for (input_ids, labels, inputs), start in zip(micro_batches, (0, 2, 4), strict=True):
         width = input_ids.shape[1]  # the rows' first `width` positions, every field alike
         assert torch.equal(input_ids, batch["input_ids"][start : start + 2, :width])
         assert torch.equal(labels, batch["labels"][start : start + 2, :width])
         assert torch.equal(inputs["document_ids"], batch["document_ids"][start : start + 2, :width])
         assert torch.equal(inputs["position_ids"], batch["position_ids"][start : start + 2, :width])
-    assert micro_batch_shapes(batch, 2, 64) == [(2, 128), (2, 64), (2, 256)]
+    assert micro_batch_shapes(batch, 2, 8) == [(2, 72), (2, 24), (2, 200)]
     # a pipeline's fixed shapes (no multiple), and rows that do not give their lengths, keep seq_len
     assert micro_batch_shapes(batch, 2, None) == [(2, 256)] * 3
-    assert micro_batch_shapes({k: v for k, v in batch.items() if k != ROW_LENGTHS}, 2, 64) == [(2, 256)] * 3
+    assert micro_batch_shapes({k: v for k, v in batch.items() if k != ROW_LENGTHS}, 2, 8) == [(2, 256)] * 3
 
 
 def test_cutting_the_padding_leaves_every_loss_and_gradient():
@@ -68,7 +69,7 @@ def test_cutting_the_padding_leaves_every_loss_and_gradient():
         loss = accumulate(model, torch.Tensor.backward, batch, 2, cross_entropy, row_multiple=row_multiple)
         return loss, {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    (cut, cut_grads), (whole, whole_grads) = step(64), step(None)
+    (cut, cut_grads), (whole, whole_grads) = step(ROW_MULTIPLE), step(None)
     torch.testing.assert_close(cut, whole, rtol=1e-6, atol=0)
     for name, grad in whole_grads.items():
         torch.testing.assert_close(cut_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -77,13 +78,13 @@ def test_cutting_the_padding_leaves_every_loss_and_gradient():
 def test_a_layout_cuts_rows_to_a_multiple_of_its_sequence_cuts_where_shapes_may_change_and_says_once_where_not(
     caplog,
 ):
-    """One process: multiples of 64; SP and CP: of 64 and their cuts; a pipeline's fixed shapes and a mixture of
+    """One process: multiples of 8; SP and CP: of 8 and their cuts; a pipeline's fixed shapes and a mixture of
     experts (whose router losses count the padding too) keep seq_len, and the log says why, once."""
     dense, moe = get_config("tiny"), get_config("tiny-llama", num_experts=4, experts_per_token=2)
     assert moe.moe and not dense.moe
-    assert RowWidths().multiple(dense) == 64
+    assert RowWidths().multiple(dense) == 8
     sp_cp = ParallelConfig(tensor_parallel=2, sequence_parallel=True, context_parallel=3).sequence_multiple
-    assert RowWidths().multiple(dense, sequence_multiple=sp_cp) == 192  # 64 and 2 x CP x TP = 12 both divide it
+    assert RowWidths().multiple(dense, sequence_multiple=sp_cp) == 24  # 8 and 2 x CP x TP = 12 both divide it
     assert RowWidths().multiple(dense, pipeline=True) is None and RowWidths().multiple(moe) is None
     batch = unpacked_batch([10, 20])
     said = []
@@ -109,7 +110,7 @@ LAYOUTS = ["dp2", "tp2_sp", "cp2", "pp2"]
 
 @pytest.fixture(scope="module")
 def padded_runs(tmp_path_factory):
-    """Each layout's run (one launch) and one process's, which cuts micro-batches of 4 rows, 64 to 256 wide."""
+    """Each layout's run (one launch) and one process's, which cuts micro-batches of 4 rows to their longest."""
     names = [f"padded_{layout}" for layout in LAYOUTS]
     runs = launch_runs(HERE / "dist_label_runs.py", tmp_path_factory.mktemp("padding"), names)
     rec, _ = tiny_run(callbacks=[PadRows()], seq_len=PADDED_SEQ_LEN)
@@ -137,7 +138,7 @@ class StepNumbers(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         metrics = trainer.callback_metrics
         documents = batch["document_ids"]
-        shapes = micro_batch_shapes(batch, pl_module.micro_batch_size, 64)
+        shapes = micro_batch_shapes(batch, pl_module.micro_batch_size, ROW_MULTIPLE)
         self.steps.append(
             {
                 "tokens_per_sec": float(metrics["tokens_per_sec"]),
@@ -163,11 +164,11 @@ def fine_tune(tmp_path: Path, train: Path, pack: bool) -> list[dict]:
 def test_tokens_per_sec_counts_the_documents_tokens_so_packed_and_unpacked_runs_rank_as_their_examples(
     tmp_path, capsys
 ):
-    """One pass over the same 24 examples, packed (4 or 5 to a row of 256) and unpacked (one to a row, cut to 64):
-    each step's tokens_per_sec counts its examples' tokens and TFLOP/s its positions (their ratio is the tokens per
-    model FLOP, whatever the step took), padding_share is the rest of the positions, and the run's summary line says
-    them. So the two runs' tokens per second rank as their examples per second (each step's seconds read back from
-    its FLOPs and TFLOP/s): the same examples' tokens in each run."""
+    """One pass over the same 24 examples, packed (4 or 5 to a row of 256) and unpacked (one to a row, cut to a
+    multiple of 8): each step's tokens_per_sec counts its examples' tokens and TFLOP/s its positions (their ratio is
+    the tokens per model FLOP, whatever the step took), padding_share is the rest of the positions, and the run's
+    summary line says them. So the two runs' tokens per second rank as their examples per second (each step's
+    seconds read back from its FLOPs and TFLOP/s): the same examples' tokens in each run."""
     train = write_instructions(tmp_path / "train.jsonl", count=24)
     runs = {}
     for pack in (True, False):
