@@ -278,6 +278,9 @@ def main() -> int:
     ap.add_argument("--unpacked-micro-batch", type=int,
                     help="rows per step of the unpacked runs (default --micro-batch): a packed row holds several "
                     "examples, so as many examples a step as the packed runs takes more unpacked rows")  # fmt: skip
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="our runs' micro-batches per step (default 1), where unpacked rows are grouped by length "
+                    "across them; TRL and litgpt always run one")  # fmt: skip
     ap.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed (default 2)")
     add_rounds_arg(ap, 2)
@@ -322,6 +325,7 @@ def main() -> int:
             "scratch": str(scratch),
             "seq_len": args.seq,
             "micro_batch": args.micro_batch,
+            "accumulate": args.accumulate,
             "steps": args.steps,
             "lr": args.lr,
             "betas": [0.9, 0.95],
@@ -364,6 +368,7 @@ def main() -> int:
         "seq_len": args.seq,
         "micro_batch": args.micro_batch,
         "unpacked_micro_batch": args.unpacked_micro_batch or args.micro_batch,
+        "accumulate": args.accumulate,
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
@@ -402,7 +407,8 @@ def print_table(result: dict) -> None:
     print(
         f"\n# bench_finetune ({result.get('preset', 'default')}): Llama hidden {m['hidden']}, {m['layers']} layers, "
         f"{m['heads']} heads ({m['kv_heads']} kv), ffn {m['ffn']}, vocab {m['vocab']}{tied}; seq {result['seq_len']}, "
-        f"{result['micro_batch']} rows/step ({result.get('unpacked_micro_batch', result['micro_batch'])} unpacked), "
+        f"{result['micro_batch']} rows/micro-batch ({result.get('unpacked_micro_batch', result['micro_batch'])} "
+        f"unpacked), ours {result.get('accumulate', 1)} micro-batch(es)/step, "
         f"{result['steps']} steps ({result['warmup']} untimed), "
         f"{result['rounds']} rounds, {result['device']}, {result['threads']} thread(s) every run, "
         f"{' and '.join(result.get('precisions', ['fp32']))}; LoRA r{result['lora']['rank']} alpha "

@@ -60,7 +60,7 @@ def run_ours(spec: dict, log: StepLog) -> None:
         init_from=spec["model_dir"],
         model_overrides={"seq_len": spec["seq_len"]},
         micro_batch_size=spec["micro_batch"],
-        global_batch_size=spec["micro_batch"],
+        global_batch_size=spec["micro_batch"] * spec.get("accumulate", 1),
         lr=spec["lr"],
         min_lr=spec["lr"],
         warmup_tokens=0,

@@ -22,7 +22,7 @@ from test_finetune_data import example, tiny_chat_run
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS, ROW_MULTIPLE, Rows, rows_batch
 from mtnlg_lightning.demo.synthetic.instructions import write_instructions
-from mtnlg_lightning.loss import cross_entropy
+from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.config import ParallelConfig
 from mtnlg_lightning.train.flops import flops_per_iteration
@@ -38,27 +38,31 @@ def unpacked_batch(lengths, seq_len: int = 256) -> dict[str, torch.Tensor]:
     return rows_batch([rows[i] for i in range(len(rows))])
 
 
-def test_a_micro_batch_of_unpacked_rows_is_computed_up_to_its_longest_row_rounded_up_to_8():
+def test_unpacked_rows_are_grouped_longest_first_and_each_micro_batch_computed_up_to_its_longest_rounded_up_to_8():
     batch = unpacked_batch([10, 70, 3, 20, 200, 1])
     assert batch[ROW_LENGTHS].tolist() == [10, 70, 3, 20, 200, 1]
     assert ROW_MULTIPLE == 8
     micro_batches = list(micro_batches_of(batch, 2, row_multiple=ROW_MULTIPLE))
-    assert [input_ids.shape for input_ids, _, _ in micro_batches] == [(2, 72), (2, 24), (2, 200)]
-    for (input_ids, labels, inputs), start in zip(micro_batches, (0, 2, 4), strict=True):
+    assert [input_ids.shape for input_ids, _, _ in micro_batches] == [(2, 200), (2, 24), (2, 8)]
+    for (input_ids, labels, inputs), rows in zip(micro_batches, ([4, 1], [3, 0], [2, 5]), strict=True):
         width = input_ids.shape[1]  # the rows' first `width` positions, every field alike
-        assert torch.equal(input_ids, batch["input_ids"][start : start + 2, :width])
-        assert torch.equal(labels, batch["labels"][start : start + 2, :width])
-        assert torch.equal(inputs["document_ids"], batch["document_ids"][start : start + 2, :width])
-        assert torch.equal(inputs["position_ids"], batch["position_ids"][start : start + 2, :width])
-    assert micro_batch_shapes(batch, 2, 8) == [(2, 72), (2, 24), (2, 200)]
-    # a pipeline's fixed shapes (no multiple), and rows that do not give their lengths, keep seq_len
+        assert torch.equal(input_ids, batch["input_ids"][rows, :width])
+        assert torch.equal(labels, batch["labels"][rows, :width])
+        assert torch.equal(inputs["document_ids"], batch["document_ids"][rows, :width])
+        assert torch.equal(inputs["position_ids"], batch["position_ids"][rows, :width])
+    assert micro_batch_shapes(batch, 2, 8) == [(2, 200), (2, 24), (2, 8)]
+    # a pipeline's fixed shapes (no multiple), and rows that do not give their lengths, keep seq_len and their order
     assert micro_batch_shapes(batch, 2, None) == [(2, 256)] * 3
-    assert micro_batch_shapes({k: v for k, v in batch.items() if k != ROW_LENGTHS}, 2, 8) == [(2, 256)] * 3
+    unsaid = {k: v for k, v in batch.items() if k != ROW_LENGTHS}
+    assert micro_batch_shapes(unsaid, 2, 8) == [(2, 256)] * 3
+    kept = [input_ids for input_ids, _, _ in micro_batches_of(batch, 2, None)]
+    assert torch.equal(torch.cat(kept), batch["input_ids"])
 
 
 def test_cutting_the_padding_leaves_every_loss_and_gradient():
     """The cut positions are padding after each row's example: attention is causal within a document and their
-    labels are ignored, so the tiny model's losses and gradients are those of the rows computed whole (fp32)."""
+    labels are ignored, and the step's loss is the token mean over every micro-batch's labels, so the tiny model's
+    losses and gradients are those of the rows computed whole, in their order (fp32)."""
     torch.manual_seed(0)
     model = build_model(get_config("tiny", seq_len=256, max_position_embeddings=256))
     batch = unpacked_batch([10, 70, 3, 20, 120, 1])
@@ -66,7 +70,8 @@ def test_cutting_the_padding_leaves_every_loss_and_gradient():
 
     def step(row_multiple):
         model.zero_grad()
-        loss = accumulate(model, torch.Tensor.backward, batch, 2, cross_entropy, row_multiple=row_multiple)
+        step_loss = StepLoss(cross_entropy, 3, 1, counted_labels(batch["labels"]))  # the step's token mean
+        loss = accumulate(model, torch.Tensor.backward, batch, 2, step_loss, row_multiple=row_multiple)
         return loss, {name: p.grad.clone() for name, p in model.named_parameters()}
 
     (cut, cut_grads), (whole, whole_grads) = step(ROW_MULTIPLE), step(None)

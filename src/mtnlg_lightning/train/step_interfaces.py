@@ -33,7 +33,7 @@ BATCH_FIELDS = ("input_ids", "labels")
 def trimmed_width(lengths: torch.Tensor | None, width: int, row_multiple: int | None) -> int:
     """The positions a micro-batch is computed over: its longest row (`lengths`, the positions before each row's
     padding) rounded up to `row_multiple`, at most `width` (the rows as served). `width` itself where the batch does
-    not give its rows' lengths or the layout runs fixed shapes (`row_multiple` None: a pipeline's schedule)."""
+    not give its rows' lengths or the layout keeps seq_len (`row_multiple` None: `RowWidths`)."""
     if lengths is None or row_multiple is None:
         return width
     return min(width, -(-int(lengths.max()) // row_multiple) * row_multiple)
@@ -75,8 +75,9 @@ class RowWidths:
 def micro_batches_of(batch: dict, micro_batch_size: int, row_multiple: int | None = None):
     """(input_ids, labels, model_inputs) of each micro-batch of a rank's batch; model_inputs: the keyword inputs of
     the model the batch carries (position_ids, document_ids), split alike. Rows that say their lengths (ROW_LENGTHS:
-    padding only at their ends, nothing trained there) are cut to `trimmed_width`: what the padding would have
-    computed is never read (attention is causal within each document, the padding's labels are ignored)."""
+    padding only at their ends, nothing trained there) are grouped longest first and each micro-batch is cut to
+    `trimmed_width` (`grouped_by_length`)."""
+    batch = grouped_by_length(batch, row_multiple)
     names = [name for name in MODEL_INPUTS if batch.get(name) is not None]
     fields = [batch[field].split(micro_batch_size) for field in (*BATCH_FIELDS, *names)]
     lengths = _row_lengths(batch, micro_batch_size)
@@ -87,8 +88,22 @@ def micro_batches_of(batch: dict, micro_batch_size: int, row_multiple: int | Non
         yield input_ids, labels, dict(zip(names, inputs, strict=True))
 
 
+def grouped_by_length(batch: dict, row_multiple: int | None) -> dict:
+    """The batch's rows longest first where the layout cuts them (`row_multiple`), so each micro-batch holds rows of
+    like lengths and little padding. Nothing else changes: the padding computes nothing that is read (attention is
+    causal within each document, the padding's labels are ignored), and the step's loss is the token mean over the
+    global batch's labels, whichever micro-batch holds a row."""
+    lengths = batch.get(ROW_LENGTHS)
+    if lengths is None or row_multiple is None:
+        return batch
+    order = torch.argsort(lengths, descending=True, stable=True)
+    names = [name for name in (*BATCH_FIELDS, *MODEL_INPUTS, ROW_LENGTHS) if batch.get(name) is not None]
+    return {**batch, **{name: batch[name][order] for name in names}}
+
+
 def micro_batch_shapes(batch: dict, micro_batch_size: int, row_multiple: int | None = None) -> list[tuple[int, int]]:
     """(rows, width) of each micro-batch as `micro_batches_of` hands it to the model: what the step computes."""
+    batch = grouped_by_length(batch, row_multiple)
     width = batch["input_ids"].shape[1]
     rows = [len(part) for part in batch["input_ids"].split(micro_batch_size)]
     lengths = _row_lengths(batch, micro_batch_size)
