@@ -354,8 +354,8 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
 
     @property
     def row_multiple(self) -> int | None:
-        """What a micro-batch's width must be a multiple of (`step_interfaces.RowWidths`): ROW_MULTIPLE and the cuts
-        of sequence and context parallelism; None under a pipeline (fixed shapes) or for a mixture of experts."""
+        """What a micro-batch's width must be a multiple of: ROW_MULTIPLE and the cuts of sequence and context
+        parallelism; None where the rows keep seq_len (`step_interfaces.RowWidths` says where: a pipeline, ...)."""
         return self.widths.multiple(
             self.lightning_module.config, self.pipeline is not None, self.parallel_config.sequence_multiple
         )
