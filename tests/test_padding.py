@@ -22,10 +22,10 @@ from test_finetune_data import example, tiny_chat_run
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS, ROW_MULTIPLE, Rows, rows_batch
 from mtnlg_lightning.demo.synthetic.instructions import write_instructions
-from mtnlg_lightning.loss import StepLoss, counted_labels, cross_entropy
+from mtnlg_lightning.loss import IGNORE_INDEX, StepLoss, counted_labels, cross_entropy
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.config import ParallelConfig
-from mtnlg_lightning.train.flops import flops_per_iteration
+from mtnlg_lightning.train.flops import flops_per_iteration, head_flops_per_token
 from mtnlg_lightning.train.step_interfaces import RowWidths, accumulate, micro_batch_shapes, micro_batches_of
 from testing.lightning_run import quiet_trainer
 from testing.parallel_harness import PADDED_SEQ_LEN, PadRows, assert_trains_like, launch_runs, tiny_run, trained
@@ -135,7 +135,8 @@ def test_rows_cut_to_their_longest_train_alike_in_every_layout(layout, padded_ru
 # ---------------------------------------------------------------------------------------------- the numbers
 class StepNumbers(L.Callback):
     """Each step's logged tokens_per_sec, padding_share and tflops_per_device, and what its batch holds: examples
-    (documents), their tokens, and the model FLOPs of its micro-batches as the runner cuts them."""
+    (documents), their tokens, and the model FLOPs of its micro-batches as the runner cuts them (the LM head's only
+    at the counted labels)."""
 
     def __init__(self):
         self.steps = []
@@ -152,9 +153,15 @@ class StepNumbers(L.Callback):
                 "examples": int((documents.max(dim=1).values + 1).sum()),
                 "tokens": int((documents != PADDING_DOCUMENT).sum()),
                 "positions": sum(rows * width for rows, width in shapes),
-                "flops": sum(flops_per_iteration(pl_module.config, rows, width) for rows, width in shapes),
+                "flops": sum(flops_per_iteration(pl_module.config, rows, width) for rows, width in shapes)
+                - 3 * head_flops_per_token(pl_module.config) * uncounted(shapes, batch["labels"]),
             }
         )
+
+
+def uncounted(shapes: list[tuple[int, int]], labels: torch.Tensor) -> int:
+    """The positions computed without a counted label: the LM head does not run there."""
+    return sum(rows * width for rows, width in shapes) - int((labels != IGNORE_INDEX).sum())
 
 
 def fine_tune(tmp_path: Path, train: Path, pack: bool) -> list[dict]:

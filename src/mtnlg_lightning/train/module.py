@@ -16,7 +16,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.loss import cross_entropy
+from mtnlg_lightning.loss import IGNORE_INDEX, cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
 from mtnlg_lightning.parallel.output_layer import check_chunk_tokens
@@ -27,7 +27,7 @@ from mtnlg_lightning.resilience.watchdog import HangWatchdog
 from mtnlg_lightning.train import lightning_compat
 from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
 from mtnlg_lightning.train.extensions import extensions_for
-from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.train.flops import flops_per_iteration, head_flops_per_token, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.objectives import build_objective
 from mtnlg_lightning.train.optimizer_recipe import build_adamw
@@ -312,8 +312,8 @@ class MTNLGModule(L.LightningModule):
     def _step_work(self, batch: dict) -> torch.Tensor:
         """The global batch's [documents' tokens, computed positions, model FLOPs] this step: the positions and FLOPs
         of the micro-batches as the runner computed them (`micro_batch_shapes`: padding included, cut where the
-        layout allows), the tokens without the padding (the rows' ROW_LENGTHS, else their non-padding
-        `document_ids`, else every position)."""
+        layout allows; the LM head's at the counted labels only), the tokens without the padding (the rows'
+        ROW_LENGTHS, else their non-padding `document_ids`, else every position)."""
         rows = self.objective.computed_rows(batch)
         per_micro_batch = self.micro_batch_size * self.objective.sequences_per_sample
         shapes = micro_batch_shapes(rows, per_micro_batch, self.runner.row_multiple)
@@ -324,7 +324,11 @@ class MTNLGModule(L.LightningModule):
         else:
             tokens = rows["input_ids"].numel()
         positions = sum(n * width for n, width in shapes)
+        # the LM head runs only at the counted labels (a row-index column past the inputs, DPO's and GRPO's, is not one)
+        labels = rows["labels"][:, : rows["input_ids"].shape[1]]
+        headless = positions - int((labels != IGNORE_INDEX).sum())
         flops = sum(flops_per_iteration(self.config, n, width) for n, width in shapes)
+        flops -= 3 * head_flops_per_token(self.config) * headless  # forward and backward, as flops_per_iteration
         work = torch.tensor([tokens, positions, flops], dtype=torch.float64, device=self.device)
         world = self.trainer.world_size
         if world > 1:  # a replica's TP, PP and CP ranks hold its rows alike: the world's sum counts each world/DP times
