@@ -4,7 +4,9 @@ model, data and row length; the useful-token share with and without packing; pea
 LoRA against full fine-tuning.
 
 The model: a random Llama built with transformers from a fixed seed (default hidden 384, 4 layers, 6 heads, 2
-key/value heads, SwiGLU 1024, vocabulary 4224), saved as a Hugging Face directory with the demo BPE tokenizer plus
+key/value heads, SwiGLU 1024, vocabulary 4224; `--preset smollm2-135m`: SmolLM2-135M's shape, 30 layers, hidden 576,
+9 heads, 3 key/value heads, SwiGLU 1536, vocabulary 49152, tied embeddings, RoPE theta 1e5, where the output layer
+and the depth cost what a real model's do), saved as a Hugging Face directory with the demo BPE tokenizer plus
 ChatML's two special tokens and the ChatML template (with `{% generation %}` tags: TRL's `assistant_only_loss` and
 our assistant mask read the same marks). The data: chat records from the synthetic instruction set
 (`synthetic.instructions`), each a system turn, one user turn asking 1-16 of its questions and one assistant turn
@@ -12,22 +14,24 @@ answering them (single-turn, so litgpt can train on the very same records; 40-25
 
 Every trainer runs the same recipe: LoRA rank/alpha on every attention and MLP projection, dropout 0, AdamW (lr,
 betas, weight decay), `--micro-batch` rows per step (one micro-batch per step), `--steps` steps of which the first
-`--warmup` are not timed, rows of `--seq` tokens, fp32, `--threads` threads, each run in its own process (fresh
+`--warmup` are not timed, rows of `--seq` tokens, each `--precision` (fp32; bf16: autocast over fp32 weights, ours
+bf16-mixed and the Trainer's bf16; litgpt runs fp32 only), `--threads` threads, each run in its own process (fresh
 memory: its peak is its own). The compared runs (ours, TRL packed, litgpt) alternate for `--rounds` rounds, each
 round in a rotated order; medians are compared. TRL without packing, ours without packing and our full fine-tuning
 run once, in the first round (`--variants`, `--once` choose).
 
 What a token is (both reported):
 - ours packs examples into rows of --seq by best-fit decreasing and pads each row's tail; the model computes on
-  rows x seq positions;
+  rows x seq positions; without packing, one example a row, each micro-batch cut to its longest row (rounded up to
+  8);
 - TRL with `packing=True` packs by best-fit decreasing too, then flattens the step's rows into one padding-free
   sequence (no padding computed); TRL without packing (its default) and litgpt (which cannot pack) pad each batch
   to its longest example.
 So "positions/s" (what the model computed on) flatters whoever pads; "tokens/s" (the documents' own tokens, the
 work that moves through the data set) is the fair figure and the headline; "trained tokens/s" counts the labelled
-(assistant) positions. Seconds are CPU seconds of each run's process on a CPU (the machine may be shared: waiting
-for a core is not the trainer's cost; one torch thread each) and wall seconds on a GPU (`--clock`); both kinds are
-in the JSON (`finetune_steps.py`).
+(assistant) positions; "examples/s" the documents (a packed row holds several). Seconds are CPU seconds of each
+run's process on a CPU (the machine may be shared: waiting for a core is not the trainer's cost; one torch thread
+each) and wall seconds on a GPU (`--clock`); both kinds are in the JSON (`finetune_steps.py`).
 
 Useful-token share: the documents' tokens / positions, and the trained tokens / positions, of our rows over the
 whole record set, packed and one example per row (padded to --seq), and of each trainer's measured batches.
@@ -39,6 +43,9 @@ litgpt runs in its own virtual environment (`--litgpt-python`, default /work/ven
 huggingface_hub and jsonargparse conflict with this project's); without one, its rows say why.
 
     python benchmarks/bench_finetune.py [--hidden 384 --layers 4 --seq 256 --micro-batch 4 --steps 6 --rounds 2]
+    python benchmarks/bench_finetune.py --preset smollm2-135m --precision fp32 bf16 --clock wall --rounds 1 \
+        --steps 5 --warmup 1 --most-questions 4 --micro-batch 4 --unpacked-micro-batch 12 \
+        --variants ours_lora trl_lora ours_lora_unpacked trl_lora_unpacked --once
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 from finetune_steps import rates  # noqa: E402
-from model_shape import add_model_shape_args, shape_fields  # noqa: E402
+from model_shape import SMOLLM2_135M, add_model_shape_args, shape_fields  # noqa: E402
 from results import add_rounds_arg, benchmark_args, benchmark_parser, ratio, report  # noqa: E402
 
 from mtnlg_lightning.config import get_config  # noqa: E402
@@ -87,6 +94,12 @@ COMPARED = ["ours_lora", "trl_lora", "litgpt_lora"]  # the speed comparison: eve
 ONCE = ["trl_lora_unpacked", "ours_lora_unpacked", "ours_full"]
 DEFAULT_LITGPT_PYTHON = "/work/venv-litgpt/bin/python"
 UNITS = {"cpu": "cpu_s", "wall": "s"}  # the clock -> the suffix of the per-second figures (finetune_steps.rates)
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "rope_theta", "tie_embeddings")
+PRESETS = {  # --preset -> the model's shape (the options' defaults; an option given wins)
+    "default": dict(layers=4, hidden=384, heads=6, kv_heads=2, ffn=1024, vocab=4224, rope_theta=10000.0),
+    "smollm2-135m": {**SMOLLM2_135M, "tie_embeddings": True},
+}
+PRECISIONS = ("fp32", "bf16")
 
 
 def chat_records(count: int, seed: int, most_questions: int) -> list[dict]:
@@ -190,10 +203,11 @@ def worker_env(spec: dict) -> tuple[dict, dict]:
 
 
 def run_worker(name: str, spec: dict, scratch: Path, litgpt_python: str | None) -> dict:
-    """One variant's run in its own process: its StepLog."""
+    """One variant's run in its own process, in `spec["precision"]`: its StepLog."""
     worker, lora, packed = VARIANTS[name]
     env, spec = worker_env({**spec, "pack": packed, "lora": spec["lora"] if lora else None})
-    spec_path, out = scratch / f"{name}.spec.json", scratch / f"{name}.out.json"
+    label = labelled_run(name, spec["precision"])
+    spec_path, out = scratch / f"{label}.spec.json", scratch / f"{label}.out.json"
     spec_path.write_text(json.dumps(spec))
     out.unlink(missing_ok=True)
     if worker == "litgpt":
@@ -208,6 +222,11 @@ def run_worker(name: str, spec: dict, scratch: Path, litgpt_python: str | None) 
     log = json.loads(out.read_text())
     log["process_s"] = time.perf_counter() - started
     return log
+
+
+def labelled_run(name: str, precision: str) -> str:
+    """A run's name in the results: the variant's, `_bf16` added in bf16."""
+    return name if precision == "fp32" else f"{name}_{precision}"
 
 
 def litgpt_setup(python: str, model_dir: Path, scratch: Path) -> tuple[Path | None, dict]:
@@ -245,10 +264,23 @@ def summarise(runs: dict[str, list[dict]], warmup: int) -> dict:
 
 def main() -> int:
     ap = benchmark_parser(__doc__)
+    ap.add_argument("--preset", choices=list(PRESETS), default="default",
+                    help="the model's shape: default (a small Llama) or smollm2-135m (SmolLM2-135M's); the shape "
+                    "options below change it")  # fmt: skip
     add_model_shape_args(ap, layers=4, hidden=384, heads=6, vocab=4224, seq=256)
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
     ap.add_argument("--ffn", type=int, default=1024, help="SwiGLU width (default 1024)")
+    ap.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (default 1e4)")
+    ap.add_argument("--tie-embeddings", action="store_true", help="tie the input and output embeddings")
+    ap.add_argument("--precision", nargs="+", default=["fp32"], choices=PRECISIONS,
+                    help="each run in each: fp32, bf16 (autocast over fp32 weights) (default fp32)")  # fmt: skip
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per step, every trainer (default 4)")
+    ap.add_argument("--unpacked-micro-batch", type=int,
+                    help="rows per step of the unpacked runs (default --micro-batch): a packed row holds several "
+                    "examples, so as many examples a step as the packed runs takes more unpacked rows")  # fmt: skip
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="our runs' micro-batches per step (default 1), where unpacked rows are grouped by length "
+                    "across them; TRL and litgpt always run one")  # fmt: skip
     ap.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps of each run not timed (default 2)")
     add_rounds_arg(ap, 2)
@@ -266,11 +298,13 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=COMPARED, choices=list(VARIANTS), help="run every round")
     ap.add_argument("--once", nargs="*", default=ONCE, choices=list(VARIANTS), help="run in the first round only")
     ap.add_argument("--litgpt-python", default=DEFAULT_LITGPT_PYTHON, help="the Python of litgpt's environment")
+    known, _ = ap.parse_known_args()
+    ap.set_defaults(**PRESETS[known.preset])  # the preset's shape; an option given on the command line wins
     args = benchmark_args(ap)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     with tempfile.TemporaryDirectory(prefix="bench_finetune_") as tmp:
         scratch = Path(tmp)
-        model_dir = build_model_dir(scratch, args)
+        model_dir = build_model_dir(scratch, args, rope_theta=args.rope_theta, tie_embeddings=args.tie_embeddings)
         chat = ChatTokenizer(model_dir)
         records = chat_records(args.records, args.seed, args.most_questions)
         messages, litgpt_records = write_records(scratch, records, chat)
@@ -291,6 +325,7 @@ def main() -> int:
             "scratch": str(scratch),
             "seq_len": args.seq,
             "micro_batch": args.micro_batch,
+            "accumulate": args.accumulate,
             "steps": args.steps,
             "lr": args.lr,
             "betas": [0.9, 0.95],
@@ -300,18 +335,26 @@ def main() -> int:
             "seed": args.seed,
             "lora": {"rank": args.rank, "alpha": args.alpha, "targets": None, "hf_targets": HF_TARGETS},
         }
-        runs: dict[str, list[dict]] = {name: [] for name in variants + once}
+        runs: dict[str, list[dict]] = {}
+        unpacked_rows = args.unpacked_micro_batch or args.micro_batch
         for round_ in range(args.rounds):
             turn = round_ % max(1, len(variants))
             order = variants[turn:] + variants[:turn]  # rotate who goes first
             for name in order + (once if round_ == 0 else []):
-                log = run_worker(name, spec, scratch, args.litgpt_python)
-                runs[name].append(log)
-                r = rates(log, args.warmup)
-                peak = log["peak_memory_bytes"] / 2**20
-                print(f"round {round_ + 1}/{args.rounds} {name:<20} {r['tokens_per_s']:6.0f} tokens/s "
-                      f"{r['tokens_per_cpu_s']:6.0f} tokens/CPU-s {r['step_s']:6.3f} s/step {r['step_cpu_s']:6.3f} "
-                      f"CPU-s/step  peak {peak:.0f} MiB  ({log['process_s']:.0f} s)", flush=True)  # fmt: skip
+                for precision in args.precision:
+                    if VARIANTS[name][0] == "litgpt" and precision != "fp32":
+                        continue  # its worker trains in fp32 only
+                    label = labelled_run(name, precision)
+                    rows = spec["micro_batch"] if VARIANTS[name][2] else unpacked_rows
+                    log = run_worker(name, {**spec, "precision": precision, "micro_batch": rows}, scratch,
+                                     args.litgpt_python)  # fmt: skip
+                    runs.setdefault(label, []).append(log)
+                    r = rates(log, args.warmup)
+                    peak = log["peak_memory_bytes"] / 2**20
+                    print(f"round {round_ + 1}/{args.rounds} {label:<25} {r['examples_per_s']:6.2f} examples/s "
+                          f"{r['tokens_per_s']:6.0f} tokens/s {r['tokens_per_cpu_s']:6.0f} tokens/CPU-s "
+                          f"{r['step_s']:6.3f} s/step {r['step_cpu_s']:6.3f} CPU-s/step  peak {peak:.0f} MiB  "
+                          f"({log['process_s']:.0f} s)", flush=True)  # fmt: skip
     figures = summarise(runs, args.warmup)
     clock = ("cpu" if device == "cpu" else "wall") if args.clock == "auto" else args.clock
     result = {
@@ -319,9 +362,13 @@ def main() -> int:
         "clock": clock,
         "unit": UNITS[clock],
         "threads": args.threads,
-        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")},
+        "preset": args.preset,
+        "precisions": list(args.precision),
+        "model": {k: getattr(args, k) for k in SHAPE},
         "seq_len": args.seq,
         "micro_batch": args.micro_batch,
+        "unpacked_micro_batch": args.unpacked_micro_batch or args.micro_batch,
+        "accumulate": args.accumulate,
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
@@ -331,47 +378,59 @@ def main() -> int:
         "litgpt": litgpt_check,
         "variants": figures,
     }
-    ours = figures.get("ours_lora", {})
-    result["ratios"] = {
-        f"ours_lora_vs_{name}": {
-            f"{kind}_per_{unit}": ratio(ours.get(f"{kind}_per_{unit}"), figures[name].get(f"{kind}_per_{unit}"))
-            for unit in UNITS.values()
-            for kind in ("tokens", "trained", "positions")
+    result["ratios"], result["unpacked_vs_packed"] = {}, {}
+    for precision in args.precision:
+        ours_name = labelled_run("ours_lora", precision)
+        same = [name for name in figures if name.endswith("_bf16") == (precision == "bf16")]
+        result["ratios"] |= {
+            f"{ours_name}_vs_{name}": rates_ratio(figures.get(ours_name, {}), figures[name])
+            for name in same
+            if name != ours_name
         }
-        for name in figures
-        if name != "ours_lora"
-    }
+        for trainer in ("ours", "trl"):
+            packed, unpacked = (labelled_run(f"{trainer}_lora{kind}", precision) for kind in ("", "_unpacked"))
+            if packed in figures and unpacked in figures:
+                result["unpacked_vs_packed"][unpacked] = rates_ratio(figures[unpacked], figures[packed])
     return report(result, args.json, print_table)
+
+
+def rates_ratio(a: dict, b: dict) -> dict:
+    """a's per-second figures over b's, per kind and clock."""
+    kinds = ("examples", "tokens", "trained", "positions")
+    return {f"{k}_per_{u}": ratio(a.get(f"{k}_per_{u}"), b.get(f"{k}_per_{u}")) for u in UNITS.values() for k in kinds}
 
 
 def print_table(result: dict) -> None:
     v = result["variants"]
     m = result["model"]
+    tied = ", tied embeddings" if m.get("tie_embeddings") else ""
     print(
-        f"\n# bench_finetune: Llama hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads ({m['kv_heads']} "
-        f"kv), ffn {m['ffn']}, vocab {m['vocab']}; seq {result['seq_len']}, {result['micro_batch']} rows/step, "
-        f"{result['steps']} steps ({result['warmup']} untimed), {result['rounds']} rounds, {result['device']}, "
-        f"{result['threads']} thread(s); LoRA r{result['lora']['rank']} alpha {result['lora']['alpha']} on "
-        f"{', '.join(result['lora']['targets'])}"
+        f"\n# bench_finetune ({result.get('preset', 'default')}): Llama hidden {m['hidden']}, {m['layers']} layers, "
+        f"{m['heads']} heads ({m['kv_heads']} kv), ffn {m['ffn']}, vocab {m['vocab']}{tied}; seq {result['seq_len']}, "
+        f"{result['micro_batch']} rows/micro-batch ({result.get('unpacked_micro_batch', result['micro_batch'])} "
+        f"unpacked), ours {result.get('accumulate', 1)} micro-batch(es)/step, "
+        f"{result['steps']} steps ({result['warmup']} untimed), "
+        f"{result['rounds']} rounds, {result['device']}, {result['threads']} thread(s) every run, "
+        f"{' and '.join(result.get('precisions', ['fp32']))}; LoRA r{result['lora']['rank']} alpha "
+        f"{result['lora']['alpha']} on {', '.join(result['lora']['targets'])}"
     )
     unit = result["unit"]
     per = "/CPU-s" if unit == "cpu_s" else "/s"
-    print(f"per second of {'CPU time of each process' if unit == 'cpu_s' else 'wall time'}; wall-time figures in "
-          f"the JSON ({'--clock wall' if unit == 'cpu_s' else '--clock cpu'} heads the table with them)")  # fmt: skip
-    print(f"{'run':<20} {'tokens' + per:>13} {'trained' + per:>14} {'positions' + per:>16} {'s/step':>7} "
-          f"{'token sh.':>9} {'trained sh.':>11} {'peak MiB':>9} {'trainable':>10}")  # fmt: skip
+    print(f"per second of {'CPU time of each process' if unit == 'cpu_s' else 'wall time'}; "
+          f"{'--clock wall' if unit == 'cpu_s' else '--clock cpu'} heads the table with the other clock (both in "
+          "the JSON); s/step is wall time, CPU-s/step the process's")  # fmt: skip
+    print(f"{'run':<25} {'examples' + per:>15} {'tokens' + per:>13} {'trained' + per:>14} {'positions' + per:>16} "
+          f"{'s/step':>7} {'CPU-s/step':>10} {'token sh.':>9} {'peak MiB':>9} {'trainable':>10}")  # fmt: skip
     for name, f in v.items():
-        step = f["step_cpu_s"] if unit == "cpu_s" else f["step_s"]
-        print(f"{name:<20} {f[f'tokens_per_{unit}']:13.0f} {f[f'trained_per_{unit}']:14.0f} "
-              f"{f[f'positions_per_{unit}']:16.0f} {step:7.3f} {f['token_share']:9.3f} {f['trained_share']:11.3f} "
-              f"{f['peak_memory_bytes'] / 2**20:9.0f} {f.get('trainable_parameters', 0):10,}")  # fmt: skip
-    for name, r in result["ratios"].items():
-        shown = ", ".join(
-            f"{kind} {r[f'{kind}_per_{unit}']:.2f}x"
-            for kind in ("tokens", "trained", "positions")
-            if r[f"{kind}_per_{unit}"] is not None
-        )
-        print(f"{name}: {shown}")
+        print(f"{name:<25} {f.get(f'examples_per_{unit}', 0):15.2f} {f[f'tokens_per_{unit}']:13.0f} "
+              f"{f[f'trained_per_{unit}']:14.0f} {f[f'positions_per_{unit}']:16.0f} {f['step_s']:7.3f} "
+              f"{f['step_cpu_s']:10.3f} {f['token_share']:9.3f} {f['peak_memory_bytes'] / 2**20:9.0f} "
+              f"{f.get('trainable_parameters', 0):10,}")  # fmt: skip
+    kinds = ("examples", "tokens", "trained", "positions")
+    for title, table in (("", result["ratios"]), ("unpacked over packed: ", result.get("unpacked_vs_packed", {}))):
+        for name, r in table.items():
+            shown = ", ".join(f"{k} {r[f'{k}_per_{unit}']:.2f}x" for k in kinds if r.get(f"{k}_per_{unit}"))
+            print(f"{title}{name}: {shown}")
     if "unavailable" in result["litgpt"]:
         print(f"litgpt: not run: {result['litgpt']['unavailable']}")
     else:

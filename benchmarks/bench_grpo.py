@@ -64,14 +64,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from bench_finetune import HF_TARGETS, build_model_dir  # noqa: E402
-from model_shape import add_model_shape_args  # noqa: E402
+from model_shape import SMOLLM2_135M, add_model_shape_args  # noqa: E402
 from results import add_rounds_arg, benchmark_args, benchmark_parser, ratio, report, trl_training_args  # noqa: E402
 
 from mtnlg_lightning.data.chat_template import ChatTokenizer  # noqa: E402
 from mtnlg_lightning.demo.synthetic.instructions import SYSTEM, TASKS  # noqa: E402
 
 # SmolLM2-135M's shape (its config.json): the defaults; --small replaces them.
-SMOLLM2_135M = dict(layers=30, hidden=576, heads=9, kv_heads=3, ffn=1536, vocab=49152, rope_theta=100000.0)
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=4224, rope_theta=100000.0)
 VARIANTS = ("ours", "trl", "trl_recompute")  # trl_recompute: TRL with GRPOConfig's default gradient checkpointing
 REWARD = '''

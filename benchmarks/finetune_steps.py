@@ -7,7 +7,8 @@ and in CPU time of the process (`time.process_time`: on a shared CPU the work do
 one torch thread it is the fairer figure there). Its tokens:
 - `positions`: what the model computed on (rows x row length, padding included; a padding-free batch has none);
 - `tokens`: the documents' own tokens (non-padding);
-- `trained`: the positions with a label (the assistant's tokens).
+- `trained`: the positions with a label (the assistant's tokens);
+- `examples`: the documents (a packed row holds several; a padded row one).
 
 Plain Python and torch only: the litgpt worker imports it from its own virtual environment.
 """
@@ -35,6 +36,7 @@ class StepLog:
     positions: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
+    examples: list[int] = field(default_factory=list)
     end: float | None = None
     cpu_end: float | None = None
     peak_memory_bytes: int = 0
@@ -53,13 +55,15 @@ class StepLog:
         """Fold the peak so far in (our module resets the CPU peak at every step start: read at every step end)."""
         self.peak_memory_bytes = max(self.peak_memory_bytes, self._peak.read_bytes())
 
-    def step(self, rows: int, positions: int, tokens: int, trained: int) -> None:
+    def step(self, rows: int, positions: int, tokens: int, trained: int, examples: int | None = None) -> None:
+        """A step starts on a batch: `examples` defaults to `rows` (one example a row)."""
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.process_time())
         self.rows.append(int(rows))
         self.positions.append(int(positions))
         self.tokens.append(int(tokens))
         self.trained.append(int(trained))
+        self.examples.append(int(rows if examples is None else examples))
 
     def finish(self) -> None:
         self.end = time.perf_counter()
@@ -91,7 +95,8 @@ def rates(log: dict, warmup: int) -> dict:
         raise ValueError(f"no step after the {warmup} warm-up steps ({len(log['starts'])} steps run)")
     seconds = log["end"] - log["starts"][warmup]
     cpu_seconds = log["cpu_end"] - log["cpu_starts"][warmup]
-    sums = {key: sum(log[key][i] for i in measured) for key in ("rows", "positions", "tokens", "trained")}
+    counted = ("rows", "positions", "tokens", "trained", "examples")
+    sums = {key: sum(log[key][i] for i in measured) for key in counted}
     return {
         "steps": len(measured),
         "seconds": seconds,

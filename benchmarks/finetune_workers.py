@@ -6,7 +6,8 @@ machinery: MTNLGModule + FineTuneDataModule) or TRL's SFTTrainer with peft, as t
 
 Both sides: the same Hugging Face Llama directory, chat records and chat template (the assistant's tokens trained),
 LoRA rank/alpha/targets, rows per step (one micro-batch per step), steps, row length, AdamW (lr, betas, weight
-decay), clipping at 1.0, fp32, threads and device. OUT.json is a `finetune_steps.StepLog`.
+decay), clipping at 1.0, precision (fp32, or bf16 autocast over fp32 weights: Lightning's bf16-mixed, the
+Trainer's bf16), threads and device. OUT.json is a `finetune_steps.StepLog`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def run_ours(spec: dict, log: StepLog) -> None:
     from mtnlg_lightning.data.finetune import FineTuneDataModule
     from mtnlg_lightning.data.packing import PADDING_DOCUMENT
     from mtnlg_lightning.train.module import MTNLGModule
+    from mtnlg_lightning.train.step_interfaces import micro_batch_shapes
     from testing.lightning_run import quiet_trainer
     from testing.state_bytes import StateBytesProbe
 
@@ -41,9 +43,13 @@ def run_ours(spec: dict, log: StepLog) -> None:
             log.start_memory()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            ids = batch["input_ids"]
-            tokens = int((batch["document_ids"] != PADDING_DOCUMENT).sum())
-            log.step(ids.shape[0], ids.numel(), tokens, labelled(batch["labels"]))
+            documents = batch["document_ids"]
+            tokens = int((documents != PADDING_DOCUMENT).sum())
+            # the positions the model computes: unpacked rows are cut to each micro-batch's longest
+            shapes = micro_batch_shapes(batch, pl_module.micro_batch_size, pl_module.runner.row_multiple)
+            positions = sum(rows * width for rows, width in shapes)
+            examples = int((documents.max(dim=1).values + 1).sum())  # a row's documents are 0, 1, ...
+            log.step(documents.shape[0], positions, tokens, labelled(batch["labels"]), examples)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             log.read_memory()
@@ -54,7 +60,7 @@ def run_ours(spec: dict, log: StepLog) -> None:
         init_from=spec["model_dir"],
         model_overrides={"seq_len": spec["seq_len"]},
         micro_batch_size=spec["micro_batch"],
-        global_batch_size=spec["micro_batch"],
+        global_batch_size=spec["micro_batch"] * spec.get("accumulate", 1),
         lr=spec["lr"],
         min_lr=spec["lr"],
         warmup_tokens=0,
@@ -74,7 +80,7 @@ def run_ours(spec: dict, log: StepLog) -> None:
     trainer = quiet_trainer(
         accelerator="cuda" if log.device.startswith("cuda") else "cpu",
         devices=1,
-        precision="32-true",
+        precision="bf16-mixed" if spec["precision"] == "bf16" else "32-true",
         max_steps=spec["steps"],
         log_every_n_steps=spec["steps"],
         callbacks=[Record(), probe],
@@ -113,10 +119,12 @@ def run_trl(spec: dict, log: StepLog) -> None:
         def training_step(self, model, inputs, num_items_in_batch=None):
             ids = inputs["input_ids"]
             mask = inputs.get("attention_mask")
-            # A padding-free batch (packing) is its rows flattened into one, with no mask and no padding.
+            # A padding-free batch (packing) is its rows flattened into one, with no mask and no padding: each
+            # example's positions restart at 0.
             tokens = ids.numel() if mask is None else int(mask.sum())
             rows = spec["micro_batch"] if mask is None else ids.shape[0]
-            log.step(rows, ids.numel(), tokens, labelled(inputs["labels"]))
+            examples = int((inputs["position_ids"] == 0).sum()) if mask is None else rows
+            log.step(rows, ids.numel(), tokens, labelled(inputs["labels"]), examples)
             return super().training_step(model, inputs, num_items_in_batch)
 
     torch.manual_seed(spec["seed"])
@@ -137,7 +145,8 @@ def run_trl(spec: dict, log: StepLog) -> None:
         )
     with tempfile.TemporaryDirectory() as out:
         config = trl.SFTConfig(
-            **trl_training_args(out, spec["steps"], spec["lr"], spec["weight_decay"], spec["betas"], spec["seed"]),
+            **trl_training_args(out, spec["steps"], spec["lr"], spec["weight_decay"], spec["betas"], spec["seed"])
+            | {"bf16": spec["precision"] == "bf16"},
             per_device_train_batch_size=spec["micro_batch"],
             max_length=spec["seq_len"],
             packing=spec["pack"],

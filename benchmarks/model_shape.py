@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+# SmolLM2-135M's shape (a real small model's: its depth and its 49k vocabulary's output layer are what a small random
+# model leaves out); tied input and output embeddings.
+SMOLLM2_135M = dict(layers=30, hidden=576, heads=9, kv_heads=3, ffn=1536, vocab=49152, rope_theta=100000.0)
+
 
 def add_model_shape_args(
     parser: argparse.ArgumentParser,

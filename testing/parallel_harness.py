@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from mtnlg_lightning.data.datamodule import GPTDataModule
+from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.parallel.tensor_parallel import gather_tensor_parallel
 from mtnlg_lightning.quick_exit import skip_final_garbage_collection
@@ -133,6 +134,36 @@ class PackDocuments(Callback):
         if not self.document_ids:
             del packed["document_ids"]
         batch.update(packed)
+
+
+PADDED_SEQ_LEN = 256  # `PadRows`' runs: rows of 8 to 200 tokens, micro-batches of many widths below 256
+
+
+class PadRows(Callback):
+    """Makes each sample one example followed by padding, as unpacked fine-tuning rows are (`data.packing`): the
+    window's first L tokens (L from 8 to 200, drawn from the sample's place in the stream, never the layout), then
+    pad id 0, PADDING_DOCUMENT, ignored labels, and each row's length in ROW_LENGTHS, which lets a layout cut each
+    micro-batch to its longest row. Run with `seq_len` 256, so micro-batches differ in width."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch.update(pad_rows(batch, sample_index(trainer, batch)))
+
+
+def pad_rows(batch: dict, samples: list[int]) -> dict[str, torch.Tensor]:
+    rows, width = batch["labels"].shape
+    lengths = torch.tensor([int(torch.randint(8, 201, (), generator=torch.Generator().manual_seed(20_000 + s)))
+                            for s in samples])  # fmt: skip
+    index = torch.arange(width).expand(rows, width)
+    padding = index >= lengths[:, None]
+    last_or_padding = index >= lengths[:, None] - 1  # an example's last token predicts nothing
+    device = batch["labels"].device
+    return {
+        "input_ids": batch["input_ids"].masked_fill(padding.to(device), 0),
+        "labels": batch["labels"].masked_fill(last_or_padding.to(device), IGNORE_INDEX),
+        "position_ids": torch.where(padding, index - lengths[:, None], index).to(device),
+        "document_ids": torch.where(padding, PADDING_DOCUMENT, 0).to(device),
+        ROW_LENGTHS: lengths.to(device),
+    }
 
 
 def pack_documents(labels: torch.Tensor, samples: list[int]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ def test_fit_tiny_logs_train_loss_every_step_to_csv_and_learns(tmp_path, demo_da
     assert losses[-1] < losses[0]
     for key in ("lr", "grad_norm", "consumed_samples", "consumed_tokens", "tokens_per_sec", "tflops_per_device"):
         assert rows[-1][key], key
+    assert all(float(r["padding_share"]) == 0.0 for r in rows)  # windows of the token stream: every position a token
     assert all(float(r["peak_memory_mib"]) > 50 for r in rows)  # MiB of a live process, every step
     assert float(rows[-1]["consumed_samples"]) == 64 and float(rows[-1]["consumed_tokens"]) == 64 * 64
     assert "train_loss" in out.stdout and "(first step) ->" in out.stdout

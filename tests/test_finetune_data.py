@@ -414,12 +414,13 @@ def test_step_batches_of_rows_split_by_data_parallel_rank():
             "labels",
             "position_ids",
             "document_ids",
+            "row_lengths",
             "consumed_samples",
             "global_batch_size",
         }
         assert batch["document_ids"].shape == (4, 8) and batch["document_ids"].dtype == torch.int64
         assert int(batch["consumed_samples"]) == 4 * step and int(batch["global_batch_size"]) == 4
-        for field in ("input_ids", "labels", "position_ids", "document_ids"):
+        for field in ("input_ids", "labels", "position_ids", "document_ids", "row_lengths"):
             assert torch.equal(torch.cat([shards[0][step][field], shards[1][step][field]]), batch[field])
 
 
@@ -459,26 +460,31 @@ def test_the_synthetic_instruction_set_is_deterministic_and_answerable():
     assert answer_of("Tell me a story.") is None
 
 
+def tiny_chat_run(tmp_path: Path, train: Path, seq_len: int, pack: bool = True, **settings):
+    """(module, data) of the tiny model (a 512-token vocabulary, rows of `seq_len`, none of a run's services) on the
+    Llama-templated records `train`; `settings`: the module's (batch sizes, learning rate, ...)."""
+    directory = tokenizer_dir(tmp_path / "model", "llama", LLAMA3)
+    data = FineTuneDataModule(train=str(train), tokenizer=str(directory), pack=pack)
+    overrides = {"seq_len": seq_len, "max_position_embeddings": seq_len, "vocab_size": 512}
+    module = MTNLGModule(
+        preset="tiny",
+        model_overrides=overrides,
+        preemption=False,
+        watchdog=False,
+        straggler_every_n_steps=0,
+        **settings,
+    )
+    return module, data
+
+
 def test_a_fit_trains_on_the_packed_rows_and_the_loss_falls(tmp_path):
     """The module consumes the rows as they come (labels, positions; the document ids travel with them) and the
     assistant-only loss falls over a few steps on the synthetic set."""
     import lightning as L
 
-    directory = tokenizer_dir(tmp_path / "model", "llama", LLAMA3)
     train = write_instructions(tmp_path / "train.jsonl", count=64)
-    data = FineTuneDataModule(train=str(train), tokenizer=str(directory))
-    overrides = {"seq_len": 128, "max_position_embeddings": 128, "vocab_size": 512}
-    module = MTNLGModule(
-        preset="tiny",
-        model_overrides=overrides,
-        global_batch_size=4,
-        micro_batch_size=2,
-        lr=3e-3,
-        warmup_tokens=0,
-        preemption=False,
-        watchdog=False,
-        straggler_every_n_steps=0,
-    )
+    settings = {"global_batch_size": 4, "micro_batch_size": 2, "lr": 3e-3, "warmup_tokens": 0}
+    module, data = tiny_chat_run(tmp_path, train, 128, **settings)
     losses = []
 
     class Record(L.Callback):

@@ -21,6 +21,13 @@ def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> 
     return 2 * matmul_parameters(config) + attention
 
 
+def head_flops_per_token(config: ModelConfig) -> float:
+    """The LM head's part of `forward_flops_per_token` (2 per weight of its [vocabulary x hidden] matrix): in a
+    training step the loss applies the head only where a label counts (`parallel/output_layer.py`), so a step's model
+    FLOPs leave it out at the other positions (prompts, padding)."""
+    return 2 * config.hidden_size * config.padded_vocab_size()
+
+
 def flops_per_iteration(
     config: ModelConfig, batch_size: int, seq_len: int | None = None, recompute: bool = False
 ) -> float:

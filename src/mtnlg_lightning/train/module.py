@@ -13,9 +13,10 @@ from torch import nn
 
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
+from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
-from mtnlg_lightning.loss import cross_entropy
+from mtnlg_lightning.loss import IGNORE_INDEX, cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
 from mtnlg_lightning.parallel.muon import MuonSettings, Replicas
@@ -27,12 +28,12 @@ from mtnlg_lightning.resilience.watchdog import HangWatchdog
 from mtnlg_lightning.train import lightning_compat
 from mtnlg_lightning.train.checkpoint_io import ModelSpaceCheckpointIO
 from mtnlg_lightning.train.extensions import extensions_for
-from mtnlg_lightning.train.flops import flops_per_iteration, peak_flops_for
+from mtnlg_lightning.train.flops import flops_per_iteration, head_flops_per_token, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.objectives import build_objective
 from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_muon_layout, check_optimizer
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
-from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto
+from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto, micro_batch_shapes
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
 from mtnlg_lightning.train.training_position import TrainingPosition
 
@@ -152,7 +153,9 @@ class MTNLGModule(L.LightningModule):
                 q/k norms or key/value heads copied over TP ranks.
 
         Logged every step besides the loss: `peak_memory_mib`, the step's peak memory of the fullest rank
-        (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU).
+        (`torch.cuda.max_memory_allocated` on GPU, peak RSS on CPU); `tokens_per_sec`, the documents' tokens of the
+        global batch (padding not counted) per second; `padding_share`, the padding's share of the positions the
+        step computed; `tflops_per_device` and `mfu`, the model FLOPs of the positions computed (padding included).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -188,6 +191,8 @@ class MTNLGModule(L.LightningModule):
         self.position = TrainingPosition(self.batch_schedule)  # consumed samples, step, LR-schedule position
         self._step_started: float | None = None
         self._first_loss: float | None = None
+        # the run's documents' tokens, computed positions, model FLOPs and seconds of its steps (the summary line)
+        self._run_work = torch.zeros(4, dtype=torch.float64)
         self._peak_flops: float | None = None  # per-device peak FLOP/s for MFU, resolved once per fit
         self._peak_memory: StepPeakMemory | None = None
         self._restart_train_data = False
@@ -326,7 +331,7 @@ class MTNLGModule(L.LightningModule):
         for extension in self.extensions:
             extension.after_update(self, vetoed)
         self.position.step_taken(self.trainer, batch_start, global_batch)  # step counter, data, LR: applied or not
-        self._log_step(loss, update.grad_norm, lr, global_batch)
+        self._log_step(loss, update.grad_norm, lr, global_batch, self._step_work(batch))
         self.objective.log_metrics(self)
         return loss
 
@@ -348,12 +353,38 @@ class MTNLGModule(L.LightningModule):
             return -1  # Lightning: end this epoch now
         return None
 
-    def _log_step(self, loss, grad_norm, lr: float, global_batch: int) -> None:
+    def _step_work(self, batch: dict) -> torch.Tensor:
+        """The global batch's [documents' tokens, computed positions, model FLOPs] this step: the positions and FLOPs
+        of the micro-batches as the runner computed them (`micro_batch_shapes`: padding included, cut where the
+        layout allows; the LM head's at the counted labels only), the tokens without the padding (the rows'
+        ROW_LENGTHS, else their non-padding `document_ids`, else every position)."""
+        rows = self.objective.computed_rows(batch)
+        per_micro_batch = self.micro_batch_size * self.objective.sequences_per_sample
+        shapes = micro_batch_shapes(rows, per_micro_batch, self.runner.row_multiple)
+        if rows.get(ROW_LENGTHS) is not None:
+            tokens = int(rows[ROW_LENGTHS].sum())
+        elif rows.get("document_ids") is not None:
+            tokens = int((rows["document_ids"] != PADDING_DOCUMENT).sum())
+        else:
+            tokens = rows["input_ids"].numel()
+        positions = sum(n * width for n, width in shapes)
+        # the LM head runs only at the counted labels (a row-index column past the inputs, DPO's and GRPO's, is not one)
+        labels = rows["labels"][:, : rows["input_ids"].shape[1]]
+        headless = positions - int((labels != IGNORE_INDEX).sum())
+        flops = sum(flops_per_iteration(self.config, n, width) for n, width in shapes)
+        flops -= 3 * head_flops_per_token(self.config) * headless  # forward and backward, as flops_per_iteration
+        work = torch.tensor([tokens, positions, flops], dtype=torch.float64, device=self.device)
+        world = self.trainer.world_size
+        if world > 1:  # a replica's TP, PP and CP ranks hold its rows alike: the world's sum counts each world/DP times
+            replica_ranks = world // getattr(self.trainer.strategy, "data_parallel_size", world)
+            work = self.trainer.strategy.reduce(work, reduce_op="sum") / replica_ranks
+        return work
+
+    def _log_step(self, loss, grad_norm, lr: float, global_batch: int, work: torch.Tensor) -> None:
         now = time.perf_counter()
         seconds, self._step_started = now - self._step_started, now
-        sequences = global_batch * self.objective.sequences_per_sample
-        tokens = sequences * self.config.seq_len
-        flops = flops_per_iteration(self.config, sequences)
+        tokens, positions, flops = work.tolist()
+        self._run_work += torch.tensor([tokens, positions, flops, seconds], dtype=torch.float64)
         tflops = flops / seconds / self.trainer.world_size / 1e12
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=global_batch)
         self.log("lr", lr, prog_bar=True)
@@ -363,7 +394,8 @@ class MTNLGModule(L.LightningModule):
         self.log("consumed_samples", float(self.consumed_samples))
         self.log("consumed_tokens", float(self.consumed_samples * self.config.seq_len))
         self.log("global_batch_size", float(global_batch))
-        self.log("tokens_per_sec", tokens / seconds, prog_bar=True)
+        self.log("tokens_per_sec", tokens / seconds, prog_bar=True)  # the documents' tokens, not the padding
+        self.log("padding_share", 1.0 - tokens / positions)  # of the positions computed
         self.log("tflops_per_device", tflops)
         if self._peak_flops:
             self.log("mfu", tflops * 1e12 / self._peak_flops)
@@ -386,9 +418,13 @@ class MTNLGModule(L.LightningModule):
     def on_train_end(self) -> None:
         last = self.trainer.callback_metrics.get("train_loss")
         if self.trainer.is_global_zero and last is not None and self._first_loss is not None:
+            tokens, positions, flops, seconds = self._run_work.tolist()
             print(
                 f"\ntrain_loss {self._first_loss:.3f} (first step) -> {float(last):.3f} (step "
-                f"{self.trainer.global_step}); consumed {self.consumed_samples:,} samples"
+                f"{self.trainer.global_step}); consumed {self.consumed_samples:,} samples; "
+                f"{tokens / seconds:,.0f} tokens/s, padding {1 - tokens / positions:.1%} of {positions:,.0f} "
+                "positions computed, "
+                f"{flops / seconds / self.trainer.world_size / 1e12:.3g} TFLOP/s per device"
             )
 
     # ---------------------------------------------------------------- evaluation

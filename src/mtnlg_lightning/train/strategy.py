@@ -48,7 +48,14 @@ from mtnlg_lightning.parallel.zero import (
 from mtnlg_lightning.resilience.restart import process_group_store
 from mtnlg_lightning.resilience.watchdog import keep_own_timeout, save_collective_timeout, startup_collective_timeout
 from mtnlg_lightning.train import lightning_compat
-from mtnlg_lightning.train.step_interfaces import Update, accumulate, count_micro_batches, evaluate, optimizer_update
+from mtnlg_lightning.train.step_interfaces import (
+    RowWidths,
+    Update,
+    accumulate,
+    count_micro_batches,
+    evaluate,
+    optimizer_update,
+)
 
 
 class MegatronDeepSpeedStrategy(ParallelStrategy):
@@ -134,6 +141,7 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         self.async_save = async_save
         self.background_saver: BackgroundSaver | None = None
         self.layout: ParallelLayout | None = None
+        self.widths = RowWidths()  # how wide micro-batches of rows are computed
         self.groups: ProcessGroups | None = None
         self.engine = None  # the DeepSpeed engine when zero_stage >= 1
         self.num_nodes = 1
@@ -325,9 +333,11 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         """Accumulate this rank's micro-batches: through the pipeline schedule (Lightning's backward unused; the
         loss, computed on the last stage, broadcast along the pipeline), else one by one (through the engine under
         ZeRO)."""
+        self.widths.note(batch, self.lightning_module.config, self.pipeline is not None)
         with heads_in_loss(self.lightning_module.model):  # the layout's loss applies the LM head (output_layer)
             if self.pipeline is None:
-                return accumulate(self.forward_module, self._backward, batch, micro_batch_size, step_loss)
+                forward, multiple = self.forward_module, self.row_multiple
+                return accumulate(forward, self._backward, batch, micro_batch_size, step_loss, row_multiple=multiple)
             loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
             loss = self.pipeline.run(batch, micro_batch_size, loss_fn)
         if self.tied_embedding is not None:
@@ -335,11 +345,20 @@ class MegatronDeepSpeedStrategy(ParallelStrategy):
         return loss
 
     def evaluate(self, batch: dict, micro_batch_size: int, step_loss) -> torch.Tensor:
+        self.widths.note(batch, self.lightning_module.config, self.pipeline is not None)
         with heads_in_loss(self.lightning_module.model):
             if self.pipeline is None:
-                return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss)
+                return evaluate(self.lightning_module.model, batch, micro_batch_size, step_loss, self.row_multiple)
             loss_fn = self._pipeline_loss(batch, micro_batch_size, step_loss)
             return self.pipeline.run(batch, micro_batch_size, loss_fn, train=False)
+
+    @property
+    def row_multiple(self) -> int | None:
+        """What a micro-batch's width must be a multiple of: ROW_MULTIPLE and the cuts of sequence and context
+        parallelism; None where the rows keep seq_len (`step_interfaces.RowWidths` says where: a pipeline, ...)."""
+        return self.widths.multiple(
+            self.lightning_module.config, self.pipeline is not None, self.parallel_config.sequence_multiple
+        )
 
     @staticmethod
     def _pipeline_loss(batch: dict, micro_batch_size: int, step_loss):

@@ -193,6 +193,7 @@ class GRPO(Objective):
         self.first_of_replica: dict[int, int] = {}
         self.generated: Generated | None = None  # num_iterations > 1: the batch the next iterations train on again
         self.resumed: dict | None = None  # the generation a checkpoint kept (`state_dict`), until a step takes it
+        self.trained_rows: dict | None = None  # the rows the last training step ran (its tokens and FLOPs)
 
     @classmethod
     def from_hparams(cls, hparams: Mapping) -> GRPO:
@@ -214,6 +215,9 @@ class GRPO(Objective):
 
     def samples_in(self, batch: dict) -> int:
         return len(batch["prompt_ids"])
+
+    def computed_rows(self, batch: dict) -> dict:
+        return self.trained_rows  # the data's batch holds the prompts: the rows are the step's completions
 
     def check_layout(self, module, strategy) -> None:
         if self.config.beta and not module.frozen_base and getattr(strategy, "zero_stage", 0) >= 3:
@@ -285,6 +289,7 @@ class GRPO(Objective):
         generated = self.generated if reuse else self._generate(module, batch, train)
         if train:  # a validation between the iterations leaves the training generation in place
             self.generated = generated if mu > 1 else None
+            self.trained_rows = generated.targeted
         started = time.perf_counter()
         config, per_micro_batch = self.config, module.micro_batch_size * self.config.num_generations
         scores = TokenScores(module.loss_fn, config.temperature)

@@ -68,6 +68,11 @@ class Objective:
         """The samples a batch holds (the logged values' batch size)."""
         return len(batch["labels"])
 
+    def computed_rows(self, batch: dict) -> dict:
+        """The rows this rank's last step ran through the model, in micro-batches of `micro_batch_size x
+        sequences_per_sample` rows: the step's tokens, positions and FLOPs are counted from them."""
+        return batch
+
     def log_metrics(self, module, prefix: str = "") -> None:
         """After the step (`prefix` "") or a validation batch (`val_`): this objective's own metrics."""
 
