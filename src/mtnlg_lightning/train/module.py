@@ -19,7 +19,7 @@ from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import IGNORE_INDEX, cross_entropy
 from mtnlg_lightning.model import COMPILE_BACKENDS, build_model
 from mtnlg_lightning.parallel.activation_checkpointing import Recompute
-from mtnlg_lightning.parallel.muon import MuonSettings, Replicas
+from mtnlg_lightning.parallel.muon import Replicas
 from mtnlg_lightning.parallel.output_layer import check_chunk_tokens
 from mtnlg_lightning.parallel.parallelize import parallelize_gpt
 from mtnlg_lightning.resilience.restart import report_restart
@@ -31,7 +31,7 @@ from mtnlg_lightning.train.extensions import extensions_for
 from mtnlg_lightning.train.flops import flops_per_iteration, head_flops_per_token, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.objectives import build_objective
-from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_muon_layout, check_optimizer
+from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_muon_layout, optimizer_settings
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
 from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto, micro_batch_shapes
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
@@ -138,9 +138,9 @@ class MTNLGModule(L.LightningModule):
                 file's code runs), or a mapping {name: SPEC, ...keyword arguments} (`rewards.load_rewards`).
             reward_weights: one weight per reward function (default 1.0 each); the reward is their weighted sum.
             optimizer: `adamw` (MT-NLG's, above) or `muon`: Muon for the blocks' weight matrices (attention and MLP
-                projections, each expert), this AdamW for the embeddings, the LM head, norms, biases and routers
-                (Moonlight's split; `parallel/muon.py`). A fused QKV weight is orthogonalised as Q, K and V, a
-                tensor-parallel shard as its whole matrix (gathered over TP). Not under ZeRO 1-3 nor with LoRA.
+                projections, one matrix per routed FFN), this AdamW for the embeddings, the LM head, norms, biases and
+                routers (Moonlight's split; `parallel/muon.py`). A fused QKV weight is orthogonalised as Q, K and V, a
+                tensor-parallel shard as its whole matrix (gathered over TP). Not under ZeRO 1-3 nor with adapters.
             muon: Muon's settings, torch.optim.Muon's names and defaults, each optional: {lr: the AdamW lr,
                 weight_decay: the AdamW weight_decay, momentum: 0.95, nesterov: true, ns_steps: 5,
                 ns_coefficients: [3.4445, -4.775, 2.0315], eps: 1.0e-7, adjust_lr: match_rms_adamw} (adjust_lr:
@@ -159,12 +159,7 @@ class MTNLGModule(L.LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
-        check_optimizer(optimizer)
-        self.muon = MuonSettings.from_dict(muon) if optimizer == "muon" else None
-        if muon and self.muon is None:
-            raise MTNLGError("model.muon is set, but model.optimizer is not muon")
-        if self.muon is not None and lora:
-            raise MTNLGError("model.optimizer muon does not train LoRA adapters: use adamw")
+        self.muon = optimizer_settings(self.hparams)  # Muon's (None: AdamW), checked against the other settings
         if init_from:
             self.config = config_for_init(init_from, preset, model_overrides)
             # Checkpoints rebuild the config from preset + overrides: record the resolved one.

@@ -119,6 +119,19 @@ def check_optimizer(optimizer: str) -> None:
         raise MTNLGError(f"model.optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
+def optimizer_settings(hparams) -> MuonSettings | None:
+    """Muon's checked settings from the module's hyperparameters (None: AdamW), one line for what does not go
+    together."""
+    optimizer, muon = hparams.get("optimizer", "adamw"), hparams.get("muon")
+    check_optimizer(optimizer)
+    settings = MuonSettings.from_dict(muon) if optimizer == "muon" else None
+    if muon and settings is None:
+        raise MTNLGError("model.muon is set, but model.optimizer is not muon")
+    if settings is not None and hparams.get("lora"):
+        raise MTNLGError("model.optimizer muon does not train LoRA adapters: use adamw")
+    return settings
+
+
 def build_adamw(
     model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, fused: bool | None
 ) -> torch.optim.AdamW:
