@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from mtnlg_lightning.callbacks import LossSpikeDetection, LossSpikeError, SpikeDetector
 from mtnlg_lightning.data.datamodule import GPTDataModule
-from mtnlg_lightning.train.module import MTNLGModule, cross_entropy
+from mtnlg_lightning.train.module import MTNLGModule
 from testing.lightning_run import TINY_RECIPE, quiet_trainer
 
 BATCH = 8  # global batch of the tiny recipe: step s covers samples [8s, 8s + 8)
@@ -27,11 +27,16 @@ class PoisonedModule(MTNLGModule):
         super().__init__(**TINY_RECIPE, micro_batch_size=4, global_batch_size=BATCH, grad_clip=1.0)
         self.poison = dict(poison or {})
         self.factor = None
-        self.loss_fn = self._loss
 
-    def _loss(self, logits, labels):
-        loss = cross_entropy(logits, labels)
-        return loss if self.factor is None else loss * self.factor
+    def layout_loss(self, loss_fn):
+        """The layout's loss (the LM head inside it), scaled at the poisoned batches."""
+        loss_fn = super().layout_loss(loss_fn)
+
+        def poisoned(output, labels):
+            loss = loss_fn(output, labels)
+            return loss if self.factor is None else loss * self.factor
+
+        return poisoned
 
     def training_step(self, batch, batch_idx):
         self.factor = self.poison.get(int(batch["consumed_samples"]))

@@ -40,6 +40,9 @@ REPLICATED = "replicated"  # every rank holds all of it (learned positions)
 ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
 EXPERTS = "experts"  # experts stacked [E, out, in]: whole on every tensor-parallel rank (expert parallelism splits E)
 MATMUL_STYLES = (COLUMN, KV_COLUMN, ROW)  # the block's Linear layers: weights that multiply activations per token
+# Our names of the routing matrices (ROUTER above): the leaves of `mlp.router` and `mlp.shared_gate`, which Muon
+# leaves to AdamW (`train/optimizer_recipe.py`).
+ROUTING_MODULES = ("router", "shared_gate")
 BLOCK = "blocks.{i}."  # the prefix of a block's module paths (`model.GPT.blocks` is keyed by layer index)
 
 

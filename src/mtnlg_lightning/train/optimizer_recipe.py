@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import ROUTING_MODULES
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.muon import MuonAdamW, MuonSettings, Replicas, matrix_layout
 
 OPTIMIZERS = ("adamw", "muon")
 # Matrices that stay with AdamW under Muon (Moonlight's recipe, and the routers): the embeddings, the LM head, a
 # mixture of experts' router and shared-expert gate; by a component of the parameter's name.
-ADAMW_MATRICES = ("embed", "lm_head", "router", "shared_gate")
+ADAMW_MATRICES = ("embed", "lm_head", *ROUTING_MODULES)
 
 
 def decay_groups(model: torch.nn.Module) -> list[list]:
