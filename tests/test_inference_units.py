@@ -76,3 +76,25 @@ def test_forward_with_a_kv_cache_equals_the_full_forward_in_one_process_and_on_t
     for rank, shard in enumerate(run_ranks(2, tp_rank)):
         width = config.padded_vocab_size() // 2
         torch.testing.assert_close(shard, full[..., rank * width : (rank + 1) * width], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_continuing_the_same_prompt_share_one_prefill_and_sample_as_if_alone():
+    """GRPO's G completions of a prompt: the prefill runs once per distinct prompt (the rows the model sees), and each
+    row's completion is the one it gets generated alone with its seed (sampling, temperature 1)."""
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.inference.decode import generate_batch
+    from mtnlg_lightning.inference.sharded_model import ShardedModel
+    from mtnlg_lightning.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny")).eval()
+    first, second = [5, 9, 13, 2, 7], [11, 3, 8]
+    prompts, seeds = [first, first, second, second, first], [1, 2, 3, 4, 5]
+    widths = []
+    model.register_forward_pre_hook(lambda module, args: widths.append(tuple(args[0].shape)))
+    together = generate_batch(ShardedModel.whole(model), prompts, 6, seeds=seeds).tokens
+    assert widths[0] == (2, 3)  # the prefill: two distinct prompts, up to the shortest's length
+    assert all(batch == 5 for batch, _ in widths[1:])
+    for prompt, seed, tokens in zip(prompts, seeds, together, strict=True):
+        assert generate_batch(ShardedModel.whole(model), [prompt], 6, seeds=[seed]).tokens[0] == tokens
+    assert together[0] != together[1]  # the same prompt, its own sampler

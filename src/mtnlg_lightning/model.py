@@ -482,6 +482,13 @@ class KVCache:
     def layer(self, name: str) -> LayerCache:
         return LayerCache(self, name)
 
+    def expand_rows(self, rows: torch.Tensor) -> None:
+        """Row i of the cache becomes the old row `rows[i]`: a prefill made once per distinct prompt serves every
+        row that continues it (GRPO's G completions of a prompt)."""
+        for store in (self.keys, self.values):
+            for name, tensor in store.items():
+                store[name] = tensor.index_select(0, rows.to(tensor.device))
+
     def bytes_per_position(self) -> int:
         """Bytes one position takes in every cached block: 2 x blocks x kv_heads x head_dim x element size."""
         return sum(t[0, :, 0].numel() * t.element_size() * 2 for t in self.keys.values())

@@ -5,7 +5,9 @@ over TP ([batch, vocab], one position, not the sequence), TP rank 0 picks the ne
 peers, and the last stage sends them with a stop flag along the pipeline, so every rank of the replica has every
 token and all stop together. Prompts of different lengths share a batch: the prefill covers the shortest prompt, and
 a longer prompt's remaining tokens are fed (forced) one position at a time while the others decode, so every
-sequence sees exactly its own positions and no mask or padding enters the arithmetic.
+sequence sees exactly its own positions and no mask or padding enters the arithmetic. Rows that continue the same
+prompt (GRPO's completions of a group) share one prefill: it runs on the distinct prompts, and the KV cache's rows are
+copied out to the rows that continue each.
 
 Under expert parallelism the replicas of an EP group run every MoE layer's all-to-alls together, so they take the
 same number of forward passes (`InStep`): a replica whose sequences have all ended, or that was dealt none, passes one
@@ -84,6 +86,14 @@ def check_prompts(prompts: list[list[int]], limit: int) -> None:
 
 
 @torch.inference_mode()
+def distinct_rows(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the first row of each distinct prompt, in order; for every row, its prompt's place among those)."""
+    place: dict[tuple[int, ...], int] = {}
+    shared = [place.setdefault(tuple(p), len(place)) for p in prompts]
+    firsts = [shared.index(i) for i in range(len(place))]
+    return torch.tensor(firsts, dtype=torch.long), torch.tensor(shared, dtype=torch.long)
+
+
 def generate_batch(
     model: ShardedModel,
     prompts: list[list[int]],
@@ -133,11 +143,17 @@ def generate_batch(
     position, following = 0, min(lengths)
     decision = torch.zeros(len(prompts) + 1, dtype=torch.long, device=model.device)  # next tokens + stop flag
     chosen: dict[str, torch.Tensor] = {}
+    # Rows that continue the same prompt (GRPO's G completions) share one prefill: the distinct prompts run, then
+    # the cache's and the logits' rows are copied out to every row (each still samples with its own generator).
+    firsts, shared = distinct_rows(prompts)
+    prefill_rows = firsts if cache is not None and len(firsts) < len(prompts) else None
 
     def on_output(m: int, logits: torch.Tensor) -> None:
         last = logits[:, -1]
         if model.tp_group is not None:
             last = gather_tensor_parallel(last, 1, model.tp_group)
+        if prefill_rows is not None and position == 0:
+            last = last.index_select(0, shared.to(last.device))
         tokens = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)
         if model.groups.rank == tp_source:
             sampling = [following >= n for n in lengths]  # a row still inside its prompt is fed, not sampled
@@ -154,7 +170,11 @@ def generate_batch(
             feed = sequence[:, position:following]
         else:
             feed = sequence[:, :following]
+        if prefill_rows is not None and position == 0:
+            feed = feed[prefill_rows]
         model.forward([feed if model.is_first else tuple(feed.shape)], on_output, caches=[cache] if cache else None)
+        if prefill_rows is not None and position == 0:
+            cache.expand_rows(shared)
         if model.is_last:
             nxt = chosen["tokens"].cpu()
             flag = all(
