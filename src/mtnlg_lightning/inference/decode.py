@@ -85,7 +85,6 @@ def check_prompts(prompts: list[list[int]], limit: int) -> None:
             raise MTNLGError(f"the prompt has {len(prompt)} tokens; the model's position limit is {limit}")
 
 
-@torch.inference_mode()
 def distinct_rows(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the first row of each distinct prompt, in order; for every row, its prompt's place among those)."""
     place: dict[tuple[int, ...], int] = {}
@@ -94,6 +93,7 @@ def distinct_rows(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]
     return torch.tensor(firsts, dtype=torch.long), torch.tensor(shared, dtype=torch.long)
 
 
+@torch.inference_mode()
 def generate_batch(
     model: ShardedModel,
     prompts: list[list[int]],
