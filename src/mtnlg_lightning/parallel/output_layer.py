@@ -36,6 +36,7 @@ from mtnlg_lightning.loss import IGNORE_INDEX, cross_entropy, token_mean
 from mtnlg_lightning.model import GPT
 from mtnlg_lightning.parallel.tensor_parallel import (
     VocabParallelLMHead,
+    minus_label,
     softmax_and_nll,
     vocab_parallel_cross_entropy,
     vocab_parallel_nll,
@@ -75,8 +76,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             total += nll.masked_fill(~keep, 0.0).sum()
             if grad_h is None and grad_w is None:
                 continue
-            grad[torch.arange(len(grad), device=grad.device), column] -= inside.to(grad.dtype)
-            grad = grad.mul_(keep.unsqueeze(-1)).to(logits.dtype)  # an ignored row: no gradient
+            grad = minus_label(grad, inside, column).mul_(keep.unsqueeze(-1)).to(logits.dtype)  # ignored: none
             if grad_h is not None:
                 grad_h[rows] = grad.matmul(weight.to(grad.dtype)).to(h.dtype)
             if grad_w is None:

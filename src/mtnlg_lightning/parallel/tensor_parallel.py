@@ -235,21 +235,26 @@ def softmax_and_nll(logits: torch.Tensor, labels: torch.Tensor, group=None):
     return total.log() - target, exp.div_(total.unsqueeze(-1)), inside, column
 
 
+def minus_label(softmax: torch.Tensor, inside: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """softmax - one_hot(label), in place: the gradient of -log p(label) with respect to this rank's logits (the
+    label's column only where it lies in this rank's slice, `inside`)."""
+    softmax[torch.arange(len(softmax), device=softmax.device), column] -= inside.to(softmax.dtype)
+    return softmax
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token CE over logits split along the vocabulary: three all-reduces of [N] tensors, no gather."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
         loss, softmax, inside, local_target = softmax_and_nll(logits, target, group)
-        ctx.save_for_backward(softmax, ~inside, local_target)
+        ctx.save_for_backward(softmax, inside, local_target)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        softmax, inside, local_target = ctx.saved_tensors
+        grad = minus_label(softmax.clone(), inside, local_target)
         return grad * grad_loss.unsqueeze(-1), None, None
 
 

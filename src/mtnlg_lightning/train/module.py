@@ -112,10 +112,11 @@ class MTNLGModule(L.LightningModule):
                 layout (`parallel/parallelize.py`). The `ActivationCheckpointing` callback sets it too.
             activation_checkpointing_every_n: the n of every_n.
             loss_chunk_tokens: the LM head and its cross-entropy run inside the loss, only where a label counts
-                (prompts and padding cost no head FLOPs), and in chunks of this many tokens, each recomputed in the
-                backward, so that no [tokens x vocabulary] fp32 logits outlive one chunk
-                (`parallel/output_layer.py`). null (default): chunks only where a micro-batch's fp32 logits would
-                pass 256 MiB (large vocabularies: Llama 3's 128k, Qwen's 152k, long rows); 0: one piece.
+                (prompts and padding cost no head FLOPs), and in chunks of this many tokens, so that no [tokens x
+                vocabulary] fp32 logits outlive one chunk: the loss writes each chunk's gradients in its forward,
+                DPO's and GRPO's per-token scores recompute each chunk in the backward (`parallel/output_layer.py`).
+                null (default): chunks only where a micro-batch's fp32 logits would pass 256 MiB (large
+                vocabularies: Llama 3's 128k, Qwen's 152k, long rows); 0: one piece.
             lora: train LoRA adapters on the frozen `init_from` model instead of every weight, e.g. {rank: 16,
                 alpha: 32, dropout: 0.0, targets: [q_proj, v_proj], rslora: false} (`parallel/lora.py`; targets:
                 our projection names or Hugging Face's, default every attention and MLP projection). Checkpoints
