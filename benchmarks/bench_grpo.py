@@ -13,14 +13,17 @@ vocabulary (the cost of the head is the model's), and ids beyond the tokenizer d
 Both sides, per step: the same `--prompts` chat prompts (a system turn and one question of the synthetic instruction
 set, with an `answer` column; the same prompts every step), `--generations` completions each (G), at most
 `--completion-length` new tokens, temperature 1.0, the same deterministic reward function with TRL's signature (the
-share of a completion's ids in the lower half of the vocabulary, read from `completion_ids`), beta 0 (no reference
-pass), one update per generated batch, every completion of the step in one micro-batch, LoRA rank/alpha on every
-attention and MLP projection (dropout 0), AdamW at a constant learning rate (betas 0.9/0.999, no weight decay),
+share of a completion's ids in the lower `--reward-share` of the vocabulary, read from `completion_ids`), beta 0 (no
+reference pass), one update per generated batch, every completion of the step in one micro-batch, LoRA rank/alpha on
+every attention and MLP projection (dropout 0), AdamW at a constant learning rate (betas 0.9/0.999, no weight decay),
 clipping at 1.0, fp32, `--threads` torch threads, `--steps` steps of which the first `--warmup` are not timed. TRL's
 gradient checkpointing (on by default in GRPOConfig) is off, as ours recomputes nothing (`--variants trl_recompute`
 adds a TRL run with its default). Ours: `mtnlg fit`'s machinery (MTNLGModule with objective grpo, PromptDataModule)
-under Lightning's Trainer; our rows are padded to seq_len, by default the longest prompt + the completion length
-(`--seq-len` sets it; TRL pads each batch to its longest prompt + longest completion).
+under Lightning's Trainer, whose model's seq_len (`--seq-len`) is by default the longest prompt + the completion
+length. Ours trains a prompt's G completions as branches of one row that computes the prompt once (GRPO's
+`share_prompts`, the default where no pipeline runs); `--variants ours_unshared` adds our run with a row per
+completion (prompt + completion, padded to a multiple of 64), as TRL's rows are (each batch padded to its longest
+prompt + longest completion). The table's note says the rows each of our runs trained.
 
 The runs share this process (the same threads and memory), one after the other, the order rotated each round
 (`--rounds`; medians compared). A step is timed from its first callback (Lightning's `on_train_batch_start`,
@@ -72,11 +75,12 @@ from mtnlg_lightning.demo.synthetic.instructions import SYSTEM, TASKS  # noqa: E
 
 # SmolLM2-135M's shape (its config.json): the defaults; --small replaces them.
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=4224, rope_theta=100000.0)
-VARIANTS = ("ours", "trl", "trl_recompute")  # trl_recompute: TRL with GRPOConfig's default gradient checkpointing
+# trl_recompute: TRL with GRPOConfig's default gradient checkpointing; ours_unshared: ours with a row per completion
+VARIANTS = ("ours", "trl", "trl_recompute", "ours_unshared")
 REWARD = '''
 def low_ids(prompts, completions, completion_ids, **kwargs):
-    """The share of a completion's ids in the lower half of the {vocab}-id vocabulary."""
-    return [sum(t < {half} for t in ids) / max(len(ids), 1) for ids in completion_ids]
+    """The share of a completion's ids below {below} (of a {vocab}-id vocabulary)."""
+    return [sum(t < {below} for t in ids) / max(len(ids), 1) for ids in completion_ids]
 '''
 PHASES = ("generation", "scoring", "training")
 
@@ -89,6 +93,7 @@ class StepClock:
         self.tokens: list[int] = []
         self.phases: list[dict[str, float]] = []
         self.threads: list[int] = []
+        self.rewards: list[float] = []  # each step's mean reward, as the trainer logged it
         self._open: dict[str, float] = {}
 
     def begin(self) -> None:
@@ -119,7 +124,7 @@ class StepClock:
         return self._open.get(name, 0.0)
 
     def as_dict(self) -> dict:
-        keys = ("starts", "ends", "cpu_starts", "cpu_ends", "tokens", "phases", "threads")
+        keys = ("starts", "ends", "cpu_starts", "cpu_ends", "tokens", "phases", "threads", "rewards")
         return {key: getattr(self, key) for key in keys}
 
 
@@ -137,7 +142,7 @@ def chat_prompts(count: int, seed: int) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------------ ours
-def run_ours(spec: dict, clock: StepClock) -> dict:
+def run_ours(spec: dict, clock: StepClock, share_prompts: bool = True) -> dict:
     import lightning as L
 
     from mtnlg_lightning.data.prompts import PromptDataModule
@@ -161,7 +166,11 @@ def run_ours(spec: dict, clock: StepClock) -> dict:
                 "training": float(metrics["timing/training_s"]),
             }
             clock.end(sum(len(ids) for ids in objective.completions), phases)
+            clock.rewards.append(float(metrics["reward"]))
             prompts.extend(len(ids) for ids in batch["prompt_ids"])
+            rows.append(list(objective.trained_rows["input_ids"].shape))
+
+    rows: list[list[int]] = []
 
     prompts: list[int] = []
     L.seed_everything(spec["seed"], verbose=False)
@@ -188,6 +197,7 @@ def run_ours(spec: dict, clock: StepClock) -> dict:
             "max_completion_length": spec["completion_length"],
             "temperature": spec["temperature"],
             "beta": 0.0,
+            "share_prompts": share_prompts,
         },
         rewards=[spec["reward_spec"]],
     )
@@ -199,7 +209,7 @@ def run_ours(spec: dict, clock: StepClock) -> dict:
         "trainable_parameters": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         "parameters": sum(p.numel() for p in module.model.parameters()),
         "mean_prompt_tokens": statistics.mean(prompts),
-        "rows_trained_positions": spec["seq_len"],
+        "rows_trained": rows[-1],  # [rows, width] of the last step
     }
 
 
@@ -226,6 +236,10 @@ def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
                 "training": clock.taken("training_step") - clock.taken("prepare"),
             }
             clock.end(generated[0], phases)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                clock.rewards.append(float(logs["reward"]))
 
     generated = [0]
 
@@ -334,6 +348,8 @@ def summarise(runs: dict[str, list[dict]], warmup: int) -> dict:
         figures["step_s_each_round"] = [r["step_s"] for r in per_round]
         figures["threads"] = sorted({t for r in per_round for t in r["threads"]})
         figures["rounds"] = len(per_round)
+        figures["rewards"] = [log["rewards"] for log in logs]  # each round's reward per step
+        figures["cumulative_s"] = [[end - log["starts"][0] for end in log["ends"]] for log in logs]
         figures.update(logs[-1]["extra"])
         out[name] = figures
     return out
@@ -361,6 +377,9 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--alpha", type=int, default=32, help="LoRA alpha (default 32)")
     ap.add_argument("--lr", type=float, default=1e-5, help="constant learning rate, both sides (default 1e-5)")
+    ap.add_argument("--reward-share", type=float, default=0.5,
+                    help="the reward: the share of a completion's ids below this fraction of the vocabulary (default "
+                    "0.5; 0.125 starts near 0.13, for a learning race: --steps 16 --lr 1e-3)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of every run (default 1: on a shared 2-core machine two threads per op stall "
                     "whenever another process runs)")  # fmt: skip
@@ -383,7 +402,8 @@ def main() -> int:
         seq_len = args.seq_len or max(prompt_lengths) + args.completion_length
         prompts_file = scratch / "prompts.jsonl"
         prompts_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        (scratch / "grpo_reward.py").write_text(REWARD.format(vocab=args.vocab, half=args.vocab // 2))
+        below = int(args.vocab * args.reward_share)
+        (scratch / "grpo_reward.py").write_text(REWARD.format(vocab=args.vocab, below=below))
         spec = {
             "model_dir": str(model_dir),
             "prompts_file": str(prompts_file),
@@ -408,8 +428,8 @@ def main() -> int:
                 torch.set_num_threads(args.threads)
                 clock = StepClock()
                 started = time.perf_counter()
-                if name == "ours":
-                    extra = run_ours(spec, clock)
+                if name.startswith("ours"):
+                    extra = run_ours(spec, clock, share_prompts=name == "ours")
                 else:
                     extra = run_trl(spec, clock, recompute=name == "trl_recompute")
                 log = {**clock.as_dict(), "extra": extra, "run_s": time.perf_counter() - started}
@@ -437,6 +457,7 @@ def main() -> int:
         "rounds": args.rounds,
         "lora": {"rank": args.rank, "alpha": args.alpha, "targets": HF_TARGETS},
         "lr": args.lr,
+        "reward_share": args.reward_share,
         "variants": figures,
     }
     ours = figures.get("ours", {})
@@ -483,8 +504,17 @@ def print_table(result: dict) -> None:
             for rounds, splits in zip(f["warmup_step_s"], f["warmup_split_s"], strict=True)
             for seconds, split in zip(rounds, splits, strict=True)
         )
-        print(f"{name}: warm-up step(s) {warm or 'none'}; mean prompt {f['mean_prompt_tokens']:.1f} tokens; "
+        trained = f" rows trained {f['rows_trained'][0]} x {f['rows_trained'][1]};" if "rows_trained" in f else ""
+        print(f"{name}: warm-up step(s) {warm or 'none'}; mean prompt {f['mean_prompt_tokens']:.1f} tokens;{trained} "
               f"trainable {f['trainable_parameters']:,} of {f['parameters']:,}; threads {f['threads']}")  # fmt: skip
+    for name, f in result["variants"].items():  # how fast each learns: its reward per step, on the wall clock
+        for rewards, seconds in zip(f["rewards"], f["cumulative_s"], strict=True):
+            if not rewards:
+                continue
+            head, tail = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)) :]
+            curve = " ".join(f"{r:.2f}" for r in rewards)
+            print(f"{name}: reward per step {curve}; first {len(head)} steps' mean {statistics.mean(head):.3f}, last "
+                  f"{len(tail)} steps' {statistics.mean(tail):.3f}, after {seconds[-1]:.0f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

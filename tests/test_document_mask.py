@@ -27,7 +27,7 @@ from mtnlg_lightning.data.gpt_dataset import GPTDataset
 from mtnlg_lightning.data.indexed import IndexedDataset, IndexedDatasetWriter
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.loss import IGNORE_INDEX
-from mtnlg_lightning.model import DocumentMask, build_model
+from mtnlg_lightning.model import DocumentMask, branch_document, build_model
 from mtnlg_lightning.parallel.context_parallel import Ring, RingAttentionCore, split_sequence
 from testing.parallel_harness import PackDocuments, assert_trains_like, launch_runs, pack_documents, tiny_run, trained
 
@@ -127,6 +127,39 @@ def test_flex_attention_gives_the_dense_masks_logits(model, monkeypatch):
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
 
 
+def branched_row(prefix: int = 9, branches=(5, 7, 4), vocab: int = 1000) -> tuple:
+    """(tokens [1, S], document_ids, position_ids, [prefix + branch j alone, for each j]): a prefix document, then
+    branches continuing it (GRPO's shared-prompt rows), each at the positions after the prefix."""
+    tokens = torch.randint(0, vocab, (1, prefix + sum(branches)), generator=torch.Generator().manual_seed(1))
+    ids = [0] * prefix + [branch_document(0, j) for j, n in enumerate(branches) for _ in range(n)]
+    positions = list(range(prefix)) + [prefix + t for n in branches for t in range(n)]
+    starts = [prefix + sum(branches[:j]) for j in range(len(branches))]
+    alone = [
+        torch.cat([tokens[:, :prefix], tokens[:, s : s + n]], dim=1) for s, n in zip(starts, branches, strict=True)
+    ]
+    return tokens, torch.tensor([ids]), torch.tensor([positions]), alone
+
+
+@torch.no_grad()
+def test_a_branch_sees_its_prefix_and_itself_not_its_siblings(model, monkeypatch):
+    tokens, document_ids, position_ids, alone = branched_row()
+    logits = model(tokens, position_ids=position_ids, document_ids=document_ids)
+    at = 9
+    for row in alone:  # each branch's logits are those of the prefix and the branch as a row of their own
+        n = row.shape[1] - 9
+        torch.testing.assert_close(logits[:, at : at + n], model(row)[:, 9:], rtol=0, atol=1e-5)
+        at += n
+    torch.testing.assert_close(logits[:, :9], model(alone[0])[:, :9], rtol=0, atol=1e-5)
+    monkeypatch.setattr(model, "document_mask_kernel", "flex")  # FlexAttention's mask function says the same
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        flex = model(tokens, position_ids=position_ids, document_ids=document_ids)
+    torch.testing.assert_close(flex, logits, rtol=0, atol=1e-5)
+    # the negative control: the same tokens as one plain document see their siblings
+    plain = model(tokens, position_ids=position_ids, document_ids=torch.zeros_like(document_ids))
+    assert (plain[:, 14:] - logits[:, 14:]).abs().max() > 1e-3
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     return random_family_dir(tmp_path_factory.mktemp("llama"), "llama")
@@ -183,14 +216,16 @@ def ring_attention(cp: int, q, k, v, grad, document_ids):
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_the_ring_masks_each_block_exactly(cp):
-    """Query heads 4, key/value heads 2; documents that start inside chunks, span chunks and fill a chunk whole, so
-    the ring meets blocks the plain kernel computes, blocks it skips and blocks the masked kernel computes. The
-    output and the gradients of q, k, v equal the whole sequence's dense-mask attention (fp32)."""
+    """Query heads 4, key/value heads 2; documents that start inside chunks, span chunks and fill a chunk whole, and
+    branches of a prefix (which see the prefix, not each other), so the ring meets blocks the plain kernel computes,
+    blocks it skips and blocks the masked kernel computes. The output and the gradients of q, k, v equal the whole
+    sequence's dense-mask attention (fp32)."""
     generator = torch.Generator().manual_seed(0)
-    B, S, D = 2, 48, 8
+    B, S, D = 3, 48, 8
     q, grad = torch.randn(B, 4, S, D, generator=generator), torch.randn(B, 4, S, D, generator=generator)
     k, v = torch.randn(B, 2, S, D, generator=generator), torch.randn(B, 2, S, D, generator=generator)
-    document_ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 12 + [3] * 22, [0] * 24 + [1] * 24])
+    branches = [branch_document(0, j) for j, n in enumerate((10, 13, 9)) for _ in range(n)]  # GRPO's shared prompt
+    document_ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 12 + [3] * 22, [0] * 24 + [1] * 24, [0] * 16 + branches])
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     out = DocumentMask(document_ids, "sdpa").attend(*whole)
     (out * grad).sum().backward()

@@ -14,11 +14,19 @@ import pytest
 import torch
 from hf_models import random_family_dir, random_moe_dir
 
+from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.grpo_loss import completion_logps
 from mtnlg_lightning.inference.decode import sequence_seed
 from mtnlg_lightning.loss import IGNORE_INDEX
+from mtnlg_lightning.model import build_model
 from mtnlg_lightning.train.objectives import build_objective
-from mtnlg_lightning.train.objectives.rollouts import completion_rows, completion_seeds
+from mtnlg_lightning.train.objectives.rollouts import (
+    CompletionSlots,
+    completion_rows,
+    completion_seeds,
+    shared_prompt_rows,
+)
 
 HERE = Path(__file__).resolve().parent
 # 2 ranks: data parallelism (plain, ZeRO-1 and ZeRO-3), TP (with and without SP), PP, CP; with the KL (the reference
@@ -206,6 +214,53 @@ def test_each_completion_token_is_labelled_at_the_position_that_predicts_it():
     ignore = IGNORE_INDEX
     assert rows["labels"].tolist() == [[ignore, ignore, 9, 10, ignore, ignore], [ignore] * 6]
     assert rows["position_ids"].tolist() == [list(range(6))] * 2
+
+
+def test_a_shared_prompt_row_computes_the_prompt_once_and_branches_each_completion_off_it():
+    rows = shared_prompt_rows([[5, 6, 7]], [[9, 10], [11], [], [12, 13, 14]], width=10, pad_id=0, longest=3)
+    ignore = IGNORE_INDEX
+    # the prompt but its last token; each branch: the prompt's last token, then the completion's but its last
+    assert rows["input_ids"].tolist() == [[5, 6, 7, 9, 7, 7, 12, 13, 0, 0]]
+    assert rows["labels"].tolist() == [[ignore, ignore, 9, 10, 11, 12, 13, 14, ignore, ignore]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 2, 2, 3, 4, 0, 1]]
+    assert rows["slots"].tolist() == [[-1, -1, 0, 1, 3, 9, 10, 11, -1, -1]]  # branch j's token t at j x 3 + t
+    spread = CompletionSlots(rows["slots"], 4, 3).spread(rows["labels"])
+    assert spread.tolist() == [[9, 10, 0], [11, 0, 0], [0, 0, 0], [12, 13, 14]]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_shared_prompt_rows_give_each_completion_the_log_probs_and_gradients_of_a_row_of_its_own(family):
+    """What makes sharing the prompt a pure saving: the same per-token log-probabilities and the same gradient of
+    any loss of them as one row per completion (fp32), with half the positions here."""
+    config = get_config("tiny") if family == "gpt" else get_config("demo-llama", num_layers=2, hidden_size=64)
+    torch.manual_seed(0)
+    model = build_model(config)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (12, 7)]
+    completions = [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (5, 3, 6, 1, 4, 6)]
+    repeated = [p for p in prompts for _ in range(3)]
+    weights = torch.randn(6, 6, generator=generator)  # a loss of the log-probs: any weighting of them
+
+    def scored(rows: dict, branches: int) -> tuple[torch.Tensor, dict]:
+        model.zero_grad()
+        inputs = {key: rows[key] for key in ("position_ids", "document_ids") if key in rows}
+        logps = completion_logps(model(rows["input_ids"], **inputs), rows["labels"], 1.0)
+        logps = CompletionSlots(rows["slots"], branches, 6).spread(logps)
+        (logps * weights).sum().backward()
+        return logps.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    alone, alone_grads = scored(completion_rows(repeated, completions, 32, pad_id=0), 1)
+    shared_rows = shared_prompt_rows(prompts, completions, 32, pad_id=0, longest=6)
+    shared, shared_grads = scored(shared_rows, 3)
+    counted = torch.tensor([[t < len(c) for t in range(6)] for c in completions])
+    assert bool((alone[~counted] == 0).all()) and bool((alone[counted] != 0).all())
+    torch.testing.assert_close(shared, alone, rtol=0, atol=1e-5)
+    for name, grad in alone_grads.items():
+        scale = max(grad.abs().max().item(), 1.0)
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
+    # the positions computed: (12 - 1) + 14 and (7 - 1) + 11, against 3 x 12 + 14 and 3 x 7 + 11
+    assert int((shared_rows["input_ids"] != 0).sum()) == 42
+    assert sum(len(p) + len(c) for p, c in zip(repeated, completions, strict=True)) == 82
 
 
 def test_a_completion_is_seeded_by_its_prompts_place_in_the_data_stream_and_its_index_in_the_group():

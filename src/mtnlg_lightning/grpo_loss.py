@@ -74,6 +74,9 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     # ours (TRL's log_completions): every N steps a table of a few prompts, completions and rewards (0: never)
     log_completions_every_n_steps: int = 0
+    # ours: train a prompt's completions as branches of one row that computes the prompt once (where the layout
+    # allows: not under a pipeline); false: a row per completion, as TRL (the same losses, more positions computed)
+    share_prompts: bool = True
 
     def __post_init__(self):
         if _is_int(self.top_k) and self.top_k == 0:
@@ -120,6 +123,8 @@ class GRPOConfig:
         if not _is_int(self.log_completions_every_n_steps) or self.log_completions_every_n_steps < 0:
             every = self.log_completions_every_n_steps
             yield f"log_completions_every_n_steps must be an integer >= 0, got {every!r}"
+        if not isinstance(self.share_prompts, bool):
+            yield f"share_prompts must be true or false, got {self.share_prompts!r}"
 
     @property
     def clip_high(self) -> float:

@@ -13,7 +13,8 @@ separate q, k, v projections for grouped-query), optional q/k norms (Qwen 3), bi
 head.
 
 Packed rows (`document_ids`): attention stays within each document (block-diagonal causal, `DocumentMask`, made
-once per forward like `Rotary`): SDPA with a boolean mask, or FlexAttention with a block mask on CUDA.
+once per forward like `Rotary`), or within a branch and the prefix it continues (`branch_document`): SDPA with a
+boolean mask, or FlexAttention with a block mask on CUDA.
 
 Decoding passes a `KVCache` to `GPT.forward` (nanoGPT / litgpt style): the same blocks then write their keys and
 values (key/value heads only) at the cache's position and attend over everything cached, so the single-process
@@ -103,12 +104,31 @@ MODEL_INPUTS = ("position_ids", "document_ids")
 MASK_KERNELS = ("auto", "sdpa", "flex", "blocks")
 
 
+# A branch continues a shared prefix document: its tokens see the prefix's (earlier) tokens and their own, not the
+# other branches'. GRPO trains a prompt's completions as branches of the prompt, which is computed once
+# (`train/objectives/rollouts.shared_prompt_rows`). Branch `j` of document `d` has the id -(2 + d x BRANCHES + j): the
+# ids below PADDING_DOCUMENT (-1), so plain documents (0, 1, ...) and the padding keep their meaning.
+BRANCHES = 1 << 16
+
+
+def branch_document(prefix: int, branch: int) -> int:
+    """The document id of `branch` (0-based, < BRANCHES) continuing document `prefix` (>= 0)."""
+    return -(2 + prefix * BRANCHES + branch)
+
+
+def seen_prefix(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each id's prefix document: the one a branch continues, the id itself for any other document."""
+    return torch.where(document_ids < -1, (-document_ids - 2) // BRANCHES, document_ids)
+
+
 def document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
     """[B, 1, Lq, Lk] bool: query i may see key j iff j <= i (positions in the whole sequence) and both lie in the
-    same document (`document_ids` [B, S] of the whole sequence)."""
+    same document, or key j in the prefix that query i's branch continues (`document_ids` [B, S] of the whole
+    sequence)."""
     queries, keys = document_ids[:, query_positions], document_ids[:, key_positions]
     causal = key_positions[None, :] <= query_positions[:, None]
-    return (causal & (queries[:, :, None] == keys[:, None, :])).unsqueeze(1)
+    same = (queries[:, :, None] == keys[:, None, :]) | (seen_prefix(queries)[:, :, None] == keys[:, None, :])
+    return (causal & same).unsqueeze(1)
 
 
 @functools.cache
@@ -135,9 +155,11 @@ class DocumentMask:
             positions = torch.arange(S, device=document_ids.device)
             self.dense = document_mask(document_ids, positions, positions)
         elif kernel == "flex":
+            prefixes = seen_prefix(document_ids)
 
             def same_document_causal(b, h, q, k):
-                return (k <= q) & (document_ids[b, q] == document_ids[b, k])
+                key = document_ids[b, k]
+                return (k <= q) & ((document_ids[b, q] == key) | (prefixes[b, q] == key))
 
             self.block_mask = create_block_mask(same_document_causal, B, None, S, S, device=document_ids.device)
 

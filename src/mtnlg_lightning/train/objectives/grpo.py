@@ -4,11 +4,17 @@ into group-relative advantages and trains on the completions with the clipped ob
 arithmetic), through the same step path as language modelling (`runner.forward_backward`: one process, DDP, TP,
 PP, ZeRO).
 
-A sample is one prompt: a rank's batch holds its prompts; each becomes G rows (prompt + completion, padded to
-seq_len) that lie next to each other, and a micro-batch holds `micro_batch_size x G` rows, so a group never
-straddles micro-batches or ranks. As DPO does, each row's target is its labels with one more column, its index in
-the rank's rows, by which the loss finds the row's advantage and reference log-probs however the runner cuts the
-batch (the pipeline hands the last stage each micro-batch's targets).
+A sample is one prompt: a rank's batch holds its prompts. Each becomes one row (`rollouts.shared_prompt_rows`):
+the prompt computed once and its G completions as branches of it, each attending to the prompt and itself only, so
+the prompt's positions are not trained G times (TRL computes G rows of prompt + completion). A pipeline's schedule
+runs fixed shapes, which such a row (up to the prompt + G completions long) does not keep: there, and with
+`share_prompts: false`, each completion is a row of its own (prompt + completion, `rollouts.completion_rows`), its G
+rows next to each other. A micro-batch holds `micro_batch_size` prompts' rows, so a group never straddles
+micro-batches or ranks. Either way the loss lays each position's values out per completion (`CompletionSlots`), so
+the advantages, the reference's, the sampler's and the old log-probs are kept per completion token [completions,
+max_completion_length] whatever the rows (and a checkpoint's are the same in every layout). As DPO does, each row's
+target is its labels with one more column, its index in the rank's rows, by which the loss finds its completions'
+values however the runner cuts the batch (the pipeline hands the last stage each micro-batch's targets).
 
 The loss of a micro-batch is its share of the loss of the whole global batch (`grpo_loss.loss_of`, with the step's
 completion and sequence counts summed over the world, as `loss.StepLoss` counts labels), times micro-batches x world
@@ -56,10 +62,13 @@ from mtnlg_lightning.train.objectives.preference import (
     with_row_index,
 )
 from mtnlg_lightning.train.objectives.rollouts import (
+    CompletionSlots,
     LayoutGenerator,
-    at_label_positions,
     completion_rows,
     completion_seeds,
+    per_completion,
+    shared_prompt_row_length,
+    shared_prompt_rows,
 )
 
 ROW_MULTIPLE = 64  # rows are padded to a multiple of this (`GRPO._row_width`), not to seq_len
@@ -96,23 +105,21 @@ class TokenScores:
 
 
 class TokenLogps:
-    """A forward-only 'loss' that records each row's per-token completion log-probabilities (whole rows, [R, S];
-    on the ranks that compute the loss) and contributes nothing: the reference pass."""
+    """A forward-only 'loss' that records each completion token's log-probability ([completions, T], per completion
+    as `CompletionSlots` lays them out; on the ranks that compute the loss) and contributes nothing: the reference
+    pass, and the old policy's."""
 
-    def __init__(self, scores: TokenScores, rows: int, seq_len: int, device):
-        self.scores = scores
-        self.logps = torch.zeros(rows, seq_len, dtype=torch.float32, device=device)
+    def __init__(self, scores: TokenScores, slots: torch.Tensor, branches: int, longest: int, device):
+        self.scores, self.slots, self.branches, self.longest = scores, slots, branches, longest
+        self.logps = torch.zeros(len(slots) * branches, longest, dtype=torch.float32, device=device)
 
     def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
         labels, rows = split_target(target)
-        mine = self.scores.mine(labels)
-        logps = self.scores.logps(output, mine).detach().float()
-        if self.scores.context is not None:  # whole rows on every CP rank: each adds its chunks' positions
-            positions = self.scores.mine(torch.arange(labels.shape[1], device=labels.device).expand_as(labels))
-            whole = torch.zeros(labels.shape, dtype=logps.dtype, device=logps.device).scatter_(1, positions, logps)
-            dist.all_reduce(whole, group=self.scores.context.group)
-            logps = whole
-        self.logps[rows] = logps
+        slots = CompletionSlots(self.scores.mine(self.slots[rows]), self.branches, self.longest)
+        logps = slots.spread(self.scores.logps(output, self.scores.mine(labels)).detach().float())
+        if self.scores.context is not None:  # each completion token lies in one rank's chunk: the ranks' sum
+            dist.all_reduce(logps, group=self.scores.context.group)
+        self.logps[slots.completions(rows)] = logps
         return logps.new_zeros(())
 
 
@@ -121,9 +128,10 @@ class GRPOLoss:
 
     def __init__(self, config: GRPOConfig, scores: TokenScores, rows: dict, counts, scale: float):
         self.config, self.scores = config, scores
-        # per row of the rank's batch: advantages [R]; reference and sampling log-probs [R, S] (or None)
+        # per completion of the rank's batch: advantages [C]; reference and sampling log-probs [C, T] (or None)
         self.advantages, self.reference, self.sampling = rows["advantages"], rows["reference"], rows["sampling"]
         self.old = rows["old"]  # the generating policy's log-probs (num_iterations > 1), or None: the policy's own
+        self.slots, self.branches = rows["slots"], rows["branches"]  # where the rows' completion tokens lie
         self.global_sequences, self.global_tokens = counts
         self.scale = scale  # micro-batches x world size
         device = self.advantages.device
@@ -132,18 +140,20 @@ class GRPOLoss:
     def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
         labels, rows = split_target(target)
         mine = self.scores.mine(labels)
-        mask = mine.ne(IGNORE_INDEX)
-        logp = self.scores.logps(output, mine)
-        reference = self.scores.mine(self.reference[rows]) if self.reference is not None else None
-        old = self.scores.mine(self.old[rows]) if self.old is not None else None
-        losses, parts = per_token_losses(logp, old, reference, self.advantages[rows], mask, self.config)
+        slots = CompletionSlots(self.scores.mine(self.slots[rows]), self.branches, self.config.max_completion_length)
+        completions = slots.completions(rows)
+        mask = slots.spread(mine.ne(IGNORE_INDEX))
+        logp = slots.spread(self.scores.logps(output, mine))
+        reference = self.reference[completions] if self.reference is not None else None
+        old = self.old[completions] if self.old is not None else None
+        losses, parts = per_token_losses(logp, old, reference, self.advantages[completions], mask, self.config)
         sums, tokens = sequence_sums(losses, mask)
         sums, tokens = self.scores.sum_over_sequence(sums), self.scores.sum_over_sequence(tokens)
-        entropy = self.scores.entropy(output, mine)
+        entropy = slots.spread(self.scores.entropy(output, mine))
         for name, total in metric_sums(parts, mask, entropy).items():
             self.totals[name] += total.to(self.totals[name].device)
         if self.sampling is not None:
-            gap = (logp.detach() - self.scores.mine(self.sampling[rows])).masked_fill(~mask, 0.0).double()
+            gap = (logp.detach() - self.sampling[completions]).masked_fill(~mask, 0.0).double()
             counted = mask.sum().double()
             ratio = torch.exp(gap).masked_fill(~mask, 0.0).sum()
             self.totals[SAMPLING_METRICS[0]] += torch.stack([ratio, counted])
@@ -291,7 +301,8 @@ class GRPO(Objective):
             self.generated = generated if mu > 1 else None
             self.trained_rows = generated.targeted
         started = time.perf_counter()
-        config, per_micro_batch = self.config, module.micro_batch_size * self.config.num_generations
+        config, G = self.config, self.config.num_generations
+        per_micro_batch = module.micro_batch_size * G // generated.per_row["branches"]  # rows
         scores = TokenScores(module.loss_fn, config.temperature)
         rows = len(generated.targeted["labels"])
         scale = float(-(-rows // per_micro_batch) * module.trainer.world_size)  # micro-batches x world size
@@ -322,31 +333,41 @@ class GRPO(Objective):
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
         if train:
             self.shown = self._table_rows(batch, rollouts, everyone[local].cpu(), data.chat)
-        width = self._row_width(module, repeated, rollouts.ids)
         sampling = None
         if rollouts.logprobs is not None:
-            sampling = at_label_positions(repeated, rollouts.logprobs, width).to(module.device)
+            sampling = per_completion(rollouts.logprobs, config.max_completion_length).to(module.device)
         old = None if train and config.num_iterations > 1 else False  # to compute (mu > 1), or none (mu = 1)
-        generated = self._batch_of(module, prompts, rollouts.ids, rollouts.ended, everyone, width, old, sampling)
+        generated = self._batch_of(module, prompts, rollouts.ids, rollouts.ended, everyone, old, sampling)
         generated.metrics.update(self._rollout_metrics(module, rollouts, generated.metrics.pop("stats")))
         generated.metrics["timing/scoring_s"] = time.perf_counter() - started
         generated.seconds = rollouts.seconds
         return generated
 
-    @staticmethod
-    def _row_width(module, prompts, completions) -> int:
-        """The width the rows are padded to: the global batch's longest prompt + completion rounded up to a multiple
-        of 64 (which sequence and context parallelism's cuts divide), at most seq_len; the same in every layout (a
-        maximum over every rank). A pipeline's schedule runs fixed shapes: seq_len there."""
-        limit = module.config.seq_len
+    def _shares_prompts(self, module) -> bool:
+        """Whether a prompt's completions train as branches of one row (`shared_prompt_rows`): unless a pipeline
+        runs the step (its schedule's fixed shapes are seq_len) or `share_prompts` is off."""
+        return self.config.share_prompts and getattr(module.trainer.strategy, "pipeline", None) is None
+
+    def _row_width(self, module, prompts, completions) -> int:
+        """The width the rows are padded to: the global batch's longest row (a prompt + its completion, or a
+        prompt with its G completions where they share it) rounded up to a multiple of 64 (which sequence and context
+        parallelism's cuts divide), one row of a completion at most seq_len; the same in every layout (a maximum over
+        every rank). A pipeline's schedule runs fixed shapes: seq_len there."""
+        limit, G = module.config.seq_len, self.config.num_generations
         if getattr(module.trainer.strategy, "pipeline", None) is not None:
             return limit
-        longest = torch.tensor(max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)))
+        if self._shares_prompts(module):
+            groups = range(len(prompts) // G)
+            longest = max(shared_prompt_row_length(prompts[g * G], completions[g * G : (g + 1) * G]) for g in groups)
+        else:
+            longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+        longest = torch.tensor(longest)
         if module.trainer.world_size > 1:
             longest = module.trainer.strategy.reduce(longest.to(module.device), reduce_op="max")
-        return min(limit, -(-int(longest) // ROW_MULTIPLE) * ROW_MULTIPLE)
+        width = -(-int(longest) // ROW_MULTIPLE) * ROW_MULTIPLE
+        return width if self._shares_prompts(module) else min(limit, width)
 
-    def _batch_of(self, module, prompts, completions, ended, everyone, width, old=False, sampling=None) -> Generated:
+    def _batch_of(self, module, prompts, completions, ended, everyone, old=False, sampling=None) -> Generated:
         """The rows this rank trains on from its prompts' `completions` (G each, with whether each `ended`) and the
         global batch's rewards `everyone`: the advantages, the reference's log-probs (beta > 0), and `old`: the
         policy's log-probs as they are now when None (num_iterations > 1: later iterations' ratios are taken
@@ -357,23 +378,35 @@ class GRPO(Objective):
         dp_rank, _ = data.data_parallel_rank_and_size()
         repeated = [p for p in prompts for _ in range(G)]
         local = slice(dp_rank * len(repeated), (dp_rank + 1) * len(repeated))
-        rows = completion_rows(repeated, completions, width, data.chat.pad_id)
+        width, longest = self._row_width(module, repeated, completions), config.max_completion_length
+        if self._shares_prompts(module):  # a row per prompt, its completions branches of it
+            branches, rows = G, shared_prompt_rows(prompts, completions, width, data.chat.pad_id, longest)
+        else:  # a row per completion
+            branches, rows = 1, completion_rows(repeated, completions, width, data.chat.pad_id)
+        self.sequences_per_sample = G // branches  # a prompt's rows (the step's computed positions and FLOPs)
+        slots = rows.pop("slots")
         if config.mask_truncated_completions:
-            rows["labels"][~torch.tensor(ended)] = IGNORE_INDEX
+            completion = torch.arange(len(slots))[:, None] * branches + slots.clamp(min=0) // longest
+            truncated = ~torch.tensor(ended)[completion]
+            rows["labels"][(slots >= 0) & truncated] = IGNORE_INDEX
         rows = {name: value.to(module.device) for name, value in rows.items()}
+        slots = slots.to(module.device)
         advantages, stats = group_advantages(everyone, self.rewards.weights.to(module.device), G, config.scale_rewards)
         targeted = {**rows, "labels": with_row_index(rows["labels"])}
-        per_micro_batch = module.micro_batch_size * G
+        per_micro_batch = module.micro_batch_size * G // branches
         scores = TokenScores(module.loss_fn, config.temperature)
-        reference = self._logps(module, targeted, per_micro_batch, scores, reference=True) if config.beta else None
+        layout = (slots, branches)
+        reference = None
+        if config.beta:
+            reference = self._logps(module, targeted, layout, per_micro_batch, scores, reference=True)
         if old is None:
-            old = self._logps(module, targeted, per_micro_batch, scores)
+            old = self._logps(module, targeted, layout, per_micro_batch, scores)
         counts = module.trainer.strategy.reduce(
             torch.tensor([float(len(repeated)), float(rows["labels"].ne(IGNORE_INDEX).sum())], device=module.device),
             reduce_op="sum",
         )
         per_row = {"advantages": advantages[local], "reference": reference, "sampling": sampling}
-        per_row["old"] = None if old is False else old
+        per_row |= {"old": None if old is False else old, "slots": slots, "branches": branches}
         return Generated(
             list(prompts), targeted, per_row, (counts[0], counts[1]), {"stats": stats}, 0.0, list(completions),
             list(ended), everyone,
@@ -395,7 +428,7 @@ class GRPO(Objective):
         everyone = [None] * module.trainer.world_size
         dist.all_gather_object(everyone, (kept.completions, kept.ended))
         firsts = [everyone[first] for first in self.first_of_replica.values()]
-        old = module.trainer.strategy.all_gather(kept.per_row["old"])  # [world, R, S]
+        old = module.trainer.strategy.all_gather(kept.per_row["old"])  # [world, completions, T]
         replicas = self.replica_of_rank
         # the ranks that computed the rows' log-probs (a pipeline's last stage) hold them, the others zeros
         chosen = [max((i for i, r in enumerate(replicas) if r == d), key=lambda i: float(old[i].abs().sum()))
@@ -422,9 +455,7 @@ class GRPO(Objective):
         old = state["old"][local].to(module.device)
         everyone = state["rewards"].to(module.device)
         completions, prompts = state["completions"][local], batch["prompt_ids"]
-        repeated = [p for p in prompts for _ in range(self.config.num_generations)]
-        width = self._row_width(module, repeated, completions)
-        generated = self._batch_of(module, prompts, completions, state["ended"][local], everyone, width, old)
+        generated = self._batch_of(module, prompts, completions, state["ended"][local], everyone, old)
         generated.metrics = dict(state["metrics"])
         self.completions = generated.completions
         return generated
@@ -501,11 +532,12 @@ class GRPO(Objective):
         gathered = module.trainer.strategy.all_gather(local)
         return torch.cat([gathered[first] for first in self.first_of_replica.values()])
 
-    def _logps(self, module, batch: dict, rows_per_micro_batch: int, scores: TokenScores, reference=False):
-        """[R, S]: each completion token's log-probability under the policy as it is now, or under the reference
-        (the base with its adapters off under LoRA, else the frozen starting weights), in eval mode (no dropout) and
-        without autograd state."""
-        collector = TokenLogps(scores, len(batch["labels"]), batch["input_ids"].shape[1], module.device)
+    def _logps(self, module, batch: dict, layout, rows_per_micro_batch: int, scores: TokenScores, reference=False):
+        """[completions, T]: each completion token's log-probability under the policy as it is now, or under the
+        reference (the base with its adapters off under LoRA, else the frozen starting weights), in eval mode (no
+        dropout) and without autograd state. `layout`: the rows' (slots, completions per row)."""
+        slots, branches = layout
+        collector = TokenLogps(scores, slots, branches, self.config.max_completion_length, module.device)
         swapped = nullcontext(module.model)
         if reference and module.frozen_base:
             swapped = adapters_disabled(module.model)

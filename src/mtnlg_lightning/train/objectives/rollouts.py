@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mtnlg_lightning.data.packing import PADDING_DOCUMENT
 from mtnlg_lightning.inference.decode import generate_batch, sequence_seed
 from mtnlg_lightning.inference.sampling import EOS
 from mtnlg_lightning.inference.sharded_model import ShardedModel
 from mtnlg_lightning.loss import IGNORE_INDEX
+from mtnlg_lightning.model import branch_document
 
 
 @dataclass
@@ -132,29 +134,97 @@ def completion_rows(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int, pad_id: int
 ) -> dict[str, torch.Tensor]:
     """The rows the step trains on, one per completion, padded on the right to `seq_len`: `input_ids` (prompt then
-    completion), `labels` (each completion token at the position that predicts it; IGNORE_INDEX elsewhere) and
-    `position_ids`."""
+    completion), `labels` (each completion token at the position that predicts it; IGNORE_INDEX elsewhere),
+    `position_ids`, and `slots` (`CompletionSlots`: token t of the row's completion at its label's position)."""
     rows = len(prompts)
     input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    slots = torch.full((rows, seq_len), -1, dtype=torch.long)
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         tokens = [*prompt, *completion][:seq_len]
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         n = len(tokens) - len(prompt)
         if n > 0:
             labels[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(tokens[len(prompt) :])
+            slots[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.arange(n)
     positions = torch.arange(seq_len).expand(rows, seq_len).contiguous()
-    return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "slots": slots}
 
 
-def at_label_positions(
-    prompts: Sequence[Sequence[int]], values: Sequence[Sequence[float]], seq_len: int
-) -> torch.Tensor:
-    """[rows, seq_len] fp32: each completion token's value (its sampling log-probability) where `completion_rows`
-    puts its label, 0 elsewhere."""
-    out = torch.zeros(len(prompts), seq_len, dtype=torch.float32)
-    for row, (prompt, row_values) in enumerate(zip(prompts, values, strict=True)):
-        n = min(len(row_values), seq_len - len(prompt))
-        if n > 0:
-            out[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(row_values[:n], dtype=torch.float32)
+def shared_prompt_row_length(prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> int:
+    """The positions `shared_prompt_rows` gives a prompt and its completions: the prompt less its last token once,
+    then each completion's tokens (the first input of each branch is the prompt's last token, the last completion
+    token is only a label)."""
+    return len(prompt) - 1 + sum(len(c) for c in completions)
+
+
+def shared_prompt_rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], width: int, pad_id: int, longest: int
+) -> dict[str, torch.Tensor]:
+    """The rows the step trains on, one per prompt with its completions (len(completions) / len(prompts) each,
+    contiguous per prompt), padded on the right to `width`: the prompt's tokens but its last, computed once, then
+    each completion as a branch of it (`model.branch_document`: it sees the prompt and itself, not its siblings),
+    the prompt's last token then the completion's, at the positions the completion has after its prompt. A
+    completion's log-probabilities are those of `completion_rows`' row of it; the prompt's positions are computed
+    once instead of G times. `slots` (`CompletionSlots`): token t of branch j at j x `longest` + t (`longest`: the
+    most tokens a completion may have)."""
+    G = len(completions) // len(prompts)
+    rows = len(prompts)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((rows, width), dtype=torch.long)
+    documents = torch.full((rows, width), PADDING_DOCUMENT, dtype=torch.long)
+    slots = torch.full((rows, width), -1, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        p = len(prompt) - 1
+        input_ids[row, :p] = torch.tensor(prompt[:p], dtype=torch.long)
+        positions[row, :p] = torch.arange(p)
+        documents[row, :p] = 0
+        at = p
+        for j, completion in enumerate(completions[row * G : (row + 1) * G]):
+            n = len(completion)
+            if n == 0:
+                continue
+            span = slice(at, at + n)
+            input_ids[row, span] = torch.tensor([prompt[-1], *completion[:-1]], dtype=torch.long)
+            labels[row, span] = torch.tensor(list(completion), dtype=torch.long)
+            positions[row, span] = torch.arange(p, p + n)
+            documents[row, span] = branch_document(0, j)
+            slots[row, span] = j * longest + torch.arange(n)
+            at += n
+        positions[row, at:] = torch.arange(width - at)  # the padding: positions of its own, as a packed row's
+    return {
+        "input_ids": input_ids, "labels": labels, "position_ids": positions, "document_ids": documents,
+        "slots": slots,
+    }  # fmt: skip
+
+
+class CompletionSlots:
+    """Where each completion token of a micro-batch's rows lies: `slots` [b, S] (this rank's positions of them: CP
+    cuts the rows into chunks) holds j x T + t at the position whose label is token t of the row's completion j, -1
+    elsewhere; each row holds `per_row` completions (G with `shared_prompt_rows`, 1 with `completion_rows`) of at
+    most T tokens. `spread` lays a per-position tensor out per completion, [b x per_row, T] (zero where a completion
+    has no token, or where its token lies in another rank's chunk), which the loss reads whatever the rows."""
+
+    def __init__(self, slots: torch.Tensor, per_row: int, longest: int):
+        self.per_row, self.longest = per_row, longest
+        self.index = torch.where(slots >= 0, slots, per_row * longest)  # the others to a dropped last column
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(values.shape[0], self.per_row * self.longest + 1)
+        out = out.scatter(1, self.index, values)
+        return out[:, :-1].reshape(-1, self.longest)
+
+    def completions(self, rows: torch.Tensor) -> torch.Tensor:
+        """The indices among the rank's completions of the rows' completions, in `spread`'s order."""
+        return (rows[:, None] * self.per_row + torch.arange(self.per_row, device=rows.device)).flatten()
+
+
+def per_completion(values: Sequence[Sequence[float]], longest: int) -> torch.Tensor:
+    """[completions, longest] fp32: each completion token's value (its sampling log-probability), 0 past its end."""
+    out = torch.zeros(len(values), longest, dtype=torch.float32)
+    for row, row_values in enumerate(values):
+        n = min(len(row_values), longest)
+        if n:
+            out[row, :n] = torch.tensor(row_values[:n], dtype=torch.float32)
     return out
