@@ -47,9 +47,9 @@ class ModelConfig:
     # The model family, by name: its block options (the options below marked "family's") come with it, and an
     # export writes its Hugging Face form. null: a custom block, no Hugging Face form (`family_specs.py`).
     family: str | None = None
-    # The block options a family fixes (family's; unset, None: the family's value, or without a family the
-    # MT-NLG block's, shown after "custom").
-    position_embedding: str | None = None  # learned (a position table) | rope (rotary, on q and k); custom: learned
+    # The block options a family fixes, marked family's: unset (None), the named family's value; without a family
+    # (custom), the MT-NLG block's, shown after "custom".
+    position_embedding: str | None = None  # family's: learned (a position table) | rope (rotary); custom: learned
     rope_theta: float = 10000.0
     # Hugging Face's form: {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     # "original_max_position_embeddings": 8192}, or {"rope_type": "linear", "factor": F}; None: unscaled.
@@ -61,7 +61,7 @@ class ModelConfig:
     qk_norm: bool | None = None  # family's: an RMSNorm over q and k before RoPE (Qwen 3); custom: false
     bias: bool | None = None  # family's: biases of the linear layers and LayerNorms; custom: true
     qkv_bias: bool | None = None  # family's: biases of q, k, v only (Qwen 2); custom: as `bias`
-    tie_embeddings: bool | None = None  # the LM head is the word embedding (GPT's: true); unset: true
+    tie_embeddings: bool | None = None  # the LM head is the word embedding (family's for gpt: true); unset: true
     # family's: head (Qwen 3) | projection (OLMoE: one RMSNorm over all heads' q, one over k); custom: head
     qk_norm_over: str | None = None
     # Mixture of experts (`moe.py`): 0 experts is a dense MLP in every block.
