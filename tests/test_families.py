@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from mtnlg_lightning import families, family_specs
-from mtnlg_lightning.config import PRESETS, ModelConfig, config_from_stored, get_config
+from mtnlg_lightning.checkpoint.validate import config_of
+from mtnlg_lightning.config import PRESETS, ModelConfig, config_from_stored, get_config, stored_preset_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.families import count_parameters, family_of, matmul_parameters, measure
 from mtnlg_lightning.model import build_model
@@ -269,6 +270,10 @@ def test_an_old_config_without_the_name_still_loads_with_its_family_from_its_opt
     mixed = dataclasses.asdict(get_config("tiny", family=None, num_kv_heads=2))
     del mixed["family"]
     assert config_from_stored(mixed).family is None  # no family has this block's options: a custom block
+    assert config_of({"model_config": stored}, "manifest.json") == config  # a checkpoint folder's manifest
+    # a Lightning .ckpt of an init_from run: the source's options recorded over the default preset, no family
+    overrides = {key: value for key, value in stored.items() if key != "name"}
+    assert stored_preset_config("tiny", overrides) == dataclasses.replace(config, name="tiny")
 
 
 def test_no_other_source_file_derives_a_family_from_options():
