@@ -40,7 +40,7 @@ from testing.local_ranks import worker_rows, write_rows  # noqa: E402
 
 def model_config(args):
     return get_config(
-        "demo-llama", num_experts=args.experts, experts_per_token=args.top_k, moe_ffn_hidden_size=256,
+        "demo-llama", family="mixtral", num_experts=args.experts, experts_per_token=args.top_k, moe_ffn_hidden_size=256,
         norm_topk_prob=True,
     )  # fmt: skip
 

@@ -47,6 +47,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def our_layer(args) -> MoE:
     config = get_config(
         "tiny-llama",
+        family="mixtral",
         hidden_size=args.hidden,
         num_heads=4,
         num_experts=args.experts,

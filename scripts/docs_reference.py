@@ -290,7 +290,7 @@ def field_comments(cls) -> dict[str, str]:
 
 def model_page() -> str:
     from mtnlg_lightning.config import PRESETS, ModelConfig, get_config
-    from mtnlg_lightning.families import count_parameters
+    from mtnlg_lightning.families import count_parameters, family_of
     from mtnlg_lightning.train.module import MTNLGModule
 
     lines = ["# Configuration: `model:`", "", HEADER]
@@ -299,7 +299,10 @@ def model_page() -> str:
     lines += keys_table("model", MTNLGModule) + [""]
     comments = field_comments(ModelConfig)
     lines += ["## `model.model_overrides`", "", "Any field of the architecture, over the preset's value "
-              "(`model_overrides: {num_layers: 6, num_kv_heads: 2}`).", "",
+              "(`model_overrides: {num_layers: 6}`). `family` names the model family (every preset names one): "
+              "the options marked family's come with it, and one that contradicts it is refused in one line; "
+              "`family: null` is a custom block ([naming a family](../../how-to/model-families.md#naming-a-family)).",
+              "",
               "| field | default | meaning |", "|---|---|---|"]  # fmt: skip
     for field in dataclasses.fields(ModelConfig):
         if not comments.get(field.name) and field.name not in _SELF_EVIDENT:
@@ -310,13 +313,11 @@ def model_page() -> str:
         lines.append(f"| `{field.name}` | {_cell(default)} | {_cell(meaning)} |")
     lines += ["", "## Presets", "", "`model.preset` (and `--model` of the planner) takes these names; parameters are "
               "counted exactly (embeddings included, the vocabulary unpadded).", "",
-              "| preset | layers | hidden | heads | kv heads | FFN | seq | vocab | block | parameters |",
+              "| preset | layers | hidden | heads | kv heads | FFN | seq | vocab | family | parameters |",
               "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in PRESETS:
         c = get_config(name)
-        block = "Llama (RoPE, RMSNorm, SwiGLU)" if c.mlp == "swiglu" else "GPT (learned positions, LayerNorm, GELU)"
-        if c.qk_norm:
-            block = "Qwen 3 (Llama + q/k norms)"
+        block = f"`{c.family}` ({family_of(c).label})"
         lines.append(
             f"| `{name}` | {c.num_layers} | {c.hidden_size} | {c.num_heads} | {c.num_kv_heads} | {c.ffn_hidden_size} "
             f"| {c.seq_len} | {c.vocab_size} | {block} | {count_parameters(c):,} |"

@@ -32,8 +32,9 @@ from testing.parallel_harness import run_each, run_script, tiny_run, trained  # 
 
 # The router's auxiliary (load-balancing) and z losses both on, dropless routing (no capacity factor).
 ROUTER_LOSSES = {"router_aux_loss_coef": 0.02, "router_z_loss_coef": 0.001}
-# A step large enough that the bias changes which experts some tokens go to within the 6 steps of a run.
-SIGMOID_ROUTER = {"router": "sigmoid", "router_bias_update_rate": 0.01, "norm_topk_prob": True}
+# A step large enough that the bias changes which experts some tokens go to within the 6 steps of a run. No family
+# routes by sigmoid: the model becomes a custom block (family null).
+SIGMOID_ROUTER = {"family": None, "router": "sigmoid", "router_bias_update_rate": 0.01, "norm_topk_prob": True}
 
 
 def run_settings(name: str, out: Path) -> dict:

@@ -317,4 +317,4 @@ def test_a_trained_sigmoid_router_model_generates_and_scores_with_its_bias_in_ep
     capfd.readouterr()
     assert export_main([str(checkpoint), str(tmp_path / "exported")]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "router sigmoid" in err[0] and not (tmp_path / "exported").exists()
+    assert len(err) == 1 and "names none (a custom block)" in err[0] and not (tmp_path / "exported").exists()

@@ -1,8 +1,10 @@
-"""Each model family is described once (`families.py`), and what the planner, the FLOPs, tensor parallelism and
-interop know of its shape comes from there: the counts measured on a meta-device model equal the closed forms
-written below (the block's arithmetic, stated here as the specification) and the planner's; the plan shards a Qwen 3
-block (grouped-query attention with replicated key/value heads, q/k norms) to the single-process gradients; the
-Hugging Face key lists are transformers' own; and no other source file names the families' modules."""
+"""Each model family is one registered spec (`family_specs.py`), chosen by name (`ModelConfig.family`), and what the
+planner, the FLOPs, tensor parallelism and interop know of its shape comes from there (`families.py`): naming a family
+gives its options and refuses a contradicting one in one line; the counts measured on a meta-device model equal the
+closed forms written below (the block's arithmetic, stated here as the specification) and the planner's; the plan
+shards a Qwen 3 block (grouped-query attention with replicated key/value heads, q/k norms) to the single-process
+gradients; the Hugging Face key lists are transformers' own; no other source file names the families' modules; and
+no other source file derives a family from options."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from mtnlg_lightning import families
-from mtnlg_lightning.config import PRESETS, get_config
+from mtnlg_lightning import families, family_specs
+from mtnlg_lightning.checkpoint.validate import config_of
+from mtnlg_lightning.config import PRESETS, ModelConfig, config_from_stored, get_config, stored_preset_config
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.families import count_parameters, family_of, matmul_parameters, measure
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.planning.planner import balanced_layers, params_per_stage
@@ -84,21 +88,23 @@ def test_matmul_weights_per_token_follow_the_closed_form(preset):
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_every_preset_is_one_family_whose_plan_names_each_module_of_its_block(preset):
+def test_every_preset_names_one_family_whose_plan_names_each_module_of_its_block(preset):
     config = get_config(preset)
     family = family_of(config)
-    assert [f for f in families.FAMILIES if f.holds(config)] == [family]
+    assert family is family_specs.FAMILIES[config.family] and family.contradiction(config) is None
     block = build_model(dataclasses.replace(config, num_layers=1), "meta").blocks["0"]
     with_params = {name for name, m in block.named_modules() if any(True for _ in m.parameters(recurse=False))}
     linears = {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
     plan = families.tensor_parallel_plan(config)
     assert set(plan) == with_params and with_params <= set(family.tensor_parallel_plan())
-    assert {path for path, style in plan.items() if style in families.MATMUL_STYLES} == linears
+    assert {path for path, style in plan.items() if style in family_specs.MATMUL_STYLES} == linears
 
 
 def test_a_block_mixing_the_families_options_is_still_planned_and_counted():
-    config = get_config("tiny", num_kv_heads=2, mlp="swiglu", qk_norm=True)  # no published family has it
-    assert family_of(config) is None
+    config = get_config("tiny", family=None, num_kv_heads=2, mlp="swiglu", qk_norm=True)  # no family has it
+    assert config.family is None
+    with pytest.raises(MTNLGError, match="^a Hugging Face export needs a model family, and this model names none"):
+        family_of(config, "a Hugging Face export")
     assert set(families.tensor_parallel_plan(config)) >= {"attn.q", "attn.k", "mlp.gate", "attn.q_norm"}
     assert count_parameters(config) == sum(p.numel() for p in build_model(config, "meta").parameters())
 
@@ -111,8 +117,8 @@ def test_the_hugging_face_key_lists_are_transformers_own():
         (get_config("tiny"), gpt2_mapping),
         (get_config("tiny-llama"), llama_mapping),
         (get_config("tiny-llama", tie_embeddings=True, num_kv_heads=4), llama_mapping),  # fused q/k/v, tied head
-        (get_config("tiny-llama", qkv_bias=True), llama_mapping),  # Qwen 2
-        (get_config("tiny-llama", qk_norm=True), llama_mapping),  # Qwen 3
+        (get_config("tiny-llama", family="qwen2"), llama_mapping),  # q/k/v biases
+        (get_config("tiny-llama", family="qwen3"), llama_mapping),  # q/k norms
     ]
     for config, mapping in cases:
         hf_config = mapping.hf_config(transformers, config, config.vocab_size, None, "float32")
@@ -134,8 +140,8 @@ def test_tensor_parallel_shards_a_qwen3_block_as_its_plan_says_to_the_single_pro
         vocab_parallel_cross_entropy,
     )
 
-    config = get_config("tiny-llama", qk_norm=True)  # 4 query heads, 2 key/value heads
-    assert family_of(config) is families.QWEN3
+    config = get_config("tiny-llama", family="qwen3")  # 4 query heads, 2 key/value heads
+    assert family_of(config) is family_specs.QWEN3
     torch.manual_seed(0)
     reference = build_model(config).double()
     tokens = torch.randint(0, config.vocab_size, (2, 17))
@@ -168,12 +174,12 @@ def test_tensor_parallel_shards_a_qwen3_block_as_its_plan_says_to_the_single_pro
 
 
 def test_the_families_modules_and_hugging_face_names_are_written_in_families_py_only():
-    """One definition: outside families.py (and model.py, which builds the modules), no source file names a
+    """One definition: outside family_specs.py (and model.py, which builds the modules), no source file names a
     block's module path or a Hugging Face module, and apply_tensor_parallel reads the plan instead of naming
     projections."""
     written = {
-        name.removeprefix(families.BLOCK)
-        for family in families.FAMILIES
+        name.removeprefix(family_specs.BLOCK)
+        for family in family_specs.FAMILIES.values()
         for path, (_, theirs) in family.modules.items()
         for name in (path, *((theirs,) if isinstance(theirs, str) else theirs or ()))
         if "." in name
@@ -183,7 +189,7 @@ def test_the_families_modules_and_hugging_face_names_are_written_in_families_py_
     pattern = re.compile(
         r"[\"'](?:[\w.{}]*\.)?(" + "|".join(map(re.escape, sorted(written | leaves))) + r")[\"']", re.ASCII
     )
-    allowed = {"families.py", "model.py"}
+    allowed = {"family_specs.py", "model.py"}
     found = []
     for path in sorted(SRC.rglob("*.py")):
         if path.name in allowed:
@@ -206,3 +212,80 @@ def test_the_families_modules_and_hugging_face_names_are_written_in_families_py_
     tp_source = (SRC / "parallel" / "tensor_parallel.py").read_text(encoding="utf-8")
     apply = tp_source[tp_source.index("def apply_tensor_parallel") : tp_source.index("def gather_tensor_parallel")]
     assert not re.search(r"\.(qkv|q|k|v|proj|fc1|fc2|gate|up|down|q_norm|k_norm|ln1|ln2)\b", apply)
+
+
+# ------------------------------------------------------------------------------------------------ named, not guessed
+SIZES = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4, seq_len=64, vocab_size=256)
+EXPERTS = dict(num_experts=4, experts_per_token=2, shared_expert_ffn_hidden_size=32)
+
+
+@pytest.mark.parametrize("name", list(family_specs.FAMILIES))
+def test_naming_a_family_gives_its_options(name):
+    family = family_specs.FAMILIES[name]
+    experts = (
+        {**EXPERTS, "shared_expert_ffn_hidden_size": 32 if family.experts.shared_expert else 0}
+        if family.experts
+        else {}
+    )
+    config = ModelConfig(**SIZES, **experts, family=name)
+    assert {key: getattr(config, key) for key in family.options} == family.options
+    assert family_of(config) is family and config.moe == (family.experts is not None)
+
+
+def test_an_option_contradicting_the_named_family_is_refused_in_one_line():
+    cases = {
+        ("tiny-llama", "qk_norm", True): "qk_norm=True (a llama model has qk_norm=False) contradicts family llama",
+        ("tiny", "position_embedding", "rope"): "position_embedding='rope' (a gpt model has position_embedding=",
+        ("tiny", "num_kv_heads", 2): "num_kv_heads=2 (a gpt model has num_kv_heads = num_heads) contradicts family gpt",
+        ("tiny-llama", "num_experts", 4): "num_experts=4 (a llama model is dense: num_experts=0) contradicts family",
+    }
+    for (preset, option, value), message in cases.items():
+        with pytest.raises(MTNLGError) as error:
+            get_config(preset, **{option: value})
+        assert str(error.value).startswith(f"model option {message}") and "\n" not in str(error.value)
+        assert str(error.value).endswith("name the family it belongs to, or set family null for a custom block")
+    with pytest.raises(MTNLGError, match=r"^model option num_experts=0 \(a mixtral model is a mixture of experts"):
+        ModelConfig(**SIZES, family="mixtral")
+    with pytest.raises(MTNLGError, match=r"^model family 'llama3' is not one of gpt, llama, qwen2, qwen3, "):
+        get_config("tiny", family="llama3")
+
+
+def test_a_config_without_a_family_is_a_custom_block_of_the_mt_nlg_defaults():
+    config = ModelConfig(**SIZES)
+    assert config.family is None and (config.position_embedding, config.norm, config.mlp) == (
+        "learned",
+        "layernorm",
+        "gelu",
+    )
+    assert families.plan_of(config) is family_specs.TENSOR_PARALLEL_PLAN  # every family's paths: still sharded
+    assert families.plan_of(get_config("tiny")) == family_specs.GPT.tensor_parallel_plan()
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_an_old_config_without_the_name_still_loads_with_its_family_from_its_options(preset):
+    """A config stored before configs named their family: `config_from_stored` derives it (the one place)."""
+    config = get_config(preset)
+    stored = {key: value for key, value in dataclasses.asdict(config).items() if key != "family"}
+    assert config_from_stored(stored) == config
+    mixed = dataclasses.asdict(get_config("tiny", family=None, num_kv_heads=2))
+    del mixed["family"]
+    assert config_from_stored(mixed).family is None  # no family has this block's options: a custom block
+    assert config_of({"model_config": stored}, "manifest.json") == config  # a checkpoint folder's manifest
+    # a Lightning .ckpt of an init_from run: the source's options recorded over the default preset, no family
+    overrides = {key: value for key, value in stored.items() if key != "name"}
+    assert stored_preset_config("tiny", overrides) == dataclasses.replace(config, name="tiny")
+
+
+def test_no_other_source_file_derives_a_family_from_options():
+    """The family is named: outside config.py's check of a named family and its derivation for stored configs of an
+    earlier version (`config_from_stored`), nothing compares a config with the families' options."""
+    found = {
+        f"{path.relative_to(SRC)}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if re.search(r"\.contradiction\(|\bholds\(|family_of\(config\)\s+is\s+None", line)
+    }
+    assert found == {
+        "config.py: wrong = family_spec(config.family).contradiction(config)",
+        "config.py: matching = [name for name, family in FAMILIES.items() if family.contradiction(config) is None]",
+    }

@@ -85,6 +85,23 @@ def test_import_then_export_gives_back_the_original_tensors_exactly(hf_dir, tmp_
         assert torch.equal(again[name], tensor), name
 
 
+def test_import_writes_the_family_and_export_writes_the_family_the_config_names(hf_dir, tmp_path):
+    """The imported config names its family (from `model_type`); the export reads that name, and a custom block (no
+    family) has no Hugging Face form: one line, nothing written."""
+    import dataclasses
+
+    from hf_models import random_family_dir
+
+    state = read_hf_dir(hf_dir)
+    assert state.config.family == "gpt"
+    assert read_hf_dir(random_family_dir(tmp_path, "qwen3")).config.family == "qwen3"
+    assert export_hf(state, tmp_path / "gpt2")["family"] == "GPT-2"
+    custom = dataclasses.replace(state, config=dataclasses.replace(state.config, family=None))
+    with pytest.raises(MTNLGError, match="^a Hugging Face export needs a model family, and this model names none"):
+        export_hf(custom, tmp_path / "custom")
+    assert not (tmp_path / "custom").exists()
+
+
 def test_checkpoint_exports_to_a_directory_transformers_loads_offline_with_equal_logits(tiny_checkpoint, exported_tiny):
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported_tiny)
     ours_tok = Tokenizer(build_demo_data(progress=False)[1])

@@ -4,6 +4,7 @@ the single-process numbers, trains only itself, and leaves as a PEFT directory t
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -55,8 +56,13 @@ def test_targets_take_our_names_or_hugging_faces_and_default_to_every_projection
     assert hf.projections(LLAMA_TINY) == ("q", "v", "down")
     assert LoRAConfig.from_dict({"targets": ["qkv", "fc2"]}).projections(GPT_TINY) == ("qkv", "fc2")
     assert LoRAConfig.from_dict({"targets": ["c_attn", "c_proj"]}).projections(GPT_TINY) == ("qkv", "proj", "fc2")
-    fused = LoRAConfig.from_dict({"targets": ["q_proj", "k_proj", "v_proj"]})
+    fused = LoRAConfig.from_dict({"targets": ["q", "k", "v"]})
     assert fused.projections(GPT_TINY) == ("qkv",)
+    fused_llama = dataclasses.replace(LLAMA_TINY, num_kv_heads=LLAMA_TINY.num_heads)  # one fused q/k/v here
+    assert LoRAConfig.from_dict({"targets": ["q_proj", "k_proj", "v_proj"]}).projections(fused_llama) == ("qkv",)
+    # Hugging Face's names are those of the family the config names: Llama's are not GPT-2's
+    with pytest.raises(MTNLGError, match="targets 'q_proj', which this model does not have"):
+        LoRAConfig.from_dict({"targets": ["q_proj"]}).projections(GPT_TINY)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +76,7 @@ def test_targets_take_our_names_or_hugging_faces_and_default_to_every_projection
         ({"targets": ["gate_proj"]}, GPT_TINY, "targets 'gate_proj', which this model does not have"),
         ({"targets": ["fc1"]}, LLAMA_TINY, "targets 'fc1', which this model does not have"),
         ({"targets": ["lm_head"]}, LLAMA_TINY, "targets 'lm_head', which this model does not have"),
-        ({"targets": ["q_proj", "v_proj"]}, GPT_TINY, "target q, k and v together"),
+        ({"targets": ["q", "v"]}, GPT_TINY, "target q, k and v together"),
     ],
 )
 def test_bad_lora_settings_are_one_line(values, config, message):

@@ -36,8 +36,9 @@ PUBLISHED = {"qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}
 
 
 def tiny_moe(**overrides):
+    """The Llama block with experts and a shared expert: a custom block (Qwen 2-MoE's has q/k/v biases)."""
     values = dict(num_experts=4, experts_per_token=2, moe_ffn_hidden_size=32, shared_expert_ffn_hidden_size=48)
-    return get_config("tiny-llama", **{**values, **overrides})
+    return get_config("tiny-llama", **{"family": None, **values, **overrides})
 
 
 @pytest.fixture(scope="module", params=sorted(RANDOM_MOE))
@@ -233,11 +234,12 @@ def test_the_expert_bias_steps_toward_balance_after_a_step_and_stays_fp32_throug
 
 def test_a_sigmoid_router_model_is_refused_by_the_export_in_one_line():
     """No Hugging Face family this export writes routes by sigmoid with a bias (DeepSeek-V3's does, with latent
-    attention this trainer lacks)."""
+    attention this trainer lacks): a family refuses it, and the custom block has no Hugging Face form."""
     assert family_of(get_config("qwen3-30b-a3b")).hf_model_type == "qwen3_moe"
-    config = get_config("qwen3-30b-a3b", router="sigmoid")
-    assert family_of(config) is None
-    with pytest.raises(MTNLGError, match="router sigmoid"):
+    with pytest.raises(MTNLGError, match="^model option router='sigmoid' .* contradicts family qwen3_moe"):
+        get_config("qwen3-30b-a3b", router="sigmoid")
+    config = get_config("qwen3-30b-a3b", family=None, router="sigmoid")
+    with pytest.raises(MTNLGError, match="^a Hugging Face export needs a model family, and this model names none"):
         mapping_for(config)
 
 
@@ -252,7 +254,7 @@ def test_a_config_without_experts_builds_the_dense_block():
     numbers unchanged)."""
     names = [name for name, _ in build_model(get_config("tiny-llama"), "meta").named_parameters()]
     assert names and not any("router" in n or "experts" in n or "shared" in n for n in names)
-    config = tiny_moe(num_experts=0)
+    config = tiny_moe(num_experts=0, family="llama")
     assert not config.moe and config.moe_layers == () and family_of(config).name == "llama"
 
 
@@ -488,7 +490,8 @@ def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses_and_ex
 
     from conftest import run_cli
 
-    moe_options = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64, "router_aux_loss_coef": 0.01}
+    moe_options = {"family": "mixtral", "num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64}
+    moe_options |= {"router_aux_loss_coef": 0.01}
     out = run_cli(
         *["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "6", "--model.preset", "tiny-llama"],
         *["--model.model_overrides", json.dumps({**moe_options, "router_z_loss_coef": 0.001})],
@@ -515,7 +518,8 @@ def test_fit_trains_a_moe_model_in_one_process_and_logs_the_router_losses_and_ex
 def test_dropped_tokens_are_reported_with_the_router_losses():
     from mtnlg_lightning.train.module import MTNLGModule
 
-    overrides = {"num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64, "capacity_factor": 0.5}
+    overrides = {"family": "mixtral", "num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 64}
+    overrides |= {"capacity_factor": 0.5}
     module = MTNLGModule(preset="tiny-llama", model_overrides=overrides)
     module.configure_model()
     tokens = torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(0))

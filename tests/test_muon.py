@@ -21,7 +21,7 @@ MOE = dict(num_experts=4, experts_per_token=2, moe_ffn_hidden_size=32, shared_ex
 def _models():
     """A fused-QKV GPT (Q, K, V in one weight) and a Qwen 2-style MoE (stacked experts, a router, a shared expert
     and its gate), fp32."""
-    return {"gpt": get_config("tiny"), "moe": get_config("tiny-llama", **MOE)}
+    return {"gpt": get_config("tiny"), "moe": get_config("tiny-llama", family=None, **MOE)}
 
 
 def _loss(model, config, step: int) -> torch.Tensor:
@@ -415,7 +415,7 @@ def test_qk_clip_refuses_q_k_norms_and_a_bad_tau_in_one_line():
 
     with pytest.raises(MTNLGError, match="^model.qk_clip must be > 0, got 0.0$"):
         QKClip(0.0, 2, 4, 4)
-    config = get_config("tiny-llama", qk_norm=True)
+    config = get_config("tiny-llama", family="qwen3")
     clipper = QKClip(1.0, config.num_layers, config.num_heads, config.num_kv_heads)
     with pytest.raises(MTNLGError, match="^model.qk_clip cannot clip a model with q/k norms"):
         clipper.attach(build_model(config))

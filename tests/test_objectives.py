@@ -103,7 +103,9 @@ def test_the_data_must_serve_what_the_objective_trains_on():
 
 def test_the_extensions_come_from_the_model_and_the_config():
     assert extensions_for(MTNLGModule(preset="tiny-llama").config, {}) == []
-    moe = MTNLGModule(preset="tiny-llama", model_overrides={"num_experts": 4, "experts_per_token": 2})
+    moe = MTNLGModule(
+        preset="tiny-llama", model_overrides={"family": "mixtral", "num_experts": 4, "experts_per_token": 2}
+    )
     assert [type(extension) for extension in moe.extensions] == [RouterBalancing]
     assert moe.loss_fn is moe.extensions[0].losses  # the router's losses wrap the token loss
 

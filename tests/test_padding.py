@@ -85,7 +85,7 @@ def test_a_layout_cuts_rows_to_a_multiple_of_its_sequence_cuts_where_shapes_may_
 ):
     """One process: multiples of 8; SP and CP: of 8 and their cuts; a pipeline's fixed shapes and a mixture of
     experts (whose router losses count the padding too) keep seq_len, and the log says why, once."""
-    dense, moe = get_config("tiny"), get_config("tiny-llama", num_experts=4, experts_per_token=2)
+    dense, moe = get_config("tiny"), get_config("tiny-llama", family="mixtral", num_experts=4, experts_per_token=2)
     assert moe.moe and not dense.moe
     assert RowWidths().multiple(dense) == 8
     sp_cp = ParallelConfig(tensor_parallel=2, sequence_parallel=True, context_parallel=3).sequence_multiple

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import yaml
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.family_specs import FAMILIES, family_spec
 
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
@@ -24,9 +25,10 @@ ROPE_SCALINGS = ("default", "linear", "llama3")  # Hugging Face's `rope_type` na
 
 @dataclass
 class ModelConfig:
-    """One decoder, its block chosen by options: MT-NLG / GPT-3 (learned positions, LayerNorm, GELU MLP, full
-    multi-head attention, biases, tied head: the defaults) or Llama 3 / Qwen 3 (RoPE, RMSNorm, SwiGLU, grouped-query
-    attention, no biases, untied head, q/k norms)."""
+    """One decoder, its block chosen by its family's name (`family`: gpt, llama, qwen2, qwen3, qwen3_moe, qwen2_moe,
+    mixtral, olmoe; `family_specs.py`): naming a family gives its block options (an option left unset takes the
+    family's value) and refuses one that contradicts it. With no family (null) the block is custom: its options as
+    set, each unset one the MT-NLG / GPT-3 block's (learned positions, LayerNorm, GELU MLP, biases, tied head)."""
 
     num_layers: int
     hidden_size: int
@@ -41,40 +43,50 @@ class ModelConfig:
     attention_dropout: float = 0.0
     layernorm_eps: float = 1e-5  # the epsilon of every norm, LayerNorm or RMSNorm
     init_std: float | None = None  # None -> sqrt(1 / (3 * hidden_size)), as MT-NLG
-    name: str = "custom"
-    position_embedding: str = "learned"  # learned (a position table) | rope (rotary, on q and k)
+    name: str = "custom"  # the preset's (or source's) name, for the logs
+    # The model family, by name: its block options (the options below marked "family's") come with it, and an
+    # export writes its Hugging Face form. null: a custom block, no Hugging Face form (`family_specs.py`).
+    family: str | None = None
+    # The block options a family fixes, marked family's: unset (None), the named family's value; without a family
+    # (custom), the MT-NLG block's, shown after "custom".
+    position_embedding: str | None = None  # family's: learned (a position table) | rope (rotary); custom: learned
     rope_theta: float = 10000.0
     # Hugging Face's form: {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     # "original_max_position_embeddings": 8192}, or {"rope_type": "linear", "factor": F}; None: unscaled.
     rope_scaling: dict | None = None
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "gelu"  # gelu (fc1, fc2) | swiglu (down(silu(gate(x)) * up(x)))
+    norm: str | None = None  # family's: layernorm | rmsnorm; custom: layernorm
+    mlp: str | None = None  # family's: gelu (fc1, fc2) | swiglu (down(silu(gate(x)) * up(x))); custom: gelu
     num_kv_heads: int | None = None  # None -> num_heads (MHA); fewer is grouped-query attention, 1 is MQA
     head_dim: int | None = None  # None -> hidden_size / num_heads
-    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen 3)
-    bias: bool = True  # biases of the linear layers and LayerNorms
-    qkv_bias: bool | None = None  # biases of q, k, v only (Qwen 2); None -> as `bias`
-    tie_embeddings: bool = True  # the LM head is the word embedding
-    qk_norm_over: str = "head"  # head (Qwen 3) | projection (OLMoE: one RMSNorm over all heads' q, one over k)
+    qk_norm: bool | None = None  # family's: an RMSNorm over q and k before RoPE (Qwen 3); custom: false
+    bias: bool | None = None  # family's: biases of the linear layers and LayerNorms; custom: true
+    qkv_bias: bool | None = None  # family's: biases of q, k, v only (Qwen 2); custom: as `bias`
+    tie_embeddings: bool | None = None  # the LM head is the word embedding (family's for gpt: true); unset: true
+    # family's: head (Qwen 3) | projection (OLMoE: one RMSNorm over all heads' q, one over k); custom: head
+    qk_norm_over: str | None = None
     # Mixture of experts (`moe.py`): 0 experts is a dense MLP in every block.
     num_experts: int = 0
     experts_per_token: int = 1  # top k
     moe_ffn_hidden_size: int | None = None  # each expert's SwiGLU width; None -> ffn_hidden_size
-    shared_expert_ffn_hidden_size: int = 0  # Qwen 2-MoE's shared expert (sigmoid-gated), 0: none
+    # Qwen 2-MoE's shared expert (sigmoid-gated), 0: none (family's: 0 for every family but qwen2_moe); unset: 0
+    shared_expert_ffn_hidden_size: int | None = None
     # Which blocks are MoE (the rest keep the dense MLP of ffn_hidden_size): all three rules hold.
     moe_layer_step: int = 1  # every step-th block: layer i when (i + 1) % step == 0 (Qwen's decoder_sparse_step)
     first_dense_layers: int = 0  # the first k blocks stay dense (DeepSeek's first_k_dense_replace)
     dense_layers: list[int] | None = None  # these blocks stay dense (Qwen's mlp_only_layers)
-    router: str = "softmax"  # softmax over every expert's logit, then the top k; or sigmoid (`ROUTERS`)
+    # family's: softmax over every expert's logit, then the top k; or sigmoid (`ROUTERS`); custom: softmax
+    router: str | None = None
     # sigmoid router: after each optimizer step every expert's selection bias moves by this toward balance (+ when
     # it took fewer tokens than the mean, - when more); None: 0.001 (EXPERT_BIAS_UPDATE_RATE); 0: the bias stays 0
     router_bias_update_rate: float | None = None
-    norm_topk_prob: bool = False  # renormalise the k chosen probabilities (Mixtral: a softmax over the top k)
+    # renormalise the k chosen probabilities (Mixtral: a softmax over the top k; family's for mixtral); unset: false
+    norm_topk_prob: bool | None = None
     router_aux_loss_coef: float = 0.0  # Switch / GShard load balancing, as transformers computes it
     router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf * tokens * k / E)
 
     def __post_init__(self) -> None:
+        apply_family(self)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
@@ -107,6 +119,7 @@ class ModelConfig:
         if self.qk_norm_over not in QK_NORMS:
             raise MTNLGError(f"model qk_norm_over {self.qk_norm_over!r} is not one of {', '.join(QK_NORMS)}")
         check_experts(self)
+        check_family(self)
         if self.seq_len > self.max_position_embeddings:
             raise MTNLGError(
                 f"seq_len {self.seq_len} is above the position table size {self.max_position_embeddings} "
@@ -154,6 +167,56 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
+# The options a config naming no family takes where unset: the MT-NLG / GPT-3 block (the first presets').
+CUSTOM_BLOCK = dict(
+    position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
+    tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
+)  # fmt: skip
+
+
+def apply_family(config: ModelConfig) -> None:
+    """Each block option left unset (None) takes the named family's value, then the custom block's; `qkv_bias`
+    without either follows `bias`. A value set that contradicts the family is `check_family`'s to refuse."""
+    options = family_spec(config.family).options if config.family is not None else {}
+    for key, value in {**CUSTOM_BLOCK, **options}.items():
+        if getattr(config, key) is None:
+            setattr(config, key, value)
+
+
+def check_family(config: ModelConfig) -> None:
+    """A config naming a family has its options (one line naming the option and the family otherwise)."""
+    if config.family is None:
+        return
+    wrong = family_spec(config.family).contradiction(config)
+    if wrong is not None:
+        raise MTNLGError(
+            f"model option {wrong} contradicts family {config.family}: change the option, name the family it belongs "
+            f"to, or set family null for a custom block"
+        )
+
+
+def config_from_stored(values: dict) -> ModelConfig:
+    """A `ModelConfig` from its stored fields (a checkpoint's manifest). With `stored_preset_config`, the one place a
+    family is derived from options: a config written before configs named their family (no `family` key) is the
+    registered family whose options it has, or a custom block when none has them all. New configs carry the name."""
+    if "family" in values:
+        return ModelConfig(**values)
+    config = ModelConfig(**values, family=None)
+    matching = [name for name, family in FAMILIES.items() if family.contradiction(config) is None]
+    return dataclasses.replace(config, family=matching[0]) if matching else config
+
+
+def stored_preset_config(preset: str, overrides: dict) -> ModelConfig:
+    """The config a Lightning checkpoint's hyper-parameters (`preset`, `model_overrides`) describe; overrides
+    written before configs named their family (no `family` key) take it from their options, not from the preset
+    (`config_from_stored`)."""
+    if "family" in overrides:
+        return get_config(preset, **overrides)
+    values = preset_values(preset, overrides)
+    values.pop("family", None)
+    return config_from_stored(values)
+
+
 def check_experts(config: ModelConfig) -> None:
     """A mixture-of-experts setting the block can run (one line otherwise)."""
     if config.num_experts == 0:
@@ -198,6 +261,7 @@ LLAMA3_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "origi
 # Today's decoder block (Llama 3, Mixtral): RoPE, RMSNorm, SwiGLU, no biases, untied head.
 ROPE_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 LLAMA_31 = dict(
+    family="llama",
     **ROPE_BLOCK,
     vocab_size=128256,
     rope_theta=500000.0,
@@ -215,6 +279,7 @@ LLAMA_31 = dict(
 
 # Qwen 3 (Qwen3-8B's config.json, and the Qwen 3-MoE models'): q/k norms, head_dim 128, untied head.
 QWEN3 = dict(
+    family="qwen3",
     head_dim=128,
     vocab_size=151936,
     seq_len=4096,
@@ -230,9 +295,10 @@ QWEN3 = dict(
     init_std=0.02,
 )
 # Qwen 3-MoE (Qwen3-30B-A3B and 235B-A22B's config.json): the Qwen 3 block, 128 experts, 8 per token renormalised.
-QWEN3_MOE = dict(QWEN3, norm_topk_prob=True, router_aux_loss_coef=0.001)
+QWEN3_MOE = dict(QWEN3, family="qwen3_moe", norm_topk_prob=True, router_aux_loss_coef=0.001)
 # Mixtral (8x7B and 8x22B's config.json): the Llama block, 8 experts of ffn_hidden_size, 2 per token.
 MIXTRAL = dict(
+    family="mixtral",
     **ROPE_BLOCK,
     **dict(vocab_size=32000, seq_len=4096, rope_theta=1000000.0, init_std=0.02),
     **dict(num_experts=8, experts_per_token=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
@@ -240,15 +306,15 @@ MIXTRAL = dict(
 
 PRESETS: dict[str, dict] = {
     # Table/Section 3 of the MT-NLG paper.
-    "mtnlg-530b": dict(num_layers=105, hidden_size=20480, num_heads=128, seq_len=2048),
+    "mtnlg-530b": dict(family="gpt", num_layers=105, hidden_size=20480, num_heads=128, seq_len=2048),
     # GPT-3 paper, Table 2.1 (heads of the 1.3B model as Megatron runs it: 16 x 128).
-    "gpt3-175b": dict(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048),
-    "gpt3-1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16, seq_len=2048),
-    "gpt3-125m": dict(num_layers=12, hidden_size=768, num_heads=12, seq_len=2048),
+    "gpt3-175b": dict(family="gpt", num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048),
+    "gpt3-1.3b": dict(family="gpt", num_layers=24, hidden_size=2048, num_heads=16, seq_len=2048),
+    "gpt3-125m": dict(family="gpt", num_layers=12, hidden_size=768, num_heads=12, seq_len=2048),
     # The offline demo: big enough to visibly learn the built-in corpus on 2 CPU cores in minutes.
-    "demo": dict(num_layers=4, hidden_size=256, num_heads=4, seq_len=128, vocab_size=4096),
+    "demo": dict(family="gpt", num_layers=4, hidden_size=256, num_heads=4, seq_len=128, vocab_size=4096),
     # Seconds-scale model for tests and every parallel-equivalence check.
-    "tiny": dict(num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=4096),
+    "tiny": dict(family="gpt", num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=4096),
     # Today's dense families, with the published shapes (parameter counts equal the Hugging Face models').
     "llama3.2-1b": {
         **LLAMA_31,
@@ -294,6 +360,7 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536,
     ),
     "olmoe-1b-7b": dict(  # OLMoE-1B-7B-0924's config.json: q/k norms over the projections, 64 experts, 8 per token
+        family="olmoe",
         **ROPE_BLOCK,
         **dict(num_layers=16, hidden_size=2048, num_heads=16, ffn_hidden_size=1024, vocab_size=50304, seq_len=4096),
         **dict(qk_norm=True, qk_norm_over="projection", init_std=0.02),
@@ -361,12 +428,17 @@ def _yaml_value(text: str):
         return text  # not YAML: left as typed, for the field's own check to name
 
 
-def get_config(preset: str, **overrides) -> ModelConfig:
-    """Build a config from a preset name, with field overrides (e.g. num_layers=5)."""
+def preset_values(preset: str, overrides: dict) -> dict:
+    """The `ModelConfig` fields of a preset with field overrides (checked by name, typed as their fields)."""
     if preset not in PRESETS:
         raise MTNLGError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     reject_unknown_fields(overrides, ModelConfig, "unknown model config field(s)")
     overrides = typed_overrides(overrides)
     # The position table belongs to the preset (as it would to a checkpoint): a longer seq_len is an error.
-    values = {"max_position_embeddings": PRESETS[preset]["seq_len"], **PRESETS[preset], **overrides}
-    return ModelConfig(**values, name=preset)
+    return {"max_position_embeddings": PRESETS[preset]["seq_len"], **PRESETS[preset], **overrides, "name": preset}
+
+
+def get_config(preset: str, **overrides) -> ModelConfig:
+    """Build a config from a preset name, with field overrides (e.g. num_layers=5; family=qwen3 for another family,
+    or family=None for a custom block)."""
+    return ModelConfig(**preset_values(preset, overrides))

@@ -121,9 +121,9 @@ class MoE(nn.Module):
         # of 0.25 would round steps of 1e-3 away.
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32) if config.router == "sigmoid" else None)
         self.experts = Experts(e, h, config.moe_ffn_hidden_size)
-        if shared is not None:
-            self.shared = shared
-            self.shared_gate = Gate(h, 1)
+        # Chosen here, once: the shared expert and its gate, or neither (None).
+        self.shared = shared
+        self.shared_gate = Gate(h, 1) if shared is not None else None
         self.stats: RouterStats | None = None
         # expert parallelism (`parallel/expert_parallel.py`) runs the experts' rows across its ranks; None: here
         self.dispatch = None
@@ -184,7 +184,7 @@ class MoE(nn.Module):
         out = self.experts(rows, counts) if self.dispatch is None else self.dispatch(self.experts, rows, counts)
         out = out * weights.flatten()[order, None]
         y = torch.zeros_like(x).index_add_(0, token, out).view(shape)
-        if hasattr(self, "shared"):  # [B, S, H] as a dense MLP takes it (sequence parallelism gathers along S)
+        if self.shared is not None:  # [B, S, H] as a dense MLP takes it (sequence parallelism gathers along S)
             y = y + torch.sigmoid(self.shared_gate(hidden)) * self.shared(hidden)
         return y
 

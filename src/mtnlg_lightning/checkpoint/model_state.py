@@ -19,7 +19,7 @@ from mtnlg_lightning.checkpoint.format import (
     verify_files,
 )
 from mtnlg_lightning.checkpoint.validate import CheckpointError, config_of
-from mtnlg_lightning.config import ModelConfig, get_config
+from mtnlg_lightning.config import ModelConfig, stored_preset_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import persistent_buffers
 
@@ -142,7 +142,7 @@ def _read_lightning_file(path: Path) -> ModelState:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise MTNLGError(f"{path} is not a checkpoint of this project (no state_dict)")
     hparams = dict(ckpt.get("hyper_parameters") or {})
-    config = get_config(hparams.get("preset", "tiny"), **(hparams.get("model_overrides") or {}))
+    config = stored_preset_config(hparams.get("preset", "tiny"), hparams.get("model_overrides") or {})
     weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     tokenizer = (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
     lora = hparams.get("lora")

@@ -15,7 +15,7 @@ import struct
 import warnings
 from pathlib import Path
 
-from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.config import ModelConfig, config_from_stored
 from mtnlg_lightning.errors import MTNLGError, one_line
 from mtnlg_lightning.model import build_model, persistent_buffers
 from mtnlg_lightning.parallel.lora import stored_parameters
@@ -225,6 +225,8 @@ def config_of(manifest: dict, where: str):
     for name in ("name", "position_embedding", "norm", "mlp"):
         if not isinstance(values.get(name, ""), str):
             raise _error(f"{where}: model_config.{name} is not a string")
+    if not isinstance(values.get("family", ""), str | None):
+        raise _error(f"{where}: model_config.family is {_short(values['family'])}, expected a family's name or null")
     for name in (*BOOL_FIELDS, "qkv_bias"):
         value = values.get(name, True)
         if not isinstance(value, bool) and not (name == "qkv_bias" and value is None):
@@ -233,7 +235,7 @@ def config_of(manifest: dict, where: str):
     if not (isinstance(theta, int | float) and not isinstance(theta, bool) and 0 < theta < math.inf):
         raise _error(f"{where}: model_config.rope_theta is {_short(theta)}, expected a positive number")
     try:
-        return ModelConfig(**values)
+        return config_from_stored(values)  # an earlier version's config (no family): its family from its options
     except MTNLGError as error:
         raise _error(f"{where}: model_config: {error}") from None
 

@@ -1,5 +1,7 @@
-"""`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of its family (GPT-2, Llama,
-Qwen 2, Qwen 3).
+"""`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of the family its config names
+(`model.family`: GPT-2, Llama, Qwen 2, Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE); a
+checkpoint written before configs named their family gets it from its options when read (`config.config_from_stored`),
+a custom block (family null) has no Hugging Face form.
 
 The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUTPUT_DIR)`.
@@ -19,8 +21,9 @@ from mtnlg_lightning.quick_exit import skip_final_garbage_collection
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-export-hf",
-        description="Export a checkpoint (any layout) to a Hugging Face directory of the family its block is (GPT-2, "
-        "Llama, Qwen 2 or Qwen 3: architectures, RoPE settings, tied or untied head): config.json, "
+        description="Export a checkpoint (any layout) to a Hugging Face directory of the family its config names "
+        "(model.family: GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, Mixtral or OLMoE: architectures, RoPE "
+        "settings, tied or untied head): config.json, "
         "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
         "(vocabulary trimmed to the tokenizer's), tokenizer files with the chat template the checkpoint carries "
         "(chat_template.jinja and its special tokens) and generation_config.json (eos: the end of the "

@@ -18,7 +18,8 @@ import torch
 from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import GPT, MATMUL_STYLES, hf_tensors
+from mtnlg_lightning.families import hf_tensors
+from mtnlg_lightning.family_specs import GPT, MATMUL_STYLES
 
 MODEL_TYPES = (GPT.hf_model_type,)
 HEAD = "lm_head.weight"
@@ -73,21 +74,11 @@ def tensor_pairs(num_layers: int) -> list[TensorPair]:
 
 def _gpt2_block(num_layers: int) -> ModelConfig:
     """A GPT-2 block of `num_layers` layers: its tensors' names do not depend on its sizes."""
-    return ModelConfig(num_layers=num_layers, hidden_size=8, num_heads=1, seq_len=1, vocab_size=1)
+    return ModelConfig(num_layers=num_layers, hidden_size=8, num_heads=1, seq_len=1, vocab_size=1, family=GPT.name)
 
 
 # GPT-2 files may carry the causal-mask buffers (`attn.bias`, `attn.masked_bias`): constants, not weights.
 CONSTANT_BUFFERS = ("attn.bias", "attn.masked_bias")
-
-
-# ------------------------------------------------------------------------------------------------ the family
-def label(config: ModelConfig) -> str:
-    return GPT.label
-
-
-def holds(config: ModelConfig) -> bool:
-    """Whether the block is GPT-2's (`families.GPT`), with GPT-2's head size (its config.json cannot name another)."""
-    return GPT.holds(config) and config.head_dim * config.num_heads == config.hidden_size
 
 
 # GPT-2 config keys written from the model config on export (the vocabulary is the tokenizer's; import reads the
@@ -134,6 +125,7 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
         attention_dropout=cfg.get("attn_pdrop", 0.0),
         layernorm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         name=cfg.get("_name_or_path") or path.name,
+        family=GPT.name,
     )
 
 
@@ -155,6 +147,8 @@ def _check_keys(path: Path, cfg: dict) -> None:
 
 
 def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None, dtype: str):
+    if config.head_dim * config.num_heads != config.hidden_size:  # GPT-2's config.json cannot name another
+        raise MTNLGError(f"a GPT-2's head_dim is hidden_size / num_heads, not {config.head_dim}")
     return transformers.GPT2Config(
         vocab_size=vocab,
         **{key: getattr(config, field) for key, field in EXPORTED_FIELDS.items()},

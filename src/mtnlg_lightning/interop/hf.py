@@ -1,11 +1,12 @@
 """Hugging Face model directories: read one as a model source, write one from a checkpoint (atomically).
 
 Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE,
-Qwen 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), told apart
-by `config.json`'s `model_type`; the architecture is read from it (the user does not restate it), and an export
-writes the family the checkpoint's block is. A directory holds `config.json`, `model.safetensors` (or shards with an
-index, or a `pytorch_model.bin` read with `weights_only=True`), the tokenizer files and `generation_config.json`.
-Both ways the weights move one tensor (or one slice of rows) at a time: memory holds a few shards, not the model.
+Qwen 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), told apart by `config.json`'s `model_type`; the
+architecture is read from it (the user does not restate it) and the imported config names its family
+(`ModelConfig.family`); an export writes the family the checkpoint's config names. A directory holds `config.json`,
+`model.safetensors` (or shards with an index, or a `pytorch_model.bin` read with `weights_only=True`), the tokenizer
+files and `generation_config.json`. Both ways the weights move one tensor (or one slice of rows) at a time: memory
+holds a few shards, not the model.
 `trust_remote_code` is never used: no code from a model directory runs.
 """
 
@@ -33,6 +34,7 @@ from mtnlg_lightning.data.chat_template import ChatTokenizer, has_chat_template
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
+from mtnlg_lightning.families import family_of
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
 from mtnlg_lightning.interop.lora_base import base_path, with_base
 from mtnlg_lightning.outputs import staged_dir
@@ -61,7 +63,7 @@ def is_hf_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
-def _family_and_config(path: Path):
+def _mapping_and_config(path: Path):
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
@@ -85,16 +87,8 @@ def _family_and_config(path: Path):
 
 
 def mapping_for(config: ModelConfig):
-    """The mapping module (`gpt2_mapping`, `llama_mapping`) that writes this block as a Hugging Face family."""
-    for mapping in (gpt2_mapping, llama_mapping):
-        if mapping.holds(config):
-            return mapping
-    raise MTNLGError(
-        f"no Hugging Face architecture this export writes (GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, "
-        f"Mixtral, OLMoE) holds this block "
-        f"(positions {config.position_embedding}, norm {config.norm}, mlp {config.mlp}, bias {config.bias}"
-        f"{f', router {config.router}' if config.moe else ''})"
-    )
+    """The mapping module (`gpt2_mapping`, `llama_mapping`) that writes the family `config` names."""
+    return MAPPINGS[family_of(config, "a Hugging Face export").hf_model_type]
 
 
 class _StateDictTensors:
@@ -115,10 +109,10 @@ class HFWeights(LazyWeights):
     files and reads no weights: a missing or unknown tensor, a shard that is missing or outside the directory is one
     line before any read."""
 
-    def __init__(self, path: Path, config: ModelConfig, family, files):
-        self.files, self.config, self.family = files, config, family
-        stored = {family.normalize(name): name for name in self.files.names}
-        self.sources, self.stored = family.sources(config), {}
+    def __init__(self, path: Path, config: ModelConfig, mapping, files):
+        self.files, self.config, self.mapping = files, config, mapping
+        stored = {mapping.normalize(name): name for name in self.files.names}
+        self.sources, self.stored = mapping.sources(config), {}
         super().__init__(self.sources)
         for theirs in (name for names in self.sources.values() for name in names):
             if theirs not in stored:
@@ -127,14 +121,14 @@ class HFWeights(LazyWeights):
                     f"{path} has no tensor {short!r} (not a {config.num_layers}-layer model of its config?)"
                 )
             self.stored[theirs] = stored.pop(theirs)
-        self.head = stored.pop(family.HEAD, None) if config.tie_embeddings else None
-        leftover = sorted(name for name in stored if not family.is_constant(name))
+        self.head = stored.pop(mapping.HEAD, None) if config.tie_embeddings else None
+        leftover = sorted(name for name in stored if not mapping.is_constant(name))
         if leftover:
             raise MTNLGError(f"{path} has tensors this model does not use: {', '.join(leftover[:5])}")
 
     def shape(self, name: str) -> tuple[int, ...]:
         shapes = [self.files.shapes[self.stored[theirs]] for theirs in self.sources[name]]
-        return tuple(self.family.ours_shape(name, shapes, self.config))
+        return tuple(self.mapping.ours_shape(name, shapes, self.config))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensors = [self.files.read(self.stored[theirs]) for theirs in self.sources[name]]
@@ -144,24 +138,24 @@ class HFWeights(LazyWeights):
             and not torch.equal(self.files.read(self.head), tensors[0])
         ):
             raise MTNLGError("the source's lm_head is not tied to its word embedding, though its config ties them")
-        return self.family.from_hf(name, tensors, self.config).float()
+        return self.mapping.from_hf(name, tensors, self.config).float()
 
 
-def _read_hf_weights(path: Path, config: ModelConfig, family) -> Mapping[str, torch.Tensor]:
+def _read_hf_weights(path: Path, config: ModelConfig, mapping) -> Mapping[str, torch.Tensor]:
     if (path / "model.safetensors").is_file() or (path / f"model.safetensors{INDEX_SUFFIX}").is_file():
-        return HFWeights(path, config, family, ShardedTensors(path))
+        return HFWeights(path, config, mapping, ShardedTensors(path))
     if (path / "pytorch_model.bin").is_file():  # files from elsewhere never run code: tensors only
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return HFWeights(path, config, family, _StateDictTensors(state))
+        return HFWeights(path, config, mapping, _StateDictTensors(state))
     raise MTNLGError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
 def read_hf_dir(path: str | Path) -> ModelState:
     """A local Hugging Face directory as a `ModelState`: its model-space weights read lazily, one at a time."""
     path = Path(path)
-    family, config = _family_and_config(path)
+    mapping, config = _mapping_and_config(path)
     try:
-        weights = _read_hf_weights(path, config, family)
+        weights = _read_hf_weights(path, config, mapping)
     except MTNLGError:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt weights file is one line for the user
@@ -207,10 +201,11 @@ def export_hf(
     overwrite: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict:
-    """Write `state` as a Hugging Face directory of its family (`mapping_for`) at `output` (temp dir, then rename),
-    its weights streamed into shards of at most `max_shard_size` bytes (Hugging Face's layout). Returns a summary;
-    its `tokenizer` is None when none was known (the model is still written: pass one later or copy its files in).
-    The tokenizer goes with the source's chat template (`state.chat`; a `tokenizer` directory's own first)."""
+    """Write `state` as a Hugging Face directory of the family its config names (`mapping_for`) at `output` (temp
+    dir, then rename), its weights streamed into shards of at most `max_shard_size` bytes (Hugging Face's layout).
+    Returns a summary; its `tokenizer` is None when none was known (the model is still written: pass one later or
+    copy its files in). The tokenizer goes with the source's chat template (`state.chat`; a `tokenizer` directory's
+    own first)."""
     transformers = _transformers()
 
     output = Path(output)
@@ -222,15 +217,15 @@ def export_hf(
     tokenizer = tokenizer or state.tokenizer
     tok = Tokenizer(tokenizer) if tokenizer else None
     config, weights = state.config, as_lazy(state.weights)
-    family = mapping_for(config)
+    mapping = mapping_for(config)
     eod_id = tok.eod_id if tok else None
     vocab = config.vocab_size
     if tok is not None:  # the padded rows and any rows past the tokenizer's ids are never produced: trim them
         if tok.vocab_size > config.vocab_size:
             raise MTNLGError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens, the model only {config.vocab_size}")
         vocab = tok.vocab_size
-    specs = family.tensor_specs(weights, config, vocab, DTYPES[dtype])
-    hf_config = family.hf_config(transformers, config, vocab, eod_id, str(DTYPES[dtype]).removeprefix("torch."))
+    specs = mapping.tensor_specs(weights, config, vocab, DTYPES[dtype])
+    hf_config = mapping.hf_config(transformers, config, vocab, eod_id, str(DTYPES[dtype]).removeprefix("torch."))
     with staged_dir(output) as tmp:  # the previous output stays until this one is complete
         hf_config.save_pretrained(tmp)
         written = write_sharded(tmp, specs, shard_bytes, progress=tensor_progress(len(specs), f"writing {output.name}"))
@@ -240,7 +235,7 @@ def export_hf(
     return {
         "output": str(output),
         "architecture": hf_config.architectures[0],
-        "family": family.label(config),
+        "family": family_of(config).label,
         "parameters": sum(spec.nbytes // spec.dtype.itemsize for spec in specs),
         "shards": written["shards"],
         "bytes": written["bytes"],

@@ -19,38 +19,15 @@ import torch
 from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import (
-    LLAMA,
-    MIXTRAL,
-    MOE_FAMILIES,
-    OLMOE,
-    QWEN2,
-    QWEN2_MOE,
-    QWEN3,
-    QWEN3_MOE,
-    family_of,
-    hf_tensors,
-    stacked_over_experts,
-)
+from mtnlg_lightning.families import family_of, hf_tensors, stacked_over_experts
+from mtnlg_lightning.family_specs import LLAMA, MIXTRAL, OLMOE, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 
-BY_MODEL_TYPE = {family.hf_model_type: family for family in (LLAMA, QWEN2, QWEN3, *MOE_FAMILIES)}
-MOE_TYPES = tuple(family.hf_model_type for family in MOE_FAMILIES)
+# config.json's model_type -> the family spec it is (the MoE families: those with nested experts options)
+BY_MODEL_TYPE = {family.hf_model_type: family for family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)}
+MOE_TYPES = tuple(kind for kind, family in BY_MODEL_TYPE.items() if family.experts is not None)
 MODEL_TYPES = tuple(BY_MODEL_TYPE)
 HEAD = "lm_head.weight"
 CONSTANT_BUFFERS = ("rotary_emb.inv_freq",)  # older files carry RoPE's frequencies: constants, not weights
-
-
-def holds(config: ModelConfig) -> bool:
-    """Whether the block is one of these families' (RoPE, RMSNorm, SwiGLU, no bias but maybe on q/k/v)."""
-    return family_of(config) in BY_MODEL_TYPE.values()
-
-
-def label(config: ModelConfig) -> str:
-    return family_of(config).label
-
-
-def model_type(config: ModelConfig) -> str:
-    return family_of(config).hf_model_type
 
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -115,6 +92,7 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
         qkv_bias=kind in (QWEN2.hf_model_type, QWEN2_MOE.hf_model_type),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         name=cfg.get("_name_or_path") or path.name,
+        family=BY_MODEL_TYPE[kind].name,
         **(_read_experts(cfg, kind, where) if kind in MOE_TYPES else {}),
     )
 
@@ -155,7 +133,7 @@ def _read_experts(cfg: dict, kind: str, where: Path) -> dict:
 
 def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None, dtype: str):
     """The transformers config of `config`'s family (`model_type`)."""
-    kind = model_type(config)
+    kind = family_of(config, "a Hugging Face export").hf_model_type
     common = dict(
         vocab_size=vocab,
         hidden_size=config.hidden_size,
@@ -216,7 +194,7 @@ def _moe_config(transformers, kind: str, config: ModelConfig, common: dict):
 # ------------------------------------------------------------------------------------------------ tensors
 def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each model-space tensor of `config` and the Hugging Face tensor(s) it is made of, in their file order."""
-    return hf_tensors(family_of(config), config)
+    return hf_tensors(family_of(config, "Hugging Face names"), config)
 
 
 def _fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:

@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mtnlg_lightning import families
 from mtnlg_lightning.checkpoint import ModelState
 from mtnlg_lightning.data.chat_template import has_chat_template
 from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.families import family_of
+from mtnlg_lightning.family_specs import BLOCK
 from mtnlg_lightning.interop import gpt2_mapping, llama_mapping
 from mtnlg_lightning.interop.hf import DTYPES, mapping_for, write_tokenizer
 from mtnlg_lightning.interop.lora_base import base_path
@@ -41,12 +42,13 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 PEFT_PREFIX = "base_model.model."
 
 
-def _hf_parts(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, config, family):
+def _hf_parts(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, config, mapping):
     """(Hugging Face module path, A, B) for our adapter of `module` (`blocks.N.attn.q`): the module's Hugging Face
-    name from the family's spec (`families.py`); a fused q/k/v that Hugging Face keeps apart gives one adapter each."""
+    name from the spec of the family its config names (`family_specs.py`); a fused q/k/v that Hugging Face keeps
+    apart gives one adapter each."""
     _, layer, ours = module.split(".", 2)
-    _, theirs = families.family_of(config).modules[f"{families.BLOCK}{ours}"]
-    if family is gpt2_mapping and ours == "attn.qkv":
+    _, theirs = family_of(config, "a PEFT adapter").modules[f"{BLOCK}{ours}"]
+    if mapping is gpt2_mapping and ours == "attn.qkv":
         lora_b = gpt2_mapping._qkv_to_hf(lora_b, config.num_heads)
     if isinstance(theirs, tuple):  # q_proj, k_proj, v_proj of our one projection: A repeated, B's rows split
         parts = llama_mapping._split(lora_b, config.num_heads)
@@ -54,10 +56,10 @@ def _hf_parts(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, config, f
     return [(theirs.format(i=layer), lora_a, lora_b)]
 
 
-def _target_modules(modules: list[str], family) -> list[str]:
+def _target_modules(modules: list[str], mapping) -> list[str]:
     """peft's target_modules: each module's last name; GPT-2's c_proj (its attention's and its MLP's output) as
     `attn.c_proj` or `mlp.c_proj` when only one of them is adapted (peft matches a dotted suffix too)."""
-    if family is not gpt2_mapping:
+    if mapping is not gpt2_mapping:
         return sorted({m.rsplit(".", 1)[-1] for m in modules})
     kinds = {".".join(m.split(".")[-2:]) for m in modules}  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
     both = {"attn.c_proj", "mlp.c_proj"} <= kinds
@@ -67,15 +69,15 @@ def _target_modules(modules: list[str], family) -> list[str]:
 def adapter_tensors(state: ModelState) -> tuple[dict[str, torch.Tensor], list[str]]:
     """peft's tensors of a LoRA checkpoint and its target modules."""
     lora = lora_config(state.lora)
-    family = mapping_for(state.config)
+    mapping = mapping_for(state.config)
     tensors, modules = {}, []
     for module in adapter_names(state.config, lora):
         lora_a, lora_b = state.weights[f"{module}.lora_a"], state.weights[f"{module}.lora_b"]
-        for hf_module, a, b in _hf_parts(module, lora_a, lora_b, state.config, family):
+        for hf_module, a, b in _hf_parts(module, lora_a, lora_b, state.config, mapping):
             tensors[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = a.contiguous()
             tensors[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = b.contiguous()
             modules.append(hf_module)
-    return tensors, _target_modules(modules, family)
+    return tensors, _target_modules(modules, mapping)
 
 
 def peft_config(state: ModelState, target_modules: list[str]) -> dict:

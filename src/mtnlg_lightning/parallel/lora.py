@@ -23,6 +23,7 @@ its base weight is `blocks.N.attn.q.weight` (in memory `...attn.q.base.weight`, 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -32,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtnlg_lightning import families
 from mtnlg_lightning.config import ModelConfig, reject_unknown_fields
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.family_specs import BLOCK, MATMUL_STYLES, TENSOR_PARALLEL_PLAN, family_spec
 from mtnlg_lightning.parallel.sequence_parallel import (
     all_gather_linear,
     mark_sequence_parallel,
@@ -51,25 +52,36 @@ from mtnlg_lightning.parallel.tensor_parallel import (
 )
 
 
-def _projection_names() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """From the family specs (`families.py`): our projections by short name -> module path inside a block
-    (`q` -> `attn.q`), and Hugging Face's names -> ours (`q_proj` -> (`q`,); GPT-2's `c_proj` is both its attention
-    and its MLP output). A fused q/k/v that Hugging Face keeps apart has no single name there."""
-    ours: dict[str, str] = {}
+def _projections() -> dict[str, str]:
+    """Our projections by short name -> module path inside a block (`q` -> `attn.q`): the block's attention and MLP
+    Linear layers in the tensor-parallel plan (`family_specs.py`; a path is one module in every family)."""
+    return {
+        path.rpartition(".")[2]: path
+        for path, style in TENSOR_PARALLEL_PLAN.items()
+        if style in MATMUL_STYLES and path.count(".") == 1
+    }
+
+
+PROJECTIONS = _projections()
+
+
+@functools.cache
+def _hf_projection_names(family: str) -> dict[str, tuple[str, ...]]:
+    """Hugging Face's names of `family`'s projections -> ours (`q_proj` -> (`q`,); GPT-2's `c_proj` is both its
+    attention and its MLP output). A fused q/k/v that Hugging Face keeps apart has no single name there."""
     theirs: dict[str, set[str]] = {}
-    for family in families.FAMILIES:
-        for path, (style, hf) in family.modules.items():
-            if style not in families.MATMUL_STYLES or not path.startswith(families.BLOCK):
-                continue
-            inner = path.removeprefix(families.BLOCK)
-            short = inner.rpartition(".")[2]
-            ours[short] = inner
-            if isinstance(hf, str):
-                theirs.setdefault(hf.rpartition(".")[2], set()).add(short)
-    return ours, {name: tuple(sorted(shorts)) for name, shorts in theirs.items()}
+    for path, (_, hf) in family_spec(family).modules.items():
+        inner = path.removeprefix(BLOCK)
+        if path.startswith(BLOCK) and inner in PROJECTIONS.values() and isinstance(hf, str):
+            theirs.setdefault(hf.rpartition(".")[2], set()).add(inner.rpartition(".")[2])
+    return {name: tuple(sorted(shorts)) for name, shorts in theirs.items()}
 
 
-PROJECTIONS, HF_NAMES = _projection_names()
+def hf_projection_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Hugging Face's names of the projections of the family `config` names -> ours; none for a custom block."""
+    return {} if config.family is None else _hf_projection_names(config.family)
+
+
 SEPARATE_QKV = ("q", "k", "v")
 
 
@@ -122,22 +134,24 @@ class LoRAConfig:
         present = projections_of(config)
         if self.targets is None:
             return present
+        hf_names = hf_projection_names(config)
         wanted: set[str] = set()
         for target in self.targets:
-            ours = (target,) if target in PROJECTIONS else HF_NAMES.get(target, ())
+            ours = (target,) if target in PROJECTIONS else hf_names.get(target, ())
             if "qkv" in present:  # q, k and v are one fused projection here
                 ours = tuple("qkv" if name in SEPARATE_QKV else name for name in ours)
             elif "qkv" in ours:  # GPT's fused name on a model with separate q, k, v
                 ours = SEPARATE_QKV
             found = [name for name in ours if name in present]
             if not found:
+                names = "Hugging Face's names work too" if config.family else "a custom block takes only these"
                 raise MTNLGError(
                     f"model.lora targets {target!r}, which this model does not have (its projections: "
-                    f"{', '.join(present)}; Hugging Face's names work too)"
+                    f"{', '.join(present)}; {names})"
                 )
             wanted.update(found)
         if "qkv" in present:
-            named = {name for t in self.targets for name in HF_NAMES.get(t, (t,))} & set(SEPARATE_QKV)
+            named = {name for t in self.targets for name in hf_names.get(t, (t,))} & set(SEPARATE_QKV)
             if named and named != set(SEPARATE_QKV):
                 raise MTNLGError(
                     f"model.lora targets {', '.join(sorted(named))} of this model's one fused q/k/v projection "

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtnlg_lightning.families import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, NORM, ROUTER, ROW, tensor_parallel_plan
+from mtnlg_lightning.families import tensor_parallel_plan
+from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, NORM, ROUTER, ROW
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies

@@ -13,7 +13,7 @@ import sys
 from mtnlg_lightning import gpus
 from mtnlg_lightning.planning.planner_validation import load_runs, predict, throughput_error
 
-FAMILIES = {"a100": ("a100-80g", "a100-40g"), "h100": ("h100",)}
+GPU_FAMILIES = {"a100": ("a100-80g", "a100-40g"), "h100": ("h100",)}
 GRID = {
     "gemm_efficiency": [0.60, 0.62, 0.64, 0.66, 0.68, 0.70, 0.72, 0.74, 0.76],
     "gemm_half_width": [50, 100, 150, 200, 250, 300, 400],
@@ -26,10 +26,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="mtnlg-fit-planner-constants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("family", choices=sorted(FAMILIES))
+    parser.add_argument("gpu_family", metavar="family", choices=sorted(GPU_FAMILIES))
     parser.add_argument("--top", type=int, default=10, help="print the best N settings (default: %(default)s)")
     args = parser.parse_args(argv)
-    names = FAMILIES[args.family]
+    names = GPU_FAMILIES[args.gpu_family]
     _, runs = load_runs()
     runs = [run for run in runs if run.gpu in names]
     original = {name: gpus.GPUS[name] for name in names}
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     finally:
         gpus.GPUS.update(original)
     results.sort(key=lambda r: (-r[0], r[1]))
-    print(f"{args.family}: {len(runs)} runs; current constants {current}")
+    print(f"{args.gpu_family}: {len(runs)} runs; current constants {current}")
     for inside, worst, low, high, setting in results[: args.top]:
         print(f"  {inside}/{len(runs)} within 15%, worst {worst:.1%} ({low:+.1%} .. {high:+.1%}): {setting}")
     return 0

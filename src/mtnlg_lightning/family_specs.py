@@ -1,0 +1,245 @@
+"""The model families, each one registered spec, chosen by name: `ModelConfig.family` (`--model.model_overrides.family
+qwen3`, or the preset's, or the Hugging Face directory's `model_type`) names one of `FAMILIES`: GPT (MT-NLG, GPT-3,
+exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE.
+
+A spec (`Family`, as torchtitan's `TrainSpec` per model) holds, once:
+- its block options (`block`): the `ModelConfig` values every model of the family has. Naming the family gives them
+  (an option left unset takes the family's value); a config that names the family and sets another value is refused
+  in one line (`ModelConfig.__post_init__`);
+- its mixture-of-experts options, nested (`experts`: the router, a shared expert, whether every block routes), or None
+  for a dense family;
+- a table of the block's modules by path: how tensor parallelism holds each (its plan, torchtitan-style) and which
+  Hugging Face module it is (`modules`), and the Hugging Face family's names (`hf_model_type`, `hf_architecture`).
+Everything measured from a family (shapes, counts, the Hugging Face tensor lists) is in `families.py`.
+
+A config that names no family (`family: null`) is a custom block: a mix of options no published model has (a GPT
+block with grouped-query attention, say). It trains, is planned and sharded (`TENSOR_PARALLEL_PLAN`, every family's
+paths), and has no Hugging Face form. A checkpoint written before configs named their family (no `family` key) gets
+its family from its options in one place, `config.config_from_stored`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtnlg_lightning.errors import MTNLGError
+
+# How the tensor-parallel ranks hold a module (Megatron's split; `parallel/tensor_parallel.py` applies them).
+COLUMN = "column"  # weight rows (output features) split; its bias split with them
+KV_COLUMN = (
+    "kv_column"  # column by whole key/value heads, each replicated over TP / kv_heads ranks when TP exceeds them
+)
+ROW = "row"  # weight columns (input features) split, partial outputs summed; its bias replicated
+VOCAB = "vocab"  # vocabulary rows split (the word embedding, the LM head)
+HEAD_NORM = "head_norm"  # replicated, applied to this rank's heads only: its gradient summed over TP
+NORM = "norm"  # replicated over the hidden size; on the sequence shard under sequence parallelism
+REPLICATED = "replicated"  # every rank holds all of it (learned positions)
+ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
+EXPERTS = "experts"  # experts stacked [E, out, in]: whole on every tensor-parallel rank (expert parallelism splits E)
+MATMUL_STYLES = (COLUMN, KV_COLUMN, ROW)  # the block's Linear layers: weights that multiply activations per token
+# Our names of the routing matrices (ROUTER above): the leaves of `mlp.router` and `mlp.shared_gate`, which Muon
+# leaves to AdamW (`train/optimizer_recipe.py`).
+ROUTING_MODULES = ("router", "shared_gate")
+BLOCK = "blocks.{i}."  # the prefix of a block's module paths (`model.GPT.blocks` is keyed by layer index)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A family's mixture-of-experts options, nested in its spec (torchtitan's `MoEArgs`): the sizes (how many
+    experts, k, their width) are each model's own `ModelConfig` values."""
+
+    router: str = "softmax"  # none of the published families routes by sigmoid
+    shared_expert: bool = False  # Qwen 2-MoE's sigmoid-gated shared expert (shared_expert_ffn_hidden_size > 0)
+    every_layer: bool = False  # every block's MLP routes (Mixtral, OLMoE); else some may stay dense (Qwen's)
+    norm_topk_prob: bool | None = None  # fixed by the family (Mixtral renormalises the top k); None: the model's
+
+    def options(self) -> dict:
+        """The `ModelConfig` values this nesting fixes."""
+        fixed = {"router": self.router, "norm_topk_prob": self.norm_topk_prob}
+        if not self.shared_expert:
+            fixed["shared_expert_ffn_hidden_size"] = 0
+        return {key: value for key, value in fixed.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. `modules` maps each module path (a block's under `BLOCK`) to (tensor-parallel style,
+    Hugging Face module path or paths, or None where the file stores nothing), in the order the Hugging Face files
+    list them; a module the config's block does not have (the fused `attn.qkv` of a grouped-query model) is
+    skipped."""
+
+    name: str  # `ModelConfig.family`
+    label: str  # the Hugging Face family's name, as an export reports it
+    block: dict  # the `ModelConfig` values every model of the family has
+    modules: dict[str, tuple[str, str | tuple[str, ...] | None]]
+    hf_model_type: str  # config.json's `model_type`
+    hf_architecture: str
+    experts: Experts | None = None  # a mixture of experts' options; None: a dense family
+    grouped_query: bool = True  # False: multi-head attention only (num_kv_heads = num_heads: GPT-2's one c_attn)
+    options: dict = field(init=False)  # `block` and the nested experts' options: what naming the family sets
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", {**self.block, **(self.experts.options() if self.experts else {})})
+
+    def contradiction(self, config) -> str | None:
+        """What of `config` (its options set, as `ModelConfig.__post_init__` leaves them) is not this family's,
+        as a phrase naming the option, or None."""
+        for key, value in self.options.items():
+            if getattr(config, key) != value:
+                return f"{key}={getattr(config, key)!r} (a {self.name} model has {key}={value!r})"
+        if not self.grouped_query and config.num_kv_heads != config.num_heads:
+            return f"num_kv_heads={config.num_kv_heads} (a {self.name} model has num_kv_heads = num_heads)"
+        if self.experts is None and config.num_experts:
+            return f"num_experts={config.num_experts} (a {self.name} model is dense: num_experts=0)"
+        if self.experts is not None and not config.num_experts:
+            return f"num_experts=0 (a {self.name} model is a mixture of experts: set num_experts and experts_per_token)"
+        if self.experts is not None and self.experts.shared_expert and config.shared_expert_ffn_hidden_size <= 0:
+            return f"shared_expert_ffn_hidden_size=0 (a {self.name} model has a shared expert: set its width)"
+        if self.experts is not None and self.experts.every_layer and not config.every_layer_moe:
+            return f"dense blocks (every block of a {self.name} model routes: no first_dense_layers, dense_layers)"
+        return None
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """{module path under a block or at the top: style}, as torchtitan declares a plan."""
+        return {path.removeprefix(BLOCK): style for path, (style, _) in self.modules.items()}
+
+
+def _experts(moe: str, router: str, gate: str, up: str, down: str, shared: bool) -> dict:
+    """A mixture of experts' rows: its router, the experts (Hugging Face's one module per expert `{j}`) and maybe a
+    shared expert with its sigmoid gate (Qwen 2-MoE's names)."""
+    experts = f"{moe}experts.{{j}}."
+    rows = {
+        f"{BLOCK}mlp.router": (ROUTER, f"{moe}{router}"),
+        f"{BLOCK}mlp.experts.gate": (EXPERTS, f"{experts}{gate}"),
+        f"{BLOCK}mlp.experts.up": (EXPERTS, f"{experts}{up}"),
+        f"{BLOCK}mlp.experts.down": (EXPERTS, f"{experts}{down}"),
+    }
+    if shared:
+        rows |= {
+            f"{BLOCK}mlp.shared.gate": (COLUMN, f"{moe}shared_expert.gate_proj"),
+            f"{BLOCK}mlp.shared.up": (COLUMN, f"{moe}shared_expert.up_proj"),
+            f"{BLOCK}mlp.shared.down": (ROW, f"{moe}shared_expert.down_proj"),
+            f"{BLOCK}mlp.shared_gate": (ROUTER, f"{moe}shared_expert_gate"),
+        }
+    return rows
+
+
+_QWEN_EXPERTS = dict(moe="model.layers.{i}.mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj")
+# Mixtral's expert MLP: w1 the gate, w3 the up projection, w2 the down projection.
+_MIXTRAL_EXPERTS = dict(moe="model.layers.{i}.block_sparse_moe.", router="gate", gate="w1", up="w3", down="w2")
+
+
+def _llama_modules(qk_norms: bool, experts: dict | None = None) -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Hugging Face's Llama layout (Qwen 2 and 3 share it; Qwen 3 adds q/k norms; the MoE families replace the MLP
+    of their MoE blocks by `experts`' rows). Multi-head attention is one fused q/k/v projection here, made of their
+    three."""
+    layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    norms = {f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"), f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm")}
+    return {
+        "embed.wte": (VOCAB, "model.embed_tokens"),
+        f"{BLOCK}ln1": (NORM, f"{layer}input_layernorm"),
+        f"{BLOCK}attn.qkv": (COLUMN, (f"{attn}q_proj", f"{attn}k_proj", f"{attn}v_proj")),
+        f"{BLOCK}attn.q": (COLUMN, f"{attn}q_proj"),
+        f"{BLOCK}attn.k": (KV_COLUMN, f"{attn}k_proj"),
+        f"{BLOCK}attn.v": (KV_COLUMN, f"{attn}v_proj"),
+        f"{BLOCK}attn.proj": (ROW, f"{attn}o_proj"),
+        **(norms if qk_norms else {}),
+        f"{BLOCK}ln2": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),
+        f"{BLOCK}mlp.up": (COLUMN, f"{layer}mlp.up_proj"),
+        f"{BLOCK}mlp.down": (ROW, f"{layer}mlp.down_proj"),
+        **(_experts(**experts) if experts else {}),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+_GPT_BLOCK = dict(position_embedding="learned", norm="layernorm", mlp="gelu", bias=True)
+_LLAMA_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+_NO_QK_NORM = dict(qk_norm=False)
+_HEAD_QK_NORM = dict(qk_norm=True, qk_norm_over="head")  # an RMSNorm over each head's q and k (Qwen 3)
+
+# MT-NLG / GPT-3 and GPT-2: learned positions, LayerNorm, tanh-GELU MLP, multi-head attention, biases, tied head.
+GPT = Family(
+    name="gpt",
+    label="GPT-2",
+    block={**_GPT_BLOCK, "qkv_bias": True, **_NO_QK_NORM, "tie_embeddings": True},
+    modules={
+        "embed.wte": (VOCAB, "transformer.wte"),
+        "embed.wpe": (REPLICATED, "transformer.wpe"),
+        "norm": (NORM, "transformer.ln_f"),
+        f"{BLOCK}ln1": (NORM, "transformer.h.{i}.ln_1"),
+        f"{BLOCK}attn.qkv": (COLUMN, "transformer.h.{i}.attn.c_attn"),
+        f"{BLOCK}attn.proj": (ROW, "transformer.h.{i}.attn.c_proj"),
+        f"{BLOCK}ln2": (NORM, "transformer.h.{i}.ln_2"),
+        f"{BLOCK}mlp.fc1": (COLUMN, "transformer.h.{i}.mlp.c_fc"),
+        f"{BLOCK}mlp.fc2": (ROW, "transformer.h.{i}.mlp.c_proj"),
+        "lm_head": (VOCAB, None),  # tied to the word embedding on both sides
+    },
+    hf_model_type="gpt2",
+    hf_architecture="GPT2LMHeadModel",
+    grouped_query=False,
+)
+# Llama 3: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases; the head tied or not.
+LLAMA = Family(
+    "llama", "Llama", {**_LLAMA_BLOCK, "qkv_bias": False, **_NO_QK_NORM}, _llama_modules(False), "llama",
+    "LlamaForCausalLM",
+)  # fmt: skip
+# Qwen 2: the Llama block with biases on q, k and v.
+QWEN2 = Family(
+    "qwen2", "Qwen 2", {**_LLAMA_BLOCK, "qkv_bias": True, **_NO_QK_NORM}, _llama_modules(False), "qwen2",
+    "Qwen2ForCausalLM",
+)  # fmt: skip
+# Qwen 3: the Llama block with an RMSNorm over each head's q and k.
+QWEN3 = Family(
+    "qwen3", "Qwen 3", {**_LLAMA_BLOCK, "qkv_bias": False, **_HEAD_QK_NORM}, _llama_modules(True), "qwen3",
+    "Qwen3ForCausalLM",
+)  # fmt: skip
+# Qwen 3-MoE: the Qwen 3 block with experts (some blocks may stay dense: mlp_only_layers, decoder_sparse_step).
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen 3-MoE", {**_LLAMA_BLOCK, "qkv_bias": False, **_HEAD_QK_NORM},
+    _llama_modules(True, {**_QWEN_EXPERTS, "shared": False}), "qwen3_moe", "Qwen3MoeForCausalLM", Experts(),
+)  # fmt: skip
+# Qwen 2-MoE: the Qwen 2 block with experts and a shared expert.
+QWEN2_MOE = Family(
+    "qwen2_moe", "Qwen 2-MoE", {**_LLAMA_BLOCK, "qkv_bias": True, **_NO_QK_NORM},
+    _llama_modules(False, {**_QWEN_EXPERTS, "shared": True}), "qwen2_moe", "Qwen2MoeForCausalLM",
+    Experts(shared_expert=True),
+)  # fmt: skip
+# Mixtral: the Llama block, every block's MLP experts, the top k renormalised.
+MIXTRAL = Family(
+    "mixtral", "Mixtral", {**_LLAMA_BLOCK, "qkv_bias": False, **_NO_QK_NORM},
+    _llama_modules(False, {**_MIXTRAL_EXPERTS, "shared": False}), "mixtral", "MixtralForCausalLM",
+    Experts(every_layer=True, norm_topk_prob=True),
+)  # fmt: skip
+# OLMoE: q/k norms over the whole projections, every block's MLP experts.
+OLMOE = Family(
+    "olmoe", "OLMoE", {**_LLAMA_BLOCK, "qkv_bias": False, "qk_norm": True, "qk_norm_over": "projection"},
+    _llama_modules(True, {**_QWEN_EXPERTS, "shared": False}), "olmoe", "OlmoeForCausalLM", Experts(every_layer=True),
+)  # fmt: skip
+# The registry: `ModelConfig.family` names one of these.
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)}
+
+
+def family_spec(name: str) -> Family:
+    """The registered family `name` (one line naming the registered ones otherwise)."""
+    if name not in FAMILIES:
+        raise MTNLGError(
+            f"model family {name!r} is not one of {', '.join(FAMILIES)} (or null: a custom block, no Hugging Face form)"
+        )
+    return FAMILIES[name]
+
+
+def _one_plan() -> dict[str, str]:
+    """Every module path any family has, and its style: a path means the same module in every family, so a custom
+    block mixing their options (a GPT block with grouped-query attention) is sharded too."""
+    plan: dict[str, str] = {}
+    for family in FAMILIES.values():
+        for path, style in family.tensor_parallel_plan().items():
+            if plan.setdefault(path, style) != style:
+                raise MTNLGError(f"families disagree on how tensor parallelism holds {path}: {plan[path]}, {style}")
+    return plan
+
+
+# A custom block's plan (a config naming no family); a named family's is its own (`Family.tensor_parallel_plan`).
+TENSOR_PARALLEL_PLAN = _one_plan()
