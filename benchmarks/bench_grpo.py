@@ -8,7 +8,12 @@ hidden 576, 9 heads, 3 key/value heads, SwiGLU 1536, vocabulary 49152, tied embe
 a Hugging Face directory with bench_finetune's tokenizer (the demo BPE plus ChatML's two special tokens, the ChatML
 template; `build_model_dir`). The tokenizer knows only the first ~4.2k ids: the sampler still draws from the whole
 vocabulary (the cost of the head is the model's), and ids beyond the tokenizer decode to nothing on both sides.
-`--small` is a tiny shape for a smoke run (under a minute).
+`--small` is a tiny shape for a smoke run (under a minute). `--model-dir` takes a trained model's directory instead
+(e.g. the GRPO demo's fine-tuned model, `mtnlg-export-hf runs/finetune_demo/checkpoints/last.ckpt DIR`), with
+`--prompts-file` (prompt records, e.g. the demo's `runs/grpo_demo/prompts.jsonl`) and `--reward` (e.g. the shipped
+`accuracy`): the learning race of a trained model, each side's reward per step printed with its seconds. TRL
+decodes to max_completion_length (its generation does not stop at a chat template's end-of-turn text, which ours
+does): its completions are cut at the template's end marker before the reward reads them, as ours are.
 
 Both sides, per step: the same `--prompts` chat prompts (a system turn and one question of the synthetic instruction
 set, with an `answer` column; the same prompts every step), `--generations` completions each (G), at most
@@ -77,6 +82,7 @@ from mtnlg_lightning.demo.synthetic.instructions import SYSTEM, TASKS  # noqa: E
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=4224, rope_theta=100000.0)
 # trl_recompute: TRL with GRPOConfig's default gradient checkpointing; ours_unshared: ours with a row per completion
 VARIANTS = ("ours", "trl", "trl_recompute", "ours_unshared")
+GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]  # peft's names of a GPT-2's attention and MLP projections
 REWARD = '''
 def low_ids(prompts, completions, completion_ids, **kwargs):
     """The share of a completion's ids below {below} (of a {vocab}-id vocabulary)."""
@@ -214,6 +220,22 @@ def run_ours(spec: dict, clock: StepClock, share_prompts: bool = True) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ TRL
+def without_stop_strings(model_dir: Path, copy: Path) -> Path:
+    """`model_dir`, or where its generation_config.json names stop strings (our exports' end-of-turn text), a copy
+    of it without them (links to its other files): transformers' generate needs the tokenizer for them, which TRL's
+    GRPOTrainer does not pass it."""
+    config_path = model_dir / "generation_config.json"
+    if not config_path.exists() or "stop_strings" not in json.loads(config_path.read_text()):
+        return model_dir
+    copy.mkdir(parents=True)
+    for path in model_dir.iterdir():
+        if path.name != "generation_config.json":
+            (copy / path.name).symlink_to(path.resolve())
+    config = {k: v for k, v in json.loads(config_path.read_text()).items() if k != "stop_strings"}
+    (copy / "generation_config.json").write_text(json.dumps(config))
+    return copy
+
+
 def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
     import datasets
     import peft
@@ -223,6 +245,20 @@ def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
     from mtnlg_lightning.rewards import load_rewards
 
     reward = load_rewards([spec["reward_spec"]]).functions[0].function  # the very function ours calls
+    end_text = spec.get("end_text")
+    if end_text:  # what ours hands a reward: the turn's text, up to the template's end marker
+        scored = reward
+
+        def reward(prompts, completions, completion_ids, **columns):
+            def cut(text: str) -> str:
+                return text.split(end_text)[0]
+
+            completions = [
+                [{**c[0], "content": cut(c[0]["content"])}] if isinstance(c, list) else cut(c) for c in completions
+            ]
+            return scored(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+
+        reward.__name__ = scored.__name__
     prompts: list[int] = []
 
     class Record(transformers.TrainerCallback):
@@ -255,8 +291,13 @@ def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
 
     torch.manual_seed(spec["seed"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model_dir"])
+    if tokenizer.pad_token is None or tokenizer.eos_token is None:  # TRL pads and stops with them: the generation
+        eos = transformers.GenerationConfig.from_pretrained(spec["model_dir"]).eos_token_id  # config's (end of text)
+        eos = tokenizer.convert_ids_to_tokens(eos[0] if isinstance(eos, list) else eos)
+        tokenizer.pad_token, tokenizer.eos_token = tokenizer.pad_token or eos, tokenizer.eos_token or eos
     records = [json.loads(line) for line in open(spec["prompts_file"], encoding="utf-8")]
     with tempfile.TemporaryDirectory(prefix="bench_grpo_trl_") as out:
+        model_dir = without_stop_strings(Path(spec["model_dir"]), Path(out) / "model")
         config = trl.GRPOConfig(
             **trl_training_args(out, spec["steps"], spec["lr"], 0.0, (0.9, 0.999), spec["seed"]),  # bf16 off:
             per_device_train_batch_size=spec["prompts"] * spec["generations"],  # GRPOConfig's default autocasts
@@ -270,7 +311,7 @@ def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
             logging_steps=1,
         )
         trainer = trl.GRPOTrainer(
-            model=spec["model_dir"],
+            model=str(model_dir),
             reward_funcs=reward,
             args=config,
             train_dataset=datasets.Dataset.from_list(records),
@@ -279,7 +320,7 @@ def run_trl(spec: dict, clock: StepClock, recompute: bool = False) -> dict:
                 r=spec["rank"],
                 lora_alpha=spec["alpha"],
                 lora_dropout=0.0,
-                target_modules=HF_TARGETS,
+                target_modules=spec["hf_targets"],
                 task_type="CAUSAL_LM",
             ),
             callbacks=[Record()],
@@ -384,6 +425,15 @@ def main() -> int:
                     help="torch threads of every run (default 1: on a shared 2-core machine two threads per op stall "
                     "whenever another process runs)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--model-dir", default=None,
+                    help="a trained model's Hugging Face directory instead of the random one (the shape flags are "
+                    "then its own)")  # fmt: skip
+    ap.add_argument("--prompts-file", default=None,
+                    help="prompt records (JSONL: prompt, and columns for the reward) drawn --prompts a step; default: "
+                    "--prompts synthetic instruction prompts, the same every step")  # fmt: skip
+    ap.add_argument("--reward", default=None,
+                    help="the reward function, as --model.rewards names one (accuracy, module:function, "
+                    "file.py:function); default: the share of low ids (--reward-share)")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=["ours", "trl"], choices=VARIANTS,
                     help="the runs of each round (default ours trl; trl_recompute: TRL with its default gradient "
                     "checkpointing)")  # fmt: skip
@@ -395,19 +445,35 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
         scratch = Path(tmp)
-        model_dir = build_model_dir(scratch, args, rope_theta=args.rope_theta, tie_embeddings=True)
+        if args.model_dir:
+            model_dir = Path(args.model_dir)
+            shape = json.loads((model_dir / "config.json").read_text())
+            args.layers, args.hidden, args.heads = shape.get("n_layer"), shape.get("n_embd"), shape.get("n_head")
+            if shape["model_type"] != "gpt2":
+                args.layers, args.hidden = shape["num_hidden_layers"], shape["hidden_size"]
+                args.heads, args.kv_heads = shape["num_attention_heads"], shape.get("num_key_value_heads")
+            args.vocab, args.ffn = shape["vocab_size"], shape.get("intermediate_size") or shape.get("n_inner")
+        else:
+            model_dir = build_model_dir(scratch, args, rope_theta=args.rope_theta, tie_embeddings=True)
+            shape = {"model_type": "llama"}
         chat = ChatTokenizer(model_dir)
-        records = chat_prompts(args.prompts, args.seed)
+        if args.prompts_file:
+            records = [json.loads(line) for line in open(args.prompts_file, encoding="utf-8") if line.strip()]
+        else:
+            records = chat_prompts(args.prompts, args.seed)
         prompt_lengths = [len(chat.prompt_ids(r["prompt"])) for r in records]
         seq_len = args.seq_len or max(prompt_lengths) + args.completion_length
         prompts_file = scratch / "prompts.jsonl"
         prompts_file.write_text("".join(json.dumps(r) + "\n" for r in records))
         below = int(args.vocab * args.reward_share)
         (scratch / "grpo_reward.py").write_text(REWARD.format(vocab=args.vocab, below=below))
+        end = chat.end_of_turn()
         spec = {
             "model_dir": str(model_dir),
             "prompts_file": str(prompts_file),
-            "reward_spec": f"{scratch / 'grpo_reward.py'}:low_ids",
+            "reward_spec": args.reward or f"{scratch / 'grpo_reward.py'}:low_ids",
+            "end_text": end.texts[0] if end.texts else None,
+            "hf_targets": GPT2_TARGETS if shape["model_type"] == "gpt2" else HF_TARGETS,
             "prompts": args.prompts,
             "generations": args.generations,
             "completion_length": args.completion_length,
@@ -455,7 +521,9 @@ def main() -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
-        "lora": {"rank": args.rank, "alpha": args.alpha, "targets": HF_TARGETS},
+        "lora": {"rank": args.rank, "alpha": args.alpha, "targets": spec["hf_targets"]},
+        "model_dir": args.model_dir,
+        "reward": args.reward,
         "lr": args.lr,
         "reward_share": args.reward_share,
         "variants": figures,
