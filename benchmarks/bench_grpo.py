@@ -449,6 +449,7 @@ def main() -> int:
             model_dir = Path(args.model_dir)
             shape = json.loads((model_dir / "config.json").read_text())
             args.layers, args.hidden, args.heads = shape.get("n_layer"), shape.get("n_embd"), shape.get("n_head")
+            args.kv_heads = args.heads
             if shape["model_type"] != "gpt2":
                 args.layers, args.hidden = shape["num_hidden_layers"], shape["hidden_size"]
                 args.heads, args.kv_heads = shape["num_attention_heads"], shape.get("num_key_value_heads")
@@ -485,7 +486,8 @@ def main() -> int:
             "alpha": args.alpha,
             "seed": args.seed,
         }
-        print(f"bench_grpo: prompts of {prompt_lengths} tokens, our rows of {seq_len}; {args.threads} thread(s), "
+        print(f"bench_grpo: {len(records)} prompts of {min(prompt_lengths)}-{max(prompt_lengths)} tokens, our model's "
+              f"seq_len {seq_len}; {args.threads} thread(s), "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
         runs: dict[str, list[dict]] = {name: [] for name in args.variants}
         for round_ in range(args.rounds):
@@ -523,6 +525,7 @@ def main() -> int:
         "rounds": args.rounds,
         "lora": {"rank": args.rank, "alpha": args.alpha, "targets": spec["hf_targets"]},
         "model_dir": args.model_dir,
+        "model_label": f"{shape['model_type']} ({'trained: ' + args.model_dir if args.model_dir else 'random'})",
         "reward": args.reward,
         "lr": args.lr,
         "reward_share": args.reward_share,
@@ -546,11 +549,16 @@ def main() -> int:
 
 def print_table(result: dict) -> None:
     m = result["model"]
+    lengths = result["prompt_tokens"]
+    if len(lengths) > 8:  # a prompts file: its range
+        lengths = f"{min(lengths)}-{max(lengths)} ({len(lengths)} prompts, mean {statistics.mean(lengths):.1f})"
     print(
-        f"\n# bench_grpo: Llama hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads ({m['kv_heads']} kv), "
+        f"\n# bench_grpo: {result['model_label']} hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads "
+        f"({m['kv_heads']} kv), "
         f"ffn {m['ffn']}, vocab {m['vocab']}, fp32; {result['prompts']} prompts x {result['generations']} "
-        f"generations x <= {result['completion_length']} new tokens a step; prompts of {result['prompt_tokens']} "
-        f"tokens, our rows {result['seq_len']}; LoRA r{result['lora']['rank']} alpha {result['lora']['alpha']}; "
+        f"generations x <= {result['completion_length']} new tokens a step; prompts of {lengths} "
+        f"tokens, our model's seq_len {result['seq_len']}; LoRA r{result['lora']['rank']} alpha "
+        f"{result['lora']['alpha']}; "
         f"{result['steps']} steps ({result['warmup']} untimed), {result['rounds']} round(s), {result['threads']} "
         f"thread(s)"
     )
