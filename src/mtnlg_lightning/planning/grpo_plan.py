@@ -2,7 +2,9 @@
 
 - A sample is a prompt: each of the step's global batch of prompts gets num_generations (G) completions, each a
   training row of seq_len, so a step trains global batch x G sequences (their activations, compute and
-  communication, as DPO's two a sample; the batch sizes stay counted in prompts, as the trainer counts them).
+  communication, as DPO's two a sample; the batch sizes stay counted in prompts, as the trainer counts them). That
+  is the pipeline's row layout; elsewhere the trainer computes a prompt once for its G completions (`share_prompts`:
+  one row of up to prompt + G x max_completion_length positions), fewer positions: the plan's upper bound.
 - The generation (`train/objectives/rollouts.py`, `ShardedModel.decoding`): each data-parallel replica decodes its
   share of the rows, global batch x G / DP, in one batch in the training layout (TP splits the key/value heads, PP
   the layers), with a KV cache of up to seq_len positions: a prompt of up to seq_len - max_completion_length tokens
