@@ -3,13 +3,13 @@
     torchrun --standalone --nproc-per-node 2 tests/dist_muon_runs.py OUT_DIR MOE_DIR gpt_tp2_sp gpt_pp2 moe_ep2 ...
 
 A run is FAMILY_LAYOUT: FAMILY `gpt` (the tiny preset: a fused QKV), `adamw` (the same with AdamW) or `moe` (the
-Qwen 3-MoE directory MOE_DIR,
-its settings and layouts as in dist_moe_runs.py: epN, tpM, ppM, _sp); LAYOUT for gpt spelled as in
-dist_family_runs.py (tp2, pp2, dp2, tp2_pp2_dp2, _sp). Suffixes: _alone orthogonalises each TP shard as if it were
-the whole matrix (what Megatron's `blockwise` mode does; the test shows it is not one process's Muon); _bf16ns
-runs the Newton-Schulz iteration in torch's bf16 (the others in fp32, smooth in the gradient); _qk clips the
-attention heads' logits at QK_CLIP (`model.qk_clip`); _reset resumes with `model.reset_optimizer`; _ckpt trains
-6 steps saving at 3 and 6; _from_RUN resumes RUN's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt.
+Qwen 3-MoE directory MOE_DIR, its settings and layouts as in dist_moe_runs.py: epN, tpM, ppM, _sp); LAYOUT for gpt
+spelled as in dist_family_runs.py (tp2, pp2, dp2, tp2_pp2_dp2, _sp, _zeroN for DeepSpeed ZeRO stage N). Suffixes:
+_alone orthogonalises each TP shard as if it were the whole matrix (what Megatron's `blockwise` mode does; the test
+shows it is not one process's Muon); _bf16ns runs the Newton-Schulz iteration in torch's bf16 (the others in fp32,
+smooth in the gradient); _qk clips the attention heads' logits at QK_CLIP (`model.qk_clip`); _reset resumes with
+`model.reset_optimizer`; _ckpt trains 6 steps saving at 3 and 6; _from_RUN resumes RUN's step-3 checkpoint.
+Rank 0 writes OUT_DIR/NAME.pt.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import dist_moe_runs  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from mtnlg_lightning.parallel import muon  # noqa: E402
+from mtnlg_lightning.parallel.zero import base_optimizer  # noqa: E402
 from mtnlg_lightning.train import optimizer_recipe  # noqa: E402
 from testing.parallel_harness import run_named_with_source, run_script, tiny_run, trained  # noqa: E402
 
@@ -72,15 +73,27 @@ def train(name: str, out: Path, source: str) -> dict:
         rec, trainer = tiny_run(strategy, devices=world, **settings)
     finally:
         optimizer_recipe.matrix_layout = real
-    held = [None] * world  # how many momentum buffers each rank holds
-    state = trainer.optimizers[0].state.values()
-    dist.all_gather_object(held, sum(muon.MOMENTUM_BUFFER in s for s in state))
     optimizer = trainer.optimizers[0]
+    inner = base_optimizer(optimizer)
+    held = [None] * world  # how many momentum buffers each rank holds, and their elements
+    dist.all_gather_object(held, sum(muon.MOMENTUM_BUFFER in s for s in inner.state.values()))
+    momentum = [None] * world
+    dist.all_gather_object(
+        momentum, sum(s[muon.MOMENTUM_BUFFER].numel() for s in inner.state.values() if muon.MOMENTUM_BUFFER in s)
+    )
+    owned = [None] * world  # under ZeRO: how many matrices each rank orthogonalises whole
+    dist.all_gather_object(owned, sum(len(share.owned()) for share in getattr(inner, "partitions", {}).values()))
     tp_rank = strategy.groups.tensor_parallel_rank
     orthogonalised = [None] * world  # how many TP-split matrices each rank orthogonalises
     dist.all_gather_object(orthogonalised, sum(o == tp_rank for o in getattr(optimizer, "tp_owners", {}).values()))
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("qk_")}
-    return trained(rec) | {"momentum_buffers": held, "qk_logs": logged, "tp_orthogonalised": orthogonalised}
+    return trained(rec) | {
+        "momentum_buffers": held,
+        "momentum_elements": momentum,
+        "zero_orthogonalised": owned,
+        "qk_logs": logged,
+        "tp_orthogonalised": orthogonalised,
+    }
 
 
 if __name__ == "__main__":
