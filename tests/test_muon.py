@@ -217,6 +217,7 @@ WORLD2 += ("adamw_tp2_ckpt", "gpt_dp2_reset_from_adamw_tp2_ckpt")
 ZERO = ("gpt_dp2_zero1", "gpt_dp2_zero2", "gpt_dp2_zero3", "moe_ep2_z2", "moe_ep1_z3")
 WORLD2 += (*ZERO, "gpt_dp2_zero3_from_gpt_tp2_sp_ckpt", "gpt_dp2_zero1_ckpt", "gpt_tp2_sp_from_gpt_dp2_zero1_ckpt")
 WORLD2 += ("gpt_dp2_zero3_ckpt", "gpt_dp2_zero2_from_gpt_dp2_zero3_ckpt")
+WORLD2 += ("gpt_dp2_bf16_bf16ns", "gpt_dp2_zero1_bf16_fp32acc_bf16ns", "gpt_dp2_zero3_bf16_bf16ns")
 WORLD8 = ("gpt_tp2_pp2_dp2", "moe_ep2_tp2_pp2", "gpt_tp2_pp2_dp2_zero1", "gpt_tp2_cp2_zero3")
 
 
@@ -319,6 +320,26 @@ def test_muon_under_deepspeed_zero_trains_like_one_process(run, muon_world2, muo
         assert max(result["momentum_elements"]) - min(result["momentum_elements"]) <= 2
     else:  # 15 dense matrices and 2 x 3 expert stacks (each expert one matrix) in all
         assert sum(result["zero_orthogonalised"]) == 15 + (6 if "ep1" in run else 2 * 6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("run", "zero_optimizer"),
+    [
+        ("gpt_dp2_zero1_bf16_fp32acc_bf16ns", "BF16_Optimizer"),
+        ("gpt_dp2_zero3_bf16_bf16ns", "DeepSpeedZeroOptimizer_Stage3"),
+    ],
+)
+def test_muon_under_zero_runs_in_bf16(run, zero_optimizer, muon_world2):
+    """bf16-mixed with torch's bf16 Newton-Schulz (the pieces move in bf16) under ZeRO-1 accumulating fp32 gradients
+    (DeepSpeed's BF16_Optimizer, its own flat partitions) and ZeRO-3: the losses follow plain DP's bf16 run within
+    bf16's rounding (ZeRO keeps bf16 weights beside its fp32 masters, Lightning's bf16-mixed fp32 ones), rel 1e-3,
+    and fall."""
+    assert muon_world2[run]["optimizer"] == zero_optimizer
+    losses, plain = muon_world2[run]["losses"], muon_world2["gpt_dp2_bf16_bf16ns"]["losses"]
+    torch.testing.assert_close(losses, plain, rtol=1e-3, atol=0)
+    assert losses[4] < losses[0] - 0.05
 
 
 @pytest.mark.slow
