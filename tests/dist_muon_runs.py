@@ -7,7 +7,8 @@ Qwen 3-MoE directory MOE_DIR, its settings and layouts as in dist_moe_runs.py: e
 spelled as in dist_family_runs.py (tp2, pp2, dp2, tp2_pp2_dp2, _sp, _zeroN for DeepSpeed ZeRO stage N). Suffixes:
 _alone orthogonalises each TP shard as if it were the whole matrix (what Megatron's `blockwise` mode does; the test
 shows it is not one process's Muon); _bf16ns runs the Newton-Schulz iteration in torch's bf16 (the others in fp32,
-smooth in the gradient); _bf16 trains in bf16-mixed precision (_fp32acc: accumulating fp32 gradients); _qk clips
+smooth in the gradient); _bf16 trains in bf16-mixed precision (_fp32acc: accumulating fp32 gradients); _subgroups
+cuts ZeRO-3's partitions into sub-groups of 20k parameters; _qk clips
 the attention heads' logits at QK_CLIP (`model.qk_clip`); _reset resumes with `model.reset_optimizer`; _ckpt
 trains 6 steps saving at 3 and 6; _from_RUN resumes RUN's step-3 checkpoint. Rank 0 writes OUT_DIR/NAME.pt.
 """
@@ -60,7 +61,7 @@ def run_settings(name: str, out: Path, source: str | None) -> dict:
 def train(name: str, out: Path, source: str) -> dict:
     family, _, rest = name.partition("_")
     layout = rest.partition("_from_")[0]
-    suffixes = ("alone", "ckpt", "bf16ns", "bf16", "fp32acc", "qk", "reset")
+    suffixes = ("alone", "ckpt", "bf16ns", "bf16", "fp32acc", "subgroups", "qk", "reset")
     parts = [p for p in layout.split("_") if p not in suffixes]
     if family == "moe":
         strategy, micro_batch = dist_moe_runs.strategy_of("_".join(parts)), 2
@@ -68,6 +69,8 @@ def train(name: str, out: Path, source: str) -> dict:
         strategy, micro_batch = dist_family_runs.strategy_of("_".join(parts))
     if "fp32acc" in layout.split("_"):  # bf16 ZeRO-1 then runs DeepSpeed's BF16_Optimizer
         strategy.extra_deepspeed_config = {"data_types": {"grad_accum_dtype": "fp32"}}
+    if "subgroups" in layout.split("_"):  # ZeRO-3 steps its partitions in sub-groups of about 20k parameters
+        strategy.extra_deepspeed_config["zero_optimization"]["sub_group_size"] = 20_000
     settings = run_settings(name, out, source)
     settings.setdefault("micro_batch_size", micro_batch)
     world = int(os.environ["WORLD_SIZE"])

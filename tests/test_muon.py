@@ -214,7 +214,7 @@ WORLD2 += ("gpt_tp2_sp_ckpt", "gpt_dp2_from_gpt_tp2_sp_ckpt", "gpt_pp2_from_gpt_
 WORLD2 += ("gpt_tp2_sp_from_gpt_dp2_ckpt", "gpt_tp2_sp_qk", "gpt_pp2_qk", "gpt_dp2_qk", "gpt_cp2_qk", "gpt_cp2")
 WORLD2 += ("adamw_tp2_ckpt", "gpt_dp2_reset_from_adamw_tp2_ckpt")
 # DeepSpeed ZeRO (gpt: _zeroN, the MoE directory: _zN)
-ZERO = ("gpt_dp2_zero1", "gpt_dp2_zero2", "gpt_dp2_zero3", "moe_ep2_z2", "moe_ep1_z3")
+ZERO = ("gpt_dp2_zero1", "gpt_dp2_zero2", "gpt_dp2_zero3", "gpt_dp2_zero3_subgroups", "moe_ep2_z2", "moe_ep1_z3")
 WORLD2 += (*ZERO, "gpt_dp2_zero3_from_gpt_tp2_sp_ckpt", "gpt_dp2_zero1_ckpt", "gpt_tp2_sp_from_gpt_dp2_zero1_ckpt")
 WORLD2 += ("gpt_dp2_zero3_ckpt", "gpt_dp2_zero2_from_gpt_dp2_zero3_ckpt")
 WORLD2 += ("gpt_dp2_bf16_bf16ns", "gpt_dp2_zero1_bf16_fp32acc_bf16ns", "gpt_dp2_zero3_bf16_bf16ns")
@@ -308,9 +308,10 @@ def test_muon_under_deepspeed_zero_trains_like_one_process(run, muon_world2, muo
     """dp2 under DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3, Muon as DeepSpeed's client optimizer on its flat fp32
     partitions: each rank keeps the momentum of its partition (half the hidden matrices' elements, no matrix
     whole), orthogonalises the 4 of the tiny GPT's 8 hidden matrices it owns whole (gathered from both ranks'
-    pieces) and sends the updates back; the Qwen 3-MoE directory too, in ep2 under ZeRO-2 (each rank's experts
-    partitioned over the ranks holding them: itself) and dp2 under ZeRO-3 (the experts partitioned over both): 5
-    steps reproduce one process (losses rel 1e-5, parameters 2e-5, fp32)."""
+    pieces) and sends the updates back (ZeRO-3 also in sub-groups of 20k parameters, each stepped apart); the
+    Qwen 3-MoE directory too, in ep2 under ZeRO-2 (each rank's experts partitioned over the ranks holding them:
+    itself) and dp2 under ZeRO-3 (the experts partitioned over both): 5 steps reproduce one process (losses rel
+    1e-5, parameters 2e-5, fp32)."""
     result = muon_world2[run]
     assert_muon_trains_like(result, muon_references[run.split("_")[0]])
     if run.startswith("gpt"):

@@ -191,13 +191,8 @@ class ZeroShare:
     `scatter` move between the pieces and the owners, each in one all-to-all."""
 
     def __init__(self, partition, shapes: list[tuple[int, ...]]):
-        self.flat, self.params, self.group, self.pieces = (
-            partition.flat,
-            partition.params,
-            partition.group,
-            partition.pieces,
-        )
-        self.shapes = shapes
+        self.flat, self.params, self.shapes = partition.flat, partition.params, shapes
+        self.group, self.pieces = partition.group, partition.pieces  # pieces: (index, offset, start, count)
         self.rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.owners = balanced_owners(shapes, size)
         everyone = [None] * size
