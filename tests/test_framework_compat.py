@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import math
 import re
 from functools import cache
 from importlib.metadata import version
@@ -128,7 +129,9 @@ DEEPSPEED_PRIVATE_NAMES = {
 }
 # Names set on live objects, checked on a small DeepSpeed engine instead (the last test) -> who needs them. Also
 # there: a ZeRO-3 parameter's `ds_id`, `ds_tensor`, `ds_shape` (is_partitioned, local_partition, full_shape) and a
-# ZeRO-3 optimizer's `fp32_partitioned_groups_flat` (fp32_flat_partitions), whose names carry no underscore.
+# ZeRO-3 optimizer's `fp32_partitioned_groups_flat` (fp32_flat_partitions), whose names carry no underscore, and the
+# ZeRO optimizers' partition bookkeeping that flat_partitions reads (ZeRO-1/2's `single_partition_of_fp32_groups`,
+# `bit16_groups`, `real_dp_process_group`; ZeRO-3's `fp16_groups`, `sub_group_process_groups`, `grad_position`).
 DEEPSPEED_RUNTIME_ATTRIBUTES = {
     "_running_engine_backward": "engine_backward (an engine's)",
     "_hp_optimizer_states_linked": "relink_moment_fragments (a ZeRO-1/2 optimizer's)",
@@ -554,6 +557,7 @@ def test_the_runtime_attributes_deepspeed_sets_are_where_deepspeed_compat_reads_
     assert mapping.get_optim_state_fragment("exp_avg").numel() == first.numel()
     deepspeed_compat.relink_moment_fragments(zero1.optimizer)
     assert zero1.optimizer._hp_optimizer_states_linked
+    whole_pieces(deepspeed_compat.flat_partitions(zero1.optimizer))
     assert hasattr(zero1, "_running_engine_backward")
     with deepspeed_compat.engine_backward(zero1):
         pass
@@ -564,3 +568,14 @@ def test_the_runtime_attributes_deepspeed_sets_are_where_deepspeed_compat_reads_
     assert deepspeed_compat.full_shape(partitioned) == (8, 8)
     assert deepspeed_compat.local_partition(partitioned) is not partitioned
     assert deepspeed_compat.fp32_flat_partitions(zero3.optimizer)
+    whole_pieces(deepspeed_compat.flat_partitions(zero3.optimizer))
+
+
+def whole_pieces(partitions) -> None:
+    """In a world of one, each flat partition's pieces are its parameters, whole, one after the other."""
+    assert partitions
+    for partition in partitions:
+        sizes = [math.prod(deepspeed_compat.full_shape(p)) for p in partition.params]
+        expected = [(index, sum(sizes[:index]), 0, size) for index, size in enumerate(sizes)]
+        assert partition.pieces == expected
+        assert partition.flat.numel() >= sum(sizes)

@@ -43,9 +43,16 @@ def optimizer_name(optimizer) -> str:
     return "muon" if isinstance(base_optimizer(optimizer), MuonAdamW) else "adamw"
 
 
+def recorded_groups(optimizer) -> list[dict]:
+    """The param groups a checkpoint records, in order: Muon's every group, empty ones too (which DeepSpeed drops
+    from the optimizer it steps), so that they are the same in every layout."""
+    inner = base_optimizer(optimizer)
+    return inner.recorded_groups if isinstance(inner, MuonAdamW) else inner.param_groups
+
+
 def optimizer_meta(optimizer) -> dict:
     """Which optimizer, the hyper-parameters of each param group (lr, betas, weight decay ...), the update count."""
-    groups = [{k: v for k, v in g.items() if k not in LAYOUT_KEYS} for g in base_optimizer(optimizer).param_groups]
+    groups = [{k: v for k, v in g.items() if k not in LAYOUT_KEYS} for g in recorded_groups(optimizer)]
     return {"name": optimizer_name(optimizer), "param_groups": groups, "step": _step_of(optimizer)}
 
 
@@ -68,7 +75,7 @@ def check_same_optimizer(meta: dict, name: str) -> None:
 
 
 def restore_optimizer_meta(optimizer, meta: dict) -> None:
-    groups = base_optimizer(optimizer).param_groups
+    groups = recorded_groups(optimizer)
     saved = meta["param_groups"]
     if len(saved) != len(groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(groups)}")
@@ -76,6 +83,13 @@ def restore_optimizer_meta(optimizer, meta: dict) -> None:
         for key, value in values.items():
             if key in group and key not in LAYOUT_KEYS:
                 group[key] = value
+
+
+def state_keys(optimizer, param: torch.Tensor) -> tuple[str, ...]:
+    """The optimizer state a checkpoint stores for a parameter (or a ZeRO partition): Muon's momentum buffer for
+    the matrices Muon steps, else AdamW's moments."""
+    inner = base_optimizer(optimizer) if optimizer is not None else None
+    return (MOMENTUM_BUFFER,) if isinstance(inner, MuonAdamW) and inner.is_muon(param) else MOMENTS
 
 
 def _fresh_adam_state(param: torch.Tensor, group: dict, step: float) -> dict:
@@ -112,7 +126,7 @@ def collect_pieces(
                 host = slot.stored(tensor).detach().to("cpu", copy=snapshot)
                 pieces.append(Piece(key, host, slot.offsets, slot.global_shape))
         if flat and slot.tp_writer:
-            pieces += _moment_fragments(slot)
+            pieces += _moment_fragments(slot, state_keys(optimizer, slot.param))
     return pieces
 
 
@@ -142,7 +156,7 @@ def _flat_in_model_space(slot: Slot) -> bool:
     return slot.replicated_over_tp or getattr(param, "partition_dim", 0) == 0
 
 
-def _moment_fragments(slot: Slot) -> list[Piece]:
+def _moment_fragments(slot: Slot, moments: tuple[str, ...]) -> list[Piece]:
     mapping = fragment_mapping(slot.param)
     if mapping is None:  # this rank's ZeRO partition holds none of this parameter
         return []
@@ -153,7 +167,7 @@ def _moment_fragments(slot: Slot) -> list[Piece]:
     if end <= start:
         return []
     pieces = []
-    for moment in MOMENTS:
+    for moment in moments:
         fragment = mapping.get_optim_state_fragment(moment)[: end - start]
         key = f"optim/{slot.name}/{moment}"
         pieces.append(Piece(key, fragment.detach().cpu().clone(), (), slot.global_shape, slot.offsets[0] * row + start))
@@ -186,7 +200,7 @@ def _full_local_states(slot: Slot, optimizer, engine, data_parallel_size: int, m
     initialized = _deepspeed_state_initialized(engine)
     mapping = fragment_mapping(param)
     whole = data_parallel_size == 1 and mapping is not None and mapping.lp_fragment_address.numel == param.numel()
-    for moment in MOMENTS:
+    for moment in state_keys(engine.optimizer, param):
         if not initialized:
             yield f"optim/{slot.name}/{moment}", None
         elif whole:  # one replica: this rank's fragment is the whole parameter, no collective needed
@@ -207,7 +221,8 @@ def restore_pieces(reader: TensorReader, slots: list[Slot], optimizer, engine, m
     if engine is None:
         _restore_torch(reader, slots, optimizer, step)
     else:
-        has_moments = step is not None and all(f"optim/{s.name}/exp_avg" in reader for s in slots if not s.empty)
+        stored = (f"optim/{s.name}/{state_keys(engine.optimizer, s.param)[0]}" in reader for s in slots if not s.empty)
+        has_moments = step is not None and all(stored)
         _restore_deepspeed(reader, slots, engine, step, has_moments, groups)
 
 
@@ -232,10 +247,7 @@ def _restore_torch(reader, slots, optimizer, step) -> None:
     inner = base_optimizer(optimizer) if optimizer is not None else None
     group_of = {id(p): g for g in (inner.param_groups if inner else []) for p in g["params"]}
 
-    def keys_of(param) -> tuple[str, ...]:
-        return (MOMENTUM_BUFFER,) if group_of[id(param)].get("muon") else MOMENTS
-
-    stored = (f"optim/{s.name}/{k}" in reader for s in slots if not s.empty for k in keys_of(s.param))
+    stored = (f"optim/{s.name}/{k}" in reader for s in slots if not s.empty for k in state_keys(inner, s.param))
     has_state = inner is not None and step is not None and all(stored)
     for slot in slots:
         param = slot.param
@@ -249,7 +261,7 @@ def _restore_torch(reader, slots, optimizer, step) -> None:
         state = (
             {MOMENTUM_BUFFER: torch.zeros_like(param)} if group.get("muon") else _fresh_adam_state(param, group, step)
         )
-        for moment in keys_of(param):
+        for moment in state_keys(inner, param):
             value = _read_local(reader, f"optim/{slot.name}/{moment}", slot, state[moment].dtype, param.device)
             state[moment].copy_(value)
         inner.state[param] = state
@@ -276,7 +288,7 @@ def _restore_deepspeed(reader, slots, engine, step, has_moments, groups) -> None
         return
     _ensure_deepspeed_state(engine, step)
     for slot in slots:
-        for moment in MOMENTS:
+        for moment in state_keys(engine.optimizer, slot.param):
             value = _read_local(reader, f"optim/{slot.name}/{moment}", slot, torch.float32, engine.device)
             safe_set_full_optimizer_state(slot.param, value, moment)
 
@@ -294,8 +306,8 @@ def _set_zero3_weights(slots, masters, groups) -> None:
 
 
 def _ensure_deepspeed_state(engine, step: float) -> None:
-    """Adam's moments exist only after the first step; create them (zeros, the saved step) so the per-parameter
-    setters have somewhere to write, and link DeepSpeed's fragments to them."""
+    """Adam's moments (and Muon's momentum buffer) exist only after the first step; create them (zeros, the saved
+    step) so the per-parameter setters have somewhere to write, and link DeepSpeed's fragments to them."""
     optimizer = engine.optimizer
     inner = base_optimizer(optimizer)
     # ZeRO-3 swaps its fp32 sub-group partitions in and out of the inner param groups at each step: take them all.
@@ -303,7 +315,9 @@ def _ensure_deepspeed_state(engine, step: float) -> None:
     flats = flats if flats is not None else [p for g in inner.param_groups for p in g["params"]]
     for flat in flats:
         state = inner.state.get(flat)
-        if not state or "exp_avg" not in state:
+        if state_keys(inner, flat) == (MOMENTUM_BUFFER,):  # a partition of Muon matrices: its momentum buffer
+            inner.state[flat] = {MOMENTUM_BUFFER: torch.zeros_like(flat)} if not state else state
+        elif not state or "exp_avg" not in state:
             inner.state[flat] = _fresh_adam_state(flat, inner.param_groups[0], step)
         else:
             state["step"].fill_(step)

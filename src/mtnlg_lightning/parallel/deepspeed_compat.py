@@ -12,6 +12,7 @@ only place to change.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,51 @@ def fp32_flat_partitions(optimizer) -> list[torch.Tensor] | None:
     other optimizers."""
     flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
     return list(flats) if flats is not None else None
+
+
+# ------------------------------------------------------------------------------------------- flat partitions
+@dataclass(frozen=True)
+class FlatPartition:
+    """One flat fp32 partition a ZeRO optimizer hands its client optimizer as a parameter (ZeRO-1/2 and bf16
+    ZeRO-1: one per param group; ZeRO-3: one per sub-group): the model parameters it partitions over `group`, in
+    the same order on every rank of it, and this rank's `pieces` of them, each (index in `params`, offset in
+    `flat`, start in the parameter's row-major elements, element count)."""
+
+    flat: torch.Tensor
+    params: list[torch.Tensor]
+    group: object
+    pieces: list[tuple[int, int, int, int]]
+
+
+def flat_partitions(optimizer) -> list[FlatPartition]:
+    """The flat partitions of a ZeRO optimizer (DeepSpeed's ZeRO-1/2, its bf16 ZeRO-1 `BF16_Optimizer` or ZeRO-3),
+    where each of its parameters' pieces lies."""
+    if fp32_flat_partitions(optimizer) is not None:  # ZeRO-3: each parameter cut evenly over its group
+        partitions = []
+        for index, params in enumerate(optimizer.fp16_groups):
+            group = optimizer.sub_group_process_groups[index]
+            rank, pieces = dist.get_rank(group), []
+            for number, param in enumerate(params):
+                _, offset, size = optimizer.grad_position[optimizer.get_param_id(param)]
+                count = max(0, min(size, param.ds_numel - rank * size))
+                if count:
+                    pieces.append((number, offset, rank * size, count))
+            partitions.append(FlatPartition(optimizer.fp32_partitioned_groups_flat[index], params, group, pieces))
+        return partitions
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        flats, groups = optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups
+    else:  # bf16 ZeRO-1
+        flats, groups = optimizer.fp32_groups_flat_partition, optimizer.bf16_groups
+    partitions = []
+    for index, (flat, params) in enumerate(zip(flats, groups, strict=True)):
+        pieces = []
+        for number, param in enumerate(params):
+            mapping = fragment_mapping(param)
+            if mapping is not None:
+                lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+                pieces.append((number, hp.start, lp.start, lp.numel))
+        partitions.append(FlatPartition(flat, list(params), optimizer.real_dp_process_group[index], pieces))
+    return partitions
 
 
 # ------------------------------------------------------------------------------------------- ZeRO-1/2 fragments

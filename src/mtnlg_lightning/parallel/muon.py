@@ -13,7 +13,13 @@ orthogonalisation only (the momentum, the decay and the update stay elementwise 
 - a pipeline stage steps the matrices it holds;
 - data-parallel replicas (ZeRO stage 0, DP x CP) share the dense matrices out (`balanced_owners`): each is stepped
   by one replica, which keeps its momentum and broadcasts the updated weight; stacked experts are stepped by every
-  rank holding them. DeepSpeed ZeRO 1-3 hand the optimizer flat partitions that cut matrices anywhere: refused.
+  rank holding them;
+- DeepSpeed ZeRO 1-3 hand the optimizer flat fp32 partitions that cut the matrices anywhere (`ZeroShare`): the
+  momentum stays partitioned as ZeRO keeps Adam's moments (elementwise on each rank's partition); each matrix has
+  an owner among the ranks of the partition (`balanced_owners`), which receives every rank's piece of its momentum-
+  combined gradient (one all-to-all, in the Newton-Schulz dtype), orthogonalises the whole matrix (with the TP
+  gather above among the owners) and sends each rank the update of its piece back (one all-to-all, fp32); ZeRO
+  then gathers the weights as it does for AdamW.
 
 The Newton-Schulz iteration, the learning-rate adjustment and the order of the update are torch 2.13's
 (`torch/optim/_muon.py`), except that the momentum buffer is never normalised in place (torch does, for bf16
@@ -155,11 +161,13 @@ def orthogonalised_update(whole: torch.Tensor, group: dict, qkv_head_dim: int | 
     return update
 
 
-def balanced_owners(params: list[torch.Tensor], replicas: int) -> list[int]:
-    """Which of `replicas` data-parallel replicas steps each matrix: the costliest first (Newton-Schulz FLOPs, rows x
-    cols x min(rows, cols)) to the least loaded; the same answer on every rank (the shapes are)."""
+def balanced_owners(params: list, replicas: int) -> list[int]:
+    """Which of `replicas` data-parallel replicas steps each matrix (a tensor or its shape): the costliest first
+    (Newton-Schulz FLOPs, rows x cols x min(rows, cols)) to the least loaded; the same answer on every rank (the
+    shapes are)."""
     load, owner = [0] * replicas, [0] * len(params)
-    cost = [p.shape[-2] * p.shape[-1] * min(p.shape[-2:]) for p in params]
+    shapes = [tuple(getattr(p, "shape", p)) for p in params]
+    cost = [s[-2] * s[-1] * min(s[-2:]) for s in shapes]
     for index in sorted(range(len(params)), key=lambda i: (-cost[i], i)):
         owner[index] = min(range(replicas), key=lambda r: (load[r], r))
         load[owner[index]] += cost[index]
@@ -176,6 +184,65 @@ class Replicas:
     size: int
 
 
+class ZeroShare:
+    """The Muon matrices of one flat ZeRO partition (`deepspeed_compat.FlatPartition`: the model parameters it
+    partitions over its group, this rank's pieces of them) and their owners among the group's ranks
+    (`balanced_owners`), with every rank's pieces (asked once, a collective over the group): what `gather` and
+    `scatter` move between the pieces and the owners, each in one all-to-all."""
+
+    def __init__(self, partition, shapes: list[tuple[int, ...]]):
+        self.flat, self.params, self.shapes = partition.flat, partition.params, shapes
+        self.group, self.pieces = partition.group, partition.pieces  # pieces: (index, offset, start, count)
+        self.rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.owners = balanced_owners(shapes, size)
+        everyone = [None] * size
+        dist.all_gather_object(everyone, [(index, start, count) for index, _, start, count in self.pieces], self.group)
+        self.everyone = everyone  # each rank's pieces: (index, start, count)
+
+    def owned(self) -> list[int]:
+        """The indices of the matrices this rank orthogonalises, in order."""
+        return [index for index, owner in enumerate(self.owners) if owner == self.rank]
+
+    def gather(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each owned matrix whole (flat, its row-major elements) from every rank's pieces of `flat` (a tensor laid
+        out as the partition)."""
+        send = [[flat.narrow(0, offset, count) for index, offset, _, count in self.pieces if self.owners[index] == dest]
+                for dest in range(len(self.everyone))]  # fmt: skip
+        received = self._exchange(
+            send, flat, lambda src: [p for p in self.everyone[src] if self.owners[p[0]] == self.rank]
+        )
+        wholes = {index: flat.new_empty(math.prod(self.shapes[index])) for index in self.owned()}
+        for (index, start, count), piece in received:
+            wholes[index].narrow(0, start, count).copy_(piece)
+        return wholes
+
+    def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """This rank's pieces of the owners' whole tensors (flat, `like`'s dtype): (index, offset in the partition,
+        the piece)."""
+        send = [[wholes[index].narrow(0, start, count) for index, start, count in self.everyone[dest]
+                 if self.owners[index] == self.rank] for dest in range(len(self.everyone))]  # fmt: skip
+        mine = [(index, start, count) for index, _, start, count in self.pieces]
+        received = self._exchange(send, like, lambda src: [p for p in mine if self.owners[p[0]] == src])
+        offsets = {index: offset for index, offset, _, _ in self.pieces}
+        return [(index, offsets[index], piece) for (index, _, _), piece in received]
+
+    def _exchange(self, send: list[list[torch.Tensor]], like: torch.Tensor, expected) -> list:
+        """One all-to-all: `send[dest]` to each rank; returns (piece description, tensor) for each piece
+        `expected(src)` describes, in order of the source ranks."""
+        send_sizes = [sum(t.numel() for t in tensors) for tensors in send]
+        described = [expected(src) for src in range(len(send))]
+        recv_sizes = [sum(count for *_, count in pieces) for pieces in described]
+        flat_send = torch.cat([t for tensors in send for t in tensors]) if sum(send_sizes) else like.new_empty(0)
+        received = like.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(received, flat_send.to(like.dtype), recv_sizes, send_sizes, group=self.group)
+        out, position = [], 0
+        for pieces in described:
+            for piece in pieces:
+                out.append((piece, received.narrow(0, position, piece[-1])))
+                position += piece[-1]
+        return out
+
+
 class MuonAdamW(torch.optim.AdamW):
     """AdamW for the groups without `muon: True`, Muon for those with it (`momentum`, `nesterov`, `ns_steps`,
     `ns_coefficients`, `eps`, `adjust_lr`, `ns_dtype`); `layouts` maps a Muon parameter to its `MatrixLayout`
@@ -185,11 +252,19 @@ class MuonAdamW(torch.optim.AdamW):
     `balanced_owners`), which keeps its momentum buffer, orthogonalises it and broadcasts the updated weight to the
     others: the Newton-Schulz FLOPs and the momentum memory divided by the replicas, for one broadcast of the weights
     (what ZeRO-1's all-gather of the updated weights costs). The others (stacked experts, whose copies live on the
-    expert-data-parallel group) are stepped by every rank holding them."""
+    expert-data-parallel group) are stepped by every rank holding them. Under DeepSpeed ZeRO 1-3 (`use_partitions`)
+    the groups hold ZeRO's flat partitions instead, and each matrix is stepped by its owner in the partition's
+    group (`ZeroShare`)."""
 
     def __init__(self, groups: list[dict], *, layouts=None, tp_group=None, shared=(), replicas=None, **adamw):
         super().__init__(groups, **adamw)
         self.layouts: dict[torch.Tensor, MatrixLayout] = dict(layouts or {})
+        # the Muon parameters' shapes, taken before ZeRO-3 empties them; ZeRO's partitions of them (`use_partitions`)
+        self.shapes = {p: tuple(p.shape) for g in self.param_groups if g.get("muon") for p in g["params"]}
+        self.partitions: dict[torch.Tensor, ZeroShare] = {}
+        # every group in its place, empty ones too (DeepSpeed drops those from param_groups): checkpoints record them
+        self.recorded_groups = list(self.param_groups)
+        self.pieces_of: list[tuple[dict, dict]] = []  # (a piece of a group, the group: `even_groups`)
         self.tp_group = tp_group
         self._shard_order: dict[int, tuple] = {}  # shard index <-> TP rank, per shard count
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
@@ -202,6 +277,40 @@ class MuonAdamW(torch.optim.AdamW):
 
     def _split_over_tp(self, param: torch.Tensor) -> bool:
         return self.layouts.get(param, MatrixLayout()).tp_dim is not None
+
+    def use_partitions(self, partitions) -> None:
+        """DeepSpeed ZeRO 1-3 took the parameters: the groups now hold its flat partitions (`partitions`:
+        `deepspeed_compat.flat_partitions`). The Muon ones are stepped by `ZeroShare`; ZeRO partitions the momentum
+        and the weights, so the replicas no longer share the matrices out whole."""
+        self.owners, self.replicas = {}, None
+        for partition in partitions:
+            if partition.params and all(p in self.shapes for p in partition.params):
+                self.partitions[partition.flat] = ZeroShare(partition, [self.shapes[p] for p in partition.params])
+
+    def even_groups(self, count: int) -> None:
+        """DeepSpeed ZeRO-1/2 all-reduce each param group's gradient norm over the pipeline stages in turn, so every
+        stage must give it as many groups with parameters (it drops empty ones; a stage without embeddings, LM head
+        or routers has no AdamW matrices): this stage's largest Muon group is cut into consecutive groups of the same
+        settings until there are `count`. The pieces follow their group's settings (`step`)."""
+        missing = count - sum(1 for group in self.param_groups if group["params"])
+        if missing <= 0:
+            return
+        group = max((g for g in self.param_groups if g.get("muon")), key=lambda g: len(g["params"]))
+        params = group["params"]
+        if len(params) <= missing:
+            raise MTNLGError(
+                f"model.optimizer muon: a stage has {len(params)} matrices, too few for ZeRO: use zero_stage 0"
+            )
+        cuts = [round(i * len(params) / (missing + 1)) for i in range(missing + 2)]
+        group["params"] = params[: cuts[1]]
+        pieces = [{**group, "params": params[a:b]} for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]
+        at = self.param_groups.index(group) + 1
+        self.param_groups[at:at] = pieces
+        self.pieces_of += [(piece, group) for piece in pieces]
+
+    def is_muon(self, tensor: torch.Tensor) -> bool:
+        """Whether Muon steps a parameter (or a ZeRO partition of such), whose state is its momentum buffer."""
+        return tensor in self.shapes or tensor in self.partitions
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this rank steps (and keeps the state of) a Muon parameter."""
@@ -220,6 +329,8 @@ class MuonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for piece, group in self.pieces_of:  # a checkpoint restores (and the LR schedule sets) the group's settings
+            piece.update({key: value for key, value in group.items() if key != "params"})
         for group in self.param_groups:
             if group.get("muon"):
                 self._muon_step(group)
@@ -235,34 +346,66 @@ class MuonAdamW(torch.optim.AdamW):
         """Three passes, so that the TP ranks orthogonalise their matrices at the same time: the momentum and each
         TP-split matrix's update gathered to the TP rank that orthogonalises it; the Newton-Schulz iterations of the
         matrices this rank holds whole; the shards scattered back, the decay and the update applied."""
-        lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        lr, decay = group["lr"], group["weight_decay"]
         dtype = getattr(torch, group["ns_dtype"])
         stepped = []  # (parameter, its layout, its whole update-to-be here or None)
         for param in group["params"]:
+            if param in self.partitions:
+                self._zero_muon_step(group, self.partitions[param])
+                continue
             if param.grad is None or not self.owns(param):
                 continue
-            grad = param.grad
-            state = self.state[param]
-            if MOMENTUM_BUFFER not in state:
-                state[MOMENTUM_BUFFER] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state[MOMENTUM_BUFFER]
-            buf.lerp_(grad, 1 - momentum)
-            combined = grad.lerp(buf, momentum) if group["nesterov"] else buf
             layout = self.layouts.get(param, MatrixLayout())
-            stepped.append((param, layout, self._gather(param, combined.to(dtype), layout)))
+            stepped.append((param, layout, self._gather(param, self._combined(param, group).to(dtype), layout)))
         updates = {param: orthogonalised_update(whole, group, layout.qkv_head_dim) for param, layout, whole in stepped
                    if whole is not None}  # fmt: skip
         for param, layout, _ in stepped:
-            whole_shape = list(param.shape)
-            if layout.tp_dim is not None:
-                whole_shape[layout.tp_dim] *= layout.tp_count
-            update = self._scatter(param, updates.get(param), layout)
+            update = self._scatter(param, updates.get(param), layout, param.shape)
             param.mul_(1 - lr * decay)  # torch's order: the decay with the unadjusted lr first
-            param.add_(update, alpha=-lr * update_ratio(whole_shape, group, layout.qkv_head_dim))
+            param.add_(update, alpha=-lr * self._ratio(param, group))
         for param in group["params"]:  # each shared matrix from the replica that stepped it
             if param in self.owners and param.grad is not None:
                 src = dist.get_global_rank(self.replicas.group, self.owners[param])
                 dist.broadcast(param.data, src=src, group=self.replicas.group)
+
+    def _combined(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum buffer moved towards the gradient, and the gradient combined with it (Nesterov) or the
+        buffer: elementwise, on a parameter or a flat partition alike."""
+        grad, momentum = param.grad, group["momentum"]
+        state = self.state[param]
+        if MOMENTUM_BUFFER not in state:
+            state[MOMENTUM_BUFFER] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state[MOMENTUM_BUFFER]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _ratio(self, param: torch.Tensor, group: dict) -> float:
+        """The lr ratio of a Muon parameter's update, from its whole (TP-gathered) shape."""
+        layout = self.layouts.get(param, MatrixLayout())
+        whole_shape = list(self.shapes[param])
+        if layout.tp_dim is not None:
+            whole_shape[layout.tp_dim] *= layout.tp_count
+        return update_ratio(whole_shape, group, layout.qkv_head_dim)
+
+    def _zero_muon_step(self, group: dict, share: ZeroShare) -> None:
+        """One flat ZeRO partition of Muon matrices: the momentum on this rank's partition, every owned matrix
+        gathered whole to its owner, orthogonalised there (TP-split ones with their TP peers, which own the same
+        matrices), the updates sent back to the pieces, the decay and the update applied to the partition."""
+        flat, lr, decay = share.flat, group["lr"], group["weight_decay"]
+        wholes = share.gather(self._combined(flat, group).to(getattr(torch, group["ns_dtype"])))
+        stepped = []  # (index, parameter, layout, whole matrix here or None)
+        for index in share.owned():
+            param = share.params[index]
+            layout = self.layouts.get(param, MatrixLayout())
+            shard = wholes[index].view(share.shapes[index])
+            stepped.append((index, param, layout, self._gather(param, shard, layout)))
+        updates = {index: orthogonalised_update(whole, group, layout.qkv_head_dim) for index, _, layout, whole
+                   in stepped if whole is not None}  # fmt: skip
+        shards = {index: self._scatter(param, updates.get(index), layout, share.shapes[index]).flatten()
+                  for index, param, layout, _ in stepped}  # fmt: skip
+        flat.mul_(1 - lr * decay)  # torch's order: the decay with the unadjusted lr first
+        for index, offset, piece in share.scatter(shards, flat):
+            flat.narrow(0, offset, piece.numel()).add_(piece, alpha=-lr * self._ratio(share.params[index], group))
 
     def _gather(self, param: torch.Tensor, shard: torch.Tensor, layout: MatrixLayout) -> torch.Tensor | None:
         """The whole matrix of a TP shard on the TP rank that orthogonalises it (None on the others): every TP
@@ -277,13 +420,13 @@ class MuonAdamW(torch.optim.AdamW):
         dist.gather(shard.contiguous(), parts, dst=dist.get_global_rank(self.tp_group, owner), group=self.tp_group)
         return torch.cat([parts[rank] for rank in order], dim=layout.tp_dim) if mine else None
 
-    def _scatter(self, param: torch.Tensor, update: torch.Tensor | None, layout: MatrixLayout) -> torch.Tensor:
-        """This rank's shard of a parameter's whole update, sent by the TP rank that computed it."""
+    def _scatter(self, param: torch.Tensor, update: torch.Tensor | None, layout: MatrixLayout, shape) -> torch.Tensor:
+        """This rank's shard (of `shape`) of a parameter's whole update, sent by the TP rank that computed it."""
         if layout.tp_dim is None:
             return update
         _, index_of = self._shard_places(layout)
         owner = self.tp_owners[param]
-        shard = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        shard = torch.empty(shape, dtype=torch.float32, device=param.device)
         shards = None
         if update is not None:
             size = update.shape[layout.tp_dim] // layout.tp_count

@@ -6,10 +6,11 @@ replica** with model-parallel rank pp * TP + tp: DeepSpeed all-reduces the squar
 with only the TP group there each pipeline stage would clip by its own partial norm.
 
 The optimizer is the LightningModule's own (`configure_optimizers`: torch AdamW with the decay groups, i.e.
-what DeepSpeed builds for `"torch_adam": true`), handed to DeepSpeed as a client optimizer, and its LambdaLR keeps
-driving the learning rate per step: one recipe for every strategy. The caller's `engine.step()` is the
-accumulation boundary (`gradient_accumulation_steps: 1`, `managed_gradient_accumulation: false`): step() does the
-DP reduction, the clipping by the global norm, the update and zero_grad. `engine_update` is that step, with a
+what DeepSpeed builds for `"torch_adam": true`, or Muon with AdamW, told where ZeRO's partitions cut its matrices),
+handed to DeepSpeed as a client optimizer, and its LambdaLR keeps driving the learning rate per step: one recipe
+for every strategy. The caller's `engine.step()` is the accumulation boundary (`gradient_accumulation_steps: 1`,
+`managed_gradient_accumulation: false`): step() does the DP reduction, the clipping by the global norm, the update
+and zero_grad. `engine_update` is that step, with a
 snapshot to undo it when the caller's veto comes.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, requires
 
 import torch
+import torch.distributed as dist
 from packaging.specifiers import SpecifierSet
 
 from mtnlg_lightning.config import deep_merge
@@ -27,6 +29,7 @@ from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.parallel.deepspeed_compat import (
     engine_with_experts,
     expert_group_name,
+    flat_partitions,
     local_partition,
     mark_expert_parameters,
     moves_gradients_in_hooks,
@@ -34,6 +37,7 @@ from mtnlg_lightning.parallel.deepspeed_compat import (
 )
 from mtnlg_lightning.parallel.expert_parallel import is_expert_parallel
 from mtnlg_lightning.parallel.layout import ProcessGroups
+from mtnlg_lightning.parallel.muon import MuonAdamW
 
 
 def supported_deepspeed() -> str:
@@ -142,11 +146,23 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     if supported and deepspeed.__version__.split("+")[0] not in SpecifierSet(supported):
         raise MTNLGError(f"DeepSpeed {deepspeed.__version__} is not supported; install 'deepspeed{supported}'")
     stage = config["zero_optimization"]["stage"]
+    muon = isinstance(optimizer, MuonAdamW)
+    if muon and config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none":
+        raise MTNLGError(
+            "model.optimizer muon does not run with ZeRO's offload_optimizer: remove it from deepspeed_config"
+        )
+    if muon and mpu.get_model_parallel_world_size() > 1:  # as many groups on every stage (`even_groups`)
+        counts = [None] * mpu.get_model_parallel_world_size()
+        present = sum(1 for group in optimizer.param_groups if group["params"])
+        dist.all_gather_object(counts, present, group=mpu.get_model_parallel_group())
+        optimizer.even_groups(max(counts))
     experts = expose_experts(model, optimizer, mpu.groups, stage)
     with engine_with_experts(experts and stage < 3):  # ZeRO-3 reads the experts' placement, not has_moe_layers
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, mpu=mpu, dist_init_required=False
         )
+    if muon:  # each Muon matrix stepped whole by one rank of its partition's group
+        optimizer.use_partitions(flat_partitions(engine.optimizer))
     return engine
 
 

@@ -1,8 +1,10 @@
 """What `--model.optimizer muon` changes in a plan (`parallel/muon.py`): the hidden matrices' optimizer state is one
 fp32 momentum buffer instead of AdamW's two moments, shared out over the data-parallel replicas (DP x CP) for the
-dense matrices; the step adds the Newton-Schulz FLOPs of the whole matrices (shared out over the replicas and
-the TP ranks), the TP gather (bf16) and scatter (fp32) of the TP-split matrices' updates and the replicas'
-broadcast of the updated weights (fp32). ZeRO 1-3 are refused, as the trainer refuses them.
+dense matrices (ZeRO 1-3: partitioned as ZeRO partitions the moments, experts over their replicas too); the step
+adds the Newton-Schulz FLOPs of the whole matrices (shared out over the replicas and the TP ranks), the TP gather
+(bf16) and scatter (fp32) of the TP-split matrices' updates, and the replicas' broadcast of the updated weights
+(fp32; ZeRO 1-3 instead: the all-to-alls moving each rank's pieces to the matrices' owners, bf16, and the updates
+back, fp32).
 
 The matrices are read off the model itself (built on the meta device: no memory), with the split the trainer uses
 (`train.optimizer_recipe.muon_split`) and its logical matrices (a fused QKV as Q, K and V, each expert).
@@ -18,7 +20,7 @@ from mtnlg_lightning.model import build_model
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.muon import logical_matrices
 from mtnlg_lightning.planning.cost_model import Layout, all_gather_seconds, dp_bandwidth
-from mtnlg_lightning.train.optimizer_recipe import check_muon_layout, muon_split
+from mtnlg_lightning.train.optimizer_recipe import muon_split
 
 ADAM_MOMENTS = 8  # bytes per parameter AdamW keeps beside the weights (two fp32 moments)
 MOMENTUM = 4  # Muon's one fp32 buffer
@@ -70,37 +72,44 @@ class MuonPlan:
     def stage(self, config: ModelConfig, layout: Layout, first: int, count: int, gpu: GPUSpec, gpus_per_node: int):
         """(memory delta in bytes against AdamW, optimizer seconds added, summary) of one GPU of the pipeline stage
         holding blocks [first, first + count)."""
-        check_muon_layout(layout.zero_stage)
         held = muon_layers(config, self.ns_steps)[first : first + count]
-        dense = sum(layer.dense_params for layer in held)
-        experts = sum(layer.expert_params for layer in held)
-        replicas, tp, ep = layout.replicas, layout.tp, layout.ep
-        momentum = MOMENTUM * (dense / tp / replicas + experts / ep)
-        delta = momentum - ADAM_MOMENTS * (dense / tp + experts / ep)
-        dense_flops = sum(layer.dense_flops for layer in held) / replicas / tp  # shared over replicas and TP ranks
-        flops = dense_flops + sum(layer.expert_flops for layer in held) / ep
+        dense = sum(layer.dense_params for layer in held) / layout.tp  # this rank's TP shard of them
+        experts = sum(layer.expert_params for layer in held) / layout.ep  # this rank's experts
+        replicas, zero = layout.replicas, layout.zero_stage >= 1
+        expert_replicas = replicas // layout.ep if zero else 1  # ZeRO partitions experts over their replicas
+        shared = dense / replicas + experts / expert_replicas  # the parameters this rank keeps the state of
+        momentum = MOMENTUM * shared
+        delta = momentum - ADAM_MOMENTS * (shared if zero else dense + experts)  # ZeRO partitions AdamW's too
+        flops = sum(layer.dense_flops for layer in held) / replicas / layout.tp  # shared over replicas and TP ranks
+        flops += sum(layer.expert_flops for layer in held) / layout.ep / expert_replicas
         ns_seconds = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency)
         nvlink = gpu.nvlink_gbps * 1e9 * gpu.nvlink_efficiency
         # each TP-split matrix gathered to its TP rank in bf16 and its shards scattered back in fp32: the traffic of
         # an all-gather of 2 + 4 bytes per parameter of the replica's share
-        gather = all_gather_seconds(6 * dense / replicas, tp, nvlink)
-        broadcast = all_gather_seconds(4 * dense / tp, replicas, dp_bandwidth(gpu, layout, gpus_per_node))
+        gather = all_gather_seconds(6 * dense * layout.tp / replicas, layout.tp, nvlink)
+        bandwidth = dp_bandwidth(gpu, layout, gpus_per_node)
+        if zero:  # each rank's partition to the owners (bf16) and back (fp32): an all-gather's traffic of 6 bytes
+            exchange = all_gather_seconds(6 * dense / replicas, replicas, bandwidth)
+            exchange += all_gather_seconds(6 * experts / expert_replicas, expert_replicas, bandwidth)
+        else:  # the owners' broadcast of the updated weights (fp32)
+            exchange = all_gather_seconds(4 * dense, replicas, bandwidth)
         summary = {
             "ns_steps": self.ns_steps,
+            "zero_stage": layout.zero_stage,
             "newton_schulz_tflops_per_gpu": flops / 1e12,
             "newton_schulz_seconds": ns_seconds,
             "tp_gather_seconds": gather,
-            "dp_broadcast_seconds": broadcast,
+            "dp_seconds": exchange,
             "momentum_gb": momentum / 1e9,
             "state_saved_gb": -delta / 1e9,
         }
-        return delta, ns_seconds + gather + broadcast, summary
+        return delta, ns_seconds + gather + exchange, summary
 
 
 def format_muon(summary: dict) -> str:
     return (
         f"  Muon                 momentum {summary['momentum_gb']:,.2f} GB per GPU ({summary['state_saved_gb']:,.2f} "
         f"GB less than AdamW's moments); Newton-Schulz {summary['newton_schulz_tflops_per_gpu']:,.2f} TFLOP "
-        f"({summary['newton_schulz_seconds']:,.3f} s), TP gather {summary['tp_gather_seconds']:,.3f} s, DP "
-        f"broadcast {summary['dp_broadcast_seconds']:,.3f} s a step"
+        f"({summary['newton_schulz_seconds']:,.3f} s), TP gather {summary['tp_gather_seconds']:,.3f} s, "
+        f"{'ZeRO all-to-alls' if summary['zero_stage'] else 'DP broadcast'} {summary['dp_seconds']:,.3f} s a step"
     )

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="adamw",
         choices=("adamw", "muon"),
         help="--model.optimizer: muon keeps one momentum buffer for the hidden matrices and adds Newton-Schulz "
-        "FLOPs and communication to the step (one layout; with --zero-stage 0)",
+        "FLOPs and communication to the step (one layout, any --zero-stage)",
     )
     layout.add_argument(
         "--rampup",
@@ -331,7 +331,7 @@ def run(args) -> None:
         raise MTNLGError(ONE_OBJECTIVE)
     grpo = parse_grpo(args.grpo, config, lora is not None) if args.grpo is not None else None
     if args.search and args.optimizer != "adamw":
-        raise MTNLGError("--optimizer muon plans one layout: give it with --tp/--pp/--dp (and --zero-stage 0)")
+        raise MTNLGError("--optimizer muon plans one layout: give it with --tp/--pp/--dp and --zero-stage")
     if args.search:
         gpus = args.gpus or args.tp * args.cp * args.pp * args.dp
         ParallelConfig().layout(gpus, args.gpus_per_node)  # a cluster of whole nodes

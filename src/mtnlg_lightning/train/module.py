@@ -31,7 +31,7 @@ from mtnlg_lightning.train.extensions import extensions_for
 from mtnlg_lightning.train.flops import flops_per_iteration, head_flops_per_token, peak_flops_for
 from mtnlg_lightning.train.lr_batch_schedules import BatchSizeSchedule, LRSchedule
 from mtnlg_lightning.train.objectives import build_objective
-from mtnlg_lightning.train.optimizer_recipe import build_adamw, build_muon, check_muon_layout, optimizer_settings
+from mtnlg_lightning.train.optimizer_recipe import OneMultiplierLR, build_adamw, build_muon, optimizer_settings
 from mtnlg_lightning.train.peak_memory import StepPeakMemory
 from mtnlg_lightning.train.step_interfaces import LocalRunner, UpdateVeto, micro_batch_shapes
 from mtnlg_lightning.train.strategy import MegatronDeepSpeedStrategy
@@ -264,8 +264,6 @@ class MTNLGModule(L.LightningModule):
         if self.trainer.datamodule is not None:
             self.objective.check_data(self.trainer.datamodule)
         self.objective.check_layout(self, strategy)
-        if self.muon is not None:
-            check_muon_layout(getattr(strategy, "zero_stage", 0))
         if isinstance(strategy, MegatronDeepSpeedStrategy):  # it writes the layout-independent checkpoints itself
             self.runner = strategy
             return
@@ -301,7 +299,7 @@ class MTNLGModule(L.LightningModule):
         def lr_multiplier(_step: int) -> float:  # the schedule runs on tokens consumed, not on steps
             return self.lr_schedule(position.consumed_samples * seq_len) / peak
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)
+        scheduler = OneMultiplierLR(optimizer, lr_multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch, batch_idx):

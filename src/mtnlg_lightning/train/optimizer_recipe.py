@@ -105,16 +105,6 @@ def build_muon(
     return MuonAdamW(groups, layouts=layouts, tp_group=tp_group, shared=hidden, replicas=replicas, **adamw)
 
 
-def check_muon_layout(zero_stage: int) -> None:
-    """DeepSpeed ZeRO 1-3 step the optimizer on flat partitions of the parameters, which cut the matrices Muon
-    orthogonalises whole."""
-    if zero_stage >= 1:
-        raise MTNLGError(
-            f"model.optimizer muon cannot run under ZeRO stage {zero_stage} (DeepSpeed's flat partitions cut the "
-            "weight matrices Muon orthogonalises whole): use zero_stage 0"
-        )
-
-
 def check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise MTNLGError(f"model.optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
@@ -142,3 +132,17 @@ def build_adamw(
         for params in decay_groups(model)
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
+
+
+class OneMultiplierLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR with one multiplier for every group, applied to each group's own initial lr (`initial_lr`, which
+    torch sets at construction) rather than to a list kept per group: DeepSpeed drops a Muon run's empty groups
+    (the experts' in a dense model, the embeddings' in a middle pipeline stage) from the optimizer it is given, and
+    the schedule goes on over those that remain; a checkpoint's list from another layout is not read either."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, multiplier):
+        super().__init__(optimizer, multiplier)
+
+    def get_lr(self) -> list[float]:
+        factor = self.lr_lambdas[0](self.last_epoch)
+        return [group["initial_lr"] * factor for group in self.optimizer.param_groups]
