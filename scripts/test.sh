@@ -12,7 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
 export WANDB_MODE=offline
-PYTEST=("${PYTHON:-python3}" -m pytest -q -ra --durations=25 -n "${MTNLG_TEST_WORKERS:-2}" --dist loadfile)
+# Each worker's share of the cores for its torch threads (and its subprocesses'): the workers' default of every core
+# each oversubscribed a 2-core machine (an in-process fit's OpenMP threads waiting on a core the other worker's
+# launch held), e.g. the bias study's two 250-step fits took 194 s in the suite against 26 s alone. A caller's
+# OMP_NUM_THREADS is kept. The ranks of a launch run one thread each anyway (testing/local_ranks.py).
+workers=${MTNLG_TEST_WORKERS:-2}
+if [ "$workers" -gt 0 ]; then
+  threads=$(($(nproc) / workers))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+fi
+PYTEST=("${PYTHON:-python3}" -m pytest -q -ra --durations=25 -n "$workers" --dist loadfile)
 
 if [ "${1:-}" != "--under-load" ]; then
   exec "${PYTEST[@]}" "$@"
