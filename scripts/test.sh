@@ -28,13 +28,31 @@ if [ "${1:-}" != "--under-load" ]; then
 fi
 shift
 
-# The 10 slowest multi-process drills of a full run, from its --durations (.ci/run on the 2-core CI machine,
-# 2026-12-06, commit 7d79cc8; seconds of that run, "setup" where a module's shared launch runs before its first
-# test). Re-pick them from a newer run's --durations when the suite changes.
+# The 10 slowest multi-process drills of a full run, from its --durations (.ci/run from a clean clone on the 2-core
+# machine, 2026-12-06, commit 1886b2e; seconds of that run, "setup" where a module's shared launch runs before its
+# first test). Re-pick them from a newer run's --durations when the suite changes.
 DRILLS=(
-  # 192 s call
+  # 190 s call
   "tests/test_resilience.py::test_plain_torchrun_heals_a_kill_after_a_save_stops_during_a_save_and_a_step_and_a_kill_in_an_evaluation"
-  # 151 s setup (the module's 2-rank launch of every layout)
+  # 120 s setup (the module's 2-rank launch of every layout)
+  "tests/test_parallel_equivalence.py::test_layout_trains_like_one_process[tp2_ckpt-2]"
+  # 99 s setup (the module's 2-rank launch)
+  "tests/test_layouts_of_families_and_long_sequences.py::test_the_layout_trains_like_one_process[llama_tp2_ckpt-2]"
+  # 85 s setup (the module's launch of every expert-parallel run)
+  "tests/test_expert_parallel.py::test_expert_parallel_trains_like_one_process[ep2_ckpt]"
+  # 81 s call
+  "tests/test_resilience.py::test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_a_spare_and_the_spare_takes_over"
+  # 71 s setup (the module's 2-rank launch of every Muon layout)
+  "tests/test_muon.py::test_muon_trains_like_one_process_in_every_layout[gpt_tp2_sp]"
+  # 55 s setup (the module's 2-rank launch of every GRPO layout)
+  "tests/test_grpo.py::test_grpo_samples_and_trains_alike_in_every_layout[dp2]"
+  # 51 s call
+  "tests/test_gpu_check.py::test_gpu_check_dry_run_runs_every_stage_and_writes_one_json"
+  # 45 s call
+  "tests/test_resilience.py::test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_losses_of_the_uninterrupted_run"
+  # 34 s call
+  "tests/test_expert_parallel.py::test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layouts_as_in_one_process"
+)
   "tests/test_layouts_of_families_and_long_sequences.py::test_the_layout_trains_like_one_process[llama_tp2_ckpt-2]"
   # 122 s setup (the module's 2-rank launch)
   "tests/test_parallel_equivalence.py::test_layout_trains_like_one_process[tp2_ckpt-2]"
