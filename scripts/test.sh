@@ -53,24 +53,6 @@ DRILLS=(
   # 34 s call
   "tests/test_expert_parallel.py::test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layouts_as_in_one_process"
 )
-  "tests/test_layouts_of_families_and_long_sequences.py::test_the_layout_trains_like_one_process[llama_tp2_ckpt-2]"
-  # 122 s setup (the module's 2-rank launch)
-  "tests/test_parallel_equivalence.py::test_layout_trains_like_one_process[tp2_ckpt-2]"
-  # 92 s setup (the module's launch of every expert-parallel run)
-  "tests/test_expert_parallel.py::test_expert_parallel_trains_like_one_process[ep2_ckpt]"
-  # 88 s call
-  "tests/test_resilience.py::test_a_run_grows_back_when_nodes_join_keeps_a_node_its_layout_cannot_use_as_a_spare_and_the_spare_takes_over"
-  # 79 s call
-  "tests/test_resilience.py::test_a_run_that_loses_a_node_for_good_goes_on_with_fewer_replicas_and_the_losses_of_the_uninterrupted_run"
-  # 66 s call
-  "tests/test_gpu_check.py::test_gpu_check_dry_run_runs_every_stage_and_writes_one_json"
-  # 53 s call
-  "tests/test_checkpoint_layouts.py::test_resume_in_another_layout_continues_the_single_process_losses[tp4-to-tp2xpp2_interleaved]"
-  # 51 s call
-  "tests/test_expert_parallel.py::test_a_trained_moe_checkpoint_generates_and_scores_in_expert_parallel_layouts_as_in_one_process"
-  # 48 s setup (the tp2 x pp2 x dp2 checkpoint's launch)
-  "tests/test_interop_hf.py::test_checkpoint_exports_to_a_directory_transformers_loads_offline_with_equal_logits[tp2xpp2xdp2]"
-)
 
 hogs=()
 stop_hogs() {
