@@ -17,8 +17,9 @@ export WANDB_MODE=offline
 # launch held), e.g. the bias study's two 250-step fits took 194 s in the suite against 26 s alone. A caller's
 # OMP_NUM_THREADS is kept. The ranks of a launch run one thread each anyway (testing/local_ranks.py).
 workers=${MTNLG_TEST_WORKERS:-2}
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc itself answers OMP_NUM_THREADS when it is set
 if [ "$workers" -gt 0 ]; then
-  threads=$(($(nproc) / workers))
+  threads=$((cores / workers))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
 fi
 PYTEST=("${PYTHON:-python3}" -m pytest -q -ra --durations=25 -n "$workers" --dist loadfile)
@@ -62,7 +63,7 @@ stop_hogs() {
 }
 trap stop_hogs EXIT
 trap 'exit 130' INT TERM
-for _ in $(seq "$(nproc)"); do
+for _ in $(seq "$cores"); do
   "${PYTHON:-python3}" -c 'while True: pass' &
   hogs+=("$!")
 done
