@@ -202,22 +202,22 @@ def shared_prompt_rows(
 class CompletionSlots:
     """Where each completion token of a micro-batch's rows lies: `slots` [b, S] (this rank's positions of them: CP
     cuts the rows into chunks) holds j x T + t at the position whose label is token t of the row's completion j, -1
-    elsewhere; each row holds `per_row` completions (G with `shared_prompt_rows`, 1 with `completion_rows`) of at
-    most T tokens. `spread` lays a per-position tensor out per completion, [b x per_row, T] (zero where a completion
+    elsewhere; each row holds `branches` completions (G with `shared_prompt_rows`, 1 with `completion_rows`) of at
+    most T tokens. `spread` lays a per-position tensor out per completion, [b x branches, T] (zero where a completion
     has no token, or where its token lies in another rank's chunk), which the loss reads whatever the rows."""
 
-    def __init__(self, slots: torch.Tensor, per_row: int, longest: int):
-        self.per_row, self.longest = per_row, longest
-        self.index = torch.where(slots >= 0, slots, per_row * longest)  # the others to a dropped last column
+    def __init__(self, slots: torch.Tensor, branches: int, longest: int):
+        self.branches, self.longest = branches, longest
+        self.index = torch.where(slots >= 0, slots, branches * longest)  # the others to a dropped last column
 
     def spread(self, values: torch.Tensor) -> torch.Tensor:
-        out = values.new_zeros(values.shape[0], self.per_row * self.longest + 1)
+        out = values.new_zeros(values.shape[0], self.branches * self.longest + 1)
         out = out.scatter(1, self.index, values)
         return out[:, :-1].reshape(-1, self.longest)
 
     def completions(self, rows: torch.Tensor) -> torch.Tensor:
         """The indices among the rank's completions of the rows' completions, in `spread`'s order."""
-        return (rows[:, None] * self.per_row + torch.arange(self.per_row, device=rows.device)).flatten()
+        return (rows[:, None] * self.branches + torch.arange(self.branches, device=rows.device)).flatten()
 
 
 def per_completion(values: Sequence[Sequence[float]], longest: int) -> torch.Tensor:
