@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mtnlg_lightning.checkpoint.format import read_meta
+from mtnlg_lightning.data.packing import GROUP_LENGTHS, ROW_LENGTHS
 from mtnlg_lightning.data.preferences import PreferenceDataModule, encode_completion, pairs_batch, to_pair
 from mtnlg_lightning.demo.synthetic.preferences import preference_examples, write_preferences
 from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards, pair_losses
@@ -466,7 +467,8 @@ def test_a_pair_stays_together_chosen_then_rejected(base_dir, tmp_path):
     the answers; a micro-batch of 2 x micro_batch_size rows never splits a pair."""
     data = setup_data(base_dir, write_preferences(tmp_path / "p.jsonl", 12))
     batch = pairs_batch([data.splits["train"][i] for i in range(4)])
-    assert batch["input_ids"].shape == (8, SEQ_LEN) and set(batch) == {"input_ids", "labels", "position_ids"}
+    assert batch["input_ids"].shape == (8, SEQ_LEN)
+    assert set(batch) == {"input_ids", "labels", "position_ids", ROW_LENGTHS, GROUP_LENGTHS}
     for pair in range(4):
         chosen, rejected = batch["labels"][2 * pair], batch["labels"][2 * pair + 1]
         first = int((chosen != IGNORE_INDEX).nonzero()[0])

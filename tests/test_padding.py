@@ -20,12 +20,18 @@ import torch
 from test_finetune_data import example, tiny_chat_run
 
 from mtnlg_lightning.config import get_config
-from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS, ROW_MULTIPLE, Rows, rows_batch
+from mtnlg_lightning.data.packing import GROUP_LENGTHS, PADDING_DOCUMENT, ROW_LENGTHS, ROW_MULTIPLE, Rows, rows_batch
+from mtnlg_lightning.data.preferences import pair_rows, pairs_batch
 from mtnlg_lightning.demo.synthetic.instructions import write_instructions
+from mtnlg_lightning.dpo_loss import DPOConfig, PairRewards
+from mtnlg_lightning.grpo_loss import GRPOConfig
 from mtnlg_lightning.loss import IGNORE_INDEX, StepLoss, counted_labels, cross_entropy
 from mtnlg_lightning.model import build_model
 from mtnlg_lightning.parallel.config import ParallelConfig
 from mtnlg_lightning.train.flops import flops_per_iteration, head_flops_per_token
+from mtnlg_lightning.train.objectives.grpo import GRPO
+from mtnlg_lightning.train.objectives.preference import PreferenceLoss, SequenceScores, with_row_index
+from mtnlg_lightning.train.objectives.rollouts import ROW_TOKENS, completion_rows, shared_prompt_rows
 from mtnlg_lightning.train.step_interfaces import RowWidths, accumulate, micro_batch_shapes, micro_batches_of
 from testing.lightning_run import quiet_trainer
 from testing.parallel_harness import PADDED_SEQ_LEN, PadRows, assert_trains_like, launch_runs, tiny_run, trained
@@ -107,6 +113,65 @@ def test_a_layout_cuts_rows_to_a_multiple_of_its_sequence_cuts_where_shapes_may_
          + "positions on padding)"],
         [],
     ]  # fmt: skip
+
+
+def preference_batch(pair_lengths, seq_len: int = 256) -> dict[str, torch.Tensor]:
+    """Pairs of a chosen and a rejected example of the given lengths, as the preference data serves them."""
+    pairs = [(example(c, first=3), example(r, first=5)) for c, r in pair_lengths]
+    batch = pairs_batch([pair_rows(pair, seq_len, pad_id=0) for pair in pairs])
+    batch["input_ids"] = batch["input_ids"] % 4000 + 1
+    return batch
+
+
+def test_preference_pairs_are_cut_to_their_micro_batchs_longest_row_staying_whole_and_in_order():
+    """DPO's rows are padded to seq_len by the data, with their lengths: a micro-batch of pairs is computed up to its
+    longest row (rounded up to 8), the pairs grouped longest first but each pair's chosen row right before its
+    rejected one, and the targets' last column (the row's index, past the inputs) kept."""
+    batch = preference_batch([(10, 70), (3, 5), (120, 20), (9, 40)])
+    assert batch[ROW_LENGTHS].tolist() == [10, 70, 3, 5, 120, 20, 9, 40]
+    assert batch[GROUP_LENGTHS].tolist() == [70, 70, 5, 5, 120, 120, 40, 40]
+    targeted = {**batch, "labels": with_row_index(batch["labels"])}
+    micro_batches = list(micro_batches_of(targeted, 4, row_multiple=ROW_MULTIPLE))
+    assert [(input_ids.shape, labels.shape) for input_ids, labels, _ in micro_batches] == [
+        ((4, 120), (4, 121)),
+        ((4, 40), (4, 41)),
+    ]
+    assert [labels[:, -1].tolist() for _, labels, _ in micro_batches] == [[4, 5, 0, 1], [6, 7, 2, 3]]
+    for input_ids, labels, _ in micro_batches:
+        rows, width = labels[:, -1], input_ids.shape[1]
+        assert torch.equal(input_ids, batch["input_ids"][rows, :width])
+        assert torch.equal(labels[:, :-1], batch["labels"][rows, :width])
+
+
+def test_cutting_preference_pairs_leaves_the_dpo_loss_its_gradients_and_the_rewards():
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny", seq_len=256, max_position_embeddings=256))
+    batch = preference_batch([(10, 70), (3, 5), (120, 20), (9, 40)])
+    targeted = {**batch, "labels": with_row_index(batch["labels"])}
+    reference = torch.randn(len(batch["labels"])) * 3
+
+    def step(row_multiple):
+        model.zero_grad()
+        rewards = PairRewards(4, torch.device("cpu"))
+        loss_fn = PreferenceLoss(DPOConfig(beta=0.5), SequenceScores(), reference, rewards)
+        loss = accumulate(model, torch.Tensor.backward, targeted, 4, loss_fn, row_multiple=row_multiple)
+        return loss, {name: p.grad.clone() for name, p in model.named_parameters()}, rewards.chosen.clone()
+
+    (cut, cut_grads, cut_rewards), (whole, whole_grads, whole_rewards) = step(ROW_MULTIPLE), step(None)
+    torch.testing.assert_close(cut, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(cut_rewards, whole_rewards, rtol=1e-6, atol=1e-7)
+    for name, grad in whole_grads.items():  # summed log-probs: gradients up to ~3, so 1e-6 is fp32 rounding here
+        torch.testing.assert_close(cut_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_grpo_counts_a_completion_rows_tokens_not_its_padding():
+    """A row per completion (under a pipeline, or share_prompts off): tokens_per_sec counts each row's prompt and
+    completion, not the padding after them (shared rows mark theirs by document)."""
+    rows = completion_rows([[5, 6, 7], [8]], [[9, 10], []], seq_len=6, pad_id=0)
+    assert rows[ROW_TOKENS].tolist() == [5, 1]
+    assert GRPO(GRPOConfig(), None).document_tokens(rows) == 6
+    shared = shared_prompt_rows([[5, 6, 7]], [[9, 10], [11]], width=8, pad_id=0, longest=2)
+    assert GRPO(GRPOConfig(), None).document_tokens(shared) == 2 + 2 + 1
 
 
 # ---------------------------------------------------------------------------------------------- the layouts

@@ -26,6 +26,9 @@ ROW_FIELDS = ("input_ids", "labels", "position_ids", "document_ids")
 # longest row, rounded up to a multiple of ROW_MULTIPLE (`train.step_interfaces.micro_batches_of`): one example per
 # row leaves most of seq_len as padding, and its attention and output layer would cost as much as the documents.
 ROW_LENGTHS = "row_lengths"
+# [B], optional: the length by which rows are grouped into micro-batches when it is not each row's own, the same for
+# rows that must stay adjacent and in order (a preference pair's chosen and rejected rows: the longer one's length).
+GROUP_LENGTHS = "group_lengths"
 # 8: what bf16 tensor-core tiles want, and at most 7 padded positions a row (64, GRPO's, made bench_finetune's steps
 # on 74-token chats 9% slower); sequence and context parallelism's cuts are added to it (`RowWidths`)
 ROW_MULTIPLE = 8

@@ -28,7 +28,14 @@ from mtnlg_lightning.corpora.readers import iter_objects
 from mtnlg_lightning.data.chat_records import _turns
 from mtnlg_lightning.data.chat_template import ChatTokenizer, EncodedChat, rendering_record
 from mtnlg_lightning.data.finetune import ChatDataModule, collect_samples, to_example
-from mtnlg_lightning.data.packing import Example, ShuffledRows, assemble_row
+from mtnlg_lightning.data.packing import (
+    GROUP_LENGTHS,
+    PADDING_DOCUMENT,
+    ROW_LENGTHS,
+    Example,
+    ShuffledRows,
+    assemble_row,
+)
 from mtnlg_lightning.errors import MTNLGError
 
 # One sequence a row, padding after it: plain causal attention is exact, no document ids are needed.
@@ -163,10 +170,16 @@ class PairRows(ShuffledRows):
 
 def pairs_batch(pairs: Sequence[list[dict[str, np.ndarray]]]) -> dict[str, torch.Tensor]:
     """Pairs stacked into rows [2P, seq_len], the chosen row of pair i at 2i and its rejected row at 2i + 1 (and
-    their reference log-probabilities [2P] when the rows carry them)."""
+    their reference log-probabilities [2P] when the rows carry them), with each row's length (ROW_LENGTHS: a layout
+    that may change shapes computes a micro-batch up to its longest row) and its pair's (GROUP_LENGTHS: a pair stays
+    whole and in order when micro-batches are grouped by length)."""
     rows = [row for pair in pairs for row in pair]
     fields = [*PAIR_FIELDS, REFERENCE_LOGPS] if REFERENCE_LOGPS in rows[0] else PAIR_FIELDS
-    return {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in fields}
+    batch = {field: torch.from_numpy(np.stack([row[field] for row in rows])) for field in fields}
+    lengths = torch.tensor([int((row["document_ids"] != PADDING_DOCUMENT).sum()) for row in rows])
+    batch[ROW_LENGTHS] = lengths
+    batch[GROUP_LENGTHS] = lengths.view(-1, 2).amax(dim=1).repeat_interleave(2)
+    return batch
 
 
 class PreferenceDataModule(ChatDataModule):

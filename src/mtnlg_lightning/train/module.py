@@ -13,7 +13,6 @@ from torch import nn
 
 from mtnlg_lightning.checkpoint.preemption import Preemption
 from mtnlg_lightning.config import get_config
-from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
 from mtnlg_lightning.loss import IGNORE_INDEX, cross_entropy
@@ -350,17 +349,12 @@ class MTNLGModule(L.LightningModule):
     def _step_work(self, batch: dict) -> torch.Tensor:
         """The global batch's [documents' tokens, computed positions, model FLOPs] this step: the positions and FLOPs
         of the micro-batches as the runner computed them (`micro_batch_shapes`: padding included, cut where the
-        layout allows; the LM head's at the counted labels only), the tokens without the padding (the rows'
-        ROW_LENGTHS, else their non-padding `document_ids`, else every position)."""
+        layout allows; the LM head's at the counted labels only), the tokens without the padding
+        (`Objective.document_tokens`)."""
         rows = self.objective.computed_rows(batch)
         per_micro_batch = self.micro_batch_size * self.objective.sequences_per_sample
         shapes = micro_batch_shapes(rows, per_micro_batch, self.runner.row_multiple)
-        if rows.get(ROW_LENGTHS) is not None:
-            tokens = int(rows[ROW_LENGTHS].sum())
-        elif rows.get("document_ids") is not None:
-            tokens = int((rows["document_ids"] != PADDING_DOCUMENT).sum())
-        else:
-            tokens = rows["input_ids"].numel()
+        tokens = self.objective.document_tokens(rows)
         positions = sum(n * width for n, width in shapes)
         # the LM head runs only at the counted labels (a row-index column past the inputs, DPO's and GRPO's, is not one)
         labels = rows["labels"][:, : rows["input_ids"].shape[1]]

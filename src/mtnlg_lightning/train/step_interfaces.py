@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from mtnlg_lightning.data.packing import ROW_LENGTHS, ROW_MULTIPLE
+from mtnlg_lightning.data.packing import GROUP_LENGTHS, ROW_LENGTHS, ROW_MULTIPLE
 from mtnlg_lightning.model import MODEL_INPUTS
 from mtnlg_lightning.parallel.output_layer import heads_in_loss
 
@@ -82,9 +82,12 @@ def micro_batches_of(batch: dict, micro_batch_size: int, row_multiple: int | Non
     fields = [batch[field].split(micro_batch_size) for field in (*BATCH_FIELDS, *names)]
     lengths = _row_lengths(batch, micro_batch_size)
     for (input_ids, labels, *inputs), rows in zip(zip(*fields, strict=True), lengths, strict=True):
-        width = trimmed_width(rows, input_ids.shape[1], row_multiple)
-        if width < input_ids.shape[1]:
-            input_ids, labels, *inputs = (field[:, :width].contiguous() for field in (input_ids, labels, *inputs))
+        served = input_ids.shape[1]
+        width = trimmed_width(rows, served, row_multiple)
+        if width < served:
+            input_ids, *inputs = (field[:, :width].contiguous() for field in (input_ids, *inputs))
+            # columns past the inputs' (an objective's row index, DPO's and GRPO's targets) are not positions: kept
+            labels = torch.cat([labels[:, :width], labels[:, served:]], dim=1)
         yield input_ids, labels, dict(zip(names, inputs, strict=True))
 
 
@@ -92,12 +95,14 @@ def grouped_by_length(batch: dict, row_multiple: int | None) -> dict:
     """The batch's rows longest first where the layout cuts them (`row_multiple`), so each micro-batch holds rows of
     like lengths and little padding. Nothing else changes: the padding computes nothing that is read (attention is
     causal within each document, the padding's labels are ignored), and the step's loss is the token mean over the
-    global batch's labels, whichever micro-batch holds a row."""
+    global batch's labels, whichever micro-batch holds a row. Rows that must stay together and in order (a
+    preference pair) say so by a common GROUP_LENGTHS, which the sort then uses (a stable sort keeps them adjacent)."""
     lengths = batch.get(ROW_LENGTHS)
     if lengths is None or row_multiple is None:
         return batch
-    order = torch.argsort(lengths, descending=True, stable=True)
-    names = [name for name in (*BATCH_FIELDS, *MODEL_INPUTS, ROW_LENGTHS) if batch.get(name) is not None]
+    order = torch.argsort(batch.get(GROUP_LENGTHS, lengths), descending=True, stable=True)
+    moved = (*BATCH_FIELDS, *MODEL_INPUTS, ROW_LENGTHS, GROUP_LENGTHS)
+    names = [name for name in moved if batch.get(name) is not None]
     return {**batch, **{name: batch[name][order] for name in names}}
 
 

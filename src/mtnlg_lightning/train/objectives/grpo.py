@@ -62,6 +62,7 @@ from mtnlg_lightning.train.objectives.preference import (
     with_row_index,
 )
 from mtnlg_lightning.train.objectives.rollouts import (
+    ROW_TOKENS,
     CompletionSlots,
     LayoutGenerator,
     completion_rows,
@@ -228,6 +229,11 @@ class GRPO(Objective):
 
     def computed_rows(self, batch: dict) -> dict:
         return self.trained_rows  # the data's batch holds the prompts: the rows are the step's completions
+
+    def document_tokens(self, rows: dict) -> int:
+        if rows.get(ROW_TOKENS) is not None:  # a row per completion; shared rows mark their padding by document
+            return int(rows[ROW_TOKENS].sum())
+        return super().document_tokens(rows)
 
     def check_layout(self, module, strategy) -> None:
         if self.config.beta and not module.frozen_base and getattr(strategy, "zero_stage", 0) >= 3:

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from mtnlg_lightning.data.packing import PADDING_DOCUMENT, ROW_LENGTHS
 from mtnlg_lightning.errors import MTNLGError
 
 
@@ -72,6 +73,15 @@ class Objective:
         """The rows this rank's last step ran through the model, in micro-batches of `micro_batch_size x
         sequences_per_sample` rows: the step's tokens, positions and FLOPs are counted from them."""
         return batch
+
+    def document_tokens(self, rows: dict) -> int:
+        """The documents' tokens of `computed_rows` (what `tokens_per_sec` counts, the padding not): their
+        ROW_LENGTHS, else their non-padding `document_ids`, else every position."""
+        if rows.get(ROW_LENGTHS) is not None:
+            return int(rows[ROW_LENGTHS].sum())
+        if rows.get("document_ids") is not None:
+            return int((rows["document_ids"] != PADDING_DOCUMENT).sum())
+        return rows["input_ids"].numel()
 
     def log_metrics(self, module, prefix: str = "") -> None:
         """After the step (`prefix` "") or a validation batch (`val_`): this objective's own metrics."""

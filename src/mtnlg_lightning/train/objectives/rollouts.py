@@ -28,6 +28,10 @@ from mtnlg_lightning.inference.sharded_model import ShardedModel
 from mtnlg_lightning.loss import IGNORE_INDEX
 from mtnlg_lightning.model import branch_document
 
+# [R]: a row of one completion's positions before its padding, what `tokens_per_sec` counts. Not ROW_LENGTHS, which
+# would have the runner regroup and cut the rows: GRPO sizes its rows itself (`GRPO._row_width`).
+ROW_TOKENS = "row_tokens"
+
 
 @dataclass
 class Rollouts:
@@ -135,7 +139,8 @@ def completion_rows(
 ) -> dict[str, torch.Tensor]:
     """The rows the step trains on, one per completion, padded on the right to `seq_len`: `input_ids` (prompt then
     completion), `labels` (each completion token at the position that predicts it; IGNORE_INDEX elsewhere),
-    `position_ids`, and `slots` (`CompletionSlots`: token t of the row's completion at its label's position)."""
+    `position_ids`, `slots` (`CompletionSlots`: token t of the row's completion at its label's position) and
+    ROW_TOKENS (each row's positions before its padding)."""
     rows = len(prompts)
     input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -148,7 +153,8 @@ def completion_rows(
             labels[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(tokens[len(prompt) :])
             slots[row, len(prompt) - 1 : len(prompt) - 1 + n] = torch.arange(n)
     positions = torch.arange(seq_len).expand(rows, seq_len).contiguous()
-    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "slots": slots}
+    lengths = torch.tensor([min(seq_len, len(p) + len(c)) for p, c in zip(prompts, completions, strict=True)])
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "slots": slots, ROW_TOKENS: lengths}
 
 
 def shared_prompt_row_length(prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> int:
