@@ -227,7 +227,8 @@ def test_naming_a_family_gives_its_options(name):
         if family.experts
         else {}
     )
-    config = ModelConfig(**SIZES, **experts, family=name)
+    latent = dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16) if family.latent_attention else {}
+    config = ModelConfig(**SIZES, **experts, **latent, family=name)
     assert {key: getattr(config, key) for key in family.options} == family.options
     assert family_of(config) is family and config.moe == (family.experts is not None)
 
