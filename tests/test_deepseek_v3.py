@@ -8,6 +8,8 @@ and tensors, and cache MLA's latent when decoding."""
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
 
 import pytest
 import test_model_families as dense_families
@@ -17,11 +19,20 @@ from deepseek_models import VARIANTS, random_deepseek_dir
 from mtnlg_lightning.checkpoint.safetensors_shards import ShardedTensors
 from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.evaluation.cli import main as eval_main
 from mtnlg_lightning.families import count_parameters, family_of
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.model import KVCache, build_model
 
 transformers = pytest.importorskip("transformers")
+# A custom block with MLA and DeepSeek-V3's routing (interleaved rotary dims, a query latent, values narrower than
+# q/k, 8 experts in 2 groups, shared experts, the first block dense).
+MLA_BLOCK = dict(
+    family=None, num_kv_heads=4, head_dim=24, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=20, q_lora_rank=12,
+    rope_interleave=True, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=16, router="sigmoid",
+    expert_groups=2, expert_groups_per_token=1, shared_expert_ffn_hidden_size=16, shared_expert_gate=False,
+    first_dense_layers=1,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -107,3 +118,82 @@ def test_bad_routing_and_latent_attention_settings_are_one_line(change, message)
     values = dict(family=None, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=16, router="sigmoid")
     with pytest.raises(MTNLGError, match=message):
         get_config("tiny-llama", **{**values, "head_dim": 16, **change})
+
+
+def test_packed_documents_attend_within_each_document_as_apart(monkeypatch):
+    """MLA with document masks (SDPA's dense mask and FlexAttention's block mask, the values padded to the q/k
+    width for them): a row of two packed documents gives each document's logits alone."""
+    config = get_config("tiny-llama", **MLA_BLOCK)
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    tokens = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(1))
+    documents = torch.tensor([[0] * 7 + [1] * 13])
+    positions = torch.cat([torch.arange(7), torch.arange(13)])[None]
+    with torch.no_grad():
+        apart = torch.cat([model(tokens[:, :7]), model(tokens[:, 7:])], dim=1)
+        for kernel in ("sdpa", "flex"):
+            monkeypatch.setattr(model, "document_mask_kernel", kernel)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                packed = model(tokens, position_ids=positions, document_ids=documents)
+            torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_the_mla_projections_by_hugging_face_names_exports_a_peft_adapter(family_dir, tmp_path):
+    """Adapters on q_b_proj (or q_proj), kv_b_proj and o_proj, the projections split by heads: the PEFT directory
+    loads on transformers' model with our logits."""
+    if json.loads((family_dir / "config.json").read_text())["model_type"] != "deepseek_v3":
+        pytest.skip("MLA's projections")
+    from test_lora import _adapter_state, _our_model, _peft_logits
+
+    from mtnlg_lightning.interop.peft_adapter import write_peft_adapter
+    from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, apply_lora
+
+    model = _our_model(family_dir)
+    q, q_name = ("q", "q_proj") if model.config.q_lora_rank is None else ("q_up", "q_b_proj")
+    lora = {"rank": 4, "alpha": 8, "targets": [q_name, "kv_b_proj", "o_proj"]}
+    assert LoRAConfig.from_dict(lora).projections(model.config) == (q, "kv_up", "proj")
+    apply_lora(model, LoRAConfig.from_dict(lora))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.normal_(0.0, 0.05)
+    write_peft_adapter(_adapter_state(model, lora, family_dir), tmp_path / "adapter")
+    tokens = torch.randint(0, 4096, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens)
+    theirs, _ = _peft_logits(family_dir, tmp_path / "adapter", tokens)
+    torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], rtol=1e-5, atol=1e-5)
+    with pytest.raises(MTNLGError, match="targets 'kv_a_proj_with_mqa', which this model does not have"):
+        LoRAConfig.from_dict({"targets": ["kv_a_proj_with_mqa"]}).projections(model.config)
+
+
+def test_a_tp_that_does_not_divide_the_mla_heads_is_one_line(family_dir, tmp_path, capsys):
+    if json.loads((family_dir / "config.json").read_text())["model_type"] != "deepseek_v3":
+        pytest.skip("MLA's heads")
+    strategy = tmp_path / "tp3.yaml"
+    strategy.write_text(
+        "class_path: mtnlg_lightning.train.strategy.MegatronDeepSpeedStrategy\ninit_args: {tensor_parallel: 3}\n"
+    )
+    capsys.readouterr()
+    argv = ["--checkpoint", str(family_dir), "--strategy", str(strategy), "--devices", "3", "--task", "perplexity"]
+    assert eval_main([*argv, "--data", str(dense_families.ROOT / "README.md")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "mtnlg-eval: error: num_heads 4 is not divisible by tensor_parallel 3"
+    ]
+
+
+def test_a_checkpoint_s_multi_token_prediction_layer_is_left_unread(family_dir, tmp_path):
+    """DeepSeek-V3's and GLM-4.5's checkpoints store their MTP modules as layers past num_hidden_layers
+    (`model.layers.3.eh_proj` here): read as transformers reads them, without those layers."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "with_mtp"
+    shutil.copytree(family_dir, copy)
+    tensors = load_file(copy / "model.safetensors")
+    extra = {"model.layers.3.eh_proj.weight": torch.ones(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
+    save_file({**tensors, **extra}, copy / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(4))
+    (with_mtp, _), (without, _) = load_model(copy), load_model(family_dir)
+    with torch.no_grad():
+        assert torch.equal(with_mtp(tokens), without(tokens))

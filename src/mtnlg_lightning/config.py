@@ -310,6 +310,8 @@ def check_latent_attention(config: ModelConfig) -> None:
     bad = [f"{k}={v!r}" for k, v in sizes.items() if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
     if bad:
         raise MTNLGError(f"multi-head latent attention needs positive integer sizes, got {', '.join(bad)}")
+    if config.v_head_dim > config.head_dim:
+        raise MTNLGError(f"v_head_dim {config.v_head_dim} is above head_dim {config.head_dim} (each q/k head's width)")
     if config.head_dim <= config.qk_rope_head_dim:
         raise MTNLGError(
             f"head_dim {config.head_dim} (each q/k head) must be more than its rotary qk_rope_head_dim "

@@ -75,6 +75,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.query_scale = softmax_scale_correction(config.rope_scaling)
         self.dropout = config.attention_dropout
         self.core = core
+        # The values padded with zeros to the q/k width for the core (its output's extra dims are 0, dropped): one
+        # head width for every attention kernel (flash blocks, context parallelism's ring), as Megatron pads them.
+        self.value_padding = config.head_dim - config.v_head_dim
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, this rank's heads x head_dim]."""
@@ -104,7 +107,8 @@ class MultiHeadLatentAttention(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         if cache is None:
-            y = self.core(q, k, v, self.dropout if self.training else 0.0, mask)
+            padded = F.pad(v, (0, self.value_padding)) if self.value_padding else v
+            y = self.core(q, k, padded, self.dropout if self.training else 0.0, mask)[..., : self.v_head_dim]
         else:  # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
             y = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))

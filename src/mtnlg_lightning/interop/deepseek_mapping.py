@@ -11,11 +11,13 @@ checkpoint's interleaved order: `rope_interleave`). GLM-4.5's attention is group
 biases and q/k norms, its rotation over the first `partial_rotary_factor` of each head's dims, as Llama's files
 (`llama_mapping`).
 
-Multi-token-prediction layers (`num_nextn_predict_layers`) are not read: a directory holding them is refused.
+Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers past `num_hidden_layers`) are left
+unread, as transformers' `DeepseekV3ForCausalLM` leaves them; an export writes none (`num_nextn_predict_layers: 0`).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ BY_MODEL_TYPE = {family.hf_model_type: family for family in (DEEPSEEK_V3, GLM4_M
 MODEL_TYPES = tuple(BY_MODEL_TYPE)
 HEAD = llama_mapping.HEAD
 EXPERT_BIAS = "e_score_correction_bias"  # Hugging Face's name of the sigmoid router's balancing bias
+MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a layer index past the decoder's: multi-token prediction
 
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -268,5 +271,10 @@ def normalize(name: str) -> str:
     return name
 
 
-def is_constant(name: str) -> bool:
+def is_constant(name: str, config: ModelConfig | None = None) -> bool:
+    """RoPE's frequencies, and the multi-token-prediction layers (`model.layers.N...` past the config's
+    `num_hidden_layers`): left unread, as transformers' model leaves them."""
+    layer = MTP_LAYER.match(name)
+    if config is not None and layer is not None and int(layer.group(1)) >= config.num_layers:
+        return True
     return llama_mapping.is_constant(name)

@@ -124,7 +124,7 @@ class HFWeights(LazyWeights):
             # one tensor may feed several of ours (rows of it: MLA's latent and rotary key)
             self.stored.setdefault(theirs, stored.pop(theirs, None))
         self.head = stored.pop(mapping.HEAD, None) if config.tie_embeddings else None
-        leftover = sorted(name for name in stored if not mapping.is_constant(name))
+        leftover = sorted(name for name in stored if not mapping.is_constant(name, config))
         if leftover:
             raise MTNLGError(f"{path} has tensors this model does not use: {', '.join(leftover[:5])}")
 
