@@ -21,6 +21,7 @@ from mtnlg_lightning.config import get_config
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.evaluation.cli import main as eval_main
 from mtnlg_lightning.families import count_parameters, family_of
+from mtnlg_lightning.inference.generate_cli import main as generate_main
 from mtnlg_lightning.inference.load import load_model
 from mtnlg_lightning.model import KVCache, build_model
 
@@ -197,3 +198,85 @@ def test_a_checkpoint_s_multi_token_prediction_layer_is_left_unread(family_dir, 
     (with_mtp, _), (without, _) = load_model(copy), load_model(family_dir)
     with torch.no_grad():
         assert torch.equal(with_mtp(tokens), without(tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_mla_model_generates_and_scores_in_tp2_what_it_does_in_one_process(tmp_path, capfd):
+    """DeepSeek-V3 on 2 tensor-parallel ranks (2 heads each; the latents and the rotary key whole, the latent cache
+    on each rank): the same greedy text and the same perplexity (rel 1e-5) as one process."""
+    directory = random_deepseek_dir(tmp_path, "deepseek_v3")
+    text = tmp_path / "text.txt"
+    text.write_text("Return the value of the argument. If the file does not exist, the function raises an error. " * 4)
+    source = ["--checkpoint", str(directory), "--dtype", "fp32"]
+    greedy = ["--prompt", "The value of the argument is", "--max-new-tokens", "24", "--temperature", "0"]
+    printed, perplexity = [], []
+    for where in ([], ["--strategy", "strategy/tp2", "--devices", "2"]):
+        capfd.readouterr()
+        assert generate_main([*source, *greedy, *where]) == 0
+        printed.append(capfd.readouterr().out.splitlines()[-1])  # the text (after any library's start-up notice)
+        out = tmp_path / f"perplexity{len(where)}.json"
+        scored = ["--task", "perplexity", "--data", str(text), "--stride", "16", "--no-progress", "--output", str(out)]
+        assert eval_main([*source, *scored, *where]) == 0
+        perplexity.append(json.loads(out.read_text())["results"]["perplexity"]["-"]["perplexity"])
+    assert printed[1] == printed[0] and printed[0].startswith("The value of the argument is")
+    assert perplexity[1] == pytest.approx(perplexity[0], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- presets
+# transformers' counts of the published configs built on the meta device (no multi-token-prediction layer: it is
+# not part of DeepseekV3ForCausalLM / Glm4MoeForCausalLM): DeepSeek-V3 "671B total, 37B activated".
+PRESET_COUNTS = {
+    "deepseek-v3": (671_026_404_352, 37_552_282_624),
+    "kimi-k2": (1_026_408_209_408, 32_861_477_888),
+    "glm-4.5": (352_797_814_784, 33_632_251_904),
+    "glm-4.5-air": (106_852_245_504, 13_424_123_904),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_COUNTS))
+def test_the_presets_count_transformers_parameters_and_the_planner_reports_them(preset, capsys):
+    from mtnlg_lightning.families import active_parameters
+    from mtnlg_lightning.interop import deepseek_mapping
+    from mtnlg_lightning.planning.plan_cli import main as plan_main
+
+    config = get_config(preset)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            deepseek_mapping.hf_config(transformers, config, config.vocab_size, None, "float32")
+        )
+    assert type(theirs).__name__ == family_of(config).hf_architecture
+    total, active = PRESET_COUNTS[preset]
+    assert count_parameters(config) == sum(p.numel() for p in theirs.parameters()) == total
+    experts = sum(p.numel() for n, p in theirs.named_parameters() if ".experts." in n)
+    share = config.experts_per_token / config.num_experts
+    assert active_parameters(config) == count_parameters(config) - round(experts * (1 - share)) == active
+    capsys.readouterr()
+    assert plan_main(["--model", preset, "--tp", "1", "--pp", "1", "--dp", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["params_per_gpu"], plan["active_params"]) == (total, active)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_COUNTS))
+def test_each_preset_s_plan_names_every_module_of_its_dense_and_moe_blocks(preset):
+    """As test_families.py checks the presets of one block kind: the family's plan holds each module with
+    parameters of both kinds of block, and every Linear layer is a matmul of the plan (MLA's latent projections and
+    rotary key whole on every rank)."""
+    import dataclasses
+
+    from torch import nn
+
+    from mtnlg_lightning import families, family_specs
+
+    config = get_config(preset)
+    family = family_of(config)
+    assert family is family_specs.FAMILIES[config.family] and family.contradiction(config) is None
+    model = build_model(dataclasses.replace(config, num_layers=config.first_dense_layers + 1), "meta")
+    blocks = [model.blocks["0"], model.blocks[str(config.first_dense_layers)]]  # dense, then MoE
+    with_params = {n for b in blocks for n, m in b.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    linears = {n for b in blocks for n, m in b.named_modules() if isinstance(m, nn.Linear)}
+    plan = families.tensor_parallel_plan(config)
+    assert set(plan) == with_params and with_params <= set(family.tensor_parallel_plan())
+    matmuls = (*family_specs.MATMUL_STYLES, family_specs.LATENT, family_specs.SHARED_KEY)
+    shapes = families.measure(config).block  # a latent's norm is LATENT too: a vector, no matmul
+    assert {path for path, style in plan.items() if style in matmuls and len(shapes[path]["weight"]) == 2} == linears

@@ -386,6 +386,27 @@ MIXTRAL = dict(
     **dict(num_experts=8, experts_per_token=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
 )
 
+# DeepSeek-V3's class (DeepSeek-V3's and Kimi K2's config.json): multi-head latent attention (a 1536 query latent,
+# a 512 key/value latent, 128 + 64 rotary q/k dims, 128 value dims), YaRN, sigmoid routing with 8 experts per token
+# and a shared expert, the router's balancing bias. Their multi-token-prediction layer is not part of the model.
+DEEPSEEK_V3 = dict(
+    family="deepseek_v3",
+    **ROPE_BLOCK,
+    **dict(num_layers=61, hidden_size=7168, head_dim=192, ffn_hidden_size=18432, seq_len=4096, layernorm_eps=1e-6),
+    **dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True),
+    **dict(experts_per_token=8, moe_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048, norm_topk_prob=True),
+    init_std=0.006,
+)
+# GLM-4.5's class (GLM-4.5's and GLM-4.5-Air's config.json): grouped-query attention (96 query heads of 128, 8
+# key/value heads) with q/k/v biases and half of each head rotating, DeepSeek-V3's routing without groups.
+GLM4_MOE = dict(
+    family="glm4_moe",
+    **ROPE_BLOCK,
+    **dict(num_heads=96, num_kv_heads=8, head_dim=128, qkv_bias=True, partial_rotary_factor=0.5, seq_len=4096),
+    **dict(vocab_size=151552, rope_theta=1000000.0, max_position_embeddings=131072, init_std=0.02),
+    **dict(experts_per_token=8, norm_topk_prob=True),
+)
+
 PRESETS: dict[str, dict] = {
     # Table/Section 3 of the MT-NLG paper.
     "mtnlg-530b": dict(family="gpt", num_layers=105, hidden_size=20480, num_heads=128, seq_len=2048),
@@ -447,6 +468,45 @@ PRESETS: dict[str, dict] = {
         **dict(num_layers=16, hidden_size=2048, num_heads=16, ffn_hidden_size=1024, vocab_size=50304, seq_len=4096),
         **dict(qk_norm=True, qk_norm_over="projection", init_std=0.02),
         **dict(num_experts=64, experts_per_token=8, router_aux_loss_coef=0.01),
+    ),
+    "deepseek-v3": dict(  # DeepSeek-V3 (and R1): 256 experts in 8 groups, 4 kept per token, the first 3 blocks dense
+        **DEEPSEEK_V3,
+        **dict(num_heads=128, vocab_size=129280, num_experts=256, expert_groups=8, expert_groups_per_token=4),
+        **dict(first_dense_layers=3, routed_scaling_factor=2.5, max_position_embeddings=163840),
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),  # fmt: skip
+    "kimi-k2": dict(  # Kimi K2: DeepSeek-V3's block with 64 heads, 384 experts without groups, 1 dense block
+        **DEEPSEEK_V3,
+        **dict(num_heads=64, vocab_size=163840, num_experts=384, first_dense_layers=1, routed_scaling_factor=2.827),
+        **dict(rope_theta=50000.0, max_position_embeddings=131072),
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),  # fmt: skip
+    "glm-4.5": dict(  # GLM-4.5: 92 blocks (the first 3 dense), 160 experts, q/k norms
+        **GLM4_MOE,
+        **dict(num_layers=92, hidden_size=5120, ffn_hidden_size=12288, layernorm_eps=1e-5, qk_norm=True),
+        **dict(num_experts=160, moe_ffn_hidden_size=1536, shared_expert_ffn_hidden_size=1536),
+        **dict(first_dense_layers=3, routed_scaling_factor=2.5),
+    ),
+    "glm-4.5-air": dict(  # GLM-4.5-Air: 46 blocks (the first dense), 128 experts, no q/k norms
+        **GLM4_MOE,
+        **dict(num_layers=46, hidden_size=4096, ffn_hidden_size=10944, layernorm_eps=1e-5, qk_norm=False),
+        **dict(num_experts=128, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=1408, first_dense_layers=1),
     ),
     # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
     "demo-llama": {
