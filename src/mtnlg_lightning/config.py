@@ -26,9 +26,10 @@ ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # Hugging Face's `rope_
 @dataclass
 class ModelConfig:
     """One decoder, its block chosen by its family's name (`family`: gpt, llama, qwen2, qwen3, qwen3_moe, qwen2_moe,
-    mixtral, olmoe; `family_specs.py`): naming a family gives its block options (an option left unset takes the
-    family's value) and refuses one that contradicts it. With no family (null) the block is custom: its options as
-    set, each unset one the MT-NLG / GPT-3 block's (learned positions, LayerNorm, GELU MLP, biases, tied head)."""
+    mixtral, olmoe, deepseek_v3, glm4_moe; `family_specs.py`): naming a family gives its block options (an option
+    left unset takes the family's value) and refuses one that contradicts it. With no family (null) the block is
+    custom: its options as set, each unset one the MT-NLG / GPT-3 block's (learned positions, LayerNorm, GELU MLP,
+    biases, tied head)."""
 
     num_layers: int
     hidden_size: int

@@ -1,6 +1,7 @@
 """The model families, each one registered spec, chosen by name: `ModelConfig.family` (`--model.model_overrides.family
 qwen3`, or the preset's, or the Hugging Face directory's `model_type`) names one of `FAMILIES`: GPT (MT-NLG, GPT-3,
-exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE.
+exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE,
+DeepSeek-V3 (with multi-head latent attention) and GLM-4.5.
 
 A spec (`Family`, as torchtitan's `TrainSpec` per model) holds, once:
 - its block options (`block`): the `ModelConfig` values every model of the family has. Naming the family gives them
@@ -55,7 +56,7 @@ class Experts:
     """A family's mixture-of-experts options, nested in its spec (torchtitan's `MoEArgs`): the sizes (how many
     experts, k, their width) are each model's own `ModelConfig` values."""
 
-    router: str = "softmax"  # none of the published families routes by sigmoid
+    router: str = "softmax"  # or "sigmoid": DeepSeek-V3's and GLM-4.5's
     shared_expert: bool = False  # Qwen 2-MoE's sigmoid-gated shared expert (shared_expert_ffn_hidden_size > 0)
     every_layer: bool = False  # every block's MLP routes (Mixtral, OLMoE); else some may stay dense (Qwen's)
     norm_topk_prob: bool | None = None  # fixed by the family (Mixtral renormalises the top k); None: the model's

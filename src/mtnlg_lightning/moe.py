@@ -1,16 +1,16 @@
 """The mixture-of-experts layer of a block (`ModelConfig.num_experts` > 0): a router, SwiGLU experts stacked as
 `[E, ...]` weights, an optional shared expert, and the router's auxiliary losses.
 
-Routing (as transformers' Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE route): softmax over the experts' logits in
-fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that). Or (`router:
-sigmoid`, DeepSeek-V3's): each expert's sigmoid score, the top k chosen by score plus a per-expert bias that only
-chooses (the weights are the scores, renormalised when `norm_topk_prob`); after each optimizer step the bias moves
-a fixed step toward balance (`balance_expert_bias`), no gradient and no loss involved. DeepSeek-V3's group limit
-(`expert_groups`, `expert_groups_per_token`: each token's top k only among the experts of its best groups, a
-group scored by its two best choice scores) and its `routed_scaling_factor` apply to either router. Dispatch: the
-(token, expert) pairs sorted by expert, each expert's rows one GEMM (`torch._grouped_mm` where it runs, a loop over
-the experts otherwise: the same numbers), weighted and summed back per token. Dropless by default; a
-`capacity_factor` keeps each expert's first ceil(cf * tokens * k / E) pairs (in token order) and counts the rest.
+Routing (as transformers' Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE, DeepSeek-V3 and GLM-4.5 route): softmax over the
+experts' logits in fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that).
+Or (`router: sigmoid`, DeepSeek-V3's): each expert's sigmoid score, the top k chosen by score plus a per-expert bias
+that only chooses (the weights are the scores, renormalised when `norm_topk_prob`); after each optimizer step the
+bias moves a fixed step toward balance (`balance_expert_bias`), no gradient and no loss involved. DeepSeek-V3's
+group limit (`expert_groups`, `expert_groups_per_token`: each token's top k only among the experts of its best
+groups, a group scored by its two best choice scores) and its `routed_scaling_factor` apply to either router.
+Dispatch: the (token, expert) pairs sorted by expert, each expert's rows one GEMM (`torch._grouped_mm` where it
+runs, a loop over the experts otherwise: the same numbers), weighted and summed back per token. Dropless by default;
+a `capacity_factor` keeps each expert's first ceil(cf * tokens * k / E) pairs (in token order) and counts the rest.
 
 Each layer keeps the statistics of its last forward (`RouterStats`); `router_losses` combines those of a model's
 layers into the auxiliary (Switch/GShard) and z losses.

@@ -1,7 +1,8 @@
 """Hugging Face model directories: read one as a model source, write one from a checkpoint (atomically).
 
 Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE,
-Qwen 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), told apart by `config.json`'s `model_type`; the
+Qwen 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), DeepSeek-V3 and GLM-4.5 (`interop/deepseek_mapping.py`),
+told apart by `config.json`'s `model_type`; the
 architecture is read from it (the user does not restate it) and the imported config names its family
 (`ModelConfig.family`); an export writes the family the checkpoint's config names. A directory holds `config.json`,
 `model.safetensors` (or shards with an index, or a `pytorch_model.bin` read with `weights_only=True`), the tokenizer
