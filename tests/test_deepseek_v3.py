@@ -326,3 +326,15 @@ def test_tensor_parallel_shards_an_mla_block_to_the_single_process_gradients(seq
         assert grads.keys() == expected.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_planner_counts_mla_s_latent_cache_not_every_head_s_keys_and_values():
+    """DeepSeek-V3's cache per token: (512 + 64) x 61 layers x 2 bytes, whole on every TP rank; its heads' keys and
+    values would be 128 x (192 + 128) x 61 x 2 bytes (71 times more)."""
+    from mtnlg_lightning.planning.activations import kv_cache_bytes
+
+    config = get_config("deepseek-v3")
+    for tp in (1, 8):
+        assert kv_cache_bytes(config, config.num_layers, 1, 1, tp) == (512 + 64) * 61 * 2 == 70_272
+    full_heads = config.num_heads * (config.head_dim + config.v_head_dim) * config.num_layers * 2
+    assert full_heads == 4_997_120 and full_heads // 70_272 == 71

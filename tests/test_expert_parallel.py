@@ -9,7 +9,8 @@ ep2 x tp2 (SP), ep2 x cp2 and ep2 ZeRO-1 ones in one process, and each exports t
 The sigmoid router (DeepSeek-V3's, its bias balanced after each step without a loss) trains alike in ep2, ep2 x tp2
 with SP, ep2 x pp2 and ep2 ZeRO-3; its bias resumes, generates and scores in any layout and the export refuses it.
 A DeepSeek-V3 directory (multi-head latent attention, group-limited routing, shared experts, a dense first block)
-trains alike in ep2 x tp2 with SP on and off, ep2 x pp2, cp2 and ZeRO-3 over 4 ranks, in the same launch."""
+trains alike in ep2 x tp2 with SP on and off, ep2 x pp2, cp2 and ZeRO-3 over 4 ranks, in the same launch, and a
+GLM-4.5 one in ep2 x tp2 with SP and cp2."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ SIGMOID = (
 )
 LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
 MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")  # DeepSeek-V3, in the same launch
-LAUNCH += MLA
+GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")  # GLM-4.5
+LAUNCH += MLA + GLM
 MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
 
@@ -71,10 +73,15 @@ def mla_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(moe_dir, mla_dir, tmp_path_factory):
+def glm_dir(tmp_path_factory):
+    return random_deepseek_dir(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe")
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir, mla_dir, glm_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_runs")
     script = Path(__file__).resolve().parent / "dist_moe_runs.py"
-    sources = f"{moe_dir}{os.pathsep}{mla_dir}"  # the mla_ runs train the second
+    sources = os.pathsep.join(map(str, (moe_dir, mla_dir, glm_dir)))  # the mla_ runs train the second, glm_ the third
     return launch_runs(script, out, list(LAUNCH), ranks=4, args=(sources,)) | {"_dir": out}
 
 
@@ -124,6 +131,20 @@ def test_the_deepseek_v3_class_trains_like_one_process(run, runs, mla_reference)
 @pytest.fixture(scope="module")
 def mla_reference(mla_dir):
     return one_process(mla_dir, "mla_ep1")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", GLM)
+def test_the_glm_4_5_class_trains_like_one_process(run, runs, glm_reference):
+    """GLM-4.5 (q/k/v biases, per-head q/k norms, half of each head rotating; DeepSeek-V3's routing) in ep2 x tp2
+    with SP and in cp2 as one process."""
+    assert_trains_like(runs[run], glm_reference)
+
+
+@pytest.fixture(scope="module")
+def glm_reference(glm_dir):
+    return one_process(glm_dir, "glm_ep1")
 
 
 @pytest.fixture(scope="module")
