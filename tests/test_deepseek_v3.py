@@ -338,3 +338,14 @@ def test_the_planner_counts_mla_s_latent_cache_not_every_head_s_keys_and_values(
         assert kv_cache_bytes(config, config.num_layers, 1, 1, tp) == (512 + 64) * 61 * 2 == 70_272
     full_heads = config.num_heads * (config.head_dim + config.v_head_dim) * config.num_layers * 2
     assert full_heads == 4_997_120 and full_heads // 70_272 == 71
+
+
+def test_yarn_scaling_of_a_grouped_query_family_gives_transformers_logits(tmp_path):
+    """YaRN (`yarn.py`) is every RoPE family's now: a Qwen 3 directory stretched 4 times past an original context
+    of 64 positions (its attention factor 0.1 ln 4 + 1 on cos and sin) gives transformers' logits at 200 tokens."""
+    from hf_models import random_family_dir
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}
+    directory = random_family_dir(tmp_path, "qwen3", rope_parameters=yarn, max_position_embeddings=256)
+    assert load_model(directory)[0].config.rope_scaling["rope_type"] == "yarn"
+    dense_families.test_our_logits_equal_transformers(directory)
