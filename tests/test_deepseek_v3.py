@@ -349,3 +349,11 @@ def test_yarn_scaling_of_a_grouped_query_family_gives_transformers_logits(tmp_pa
     directory = random_family_dir(tmp_path, "qwen3", rope_parameters=yarn, max_position_embeddings=256)
     assert load_model(directory)[0].config.rope_scaling["rope_type"] == "yarn"
     dense_families.test_our_logits_equal_transformers(directory)
+
+
+def test_qk_clip_refuses_multi_head_latent_attention_in_one_line():
+    from mtnlg_lightning.parallel.qk_clip import QKClip
+
+    config = get_config("tiny-llama", **MLA_BLOCK)
+    with pytest.raises(MTNLGError, match="^model.qk_clip does not clip multi-head latent attention yet"):
+        QKClip(100.0, config.num_layers, config.num_heads, config.num_kv_heads).attach(build_model(config, "meta"))
