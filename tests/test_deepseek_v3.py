@@ -357,3 +357,13 @@ def test_qk_clip_refuses_multi_head_latent_attention_in_one_line():
     config = get_config("tiny-llama", **MLA_BLOCK)
     with pytest.raises(MTNLGError, match="^model.qk_clip does not clip multi-head latent attention yet"):
         QKClip(100.0, config.num_layers, config.num_heads, config.num_kv_heads).attach(build_model(config, "meta"))
+
+
+def test_init_from_refuses_overrides_of_the_latent_attention_and_routing(family_dir):
+    from mtnlg_lightning.interop.init_from import config_for_init
+
+    source = load_model(family_dir)[0].config
+    for field, value in (("rope_interleave", not source.rope_interleave), ("routed_scaling_factor", 1.0)):
+        if getattr(source, field) != value:
+            with pytest.raises(MTNLGError, match=f"^model_overrides {field}={value} conflicts with"):
+                config_for_init(str(family_dir), "tiny", {field: value, "seq_len": 64})
