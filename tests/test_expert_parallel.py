@@ -45,8 +45,9 @@ SIGMOID = (
     "sig_ep2_full_ckpt",
 )
 LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
-MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")  # DeepSeek-V3, in the same launch
-GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")  # GLM-4.5
+# DeepSeek-V3 and GLM-4.5, in the same launch
+MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp_ckpt", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")
+GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")
 LAUNCH += MLA + GLM
 MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
@@ -125,12 +126,31 @@ def test_the_deepseek_v3_class_trains_like_one_process(run, runs, mla_reference)
     """Multi-head latent attention under TP (heads split; the latents whole, on the sequence shard under SP, the
     rotary key's gradient summed over TP), PP, CP (the values padded to the q/k width for the ring) and ZeRO-3, with
     DeepSeek-V3's routing beside EP: 5 steps as one process takes them (losses rel 1e-6, parameters 2e-5)."""
-    assert_trains_like(runs[run], mla_reference)
+    steps = len(runs[run]["losses"])  # the reference ran 6 steps (for the resume), as the _ckpt run did
+    assert_trains_like(runs[run], mla_reference | {k: mla_reference[k][:steps] for k in ("losses", "grad_norms")})
 
 
 @pytest.fixture(scope="module")
-def mla_reference(mla_dir):
-    return one_process(mla_dir, "mla_ep1")
+def mla_reference(mla_dir, tmp_path_factory):
+    """One process, 6 steps (saved at 3 and 6)."""
+    return one_process(mla_dir, "mla_ep1_ckpt", tmp_path_factory.mktemp("mla_reference"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_mla_checkpoint_of_ep2_x_tp2_with_sp_resumes_in_one_process_and_exports_with_our_logits(
+    runs, mla_reference, mla_dir, tmp_path
+):
+    """The step-3 checkpoint of ep2 x tp2 with SP (heads split, the latents and the rotary key whole on each rank,
+    the experts split) resumes in one process with the uninterrupted losses; the step-6 one exports to a
+    DeepseekV3ForCausalLM directory (the trained routers' biases as e_score_correction_bias) with our logits."""
+    assert_resumes_like(one_process(mla_dir, "mla_ep1_from_mla_ep2_tp2_sp_ckpt", runs["_dir"]), mla_reference)
+    checkpoint = runs["_dir"] / "mla_ep2_tp2_sp_ckpt" / "step=6.ckpt"
+    out = tmp_path / "exported"
+    assert export_main([str(checkpoint), str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert read_model_state(checkpoint).weights["blocks.1.mlp.expert_bias"].abs().sum() > 0  # it moved
+    assert exported_logits_gap(checkpoint, out, length=32) < 1e-5
 
 
 @pytest.mark.slow
