@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 MLA_BLOCK = dict(
     family=None, num_kv_heads=4, head_dim=24, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=20, q_lora_rank=12,
     rope_interleave=True, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=16, router="sigmoid",
-    expert_groups=2, expert_groups_per_token=1, shared_expert_ffn_hidden_size=16, shared_expert_gate=False,
+    expert_groups=2, expert_groups_per_token=1, shared_expert_ffn_hidden_size=16, shared_expert_gated=False,
     first_dense_layers=1,
 )  # fmt: skip
 
@@ -47,7 +47,7 @@ def test_each_directory_reads_as_its_family_with_its_routing(family_dir):
     assert family_of(config).hf_model_type == source["model_type"]
     assert (config.num_experts, config.experts_per_token, config.expert_groups) == (8, 2, 2)
     assert config.expert_groups_per_token == 1 and config.moe_layers == (1, 2) and config.router == "sigmoid"
-    assert config.routed_scaling_factor == source["routed_scaling_factor"] and not config.shared_expert_gate
+    assert config.routed_scaling_factor == source["routed_scaling_factor"] and not config.shared_expert_gated
     if source["model_type"] == "deepseek_v3":
         assert config.latent_attention and config.q_lora_rank == source["q_lora_rank"] and config.rope_interleave
         assert (config.head_dim, config.v_head_dim, config.rotary_dim) == (16, 12, 8)

@@ -92,7 +92,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
     # the shared expert scaled by a sigmoid gate (Qwen 2-MoE: true) or added as it is (DeepSeek-V3, GLM-4.5: false);
     # family's; custom: true
-    shared_expert_gate: bool | None = None
+    shared_expert_gated: bool | None = None
     # Multi-head latent attention (DeepSeek-V2/V3, `mla.py`), on when set: keys and values come up from a latent
     # this wide (and its RMSNorm); head_dim is then each q/k head's width; null: no latent attention
     kv_lora_rank: int | None = None
@@ -204,7 +204,7 @@ class ModelConfig:
 CUSTOM_BLOCK = dict(
     position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
     tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
-    shared_expert_gate=True,
+    shared_expert_gated=True,
 )  # fmt: skip
 
 

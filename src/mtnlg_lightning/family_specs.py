@@ -60,7 +60,7 @@ class Experts:
     shared_expert: bool = False  # Qwen 2-MoE's sigmoid-gated shared expert (shared_expert_ffn_hidden_size > 0)
     every_layer: bool = False  # every block's MLP routes (Mixtral, OLMoE); else some may stay dense (Qwen's)
     norm_topk_prob: bool | None = None  # fixed by the family (Mixtral renormalises the top k); None: the model's
-    shared_expert_gate: bool = True  # Qwen 2-MoE gates its shared expert; DeepSeek-V3's are added as they are
+    shared_expert_gated: bool = True  # Qwen 2-MoE gates its shared expert; DeepSeek-V3's are added as they are
 
     def options(self) -> dict:
         """The `ModelConfig` values this nesting fixes."""
@@ -68,7 +68,7 @@ class Experts:
         if not self.shared_expert:
             fixed["shared_expert_ffn_hidden_size"] = 0
         else:
-            fixed["shared_expert_gate"] = self.shared_expert_gate
+            fixed["shared_expert_gated"] = self.shared_expert_gated
         return {key: value for key, value in fixed.items() if value is not None}
 
 
@@ -270,13 +270,13 @@ OLMOE = Family(
 # shared experts, the first blocks dense.
 DEEPSEEK_V3 = Family(
     "deepseek_v3", "DeepSeek-V3", {**_LLAMA_BLOCK, "qkv_bias": False, **_NO_QK_NORM}, _mla_modules(), "deepseek_v3",
-    "DeepseekV3ForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gate=False),
+    "DeepseekV3ForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gated=False),
     latent_attention=True,
 )  # fmt: skip
 # GLM-4.5 / 4.6: grouped-query attention (q/k/v biases and q/k norms optional, partial rotary), DeepSeek-V3's routing.
 GLM4_MOE = Family(
     "glm4_moe", "GLM-4.5", {**_LLAMA_BLOCK, "qk_norm_over": "head"}, _llama_modules(True, _DEEPSEEK_EXPERTS),
-    "glm4_moe", "Glm4MoeForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gate=False),
+    "glm4_moe", "Glm4MoeForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gated=False),
 )  # fmt: skip
 # The registry: `ModelConfig.family` names one of these.
 FAMILIES: dict[str, Family] = {

@@ -110,7 +110,7 @@ class RouterStats:
 
 class MoE(nn.Module):
     """The MLP of a mixture-of-experts block: x [B, S, H] -> [B, S, H]. `shared`: the shared expert (a dense MLP
-    every token goes through, scaled by a sigmoid gate where `shared_expert_gate`), or None."""
+    every token goes through, scaled by a sigmoid gate where `shared_expert_gated`), or None."""
 
     def __init__(self, config: ModelConfig, shared: nn.Module | None = None):
         super().__init__()
@@ -127,7 +127,7 @@ class MoE(nn.Module):
         self.experts = Experts(e, h, config.moe_ffn_hidden_size)
         # Chosen here, once: the shared expert and its gate, or neither (None).
         self.shared = shared
-        self.shared_gate = Gate(h, 1) if shared is not None and config.shared_expert_gate else None
+        self.shared_gate = Gate(h, 1) if shared is not None and config.shared_expert_gated else None
         self.stats: RouterStats | None = None
         # expert parallelism (`parallel/expert_parallel.py`) runs the experts' rows across its ranks; None: here
         self.dispatch = None

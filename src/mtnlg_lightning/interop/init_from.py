@@ -46,7 +46,7 @@ ARCHITECTURE = (
     "expert_groups",
     "expert_groups_per_token",
     "routed_scaling_factor",
-    "shared_expert_gate",
+    "shared_expert_gated",
 )
 
 
