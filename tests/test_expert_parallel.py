@@ -7,17 +7,22 @@ accumulation, and in ep2 with ZeRO-1 and with ZeRO-3 (in bf16 within bf16's nois
 checkpoint resumes in one process and in ep4 with the uninterrupted losses (ZeRO-0, and ZeRO-3 into ep4 ZeRO-1),
 ep2 x tp2 (SP), ep2 x cp2 and ep2 ZeRO-1 ones in one process, and each exports to a directory transformers loads.
 The sigmoid router (DeepSeek-V3's, its bias balanced after each step without a loss) trains alike in ep2, ep2 x tp2
-with SP, ep2 x pp2 and ep2 ZeRO-3; its bias resumes, generates and scores in any layout and the export refuses it."""
+with SP, ep2 x pp2 and ep2 ZeRO-3; its bias resumes, generates and scores in any layout and the export refuses it.
+A DeepSeek-V3 directory (multi-head latent attention, group-limited routing, shared experts, a dense first block)
+trains alike in ep2 x tp2 with SP on and off, ep2 x pp2, cp2 and ZeRO-3 over 4 ranks, in the same launch, and a
+GLM-4.5 one in ep2 x tp2 with SP and cp2."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from deepseek_models import random_deepseek_dir
 from dist_moe_runs import ROUTER_LOSSES, SIGMOID_ROUTER, run_settings
 from hf_models import exported_logits_gap, random_moe_dir
 from lightning.pytorch import Callback
@@ -40,6 +45,10 @@ SIGMOID = (
     "sig_ep2_full_ckpt",
 )
 LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
+# DeepSeek-V3 and GLM-4.5, in the same launch
+MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp_ckpt", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")
+GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")
+LAUNCH += MLA + GLM
 MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
 
@@ -60,10 +69,21 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(moe_dir, tmp_path_factory):
+def mla_dir(tmp_path_factory):
+    return random_deepseek_dir(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    return random_deepseek_dir(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe")
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir, mla_dir, glm_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_runs")
     script = Path(__file__).resolve().parent / "dist_moe_runs.py"
-    return launch_runs(script, out, list(LAUNCH), ranks=4, args=(moe_dir,)) | {"_dir": out}
+    sources = os.pathsep.join(map(str, (moe_dir, mla_dir, glm_dir)))  # the mla_ runs train the second, glm_ the third
+    return launch_runs(script, out, list(LAUNCH), ranks=4, args=(sources,)) | {"_dir": out}
 
 
 def one_process(moe_dir, name: str, out=None) -> dict:
@@ -97,6 +117,54 @@ def test_expert_parallel_trains_like_one_process(run, runs, references):
     assert_trains_like(runs[run], reference | {k: reference[k][:steps] for k in ("losses", "grad_norms")})
     experts = [name for name in references["micro2"]["params"][5] if ".experts." in name]
     assert len(experts) == 2 * 3  # two MoE layers (layer 1 is dense) of gate, up and down stacks, compared whole
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", MLA)
+def test_the_deepseek_v3_class_trains_like_one_process(run, runs, mla_reference):
+    """Multi-head latent attention under TP (heads split; the latents whole, on the sequence shard under SP, the
+    rotary key's gradient summed over TP), PP, CP (the values padded to the q/k width for the ring) and ZeRO-3, with
+    DeepSeek-V3's routing beside EP: 5 steps as one process takes them (losses rel 1e-6, parameters 2e-5)."""
+    steps = len(runs[run]["losses"])  # the reference ran 6 steps (for the resume), as the _ckpt run did
+    assert_trains_like(runs[run], mla_reference | {k: mla_reference[k][:steps] for k in ("losses", "grad_norms")})
+
+
+@pytest.fixture(scope="module")
+def mla_reference(mla_dir, tmp_path_factory):
+    """One process, 6 steps (saved at 3 and 6)."""
+    return one_process(mla_dir, "mla_ep1_ckpt", tmp_path_factory.mktemp("mla_reference"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_mla_checkpoint_of_ep2_x_tp2_with_sp_resumes_in_one_process_and_exports_with_our_logits(
+    runs, mla_reference, mla_dir, tmp_path
+):
+    """The step-3 checkpoint of ep2 x tp2 with SP (heads split, the latents and the rotary key whole on each rank,
+    the experts split) resumes in one process with the uninterrupted losses; the step-6 one exports to a
+    DeepseekV3ForCausalLM directory (the trained routers' biases as e_score_correction_bias) with our logits."""
+    assert_resumes_like(one_process(mla_dir, "mla_ep1_from_mla_ep2_tp2_sp_ckpt", runs["_dir"]), mla_reference)
+    checkpoint = runs["_dir"] / "mla_ep2_tp2_sp_ckpt" / "step=6.ckpt"
+    out = tmp_path / "exported"
+    assert export_main([str(checkpoint), str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert read_model_state(checkpoint).weights["blocks.1.mlp.expert_bias"].abs().sum() > 0  # it moved
+    assert exported_logits_gap(checkpoint, out, length=32) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", GLM)
+def test_the_glm_4_5_class_trains_like_one_process(run, runs, glm_reference):
+    """GLM-4.5 (q/k/v biases, per-head q/k norms, half of each head rotating; DeepSeek-V3's routing) in ep2 x tp2
+    with SP and in cp2 as one process."""
+    assert_trains_like(runs[run], glm_reference)
+
+
+@pytest.fixture(scope="module")
+def glm_reference(glm_dir):
+    return one_process(glm_dir, "glm_ep1")
 
 
 @pytest.fixture(scope="module")

@@ -411,11 +411,11 @@ def test_an_unsupported_moe_design_is_one_line(family_dir, tmp_path, capsys):
     copy = tmp_path / "deepseek"
     shutil.copytree(family_dir, copy)
     config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v2"}))
     capsys.readouterr()
     assert generate_main(["--checkpoint", str(copy), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "deepseek_v3 mixture of experts" in err[0] and "multi-head latent attention" in err[0]
+    assert len(err) == 1 and "deepseek_v2 mixture of experts" in err[0] and "multi-head latent attention" in err[0]
 
 
 @pytest.mark.slow

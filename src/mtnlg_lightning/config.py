@@ -20,15 +20,16 @@ MLPS = ("gelu", "swiglu")
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_BIAS_UPDATE_RATE = 1e-3  # the sigmoid router's default bias step (DeepSeek-V3's gamma, Megatron's default)
 QK_NORMS = ("head", "projection")  # over each head's dims (Qwen 3) or the whole q / k projection (OLMoE)
-ROPE_SCALINGS = ("default", "linear", "llama3")  # Hugging Face's `rope_type` names
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # Hugging Face's `rope_type` names
 
 
 @dataclass
 class ModelConfig:
     """One decoder, its block chosen by its family's name (`family`: gpt, llama, qwen2, qwen3, qwen3_moe, qwen2_moe,
-    mixtral, olmoe; `family_specs.py`): naming a family gives its block options (an option left unset takes the
-    family's value) and refuses one that contradicts it. With no family (null) the block is custom: its options as
-    set, each unset one the MT-NLG / GPT-3 block's (learned positions, LayerNorm, GELU MLP, biases, tied head)."""
+    mixtral, olmoe, deepseek_v3, glm4_moe; `family_specs.py`): naming a family gives its block options (an option
+    left unset takes the family's value) and refuses one that contradicts it. With no family (null) the block is
+    custom: its options as set, each unset one the MT-NLG / GPT-3 block's (learned positions, LayerNorm, GELU MLP,
+    biases, tied head)."""
 
     num_layers: int
     hidden_size: int
@@ -84,6 +85,25 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0  # Switch / GShard load balancing, as transformers computes it
     router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf * tokens * k / E)
+    # Group-limited routing (DeepSeek-V3's n_group): the experts split in this many equal groups, each scored by
+    # the sum of its two best choice scores (1: no limit)
+    expert_groups: int = 1
+    expert_groups_per_token: int = 1  # a token's top k only among the experts of its best groups (topk_group)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
+    # the shared expert scaled by a sigmoid gate (Qwen 2-MoE: true) or added as it is (DeepSeek-V3, GLM-4.5: false);
+    # family's; custom: true
+    shared_expert_gated: bool | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, `mla.py`), on when set: keys and values come up from a latent
+    # this wide (and its RMSNorm); head_dim is then each q/k head's width; null: no latent attention
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # MLA's queries from a latent this wide (and its RMSNorm); null: one q projection
+    qk_rope_head_dim: int | None = None  # MLA: the last dims of each q/k head that rotate (one key shared by all heads)
+    v_head_dim: int | None = None  # MLA: each value head's width
+    # the rotary dims pair as (0, 1), (2, 3)... and come out de-interleaved (Hugging Face's `rope_interleave`,
+    # DeepSeek's checkpoints); false: the first half pairs with the second, as every other family
+    rope_interleave: bool = False
+    # the share of each head's dims that rotate (the first ones; GLM-4.5: 0.5), the rest pass through
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         apply_family(self)
@@ -113,8 +133,9 @@ class ModelConfig:
                 f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads} (each key/value "
                 f"head serves a whole group of query heads)"
             )
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            raise MTNLGError(f"rope needs an even head_dim, got {self.head_dim}")
+        check_latent_attention(self)
+        if self.position_embedding == "rope" and self.rotary_dim % 2:
+            raise MTNLGError(f"rope needs an even number of rotary dims, got {self.rotary_dim}")
         check_rope_scaling(self.rope_scaling)
         if self.qk_norm_over not in QK_NORMS:
             raise MTNLGError(f"model qk_norm_over {self.qk_norm_over!r} is not one of {', '.join(QK_NORMS)}")
@@ -131,6 +152,18 @@ class ModelConfig:
         """One q/k/v projection, rows laid out [heads, 3, head_dim] (multi-head attention); grouped-query
         attention has three (its key/value heads may be replicated over the tensor-parallel ranks)."""
         return self.num_kv_heads == self.num_heads
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (`mla.py`): keys and values from a compressed latent."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each q/k head that rotate: MLA's rotary part, else the first partial_rotary_factor share."""
+        if self.latent_attention:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe(self) -> bool:
@@ -171,6 +204,7 @@ class ModelConfig:
 CUSTOM_BLOCK = dict(
     position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
     tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
+    shared_expert_gated=True,
 )  # fmt: skip
 
 
@@ -240,6 +274,54 @@ def check_experts(config: ModelConfig) -> None:
         raise MTNLGError("moe_layer_step must be >= 1 and first_dense_layers >= 0")
     if config.capacity_factor is not None and config.capacity_factor <= 0:
         raise MTNLGError(f"capacity_factor must be positive or null (dropless), got {config.capacity_factor}")
+    check_expert_groups(config)
+
+
+def check_expert_groups(config: ModelConfig) -> None:
+    """Group-limited routing the experts can be split for (one line otherwise)."""
+    groups, kept, experts = config.expert_groups, config.expert_groups_per_token, config.num_experts
+    if groups < 1 or experts % groups:
+        raise MTNLGError(f"expert_groups {groups} does not divide num_experts {experts} into equal groups")
+    if not 1 <= kept <= groups:
+        raise MTNLGError(f"expert_groups_per_token {kept} must be between 1 and expert_groups {groups}")
+    if groups > 1 and experts // groups < 2:
+        raise MTNLGError(f"expert groups of {experts // groups} expert: a group is scored by its two best experts")
+    if config.experts_per_token > kept * (experts // groups):
+        raise MTNLGError(
+            f"experts_per_token {config.experts_per_token} is more than the {kept * (experts // groups)} experts of "
+            f"the expert_groups_per_token {kept} groups a token may use"
+        )
+    if config.routed_scaling_factor <= 0:
+        raise MTNLGError(f"routed_scaling_factor must be positive, got {config.routed_scaling_factor}")
+
+
+def check_latent_attention(config: ModelConfig) -> None:
+    """Multi-head latent attention with the sizes it needs, or partial rotary dims that make sense (one line
+    otherwise)."""
+    if not 0 < config.partial_rotary_factor <= 1:
+        raise MTNLGError(f"partial_rotary_factor must be in (0, 1], got {config.partial_rotary_factor}")
+    if not config.latent_attention:
+        named = [k for k in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim") if getattr(config, k) is not None]
+        if named:
+            raise MTNLGError(f"{', '.join(named)} are multi-head latent attention's: set kv_lora_rank too")
+        return
+    sizes = {k: getattr(config, k) for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")}
+    if config.q_lora_rank is not None:
+        sizes["q_lora_rank"] = config.q_lora_rank
+    bad = [f"{k}={v!r}" for k, v in sizes.items() if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
+    if bad:
+        raise MTNLGError(f"multi-head latent attention needs positive integer sizes, got {', '.join(bad)}")
+    if config.v_head_dim > config.head_dim:
+        raise MTNLGError(f"v_head_dim {config.v_head_dim} is above head_dim {config.head_dim} (each q/k head's width)")
+    if config.head_dim <= config.qk_rope_head_dim:
+        raise MTNLGError(
+            f"head_dim {config.head_dim} (each q/k head) must be more than its rotary qk_rope_head_dim "
+            f"{config.qk_rope_head_dim}"
+        )
+    if config.position_embedding != "rope" or config.qk_norm or config.partial_rotary_factor != 1:
+        raise MTNLGError("multi-head latent attention rotates its own rope part: rope positions, no qk_norm")
+    if config.num_kv_heads != config.num_heads:
+        raise MTNLGError("multi-head latent attention has a key and a value per query head: num_kv_heads = num_heads")
 
 
 def check_rope_scaling(scaling: dict | None) -> None:
@@ -251,13 +333,14 @@ def check_rope_scaling(scaling: dict | None) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in ROPE_SCALINGS:
         raise MTNLGError(f"rope_scaling of unknown type {kind!r}; known types: {', '.join(ROPE_SCALINGS)}")
-    needed = {"linear": ("factor",), "llama3": LLAMA3_SCALING_FIELDS}.get(kind, ())
+    needed = {"linear": ("factor",), "llama3": LLAMA3_SCALING_FIELDS, "yarn": YARN_SCALING_FIELDS}.get(kind, ())
     missing = [k for k in needed if not isinstance(scaling.get(k), int | float) or isinstance(scaling.get(k), bool)]
     if missing:
         raise MTNLGError(f"rope_scaling of type {kind} needs the number(s) {', '.join(missing)}")
 
 
 LLAMA3_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_SCALING_FIELDS = ("factor", "original_max_position_embeddings")
 # Today's decoder block (Llama 3, Mixtral): RoPE, RMSNorm, SwiGLU, no biases, untied head.
 ROPE_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 LLAMA_31 = dict(
@@ -302,6 +385,27 @@ MIXTRAL = dict(
     **ROPE_BLOCK,
     **dict(vocab_size=32000, seq_len=4096, rope_theta=1000000.0, init_std=0.02),
     **dict(num_experts=8, experts_per_token=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
+)
+
+# DeepSeek-V3's class (DeepSeek-V3's and Kimi K2's config.json): multi-head latent attention (a 1536 query latent,
+# a 512 key/value latent, 128 + 64 rotary q/k dims, 128 value dims), YaRN, sigmoid routing with 8 experts per token
+# and a shared expert, the router's balancing bias. Their multi-token-prediction layer is not part of the model.
+DEEPSEEK_V3 = dict(
+    family="deepseek_v3",
+    **ROPE_BLOCK,
+    **dict(num_layers=61, hidden_size=7168, head_dim=192, ffn_hidden_size=18432, seq_len=4096, layernorm_eps=1e-6),
+    **dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True),
+    **dict(experts_per_token=8, moe_ffn_hidden_size=2048, shared_expert_ffn_hidden_size=2048, norm_topk_prob=True),
+    init_std=0.006,
+)
+# GLM-4.5's class (GLM-4.5's and GLM-4.5-Air's config.json): grouped-query attention (96 query heads of 128, 8
+# key/value heads) with q/k/v biases and half of each head rotating, DeepSeek-V3's routing without groups.
+GLM4_MOE = dict(
+    family="glm4_moe",
+    **ROPE_BLOCK,
+    **dict(num_heads=96, num_kv_heads=8, head_dim=128, qkv_bias=True, partial_rotary_factor=0.5, seq_len=4096),
+    **dict(vocab_size=151552, rope_theta=1000000.0, max_position_embeddings=131072, init_std=0.02),
+    **dict(experts_per_token=8, norm_topk_prob=True),
 )
 
 PRESETS: dict[str, dict] = {
@@ -365,6 +469,45 @@ PRESETS: dict[str, dict] = {
         **dict(num_layers=16, hidden_size=2048, num_heads=16, ffn_hidden_size=1024, vocab_size=50304, seq_len=4096),
         **dict(qk_norm=True, qk_norm_over="projection", init_std=0.02),
         **dict(num_experts=64, experts_per_token=8, router_aux_loss_coef=0.01),
+    ),
+    "deepseek-v3": dict(  # DeepSeek-V3 (and R1): 256 experts in 8 groups, 4 kept per token, the first 3 blocks dense
+        **DEEPSEEK_V3,
+        **dict(num_heads=128, vocab_size=129280, num_experts=256, expert_groups=8, expert_groups_per_token=4),
+        **dict(first_dense_layers=3, routed_scaling_factor=2.5, max_position_embeddings=163840),
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),  # fmt: skip
+    "kimi-k2": dict(  # Kimi K2: DeepSeek-V3's block with 64 heads, 384 experts without groups, 1 dense block
+        **DEEPSEEK_V3,
+        **dict(num_heads=64, vocab_size=163840, num_experts=384, first_dense_layers=1, routed_scaling_factor=2.827),
+        **dict(rope_theta=50000.0, max_position_embeddings=131072),
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),  # fmt: skip
+    "glm-4.5": dict(  # GLM-4.5: 92 blocks (the first 3 dense), 160 experts, q/k norms
+        **GLM4_MOE,
+        **dict(num_layers=92, hidden_size=5120, ffn_hidden_size=12288, layernorm_eps=1e-5, qk_norm=True),
+        **dict(num_experts=160, moe_ffn_hidden_size=1536, shared_expert_ffn_hidden_size=1536),
+        **dict(first_dense_layers=3, routed_scaling_factor=2.5),
+    ),
+    "glm-4.5-air": dict(  # GLM-4.5-Air: 46 blocks (the first dense), 128 experts, no q/k norms
+        **GLM4_MOE,
+        **dict(num_layers=46, hidden_size=4096, ffn_hidden_size=10944, layernorm_eps=1e-5, qk_norm=False),
+        **dict(num_experts=128, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=1408, first_dense_layers=1),
     ),
     # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
     "demo-llama": {

@@ -30,10 +30,12 @@ from mtnlg_lightning.family_specs import (
     EXPERTS,
     FAMILIES,
     KV_COLUMN,
+    LATENT,
     MATMUL_STYLES,
     ROUTER,
     ROUTING_MODULES,  # noqa: F401 - train/optimizer_recipe.py reads it here, with the measured counts
     ROW,
+    SHARED_KEY,
     TENSOR_PARALLEL_PLAN,
     VOCAB,
     Family,
@@ -229,8 +231,9 @@ def _numel(params: dict[str, tuple[int, ...]]) -> int:
 @_per_shape
 def matmul_parameters(config: ModelConfig) -> int:
     """Weights that multiply activations per token: every block's Linear layers (the plan's column- and
-    row-parallel modules), a mixture of experts' router and shared-expert gate, the k experts each token goes to
-    (the experts' weights at k / E), and the LM head; the embedding lookup and the norms do no matmul."""
+    row-parallel modules, multi-head latent attention's whole ones), a mixture of experts' router and shared-expert
+    gate, the k experts each token goes to (the experts' weights at k / E), and the LM head; the embedding lookup
+    and the norms do no matmul."""
     shapes = measure(config)
     share = config.experts_per_token / config.num_experts if config.num_experts else 1.0
     per_kind = {}
@@ -239,7 +242,7 @@ def matmul_parameters(config: ModelConfig) -> int:
         per_kind[kind] = sum(
             math.prod(shapes.block[path]["weight"]) * (share if style == EXPERTS else 1.0)
             for path, style in styles.items()
-            if style in (*MATMUL_STYLES, ROUTER, EXPERTS)
+            if style in (*MATMUL_STYLES, ROUTER, EXPERTS) or _whole_linear(style, shapes.block[path])
         )
     blocks = sum(per_kind[layer_kind(config, i)] for i in range(config.num_layers))
     return round(blocks) + math.prod(shapes.top["lm_head"]["weight"])
@@ -257,7 +260,7 @@ def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str,
         if style == EXPERTS:
             _, rows, columns = shapes.block[path]["weight"]
             out[path] = (style, rows * config.experts_per_token, columns)
-        elif style == ROUTER:
+        elif style == ROUTER or _whole_linear(style, shapes.block[path]):
             out[path] = (style, *shapes.block[path]["weight"])
         elif style in MATMUL_STYLES:
             rows, columns = shapes.block[path]["weight"]
@@ -266,6 +269,12 @@ def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str,
             else:
                 out[path] = (style, rows / tp, columns) if style == COLUMN else (style, rows, columns / tp)
     return out
+
+
+def _whole_linear(style: str, params: dict[str, tuple[int, ...]]) -> bool:
+    """A Linear layer every tensor-parallel rank holds whole: multi-head latent attention's latent projections and
+    its rotary key (not their norms)."""
+    return style in (LATENT, SHARED_KEY) and len(params["weight"]) == 2
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face

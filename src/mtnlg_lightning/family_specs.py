@@ -1,6 +1,7 @@
 """The model families, each one registered spec, chosen by name: `ModelConfig.family` (`--model.model_overrides.family
 qwen3`, or the preset's, or the Hugging Face directory's `model_type`) names one of `FAMILIES`: GPT (MT-NLG, GPT-3,
-exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE.
+exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE,
+DeepSeek-V3 (with multi-head latent attention) and GLM-4.5.
 
 A spec (`Family`, as torchtitan's `TrainSpec` per model) holds, once:
 - its block options (`block`): the `ModelConfig` values every model of the family has. Naming the family gives them
@@ -36,6 +37,13 @@ NORM = "norm"  # replicated over the hidden size; on the sequence shard under se
 REPLICATED = "replicated"  # every rank holds all of it (learned positions)
 ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
 EXPERTS = "experts"  # experts stacked [E, out, in]: whole on every tensor-parallel rank (expert parallelism splits E)
+# Multi-head latent attention's (`mla.py`): a latent projection or its norm, whole on every rank, on the sequence
+# shard under sequence parallelism (its gradient then summed over TP, as a norm's); the column-parallel layer after
+# it gathers the latent and sums its gradient
+LATENT = "latent"
+# the rotary key every head shares (MLA's `k_rope`): whole on every rank, its input gathered like a column layer's,
+# its gradient (each rank's from its own heads) summed over TP
+SHARED_KEY = "shared_key"
 MATMUL_STYLES = (COLUMN, KV_COLUMN, ROW)  # the block's Linear layers: weights that multiply activations per token
 # Our names of the routing matrices (ROUTER above): the leaves of `mlp.router` and `mlp.shared_gate`, which Muon
 # leaves to AdamW (`train/optimizer_recipe.py`).
@@ -48,16 +56,19 @@ class Experts:
     """A family's mixture-of-experts options, nested in its spec (torchtitan's `MoEArgs`): the sizes (how many
     experts, k, their width) are each model's own `ModelConfig` values."""
 
-    router: str = "softmax"  # none of the published families routes by sigmoid
+    router: str = "softmax"  # or "sigmoid": DeepSeek-V3's and GLM-4.5's
     shared_expert: bool = False  # Qwen 2-MoE's sigmoid-gated shared expert (shared_expert_ffn_hidden_size > 0)
     every_layer: bool = False  # every block's MLP routes (Mixtral, OLMoE); else some may stay dense (Qwen's)
     norm_topk_prob: bool | None = None  # fixed by the family (Mixtral renormalises the top k); None: the model's
+    shared_expert_gated: bool = True  # Qwen 2-MoE gates its shared expert; DeepSeek-V3's are added as they are
 
     def options(self) -> dict:
         """The `ModelConfig` values this nesting fixes."""
         fixed = {"router": self.router, "norm_topk_prob": self.norm_topk_prob}
         if not self.shared_expert:
             fixed["shared_expert_ffn_hidden_size"] = 0
+        else:
+            fixed["shared_expert_gated"] = self.shared_expert_gated
         return {key: value for key, value in fixed.items() if value is not None}
 
 
@@ -76,6 +87,7 @@ class Family:
     hf_architecture: str
     experts: Experts | None = None  # a mixture of experts' options; None: a dense family
     grouped_query: bool = True  # False: multi-head attention only (num_kv_heads = num_heads: GPT-2's one c_attn)
+    latent_attention: bool = False  # multi-head latent attention (DeepSeek-V3: kv_lora_rank set), or none
     options: dict = field(init=False)  # `block` and the nested experts' options: what naming the family sets
 
     def __post_init__(self) -> None:
@@ -89,6 +101,9 @@ class Family:
                 return f"{key}={getattr(config, key)!r} (a {self.name} model has {key}={value!r})"
         if not self.grouped_query and config.num_kv_heads != config.num_heads:
             return f"num_kv_heads={config.num_kv_heads} (a {self.name} model has num_kv_heads = num_heads)"
+        if config.latent_attention != self.latent_attention:
+            needs = "has" if self.latent_attention else "has no"
+            return f"kv_lora_rank={config.kv_lora_rank} (a {self.name} model {needs} multi-head latent attention)"
         if self.experts is None and config.num_experts:
             return f"num_experts={config.num_experts} (a {self.name} model is dense: num_experts=0)"
         if self.experts is not None and not config.num_experts:
@@ -104,9 +119,10 @@ class Family:
         return {path.removeprefix(BLOCK): style for path, (style, _) in self.modules.items()}
 
 
-def _experts(moe: str, router: str, gate: str, up: str, down: str, shared: bool) -> dict:
+def _experts(moe: str, router: str, gate: str, up: str, down: str, shared: bool | str) -> dict:
     """A mixture of experts' rows: its router, the experts (Hugging Face's one module per expert `{j}`) and maybe a
-    shared expert with its sigmoid gate (Qwen 2-MoE's names)."""
+    shared expert with its sigmoid gate (Qwen 2-MoE's names), or (`shared` "ungated") DeepSeek-V3's shared experts,
+    one SwiGLU of n_shared_experts x their width, without a gate."""
     experts = f"{moe}experts.{{j}}."
     rows = {
         f"{BLOCK}mlp.router": (ROUTER, f"{moe}{router}"),
@@ -114,7 +130,13 @@ def _experts(moe: str, router: str, gate: str, up: str, down: str, shared: bool)
         f"{BLOCK}mlp.experts.up": (EXPERTS, f"{experts}{up}"),
         f"{BLOCK}mlp.experts.down": (EXPERTS, f"{experts}{down}"),
     }
-    if shared:
+    if shared == "ungated":
+        rows |= {
+            f"{BLOCK}mlp.shared.gate": (COLUMN, f"{moe}shared_experts.gate_proj"),
+            f"{BLOCK}mlp.shared.up": (COLUMN, f"{moe}shared_experts.up_proj"),
+            f"{BLOCK}mlp.shared.down": (ROW, f"{moe}shared_experts.down_proj"),
+        }
+    elif shared:
         rows |= {
             f"{BLOCK}mlp.shared.gate": (COLUMN, f"{moe}shared_expert.gate_proj"),
             f"{BLOCK}mlp.shared.up": (COLUMN, f"{moe}shared_expert.up_proj"),
@@ -125,6 +147,8 @@ def _experts(moe: str, router: str, gate: str, up: str, down: str, shared: bool)
 
 
 _QWEN_EXPERTS = dict(moe="model.layers.{i}.mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj")
+# DeepSeek-V3's and GLM-4.5's: Qwen's names, and ungated shared experts.
+_DEEPSEEK_EXPERTS = dict(_QWEN_EXPERTS, shared="ungated")
 # Mixtral's expert MLP: w1 the gate, w3 the up projection, w2 the down projection.
 _MIXTRAL_EXPERTS = dict(moe="model.layers.{i}.block_sparse_moe.", router="gate", gate="w1", up="w3", down="w2")
 
@@ -152,6 +176,31 @@ def _llama_modules(qk_norms: bool, experts: dict | None = None) -> dict[str, tup
         "norm": (NORM, "model.norm"),
         "lm_head": (VOCAB, "lm_head"),  # stored only when untied
     }
+
+
+def _mla_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """DeepSeek-V3's layout: the Llama rows with multi-head latent attention in place of q/k/v (`mla.py`: q or
+    q_down, its norm and q_up; kv_down and k_rope, the two parts of Hugging Face's `kv_a_proj_with_mqa`, the latent's
+    norm and kv_up) and DeepSeek's experts."""
+    attn = "model.layers.{i}.self_attn."
+    rows = _llama_modules(False, _DEEPSEEK_EXPERTS)
+    latent = {
+        f"{BLOCK}attn.q": (COLUMN, f"{attn}q_proj"),
+        f"{BLOCK}attn.q_down": (LATENT, f"{attn}q_a_proj"),
+        f"{BLOCK}attn.q_down_norm": (LATENT, f"{attn}q_a_layernorm"),
+        f"{BLOCK}attn.q_up": (COLUMN, f"{attn}q_b_proj"),
+        f"{BLOCK}attn.kv_down": (LATENT, f"{attn}kv_a_proj_with_mqa"),
+        f"{BLOCK}attn.k_rope": (SHARED_KEY, f"{attn}kv_a_proj_with_mqa"),
+        f"{BLOCK}attn.kv_down_norm": (LATENT, f"{attn}kv_a_layernorm"),
+        f"{BLOCK}attn.kv_up": (COLUMN, f"{attn}kv_b_proj"),
+    }
+    out = {}
+    for path, row in rows.items():
+        if path == f"{BLOCK}attn.qkv":
+            out |= latent
+        elif path not in (f"{BLOCK}attn.q", f"{BLOCK}attn.k", f"{BLOCK}attn.v"):
+            out[path] = row
+    return out
 
 
 _GPT_BLOCK = dict(position_embedding="learned", norm="layernorm", mlp="gelu", bias=True)
@@ -217,8 +266,22 @@ OLMOE = Family(
     "olmoe", "OLMoE", {**_LLAMA_BLOCK, "qkv_bias": False, "qk_norm": True, "qk_norm_over": "projection"},
     _llama_modules(True, {**_QWEN_EXPERTS, "shared": False}), "olmoe", "OlmoeForCausalLM", Experts(every_layer=True),
 )  # fmt: skip
+# DeepSeek-V3 (and R1, Kimi K2): multi-head latent attention, sigmoid routing with a balancing bias in groups, ungated
+# shared experts, the first blocks dense.
+DEEPSEEK_V3 = Family(
+    "deepseek_v3", "DeepSeek-V3", {**_LLAMA_BLOCK, "qkv_bias": False, **_NO_QK_NORM}, _mla_modules(), "deepseek_v3",
+    "DeepseekV3ForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gated=False),
+    latent_attention=True,
+)  # fmt: skip
+# GLM-4.5 / 4.6: grouped-query attention (q/k/v biases and q/k norms optional, partial rotary), DeepSeek-V3's routing.
+GLM4_MOE = Family(
+    "glm4_moe", "GLM-4.5", {**_LLAMA_BLOCK, "qk_norm_over": "head"}, _llama_modules(True, _DEEPSEEK_EXPERTS),
+    "glm4_moe", "Glm4MoeForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gated=False),
+)  # fmt: skip
 # The registry: `ModelConfig.family` names one of these.
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, GLM4_MOE)
+}
 
 
 def family_spec(name: str) -> Family:

@@ -33,8 +33,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.mla import MultiHeadLatentAttention
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
 from mtnlg_lightning.torch_compat import non_persistent_buffer_names
+from mtnlg_lightning.yarn import rope_attention_factor, yarn_inverse_frequencies
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -45,13 +47,16 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- rotary positions
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """theta^(-2i/d) per pair of dims, rescaled as the config's rope_scaling says (Hugging Face's definitions)."""
-    dim = config.head_dim
+    """theta^(-2i/d) per pair of the d rotary dims, rescaled as the config's rope_scaling says (Hugging Face's
+    definitions)."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return yarn_inverse_frequencies(scaling, dim, config.rope_theta)
     if kind == "llama3":  # long wavelengths slowed by `factor`, short ones kept, those between interpolated
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         original = scaling["original_max_position_embeddings"]
@@ -70,8 +75,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, hd])."""
-    return x * cos + rotate_half(x) * sin
+    """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, rotary dims]): all of each head's
+    dims, or the first ones (partial_rotary_factor < 1: the rest pass through, as GLM-4.5)."""
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turn, keep = x[..., :rotated], x[..., rotated:]
+    return torch.cat((turn * cos + rotate_half(turn) * sin, keep), dim=-1)
 
 
 class Rotary:
@@ -94,7 +104,8 @@ class Rotary:
             angles = torch.cat((freqs, freqs), dim=-1)
             if angles.dim() == 3:  # [B, S, hd]: one row of positions per sequence, broadcast over the heads
                 angles = angles.unsqueeze(1)
-            self._made = (key, angles.cos().to(dtype), angles.sin().to(dtype))
+            factor = rope_attention_factor(self.model.config.rope_scaling)  # YaRN's; 1 for the other rotations
+            self._made = (key, (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype))
         return self._made[1], self._made[2]
 
 
@@ -267,7 +278,9 @@ class GroupedQueryAttention(Attention):
         return tuple(t.view(B, S, -1, self.head_dim) for t in (q, k, v))
 
 
-def make_attention(config: ModelConfig) -> Attention:
+def make_attention(config: ModelConfig) -> nn.Module:
+    if config.latent_attention:  # its own module (`mla.py`), given the swappable core every attention has
+        return MultiHeadLatentAttention(config, AttentionCore())
     return FusedQKVAttention(config) if config.fused_qkv else GroupedQueryAttention(config)
 
 
@@ -512,8 +525,9 @@ class KVCache:
                 store[name] = tensor.index_select(0, rows.to(tensor.device))
 
     def bytes_per_position(self) -> int:
-        """Bytes one position takes in every cached block: 2 x blocks x kv_heads x head_dim x element size."""
-        return sum(t[0, :, 0].numel() * t.element_size() * 2 for t in self.keys.values())
+        """Bytes one position takes in every cached block: 2 x blocks x kv_heads x head_dim x element size (keys
+        and values; multi-head latent attention's: its latent and rotary key, `mla.py`)."""
+        return sum(t[0, :, 0].numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
 
 class LayerCache:
@@ -523,7 +537,8 @@ class LayerCache:
         self.cache, self.name = cache, name
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, kv_heads, S, hd] at positions start..start+S; return every cached position up to there."""
+        """Write k, v [B, kv_heads, S, hd] at positions start..start+S (v's hd may differ from k's); return every
+        cached position up to there."""
         c = self.cache
         start, end = c.start, c.start + k.shape[2]
         if k.shape[2] > 1 and start:
@@ -531,9 +546,9 @@ class LayerCache:
         if end > c.length:
             raise ValueError(f"position {end} is beyond the cache's {c.length}")
         if self.name not in c.keys:
-            shape = (k.shape[0], k.shape[1], c.length, k.shape[3])
-            c.keys[self.name] = k.new_empty(shape)
-            c.values[self.name] = v.new_empty(shape)
+            shape = (k.shape[0], k.shape[1], c.length)
+            c.keys[self.name] = k.new_empty((*shape, k.shape[3]))
+            c.values[self.name] = v.new_empty((*shape, v.shape[3]))
         keys, values = c.keys[self.name], c.values[self.name]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v

@@ -1,14 +1,16 @@
 """The mixture-of-experts layer of a block (`ModelConfig.num_experts` > 0): a router, SwiGLU experts stacked as
 `[E, ...]` weights, an optional shared expert, and the router's auxiliary losses.
 
-Routing (as transformers' Qwen 3-MoE, Qwen 2-MoE, Mixtral and OLMoE route): softmax over the experts' logits in
-fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that). Or (`router:
-sigmoid`, DeepSeek-V3's): each expert's sigmoid score, the top k chosen by score plus a per-expert bias that only
-chooses (the weights are the scores, renormalised when `norm_topk_prob`); after each optimizer step the bias moves
-a fixed step toward balance (`balance_expert_bias`), no gradient and no loss involved. Dispatch: the
-(token, expert) pairs sorted by expert, each expert's rows one GEMM (`torch._grouped_mm` where it runs, a loop over
-the experts otherwise: the same numbers), weighted and summed back per token. Dropless by default; a
-`capacity_factor` keeps each expert's first ceil(cf * tokens * k / E) pairs (in token order) and counts the rest.
+Routing (as transformers' Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE, DeepSeek-V3 and GLM-4.5 route): softmax over the
+experts' logits in fp32, the top k, renormalised when `norm_topk_prob` (Mixtral's softmax over the top k is that).
+Or (`router: sigmoid`, DeepSeek-V3's): each expert's sigmoid score, the top k chosen by score plus a per-expert bias
+that only chooses (the weights are the scores, renormalised when `norm_topk_prob`); after each optimizer step the
+bias moves a fixed step toward balance (`balance_expert_bias`), no gradient and no loss involved. DeepSeek-V3's
+group limit (`expert_groups`, `expert_groups_per_token`: each token's top k only among the experts of its best
+groups, a group scored by its two best choice scores) and its `routed_scaling_factor` apply to either router.
+Dispatch: the (token, expert) pairs sorted by expert, each expert's rows one GEMM (`torch._grouped_mm` where it
+runs, a loop over the experts otherwise: the same numbers), weighted and summed back per token. Dropless by default;
+a `capacity_factor` keeps each expert's first ceil(cf * tokens * k / E) pairs (in token order) and counts the rest.
 
 Each layer keeps the statistics of its last forward (`RouterStats`); `router_losses` combines those of a model's
 layers into the auxiliary (Switch/GShard) and z losses.
@@ -108,12 +110,14 @@ class RouterStats:
 
 class MoE(nn.Module):
     """The MLP of a mixture-of-experts block: x [B, S, H] -> [B, S, H]. `shared`: the shared expert (a dense MLP
-    every token goes through, scaled by a sigmoid gate), or None."""
+    every token goes through, scaled by a sigmoid gate where `shared_expert_gated`), or None."""
 
     def __init__(self, config: ModelConfig, shared: nn.Module | None = None):
         super().__init__()
         h, e = config.hidden_size, config.num_experts
         self.top_k, self.norm_topk_prob = config.experts_per_token, config.norm_topk_prob
+        self.groups, self.groups_per_token = config.expert_groups, config.expert_groups_per_token
+        self.routed_scaling_factor = config.routed_scaling_factor
         self.capacity_factor = config.capacity_factor
         self.router = Gate(h, e)
         # The sigmoid router's selection bias: state, not a parameter (no gradient reaches it: it only chooses), so a
@@ -123,7 +127,7 @@ class MoE(nn.Module):
         self.experts = Experts(e, h, config.moe_ffn_hidden_size)
         # Chosen here, once: the shared expert and its gate, or neither (None).
         self.shared = shared
-        self.shared_gate = Gate(h, 1) if shared is not None else None
+        self.shared_gate = Gate(h, 1) if shared is not None and config.shared_expert_gated else None
         self.stats: RouterStats | None = None
         # expert parallelism (`parallel/expert_parallel.py`) runs the experts' rows across its ranks; None: here
         self.dispatch = None
@@ -138,16 +142,20 @@ class MoE(nn.Module):
         logits = self.router(x)
         if self.expert_bias is None:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            scores, choice = probs, probs
         else:
             scores = torch.sigmoid(logits.float())
-            chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
-            weights = scores.gather(-1, chosen)
+            choice = scores.detach() + self.expert_bias
             # the auxiliary loss's routing probabilities (if one is set too): the scores normalised per token, as
             # DeepSeek-V3's complementary sequence-wise loss takes them
             probs = scores / scores.sum(dim=-1, keepdim=True)
+        if self.groups > 1:
+            choice = within_best_groups(choice.detach(), self.groups, self.groups_per_token)
+        chosen = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * self.routed_scaling_factor
         counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).float()
         z = torch.logsumexp(logits.float(), dim=-1).square().sum()
         probability_sums, tokens = probs.sum(dim=0), x.shape[0]
@@ -185,7 +193,8 @@ class MoE(nn.Module):
         out = out * weights.flatten()[order, None]
         y = torch.zeros_like(x).index_add_(0, token, out).view(shape)
         if self.shared is not None:  # [B, S, H] as a dense MLP takes it (sequence parallelism gathers along S)
-            y = y + torch.sigmoid(self.shared_gate(hidden)) * self.shared(hidden)
+            shared = self.shared(hidden)
+            y = y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(hidden)) * shared)
         return y
 
     def _within_capacity(self, order: torch.Tensor, counts: torch.Tensor, tokens: int):
@@ -198,6 +207,16 @@ class MoE(nn.Module):
         keep = torch.arange(order.numel(), device=order.device) - starts[expert] < capacity
         self.stats.dropped = int((~keep).sum())
         return order[keep], counts.clamp(max=capacity)
+
+
+def within_best_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): `choice` [T, E] with every expert outside each token's `kept` best of
+    `groups` equal groups set to -inf; a group's score is the sum of its two best choice scores."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, groups, experts // groups)
+    best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(kept, dim=-1).indices
+    allowed = torch.zeros(tokens, groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 def _over_slices(local: torch.Tensor, group, scale: int = 1) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of the family its config names
-(`model.family`: GPT-2, Llama, Qwen 2, Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE); a
+(`model.family`: GPT-2, Llama, Qwen 2, Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE,
+DeepSeek-V3, GLM-4.5); a
 checkpoint written before configs named their family gets it from its options when read (`config.config_from_stored`),
 a custom block (family null) has no Hugging Face form.
 
@@ -22,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-export-hf",
         description="Export a checkpoint (any layout) to a Hugging Face directory of the family its config names "
-        "(model.family: GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, Mixtral or OLMoE: architectures, RoPE "
+        "(model.family: GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE, DeepSeek-V3 or GLM-4.5: "
+        "architectures, RoPE "
         "settings, tied or untied head): config.json, "
         "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
         "(vocabulary trimmed to the tokenizer's), tokenizer files with the chat template the checkpoint carries "

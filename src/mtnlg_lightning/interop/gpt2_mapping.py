@@ -183,7 +183,7 @@ def normalize(name: str) -> str:
     return name if name.startswith("transformer.") or name == HEAD else f"transformer.{name}"
 
 
-def is_constant(name: str) -> bool:
+def is_constant(name: str, config: ModelConfig | None = None) -> bool:
     """The causal-mask buffers some GPT-2 files carry: constants, not weights."""
     return name.endswith(CONSTANT_BUFFERS)
 

@@ -35,6 +35,18 @@ ARCHITECTURE = (
     "bias",
     "qkv_bias",
     "tie_embeddings",
+    # multi-head latent attention's sizes and the rotation's layout (DeepSeek-V3), partial rotary dims (GLM-4.5)
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+    "partial_rotary_factor",
+    # DeepSeek-V3's routing: the weights would no longer be the model's
+    "expert_groups",
+    "expert_groups_per_token",
+    "routed_scaling_factor",
+    "shared_expert_gated",
 )
 
 

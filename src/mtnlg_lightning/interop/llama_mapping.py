@@ -265,6 +265,6 @@ def normalize(name: str) -> str:
     return name
 
 
-def is_constant(name: str) -> bool:
+def is_constant(name: str, config: ModelConfig | None = None) -> bool:
     """RoPE's frequencies, which older files carry: constants, not weights."""
     return name.endswith(CONSTANT_BUFFERS)

@@ -88,6 +88,7 @@ def with_base(adapter: ModelState, base: ModelState) -> ModelState:
     """A LoRA checkpoint's model: its base (checked against the recorded content hash) with the adapters merged."""
     check_base(adapter.base, base_reference(base_path(adapter)))
     shaped = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "mlp")
+    shaped += ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")  # multi-head latent attention
     theirs, ours = dataclasses.asdict(base.config), dataclasses.asdict(adapter.config)
     different = [f for f in shaped if theirs[f] != ours[f]]
     if different:

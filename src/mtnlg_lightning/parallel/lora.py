@@ -35,7 +35,8 @@ from torch import nn
 
 from mtnlg_lightning.config import ModelConfig, reject_unknown_fields
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.family_specs import BLOCK, MATMUL_STYLES, TENSOR_PARALLEL_PLAN, family_spec
+from mtnlg_lightning.families import measure
+from mtnlg_lightning.family_specs import BLOCK, COLUMN, MATMUL_STYLES, TENSOR_PARALLEL_PLAN, family_spec
 from mtnlg_lightning.parallel.sequence_parallel import (
     all_gather_linear,
     mark_sequence_parallel,
@@ -86,8 +87,16 @@ SEPARATE_QKV = ("q", "k", "v")
 
 
 def projections_of(config: ModelConfig) -> tuple[str, ...]:
-    """The projections a block of `config` has, in block order."""
+    """The projections a block of `config` has, in block order. Multi-head latent attention's are those split by
+    heads (Hugging Face's q_proj or q_b_proj, and kv_b_proj): its latent projections, whole on every
+    tensor-parallel rank, take no adapter."""
     attention = ("qkv",) if config.fused_qkv else SEPARATE_QKV
+    if config.latent_attention:  # the column-parallel ones of its block, as measured
+        attention = tuple(
+            path.rpartition(".")[2]
+            for path in measure(config).block
+            if path.startswith("attn.") and TENSOR_PARALLEL_PLAN.get(path) == COLUMN
+        )
     mlp = ("gate", "up", "down") if config.mlp == "swiglu" else ("fc1", "fc2")
     return (*attention, "proj", *mlp)
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.mla import MultiHeadLatentAttention
 from mtnlg_lightning.model import Attention, FusedQKVAttention
 from mtnlg_lightning.parallel.context_parallel import chunk_indices
 
@@ -76,6 +77,11 @@ class QKClip:
 
     def attach(self, model: nn.Module) -> None:
         for name, module in model.named_modules():
+            if isinstance(module, MultiHeadLatentAttention):  # not an `Attention`: it would go unclipped
+                raise MTNLGError(
+                    "model.qk_clip does not clip multi-head latent attention yet (Kimi K2 scales each head's "
+                    "no-rotation q/k rows and only q's rotary rows)"
+                )
             if isinstance(module, Attention):
                 if module.qk_norm_over is not None:
                     raise MTNLGError("model.qk_clip cannot clip a model with q/k norms (the norm undoes the scaling)")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.families import tensor_parallel_plan
-from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, NORM, ROUTER, ROW
+from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, LATENT, NORM, ROUTER, ROW, SHARED_KEY
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies
@@ -285,7 +285,10 @@ def apply_tensor_parallel(
     replicated, their gradients, each from this rank's heads, summed over TP), norms (replicated), a mixture of
     experts' router and experts (whole on every TP rank: a fine-grained expert's few columns would make TP GEMMs
     too thin to pay for the all-reduce, as Megatron's expert TP of 1 and torchtitan's defaults judge; EP splits the
-    experts instead) and its shared expert (column and row, as a dense MLP). Word embedding
+    experts instead) and its shared expert (column and row, as a dense MLP); multi-head latent attention's latent
+    projections and norms (replicated; the column-parallel layer after them sums their gradient, or under sequence
+    parallelism each rank's slice's is summed as a norm's) and its rotary key (whole on every rank, input gathered as
+    a column layer's, gradient summed over TP). Word embedding
     vocab-parallel; the LM head tied to its shard or (untied) its own vocab-parallel shard. Position embeddings and
     row-parallel biases stay replicated. Parts a pipeline stage does not own (None) are skipped. size == 1 leaves
     the model untouched.
@@ -320,10 +323,14 @@ def apply_tensor_parallel(
                         sum_gradient_over(param, kv_group)
             elif style == ROW:
                 setattr(parent, name, row(module))
+            elif style == SHARED_KEY:  # whole on every rank; its gradient, each from this rank's heads, summed
+                setattr(parent, name, column(module, copies=size))
+                for param in getattr(parent, name).parameters():
+                    sum_gradient_over(param, group)
             elif style == HEAD_NORM and group is not None:
                 for param in module.parameters():
                     sum_gradient_over(param, group)
-            elif style in (NORM, ROUTER, EXPERTS) and sp:  # each rank routes and runs its own sequence slice
+            elif style in (NORM, ROUTER, EXPERTS, LATENT) and sp:  # each rank runs its own sequence slice
                 for param in module.parameters():
                     mark_sequence_parallel(param, group)
         if sp:

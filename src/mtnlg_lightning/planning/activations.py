@@ -33,10 +33,15 @@ def activation_bytes_per_layer(
         return 2 * s * b * h / (tp if sp else 1)  # only the layer input is kept
     q, kv = a * hd / tp, kv_heads_per_rank(config, tp) * hd
     mlp = (4 if config.mlp == "swiglu" else 2) * 2 * f / tp / h
+    latents = 0.0
+    if config.latent_attention:  # MLA: q and k (expanded), v and the core's output padded to their width
+        q, kv = a * hd / tp, a * hd / tp
+        latents = 4 * ((config.q_lora_rank or 0) + config.kv_lora_rank) / h  # each latent: its norm's and up's input
+        latents /= tp if sp else 1  # on the sequence shard under SP
     if config.moe:  # averaged over the layers: a MoE layer's MLP in place of the dense one
         share = len(config.moe_layers) / config.num_layers
         mlp = (1 - share) * mlp + share * _moe_mlp_bytes(config, tp, sp)
-    sharded = (2 * (q + kv) + 2 * kv + 2 * q) / h + mlp  # GPT: 24 / t
+    sharded = (2 * (q + kv) + 2 * kv + 2 * q) / h + mlp + latents  # GPT: 24 / t
     kept = 10 / tp + sharded if sp else 10 + sharded
     if recompute == "selective":
         return s * b * h * kept
@@ -64,5 +69,9 @@ def forward_working_bytes(config: ModelConfig, batch: int, length: int, tp: int,
 
 def kv_cache_bytes(config: ModelConfig, layers: int, batch: int, length: float, tp: int, dtype: str = "bf16") -> float:
     """Keys and values of `layers` layers for `batch` x `length` tokens, one TP rank's key/value heads (2 x layers
-    x kv_heads x head_dim x bytes per token: grouped-query attention caches only its key/value heads)."""
+    x kv_heads x head_dim x bytes per token: grouped-query attention caches only its key/value heads). Multi-head
+    latent attention caches its latent and rotary key instead, whole on every TP rank ((kv_lora_rank +
+    qk_rope_head_dim) x layers x bytes per token: `mla.py`)."""
+    if config.latent_attention:
+        return layers * batch * length * (config.kv_lora_rank + config.qk_rope_head_dim) * DTYPE_BYTES[dtype]
     return 2 * layers * batch * length * kv_heads_per_rank(config, tp) * config.head_dim * DTYPE_BYTES[dtype]
