@@ -144,8 +144,8 @@ def llama_variant(tmp_path, family_dir, change) -> str:
     [
         (lambda c: c.update(num_key_value_heads=3), "num_heads 4 is not divisible by num_kv_heads 3"),
         (
-            lambda c: c["rope_parameters"].update(rope_type="yarn"),
-            "rope_scaling of unknown type 'yarn'; known types: default, linear, llama3",
+            lambda c: c["rope_parameters"].update(rope_type="longrope"),
+            "rope_scaling of unknown type 'longrope'; known types: default, linear, llama3, yarn",
         ),
         (lambda c: c.update(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]), "holds a 'gpt_neox' model"),
     ],

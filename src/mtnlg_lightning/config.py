@@ -9,18 +9,21 @@ from dataclasses import dataclass
 
 import yaml
 
+from mtnlg_lightning.attention_kinds import check_attention_kinds
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.family_specs import FAMILIES, family_spec
 
 POSITION_EMBEDDINGS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+# rmsnorm_plus_one: Gemma's RMSNorm, computed in fp32 and scaled by (1 + weight), its weight starting at 0
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
+# geglu: down(gelu_tanh(gate(x)) * up(x)) (Gemma's gelu_pytorch_tanh MLP)
+MLPS = ("gelu", "swiglu", "geglu")
 # softmax: over the experts, then the top k (renormalised when norm_topk_prob); sigmoid: each expert's own score,
 # the top k chosen by score + a per-expert bias that balances the load without a loss (DeepSeek-V3)
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_BIAS_UPDATE_RATE = 1e-3  # the sigmoid router's default bias step (DeepSeek-V3's gamma, Megatron's default)
 QK_NORMS = ("head", "projection")  # over each head's dims (Qwen 3) or the whole q / k projection (OLMoE)
-ROPE_SCALINGS = ("default", "linear", "llama3")  # Hugging Face's `rope_type` names
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # Hugging Face's `rope_type` names
 
 
 @dataclass
@@ -84,6 +87,19 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0  # Switch / GShard load balancing, as transformers computes it
     router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf * tokens * k / E)
+    # Attention kinds per layer (`attention_kinds.py`), Hugging Face's `layer_types`: one of full_attention,
+    # sliding_attention per layer; None: every layer full causal attention.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # the keys a sliding layer's query sees, itself included (HF's sliding_window)
+    sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3's local base); None: rope_theta
+    # family's: a learned logit per head that joins every softmax and takes a share of it (GPT-OSS); custom: false
+    attention_sinks: bool | None = None
+    attention_output_bias: bool | None = None  # a bias on the attention's output projection; None: as `bias`
+    attention_softmax_scale: float | None = None  # None: head_dim^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5)
+    # family's: a norm on the attention's and the MLP's outputs before each residual add (Gemma's four norms per
+    # block); custom: false
+    post_block_norms: bool | None = None
+    scale_embeddings: bool | None = None  # family's: the word embedding times sqrt(hidden_size) (Gemma); custom: false
 
     def __post_init__(self) -> None:
         apply_family(self)
@@ -97,6 +113,8 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.qkv_bias is None:
             self.qkv_bias = self.bias
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.bias
         for name, value, choices in (
             ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
             ("norm", self.norm, NORMS),
@@ -119,6 +137,7 @@ class ModelConfig:
         if self.qk_norm_over not in QK_NORMS:
             raise MTNLGError(f"model qk_norm_over {self.qk_norm_over!r} is not one of {', '.join(QK_NORMS)}")
         check_experts(self)
+        check_attention_kinds(self)
         check_family(self)
         if self.seq_len > self.max_position_embeddings:
             raise MTNLGError(
@@ -171,6 +190,7 @@ class ModelConfig:
 CUSTOM_BLOCK = dict(
     position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
     tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
+    attention_sinks=False, post_block_norms=False, scale_embeddings=False,
 )  # fmt: skip
 
 
@@ -251,13 +271,14 @@ def check_rope_scaling(scaling: dict | None) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in ROPE_SCALINGS:
         raise MTNLGError(f"rope_scaling of unknown type {kind!r}; known types: {', '.join(ROPE_SCALINGS)}")
-    needed = {"linear": ("factor",), "llama3": LLAMA3_SCALING_FIELDS}.get(kind, ())
+    needed = {"linear": ("factor",), "llama3": LLAMA3_SCALING_FIELDS, "yarn": YARN_SCALING_FIELDS}.get(kind, ())
     missing = [k for k in needed if not isinstance(scaling.get(k), int | float) or isinstance(scaling.get(k), bool)]
     if missing:
         raise MTNLGError(f"rope_scaling of type {kind} needs the number(s) {', '.join(missing)}")
 
 
 LLAMA3_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_SCALING_FIELDS = ("factor", "original_max_position_embeddings")  # beta_fast, beta_slow, truncate: defaults
 # Today's decoder block (Llama 3, Mixtral): RoPE, RMSNorm, SwiGLU, no biases, untied head.
 ROPE_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 LLAMA_31 = dict(

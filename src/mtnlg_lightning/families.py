@@ -111,7 +111,11 @@ def measure(config: ModelConfig, vocab_tensor_parallel: int = 1) -> Measured:
     measured on a one-block model built on the meta device (nothing is allocated)."""
     multiple = config.make_vocab_size_divisible_by * vocab_tensor_parallel
     # The one-block variants name no family: a mixture of experts' dense variant is no longer of its family.
-    one = dataclasses.replace(config, num_layers=1, make_vocab_size_divisible_by=multiple, family=None)
+    # Every attention kind has the same parameters (a sliding layer is a mask), so the one block is a full one.
+    one = dataclasses.replace(
+        config, num_layers=1, make_vocab_size_divisible_by=multiple, family=None, layer_types=None,
+        sliding_rope_theta=None,
+    )  # fmt: skip
     variants = {
         "dense": dataclasses.replace(one, num_experts=0),
         "moe": dataclasses.replace(one, first_dense_layers=0, dense_layers=None, moe_layer_step=1),

@@ -217,8 +217,45 @@ OLMOE = Family(
     "olmoe", "OLMoE", {**_LLAMA_BLOCK, "qkv_bias": False, "qk_norm": True, "qk_norm_over": "projection"},
     _llama_modules(True, {**_QWEN_EXPERTS, "shared": False}), "olmoe", "OlmoeForCausalLM", Experts(every_layer=True),
 )  # fmt: skip
+
+
+def _gemma3_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Gemma 3's layout: Llama's names, q/k norms, and four norms per block (Hugging Face's post-attention norm is
+    the attention output's, its pre-feed-forward norm our `ln2`)."""
+    layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    return {
+        "embed.wte": (VOCAB, "model.embed_tokens"),
+        f"{BLOCK}ln1": (NORM, f"{layer}input_layernorm"),
+        f"{BLOCK}attn.qkv": (COLUMN, (f"{attn}q_proj", f"{attn}k_proj", f"{attn}v_proj")),
+        f"{BLOCK}attn.q": (COLUMN, f"{attn}q_proj"),
+        f"{BLOCK}attn.k": (KV_COLUMN, f"{attn}k_proj"),
+        f"{BLOCK}attn.v": (KV_COLUMN, f"{attn}v_proj"),
+        f"{BLOCK}attn.proj": (ROW, f"{attn}o_proj"),
+        f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"),
+        f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm"),
+        f"{BLOCK}post_attn_norm": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}ln2": (NORM, f"{layer}pre_feedforward_layernorm"),
+        f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),
+        f"{BLOCK}mlp.up": (COLUMN, f"{layer}mlp.up_proj"),
+        f"{BLOCK}mlp.down": (ROW, f"{layer}mlp.down_proj"),
+        f"{BLOCK}post_mlp_norm": (NORM, f"{layer}post_feedforward_layernorm"),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+# Gemma 3 (text): (1 + w) RMSNorms, four per block, q/k norms, the embedding scaled by sqrt(H), a tanh-GELU gated
+# MLP, sliding-window layers with their own RoPE base between the global ones (`layer_types`).
+GEMMA3 = Family(
+    "gemma3_text", "Gemma 3",
+    {**_LLAMA_BLOCK, "norm": "rmsnorm_plus_one", "mlp": "geglu", "qkv_bias": False, **_HEAD_QK_NORM,
+     "post_block_norms": True, "scale_embeddings": True, "attention_sinks": False},
+    _gemma3_modules(), "gemma3_text", "Gemma3ForCausalLM",
+)  # fmt: skip
 # The registry: `ModelConfig.family` names one of these.
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA3)
+}
 
 
 def family_spec(name: str) -> Family:
