@@ -42,6 +42,38 @@ RANDOM_GEMMA3 = dict(
 )
 
 
+# GPT-OSS at test size: 4 layers alternating sliding (window 8) and full from layer 0, sinks, YaRN (factor 32 over an
+# original context of 16, so every band of frequencies is exercised in rows of 40), biased q/k/v/o, 4 experts with
+# biases and the clamped SwiGLU (its limit low enough to clip), 2 per token.
+RANDOM_GPT_OSS = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    swiglu_limit=0.3,  # small enough that the clamps bite at this size (the published 7.0 at full size)
+    sliding_window=8,
+    max_position_embeddings=512,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 150000.0,
+    },
+)
+FAMILIES = {
+    "gemma3_text": ("Gemma3TextConfig", RANDOM_GEMMA3, "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", RANDOM_GPT_OSS, "GptOssForCausalLM"),
+}
+
+
 def random_hf_dir(directory, config_class: str, values: dict, name: str, seed: int = 0):
     """A random transformers model of `config_class` saved with `save_pretrained`, with the demo tokenizer; every
     tensor perturbed (Gemma's norms start at 0, the identity) so a mapping mistake anywhere changes the logits."""
@@ -61,56 +93,61 @@ def random_hf_dir(directory, config_class: str, values: dict, name: str, seed: i
     return out
 
 
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory):
-    return random_hf_dir(tmp_path_factory.mktemp("gemma3"), "Gemma3TextConfig", RANDOM_GEMMA3, "gemma3-random")
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory):
+    config_class, values, _ = FAMILIES[request.param]
+    return random_hf_dir(tmp_path_factory.mktemp(request.param), config_class, values, f"{request.param}-random")
 
 
 def hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-def test_gemma3_logits_equal_transformers_past_the_window(gemma3_dir):
+def test_logits_equal_transformers_past_the_window(family_dir):
     tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
-    ours, _ = load_model(gemma3_dir)
-    assert ours.config.family == "gemma3_text" and ours.config.layer_types[5] == "full_attention"
+    ours, _ = load_model(family_dir)
+    assert ours.config.family in FAMILIES and "full_attention" in ours.config.layer_types
     with torch.no_grad():
-        expected, got = hf_model(gemma3_dir)(tokens).logits, ours(tokens)[..., :4096]
+        expected, got = hf_model(family_dir)(tokens).logits, ours(tokens)[..., :4096]
     assert (got - expected).abs().max().item() < 1e-5
 
 
-def test_gemma3_greedy_text_equals_transformers_with_the_cache_past_the_window(gemma3_dir):
-    tokenizer = Tokenizer(gemma3_dir / "tokenizer.json")
+def test_greedy_text_equals_transformers_with_the_cache_past_the_window(family_dir):
+    tokenizer = Tokenizer(family_dir / "tokenizer.json")
     ids = tokenizer.encode("The value of the argument is")
     with torch.no_grad():
-        made = hf_model(gemma3_dir).generate(
+        made = hf_model(family_dir).generate(
             torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eod_id
         )
     theirs = [t for t in made[0, len(ids) :].tolist() if t != tokenizer.eod_id]
-    model, _ = load_model(gemma3_dir, for_generation=True)
+    model, _ = load_model(family_dir, for_generation=True)
     ours = generate(model, ids, 24, temperature=0, eos_id=tokenizer.eod_id)
     assert ours.tokens[0] == theirs[: len(ours.tokens[0])] and len(ours.tokens[0]) == len(theirs)
 
 
-def test_gemma3_export_loads_as_the_same_class_with_our_logits(gemma3_dir, tmp_path):
+def test_export_loads_as_the_same_class_with_our_logits(family_dir, tmp_path):
     out = tmp_path / "exported"
-    assert export_main([str(gemma3_dir), str(out)]) == 0
+    assert export_main([str(family_dir), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())
-    source = json.loads((gemma3_dir / "config.json").read_text())
-    for key in ("architectures", "layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
-        assert written[key] == source[key], key
+    source = json.loads((family_dir / "config.json").read_text())
+    for key in (
+        *("architectures", "layer_types", "sliding_window", "rope_parameters"),
+        *("query_pre_attn_scalar", "swiglu_limit", "swiglu_alpha", "num_local_experts"),
+    ):
+        assert written.get(key) == source.get(key), key
     tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1))
-    ours, _ = load_model(gemma3_dir)
+    ours, _ = load_model(family_dir)
     reloaded = hf_model(out)
-    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    assert type(reloaded).__name__ == source["architectures"][0]
     with torch.no_grad():
         assert (reloaded(tokens).logits - ours(tokens)[..., :4096]).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
-def test_a_packed_row_of_three_documents_is_each_document_alone(gemma3_dir, kernel, monkeypatch):
-    """Sliding layers see their window within their document only; positions restart per document."""
-    model, _ = load_model(gemma3_dir)
+def test_a_packed_row_of_three_documents_is_each_document_alone(family_dir, kernel, monkeypatch):
+    """Sliding layers see their window within their document only, sinks join each document's softmax alone;
+    positions restart per document."""
+    model, _ = load_model(family_dir)
     lengths = (14, 9, 17)  # two longer than the window of 8, one shorter
     docs = [torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     row = torch.cat(docs, dim=1)

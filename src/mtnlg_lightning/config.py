@@ -21,6 +21,9 @@ MLPS = ("gelu", "swiglu", "geglu")
 # softmax: over the experts, then the top k (renormalised when norm_topk_prob); sigmoid: each expert's own score,
 # the top k chosen by score + a per-expert bias that balances the load without a loss (DeepSeek-V3)
 ROUTERS = ("softmax", "sigmoid")
+# The experts' MLP: swiglu (bias-free, every MoE family but GPT-OSS) or clamped_swiglu (GPT-OSS: biased router and
+# experts, gate and up clamped at swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate); `biased_experts.py`)
+EXPERT_MLPS = ("swiglu", "clamped_swiglu")
 EXPERT_BIAS_UPDATE_RATE = 1e-3  # the sigmoid router's default bias step (DeepSeek-V3's gamma, Megatron's default)
 QK_NORMS = ("head", "projection")  # over each head's dims (Qwen 3) or the whole q / k projection (OLMoE)
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # Hugging Face's `rope_type` names
@@ -99,6 +102,9 @@ class ModelConfig:
     # family's: a norm on the attention's and the MLP's outputs before each residual add (Gemma's four norms per
     # block); custom: false
     post_block_norms: bool | None = None
+    expert_mlp: str | None = None  # family's: swiglu | clamped_swiglu (GPT-OSS's, EXPERT_MLPS); custom: swiglu
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, -limit <= up <= limit
     scale_embeddings: bool | None = None  # family's: the word embedding times sqrt(hidden_size) (Gemma); custom: false
 
     def __post_init__(self) -> None:
@@ -119,6 +125,7 @@ class ModelConfig:
             ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
             ("norm", self.norm, NORMS),
             ("mlp", self.mlp, MLPS),
+            ("expert_mlp", self.expert_mlp, EXPERT_MLPS),
         ):
             if value not in choices:
                 raise MTNLGError(f"model {name} {value!r} is not one of {', '.join(choices)}")
@@ -190,7 +197,7 @@ class ModelConfig:
 CUSTOM_BLOCK = dict(
     position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
     tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
-    attention_sinks=False, post_block_norms=False, scale_embeddings=False,
+    attention_sinks=False, post_block_norms=False, scale_embeddings=False, expert_mlp="swiglu",
 )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from mtnlg_lightning.family_specs import (
     COLUMN,
     EXPERTS,
     FAMILIES,
+    HEADS,
     KV_COLUMN,
     MATMUL_STYLES,
     ROUTER,
@@ -160,7 +161,7 @@ def _held(config: ModelConfig, style: str, name: str, shape: tuple[int, ...], tp
     if style == KV_COLUMN:
         rows = int(kv_heads_per_rank(config, tp) * (shape[0] // config.num_kv_heads))
         return numel // shape[0] * rows
-    sharded = style in (COLUMN, VOCAB) or (style == ROW and name == "weight")
+    sharded = style in (COLUMN, VOCAB, HEADS) or (style == ROW and name == "weight")
     return numel // tp if sharded else numel
 
 

@@ -31,6 +31,7 @@ KV_COLUMN = (
 )
 ROW = "row"  # weight columns (input features) split, partial outputs summed; its bias replicated
 VOCAB = "vocab"  # vocabulary rows split (the word embedding, the LM head)
+HEADS = "heads"  # one value per query head ([heads]: attention sinks): each rank keeps its heads' entries, as q
 HEAD_NORM = "head_norm"  # replicated, applied to this rank's heads only: its gradient summed over TP
 NORM = "norm"  # replicated over the hidden size; on the sequence shard under sequence parallelism
 REPLICATED = "replicated"  # every rank holds all of it (learned positions)
@@ -219,9 +220,9 @@ OLMOE = Family(
 )  # fmt: skip
 
 
-def _gemma3_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
-    """Gemma 3's layout: Llama's names, q/k norms, and four norms per block (Hugging Face's post-attention norm is
-    the attention output's, its pre-feed-forward norm our `ln2`)."""
+def _attention_rows() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """The rows a layout of Llama's names begins with: the embedding, the first norm and the attention's
+    projections (for the families after Llama's, which `_llama_modules` does not build)."""
     layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
     return {
         "embed.wte": (VOCAB, "model.embed_tokens"),
@@ -231,6 +232,15 @@ def _gemma3_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
         f"{BLOCK}attn.k": (KV_COLUMN, f"{attn}k_proj"),
         f"{BLOCK}attn.v": (KV_COLUMN, f"{attn}v_proj"),
         f"{BLOCK}attn.proj": (ROW, f"{attn}o_proj"),
+    }
+
+
+def _gemma3_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Gemma 3's layout: Llama's names, q/k norms, and four norms per block (Hugging Face's post-attention norm is
+    the attention output's, its pre-feed-forward norm our `ln2`)."""
+    layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    return {
+        **_attention_rows(),
         f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"),
         f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm"),
         f"{BLOCK}post_attn_norm": (NORM, f"{layer}post_attention_layernorm"),
@@ -252,9 +262,37 @@ GEMMA3 = Family(
      "post_block_norms": True, "scale_embeddings": True, "attention_sinks": False},
     _gemma3_modules(), "gemma3_text", "Gemma3ForCausalLM",
 )  # fmt: skip
+
+
+def _gpt_oss_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """GPT-OSS's layout: Llama's attention names with biases and sinks, a biased router, experts stored as
+    parameters of one module ([E, in, 2 x out] gate and up interleaved, [E, in, out] down, their biases): their
+    Hugging Face names and layout are `interop/gpt_oss_mapping.py`'s (None here)."""
+    layer = "model.layers.{i}."
+    return {
+        **_attention_rows(),
+        f"{BLOCK}attn.sinks": (HEADS, None),
+        f"{BLOCK}ln2": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}mlp.router": (ROUTER, f"{layer}mlp.router"),
+        f"{BLOCK}mlp.experts.gate": (EXPERTS, None),
+        f"{BLOCK}mlp.experts.up": (EXPERTS, None),
+        f"{BLOCK}mlp.experts.down": (EXPERTS, None),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+# GPT-OSS: sliding-window and full layers alternating, learned attention sinks, biases on q, k, v and o, YaRN RoPE
+# (the model's rope_scaling), every block's MLP experts with a biased router and the clamped SwiGLU.
+GPT_OSS = Family(
+    "gpt_oss", "GPT-OSS",
+    {**_LLAMA_BLOCK, "qkv_bias": True, "attention_output_bias": True, "attention_sinks": True, **_NO_QK_NORM,
+     "expert_mlp": "clamped_swiglu"},
+    _gpt_oss_modules(), "gpt_oss", "GptOssForCausalLM", Experts(every_layer=True, norm_topk_prob=True),
+)  # fmt: skip
 # The registry: `ModelConfig.family` names one of these.
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA3)
+    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA3, GPT_OSS)
 }
 
 

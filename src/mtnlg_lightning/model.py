@@ -43,6 +43,7 @@ from mtnlg_lightning.attention_kinds import (
     yarn_attention_factor,
     yarn_inverse_frequencies,
 )
+from mtnlg_lightning.biased_experts import MOE_LAYERS
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
@@ -454,7 +455,7 @@ def make_mlp(config: ModelConfig, index: int) -> nn.Module:
     if not config.is_moe_layer(index):
         return dense(config)
     shared = config.shared_expert_ffn_hidden_size
-    return MoE(config, dense(config, shared) if shared else None)
+    return MOE_LAYERS[config.expert_mlp](config, dense(config, shared) if shared else None)
 
 
 class Block(nn.Module):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.families import tensor_parallel_plan
-from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, NORM, ROUTER, ROW
+from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, HEADS, KV_COLUMN, NORM, ROUTER, ROW
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies
@@ -320,6 +320,9 @@ def apply_tensor_parallel(
                         sum_gradient_over(param, kv_group)
             elif style == ROW:
                 setattr(parent, name, row(module))
+            elif style == HEADS:  # this rank's query heads' entries (attention sinks), as q's column shard
+                shard = _shard(module.weight, 0, rank, size).requires_grad_(module.weight.requires_grad)
+                module.weight = _mark_sharded(nn.Parameter(shard), 0, rank, size)
             elif style == HEAD_NORM and group is not None:
                 for param in module.parameters():
                     sum_gradient_over(param, group)
