@@ -7,14 +7,16 @@ with our logits, and a packed row of three documents is each document alone, win
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import warnings
 
 import pytest
 import torch
+from hf_models import ATTENTION_KIND_FAMILIES, random_attention_kind_dir
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.data.tokenizer import Tokenizer
-from mtnlg_lightning.demo.builtin_corpus import build_demo_data
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.inference.decode import generate
 from mtnlg_lightning.inference.load import load_model
@@ -22,81 +24,10 @@ from mtnlg_lightning.interop.export_cli import main as export_main
 
 transformers = pytest.importorskip("transformers")
 
-# Gemma 3 at test size: 6 layers (layer 5 the full one), a window of 8 keys (rows of 40), query_pre_attn_scalar not
-# head_dim, 4 query heads over 2 key/value heads.
-RANDOM_GEMMA3 = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    query_pre_attn_scalar=24,
-    sliding_window=8,
-    max_position_embeddings=256,
-    rope_parameters={
-        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-    },
-)
 
-
-# GPT-OSS at test size: 4 layers alternating sliding (window 8) and full from layer 0, sinks, YaRN (factor 32 over an
-# original context of 16, so every band of frequencies is exercised in rows of 40), biased q/k/v/o, 4 experts with
-# biases and the clamped SwiGLU (its limit low enough to clip), 2 per token.
-RANDOM_GPT_OSS = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    swiglu_limit=0.3,  # small enough that the clamps bite at this size (the published 7.0 at full size)
-    sliding_window=8,
-    max_position_embeddings=512,
-    rope_parameters={
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 16,
-        "rope_theta": 150000.0,
-    },
-)
-FAMILIES = {
-    "gemma3_text": ("Gemma3TextConfig", RANDOM_GEMMA3, "Gemma3ForCausalLM"),
-    "gpt_oss": ("GptOssConfig", RANDOM_GPT_OSS, "GptOssForCausalLM"),
-}
-
-
-def random_hf_dir(directory, config_class: str, values: dict, name: str, seed: int = 0):
-    """A random transformers model of `config_class` saved with `save_pretrained`, with the demo tokenizer; every
-    tensor perturbed (Gemma's norms start at 0, the identity) so a mapping mistake anywhere changes the logits."""
-    _, tokenizer_path = build_demo_data(progress=False)
-    tokenizer = Tokenizer(tokenizer_path)
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(
-        **values, bos_token_id=tokenizer.eod_id, eos_token_id=tokenizer.eod_id, pad_token_id=None
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    out = directory / name
-    model.eval().save_pretrained(out)
-    tokenizer.save(out / "tokenizer.json")
-    return out
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(ATTENTION_KIND_FAMILIES))
 def family_dir(request, tmp_path_factory):
-    config_class, values, _ = FAMILIES[request.param]
-    return random_hf_dir(tmp_path_factory.mktemp(request.param), config_class, values, f"{request.param}-random")
+    return random_attention_kind_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def hf_model(path):
@@ -106,7 +37,7 @@ def hf_model(path):
 def test_logits_equal_transformers_past_the_window(family_dir):
     tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
     ours, _ = load_model(family_dir)
-    assert ours.config.family in FAMILIES and "full_attention" in ours.config.layer_types
+    assert ours.config.family in ATTENTION_KIND_FAMILIES and "full_attention" in ours.config.layer_types
     with torch.no_grad():
         expected, got = hf_model(family_dir)(tokens).logits, ours(tokens)[..., :4096]
     assert (got - expected).abs().max().item() < 1e-5
@@ -171,3 +102,42 @@ def test_bad_layer_patterns_are_one_line():
         ModelConfig(**base, layer_types=["sliding_attention"] * 3)
     with pytest.raises(MTNLGError, match=r"^sliding_window 64 is not smaller than seq_len 64: no query would lose"):
         ModelConfig(**base, layer_types=["sliding_attention"] * 3, sliding_window=64)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_context_parallel_ring_honours_a_sliding_window_exactly(packed):
+    """cp 2 and 3 ranks on threads (test_document_mask's ring): a window of 5 keys, one sequence or packed
+    documents; the output and the gradients of q, k, v equal the whole sequence's dense windowed attention."""
+    from test_document_mask import QueueRing
+
+    from mtnlg_lightning.model import CausalMasks, DocumentMask
+    from mtnlg_lightning.parallel.context_parallel import RingAttentionCore, split_sequence
+
+    generator = torch.Generator().manual_seed(0)
+    B, S, D, window = 2, 36, 8, 5
+    q, grad = torch.randn(B, 4, S, D, generator=generator), torch.randn(B, 4, S, D, generator=generator)
+    k, v = torch.randn(B, 2, S, D, generator=generator), torch.randn(B, 2, S, D, generator=generator)
+    document_ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 9, [0] * 36]) if packed else torch.zeros(1, S).long()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = DocumentMask(document_ids, "sdpa", window).attend(*whole)
+    (out * grad).sum().backward()
+    expected = [out.detach(), *(t.grad for t in whole)]
+    for cp in (2, 3):
+        inboxes, results = [queue.Queue() for _ in range(cp)], [None] * cp
+
+        def rank(r: int, cp=cp, inboxes=inboxes, results=results) -> None:
+            mine = [split_sequence(t, r, cp, dim=2).clone().requires_grad_() for t in (q, k, v)]
+            masks = DocumentMask(document_ids, "blocks") if packed else CausalMasks("blocks")
+            mask = masks.for_window(window, mine[0].shape[2], q.device)
+            y = RingAttentionCore(QueueRing(inboxes, r))(*mine, 0.0, mask)
+            (y * split_sequence(grad, r, cp, dim=2)).sum().backward()
+            results[r] = [y.detach(), *(t.grad for t in mine)]
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for r, got in enumerate(results):
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
+                torch.testing.assert_close(a, split_sequence(b, r, cp, dim=2), rtol=0, atol=1e-5, msg=f"{name} {r}")

@@ -198,6 +198,7 @@ class DocumentMask:
         if kernel == "auto":
             kernel = "flex" if document_ids.is_cuda else "sdpa"
         self.document_ids, self.kernel, self.window = document_ids, kernel, window
+        self.one_sequence = False  # `CausalMasks`' (a row that is one document: context parallelism rebuilds it)
         self.dense = self.block_mask = None
         self._windowed: dict[int | None, DocumentMask] = {window: self}
         B, S = document_ids.shape
@@ -265,6 +266,7 @@ class CausalMasks:
         if key not in self._made:
             one_document = torch.zeros(1, length, dtype=torch.long, device=device)
             self._made[key] = DocumentMask(one_document, self.kernel, window)
+            self._made[key].one_sequence = True
         return self._made[key]
 
 
