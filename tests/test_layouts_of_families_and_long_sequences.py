@@ -152,17 +152,17 @@ def assert_trains_like_one_process(run: dict, reference: dict) -> None:
         ("llama_tp2_dp2_zero3_sp", 4),
         ("llama_tp2_pp2_dp2_zero1", 8),
         ("llama_tp2_pp2_dp2_zero1_sp", 8),
-        ("gemma3_tp2_sp", 2),
-        ("gemma3_pp2", 2),
-        ("gemma3_dp2_zero1", 2),
-        ("gptoss_tp2", 2),
-        ("gptoss_pp2", 2),
-        ("gptoss_ep2_zero1", 2),
     ],
 )
 def test_the_layout_trains_like_one_process(name, world, references, world2, world4, world8):
     run = {2: world2, 4: world4, 8: world8}[world][name]
     assert_trains_like_one_process(run, references[reference_of(name)])
+
+
+@pytest.mark.parametrize("name", [n for n in WORLD2 if n.startswith(("gemma3_", "gptoss_"))])
+def test_an_attention_kind_family_trains_like_one_process(name, references, world2):
+    """Gemma 3 and GPT-OSS (issue 62) in the world-2 launch only, so these run without the larger launches."""
+    assert_trains_like_one_process(world2[name], references[reference_of(name)])
 
 
 @pytest.mark.parametrize(
