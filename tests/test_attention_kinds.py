@@ -141,3 +141,44 @@ def test_the_context_parallel_ring_honours_a_sliding_window_exactly(packed):
         for r, got in enumerate(results):
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
                 torch.testing.assert_close(a, split_sequence(b, r, cp, dim=2), rtol=0, atol=1e-5, msg=f"{name} {r}")
+
+
+# The published text models' config.json values (gemma-3-27b-pt's text_config; gpt-oss-20b / -120b).
+GPT_OSS_PUBLISHED = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_experts_per_tok=4, sliding_window=128,
+)  # fmt: skip
+PUBLISHED = {
+    "gemma-3-27b": (
+        "Gemma3TextConfig",
+        dict(
+            vocab_size=262208,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+            sliding_window=1024,
+        ),  # fmt: skip
+    ),
+    "gpt-oss-20b": ("GptOssConfig", dict(GPT_OSS_PUBLISHED, num_hidden_layers=24, num_local_experts=32)),
+    "gpt-oss-120b": ("GptOssConfig", dict(GPT_OSS_PUBLISHED, num_hidden_layers=36, num_local_experts=128)),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_the_presets_count_what_transformers_builds(preset):
+    """Our count (measured on the meta device) equals transformers' model of the published config, built on the
+    meta device (27,009,346,304 / 20,914,757,184 / 116,829,156,672); the preset's layer pattern is theirs."""
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.families import count_parameters
+
+    config_class, values = PUBLISHED[preset]
+    hf_config = getattr(transformers, config_class)(**values)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf_config)
+    ours = get_config(preset)
+    assert count_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+    assert ours.layer_types == hf_config.layer_types and ours.sliding_window == hf_config.sliding_window

@@ -32,16 +32,19 @@ def closed_form(config, tp: int) -> dict[str, int]:
     """Parameters one of `tp` tensor-parallel ranks holds: a block, the embeddings, the final norm, the LM head."""
     h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
     q, kv = config.num_heads * hd // tp, int(max(config.num_kv_heads / tp, 1.0) * hd)
-    matrices = 3 if config.mlp == "swiglu" else 2
+    matrices = 3 if config.mlp in ("swiglu", "geglu") else 2
     norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
     mlp = matrices * h * f // tp
     if config.moe:  # the MoE presets' blocks are all MoE: a router and E experts, whole on every TP rank
-        shared = config.shared_expert_ffn_hidden_size
-        mlp = h * config.num_experts + 3 * config.num_experts * h * config.moe_ffn_hidden_size
+        shared, e, fe = config.shared_expert_ffn_hidden_size, config.num_experts, config.moe_ffn_hidden_size
+        mlp = h * e + 3 * e * h * fe
         mlp += 3 * h * shared // tp + h if shared else 0
+        mlp += (e + e * (2 * fe + h)) * (config.expert_mlp == "clamped_swiglu")  # GPT-OSS: router, expert biases
     qk_norms = 2 * hd if config.qk_norm_over == "head" else (config.num_heads + config.num_kv_heads) * hd
-    block = h * (q + 2 * kv) + q * h + mlp + 2 * norm + qk_norms * config.qk_norm
+    norms = 4 if config.post_block_norms else 2  # Gemma's four per block
+    block = h * (q + 2 * kv) + q * h + mlp + norms * norm + qk_norms * config.qk_norm
     block += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
+    block += h * (config.attention_output_bias and not config.bias) + q // hd * config.attention_sinks
     vocab = config.padded_vocab_size(tp) * h // tp
     positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
     return {"block": block, "embeddings": vocab + positions, "norm": norm, "head": vocab}
@@ -81,7 +84,7 @@ def test_matmul_weights_per_token_follow_the_closed_form(preset):
     config = get_config(preset)
     h, hd, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, o and k, v
-    mlp = (3 if config.mlp == "swiglu" else 2) * h * f
+    mlp = (3 if config.mlp in ("swiglu", "geglu") else 2) * h * f
     if config.moe:  # the router and the k experts a token goes to
         mlp = h * config.num_experts + config.experts_per_token * 3 * h * config.moe_ffn_hidden_size
     assert matmul_parameters(config) == config.num_layers * (attention + mlp) + h * config.padded_vocab_size()
@@ -92,7 +95,8 @@ def test_every_preset_names_one_family_whose_plan_names_each_module_of_its_block
     config = get_config(preset)
     family = family_of(config)
     assert family is family_specs.FAMILIES[config.family] and family.contradiction(config) is None
-    block = build_model(dataclasses.replace(config, num_layers=1), "meta").blocks["0"]
+    one = config.layer_types[:1] if config.layer_types else None  # the pattern of the one block
+    block = build_model(dataclasses.replace(config, num_layers=1, layer_types=one), "meta").blocks["0"]
     with_params = {name for name, m in block.named_modules() if any(True for _ in m.parameters(recurse=False))}
     linears = {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
     plan = families.tensor_parallel_plan(config)

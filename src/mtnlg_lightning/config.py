@@ -332,6 +332,23 @@ MIXTRAL = dict(
     **dict(num_experts=8, experts_per_token=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
 )
 
+GPT_OSS = dict(
+    family="gpt_oss",
+    **dict(hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64, ffn_hidden_size=2880, moe_ffn_hidden_size=2880),
+    **dict(vocab_size=201088, seq_len=8192, max_position_embeddings=131072, layernorm_eps=1e-5, tie_embeddings=False),
+    rope_theta=150000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
+    **dict(sliding_window=128, experts_per_token=4, swiglu_alpha=1.702, swiglu_limit=7.0, init_std=0.02),
+)
+
 PRESETS: dict[str, dict] = {
     # Table/Section 3 of the MT-NLG paper.
     "mtnlg-530b": dict(family="gpt", num_layers=105, hidden_size=20480, num_heads=128, seq_len=2048),
@@ -394,6 +411,22 @@ PRESETS: dict[str, dict] = {
         **dict(qk_norm=True, qk_norm_over="projection", init_std=0.02),
         **dict(num_experts=64, experts_per_token=8, router_aux_loss_coef=0.01),
     ),
+    # Attention kinds per layer (`attention_kinds.py`), with the published shapes (counts equal transformers').
+    # Gemma 3 27B's text model (gemma-3-27b-pt's text_config): 5 sliding layers of 1024 keys to 1 global, the local
+    # RoPE base 10000 and the global 1e6 with linear scaling 8; query_pre_attn_scalar 168 (hidden / heads).
+    "gemma-3-27b": dict(
+        family="gemma3_text",
+        **dict(num_layers=62, hidden_size=5376, num_heads=32, num_kv_heads=16, head_dim=128, ffn_hidden_size=21504),
+        **dict(vocab_size=262208, make_vocab_size_divisible_by=64, seq_len=8192, max_position_embeddings=131072),
+        **dict(rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, layernorm_eps=1e-6),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)],
+        **dict(sliding_window=1024, sliding_rope_theta=10_000.0, attention_softmax_scale=168**-0.5),
+        **dict(tie_embeddings=True, init_std=0.02),
+    ),
+    # GPT-OSS 20B and 120B (their config.json): 128-key sliding layers alternating with full ones from layer 0,
+    # sinks, YaRN x32 over 4096 positions, top 4 of 32 / 128 biased experts with the clamped SwiGLU.
+    "gpt-oss-20b": dict(GPT_OSS, num_layers=24, num_experts=32, layer_types=GPT_OSS["layer_types"][:24]),
+    "gpt-oss-120b": dict(GPT_OSS, num_layers=36, num_experts=128),
     # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
     "demo-llama": {
         **LLAMA_31,
