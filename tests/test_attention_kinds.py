@@ -182,3 +182,17 @@ def test_the_presets_count_what_transformers_builds(preset):
     ours = get_config(preset)
     assert count_parameters(ours) == sum(p.numel() for p in theirs.parameters())
     assert ours.layer_types == hf_config.layer_types and ours.sliding_window == hf_config.sliding_window
+
+
+def test_a_qwen3_with_yarn_rope_scaling_gives_transformers_logits(tmp_path):
+    """YaRN read from a Qwen / Llama-style config (rope_parameters.rope_type yarn, as Qwen's long-context
+    configs say), on rows past the original context so every band of frequencies is exercised."""
+    from hf_models import random_family_dir
+
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32, "rope_theta": 1_000_000.0}
+    source = random_family_dir(tmp_path, "qwen3", rope_parameters=yarn)
+    tokens = torch.randint(0, 4096, (2, 100), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(source)
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    with torch.no_grad():
+        assert (ours(tokens)[..., :4096] - hf_model(source)(tokens).logits).abs().max().item() < 1e-5
