@@ -196,3 +196,27 @@ def test_a_qwen3_with_yarn_rope_scaling_gives_transformers_logits(tmp_path):
     assert ours.config.rope_scaling["rope_type"] == "yarn"
     with torch.no_grad():
         assert (ours(tokens)[..., :4096] - hf_model(source)(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_a_sliding_layer_s_cache_stops_growing_at_the_window(family_dir):
+    """A prefill of 12 then one position at a time to 40: every step's logits are the full forward's, the sliding
+    layers hold 8 positions (the window) and the full layers all 40."""
+    from mtnlg_lightning.model import KVCache
+
+    model, _ = load_model(family_dir)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(40)
+    with torch.no_grad():
+        reference = model(tokens)
+        steps = [model(tokens[:, :12], cache)[:, 0]]
+        for t in range(12, 40):
+            cache.start = t
+            steps.append(model(tokens[:, t : t + 1], cache)[:, 0])
+    got = torch.stack(steps, dim=1)
+    assert (got - reference[:, 11:]).abs().max().item() < 1e-4
+    window, types = model.config.sliding_window, model.config.layer_types
+    held = {int(name): keys.shape[2] for name, keys in cache.keys.items()}
+    assert held == {i: window if kind == "sliding_attention" else 40 for i, kind in enumerate(types)}
+    full = types.count("full_attention")
+    per_layer_position = cache.bytes_per_position() // full  # of one row: the full layers grow, the sliding do not
+    assert cache.bytes_held() == 2 * per_layer_position * (full * 40 + (len(types) - full) * window)

@@ -337,9 +337,9 @@ class Attention(nn.Module):
             y = attention(q, k, v, causal=q.shape[2] > 1)
         else:  # decoding a sliding or sink layer: its window's keys only, the sinks' column in the softmax
             start = cache.cache.start
-            k, v = cache.update(k, v)
+            k, v, key_positions = cache.update_window(k, v, self.window)
             queries = torch.arange(start, start + q.shape[2], device=q.device)
-            allowed = window_allowed(queries, torch.arange(k.shape[2], device=q.device), self.window)
+            allowed = window_allowed(queries, key_positions, self.window)
             y = attention_with_sinks(q, k, v, allowed, *sinks) if sinks else attention(q, k, v, mask=allowed)
         B, _, S, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))
@@ -639,8 +639,8 @@ class GPT(nn.Module):
 class KVCache:
     """Keys and values of a model's (or a pipeline stage's) blocks for up to `length` positions, allocated at a
     block's first use with the shape its attention produces (local key/value heads under tensor parallelism: a
-    grouped-query model caches only its key/value heads). The caller sets `start`, the position of the next
-    tokens, before each forward."""
+    grouped-query model caches only its key/value heads; a sliding layer only its window's positions, a ring:
+    `LayerCache.update_window`). The caller sets `start`, the position of the next tokens, before each forward."""
 
     def __init__(self, length: int):
         self.length, self.start = length, 0
@@ -658,8 +658,13 @@ class KVCache:
                 store[name] = tensor.index_select(0, rows.to(tensor.device))
 
     def bytes_per_position(self) -> int:
-        """Bytes one position takes in every cached block: 2 x blocks x kv_heads x head_dim x element size."""
-        return sum(t[0, :, 0].numel() * t.element_size() * 2 for t in self.keys.values())
+        """Bytes one position takes in every block that caches every position: 2 x blocks x kv_heads x head_dim x
+        element size (a sliding layer's cache holds its window, whatever the length: `bytes_held`)."""
+        return sum(t[0, :, 0].numel() * t.element_size() * 2 for t in self.keys.values() if t.shape[2] == self.length)
+
+    def bytes_held(self) -> int:
+        """Bytes the cache holds: every block's keys and values (a sliding layer's window of them)."""
+        return sum(t.numel() * t.element_size() * 2 for t in self.keys.values())
 
 
 class LayerCache:
@@ -684,6 +689,32 @@ class LayerCache:
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         return keys[:, :, :end], values[:, :, :end]
+
+    def update_window(self, k: torch.Tensor, v: torch.Tensor, window: int | None):
+        """`update` for a layer that sees at most its last `window` keys (None: all): it caches only those, position
+        p in slot p % window (a ring: a decoding step overwrites the position that left the window). Returns the
+        keys and values to attend to and their positions [L] (softmax does not mind their order; the caller masks
+        by position)."""
+        c = self.cache
+        start, end = c.start, c.start + k.shape[2]
+        if window is None or window >= c.length:
+            keys, values = self.update(k, v)
+            return keys, values, torch.arange(end, device=k.device)
+        if k.shape[2] > 1 and start:
+            raise ValueError("several new positions at once only from position 0 (the prefill)")
+        if end > c.length:
+            raise ValueError(f"position {end} is beyond the cache's {c.length}")
+        if self.name not in c.keys:
+            shape = (k.shape[0], k.shape[1], window, k.shape[3])
+            c.keys[self.name], c.values[self.name] = k.new_empty(shape), v.new_empty(shape)
+        keys, values = c.keys[self.name], c.values[self.name]
+        kept = torch.arange(max(start, end - window), end, device=k.device)  # the new positions still in the window
+        keys[:, :, kept % window] = k[:, :, kept - start]
+        values[:, :, kept % window] = v[:, :, kept - start]
+        if k.shape[2] > 1:  # the prefill attends to all its own keys
+            return k, v, torch.arange(start, end, device=k.device)
+        slots = torch.arange(min(end, window), device=k.device)
+        return keys[:, :, : slots.numel()], values[:, :, : slots.numel()], end - 1 - (end - 1 - slots) % window
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
