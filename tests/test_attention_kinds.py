@@ -220,3 +220,42 @@ def test_a_sliding_layer_s_cache_stops_growing_at_the_window(family_dir):
     full = types.count("full_attention")
     per_layer_position = cache.bytes_per_position() // full  # of one row: the full layers grow, the sliding do not
     assert cache.bytes_held() == 2 * per_layer_position * (full * 40 + (len(types) - full) * window)
+
+
+def test_mxfp4_experts_are_dequantised_on_import_as_transformers_does(tmp_path):
+    """A GPT-OSS directory whose experts are MXFP4 blocks and scales (random codes, exponents near 2^-7): our import
+    holds exactly what transformers' `convert_moe_packed_tensors` makes of them, and our logits are transformers'
+    on the directory written with those dequantised weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mtnlg_lightning.interop.hf import read_hf_dir
+
+    source = random_attention_kind_dir(tmp_path, "gpt_oss")
+    tensors, generator = load_file(source / "model.safetensors"), torch.Generator().manual_seed(3)
+    quantised, dequantised = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, inputs, outputs = tensors[name].shape
+        blocks = torch.randint(0, 256, (e, outputs, inputs // 32, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(118, 123, (e, outputs, inputs // 32), generator=generator, dtype=torch.uint8)
+        del quantised[name]
+        quantised |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+        dequantised[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    packed, reference = tmp_path / "mxfp4", tmp_path / "dequantised"
+    for directory, weights in ((packed, quantised), (reference, dequantised)):
+        directory.mkdir()
+        config = json.loads((source / "config.json").read_text())
+        if directory == packed:
+            config["quantization_config"] = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn"],
+            }
+        (directory / "config.json").write_text(json.dumps(config))
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs = read_hf_dir(packed).weights, read_hf_dir(reference).weights
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(4))
+    model, _ = load_model(packed)
+    with torch.no_grad():
+        assert (model(tokens)[..., :4096] - hf_model(reference)(tokens).logits).abs().max().item() < 1e-5

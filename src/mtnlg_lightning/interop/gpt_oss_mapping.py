@@ -8,8 +8,12 @@ tensors differ in layout:
   even columns, up the odd ones) and its bias [E, 2I] are our `experts.gate` and `experts.up` [E, I, H] (+ [E, I]);
 - `mlp.experts.down_proj` [E, I, H] (+ bias [E, H]) is our `experts.down` [E, H, I] transposed.
 Reading takes the even and odd columns and transposes; writing interleaves them back, experts at a time.
-MXFP4-quantised checkpoints (`quantization_config`, experts stored as `*_blocks` / `*_scales`) are refused in one
-line: dequantise them with transformers first (`Mxfp4Config(dequantize=True)`, then `save_pretrained`).
+
+MXFP4-quantised checkpoints (as published: `quantization_config.quant_method` mxfp4) store the two expert matrices
+as `*_blocks` (uint8 [E, rows, G, 16], two E2M1 codes per byte, the low nibble first) and `*_scales` (uint8
+[E, rows, G], an E8M0 exponent biased by 127), rows being the output features: they are dequantised on import as
+transformers does (`integrations/mxfp4.py`): w = LUT[code] * 2^(scale - 127), each group of 32 inputs one scale. The
+values are exact in fp32 (and bf16). The rest of such a file is unquantised. An export writes unquantised weights.
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
         value = cfg.get(key)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise MTNLGError(f"{where}: {key} is {value!r}, expected an integer >= 1")
-    if cfg.get("quantization_config"):
-        method = (cfg["quantization_config"] or {}).get("quant_method", "quantised")
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if cfg.get("quantization_config") and method != "mxfp4":
         raise MTNLGError(
-            f"{path} holds {method} experts: dequantise them with transformers first (Mxfp4Config(dequantize=True), "
-            f"then save_pretrained) and read that directory"
+            f"{path} holds {method or 'quantised'} weights; only MXFP4 experts are dequantised on import: "
+            f"dequantise them with transformers first and read that directory"
         )
     if cfg.get("attention_bias") is False:
         raise MTNLGError(f"{path}: a gpt_oss model without attention biases cannot be imported")
@@ -135,6 +139,32 @@ def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return {**llama_mapping.sources(config), **_special(config)}
 
 
+# E2M1 (fp4) codes -> values, transformers' FP4_VALUES: codes 8-15 are the negatives of 0-7.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+def sources_in(config: ModelConfig, names) -> dict[str, tuple[str, ...]]:
+    """`sources`, for the tensor `names` a directory holds: an MXFP4 file's experts are made of their blocks and
+    scales instead."""
+    found, out = set(names), sources(config)
+    for ours, theirs in out.items():
+        packed = tuple(theirs[0] + suffix for suffix in MXFP4_SUFFIXES)
+        if _part(ours) and ours.endswith(".weight") and theirs[0] not in found and packed[0] in found:
+            out[ours] = packed
+    return out
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., rows, G, 16] uint8 codes and [..., rows, G] uint8 exponents -> [..., rows, G x 32] fp32 (transformers'
+    `convert_moe_packed_tensors` before its transpose)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = blocks.to(torch.uint8).to(torch.int64)
+    values = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).flatten(-2)  # low nibble first
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents.unsqueeze(-1).to(torch.float32)).flatten(-2)
+
+
 def _part(name: str) -> str:
     """gate, up or down for an expert tensor; '' otherwise."""
     return name.split("mlp.experts.")[1].split(".")[0] if "mlp.experts." in name else ""
@@ -144,6 +174,9 @@ def from_hf(name: str, tensors: list[torch.Tensor], config: ModelConfig) -> torc
     part = _part(name)
     if not part:
         return llama_mapping.from_hf(name, tensors, config)
+    if len(tensors) == 2:  # MXFP4 blocks and scales: dequantised, already [E, out rows, in] (ours' orientation)
+        tensor = dequantize_mxfp4(*tensors)
+        return (tensor[:, 0::2] if part == "gate" else tensor[:, 1::2] if part == "up" else tensor).contiguous()
     (tensor,) = tensors
     if part in ("gate", "up"):  # the even (gate) or odd (up) columns of [E, H, 2I] / [E, 2I]
         tensor = tensor[..., 0::2] if part == "gate" else tensor[..., 1::2]
@@ -156,6 +189,9 @@ def ours_shape(name: str, shapes: list[tuple[int, ...]], config: ModelConfig) ->
     part = _part(name)
     if not part:
         return llama_mapping.ours_shape(name, shapes, config)
+    if len(shapes) == 2:  # MXFP4 blocks [E, rows, G, 16]: rows x (G x 32) inputs, gate and up the even / odd rows
+        e, rows, groups, width = shapes[0]
+        return (e, rows // 2 if part in ("gate", "up") else rows, groups * width * 2)
     shape = list(shapes[0])
     if part in ("gate", "up"):
         shape[-1] //= 2

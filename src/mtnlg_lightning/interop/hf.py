@@ -115,7 +115,10 @@ class HFWeights(LazyWeights):
     def __init__(self, path: Path, config: ModelConfig, mapping, files):
         self.files, self.config, self.mapping = files, config, mapping
         stored = {mapping.normalize(name): name for name in self.files.names}
-        self.sources, self.stored = mapping.sources(config), {}
+        # A mapping whose tensors depend on how the file stores them (GPT-OSS's MXFP4 experts) is given the names.
+        in_files = getattr(mapping, "sources_in", None)
+        self.sources = in_files(config, self.files.names) if in_files else mapping.sources(config)
+        self.stored = {}
         super().__init__(self.sources)
         for theirs in (name for names in self.sources.values() for name in names):
             if theirs in self.stored:  # one of theirs may make several of ours (GPT-OSS's gate_up_proj)
