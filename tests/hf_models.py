@@ -205,10 +205,31 @@ RANDOM_GPT_OSS = dict(
         "rope_theta": 150000.0,
     },
 )
+# Qwen3-Next at test size: 4 layers, three Gated DeltaNet (2 key heads of 8 dims, 4 value heads of 16) to one gated
+# full attention (partial RoPE 0.25), 4 experts (2 per token) and a shared expert in every layer.
+RANDOM_QWEN3_NEXT = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    max_position_embeddings=256,
+)
 # The families of attention kinds (test_attention_kinds.py): family -> (transformers config class, its values).
 ATTENTION_KIND_FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", RANDOM_GEMMA3),
     "gpt_oss": ("GptOssConfig", RANDOM_GPT_OSS),
+    "qwen3_next": ("Qwen3NextConfig", RANDOM_QWEN3_NEXT),
 }
 
 

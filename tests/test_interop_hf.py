@@ -189,7 +189,7 @@ def test_bad_sources_are_one_line(tmp_path, capsys):
     assert generate_main(["--checkpoint", str(other), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"mtnlg-generate: error: {other} holds a 'mamba' model (MambaForCausalLM); the architectures that can be "
-        f"read are gemma3_text, gpt2, gpt_oss, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"
+        f"read are gemma3_text, gpt2, gpt_oss, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next"
     )
     garbage = tmp_path / "broken.ckpt"
     garbage.write_bytes(b"not a checkpoint")

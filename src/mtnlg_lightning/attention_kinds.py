@@ -25,8 +25,12 @@ from torch import nn
 
 from mtnlg_lightning.errors import MTNLGError
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+LAYER_TYPES = (FULL, SLIDING, LINEAR)  # linear: Gated DeltaNet (`linear_attention.py`)
+LINEAR_FIELDS = (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)  # fmt: skip
 # RoPE kinds: every layer rotates with the model's base ("global") unless the sliding layers have their own ("local").
 GLOBAL_ROPE, LOCAL_ROPE = "global", "local"
 
@@ -54,6 +58,15 @@ def check_attention_kinds(config) -> None:
         )
     if config.sliding_rope_theta is not None and not sliding:
         raise MTNLGError("sliding_rope_theta is the sliding layers' RoPE base, and no layer is sliding_attention")
+    if types is not None and LINEAR in types:
+        missing = [f for f in LINEAR_FIELDS if not (isinstance(getattr(config, f), int) and getattr(config, f) >= 1)]
+        if missing:
+            raise MTNLGError(f"linear_attention layers need {', '.join(missing)} (integers >= 1)")
+        if config.linear_num_value_heads % config.linear_num_key_heads:
+            raise MTNLGError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    factor = config.partial_rotary_factor
+    if not (isinstance(factor, int | float) and 0 < factor <= 1 and int(config.head_dim * factor) % 2 == 0):
+        raise MTNLGError(f"partial_rotary_factor {factor!r} must be in (0, 1] and rotate an even number of dims")
     scale = config.attention_softmax_scale
     if scale is not None and not (isinstance(scale, int | float) and 0 < scale < math.inf):
         raise MTNLGError(f"attention_softmax_scale must be a positive number or null, got {scale!r}")

@@ -91,7 +91,8 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # ST-MoE: mean logsumexp(router logits)^2
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf * tokens * k / E)
     # Attention kinds per layer (`attention_kinds.py`), Hugging Face's `layer_types`: one of full_attention,
-    # sliding_attention per layer; None: every layer full causal attention.
+    # sliding_attention, linear_attention (Gated DeltaNet, `linear_attention.py`) per layer; None: every layer full
+    # causal attention.
     layer_types: list[str] | None = None
     sliding_window: int | None = None  # the keys a sliding layer's query sees, itself included (HF's sliding_window)
     sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3's local base); None: rope_theta
@@ -106,6 +107,16 @@ class ModelConfig:
     swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
     swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, -limit <= up <= limit
     scale_embeddings: bool | None = None  # family's: the word embedding times sqrt(hidden_size) (Gemma); custom: false
+    # family's: the q projection also makes a gate per head, the attention's output times sigmoid(gate) before the
+    # output projection (Qwen3-Next); custom: false
+    attention_output_gate: bool | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
+    # Gated DeltaNet (linear_attention layers, `linear_attention.py`), Hugging Face's names:
+    linear_num_key_heads: int | None = None  # query / key heads
+    linear_num_value_heads: int | None = None  # value heads (a multiple of the key heads; each its own state)
+    linear_key_head_dim: int | None = None  # d_k
+    linear_value_head_dim: int | None = None  # d_v (a state is d_k x d_v per value head)
+    linear_conv_kernel_dim: int | None = None  # the causal depthwise convolution's kernel
 
     def __post_init__(self) -> None:
         apply_family(self)
@@ -156,7 +167,7 @@ class ModelConfig:
     def fused_qkv(self) -> bool:
         """One q/k/v projection, rows laid out [heads, 3, head_dim] (multi-head attention); grouped-query
         attention has three (its key/value heads may be replicated over the tensor-parallel ranks)."""
-        return self.num_kv_heads == self.num_heads
+        return self.num_kv_heads == self.num_heads and not self.attention_output_gate  # a gate rides on q's own
 
     @property
     def moe(self) -> bool:
@@ -198,6 +209,7 @@ CUSTOM_BLOCK = dict(
     position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
     tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
     attention_sinks=False, post_block_norms=False, scale_embeddings=False, expert_mlp="swiglu",
+    attention_output_gate=False,
 )  # fmt: skip
 
 

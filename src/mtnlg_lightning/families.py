@@ -76,7 +76,9 @@ class Measured:
 
 
 def layer_kind(config: ModelConfig, index: int) -> str:
-    return "moe" if config.is_moe_layer(index) else "dense"
+    """dense or moe (the MLP), prefixed linear- in a Gated DeltaNet layer (its token mixer's other parameters)."""
+    mlp = "moe" if config.is_moe_layer(index) else "dense"
+    return f"linear-{mlp}" if config.layer_types and config.layer_types[index] == "linear_attention" else mlp
 
 
 _DERIVED: dict[tuple, object] = {}
@@ -117,15 +119,19 @@ def measure(config: ModelConfig, vocab_tensor_parallel: int = 1) -> Measured:
         config, num_layers=1, make_vocab_size_divisible_by=multiple, family=None, layer_types=None,
         sliding_rope_theta=None,
     )  # fmt: skip
-    variants = {
-        "dense": dataclasses.replace(one, num_experts=0),
-        "moe": dataclasses.replace(one, first_dense_layers=0, dense_layers=None, moe_layer_step=1),
-    }
+
+    def variant(kind: str) -> ModelConfig:  # the one block of a kind: its MLP, and Gated DeltaNet for linear- ones
+        if kind.endswith("dense"):
+            block = dataclasses.replace(one, num_experts=0)
+        else:
+            block = dataclasses.replace(one, first_dense_layers=0, dense_layers=None, moe_layer_step=1)
+        return dataclasses.replace(block, layer_types=["linear_attention"]) if kind.startswith("linear-") else block
+
     present = {layer_kind(config, i) for i in range(config.num_layers)} or {"dense"}
     block, top, kinds = {}, {}, {}
     for kind in sorted(present):
         paths = []
-        for path, module in build_model(variants[kind], "meta").named_modules():
+        for path, module in build_model(variant(kind), "meta").named_modules():
             params = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
             if params and path.startswith("blocks.0."):
                 block[path.removeprefix("blocks.0.")] = params
@@ -257,6 +263,7 @@ def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str,
     experts are one GEMM k times as wide (the same FLOPs), and the router one more."""
     shapes, out = measure(config), {}
     kind = "moe" if 2 * len(config.moe_layers) >= config.num_layers and config.moe else "dense"
+    kind = kind if kind in shapes.kinds else f"linear-{kind}"  # a model of Gated DeltaNet layers only
     for path in shapes.kinds[kind]:
         style = _plan_style(config, path)
         if style == EXPERTS:

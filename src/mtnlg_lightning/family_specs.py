@@ -32,7 +32,10 @@ KV_COLUMN = (
 ROW = "row"  # weight columns (input features) split, partial outputs summed; its bias replicated
 VOCAB = "vocab"  # vocabulary rows split (the word embedding, the LM head)
 HEADS = "heads"  # one value per query head ([heads]: attention sinks): each rank keeps its heads' entries, as q
-HEAD_NORM = "head_norm"  # replicated, applied to this rank's heads only: its gradient summed over TP
+HEAD_NORM = "head_norm"
+# Gated DeltaNet's parameters outside its projections (its convolution's channels are not grouped by head): tensor
+# parallelism of these layers is refused in one line (`parallel/tensor_parallel.py`)
+LINEAR_MIXER = "linear_mixer"  # replicated, applied to this rank's heads only: its gradient summed over TP
 NORM = "norm"  # replicated over the hidden size; on the sequence shard under sequence parallelism
 REPLICATED = "replicated"  # every rank holds all of it (learned positions)
 ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
@@ -290,9 +293,43 @@ GPT_OSS = Family(
      "expert_mlp": "clamped_swiglu"},
     _gpt_oss_modules(), "gpt_oss", "GptOssForCausalLM", Experts(every_layer=True, norm_topk_prob=True),
 )  # fmt: skip
+
+
+def _qwen3_next_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Qwen3-Next's layout: its full layers Qwen 3's attention (q 2x wide: each head's query and output gate), its
+    linear layers Gated DeltaNet (`linear_attn`; its decay parameters A_log and dt_bias on that module itself), every
+    MLP Qwen 2-MoE's experts with a shared expert, or a dense MLP (mlp_only_layers)."""
+    layer, attn, linear = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.linear_attn."
+    return {
+        **_attention_rows(),
+        f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"),
+        f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm"),
+        f"{BLOCK}attn.decay": (LINEAR_MIXER, linear.removesuffix(".")),  # A_log and dt_bias: linear_attn's own
+        f"{BLOCK}attn.in_proj_qkvz": (COLUMN, f"{linear}in_proj_qkvz"),
+        f"{BLOCK}attn.in_proj_ba": (COLUMN, f"{linear}in_proj_ba"),
+        f"{BLOCK}attn.conv1d": (LINEAR_MIXER, f"{linear}conv1d"),
+        f"{BLOCK}attn.norm": (LINEAR_MIXER, f"{linear}norm"),
+        f"{BLOCK}attn.out_proj": (ROW, f"{linear}out_proj"),
+        f"{BLOCK}ln2": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),
+        f"{BLOCK}mlp.up": (COLUMN, f"{layer}mlp.up_proj"),
+        f"{BLOCK}mlp.down": (ROW, f"{layer}mlp.down_proj"),
+        **_experts(**_QWEN_EXPERTS, shared=True),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+# Qwen3-Next: three Gated DeltaNet layers to one gated full attention (partial RoPE, (1 + w) q/k norms), (1 + w)
+# block norms, experts with a sigmoid-gated shared expert.
+QWEN3_NEXT = Family(
+    "qwen3_next", "Qwen3-Next",
+    {**_LLAMA_BLOCK, "norm": "rmsnorm_plus_one", "qkv_bias": False, **_HEAD_QK_NORM, "attention_output_gate": True},
+    _qwen3_next_modules(), "qwen3_next", "Qwen3NextForCausalLM", Experts(shared_expert=True),
+)  # fmt: skip
 # The registry: `ModelConfig.family` names one of these.
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA3, GPT_OSS)
+    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA3, GPT_OSS, QWEN3_NEXT)
 }
 
 

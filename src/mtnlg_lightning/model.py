@@ -37,6 +37,7 @@ from mtnlg_lightning.attention_kinds import (
     AttentionSinks,
     RMSNormPlusOne,
     attention_with_sinks,
+    layer_type,
     layer_window,
     rope_kind,
     window_allowed,
@@ -46,6 +47,7 @@ from mtnlg_lightning.attention_kinds import (
 from mtnlg_lightning.biased_experts import MOE_LAYERS
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
 from mtnlg_lightning.torch_compat import non_persistent_buffer_names
 
@@ -83,7 +85,7 @@ def rope_attention_factor(config: ModelConfig, kind: str = GLOBAL_ROPE) -> float
 def rope_inverse_frequencies(config: ModelConfig, rope: str = GLOBAL_ROPE) -> torch.Tensor:
     """theta^(-2i/d) per pair of dims, rescaled as the config's rope_scaling says (Hugging Face's definitions);
     `rope` the kind (`attention_kinds.rope_kind`: the sliding layers' own base where they have one)."""
-    dim = config.head_dim
+    dim = int(config.head_dim * config.partial_rotary_factor)  # the rotated dims (Qwen3-Next's first quarter)
     theta, scaling = rope_scaling_of(config, rope)
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -109,7 +111,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, hd])."""
+    """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, hd], or [S, rotated] for partial
+    rotary: the first dims rotate, the rest pass)."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        head, rest = x[..., :rotated], x[..., rotated:]
+        return torch.cat([head * cos + rotate_half(head) * sin, rest], dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -288,6 +295,7 @@ class Attention(nn.Module):
             self.q_norm = make_head_norm(config, heads * hd if whole else hd)
             self.k_norm = make_head_norm(config, kv_heads * hd if whole else hd)
         self.sinks = AttentionSinks(heads) if config.attention_sinks else None
+        self.output_gate = bool(config.attention_output_gate)  # Qwen3-Next: q's projection is [query, gate] per head
         self.window, self.rope_kind = layer_window(config, index), rope_kind(config, index)
         # A softmax scale other than head_dim^-0.5 (Gemma 3's) multiplies q once: every kernel then applies its own.
         scale = config.attention_softmax_scale
@@ -304,14 +312,19 @@ class Attention(nn.Module):
         """q [B, S, heads, hd], k and v [B, S, kv_heads, hd] of this rank's heads."""
         raise NotImplementedError
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, heads, S, hd], k and v [B, kv_heads, S, hd] (this rank's heads)."""
+    def project(self, x: torch.Tensor):
+        """q [B, heads, S, hd], k and v [B, kv_heads, S, hd] (this rank's heads), and the output gate [B, S, heads x
+        hd] where the attention has one (else None)."""
         q, k, v = self.split_heads(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(*gate.shape[:2], -1)
         if self.qk_norm_over == "head":  # before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm_over == "projection":
             q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 
     def forward(
         self,
@@ -320,7 +333,7 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         mask: DocumentMask | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.project(x)
+        q, k, v, gate = self.project(x)
         if rotary is not None:
             cos, sin = rotary(q.shape[2], q.device, q.dtype, self.rope_kind)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -342,7 +355,8 @@ class Attention(nn.Module):
             allowed = window_allowed(queries, key_positions, self.window)
             y = attention_with_sinks(q, k, v, allowed, *sinks) if sinks else attention(q, k, v, mask=allowed)
         B, _, S, _ = y.shape
-        return self.proj(y.transpose(1, 2).reshape(B, S, -1))
+        y = y.transpose(1, 2).reshape(B, S, -1)
+        return self.proj(y if gate is None else y * torch.sigmoid(gate))
 
 
 class FusedQKVAttention(Attention):
@@ -366,17 +380,22 @@ class GroupedQueryAttention(Attention):
 
     def make_projections(self, config: ModelConfig) -> None:
         heads, kv_heads, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-        self.q = nn.Linear(h, heads * hd, bias=config.qkv_bias)
+        gated = 2 if config.attention_output_gate else 1  # each head's [query, gate] (Qwen3-Next)
+        self.q = nn.Linear(h, heads * hd * gated, bias=config.qkv_bias)
         self.k = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
         self.v = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
 
     def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.q(x), self.k(x), self.v(x)
         B, S, _ = q.shape
-        return tuple(t.view(B, S, -1, self.head_dim) for t in (q, k, v))
+        q = q.view(B, S, -1, self.head_dim * (2 if self.output_gate else 1))
+        return q, *(t.view(B, S, -1, self.head_dim) for t in (k, v))
 
 
-def make_attention(config: ModelConfig, index: int = 0) -> Attention:
+def make_attention(config: ModelConfig, index: int = 0) -> nn.Module:
+    """Layer `index`'s token mixer: attention, or Gated DeltaNet in a linear_attention layer."""
+    if layer_type(config, index) == "linear_attention":
+        return GatedDeltaNet(config, index)
     return FusedQKVAttention(config, index) if config.fused_qkv else GroupedQueryAttention(config, index)
 
 
@@ -646,6 +665,9 @@ class KVCache:
         self.length, self.start = length, 0
         self.keys: dict[str, torch.Tensor] = {}
         self.values: dict[str, torch.Tensor] = {}
+        # Gated DeltaNet layers' decode state instead of keys and values: {"conv": [B, C, kernel - 1], "state":
+        # [B, n_v, d_k, d_v] fp32} per layer, a constant size whatever the length (`linear_attention.py`)
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
 
     def layer(self, name: str) -> LayerCache:
         return LayerCache(self, name)
@@ -653,7 +675,7 @@ class KVCache:
     def expand_rows(self, rows: torch.Tensor) -> None:
         """Row i of the cache becomes the old row `rows[i]`: a prefill made once per distinct prompt serves every
         row that continues it (GRPO's G completions of a prompt)."""
-        for store in (self.keys, self.values):
+        for store in (self.keys, self.values, *self.states.values()):
             for name, tensor in store.items():
                 store[name] = tensor.index_select(0, rows.to(tensor.device))
 
@@ -663,8 +685,10 @@ class KVCache:
         return sum(t[0, :, 0].numel() * t.element_size() * 2 for t in self.keys.values() if t.shape[2] == self.length)
 
     def bytes_held(self) -> int:
-        """Bytes the cache holds: every block's keys and values (a sliding layer's window of them)."""
-        return sum(t.numel() * t.element_size() * 2 for t in self.keys.values())
+        """Bytes the cache holds: every block's keys and values (a sliding layer's window of them), and the Gated
+        DeltaNet layers' states."""
+        states = sum(t.numel() * t.element_size() for held in self.states.values() for t in held.values())
+        return sum(t.numel() * t.element_size() * 2 for t in self.keys.values()) + states
 
 
 class LayerCache:

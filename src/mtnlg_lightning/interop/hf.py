@@ -2,11 +2,12 @@
 
 Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen
 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), Gemma 3 text (`interop/gemma3_mapping.py`), GPT-OSS
-(`interop/gpt_oss_mapping.py`), told apart by `config.json`'s `model_type`; the architecture is read from it (the user
-does not restate it) and the imported config names its family (`ModelConfig.family`); an export writes the family the
-checkpoint's config names. A directory holds `config.json`, `model.safetensors` (or shards with an index, or a
-`pytorch_model.bin` read with `weights_only=True`), the tokenizer files and `generation_config.json`. Both ways the
-weights move one tensor (or one slice of rows) at a time: memory holds a few shards, not the model.
+(`interop/gpt_oss_mapping.py`), Qwen3-Next (`interop/qwen3_next_mapping.py`), told apart by `config.json`'s
+`model_type`; the architecture is read from it (the user does not restate it) and the imported config names its family
+(`ModelConfig.family`); an export writes the family the checkpoint's config names. A directory holds `config.json`,
+`model.safetensors` (or shards with an index, or a `pytorch_model.bin` read with `weights_only=True`), the tokenizer
+files and `generation_config.json`. Both ways the weights move one tensor (or one slice of rows) at a time: memory holds
+a few shards, not the model.
 `trust_remote_code` is never used: no code from a model directory runs.
 """
 
@@ -35,14 +36,14 @@ from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.families import family_of
-from mtnlg_lightning.interop import gemma3_mapping, gpt2_mapping, gpt_oss_mapping, llama_mapping
+from mtnlg_lightning.interop import gemma3_mapping, gpt2_mapping, gpt_oss_mapping, llama_mapping, qwen3_next_mapping
 from mtnlg_lightning.interop.lora_base import base_path, with_base
 from mtnlg_lightning.outputs import staged_dir
 
 # config.json's model_type -> the mapping module that reads and writes it
 MAPPINGS = {
     kind: mapping
-    for mapping in (gpt2_mapping, llama_mapping, gemma3_mapping, gpt_oss_mapping)
+    for mapping in (gpt2_mapping, llama_mapping, gemma3_mapping, gpt_oss_mapping, qwen3_next_mapping)
     for kind in mapping.MODEL_TYPES
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

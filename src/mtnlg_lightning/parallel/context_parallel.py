@@ -30,7 +30,11 @@ Sliding layers (`attention_kinds`): the window is a band on the same mask (`docu
 or not (a row of one document gets ids of zeros here), so each block is exact: one wholly outside the band is
 skipped, one it cuts is masked. A window of w keys needs, for each query chunk, only the key chunks within w
 positions before it; the ring still passes every chunk (what a window could save in traffic is not taken yet).
-Attention sinks are refused in one line (`apply_context_parallel`).
+Attention sinks and Gated DeltaNet layers are refused in one line (`apply_context_parallel`). The plan for Gated
+DeltaNet: each rank runs its chunks from a zero state, then the final states pass down the ring in order (a state
+is [n_v, d_k, d_v] per row, whatever the length), and each chunk's output is corrected by the incoming state read
+through its decayed queries (the chunked form's inter-chunk term); the convolution needs the kernel - 1 inputs
+before each chunk. Not built.
 """
 
 from __future__ import annotations
@@ -330,7 +334,13 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
     over DP x CP expects)."""
     if ring.size == 1:
         return model
-    if getattr(getattr(model, "config", None), "attention_sinks", False):
+    config = getattr(model, "config", None)
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        raise MTNLGError(
+            "context_parallel cannot run Gated DeltaNet (linear_attention) layers yet (each rank's chunk needs the "
+            "recurrent state the chunks before it end with): set context_parallel to 1 for this model"
+        )
+    if getattr(config, "attention_sinks", False):
         raise MTNLGError(
             "context_parallel cannot run attention sinks yet (the ring merges log-sum-exps, and a sink's share needs "
             "the final one in the backward): set context_parallel to 1 for this model"

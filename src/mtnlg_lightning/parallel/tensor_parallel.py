@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.families import tensor_parallel_plan
-from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, HEADS, KV_COLUMN, NORM, ROUTER, ROW
+from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, HEADS, KV_COLUMN, LINEAR_MIXER, NORM, ROUTER, ROW
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies
@@ -311,6 +312,11 @@ def apply_tensor_parallel(
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             module = getattr(parent, name)
+            if style == LINEAR_MIXER:
+                raise MTNLGError(
+                    "tensor parallelism of Gated DeltaNet (linear_attention) layers is not built: set "
+                    "tensor_parallel to 1 for this model"
+                )
             if style == COLUMN:
                 setattr(parent, name, column(module))
             elif style == KV_COLUMN:
