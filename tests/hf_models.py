@@ -233,10 +233,11 @@ ATTENTION_KIND_FAMILIES = {
 }
 
 
-def random_attention_kind_dir(directory: Path, family: str, seed: int = 0) -> Path:
+def random_attention_kind_dir(directory: Path, family: str, seed: int = 0, noise: float = 0.1) -> Path:
     """A random model of `family` (a key of ATTENTION_KIND_FAMILIES) saved with `save_pretrained`, with the demo
     tokenizer; every tensor perturbed (Gemma's norms start at 0, the identity; biases and sinks at 0) so a mapping
-    mistake anywhere changes the logits."""
+    mistake anywhere changes the logits. `noise`: the perturbation's scale (a training comparison wants gradients
+    well conditioned: Adam magnifies the rounding of the ones near its epsilon)."""
     import transformers
 
     config_class, values = ATTENTION_KIND_FAMILIES[family]
@@ -249,7 +250,7 @@ def random_attention_kind_dir(directory: Path, family: str, seed: int = 0) -> Pa
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
+            param.add_(torch.randn_like(param) * noise)
     out = directory / f"{family}-random"
     model.eval().save_pretrained(out)
     tokenizer.save(out / "tokenizer.json")
