@@ -439,6 +439,20 @@ PRESETS: dict[str, dict] = {
     # sinks, YaRN x32 over 4096 positions, top 4 of 32 / 128 biased experts with the clamped SwiGLU.
     "gpt-oss-20b": dict(GPT_OSS, num_layers=24, num_experts=32, layer_types=GPT_OSS["layer_types"][:24]),
     "gpt-oss-120b": dict(GPT_OSS, num_layers=36, num_experts=128),
+    # Qwen3-Next 80B-A3B (its config.json): 3 Gated DeltaNet layers (16 key heads, 32 value heads of 128) to 1 gated
+    # attention (16 heads of 256 over 2 key/value heads, a quarter of each rotated), 512 experts, 10 per token, a
+    # shared expert.
+    "qwen3-next-80b-a3b": dict(
+        family="qwen3_next",
+        **dict(num_layers=48, hidden_size=2048, num_heads=16, num_kv_heads=2, head_dim=256, ffn_hidden_size=5120),
+        **dict(vocab_size=151936, seq_len=8192, max_position_embeddings=262144, layernorm_eps=1e-6),
+        **dict(rope_theta=10_000_000.0, partial_rotary_factor=0.25, tie_embeddings=False, init_std=0.02),
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
+        **dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+        linear_conv_kernel_dim=4,
+        **dict(num_experts=512, experts_per_token=10, moe_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
+        norm_topk_prob=True,
+    ),
     # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
     "demo-llama": {
         **LLAMA_31,
