@@ -315,3 +315,31 @@ def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
             apply_context_parallel(model, SimpleNamespace(size=2))
     with pytest.raises(MTNLGError, match="^tensor parallelism of Gated DeltaNet .* set tensor_parallel to 1"):
         apply_tensor_parallel(load_model(tmp_path / "qwen3_next-random")[0], None, 0, 2)
+
+
+@pytest.mark.parametrize(
+    "preset,length,saved",
+    [
+        ("gpt-oss-120b", 32768, 0.498),
+        ("gpt-oss-120b", 131072, 0.500),
+        ("gemma-3-27b", 32768, 0.812),
+        ("gemma-3-27b", 131072, 0.832),
+        ("qwen3-next-80b-a3b", 32768, 0.726),
+        ("qwen3-next-80b-a3b", 131072, 0.744),
+    ],
+)
+def test_the_planner_counts_a_sliding_layer_s_window_and_a_gated_deltanet_state(preset, length, saved):
+    """The decode cache the planners count (`planning/activations.kv_cache_bytes`, bf16, one row): a sliding
+    layer's window, a Gated DeltaNet layer's fixed state; what that saves against every layer caching every
+    position, at 32k and 128k tokens."""
+    import dataclasses
+
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.planning.activations import kv_cache_bytes
+
+    config = get_config(preset)
+    all_full = dataclasses.replace(config, layer_types=None, sliding_rope_theta=None)
+    ours, full = (kv_cache_bytes(c, c.num_layers, 1, length, 1) for c in (config, all_full))
+    assert 1 - ours / full == pytest.approx(saved, abs=5e-4)
+    if preset == "gpt-oss-120b":  # 18 full layers of every position, 18 of 128; 8 KV heads x 64 dims x 2 x 2 bytes
+        assert ours == (18 * length + 18 * 128) * 2048

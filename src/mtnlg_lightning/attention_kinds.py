@@ -91,6 +91,23 @@ def rope_kinds(config) -> tuple[str, ...]:
     return tuple(sorted({rope_kind(config, i) for i in range(config.num_layers)}))
 
 
+def cached_positions(config, length: float) -> list[float]:
+    """The positions each layer's decode cache holds after `length` tokens: all of them (full), its window at
+    most (sliding: `model.LayerCache.update_window`), none (Gated DeltaNet: a state instead, `linear_state_bytes`)."""
+    kinds = config.layer_types or [FULL] * config.num_layers
+    return [
+        0.0 if kind == LINEAR else min(length, config.sliding_window) if kind == SLIDING else length for kind in kinds
+    ]
+
+
+def linear_state_bytes(config, dtype_bytes: int) -> int:
+    """One row's decode state in one Gated DeltaNet layer, whatever the length: the convolution's last kernel - 1
+    inputs (the model's dtype) and the recurrent state [n_v, d_k, d_v] in fp32."""
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    return (config.linear_conv_kernel_dim - 1) * (2 * nk * dk + nv * dv) * dtype_bytes + nv * dk * dv * 4
+
+
 def window_allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """[Lq, Lk] bool: key j is causal for query i and, with a window, among its last `window` keys."""
     allowed = key_positions[None, :] <= query_positions[:, None]
