@@ -343,3 +343,22 @@ def test_the_planner_counts_a_sliding_layer_s_window_and_a_gated_deltanet_state(
     assert 1 - ours / full == pytest.approx(saved, abs=5e-4)
     if preset == "gpt-oss-120b":  # 18 full layers of every position, 18 of 128; 8 KV heads x 64 dims x 2 x 2 bytes
         assert ours == (18 * length + 18 * 128) * 2048
+
+
+def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
+    """LoRA on Gemma 3 (its tanh-GELU MLP has Llama's gate / up / down): 7 adapters a block, merged weights give the
+    adapted model's logits; Gated DeltaNet models are one line."""
+    import copy
+
+    from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
+
+    model, _ = load_model(random_attention_kind_dir(tmp_path, "gemma3_text"))
+    model = model.double()
+    assert apply_lora(model, LoRAConfig(rank=4)) == 6 * 7
+    for adapter in (m for m in model.modules() if isinstance(m, LoRALinear)):
+        torch.nn.init.normal_(adapter.lora_b, std=0.01)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(merge_lora(copy.deepcopy(model))(tokens), model(tokens), rtol=1e-10, atol=1e-10)
+    with pytest.raises(MTNLGError, match="^LoRA on Gated DeltaNet"):
+        LoRAConfig().projections(load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].config)

@@ -87,8 +87,10 @@ SEPARATE_QKV = ("q", "k", "v")
 
 def projections_of(config: ModelConfig) -> tuple[str, ...]:
     """The projections a block of `config` has, in block order."""
+    if config.layer_types and "linear_attention" in config.layer_types:
+        raise MTNLGError("LoRA on Gated DeltaNet (linear_attention) layers is not built: train the model whole")
     attention = ("qkv",) if config.fused_qkv else SEPARATE_QKV
-    mlp = ("gate", "up", "down") if config.mlp == "swiglu" else ("fc1", "fc2")
+    mlp = ("gate", "up", "down") if config.mlp in ("swiglu", "geglu") else ("fc1", "fc2")  # geglu: Gemma's
     return (*attention, "proj", *mlp)
 
 
