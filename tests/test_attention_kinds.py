@@ -347,7 +347,8 @@ def test_the_planner_counts_a_sliding_layer_s_window_and_a_gated_deltanet_state(
 
 def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
     """LoRA on Gemma 3 (its tanh-GELU MLP has Llama's gate / up / down): 7 adapters a block, merged weights give the
-    adapted model's logits; Gated DeltaNet models are one line."""
+    adapted model's logits; GPT-OSS (experts in every block) adapts its attention; Gated DeltaNet models are one
+    line."""
     import copy
 
     from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
@@ -360,5 +361,7 @@ def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
     tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(merge_lora(copy.deepcopy(model))(tokens), model(tokens), rtol=1e-10, atol=1e-10)
+    experts_only, _ = load_model(random_attention_kind_dir(tmp_path, "gpt_oss"))  # GPT-OSS: attention adapters
+    assert apply_lora(experts_only, LoRAConfig(rank=4)) == 4 * 4
     with pytest.raises(MTNLGError, match="^LoRA on Gated DeltaNet"):
         LoRAConfig().projections(load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].config)

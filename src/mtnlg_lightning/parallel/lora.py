@@ -91,6 +91,8 @@ def projections_of(config: ModelConfig) -> tuple[str, ...]:
         raise MTNLGError("LoRA on Gated DeltaNet (linear_attention) layers is not built: train the model whole")
     attention = ("qkv",) if config.fused_qkv else SEPARATE_QKV
     mlp = ("gate", "up", "down") if config.mlp in ("swiglu", "geglu") else ("fc1", "fc2")  # geglu: Gemma's
+    if config.every_layer_moe:  # every MLP is experts (GPT-OSS, Mixtral, OLMoE): the attention's projections only
+        mlp = ()
     return (*attention, "proj", *mlp)
 
 
