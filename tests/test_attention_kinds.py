@@ -365,3 +365,26 @@ def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
     assert apply_lora(experts_only, LoRAConfig(rank=4)) == 4 * 4
     with pytest.raises(MTNLGError, match="^LoRA on Gated DeltaNet"):
         LoRAConfig().projections(load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].config)
+
+
+def test_a_gated_deltanet_decode_state_is_the_same_size_at_256_and_2048_tokens():
+    """A custom two-layer block (one Gated DeltaNet layer, one full): after a prefill of 256 and of 2048 tokens the
+    Gated DeltaNet layer holds the same bytes; the full layer's keys and values grow 8-fold."""
+    from mtnlg_lightning.model import KVCache, build_model
+
+    config = ModelConfig(
+        num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, seq_len=2048, vocab_size=256, family=None,
+        position_embedding="rope", norm="rmsnorm", mlp="swiglu", layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    model = build_model(config).eval()
+    held = {}
+    for length in (256, 2048):
+        cache = KVCache(length)
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(6)), cache)
+        states = sum(t.numel() * t.element_size() for t in cache.states["0"].values())
+        held[length] = (states, cache.keys["1"].numel() * cache.keys["1"].element_size())
+    assert held[256][0] == held[2048][0] == 3 * (2 * 8 + 16) * 4 + 2 * 8 * 8 * 4  # conv inputs + fp32 state
+    assert held[2048][1] == 8 * held[256][1]
