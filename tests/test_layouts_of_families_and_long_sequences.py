@@ -17,10 +17,9 @@ in one process with the uninterrupted losses, and evaluates (perplexity of a doc
 positions) in a cp2 x dp2 layout with the single-process numbers.
 
 Attention kinds (issue 62): a random Gemma 3 (sliding windows, two RoPE bases, four norms per block) in tp2 with
-sequence parallelism, pp2 and dp2 ZeRO-1, and a random GPT-OSS (sinks, YaRN, biased clamped-SwiGLU experts) in tp2,
-pp2 and ep2 beside dp2 ZeRO-1 (Gemma 3 in cp2 too: sliding windows through the ring on sequences of 256), and a
-random Qwen3-Next (Gated DeltaNet layers) in pp2 and dp2 ZeRO-1, like one
-process.
+sequence parallelism, pp2 and dp2 ZeRO-1, and a random GPT-OSS (sinks, YaRN, biased clamped-SwiGLU experts) in tp2
+with sequence parallelism, pp2 and ep2 beside dp2 ZeRO-1 (Gemma 3 in cp2 too: sliding windows through the ring on
+sequences of 256), and a random Qwen3-Next (Gated DeltaNet layers) in pp2 and dp2 ZeRO-1, like one process.
 
 Launches are the expensive part on 2 cores: every run of one world size shares one launch (dist_family_runs.py).
 """
@@ -47,7 +46,7 @@ WORLD2 = ["llama_tp2_ckpt", "llama_tp2_sp", "llama_pp2", "qwen3_tp2", "eval_llam
 WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3", "llama_cp2_acfull", "gpt_cp2_downstream"]
 # The attention kinds' families (issue 62): sliding windows and per-kind RoPE (Gemma 3), sinks, YaRN and biased
 # clamped-SwiGLU experts (GPT-OSS, experts over 2 ranks beside ZeRO-1), Gated DeltaNet (Qwen3-Next: no TP yet).
-WORLD2 += ["gemma3_tp2_sp", "gemma3_pp2", "gemma3_dp2_zero1", "gptoss_tp2", "gptoss_pp2", "gptoss_ep2_zero1"]
+WORLD2 += ["gemma3_tp2_sp", "gemma3_pp2", "gemma3_dp2_zero1", "gptoss_tp2_sp", "gptoss_pp2", "gptoss_ep2_zero1"]
 WORLD2 += ["qwen3next_pp2", "qwen3next_dp2_zero1", "gemma3_cp2"]  # cp2: the ring masks each block by the windows
 WORLD4 = [
     "llama_tp4",
