@@ -4,12 +4,12 @@
         tests/dist_family_runs.py OUT_DIR llama_tp4 qwen3_tp4 llama_tp2_dp2_zero3_sp ...
 
 A run is FAMILY_LAYOUT: FAMILY a random Hugging Face directory the test made (`--model.init_from`) or `gpt` (the
-tiny preset), LAYOUT the strategy spelled like tp2, pp2, cp2, tp2_pp2_dp2_zero1, with _sp for sequence
-parallelism, _interleaved for the interleaved 1F1B schedule (4 blocks), _acfull for full activation checkpointing
-(DP is what is left); context-parallel runs train on sequences of 256 tokens. Suffixes:
-_ckpt trains 6 steps saving at 3 and 6; _from_LAYOUT resumes that layout's step-3 checkpoint (in OUT_DIR or
-MTNLG_TEST_FROM_DIR). `eval_FAMILY_LAYOUT` evaluates the step-6 checkpoint of FAMILY_LAYOUT_ckpt with `mtnlg-eval`
-in that layout. Rank 0 writes OUT_DIR/NAME.pt for pytest (losses, grad norms, parameters at step 5).
+tiny preset), LAYOUT the strategy spelled like tp2, pp2, cp2, tp2_pp2_dp2_zero1, ep2 (a mixture of experts' experts
+over 2 of the DP ranks), with _sp for sequence parallelism, _interleaved for the interleaved 1F1B schedule (4
+blocks), _acfull for full activation checkpointing (DP is what is left); context-parallel runs train on sequences of
+256 tokens. Suffixes: _ckpt trains 6 steps saving at 3 and 6; _from_LAYOUT resumes that layout's step-3 checkpoint
+(in OUT_DIR or MTNLG_TEST_FROM_DIR). `eval_FAMILY_LAYOUT` evaluates the step-6 checkpoint of FAMILY_LAYOUT_ckpt with
+`mtnlg-eval` in that layout. Rank 0 writes OUT_DIR/NAME.pt for pytest (losses, grad norms, parameters at step 5).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def layout_kwargs(layout: str) -> dict:
     """The strategy arguments a layout name spells."""
     kwargs = {"tensor_parallel": 1, "pipeline_parallel": 1, "zero_stage": 0}
     keys = {"tp": "tensor_parallel", "pp": "pipeline_parallel", "cp": "context_parallel", "zero": "zero_stage"}
+    keys["ep"] = "expert_parallel"  # a mixture of experts' experts over EP of the data-parallel ranks
     for part in layout.split("_"):
         key = part.rstrip("0123456789")
         if key in keys:

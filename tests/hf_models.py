@@ -157,3 +157,101 @@ def exported_logits_gap(checkpoint: Path, exported: Path, length: int = 64) -> f
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     with torch.no_grad():
         return (theirs(tokens).logits - ours(tokens)[..., :4096]).abs().max().item()
+
+
+# Gemma 3 at test size: 6 layers (layer 5 the full one), a window of 8 keys (rows of 40), query_pre_attn_scalar not
+# head_dim, 4 query heads over 2 key/value heads.
+RANDOM_GEMMA3 = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=8,
+    max_position_embeddings=256,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+)
+
+
+# GPT-OSS at test size: 4 layers alternating sliding (window 8) and full from layer 0, sinks, YaRN (factor 32 over an
+# original context of 16, so every band of frequencies is exercised in rows of 40), biased q/k/v/o, 4 experts with
+# biases and the clamped SwiGLU (its limit low enough to clip), 2 per token.
+RANDOM_GPT_OSS = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    swiglu_limit=0.3,  # small enough that the clamps bite at this size (the published 7.0 at full size)
+    sliding_window=8,
+    max_position_embeddings=512,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 150000.0,
+    },
+)
+# Qwen3-Next at test size: 4 layers, three Gated DeltaNet (2 key heads of 8 dims, 4 value heads of 16) to one gated
+# full attention (partial RoPE 0.25), 4 experts (2 per token) and a shared expert in every layer.
+RANDOM_QWEN3_NEXT = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    max_position_embeddings=256,
+)
+# The families of attention kinds (test_attention_kinds.py): family -> (transformers config class, its values).
+ATTENTION_KIND_FAMILIES = {
+    "gemma3_text": ("Gemma3TextConfig", RANDOM_GEMMA3),
+    "gpt_oss": ("GptOssConfig", RANDOM_GPT_OSS),
+    "qwen3_next": ("Qwen3NextConfig", RANDOM_QWEN3_NEXT),
+}
+
+
+def random_attention_kind_dir(directory: Path, family: str, seed: int = 0, noise: float = 0.1) -> Path:
+    """A random model of `family` (a key of ATTENTION_KIND_FAMILIES) saved with `save_pretrained`, with the demo
+    tokenizer; every tensor perturbed (Gemma's norms start at 0, the identity; biases and sinks at 0) so a mapping
+    mistake anywhere changes the logits. `noise`: the perturbation's scale (a training comparison wants gradients
+    well conditioned: Adam magnifies the rounding of the ones near its epsilon)."""
+    import transformers
+
+    config_class, values = ATTENTION_KIND_FAMILIES[family]
+    _, tokenizer_path = build_demo_data(progress=False)
+    tokenizer = Tokenizer(tokenizer_path)
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(
+        **values, bos_token_id=tokenizer.eod_id, eos_token_id=tokenizer.eod_id, pad_token_id=None
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * noise)
+    out = directory / f"{family}-random"
+    model.eval().save_pretrained(out)
+    tokenizer.save(out / "tokenizer.json")
+    return out

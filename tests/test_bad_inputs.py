@@ -94,6 +94,28 @@ ROWS = [
     ),
     ("mtnlg", [*FIT, "--trainer.strategy", "{cp3}"], None, 2, "seq_len 64 is not divisible by 2 x context_parallel"),
     ("mtnlg", [*FIT, "--trainer.strategy", "{cp2_math}"], None, 2, "'math' (torch's math path) returns none"),
+    # attention kinds per layer: a pattern of the wrong length, a window that changes nothing
+    (
+        "mtnlg",
+        [
+            *FIT,
+            "--model.model_overrides.layer_types",
+            "[sliding_attention]",
+            "--model.model_overrides.sliding_window",
+            "8",
+        ],
+        None,
+        2,
+        "layer_types lists 1 layer kinds for a 2-layer model",
+    ),
+    (
+        "mtnlg",
+        [*FIT, *("--model.model_overrides.family", "null", "--model.model_overrides.sliding_window", "64")]
+        + ["--model.model_overrides.layer_types", "[sliding_attention, full_attention]"],
+        None,
+        2,
+        "sliding_window 64 is not smaller than seq_len 64: no query would lose a key",
+    ),
     # mtnlg-dedup
     ("mtnlg-dedup", ["{missing}", "-o", "{out}"], None, 2, "no such file"),
     ("mtnlg-dedup", ["{empty}", "-o", "{out}"], None, 2, "empty input"),

@@ -35,33 +35,51 @@ def closed_form(config, tp: int) -> dict[str, int]:
     """Parameters one of `tp` tensor-parallel ranks holds: a block, the embeddings, the final norm, the LM head."""
     h, f, hd = config.hidden_size, config.ffn_hidden_size, config.head_dim
     q, kv = config.num_heads * hd // tp, int(max(config.num_kv_heads / tp, 1.0) * hd)
-    matrices = 3 if config.mlp == "swiglu" else 2
+    matrices = 3 if config.mlp in ("swiglu", "geglu") else 2
     norm = h * (2 if config.norm == "layernorm" and config.bias else 1)
     mlp = matrices * h * f // tp
     if config.moe:  # the MoE presets' blocks are all MoE: a router and E experts, whole on every TP rank
-        shared = config.shared_expert_ffn_hidden_size
-        mlp = h * config.num_experts + 3 * config.num_experts * h * config.moe_ffn_hidden_size
+        shared, e, fe = config.shared_expert_ffn_hidden_size, config.num_experts, config.moe_ffn_hidden_size
+        mlp = h * e + 3 * e * h * fe
         mlp += 3 * h * shared // tp + h if shared else 0
+        mlp += (e + e * (2 * fe + h)) * (config.expert_mlp == "clamped_swiglu")  # GPT-OSS: router, expert biases
     qk_norms = 2 * hd if config.qk_norm_over == "head" else (config.num_heads + config.num_kv_heads) * hd
-    block = h * (q + 2 * kv) + q * h + mlp + 2 * norm + qk_norms * config.qk_norm
+    norms = 4 if config.post_block_norms else 2  # Gemma's four per block
+    gated = 2 if config.attention_output_gate else 1  # Qwen3-Next's q projection makes each head's gate too
+    block = h * (gated * q + 2 * kv) + q * h + mlp + norms * norm + qk_norms * config.qk_norm
     block += (q + 2 * kv) * config.qkv_bias + ((matrices - 1) * f // tp + 2 * h) * config.bias  # h: proj, fc2
+    block += h * (config.attention_output_bias and not config.bias) + q // hd * config.attention_sinks
     vocab = config.padded_vocab_size(tp) * h // tp
     positions = config.max_position_embeddings * h if config.position_embedding == "learned" else 0
-    return {"block": block, "embeddings": vocab + positions, "norm": norm, "head": vocab}
+    form = {"block": block, "embeddings": vocab + positions, "norm": norm, "head": vocab}
+    if config.layer_types and "linear_attention" in config.layer_types:  # Gated DeltaNet in place of attention
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv, kernel = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+        projections = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) // tp + nv * dv * h // tp  # qkvz, ba; out
+        whole = (2 * nk * dk + nv * dv) * kernel + 2 * nv + dv  # the conv, A_log and dt_bias, the gated norm
+        form["linear_block"] = projections + whole + mlp + norms * norm
+    return form
+
+
+def layer_params(config, form: dict) -> list[int]:
+    """Each layer's parameters in the closed form (a Gated DeltaNet layer's, or an attention layer's)."""
+    kinds = config.layer_types or ["full_attention"] * config.num_layers
+    return [form["linear_block"] if kind == "linear_attention" else form["block"] for kind in kinds]
 
 
 @pytest.mark.parametrize("preset", UNIFORM)
 def test_the_measured_count_equals_the_closed_form_and_the_planner_s(preset):
     config = get_config(preset)
     form = closed_form(config, 1)
-    whole = config.num_layers * form["block"] + form["embeddings"] + form["norm"]
+    whole = sum(layer_params(config, form)) + form["embeddings"] + form["norm"]
     whole += 0 if config.tie_embeddings else form["head"]
     assert count_parameters(config) == whole == params_per_stage(config, 1, 1, [config.num_layers])[0]
     for tp in (2, 4, 8):
         if config.num_heads % tp == 0:
             form, layers = closed_form(config, tp), balanced_layers(config.num_layers, 2)
-            first = layers[0] * form["block"] + form["embeddings"]
-            last = layers[1] * form["block"] + form["norm"] + form["head"]  # the tied head's copy too
+            per_layer = layer_params(config, form)
+            first = sum(per_layer[: layers[0]]) + form["embeddings"]
+            last = sum(per_layer[layers[0] :]) + form["norm"] + form["head"]  # the tied head's copy too
             assert params_per_stage(config, tp, 2, layers) == [first, last], (preset, tp)
 
 
@@ -84,10 +102,17 @@ def test_matmul_weights_per_token_follow_the_closed_form(preset):
     config = get_config(preset)
     h, hd, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, o and k, v
-    mlp = (3 if config.mlp == "swiglu" else 2) * h * f
-    if config.moe:  # the router and the k experts a token goes to
+    attention += h * hd * config.num_heads * bool(config.attention_output_gate)  # the gates' half of q
+    mlp = (3 if config.mlp in ("swiglu", "geglu") else 2) * h * f
+    if config.moe:  # the router and the k experts a token goes to (and a shared expert with its gate)
         mlp = h * config.num_experts + config.experts_per_token * 3 * h * config.moe_ffn_hidden_size
-    assert matmul_parameters(config) == config.num_layers * (attention + mlp) + h * config.padded_vocab_size()
+        mlp += (3 * h * config.shared_expert_ffn_hidden_size + h) * bool(config.shared_expert_ffn_hidden_size)
+    kinds = config.layer_types or ["full_attention"] * config.num_layers
+    nk, nv = config.linear_num_key_heads or 0, config.linear_num_value_heads or 0
+    dk, dv = config.linear_key_head_dim or 0, config.linear_value_head_dim or 0
+    linear = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * h  # Gated DeltaNet's in and out projections
+    mixers = sum(linear if kind == "linear_attention" else attention for kind in kinds)
+    assert matmul_parameters(config) == mixers + config.num_layers * mlp + h * config.padded_vocab_size()
 
 
 @pytest.mark.parametrize("preset", UNIFORM)
@@ -95,9 +120,13 @@ def test_every_preset_names_one_family_whose_plan_names_each_module_of_its_block
     config = get_config(preset)
     family = family_of(config)
     assert family is family_specs.FAMILIES[config.family] and family.contradiction(config) is None
-    block = build_model(dataclasses.replace(config, num_layers=1), "meta").blocks["0"]
-    with_params = {name for name, m in block.named_modules() if any(True for _ in m.parameters(recurse=False))}
-    linears = {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    with_params, linears = set(), set()
+    for kind in sorted(set(config.layer_types or [None])):  # one block of each attention kind
+        local = config.sliding_rope_theta if kind == "sliding_attention" else None
+        one = dataclasses.replace(config, num_layers=1, layer_types=[kind] if kind else None, sliding_rope_theta=local)
+        block = build_model(one, "meta").blocks["0"]
+        with_params |= {name for name, m in block.named_modules() if any(True for _ in m.parameters(recurse=False))}
+        linears |= {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
     plan = families.tensor_parallel_plan(config)
     assert set(plan) == with_params and with_params <= set(family.tensor_parallel_plan())
     assert {path for path, style in plan.items() if style in family_specs.MATMUL_STYLES} == linears

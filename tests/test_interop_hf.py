@@ -189,7 +189,8 @@ def test_bad_sources_are_one_line(tmp_path, capsys):
     assert generate_main(["--checkpoint", str(other), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"mtnlg-generate: error: {other} holds a 'mamba' model (MambaForCausalLM); the architectures that can be "
-        f"read are deepseek_v3, glm4_moe, gpt2, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"
+        f"read are deepseek_v3, gemma3_text, glm4_moe, gpt2, gpt_oss, llama, mixtral, olmoe, qwen2, qwen2_moe, qwen3, "
+        f"qwen3_moe, qwen3_next"
     )
     garbage = tmp_path / "broken.ckpt"
     garbage.write_bytes(b"not a checkpoint")

@@ -9,15 +9,21 @@ from dataclasses import dataclass
 
 import yaml
 
+from mtnlg_lightning.attention_kinds import check_attention_kinds
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.family_specs import FAMILIES, family_spec
 
 POSITION_EMBEDDINGS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+# rmsnorm_plus_one: Gemma's RMSNorm, computed in fp32 and scaled by (1 + weight), its weight starting at 0
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
+# geglu: down(gelu_tanh(gate(x)) * up(x)) (Gemma's gelu_pytorch_tanh MLP)
+MLPS = ("gelu", "swiglu", "geglu")
 # softmax: over the experts, then the top k (renormalised when norm_topk_prob); sigmoid: each expert's own score,
 # the top k chosen by score + a per-expert bias that balances the load without a loss (DeepSeek-V3)
 ROUTERS = ("softmax", "sigmoid")
+# The experts' MLP: swiglu (bias-free, every MoE family but GPT-OSS) or clamped_swiglu (GPT-OSS: biased router and
+# experts, gate and up clamped at swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate); `biased_experts.py`)
+EXPERT_MLPS = ("swiglu", "clamped_swiglu")
 EXPERT_BIAS_UPDATE_RATE = 1e-3  # the sigmoid router's default bias step (DeepSeek-V3's gamma, Megatron's default)
 QK_NORMS = ("head", "projection")  # over each head's dims (Qwen 3) or the whole q / k projection (OLMoE)
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # Hugging Face's `rope_type` names
@@ -102,8 +108,35 @@ class ModelConfig:
     # the rotary dims pair as (0, 1), (2, 3)... and come out de-interleaved (Hugging Face's `rope_interleave`,
     # DeepSeek's checkpoints); false: the first half pairs with the second, as every other family
     rope_interleave: bool = False
-    # the share of each head's dims that rotate (the first ones; GLM-4.5: 0.5), the rest pass through
+    # the share of each head's dims that rotate (the first ones; GLM-4.5: 0.5, Qwen3-Next: 0.25), the rest pass
+    # through
     partial_rotary_factor: float = 1.0
+    # Attention kinds per layer (`attention_kinds.py`), Hugging Face's `layer_types`: one of full_attention,
+    # sliding_attention, linear_attention (Gated DeltaNet, `linear_attention.py`) per layer; None: every layer full
+    # causal attention.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # the keys a sliding layer's query sees, itself included (HF's sliding_window)
+    sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3's local base); None: rope_theta
+    # family's: a learned logit per head that joins every softmax and takes a share of it (GPT-OSS); custom: false
+    attention_sinks: bool | None = None
+    attention_output_bias: bool | None = None  # a bias on the attention's output projection; None: as `bias`
+    attention_softmax_scale: float | None = None  # None: head_dim^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5)
+    # family's: a norm on the attention's and the MLP's outputs before each residual add (Gemma's four norms per
+    # block); custom: false
+    post_block_norms: bool | None = None
+    expert_mlp: str | None = None  # family's: swiglu | clamped_swiglu (GPT-OSS's, EXPERT_MLPS); custom: swiglu
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, -limit <= up <= limit
+    scale_embeddings: bool | None = None  # family's: the word embedding times sqrt(hidden_size) (Gemma); custom: false
+    # family's: the q projection also makes a gate per head, the attention's output times sigmoid(gate) before the
+    # output projection (Qwen3-Next); custom: false
+    attention_output_gate: bool | None = None
+    # Gated DeltaNet (linear_attention layers, `linear_attention.py`), Hugging Face's names:
+    linear_num_key_heads: int | None = None  # query / key heads
+    linear_num_value_heads: int | None = None  # value heads (a multiple of the key heads; each its own state)
+    linear_key_head_dim: int | None = None  # d_k
+    linear_value_head_dim: int | None = None  # d_v (a state is d_k x d_v per value head)
+    linear_conv_kernel_dim: int | None = None  # the causal depthwise convolution's kernel
 
     def __post_init__(self) -> None:
         apply_family(self)
@@ -117,10 +150,13 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.qkv_bias is None:
             self.qkv_bias = self.bias
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.bias
         for name, value, choices in (
             ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
             ("norm", self.norm, NORMS),
             ("mlp", self.mlp, MLPS),
+            ("expert_mlp", self.expert_mlp, EXPERT_MLPS),
         ):
             if value not in choices:
                 raise MTNLGError(f"model {name} {value!r} is not one of {', '.join(choices)}")
@@ -140,6 +176,7 @@ class ModelConfig:
         if self.qk_norm_over not in QK_NORMS:
             raise MTNLGError(f"model qk_norm_over {self.qk_norm_over!r} is not one of {', '.join(QK_NORMS)}")
         check_experts(self)
+        check_attention_kinds(self)
         check_family(self)
         if self.seq_len > self.max_position_embeddings:
             raise MTNLGError(
@@ -151,7 +188,7 @@ class ModelConfig:
     def fused_qkv(self) -> bool:
         """One q/k/v projection, rows laid out [heads, 3, head_dim] (multi-head attention); grouped-query
         attention has three (its key/value heads may be replicated over the tensor-parallel ranks)."""
-        return self.num_kv_heads == self.num_heads
+        return self.num_kv_heads == self.num_heads and not self.attention_output_gate  # a gate rides on q's own
 
     @property
     def latent_attention(self) -> bool:
@@ -205,6 +242,8 @@ CUSTOM_BLOCK = dict(
     position_embedding="learned", norm="layernorm", mlp="gelu", bias=True, qk_norm=False, qk_norm_over="head",
     tie_embeddings=True, router="softmax", norm_topk_prob=False, shared_expert_ffn_hidden_size=0,
     shared_expert_gated=True,
+    attention_sinks=False, post_block_norms=False, scale_embeddings=False, expert_mlp="swiglu",
+    attention_output_gate=False,
 )  # fmt: skip
 
 
@@ -340,7 +379,7 @@ def check_rope_scaling(scaling: dict | None) -> None:
 
 
 LLAMA3_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-YARN_SCALING_FIELDS = ("factor", "original_max_position_embeddings")
+YARN_SCALING_FIELDS = ("factor", "original_max_position_embeddings")  # beta_fast, beta_slow, truncate: defaults
 # Today's decoder block (Llama 3, Mixtral): RoPE, RMSNorm, SwiGLU, no biases, untied head.
 ROPE_BLOCK = dict(position_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 LLAMA_31 = dict(
@@ -406,6 +445,22 @@ GLM4_MOE = dict(
     **dict(num_heads=96, num_kv_heads=8, head_dim=128, qkv_bias=True, partial_rotary_factor=0.5, seq_len=4096),
     **dict(vocab_size=151552, rope_theta=1000000.0, max_position_embeddings=131072, init_std=0.02),
     **dict(experts_per_token=8, norm_topk_prob=True),
+)
+GPT_OSS = dict(
+    family="gpt_oss",
+    **dict(hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64, ffn_hidden_size=2880, moe_ffn_hidden_size=2880),
+    **dict(vocab_size=201088, seq_len=8192, max_position_embeddings=131072, layernorm_eps=1e-5, tie_embeddings=False),
+    rope_theta=150000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
+    **dict(sliding_window=128, experts_per_token=4, swiglu_alpha=1.702, swiglu_limit=7.0, init_std=0.02),
 )
 
 PRESETS: dict[str, dict] = {
@@ -508,6 +563,36 @@ PRESETS: dict[str, dict] = {
         **GLM4_MOE,
         **dict(num_layers=46, hidden_size=4096, ffn_hidden_size=10944, layernorm_eps=1e-5, qk_norm=False),
         **dict(num_experts=128, moe_ffn_hidden_size=1408, shared_expert_ffn_hidden_size=1408, first_dense_layers=1),
+    ),
+    # Attention kinds per layer (`attention_kinds.py`), with the published shapes (counts equal transformers').
+    # Gemma 3 27B's text model (gemma-3-27b-pt's text_config): 5 sliding layers of 1024 keys to 1 global, the local
+    # RoPE base 10000 and the global 1e6 with linear scaling 8; query_pre_attn_scalar 168 (hidden / heads).
+    "gemma-3-27b": dict(
+        family="gemma3_text",
+        **dict(num_layers=62, hidden_size=5376, num_heads=32, num_kv_heads=16, head_dim=128, ffn_hidden_size=21504),
+        **dict(vocab_size=262208, make_vocab_size_divisible_by=64, seq_len=8192, max_position_embeddings=131072),
+        **dict(rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, layernorm_eps=1e-6),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)],
+        **dict(sliding_window=1024, sliding_rope_theta=10_000.0, attention_softmax_scale=168**-0.5),
+        **dict(tie_embeddings=True, init_std=0.02),
+    ),
+    # GPT-OSS 20B and 120B (their config.json): 128-key sliding layers alternating with full ones from layer 0,
+    # sinks, YaRN x32 over 4096 positions, top 4 of 32 / 128 biased experts with the clamped SwiGLU.
+    "gpt-oss-20b": dict(GPT_OSS, num_layers=24, num_experts=32, layer_types=GPT_OSS["layer_types"][:24]),
+    "gpt-oss-120b": dict(GPT_OSS, num_layers=36, num_experts=128),
+    # Qwen3-Next 80B-A3B (its config.json): 3 Gated DeltaNet layers (16 key heads, 32 value heads of 128) to 1 gated
+    # attention (16 heads of 256 over 2 key/value heads, a quarter of each rotated), 512 experts, 10 per token, a
+    # shared expert.
+    "qwen3-next-80b-a3b": dict(
+        family="qwen3_next",
+        **dict(num_layers=48, hidden_size=2048, num_heads=16, num_kv_heads=2, head_dim=256, ffn_hidden_size=5120),
+        **dict(vocab_size=151936, seq_len=8192, max_position_embeddings=262144, layernorm_eps=1e-6),
+        **dict(rope_theta=10_000_000.0, partial_rotary_factor=0.25, tie_embeddings=False, init_std=0.02),
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
+        **dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+        linear_conv_kernel_dim=4,
+        **dict(num_experts=512, experts_per_token=10, moe_ffn_hidden_size=512, shared_expert_ffn_hidden_size=512),
+        norm_topk_prob=True,
     ),
     # The offline Llama-style demo (configs/demo_llama.yaml): the demo's size in the Llama 3 block.
     "demo-llama": {

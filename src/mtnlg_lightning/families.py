@@ -29,6 +29,7 @@ from mtnlg_lightning.family_specs import (
     COLUMN,
     EXPERTS,
     FAMILIES,
+    HEADS,
     KV_COLUMN,
     LATENT,
     MATMUL_STYLES,
@@ -77,7 +78,9 @@ class Measured:
 
 
 def layer_kind(config: ModelConfig, index: int) -> str:
-    return "moe" if config.is_moe_layer(index) else "dense"
+    """dense or moe (the MLP), prefixed linear- in a Gated DeltaNet layer (its token mixer's other parameters)."""
+    mlp = "moe" if config.is_moe_layer(index) else "dense"
+    return f"linear-{mlp}" if config.layer_types and config.layer_types[index] == "linear_attention" else mlp
 
 
 _DERIVED: dict[tuple, object] = {}
@@ -113,16 +116,24 @@ def measure(config: ModelConfig, vocab_tensor_parallel: int = 1) -> Measured:
     measured on a one-block model built on the meta device (nothing is allocated)."""
     multiple = config.make_vocab_size_divisible_by * vocab_tensor_parallel
     # The one-block variants name no family: a mixture of experts' dense variant is no longer of its family.
-    one = dataclasses.replace(config, num_layers=1, make_vocab_size_divisible_by=multiple, family=None)
-    variants = {
-        "dense": dataclasses.replace(one, num_experts=0),
-        "moe": dataclasses.replace(one, first_dense_layers=0, dense_layers=None, moe_layer_step=1),
-    }
+    # Every attention kind has the same parameters (a sliding layer is a mask), so the one block is a full one.
+    one = dataclasses.replace(
+        config, num_layers=1, make_vocab_size_divisible_by=multiple, family=None, layer_types=None,
+        sliding_rope_theta=None,
+    )  # fmt: skip
+
+    def variant(kind: str) -> ModelConfig:  # the one block of a kind: its MLP, and Gated DeltaNet for linear- ones
+        if kind.endswith("dense"):
+            block = dataclasses.replace(one, num_experts=0)
+        else:
+            block = dataclasses.replace(one, first_dense_layers=0, dense_layers=None, moe_layer_step=1)
+        return dataclasses.replace(block, layer_types=["linear_attention"]) if kind.startswith("linear-") else block
+
     present = {layer_kind(config, i) for i in range(config.num_layers)} or {"dense"}
     block, top, kinds = {}, {}, {}
     for kind in sorted(present):
         paths = []
-        for path, module in build_model(variants[kind], "meta").named_modules():
+        for path, module in build_model(variant(kind), "meta").named_modules():
             params = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
             if params and path.startswith("blocks.0."):
                 block[path.removeprefix("blocks.0.")] = params
@@ -158,7 +169,7 @@ def _held(config: ModelConfig, style: str, name: str, shape: tuple[int, ...], tp
     if style == KV_COLUMN:
         rows = int(kv_heads_per_rank(config, tp) * (shape[0] // config.num_kv_heads))
         return numel // shape[0] * rows
-    sharded = style in (COLUMN, VOCAB) or (style == ROW and name == "weight")
+    sharded = style in (COLUMN, VOCAB, HEADS) or (style == ROW and name == "weight")
     return numel // tp if sharded else numel
 
 
@@ -255,6 +266,7 @@ def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str,
     experts are one GEMM k times as wide (the same FLOPs), and the router one more."""
     shapes, out = measure(config), {}
     kind = "moe" if 2 * len(config.moe_layers) >= config.num_layers and config.moe else "dense"
+    kind = kind if kind in shapes.kinds else f"linear-{kind}"  # a model of Gated DeltaNet layers only
     for path in shapes.kinds[kind]:
         style = _plan_style(config, path)
         if style == EXPERTS:

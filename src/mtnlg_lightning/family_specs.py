@@ -1,7 +1,9 @@
 """The model families, each one registered spec, chosen by name: `ModelConfig.family` (`--model.model_overrides.family
 qwen3`, or the preset's, or the Hugging Face directory's `model_type`) names one of `FAMILIES`: GPT (MT-NLG, GPT-3,
 exported as GPT-2), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE,
-DeepSeek-V3 (with multi-head latent attention) and GLM-4.5.
+DeepSeek-V3 (with multi-head latent attention) and GLM-4.5; and the families with other attention kinds per layer
+(`attention_kinds.py`): Gemma 3 (sliding windows), GPT-OSS (windows, sinks, biased experts) and Qwen3-Next (Gated
+DeltaNet).
 
 A spec (`Family`, as torchtitan's `TrainSpec` per model) holds, once:
 - its block options (`block`): the `ModelConfig` values every model of the family has. Naming the family gives them
@@ -32,7 +34,11 @@ KV_COLUMN = (
 )
 ROW = "row"  # weight columns (input features) split, partial outputs summed; its bias replicated
 VOCAB = "vocab"  # vocabulary rows split (the word embedding, the LM head)
-HEAD_NORM = "head_norm"  # replicated, applied to this rank's heads only: its gradient summed over TP
+HEADS = "heads"  # one value per query head ([heads]: attention sinks): each rank keeps its heads' entries, as q
+HEAD_NORM = "head_norm"
+# Gated DeltaNet's parameters outside its projections (its convolution's channels are not grouped by head): tensor
+# parallelism of these layers is refused in one line (`parallel/tensor_parallel.py`)
+LINEAR_MIXER = "linear_mixer"  # replicated, applied to this rank's heads only: its gradient summed over TP
 NORM = "norm"  # replicated over the hidden size; on the sequence shard under sequence parallelism
 REPLICATED = "replicated"  # every rank holds all of it (learned positions)
 ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
@@ -278,9 +284,130 @@ GLM4_MOE = Family(
     "glm4_moe", "GLM-4.5", {**_LLAMA_BLOCK, "qk_norm_over": "head"}, _llama_modules(True, _DEEPSEEK_EXPERTS),
     "glm4_moe", "Glm4MoeForCausalLM", Experts(router="sigmoid", shared_expert=True, shared_expert_gated=False),
 )  # fmt: skip
+
+
+def _attention_rows() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """The rows a layout of Llama's names begins with: the embedding, the first norm and the attention's
+    projections (for the families after Llama's, which `_llama_modules` does not build)."""
+    layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    return {
+        "embed.wte": (VOCAB, "model.embed_tokens"),
+        f"{BLOCK}ln1": (NORM, f"{layer}input_layernorm"),
+        f"{BLOCK}attn.qkv": (COLUMN, (f"{attn}q_proj", f"{attn}k_proj", f"{attn}v_proj")),
+        f"{BLOCK}attn.q": (COLUMN, f"{attn}q_proj"),
+        f"{BLOCK}attn.k": (KV_COLUMN, f"{attn}k_proj"),
+        f"{BLOCK}attn.v": (KV_COLUMN, f"{attn}v_proj"),
+        f"{BLOCK}attn.proj": (ROW, f"{attn}o_proj"),
+    }
+
+
+def _gemma3_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Gemma 3's layout: Llama's names, q/k norms, and four norms per block (Hugging Face's post-attention norm is
+    the attention output's, its pre-feed-forward norm our `ln2`)."""
+    layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    return {
+        **_attention_rows(),
+        f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"),
+        f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm"),
+        f"{BLOCK}post_attn_norm": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}ln2": (NORM, f"{layer}pre_feedforward_layernorm"),
+        f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),
+        f"{BLOCK}mlp.up": (COLUMN, f"{layer}mlp.up_proj"),
+        f"{BLOCK}mlp.down": (ROW, f"{layer}mlp.down_proj"),
+        f"{BLOCK}post_mlp_norm": (NORM, f"{layer}post_feedforward_layernorm"),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+# Gemma 3 (text): (1 + w) RMSNorms, four per block, q/k norms, the embedding scaled by sqrt(H), a tanh-GELU gated
+# MLP, sliding-window layers with their own RoPE base between the global ones (`layer_types`).
+GEMMA3 = Family(
+    "gemma3_text", "Gemma 3",
+    {**_LLAMA_BLOCK, "norm": "rmsnorm_plus_one", "mlp": "geglu", "qkv_bias": False, **_HEAD_QK_NORM,
+     "post_block_norms": True, "scale_embeddings": True, "attention_sinks": False},
+    _gemma3_modules(), "gemma3_text", "Gemma3ForCausalLM",
+)  # fmt: skip
+
+
+def _gpt_oss_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """GPT-OSS's layout: Llama's attention names with biases and sinks, a biased router, experts stored as
+    parameters of one module ([E, in, 2 x out] gate and up interleaved, [E, in, out] down, their biases): their
+    Hugging Face names and layout are `interop/gpt_oss_mapping.py`'s (None here)."""
+    layer = "model.layers.{i}."
+    return {
+        **_attention_rows(),
+        f"{BLOCK}attn.sinks": (HEADS, None),
+        f"{BLOCK}ln2": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}mlp.router": (ROUTER, f"{layer}mlp.router"),
+        f"{BLOCK}mlp.experts.gate": (EXPERTS, None),
+        f"{BLOCK}mlp.experts.up": (EXPERTS, None),
+        f"{BLOCK}mlp.experts.down": (EXPERTS, None),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+# GPT-OSS: sliding-window and full layers alternating, learned attention sinks, biases on q, k, v and o, YaRN RoPE
+# (the model's rope_scaling), every block's MLP experts with a biased router and the clamped SwiGLU.
+GPT_OSS = Family(
+    "gpt_oss", "GPT-OSS",
+    {**_LLAMA_BLOCK, "qkv_bias": True, "attention_output_bias": True, "attention_sinks": True, **_NO_QK_NORM,
+     "expert_mlp": "clamped_swiglu"},
+    _gpt_oss_modules(), "gpt_oss", "GptOssForCausalLM", Experts(every_layer=True, norm_topk_prob=True),
+)  # fmt: skip
+
+
+def _qwen3_next_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]:
+    """Qwen3-Next's layout: its full layers Qwen 3's attention (q 2x wide: each head's query and output gate), its
+    linear layers Gated DeltaNet (`linear_attn`; its decay parameters A_log and dt_bias on that module itself), every
+    MLP Qwen 2-MoE's experts with a shared expert, or a dense MLP (mlp_only_layers)."""
+    layer, attn, linear = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.linear_attn."
+    return {
+        **_attention_rows(),
+        f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"),
+        f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm"),
+        f"{BLOCK}attn.decay": (LINEAR_MIXER, linear.removesuffix(".")),  # A_log and dt_bias: linear_attn's own
+        f"{BLOCK}attn.in_proj_qkvz": (COLUMN, f"{linear}in_proj_qkvz"),
+        f"{BLOCK}attn.in_proj_ba": (COLUMN, f"{linear}in_proj_ba"),
+        f"{BLOCK}attn.conv1d": (LINEAR_MIXER, f"{linear}conv1d"),
+        f"{BLOCK}attn.norm": (LINEAR_MIXER, f"{linear}norm"),
+        f"{BLOCK}attn.out_proj": (ROW, f"{linear}out_proj"),
+        f"{BLOCK}ln2": (NORM, f"{layer}post_attention_layernorm"),
+        f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),
+        f"{BLOCK}mlp.up": (COLUMN, f"{layer}mlp.up_proj"),
+        f"{BLOCK}mlp.down": (ROW, f"{layer}mlp.down_proj"),
+        **_experts(**_QWEN_EXPERTS, shared=True),
+        "norm": (NORM, "model.norm"),
+        "lm_head": (VOCAB, "lm_head"),  # stored only when untied
+    }
+
+
+# Qwen3-Next: three Gated DeltaNet layers to one gated full attention (partial RoPE, (1 + w) q/k norms), (1 + w)
+# block norms, experts with a sigmoid-gated shared expert.
+QWEN3_NEXT = Family(
+    "qwen3_next", "Qwen3-Next",
+    {**_LLAMA_BLOCK, "norm": "rmsnorm_plus_one", "qkv_bias": False, **_HEAD_QK_NORM, "attention_output_gate": True},
+    _qwen3_next_modules(), "qwen3_next", "Qwen3NextForCausalLM", Experts(shared_expert=True),
+)  # fmt: skip
 # The registry: `ModelConfig.family` names one of these.
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (GPT, LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, DEEPSEEK_V3, GLM4_MOE)
+    f.name: f
+    for f in (
+        GPT,
+        LLAMA,
+        QWEN2,
+        QWEN3,
+        QWEN3_MOE,
+        QWEN2_MOE,
+        MIXTRAL,
+        OLMOE,
+        DEEPSEEK_V3,
+        GLM4_MOE,
+        GEMMA3,
+        GPT_OSS,
+        QWEN3_NEXT,
+    )
 }
 
 

@@ -31,32 +31,63 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from mtnlg_lightning.attention_kinds import (
+    GLOBAL_ROPE,
+    LOCAL_ROPE,
+    AttentionSinks,
+    RMSNormPlusOne,
+    attention_with_sinks,
+    layer_type,
+    layer_window,
+    rope_kind,
+    window_allowed,
+)
+from mtnlg_lightning.biased_experts import MOE_LAYERS
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.mla import MultiHeadLatentAttention
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
 from mtnlg_lightning.torch_compat import non_persistent_buffer_names
-from mtnlg_lightning.yarn import rope_attention_factor, yarn_inverse_frequencies
+from mtnlg_lightning.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=config.layernorm_eps)
+    if config.norm == "rmsnorm_plus_one":
+        return RMSNormPlusOne(dim, eps=config.layernorm_eps)
     return nn.LayerNorm(dim, eps=config.layernorm_eps, bias=config.bias)
 
 
+def make_head_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """A q or k norm: an RMSNorm, Gemma's (1 + weight) one in a model whose norms are those."""
+    if config.norm == "rmsnorm_plus_one":
+        return RMSNormPlusOne(dim, eps=config.layernorm_eps)
+    return nn.RMSNorm(dim, eps=config.layernorm_eps)
+
+
 # ---------------------------------------------------------------------------------------------- rotary positions
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """theta^(-2i/d) per pair of the d rotary dims, rescaled as the config's rope_scaling says (Hugging Face's
-    definitions)."""
+def rope_scaling_of(config: ModelConfig, kind: str = GLOBAL_ROPE) -> tuple[float, dict]:
+    """(base, scaling) of a RoPE kind: the sliding layers' own base takes no rope_scaling (as transformers' Gemma 3
+    applies it to the full layers only)."""
+    if kind == LOCAL_ROPE:
+        return config.sliding_rope_theta, {}
+    return config.rope_theta, config.rope_scaling or {}
+
+
+def rope_inverse_frequencies(config: ModelConfig, rope: str = GLOBAL_ROPE) -> torch.Tensor:
+    """theta^(-2i/d) per pair of the d rotary dims (`config.rotary_dim`: all of a head's, the first ones under
+    partial rotary, MLA's decoupled rotary part), rescaled as the config's rope_scaling says (Hugging Face's
+    definitions); `rope` the kind (`attention_kinds.rope_kind`: the sliding layers' own base where they have one)."""
     dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
+    theta, scaling = rope_scaling_of(config, rope)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "yarn":
-        return yarn_inverse_frequencies(scaling, dim, config.rope_theta)
+        return yarn_inverse_frequencies(scaling, dim, theta)
     if kind == "llama3":  # long wavelengths slowed by `factor`, short ones kept, those between interpolated
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         original = scaling["original_max_position_embeddings"]
@@ -76,7 +107,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, S, hd] rotated by the angles of its positions (cos, sin [S, rotary dims]): all of each head's
-    dims, or the first ones (partial_rotary_factor < 1: the rest pass through, as GLM-4.5)."""
+    dims, or the first ones (partial rotary: the rest pass through, as GLM-4.5 and Qwen3-Next)."""
     rotated = cos.shape[-1]
     if rotated == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
@@ -92,21 +123,28 @@ class Rotary:
 
     def __init__(self, model: GPT, start: int, position_ids: torch.Tensor | None = None):
         self.model, self.start, self.position_ids = model, start, position_ids
-        self._made: tuple | None = None
+        self._made: dict | None = None
 
-    def __call__(self, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, length: int, device, dtype, rope: str = GLOBAL_ROPE) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope`: the kind of the asking layer (`attention_kinds.rope_kind`), each made once per forward."""
         key = (length, device, dtype)
-        if self._made is None or self._made[0] != key:
+        made = self._made.get(rope) if self._made is not None else None
+        if made is None or made[0] != key:
             positions = self.position_ids
             if positions is None:
                 positions = self.model.positions(self.start, length, device)
-            freqs = positions.float()[..., None] * self.model.rope_inverse_frequencies(device)
+            freqs = positions.float()[..., None] * self.model.rope_inverse_frequencies(device, rope)
             angles = torch.cat((freqs, freqs), dim=-1)
             if angles.dim() == 3:  # [B, S, hd]: one row of positions per sequence, broadcast over the heads
                 angles = angles.unsqueeze(1)
-            factor = rope_attention_factor(self.model.config.rope_scaling)  # YaRN's; 1 for the other rotations
-            self._made = (key, (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype))
-        return self._made[1], self._made[2]
+            _, scaling = rope_scaling_of(self.model.config, rope)
+            factor = yarn_attention_factor(scaling)  # YaRN's, on cos and sin in fp32 as HF's; 1 for the others
+            cos, sin = angles.cos(), angles.sin()
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            made = (key, cos.to(dtype), sin.to(dtype))
+            self._made = {**(self._made or {}), rope: made}
+        return made[1], made[2]
 
 
 # ---------------------------------------------------------------------------------------------- document masks
@@ -132,12 +170,14 @@ def seen_prefix(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(document_ids < -1, (-document_ids - 2) // BRANCHES, document_ids)
 
 
-def document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+def document_mask(
+    document_ids: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None = None
+):
     """[B, 1, Lq, Lk] bool: query i may see key j iff j <= i (positions in the whole sequence) and both lie in the
     same document, or key j in the prefix that query i's branch continues (`document_ids` [B, S] of the whole
-    sequence)."""
+    sequence); with a `window` (a sliding layer's), only if j > i - window too."""
     queries, keys = document_ids[:, query_positions], document_ids[:, key_positions]
-    causal = key_positions[None, :] <= query_positions[:, None]
+    causal = window_allowed(query_positions, key_positions, window)
     same = (queries[:, :, None] == keys[:, None, :]) | (seen_prefix(queries)[:, :, None] == keys[:, None, :])
     return (causal & same).unsqueeze(1)
 
@@ -152,31 +192,52 @@ class DocumentMask:
     for every block of a model (or pipeline stage), built once per forward for the sequence the attention sees (a
     sequence-parallel block gathers the whole of it). `kernel`: sdpa (a dense boolean mask), flex (FlexAttention's
     block mask, which skips the blocks of keys no query sees), blocks (nothing built: context parallelism's ring
-    slices `document_ids` for each of its blocks), auto (flex on CUDA, sdpa elsewhere)."""
+    slices `document_ids` for each of its blocks), auto (flex on CUDA, sdpa elsewhere). `window`: a sliding
+    layer's band on top (`attention_kinds`); `for_window` gives each layer kind's mask, each made once."""
 
-    def __init__(self, document_ids: torch.Tensor, kernel: str = "auto"):
+    def __init__(self, document_ids: torch.Tensor, kernel: str = "auto", window: int | None = None):
         if kernel not in MASK_KERNELS:
             raise MTNLGError(f"document mask kernel {kernel!r} is not one of {', '.join(MASK_KERNELS)}")
         if kernel == "auto":
             kernel = "flex" if document_ids.is_cuda else "sdpa"
-        self.document_ids, self.kernel = document_ids, kernel
+        self.document_ids, self.kernel, self.window = document_ids, kernel, window
+        self.one_sequence = False  # `CausalMasks`' (a row that is one document: context parallelism rebuilds it)
         self.dense = self.block_mask = None
+        self._windowed: dict[int | None, DocumentMask] = {window: self}
         B, S = document_ids.shape
         if kernel == "sdpa":
-            positions = torch.arange(S, device=document_ids.device)
-            self.dense = document_mask(document_ids, positions, positions)
+            self.dense = self.allowed()
         elif kernel == "flex":
             prefixes = seen_prefix(document_ids)
+            band = window if window is not None else S + 1  # a band wider than the sequence: no band
 
             def same_document_causal(b, h, q, k):
                 key = document_ids[b, k]
-                return (k <= q) & ((document_ids[b, q] == key) | (prefixes[b, q] == key))
+                return (k <= q) & (k > q - band) & ((document_ids[b, q] == key) | (prefixes[b, q] == key))
 
             self.block_mask = create_block_mask(same_document_causal, B, None, S, S, device=document_ids.device)
 
-    def attend(self, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d) + mask) V over the whole sequence, grouped-query heads expanded as `attention`."""
+    def allowed(self) -> torch.Tensor:
+        """The dense boolean mask [B, 1, S, S] (what SDPA takes; a sink layer's scores are masked with it)."""
+        if self.dense is not None:
+            return self.dense
+        positions = torch.arange(self.document_ids.shape[1], device=self.document_ids.device)
+        return document_mask(self.document_ids, positions, positions, self.window)
+
+    def for_window(self, window: int | None, length: int, device=None) -> DocumentMask:
+        """This mask with a sliding layer's `window` instead (the same documents and kernel); `length` unused: the
+        documents say the sequence's and where it is."""
+        if window not in self._windowed:
+            self._windowed[window] = DocumentMask(self.document_ids, self.kernel, window)
+            self._windowed[window]._windowed = self._windowed
+        return self._windowed[window]
+
+    def attend(self, q, k, v, dropout_p: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d) + mask) V over the whole sequence, grouped-query heads expanded as `attention`;
+        with `sinks` (a sink layer's, [heads]) their column joins the softmax (`attention_with_sinks`)."""
         groups = q.shape[1] // k.shape[1]
+        if sinks is not None and self.kernel == "flex":  # FlexAttention takes no sink column: the exact dense path
+            return attention_with_sinks(q, k, v, self.allowed(), sinks, dropout_p)
         if self.kernel == "flex":
             if dropout_p:
                 raise MTNLGError("FlexAttention has no attention dropout: set attention_dropout to 0 for packed rows")
@@ -185,27 +246,56 @@ class DocumentMask:
             return flex(q, k, v, block_mask=self.block_mask, enable_gqa=groups > 1)
         if self.dense is None:
             raise MTNLGError(f"a document mask built for {self.kernel!r} has no dense mask to attend with")
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, self.dense, sinks, dropout_p)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.dense, dropout_p=dropout_p)
 
 
+class CausalMasks:
+    """The masks of a row that is one sequence (no `document_ids`) in a model with sliding layers: full layers
+    attend causally (no mask), a sliding layer through a `DocumentMask` of one document with its window, made once
+    per forward for the length the attention sees."""
+
+    def __init__(self, kernel: str = "auto"):
+        self.kernel = kernel
+        self._made: dict[tuple, DocumentMask] = {}
+
+    def for_window(self, window: int | None, length: int, device=None) -> DocumentMask | None:
+        if window is None:
+            return None
+        key = (window, length, device)
+        if key not in self._made:
+            one_document = torch.zeros(1, length, dtype=torch.long, device=device)
+            self._made[key] = DocumentMask(one_document, self.kernel, window)
+            self._made[key].one_sequence = True
+        return self._made[key]
+
+
 # ---------------------------------------------------------------------------------------------- the block
 class Attention(nn.Module):
-    """Self-attention; its subclass, chosen once by `make_attention`, says how the input becomes q, k and v."""
+    """Self-attention; its subclass, chosen once by `make_attention`, says how the input becomes q, k and v.
+    `index`: its layer, whose kind (`attention_kinds`: full or sliding, its RoPE base) is fixed here."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
         heads, kv_heads, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
         self.make_projections(config)  # first: the parameters' order (and the init's draws) is q/k/v, proj, norms
-        self.proj = nn.Linear(heads * hd, h, bias=config.bias)
+        self.proj = nn.Linear(heads * hd, h, bias=config.attention_output_bias)
         # q/k norms: None, over each head's dims (Qwen 3) or over the whole projection (OLMoE)
         self.qk_norm_over = config.qk_norm_over if config.qk_norm else None
         if self.qk_norm_over is not None:
             whole = self.qk_norm_over == "projection"
-            self.q_norm = nn.RMSNorm(heads * hd if whole else hd, eps=config.layernorm_eps)
-            self.k_norm = nn.RMSNorm(kv_heads * hd if whole else hd, eps=config.layernorm_eps)
+            self.q_norm = make_head_norm(config, heads * hd if whole else hd)
+            self.k_norm = make_head_norm(config, kv_heads * hd if whole else hd)
+        self.sinks = AttentionSinks(heads) if config.attention_sinks else None
+        self.output_gate = bool(config.attention_output_gate)  # Qwen3-Next: q's projection is [query, gate] per head
+        self.window, self.rope_kind = layer_window(config, index), rope_kind(config, index)
+        # A softmax scale other than head_dim^-0.5 (Gemma 3's) multiplies q once: every kernel then applies its own.
+        scale = config.attention_softmax_scale
+        self.query_scale = 1.0 if scale is None else scale * math.sqrt(hd)
         self.dropout = config.attention_dropout
         # Swappable so activation checkpointing can recompute just the attention core (Megatron's selective).
         self.core = AttentionCore()
@@ -218,14 +308,19 @@ class Attention(nn.Module):
         """q [B, S, heads, hd], k and v [B, S, kv_heads, hd] of this rank's heads."""
         raise NotImplementedError
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, heads, S, hd], k and v [B, kv_heads, S, hd] (this rank's heads)."""
+    def project(self, x: torch.Tensor):
+        """q [B, heads, S, hd], k and v [B, kv_heads, S, hd] (this rank's heads), and the output gate [B, S, heads x
+        hd] where the attention has one (else None)."""
         q, k, v = self.split_heads(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(*gate.shape[:2], -1)
         if self.qk_norm_over == "head":  # before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm_over == "projection":
             q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 
     def forward(
         self,
@@ -234,17 +329,30 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         mask: DocumentMask | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.project(x)
+        q, k, v, gate = self.project(x)
         if rotary is not None:
-            cos, sin = rotary(q.shape[2], q.device, q.dtype)
+            cos, sin = rotary(q.shape[2], q.device, q.dtype, self.rope_kind)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        if mask is not None:  # the mask of this layer's kind: its window, if it slides
+            mask = mask.for_window(self.window, q.shape[2], q.device)
+        sinks = () if self.sinks is None else (self.sinks.weight,)
         if cache is None:
-            y = self.core(q, k, v, self.dropout if self.training else 0.0, mask)
-        else:  # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
+            y = self.core(q, k, v, self.dropout if self.training else 0.0, mask, *sinks)
+        elif self.window is None and self.sinks is None:
+            # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
             k, v = cache.update(k, v)
             y = attention(q, k, v, causal=q.shape[2] > 1)
+        else:  # decoding a sliding or sink layer: its window's keys only, the sinks' column in the softmax
+            start = cache.cache.start
+            k, v, key_positions = cache.update_window(k, v, self.window)
+            queries = torch.arange(start, start + q.shape[2], device=q.device)
+            allowed = window_allowed(queries, key_positions, self.window)
+            y = attention_with_sinks(q, k, v, allowed, *sinks) if sinks else attention(q, k, v, mask=allowed)
         B, _, S, _ = y.shape
-        return self.proj(y.transpose(1, 2).reshape(B, S, -1))
+        y = y.transpose(1, 2).reshape(B, S, -1)
+        return self.proj(y if gate is None else y * torch.sigmoid(gate))
 
 
 class FusedQKVAttention(Attention):
@@ -268,25 +376,36 @@ class GroupedQueryAttention(Attention):
 
     def make_projections(self, config: ModelConfig) -> None:
         heads, kv_heads, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-        self.q = nn.Linear(h, heads * hd, bias=config.qkv_bias)
+        gated = 2 if config.attention_output_gate else 1  # each head's [query, gate] (Qwen3-Next)
+        self.q = nn.Linear(h, heads * hd * gated, bias=config.qkv_bias)
         self.k = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
         self.v = nn.Linear(h, kv_heads * hd, bias=config.qkv_bias)
 
     def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.q(x), self.k(x), self.v(x)
         B, S, _ = q.shape
-        return tuple(t.view(B, S, -1, self.head_dim) for t in (q, k, v))
+        q = q.view(B, S, -1, self.head_dim * (2 if self.output_gate else 1))
+        return q, *(t.view(B, S, -1, self.head_dim) for t in (k, v))
 
 
-def make_attention(config: ModelConfig) -> nn.Module:
-    if config.latent_attention:  # its own module (`mla.py`), given the swappable core every attention has
+def make_attention(config: ModelConfig, index: int = 0) -> nn.Module:
+    """Layer `index`'s token mixer: attention (multi-head latent attention, `mla.py`, given the swappable core every
+    attention has), or Gated DeltaNet in a linear_attention layer."""
+    if layer_type(config, index) == "linear_attention":
+        return GatedDeltaNet(config, index)
+    if config.latent_attention:
         return MultiHeadLatentAttention(config, AttentionCore())
-    return FusedQKVAttention(config) if config.fused_qkv else GroupedQueryAttention(config)
+    return FusedQKVAttention(config, index) if config.fused_qkv else GroupedQueryAttention(config, index)
 
 
-def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d)) V; each key/value head serves its group of query heads (grouped-query attention)."""
+def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d)) V; each key/value head serves its group of query heads (grouped-query attention).
+    `mask`: a boolean [Lq, Lk] of the keys each query sees, in place of causal (a sliding layer's window)."""
     groups = q.shape[1] // k.shape[1]
+    if mask is not None:
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     if groups > 1 and not causal:
         # Every query sees every key (a decoding step): a group's query heads become rows of one query of their
         # key/value head, so the cache is read as it is instead of copied `groups` times per token.
@@ -300,11 +419,15 @@ def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True) -> torch.Ten
 
 
 class AttentionCore(nn.Module):
-    """Causal attention; flash/memory-efficient kernels where available; within documents given a `mask`."""
+    """Causal attention; flash/memory-efficient kernels where available; within documents (and a sliding layer's
+    window) given a `mask`; with a sink layer's `sinks` [heads], their column in the softmax."""
 
-    def forward(self, q, k, v, dropout_p: float = 0.0, mask: DocumentMask | None = None):
+    def forward(self, q, k, v, dropout_p: float = 0.0, mask: DocumentMask | None = None, sinks=None):
         if mask is not None:
-            return mask.attend(q, k, v, dropout_p)
+            return mask.attend(q, k, v, dropout_p, sinks)
+        if sinks is not None:
+            causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+            return attention_with_sinks(q, k, v, causal, sinks, dropout_p)
         return attention(q, k, v, dropout_p)
 
 
@@ -336,7 +459,14 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-DENSE_MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU}  # by `ModelConfig.mlp`
+class GeGLU(SwiGLU):
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's gelu_pytorch_tanh MLP): SwiGLU's modules, GELU's tanh form."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+
+DENSE_MLPS = {"gelu": GeluMLP, "swiglu": SwiGLU, "geglu": GeGLU}  # by `ModelConfig.mlp`
 
 
 def make_mlp(config: ModelConfig, index: int) -> nn.Module:
@@ -345,24 +475,32 @@ def make_mlp(config: ModelConfig, index: int) -> nn.Module:
     if not config.is_moe_layer(index):
         return dense(config)
     shared = config.shared_expert_ffn_hidden_size
-    return MoE(config, dense(config, shared) if shared else None)
+    return MOE_LAYERS[config.expert_mlp](config, dense(config, shared) if shared else None)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; `index` its layer (which says whether its MLP is a mixture of experts)."""
+    """Pre-norm transformer block; `index` its layer (which says whether its MLP is a mixture of experts, and its
+    attention's kind). `post_block_norms` (Gemma's): the attention's and the MLP's outputs normed too, before each
+    residual add (`post_attn_norm`, `post_mlp_norm`; `ln2` is then Gemma's pre-feed-forward norm)."""
 
     def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         self.ln1 = make_norm(config, config.hidden_size)
-        self.attn = make_attention(config)
+        self.attn = make_attention(config, index)
+        if config.post_block_norms:
+            self.post_attn_norm = make_norm(config, config.hidden_size)
         self.ln2 = make_norm(config, config.hidden_size)
         self.mlp = make_mlp(config, index)
+        if config.post_block_norms:
+            self.post_mlp_norm = make_norm(config, config.hidden_size)
+        else:  # chosen here: identities where the block has no such norms
+            self.post_attn_norm = self.post_mlp_norm = nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
         """rotary, cache, mask: the attention's (`Attention.forward`)."""
-        x = x + self.dropout(self.attn(self.ln1(x), rotary, cache, mask))
-        return x + self.dropout(self.mlp(self.ln2(x)))
+        x = x + self.dropout(self.post_attn_norm(self.attn(self.ln1(x), rotary, cache, mask)))
+        return x + self.dropout(self.post_mlp_norm(self.mlp(self.ln2(x))))
 
 
 class Embedding(nn.Module):
@@ -373,12 +511,17 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size(), config.hidden_size)
         self.make_positions(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        # Gemma's: the embedding times sqrt(hidden_size), the factor rounded to the weights' dtype first (as HF's)
+        self.scale = math.sqrt(config.hidden_size) if config.scale_embeddings else None
+
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.scale is None else h * torch.tensor(self.scale, dtype=h.dtype, device=h.device)
 
     def make_positions(self, config: ModelConfig) -> None:
         """A position table, where positions enter here."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.wte(tokens))
+        return self.dropout(self.scaled(self.wte(tokens)))
 
 
 class LearnedPositionEmbedding(Embedding):
@@ -388,7 +531,7 @@ class LearnedPositionEmbedding(Embedding):
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.wte(tokens) + self.wpe(positions))
+        return self.dropout(self.scaled(self.wte(tokens)) + self.wpe(positions))
 
 
 EMBEDDINGS = {"learned": LearnedPositionEmbedding, "rope": Embedding}  # by `ModelConfig.position_embedding`
@@ -423,7 +566,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.wte.weight
         # RoPE's frequencies in fp32 whatever dtype the model is cast to (not a buffer, which `.to(bf16)` would round).
-        self._rope_inv_freq: torch.Tensor | None = None
+        self._rope_inv_freq: dict[str, torch.Tensor] | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -443,6 +586,10 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=out_std if scaled else std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNormPlusOne):  # (1 + weight): the identity scale at 0
+                nn.init.zeros_(module.weight)
+            elif isinstance(module, AttentionSinks):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -455,10 +602,12 @@ class GPT(nn.Module):
         chunks of the sequence, not a contiguous run)."""
         return torch.arange(start, start + length, device=device)
 
-    def rope_inverse_frequencies(self, device) -> torch.Tensor:
-        if self._rope_inv_freq is None or self._rope_inv_freq.device != device:
-            self._rope_inv_freq = rope_inverse_frequencies(self.config).to(device)
-        return self._rope_inv_freq
+    def rope_inverse_frequencies(self, device, rope: str = GLOBAL_ROPE) -> torch.Tensor:
+        """The frequencies of RoPE kind `rope` (`attention_kinds.rope_kind`) on `device`, made once."""
+        made = self._rope_inv_freq or {}
+        if rope not in made or made[rope].device != device:
+            self._rope_inv_freq = {**made, rope: rope_inverse_frequencies(self.config, rope).to(device)}
+        return self._rope_inv_freq[rope]
 
     def forward(
         self,
@@ -486,11 +635,13 @@ class GPT(nn.Module):
         if document_ids is not None and cache is not None:
             raise MTNLGError("document_ids are for training and scoring packed rows, not for decoding with a cache")
         mask = None
+        kernel = self.document_mask_kernel
+        if kernel == "auto" and self.training and self.config.attention_dropout:
+            kernel = "sdpa"  # FlexAttention has no attention dropout
         if document_ids is not None:
-            kernel = self.document_mask_kernel
-            if kernel == "auto" and self.training and self.config.attention_dropout:
-                kernel = "sdpa"  # FlexAttention has no attention dropout
             mask = DocumentMask(document_ids, kernel)
+        elif self.config.sliding_window is not None and cache is None:
+            mask = CausalMasks(kernel)  # the sliding layers' windows (full layers: plain causal attention)
         for name, block in self.blocks.items():
             h = block(h, rotary, cache.layer(name)) if cache is not None else block(h, rotary, mask=mask)
         if cache is not None and self.lm_head is not None:
@@ -506,13 +657,16 @@ class GPT(nn.Module):
 class KVCache:
     """Keys and values of a model's (or a pipeline stage's) blocks for up to `length` positions, allocated at a
     block's first use with the shape its attention produces (local key/value heads under tensor parallelism: a
-    grouped-query model caches only its key/value heads). The caller sets `start`, the position of the next
-    tokens, before each forward."""
+    grouped-query model caches only its key/value heads; a sliding layer only its window's positions, a ring:
+    `LayerCache.update_window`). The caller sets `start`, the position of the next tokens, before each forward."""
 
     def __init__(self, length: int):
         self.length, self.start = length, 0
         self.keys: dict[str, torch.Tensor] = {}
         self.values: dict[str, torch.Tensor] = {}
+        # Gated DeltaNet layers' decode state instead of keys and values: {"conv": [B, C, kernel - 1], "state":
+        # [B, n_v, d_k, d_v] fp32} per layer, a constant size whatever the length (`linear_attention.py`)
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
 
     def layer(self, name: str) -> LayerCache:
         return LayerCache(self, name)
@@ -520,14 +674,26 @@ class KVCache:
     def expand_rows(self, rows: torch.Tensor) -> None:
         """Row i of the cache becomes the old row `rows[i]`: a prefill made once per distinct prompt serves every
         row that continues it (GRPO's G completions of a prompt)."""
-        for store in (self.keys, self.values):
+        for store in (self.keys, self.values, *self.states.values()):
             for name, tensor in store.items():
                 store[name] = tensor.index_select(0, rows.to(tensor.device))
 
     def bytes_per_position(self) -> int:
-        """Bytes one position takes in every cached block: 2 x blocks x kv_heads x head_dim x element size (keys
-        and values; multi-head latent attention's: its latent and rotary key, `mla.py`)."""
-        return sum(t[0, :, 0].numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        """Bytes one position takes in every block that caches every position: blocks x kv_heads x (key + value
+        head dims) x element size (multi-head latent attention's: its latent and rotary key, `mla.py`; a sliding
+        layer's cache holds its window, whatever the length: `bytes_held`)."""
+        return sum(
+            t[0, :, 0].numel() * t.element_size()
+            for name, keys in self.keys.items()
+            if keys.shape[2] == self.length
+            for t in (keys, self.values[name])
+        )
+
+    def bytes_held(self) -> int:
+        """Bytes the cache holds: every block's keys and values (a sliding layer's window of them), and the Gated
+        DeltaNet layers' states."""
+        states = sum(t.numel() * t.element_size() for held in self.states.values() for t in held.values())
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())) + states
 
 
 class LayerCache:
@@ -553,6 +719,32 @@ class LayerCache:
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         return keys[:, :, :end], values[:, :, :end]
+
+    def update_window(self, k: torch.Tensor, v: torch.Tensor, window: int | None):
+        """`update` for a layer that sees at most its last `window` keys (None: all): it caches only those, position
+        p in slot p % window (a ring: a decoding step overwrites the position that left the window). Returns the
+        keys and values to attend to and their positions [L] (softmax does not mind their order; the caller masks
+        by position)."""
+        c = self.cache
+        start, end = c.start, c.start + k.shape[2]
+        if window is None or window >= c.length:
+            keys, values = self.update(k, v)
+            return keys, values, torch.arange(end, device=k.device)
+        if k.shape[2] > 1 and start:
+            raise ValueError("several new positions at once only from position 0 (the prefill)")
+        if end > c.length:
+            raise ValueError(f"position {end} is beyond the cache's {c.length}")
+        if self.name not in c.keys:
+            shape = (k.shape[0], k.shape[1], window, k.shape[3])
+            c.keys[self.name], c.values[self.name] = k.new_empty(shape), v.new_empty(shape)
+        keys, values = c.keys[self.name], c.values[self.name]
+        kept = torch.arange(max(start, end - window), end, device=k.device)  # the new positions still in the window
+        keys[:, :, kept % window] = k[:, :, kept - start]
+        values[:, :, kept % window] = v[:, :, kept - start]
+        if k.shape[2] > 1:  # the prefill attends to all its own keys
+            return k, v, torch.arange(start, end, device=k.device)
+        slots = torch.arange(min(end, window), device=k.device)
+        return keys[:, :, : slots.numel()], values[:, :, : slots.numel()], end - 1 - (end - 1 - slots) % window
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")

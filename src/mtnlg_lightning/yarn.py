@@ -45,7 +45,7 @@ def yarn_inverse_frequencies(scaling: dict, dim: int, theta: float) -> torch.Ten
     return (1.0 / (factor * positions)) * ramp + (1.0 / positions) * extrapolated
 
 
-def rope_attention_factor(scaling: dict | None) -> float:
+def yarn_attention_factor(scaling: dict | None) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (given, or mscale / mscale_all_dim of the
     stretch), 1 for every other rotation."""
     if _kind(scaling) != "yarn":

@@ -1,13 +1,14 @@
 """Hugging Face model directories: read one as a model source, write one from a checkpoint (atomically).
 
-Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE,
-Qwen 2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), DeepSeek-V3 and GLM-4.5 (`interop/deepseek_mapping.py`),
-told apart by `config.json`'s `model_type`; the
-architecture is read from it (the user does not restate it) and the imported config names its family
+Families: GPT-2 (`interop/gpt2_mapping.py`), Llama 3, Qwen 2 and Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen
+2-MoE, Mixtral and OLMoE (`interop/llama_mapping.py`), DeepSeek-V3 and GLM-4.5 (`interop/deepseek_mapping.py`), Gemma
+3 text (`interop/gemma3_mapping.py`), GPT-OSS (`interop/gpt_oss_mapping.py`), Qwen3-Next
+(`interop/qwen3_next_mapping.py`), told apart by `config.json`'s `model_type`; the architecture is read from it (the
+user does not restate it) and the imported config names its family
 (`ModelConfig.family`); an export writes the family the checkpoint's config names. A directory holds `config.json`,
 `model.safetensors` (or shards with an index, or a `pytorch_model.bin` read with `weights_only=True`), the tokenizer
-files and `generation_config.json`. Both ways the weights move one tensor (or one slice of rows) at a time: memory
-holds a few shards, not the model.
+files and `generation_config.json`. Both ways the weights move one tensor (or one slice of rows) at a time: memory holds
+a few shards, not the model.
 `trust_remote_code` is never used: no code from a model directory runs.
 """
 
@@ -36,19 +37,27 @@ from mtnlg_lightning.data.tokenizer import Tokenizer
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.extras import require_extra
 from mtnlg_lightning.families import family_of
-from mtnlg_lightning.interop import deepseek_mapping, gpt2_mapping, llama_mapping
+from mtnlg_lightning.interop import (
+    deepseek_mapping,
+    gemma3_mapping,
+    gpt2_mapping,
+    gpt_oss_mapping,
+    llama_mapping,
+    qwen3_next_mapping,
+)
 from mtnlg_lightning.interop.lora_base import base_path, with_base
 from mtnlg_lightning.outputs import staged_dir
 
 # config.json's model_type -> the mapping module that reads and writes it
 MAPPINGS = {
-    kind: mapping for mapping in (gpt2_mapping, llama_mapping, deepseek_mapping) for kind in mapping.MODEL_TYPES
+    kind: mapping
+    for mapping in (gpt2_mapping, llama_mapping, deepseek_mapping, gemma3_mapping, gpt_oss_mapping, qwen3_next_mapping)
+    for kind in mapping.MODEL_TYPES
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Mixtures of experts whose design this decoder does not have: named in the one line that refuses them.
 UNSUPPORTED_DESIGNS = {
     "deepseek_v2": "multi-head latent attention (MLA) and group-limited routing",
-    "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
     "dbrx": "a fused q/k/v with clipping and its own expert layout",
     "jamba": "Mamba layers between the attention blocks",
 }
@@ -114,10 +123,15 @@ class HFWeights(LazyWeights):
     def __init__(self, path: Path, config: ModelConfig, mapping, files):
         self.files, self.config, self.mapping = files, config, mapping
         stored = {mapping.normalize(name): name for name in self.files.names}
-        self.sources, self.stored = mapping.sources(config), {}
+        # A mapping whose tensors depend on how the file stores them (GPT-OSS's MXFP4 experts) is given the names.
+        in_files = getattr(mapping, "sources_in", None)
+        self.sources = in_files(config, self.files.names) if in_files else mapping.sources(config)
+        self.stored = {}
         super().__init__(self.sources)
         for theirs in (name for names in self.sources.values() for name in names):
-            if theirs not in stored and theirs not in self.stored:
+            if theirs in self.stored:  # one of theirs may make several of ours (GPT-OSS's gate_up_proj)
+                continue
+            if theirs not in stored:
                 short = theirs.removeprefix("transformer.")
                 raise MTNLGError(
                     f"{path} has no tensor {short!r} (not a {config.num_layers}-layer model of its config?)"

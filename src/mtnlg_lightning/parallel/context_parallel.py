@@ -25,6 +25,16 @@ takes its part of the block-diagonal causal mask, from the positions its query a
 sequence. A block no document boundary crosses is what the plain kernel computes (causal or whole) and runs it;
 a block whose queries see none of its keys is skipped; the others, where a boundary falls inside, run an exact
 masked kernel (`masked_block_forward`/`backward`: the scores materialised in fp32, with the log-sum-exp).
+
+Sliding layers (`attention_kinds`): the window is a band on the same mask (`document_mask(..., window)`), packed
+or not (a row of one document gets ids of zeros here), so each block is exact: one wholly outside the band is
+skipped, one it cuts is masked. A window of w keys needs, for each query chunk, only the key chunks within w
+positions before it; the ring still passes every chunk (what a window could save in traffic is not taken yet).
+Attention sinks and Gated DeltaNet layers are refused in one line (`apply_context_parallel`). The plan for Gated
+DeltaNet: each rank runs its chunks from a zero state, then the final states pass down the ring in order (a state
+is [n_v, d_k, d_v] per row, whatever the length), and each chunk's output is corrected by the incoming state read
+through its decayed queries (the chunked form's inter-chunk term); the convolution needs the kernel - 1 inputs
+before each chunk. Not built.
 """
 
 from __future__ import annotations
@@ -181,15 +191,18 @@ class Ring:
             return slice(0, length), slice(0, c), False
         return slice(c, length), slice(0, length), False
 
-    def block_mask(self, document_ids: torch.Tensor | None, step: int, rows: slice, cols: slice, length: int):
+    def block_mask(
+        self, document_ids: torch.Tensor | None, step: int, rows: slice, cols: slice, length: int, window=None
+    ):
         """The document mask's part of the block at `step` ([B, 1, rows, cols] bool), or None where the plain
-        kernel computes the block exactly (no packed rows, or no document boundary inside the block)."""
+        kernel computes the block exactly (no packed rows, or no document boundary inside the block); `window`: a
+        sliding layer's band on top (blocks wholly outside it are skipped, those it cuts masked)."""
         if document_ids is None:
             return None
         device = document_ids.device
         queries = local_positions(self.cp_rank, self.size, 0, length, device)[rows]
         keys = local_positions((self.cp_rank - step) % self.size, self.size, 0, length, device)[cols]
-        allowed = document_mask(document_ids, queries, keys)
+        allowed = document_mask(document_ids, queries, keys, window)
         plain = keys[None, :] <= queries[:, None]  # causal on the diagonal block, every key elsewhere
         return None if torch.equal(allowed, plain.expand_as(allowed)) else allowed
 
@@ -216,7 +229,7 @@ def _merge(out, lse, block_out, block_lse, rows) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, kernel: BlockKernel, document_ids: torch.Tensor | None):
+    def forward(ctx, q, k, v, ring: Ring, kernel: BlockKernel, document_ids: torch.Tensor | None, window=None):
         groups = q.shape[1] // k.shape[1]
         length = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -225,7 +238,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             works, (next_k, next_v) = ring.shift([held_k, held_v]) if step < ring.size - 1 else ([], (None, None))
             rows, cols, causal = ring.blocks(step, length)
-            mask = ring.block_mask(document_ids, step, rows, cols, length)
+            mask = ring.block_mask(document_ids, step, rows, cols, length, window)
             if mask is None or mask.any():  # else none of these queries sees any of these keys
                 block = (
                     q[:, :, rows].contiguous(),
@@ -241,7 +254,7 @@ class _RingAttention(torch.autograd.Function):
             held_k, held_v = next_k, next_v
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel, ctx.document_ids = ring, kernel, document_ids
+        ctx.ring, ctx.kernel, ctx.document_ids, ctx.window = ring, kernel, document_ids, window
         return out
 
     @staticmethod
@@ -257,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             works, (next_k, next_v) = ring.shift([held_k, held_v]) if not last else ([], (None, None))
             rows, cols, causal = ring.blocks(step, length)
-            mask = ring.block_mask(document_ids, step, rows, cols, length)
+            mask = ring.block_mask(document_ids, step, rows, cols, length, ctx.window)
             if mask is None or mask.any():
                 block = (
                     *(t[:, :, rows].contiguous() for t in (grad, q)),
@@ -278,7 +291,7 @@ class _RingAttention(torch.autograd.Function):
             moved, (dk, dv) = ring.shift([dk, dv])
             Ring.wait(moved)
             held_k, held_v = next_k, next_v
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 class RingAttentionCore(nn.Module):
@@ -291,7 +304,11 @@ class RingAttentionCore(nn.Module):
     def forward(self, q, k, v, dropout_p: float = 0.0, mask: DocumentMask | None = None):
         kernel = BlockKernel.pick(self.kernel, q.device, q.dtype)
         document_ids = mask.document_ids if mask is not None else None
-        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, kernel, document_ids)
+        window = mask.window if mask is not None else None
+        if mask is not None and mask.one_sequence:  # a sliding layer's row of one document: its ids, whole
+            document_ids = torch.zeros(1, q.shape[2] * self.ring.size, dtype=torch.long, device=q.device)
+        args = (self.ring, kernel, document_ids, window)
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
 
 
 # ---------------------------------------------------------------------------------------------- applied from outside
@@ -317,6 +334,17 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
     over DP x CP expects)."""
     if ring.size == 1:
         return model
+    config = getattr(model, "config", None)
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        raise MTNLGError(
+            "context_parallel cannot run Gated DeltaNet (linear_attention) layers yet (each rank's chunk needs the "
+            "recurrent state the chunks before it end with): set context_parallel to 1 for this model"
+        )
+    if getattr(config, "attention_sinks", False):
+        raise MTNLGError(
+            "context_parallel cannot run attention sinks yet (the ring merges log-sum-exps, and a sink's share needs "
+            "the final one in the backward): set context_parallel to 1 for this model"
+        )
     for block in model.blocks.values():
         block.attn.core = RingAttentionCore(ring, kernel)
     for _, layer in moe_layers(model):

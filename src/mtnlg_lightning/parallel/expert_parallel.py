@@ -62,11 +62,12 @@ def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:
     dispatch = ExpertParallelDispatch(groups.expert_parallel_group, size)
     for _, layer in moe_layers(model):
         for linear in (layer.experts.gate, layer.experts.up, layer.experts.down):
-            local = linear.weight.shape[0] // size
-            shard = nn.Parameter(linear.weight.detach()[rank * local : (rank + 1) * local].clone())
-            shard.requires_grad_(linear.weight.requires_grad)
-            shard.expert_parallel_index, shard.expert_parallel_count = rank, size
-            if getattr(linear.weight, "sequence_parallel", False):  # its TP ranks run different sequence slices
-                mark_sequence_parallel(shard, groups.tensor_parallel_group)
-            linear.weight = shard
+            for name, full in list(linear.named_parameters(recurse=False)):  # the weight, and biases where stacked
+                local = full.shape[0] // size
+                shard = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone())
+                shard.requires_grad_(full.requires_grad)
+                shard.expert_parallel_index, shard.expert_parallel_count = rank, size
+                if getattr(full, "sequence_parallel", False):  # its TP ranks run different sequence slices
+                    mark_sequence_parallel(shard, groups.tensor_parallel_group)
+                setattr(linear, name, shard)
         layer.dispatch = dispatch

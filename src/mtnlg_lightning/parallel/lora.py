@@ -90,6 +90,8 @@ def projections_of(config: ModelConfig) -> tuple[str, ...]:
     """The projections a block of `config` has, in block order. Multi-head latent attention's are those split by
     heads (Hugging Face's q_proj or q_b_proj, and kv_b_proj): its latent projections, whole on every
     tensor-parallel rank, take no adapter."""
+    if config.layer_types and "linear_attention" in config.layer_types:
+        raise MTNLGError("LoRA on Gated DeltaNet (linear_attention) layers is not built: train the model whole")
     attention = ("qkv",) if config.fused_qkv else SEPARATE_QKV
     if config.latent_attention:  # the column-parallel ones of its block, as measured
         attention = tuple(
@@ -97,7 +99,9 @@ def projections_of(config: ModelConfig) -> tuple[str, ...]:
             for path in measure(config).block
             if path.startswith("attn.") and TENSOR_PARALLEL_PLAN.get(path) == COLUMN
         )
-    mlp = ("gate", "up", "down") if config.mlp == "swiglu" else ("fc1", "fc2")
+    mlp = ("gate", "up", "down") if config.mlp in ("swiglu", "geglu") else ("fc1", "fc2")  # geglu: Gemma's
+    if config.every_layer_moe:  # every MLP is experts (GPT-OSS, Mixtral, OLMoE): the attention's projections only
+        mlp = ()
     return (*attention, "proj", *mlp)
 
 

@@ -32,8 +32,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.families import tensor_parallel_plan
-from mtnlg_lightning.family_specs import COLUMN, EXPERTS, HEAD_NORM, KV_COLUMN, LATENT, NORM, ROUTER, ROW, SHARED_KEY
+from mtnlg_lightning.family_specs import (
+    COLUMN,
+    EXPERTS,
+    HEAD_NORM,
+    HEADS,
+    KV_COLUMN,
+    LATENT,
+    LINEAR_MIXER,
+    NORM,
+    ROUTER,
+    ROW,
+    SHARED_KEY,
+)
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies
@@ -314,6 +327,11 @@ def apply_tensor_parallel(
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             module = getattr(parent, name)
+            if style == LINEAR_MIXER:
+                raise MTNLGError(
+                    "tensor parallelism of Gated DeltaNet (linear_attention) layers is not built: set "
+                    "tensor_parallel to 1 for this model"
+                )
             if style == COLUMN:
                 setattr(parent, name, column(module))
             elif style == KV_COLUMN:
@@ -327,6 +345,9 @@ def apply_tensor_parallel(
                 setattr(parent, name, column(module, copies=size))
                 for param in getattr(parent, name).parameters():
                     sum_gradient_over(param, group)
+            elif style == HEADS:  # this rank's query heads' entries (attention sinks), as q's column shard
+                shard = _shard(module.weight, 0, rank, size).requires_grad_(module.weight.requires_grad)
+                module.weight = _mark_sharded(nn.Parameter(shard), 0, rank, size)
             elif style == HEAD_NORM and group is not None:
                 for param in module.parameters():
                     sum_gradient_over(param, group)

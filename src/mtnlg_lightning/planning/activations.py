@@ -6,6 +6,7 @@ with these.
 
 from __future__ import annotations
 
+from mtnlg_lightning.attention_kinds import cached_positions, linear_state_bytes
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.families import kv_heads_per_rank
 
@@ -71,7 +72,15 @@ def kv_cache_bytes(config: ModelConfig, layers: int, batch: int, length: float, 
     """Keys and values of `layers` layers for `batch` x `length` tokens, one TP rank's key/value heads (2 x layers
     x kv_heads x head_dim x bytes per token: grouped-query attention caches only its key/value heads). Multi-head
     latent attention caches its latent and rotary key instead, whole on every TP rank ((kv_lora_rank +
-    qk_rope_head_dim) x layers x bytes per token: `mla.py`)."""
+    qk_rope_head_dim) x layers x bytes per token: `mla.py`). Where the layers' kinds differ (`attention_kinds`), a
+    layer holds what its kind caches: a sliding layer its window, a Gated DeltaNet layer its fixed state; `layers`
+    of the model's mix of kinds (the mean layer's bytes)."""
     if config.latent_attention:
         return layers * batch * length * (config.kv_lora_rank + config.qk_rope_head_dim) * DTYPE_BYTES[dtype]
-    return 2 * layers * batch * length * kv_heads_per_rank(config, tp) * config.head_dim * DTYPE_BYTES[dtype]
+    per_position = 2 * kv_heads_per_rank(config, tp) * config.head_dim * DTYPE_BYTES[dtype]
+    if not config.layer_types:
+        return layers * batch * length * per_position
+    positions = cached_positions(config, length)
+    states = sum(kind == "linear_attention" for kind in config.layer_types)
+    state = linear_state_bytes(config, DTYPE_BYTES[dtype]) * states if states else 0
+    return layers * batch * (sum(positions) * per_position + state) / config.num_layers

@@ -1,0 +1,197 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention, `layer_types` linear_attention) in plain torch, as transformers'
+`Qwen3NextGatedDeltaNet` computes it (`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`):
+
+- projections: `in_proj_qkvz` viewed [B, S, n_k, 2 d_k + 2 (n_v / n_k) d_v], split per key head into q, k (d_k each),
+  v and z ((n_v / n_k) d_v each); `in_proj_ba` viewed [B, S, n_k, 2 n_v / n_k] -> b, a (the layout is grouped by key
+  head, not [all q; all k; ...]);
+- a depthwise causal convolution (kernel `linear_conv_kernel_dim`, no bias) over cat(q, k, v) channels, then SiLU;
+- beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (a log decay <= 0, fp32); q and k L2-normalised (fp32,
+  eps 1e-6), q scaled by d_k^-1/2, q and k repeated to the n_v value heads;
+- the recurrence per value head, state S [d_k, d_v]: S <- exp(g_t) S; S <- S + k_t (beta_t (v_t - S^T k_t))^T;
+  o_t = S^T q_t; computed in chunks of 64 for a sequence (`chunk_gated_delta_rule`: a unit-triangular solve per
+  chunk, then a scan over chunks), one step at a time when decoding (`recurrent_gated_delta_rule`);
+- the output normed per value head and gated: w * rmsnorm(o) * silu(z) (`GatedRMSNorm`), then `out_proj`.
+
+Packed rows (`document_ids`): the convolution and the state restart at each document (each document's run is
+computed alone), which transformers' torch path does not do. Decoding keeps, per layer, the convolution's last
+kernel - 1 inputs and the state (fp32) in the `KVCache` (`states`): a constant size whatever the length.
+Tensor parallelism of these layers (the convolution's channels are not grouped by head) and context parallelism
+(the state would travel between chunks) are refused in one line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtnlg_lightning.errors import MTNLGError
+
+CHUNK = 64  # transformers' chunk of the sequence
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """[B, L, heads, d] inputs -> fp32 [B, n_v, L, d], q and k normalised and repeated to the value heads."""
+    groups = v.shape[2] // k.shape[2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (q, k, v, beta, g))
+    q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
+    """q, k [B, L, n_k, d_k], v [B, L, n_v, d_v], g and beta [B, L, n_v] -> (o [B, L, n_v, d_v] in v's dtype, the
+    final state [B, n_v, d_k, d_v] fp32), from `state` (zeros: a sequence's start)."""
+    dtype, length = v.dtype, q.shape[1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, _, dk = k.shape
+    pad = (CHUNK - length % CHUNK) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(B, H, -1, CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    decay = g.reshape(B, H, -1, CHUNK).cumsum(dim=-1)  # the log decay from the chunk's start
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    within = (q @ k.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(
+        system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None else state.float()
+    q = q * decay.exp().unsqueeze(-1)
+    k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_values)
+    for i in range(new_values.shape[2]):
+        v_new = new_values[:, :, i] - k_decayed[:, :, i] @ S
+        out[:, :, i] = q[:, :, i] @ S + within[:, :, i] @ v_new
+        S = S * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(B, H, -1, v.shape[-1])[:, :, :length]
+    return out.transpose(1, 2).to(dtype).contiguous(), S
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
+    """The same, one position at a time (decoding; the reference of the chunked form)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, length, dk = k.shape
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None else state.float()
+    out = torch.empty_like(v)
+    for t in range(length):
+        S = S * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (S * k[:, :, t].unsqueeze(-1)).sum(dim=-2)) * beta[:, :, t].unsqueeze(-1)
+        S = S + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, t] = (S * q[:, :, t].unsqueeze(-1)).sum(dim=-2)
+    return out.transpose(1, 2).to(dtype).contiguous(), S
+
+
+class Decay(nn.Module):
+    """Each value head's log decay per token from its `a`: g = -exp(A_log) softplus(a + dt_bias) <= 0 (fp32)."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1, 16)))  # decay rates A in [1, 16]
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+
+class GatedRMSNorm(nn.Module):
+    """w * rmsnorm(x) * silu(gate): the norm in fp32, weighted in x's dtype, gated in fp32 (weight init 1)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def document_runs(document_ids: torch.Tensor | None, rows: int, length: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each run of one document in a packed row ([B, S] ids), or each whole row."""
+    if document_ids is None:
+        return [(b, 0, length) for b in range(rows)]
+    if bool((document_ids < -1).any()):
+        raise MTNLGError("Gated DeltaNet layers cannot continue a prefix document in branches (GRPO's shared prompt)")
+    runs = []
+    for b in range(document_ids.shape[0]):
+        row = document_ids[b]
+        starts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), length]
+        runs += [(b, s, e) for s, e in zip(starts[:-1], starts[1:], strict=True)]
+    return runs
+
+
+class GatedDeltaNet(nn.Module):
+    """A block's token mixer in a linear_attention layer; the same call as `model.Attention` (rotary unused)."""
+
+    def __init__(self, config, index: int = 0):
+        super().__init__()
+        h, eps = config.hidden_size, config.layernorm_eps
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv, kernel = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+        self.nk, self.nv, self.dk, self.dv = nk, nv, dk, dv
+        self.in_proj_qkvz = nn.Linear(h, 2 * nk * dk + 2 * nv * dv, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * nv, bias=False)
+        channels = 2 * nk * dk + nv * dv
+        self.conv1d = nn.Conv1d(channels, channels, kernel, groups=channels, bias=False, padding=kernel - 1)
+        self.decay = Decay(nv)
+        self.norm = GatedRMSNorm(dv, eps=eps)
+        self.out_proj = nn.Linear(nv * dv, h, bias=False)
+
+    def _convolve(self, x: torch.Tensor, before: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, C] -> (silu(causal depthwise conv) [B, L, C], the last kernel - 1 inputs [B, C, kernel - 1]),
+        `before` the inputs preceding x (None: zeros, a sequence's start)."""
+        kernel = self.conv1d.weight.shape[-1]
+        channels = x.transpose(1, 2)
+        if before is None:
+            before = channels.new_zeros(*channels.shape[:2], kernel - 1)
+        window = torch.cat([before.to(channels.dtype), channels], dim=-1)
+        out = F.conv1d(window, self.conv1d.weight, groups=window.shape[1])
+        return F.silu(out).transpose(1, 2), window[..., window.shape[-1] - (kernel - 1) :]
+
+    def _mix(self, mixed, beta, g, z, conv_state=None, state=None, recurrent=False):
+        """One run (a document, a row, or a decoding step): conv, the rule, the gated norm -> [B, L, nv * dv]."""
+        B, L, _ = mixed.shape
+        conv, conv_state = self._convolve(mixed, conv_state)
+        q, k, v = conv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q, k = q.reshape(B, L, self.nk, self.dk), k.reshape(B, L, self.nk, self.dk)
+        rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+        o, state = rule(q, k, v.reshape(B, L, self.nv, self.dv), g, beta, state)
+        return self.norm(o, z).reshape(B, L, -1), conv_state, state
+
+    def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
+        B, S, _ = x.shape
+        r = self.nv // self.nk
+        qkvz = self.in_proj_qkvz(x).view(B, S, self.nk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, S, self.nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([t.reshape(B, S, -1) for t in (q, k, v)], dim=-1)
+        z = z.reshape(B, S, self.nv, self.dv)
+        beta = b.reshape(B, S, self.nv).sigmoid()
+        g = self.decay(a.reshape(B, S, self.nv))
+        if cache is not None:  # decoding: this layer's conv inputs and state continue, a prefill starts them
+            held = cache.cache.states.setdefault(cache.name, {})
+            step = S == 1 and bool(held)
+            out, held["conv"], held["state"] = self._mix(
+                mixed, beta, g, z, held.get("conv") if step else None, held.get("state") if step else None, step
+            )
+            return self.out_proj(out)
+        ids = getattr(mask, "document_ids", None)
+        if ids is None or getattr(mask, "one_sequence", False):
+            return self.out_proj(self._mix(mixed, beta, g, z)[0])
+        parts = [  # each document alone: the convolution and the state restart at its first token
+            self._mix(*(t[row : row + 1, s:e] for t in (mixed, beta, g, z)))[0]
+            for row, s, e in document_runs(ids, B, S)
+        ]
+        return self.out_proj(torch.cat(parts, dim=1).view(B, S, -1))

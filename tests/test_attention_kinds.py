@@ -1,0 +1,390 @@
+"""Attention kinds per layer (`attention_kinds.py`), proven against transformers: a random Gemma 3 (five sliding
+layers with their own RoPE base to one full layer, windows shorter than the test rows, (1 + w) norms, four per block,
+q/k norms, query_pre_attn_scalar, a scaled embedding, a tanh-GELU MLP, tied head) gives transformers' logits and
+greedy text (the cached decode past the window), exports back to a directory transformers loads as the same class
+with our logits, and a packed row of three documents is each document alone, windows included."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import warnings
+
+import pytest
+import torch
+from hf_models import ATTENTION_KIND_FAMILIES, random_attention_kind_dir
+
+from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.data.tokenizer import Tokenizer
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.inference.decode import generate
+from mtnlg_lightning.inference.load import load_model
+from mtnlg_lightning.interop.export_cli import main as export_main
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=list(ATTENTION_KIND_FAMILIES))
+def family_dir(request, tmp_path_factory):
+    return random_attention_kind_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_logits_equal_transformers_past_the_window(family_dir):
+    """Rows of 150: past the windows of 8, and three of Gated DeltaNet's chunks of 64 (whose rule is transformers'
+    bit for bit; the rest rounds differently: within 1e-5 of the logits' scale)."""
+    tokens = torch.randint(0, 4096, (2, 150), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(family_dir)
+    assert ours.config.family in ATTENTION_KIND_FAMILIES and "full_attention" in ours.config.layer_types
+    with torch.no_grad():
+        expected, got = hf_model(family_dir)(tokens).logits, ours(tokens)[..., :4096]
+    assert (got - expected).abs().max().item() < 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_greedy_text_equals_transformers_with_the_cache_past_the_window(family_dir):
+    tokenizer = Tokenizer(family_dir / "tokenizer.json")
+    ids = tokenizer.encode("The value of the argument is")
+    with torch.no_grad():
+        made = hf_model(family_dir).generate(
+            torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eod_id
+        )
+    theirs = [t for t in made[0, len(ids) :].tolist() if t != tokenizer.eod_id]
+    model, _ = load_model(family_dir, for_generation=True)
+    ours = generate(model, ids, 24, temperature=0, eos_id=tokenizer.eod_id)
+    assert ours.tokens[0] == theirs[: len(ours.tokens[0])] and len(ours.tokens[0]) == len(theirs)
+
+
+def test_export_loads_as_the_same_class_with_our_logits(family_dir, tmp_path):
+    out = tmp_path / "exported"
+    assert export_main([str(family_dir), str(out)]) == 0
+    written = json.loads((out / "config.json").read_text())
+    source = json.loads((family_dir / "config.json").read_text())
+    for key in (
+        *("architectures", "layer_types", "sliding_window", "rope_parameters"),
+        *("query_pre_attn_scalar", "swiglu_limit", "swiglu_alpha", "num_local_experts"),
+    ):
+        assert written.get(key) == source.get(key), key
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1))
+    ours, _ = load_model(family_dir)
+    reloaded = hf_model(out)
+    assert type(reloaded).__name__ == source["architectures"][0]
+    with torch.no_grad():
+        assert (reloaded(tokens).logits - ours(tokens)[..., :4096]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_a_packed_row_of_three_documents_is_each_document_alone(family_dir, kernel, monkeypatch):
+    """Sliding layers see their window within their document only, sinks join each document's softmax alone;
+    positions restart per document."""
+    model, _ = load_model(family_dir)
+    lengths = (14, 9, 17)  # two longer than the window of 8, one shorter
+    docs = [torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    row = torch.cat(docs, dim=1)
+    document_ids = torch.cat([torch.full((1, n), d) for d, n in enumerate(lengths)], dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    monkeypatch.setattr(model, "document_mask_kernel", kernel)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        packed = model(row, position_ids=position_ids, document_ids=document_ids)
+        alone = torch.cat([model(doc) for doc in docs], dim=1)
+    assert (packed - alone).abs().max().item() < 1e-5
+    if "linear_attention" in model.config.layer_types:  # the control: Gated DeltaNet not restarted per document
+        import mtnlg_lightning.linear_attention as linear_attention
+
+        monkeypatch.setattr(linear_attention, "document_runs", lambda ids, rows, length: [(0, 0, length)])
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            leaking = model(row, position_ids=position_ids, document_ids=document_ids)
+        assert (leaking - alone)[:, lengths[0] :].abs().max().item() > 1e-3
+
+
+def test_bad_layer_patterns_are_one_line():
+    base = dict(num_layers=3, hidden_size=32, num_heads=4, seq_len=64, family=None)
+    with pytest.raises(MTNLGError, match=r"^layer_types lists 2 layer kinds for a 3-layer model$"):
+        ModelConfig(**base, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    with pytest.raises(
+        MTNLGError, match=r"^layer_types has 'local', not one of full_attention, sliding_attention, linear_attention$"
+    ):
+        ModelConfig(**base, layer_types=["local"] * 3, sliding_window=8)
+    with pytest.raises(MTNLGError, match=r"^sliding_attention layers need sliding_window >= 1"):
+        ModelConfig(**base, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(MTNLGError, match=r"^sliding_window 64 is not smaller than seq_len 64: no query would lose"):
+        ModelConfig(**base, layer_types=["sliding_attention"] * 3, sliding_window=64)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_context_parallel_ring_honours_a_sliding_window_exactly(packed):
+    """cp 2 and 3 ranks on threads (test_document_mask's ring): a window of 5 keys, one sequence or packed
+    documents; the output and the gradients of q, k, v equal the whole sequence's dense windowed attention."""
+    from test_document_mask import QueueRing
+
+    from mtnlg_lightning.model import CausalMasks, DocumentMask
+    from mtnlg_lightning.parallel.context_parallel import RingAttentionCore, split_sequence
+
+    generator = torch.Generator().manual_seed(0)
+    B, S, D, window = 2, 36, 8, 5
+    q, grad = torch.randn(B, 4, S, D, generator=generator), torch.randn(B, 4, S, D, generator=generator)
+    k, v = torch.randn(B, 2, S, D, generator=generator), torch.randn(B, 2, S, D, generator=generator)
+    document_ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 9, [0] * 36]) if packed else torch.zeros(1, S).long()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = DocumentMask(document_ids, "sdpa", window).attend(*whole)
+    (out * grad).sum().backward()
+    expected = [out.detach(), *(t.grad for t in whole)]
+    for cp in (2, 3):
+        inboxes, results = [queue.Queue() for _ in range(cp)], [None] * cp
+
+        def rank(r: int, cp=cp, inboxes=inboxes, results=results) -> None:
+            mine = [split_sequence(t, r, cp, dim=2).clone().requires_grad_() for t in (q, k, v)]
+            masks = DocumentMask(document_ids, "blocks") if packed else CausalMasks("blocks")
+            mask = masks.for_window(window, mine[0].shape[2], q.device)
+            y = RingAttentionCore(QueueRing(inboxes, r))(*mine, 0.0, mask)
+            (y * split_sequence(grad, r, cp, dim=2)).sum().backward()
+            results[r] = [y.detach(), *(t.grad for t in mine)]
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for r, got in enumerate(results):
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
+                torch.testing.assert_close(a, split_sequence(b, r, cp, dim=2), rtol=0, atol=1e-5, msg=f"{name} {r}")
+
+
+# The published text models' config.json values (gemma-3-27b-pt's text_config; gpt-oss-20b / -120b).
+GPT_OSS_PUBLISHED = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_experts_per_tok=4, sliding_window=128,
+)  # fmt: skip
+PUBLISHED = {
+    "gemma-3-27b": (
+        "Gemma3TextConfig",
+        dict(
+            vocab_size=262208,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+            sliding_window=1024,
+        ),  # fmt: skip
+    ),
+    "gpt-oss-20b": ("GptOssConfig", dict(GPT_OSS_PUBLISHED, num_hidden_layers=24, num_local_experts=32)),
+    "gpt-oss-120b": ("GptOssConfig", dict(GPT_OSS_PUBLISHED, num_hidden_layers=36, num_local_experts=128)),
+    "qwen3-next-80b-a3b": (
+        "Qwen3NextConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5120,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+        ),  # fmt: skip
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_the_presets_count_what_transformers_builds(preset):
+    """Our count (measured on the meta device) equals transformers' model of the published config, built on the
+    meta device (27,009,346,304 / 20,914,757,184 / 116,829,156,672 / 79,674,391,296); the preset's layer pattern
+    is theirs."""
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.families import count_parameters
+
+    config_class, values = PUBLISHED[preset]
+    hf_config = getattr(transformers, config_class)(**values)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf_config)
+    ours = get_config(preset)
+    assert count_parameters(ours) == sum(p.numel() for p in theirs.parameters())
+    assert ours.layer_types == hf_config.layer_types
+    assert ours.sliding_window == getattr(hf_config, "sliding_window", None)
+
+
+def test_a_qwen3_with_yarn_rope_scaling_gives_transformers_logits(tmp_path):
+    """YaRN read from a Qwen / Llama-style config (rope_parameters.rope_type yarn, as Qwen's long-context
+    configs say), on rows past the original context so every band of frequencies is exercised."""
+    from hf_models import random_family_dir
+
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32, "rope_theta": 1_000_000.0}
+    source = random_family_dir(tmp_path, "qwen3", rope_parameters=yarn)
+    tokens = torch.randint(0, 4096, (2, 100), generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(source)
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    with torch.no_grad():
+        assert (ours(tokens)[..., :4096] - hf_model(source)(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_a_sliding_layer_s_cache_stops_growing_at_the_window(family_dir):
+    """A prefill of 12 then one position at a time to 40: every step's logits are the full forward's, the sliding
+    layers hold 8 positions (the window), the full layers all 40, and a Gated DeltaNet layer its convolution's
+    inputs and its state, the same size after 12 positions and after 40."""
+    from mtnlg_lightning.model import KVCache
+
+    model, _ = load_model(family_dir)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(40)
+    with torch.no_grad():
+        reference = model(tokens)
+        steps = [model(tokens[:, :12], cache)[:, 0]]
+        state_shapes = {name: {k: t.shape for k, t in held.items()} for name, held in cache.states.items()}
+        for t in range(12, 40):
+            cache.start = t
+            steps.append(model(tokens[:, t : t + 1], cache)[:, 0])
+    got = torch.stack(steps, dim=1)
+    assert (got - reference[:, 11:]).abs().max().item() < 1e-4
+    window, types = model.config.sliding_window, model.config.layer_types
+    held = {int(name): keys.shape[2] for name, keys in cache.keys.items()}
+    kinds = {i: kind for i, kind in enumerate(types) if kind != "linear_attention"}
+    assert held == {i: window if kind == "sliding_attention" else 40 for i, kind in kinds.items()}
+    assert sorted(map(int, cache.states)) == [i for i, kind in enumerate(types) if kind == "linear_attention"]
+    assert state_shapes == {name: {k: t.shape for k, t in held.items()} for name, held in cache.states.items()}
+    full, sliding = types.count("full_attention"), types.count("sliding_attention")
+    per_layer_position = cache.bytes_per_position() // full  # of one row: the full layers grow, the others do not
+    states = sum(t.numel() * t.element_size() for held in cache.states.values() for t in held.values())
+    assert cache.bytes_held() == 2 * per_layer_position * (full * 40 + sliding * (window or 0)) + states
+
+
+def test_mxfp4_experts_are_dequantised_on_import_as_transformers_does(tmp_path):
+    """A GPT-OSS directory whose experts are MXFP4 blocks and scales (random codes, exponents near 2^-7): our import
+    holds exactly what transformers' `convert_moe_packed_tensors` makes of them, and our logits are transformers'
+    on the directory written with those dequantised weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mtnlg_lightning.interop.hf import read_hf_dir
+
+    source = random_attention_kind_dir(tmp_path, "gpt_oss")
+    tensors, generator = load_file(source / "model.safetensors"), torch.Generator().manual_seed(3)
+    quantised, dequantised = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, inputs, outputs = tensors[name].shape
+        blocks = torch.randint(0, 256, (e, outputs, inputs // 32, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(118, 123, (e, outputs, inputs // 32), generator=generator, dtype=torch.uint8)
+        del quantised[name]
+        quantised |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+        dequantised[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    packed, reference = tmp_path / "mxfp4", tmp_path / "dequantised"
+    for directory, weights in ((packed, quantised), (reference, dequantised)):
+        directory.mkdir()
+        config = json.loads((source / "config.json").read_text())
+        if directory == packed:
+            config["quantization_config"] = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn"],
+            }
+        (directory / "config.json").write_text(json.dumps(config))
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs = read_hf_dir(packed).weights, read_hf_dir(reference).weights
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(4))
+    model, _ = load_model(packed)
+    with torch.no_grad():
+        assert (model(tokens)[..., :4096] - hf_model(reference)(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
+    """Tensor and context parallelism of Gated DeltaNet layers, and context parallelism with sinks: refused before
+    anything is sharded."""
+    from types import SimpleNamespace
+
+    from mtnlg_lightning.parallel.context_parallel import apply_context_parallel
+    from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
+
+    for family, refused in (("qwen3_next", "Gated DeltaNet"), ("gpt_oss", "attention sinks")):
+        model, _ = load_model(random_attention_kind_dir(tmp_path, family))
+        with pytest.raises(MTNLGError, match=f"^context_parallel cannot run {refused}"):
+            apply_context_parallel(model, SimpleNamespace(size=2))
+    with pytest.raises(MTNLGError, match="^tensor parallelism of Gated DeltaNet .* set tensor_parallel to 1"):
+        apply_tensor_parallel(load_model(tmp_path / "qwen3_next-random")[0], None, 0, 2)
+
+
+@pytest.mark.parametrize(
+    "preset,length,saved",
+    [
+        ("gpt-oss-120b", 32768, 0.498),
+        ("gpt-oss-120b", 131072, 0.500),
+        ("gemma-3-27b", 32768, 0.812),
+        ("gemma-3-27b", 131072, 0.832),
+        ("qwen3-next-80b-a3b", 32768, 0.726),
+        ("qwen3-next-80b-a3b", 131072, 0.744),
+    ],
+)
+def test_the_planner_counts_a_sliding_layer_s_window_and_a_gated_deltanet_state(preset, length, saved):
+    """The decode cache the planners count (`planning/activations.kv_cache_bytes`, bf16, one row): a sliding
+    layer's window, a Gated DeltaNet layer's fixed state; what that saves against every layer caching every
+    position, at 32k and 128k tokens."""
+    import dataclasses
+
+    from mtnlg_lightning.config import get_config
+    from mtnlg_lightning.planning.activations import kv_cache_bytes
+
+    config = get_config(preset)
+    all_full = dataclasses.replace(config, layer_types=None, sliding_rope_theta=None)
+    ours, full = (kv_cache_bytes(c, c.num_layers, 1, length, 1) for c in (config, all_full))
+    assert 1 - ours / full == pytest.approx(saved, abs=5e-4)
+    if preset == "gpt-oss-120b":  # 18 full layers of every position, 18 of 128; 8 KV heads x 64 dims x 2 x 2 bytes
+        assert ours == (18 * length + 18 * 128) * 2048
+
+
+def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
+    """LoRA on Gemma 3 (its tanh-GELU MLP has Llama's gate / up / down): 7 adapters a block, merged weights give the
+    adapted model's logits; GPT-OSS (experts in every block) adapts its attention; Gated DeltaNet models are one
+    line."""
+    import copy
+
+    from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
+
+    model, _ = load_model(random_attention_kind_dir(tmp_path, "gemma3_text"))
+    model = model.double()
+    assert apply_lora(model, LoRAConfig(rank=4)) == 6 * 7
+    for adapter in (m for m in model.modules() if isinstance(m, LoRALinear)):
+        torch.nn.init.normal_(adapter.lora_b, std=0.01)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(merge_lora(copy.deepcopy(model))(tokens), model(tokens), rtol=1e-10, atol=1e-10)
+    experts_only, _ = load_model(random_attention_kind_dir(tmp_path, "gpt_oss"))  # GPT-OSS: attention adapters
+    assert apply_lora(experts_only, LoRAConfig(rank=4)) == 4 * 4
+    with pytest.raises(MTNLGError, match="^LoRA on Gated DeltaNet"):
+        LoRAConfig().projections(load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].config)
+
+
+def test_a_gated_deltanet_decode_state_is_the_same_size_at_256_and_2048_tokens():
+    """A custom two-layer block (one Gated DeltaNet layer, one full): after a prefill of 256 and of 2048 tokens the
+    Gated DeltaNet layer holds the same bytes; the full layer's keys and values grow 8-fold."""
+    from mtnlg_lightning.model import KVCache, build_model
+
+    config = ModelConfig(
+        num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, seq_len=2048, vocab_size=256, family=None,
+        position_embedding="rope", norm="rmsnorm", mlp="swiglu", layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    model = build_model(config).eval()
+    held = {}
+    for length in (256, 2048):
+        cache = KVCache(length)
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(6)), cache)
+        states = sum(t.numel() * t.element_size() for t in cache.states["0"].values())
+        held[length] = (states, cache.keys["1"].numel() * cache.keys["1"].element_size())
+    assert held[256][0] == held[2048][0] == 3 * (2 * 8 + 16) * 4 + 2 * 8 * 8 * 4  # conv inputs + fp32 state
+    assert held[2048][1] == 8 * held[256][1]
