@@ -302,8 +302,8 @@ def test_mxfp4_experts_are_dequantised_on_import_as_transformers_does(tmp_path):
 
 
 def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
-    """Tensor and context parallelism of Gated DeltaNet layers, and context parallelism with sinks: refused before
-    anything is sharded."""
+    """Context parallelism of Gated DeltaNet layers and with sinks, and a tensor parallelism that does not divide the
+    key heads: refused before anything is sharded."""
     from types import SimpleNamespace
 
     from mtnlg_lightning.parallel.context_parallel import apply_context_parallel
@@ -313,8 +313,35 @@ def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
         model, _ = load_model(random_attention_kind_dir(tmp_path, family))
         with pytest.raises(MTNLGError, match=f"^context_parallel cannot run {refused}"):
             apply_context_parallel(model, SimpleNamespace(size=2))
-    with pytest.raises(MTNLGError, match="^tensor parallelism of Gated DeltaNet .* set tensor_parallel to 1"):
-        apply_tensor_parallel(load_model(tmp_path / "qwen3_next-random")[0], None, 0, 2)
+    with pytest.raises(MTNLGError, match="^tensor_parallel 4 does not divide Gated DeltaNet's 2 key heads"):
+        apply_tensor_parallel(load_model(tmp_path / "qwen3_next-random")[0], None, 0, 4)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_tensor_parallel_splits_gated_deltanet_by_key_heads_to_one_process_s_gradients(tmp_path, sequence_parallel):
+    """Threads as ranks: a random Qwen3-Next (2 key heads, 4 value heads) over 2 ranks, one key head and its value
+    heads each (projections column and row, the convolution's grouped channels and the decay per value head
+    sharded, the gated norm replicated with its gradient summed), on packed rows of 70 tokens (two chunks of 64,
+    documents restarting the state): the loss and every gradient, gathered, are one process's."""
+    from threaded_group import tensor_parallel_runs
+
+    from mtnlg_lightning.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    reference = load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].double()
+    tokens = torch.randint(0, 4096, (2, 71), generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[0] * 30 + [1] * 40, [0] * 70])
+    logits = reference(tokens[:, :-1], document_ids=ids)
+    loss = vocab_parallel_cross_entropy(logits, tokens[:, 1:], None)  # its softmax in fp32, as the ranks' is
+    loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for rank_loss, grads in tensor_parallel_runs(reference, tokens, sequence_parallel, document_ids=ids):
+        assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():
+            # the loss's softmax and the delta rule run in fp32 whatever the model's dtype: their rounding, at the
+            # size of each tensor (a head paired with another's channels is off by its whole size)
+            scale = expected[name].abs().max().item()
+            torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: n + m)
 
 
 @pytest.mark.parametrize(

@@ -287,18 +287,8 @@ def test_tensor_parallel_shards_an_mla_block_to_the_single_process_gradients(seq
     """Threads as ranks: MLA's heads split over 2 ranks (q_up, kv_up column-parallel, proj row-parallel), its
     latents whole (run on the sequence shard under SP) and its rotary key whole with its gradient summed: the loss
     and every gradient are one process's."""
-    import copy
-
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from threaded_group import run_ranks
-
-    from mtnlg_lightning.moe import moe_layers
-    from mtnlg_lightning.parallel.tensor_parallel import (
-        apply_tensor_parallel,
-        gather_tensor_parallel,
-        vocab_parallel_cross_entropy,
-    )
+    from threaded_group import tensor_parallel_runs
 
     config = get_config("tiny-llama", **MLA_BLOCK)
     torch.manual_seed(0)
@@ -307,21 +297,7 @@ def test_tensor_parallel_shards_an_mla_block_to_the_single_process_gradients(seq
     loss = F.cross_entropy(reference(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     expected = {name: p.grad for name, p in reference.named_parameters()}
-    for _, layer in moe_layers(reference):
-        layer.stats = None  # the last forward's (differentiable) statistics: not copied to the ranks
-
-    def rank_fn(rank: int, size: int = 2):
-        group = dist.group.WORLD
-        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size, sequence_parallel)
-        loss = vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], group)
-        loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            sharded = hasattr(p, "partition_dim") and p.partition_count > 1
-            grads[name] = gather_tensor_parallel(p.grad, p.partition_dim, group) if sharded else p.grad
-        return loss.detach(), grads
-
-    for rank_loss, grads in run_ranks(2, rank_fn):
+    for rank_loss, grads in tensor_parallel_runs(reference, tokens, sequence_parallel):
         assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)
         assert grads.keys() == expected.keys()
         for name, grad in grads.items():

@@ -38,3 +38,32 @@ def run_ranks(world_size: int, fn) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def tensor_parallel_runs(reference, tokens: torch.Tensor, sequence_parallel: bool, size: int = 2, **forward) -> list:
+    """(next-token loss, every gradient gathered whole) on each of `size` threaded ranks of a copy of `reference`
+    split by `apply_tensor_parallel` (the vocabulary-parallel loss); `forward`: the model's other arguments."""
+    import copy
+
+    from mtnlg_lightning.moe import moe_layers
+    from mtnlg_lightning.parallel.tensor_parallel import (
+        apply_tensor_parallel,
+        gather_tensor_parallel,
+        vocab_parallel_cross_entropy,
+    )
+
+    for _, layer in moe_layers(reference):
+        layer.stats = None  # the last forward's (differentiable) statistics: not copied to the ranks
+
+    def rank_fn(rank: int):
+        group = dist.group.WORLD
+        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size, sequence_parallel)
+        loss = vocab_parallel_cross_entropy(model(tokens[:, :-1], **forward), tokens[:, 1:], group)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            sharded = hasattr(p, "partition_dim") and p.partition_count > 1
+            grads[name] = gather_tensor_parallel(p.grad, p.partition_dim, group) if sharded else p.grad
+        return loss.detach(), grads
+
+    return run_ranks(size, rank_fn)

@@ -34,11 +34,10 @@ KV_COLUMN = (
 )
 ROW = "row"  # weight columns (input features) split, partial outputs summed; its bias replicated
 VOCAB = "vocab"  # vocabulary rows split (the word embedding, the LM head)
-HEADS = "heads"  # one value per query head ([heads]: attention sinks): each rank keeps its heads' entries, as q
-HEAD_NORM = "head_norm"
-# Gated DeltaNet's parameters outside its projections (its convolution's channels are not grouped by head): tensor
-# parallelism of these layers is refused in one line (`parallel/tensor_parallel.py`)
-LINEAR_MIXER = "linear_mixer"  # replicated, applied to this rank's heads only: its gradient summed over TP
+# values per head along dim 0 of every parameter (attention sinks [heads]; Gated DeltaNet's A_log and dt_bias per
+# value head and its convolution's channels, held grouped by key head): each rank keeps its heads' rows, as q
+HEADS = "heads"
+HEAD_NORM = "head_norm"  # replicated, applied to each rank's heads (q/k norms, Gated DeltaNet's gated norm)
 NORM = "norm"  # replicated over the hidden size; on the sequence shard under sequence parallelism
 REPLICATED = "replicated"  # every rank holds all of it (learned positions)
 ROUTER = "router"  # a mixture of experts' router or shared-expert gate: a few scores per token, replicated
@@ -367,11 +366,11 @@ def _qwen3_next_modules() -> dict[str, tuple[str, str | tuple[str, ...] | None]]
         **_attention_rows(),
         f"{BLOCK}attn.q_norm": (HEAD_NORM, f"{attn}q_norm"),
         f"{BLOCK}attn.k_norm": (HEAD_NORM, f"{attn}k_norm"),
-        f"{BLOCK}attn.decay": (LINEAR_MIXER, linear.removesuffix(".")),  # A_log and dt_bias: linear_attn's own
-        f"{BLOCK}attn.in_proj_qkvz": (COLUMN, f"{linear}in_proj_qkvz"),
+        f"{BLOCK}attn.decay": (HEADS, linear.removesuffix(".")),  # A_log and dt_bias: linear_attn's own
+        f"{BLOCK}attn.in_proj_qkvz": (COLUMN, f"{linear}in_proj_qkvz"),  # grouped by key head: whole heads a rank
         f"{BLOCK}attn.in_proj_ba": (COLUMN, f"{linear}in_proj_ba"),
-        f"{BLOCK}attn.conv1d": (LINEAR_MIXER, f"{linear}conv1d"),
-        f"{BLOCK}attn.norm": (LINEAR_MIXER, f"{linear}norm"),
+        f"{BLOCK}attn.conv1d": (HEADS, f"{linear}conv1d"),
+        f"{BLOCK}attn.norm": (HEAD_NORM, f"{linear}norm"),
         f"{BLOCK}attn.out_proj": (ROW, f"{linear}out_proj"),
         f"{BLOCK}ln2": (NORM, f"{layer}post_attention_layernorm"),
         f"{BLOCK}mlp.gate": (COLUMN, f"{layer}mlp.gate_proj"),

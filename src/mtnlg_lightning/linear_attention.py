@@ -15,8 +15,16 @@
 Packed rows (`document_ids`): the convolution and the state restart at each document (each document's run is
 computed alone), which transformers' torch path does not do. Decoding keeps, per layer, the convolution's last
 kernel - 1 inputs and the state (fp32) in the `KVCache` (`states`): a constant size whatever the length.
-Tensor parallelism of these layers (the convolution's channels are not grouped by head) and context parallelism
-(the state would travel between chunks) are refused in one line.
+
+Tensor parallelism splits the layer by key heads (`parallel/tensor_parallel.py`): each rank holds a contiguous run
+of key heads and their value heads. `in_proj_qkvz` and `in_proj_ba` are grouped by key head already (a column split
+is whole heads), so is every per-value-head parameter (A_log, dt_bias: value head j belongs to key head j // (n_v /
+n_k)). The convolution's channels are cat(all q, all k, all v) in transformers' file, which no contiguous split
+keeps whole: this module holds them grouped by key head instead ([q_h, k_h, v_h] per key head h, the order of
+in_proj_qkvz's first 2 d_k + (n_v / n_k) d_v features per head), and the mapping permutes them on import and export
+(`grouped_conv_channels`), so a rank's shard is contiguous and the checkpoint's plain dim-0 gathering is right. The
+gated norm's weight [d_v] is replicated (its gradient, each rank's from its own heads, summed), `out_proj` row
+parallel. Context parallelism (the state would travel between chunks) is refused in one line.
 """
 
 from __future__ import annotations
@@ -92,6 +100,15 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = No
     return out.transpose(1, 2).to(dtype).contiguous(), S
 
 
+def grouped_conv_channels(nk: int, nv: int, dk: int, dv: int) -> torch.Tensor:
+    """For each of our convolution channels (grouped by key head: [q_h, k_h, v_h] for h < nk) the index of the same
+    channel in transformers' order (cat(all q, all k, all v)): ours = theirs[order], theirs = ours[argsort(order)]."""
+    vw = nv // nk * dv  # one key head's value width
+    q, k = torch.arange(nk * dk).view(nk, dk), nk * dk + torch.arange(nk * dk).view(nk, dk)
+    v = 2 * nk * dk + torch.arange(nk * vw).view(nk, vw)
+    return torch.cat([q, k, v], dim=1).flatten()
+
+
 class Decay(nn.Module):
     """Each value head's log decay per token from its `a`: g = -exp(A_log) softplus(a + dt_bias) <= 0 (fp32)."""
 
@@ -143,11 +160,19 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv, self.dk, self.dv = nk, nv, dk, dv
         self.in_proj_qkvz = nn.Linear(h, 2 * nk * dk + 2 * nv * dv, bias=False)
         self.in_proj_ba = nn.Linear(h, 2 * nv, bias=False)
-        channels = 2 * nk * dk + nv * dv
+        channels = 2 * nk * dk + nv * dv  # grouped by key head (`grouped_conv_channels`): each TP shard whole heads
         self.conv1d = nn.Conv1d(channels, channels, kernel, groups=channels, bias=False, padding=kernel - 1)
         self.decay = Decay(nv)
         self.norm = GatedRMSNorm(dv, eps=eps)
         self.out_proj = nn.Linear(nv * dv, h, bias=False)
+
+    def split_heads(self, size: int) -> None:
+        """Hold the head counts of one of `size` tensor-parallel ranks (the caller shards the parameters)."""
+        if self.nk % size:
+            raise MTNLGError(
+                f"tensor_parallel {size} does not divide Gated DeltaNet's {self.nk} key heads (linear_num_key_heads)"
+            )
+        self.nk, self.nv = self.nk // size, self.nv // size
 
     def _convolve(self, x: torch.Tensor, before: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, C] -> (silu(causal depthwise conv) [B, L, C], the last kernel - 1 inputs [B, C, kernel - 1]),
@@ -164,19 +189,19 @@ class GatedDeltaNet(nn.Module):
         """One run (a document, a row, or a decoding step): conv, the rule, the gated norm -> [B, L, nv * dv]."""
         B, L, _ = mixed.shape
         conv, conv_state = self._convolve(mixed, conv_state)
-        q, k, v = conv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        q, k = q.reshape(B, L, self.nk, self.dk), k.reshape(B, L, self.nk, self.dk)
+        r = self.nv // self.nk
+        q, k, v = conv.view(B, L, self.nk, -1).split([self.dk, self.dk, r * self.dv], dim=-1)
         rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         o, state = rule(q, k, v.reshape(B, L, self.nv, self.dv), g, beta, state)
         return self.norm(o, z).reshape(B, L, -1), conv_state, state
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
-        B, S, _ = x.shape
+        qkvz = self.in_proj_qkvz(x)  # the whole sequence under sequence parallelism (x: this rank's slice)
+        B, S, _ = qkvz.shape
         r = self.nv // self.nk
-        qkvz = self.in_proj_qkvz(x).view(B, S, self.nk, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        mixed, z = qkvz.view(B, S, self.nk, -1).split([2 * self.dk + r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(B, S, self.nk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([t.reshape(B, S, -1) for t in (q, k, v)], dim=-1)
+        mixed = mixed.reshape(B, S, -1)  # [q_h, k_h, v_h] per key head: the convolution's channel order
         z = z.reshape(B, S, self.nv, self.dv)
         beta = b.reshape(B, S, self.nv).sigmoid()
         g = self.decay(a.reshape(B, S, self.nv))

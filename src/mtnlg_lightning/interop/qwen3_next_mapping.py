@@ -3,7 +3,9 @@
 
 Every tensor moves by name as `llama_mapping` moves them (`family_specs.QWEN3_NEXT`: the experts one tensor per
 expert, as transformers writes them; Gated DeltaNet's `in_proj_qkvz` / `in_proj_ba` keep their grouped-by-key-head
-layout, which `linear_attention.GatedDeltaNet` reads as it is). The config carries the layer pattern
+layout, which `linear_attention.GatedDeltaNet` reads as it is; its convolution's channels, cat(all q, all k, all v)
+in the file, are held grouped by key head, permuted here both ways: `linear_attention.grouped_conv_channels`, so
+tensor parallelism's shards are whole heads). The config carries the layer pattern
 (`layer_types`: linear_attention / full_attention), Gated DeltaNet's sizes, the partial rotary factor and the
 mixture of experts (Qwen's `decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`, the shared expert).
 """
@@ -12,22 +14,56 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.family_specs import QWEN3_NEXT
 from mtnlg_lightning.interop import llama_mapping
 from mtnlg_lightning.interop.llama_mapping import (  # noqa: F401 - the tensor moves every mapping module offers
     HEAD,
-    from_hf,
     is_constant,
     normalize,
     ours_shape,
     sources,
-    tensor_specs,
 )
+from mtnlg_lightning.linear_attention import grouped_conv_channels
 
 MODEL_TYPES = (QWEN3_NEXT.hf_model_type,)
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+CONV = "attn.conv1d.weight"  # the suffix of our Gated DeltaNet convolution's weight, channels grouped by key head
+
+
+def conv_order(config: ModelConfig) -> torch.Tensor:
+    """Our convolution channels' indices in transformers' order (ours = theirs[order])."""
+    return grouped_conv_channels(*(getattr(config, key) for key in LINEAR_KEYS))
+
+
+def from_hf(name: str, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    if name.endswith(CONV):
+        return tensors[0][conv_order(config)]
+    return llama_mapping.from_hf(name, tensors, config)
+
+
+def tensor_specs(weights, config: ModelConfig, vocab: int, dtype: torch.dtype) -> list[TensorSpec]:
+    """llama_mapping's, each convolution's channels put back in transformers' order (read whole: [C, 1, kernel])."""
+    back = torch.argsort(conv_order(config)) if config.linear_num_key_heads else None
+    theirs = {hf[0]: ours for ours, hf in sources(config).items() if ours.endswith(CONV)}
+    specs = llama_mapping.tensor_specs(weights, config, vocab, dtype)
+    for i, spec in enumerate(specs):
+        if spec.name in theirs:
+            specs[i] = TensorSpec(spec.name, spec.shape, spec.dtype, _reordered(weights, theirs[spec.name], back))
+    return specs
+
+
+def _reordered(weights, name: str, order: torch.Tensor):
+    shape = weights.shape(name)
+
+    def rows(r0: int, r1: int) -> torch.Tensor:
+        return weights.read_box(name, (0,) * len(shape), shape)[order[r0:r1]]
+
+    return rows
 
 
 def read_config(cfg: dict, path: Path) -> ModelConfig:

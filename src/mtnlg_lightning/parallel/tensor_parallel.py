@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.families import tensor_parallel_plan
 from mtnlg_lightning.family_specs import (
     COLUMN,
@@ -41,12 +40,12 @@ from mtnlg_lightning.family_specs import (
     HEADS,
     KV_COLUMN,
     LATENT,
-    LINEAR_MIXER,
     NORM,
     ROUTER,
     ROW,
     SHARED_KEY,
 )
+from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.loss import token_mean
 from mtnlg_lightning.moe import moe_layers
 from mtnlg_lightning.parallel.layout import kv_head_copies
@@ -301,7 +300,9 @@ def apply_tensor_parallel(
     experts instead) and its shared expert (column and row, as a dense MLP); multi-head latent attention's latent
     projections and norms (replicated; the column-parallel layer after them sums their gradient, or under sequence
     parallelism each rank's slice's is summed as a norm's) and its rotary key (whole on every rank, input gathered as
-    a column layer's, gradient summed over TP). Word embedding
+    a column layer's, gradient summed over TP); Gated DeltaNet by key heads (`linear_attention.py`: its projections
+    column and row, its convolution's channels and per-value-head decay a rank's heads' rows, its gated norm as a
+    head norm; a TP that does not divide the key heads is one line). Word embedding
     vocab-parallel; the LM head tied to its shard or (untied) its own vocab-parallel shard. Position embeddings and
     row-parallel biases stay replicated. Parts a pipeline stage does not own (None) are skipped. size == 1 leaves
     the model untouched.
@@ -320,6 +321,9 @@ def apply_tensor_parallel(
     row = partial(RowParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     plan = tensor_parallel_plan(config)
     for block in model.blocks.values():
+        if isinstance(block.attn, GatedDeltaNet):  # its key heads split (refused in one line unless TP divides them)
+            block.attn.split_heads(size)
+    for block in model.blocks.values():
         held = dict(block.named_modules())  # a dense block and an MoE block hold different MLP paths
         for path, style in plan.items():
             if path not in held:
@@ -327,11 +331,6 @@ def apply_tensor_parallel(
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             module = getattr(parent, name)
-            if style == LINEAR_MIXER:
-                raise MTNLGError(
-                    "tensor parallelism of Gated DeltaNet (linear_attention) layers is not built: set "
-                    "tensor_parallel to 1 for this model"
-                )
             if style == COLUMN:
                 setattr(parent, name, column(module))
             elif style == KV_COLUMN:
@@ -345,9 +344,10 @@ def apply_tensor_parallel(
                 setattr(parent, name, column(module, copies=size))
                 for param in getattr(parent, name).parameters():
                     sum_gradient_over(param, group)
-            elif style == HEADS:  # this rank's query heads' entries (attention sinks), as q's column shard
-                shard = _shard(module.weight, 0, rank, size).requires_grad_(module.weight.requires_grad)
-                module.weight = _mark_sharded(nn.Parameter(shard), 0, rank, size)
+            elif style == HEADS:  # this rank's heads' rows of each parameter (sinks; GDN's decay, conv), as q's
+                for name_, param in list(module.named_parameters(recurse=False)):
+                    shard = _shard(param, 0, rank, size).requires_grad_(param.requires_grad)
+                    setattr(module, name_, _mark_sharded(nn.Parameter(shard), 0, rank, size))
             elif style == HEAD_NORM and group is not None:
                 for param in module.parameters():
                     sum_gradient_over(param, group)
