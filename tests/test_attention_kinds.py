@@ -374,8 +374,7 @@ def test_the_planner_counts_a_sliding_layer_s_window_and_a_gated_deltanet_state(
 
 def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
     """LoRA on Gemma 3 (its tanh-GELU MLP has Llama's gate / up / down): 7 adapters a block, merged weights give the
-    adapted model's logits; GPT-OSS (experts in every block) adapts its attention; Gated DeltaNet models are one
-    line."""
+    adapted model's logits; GPT-OSS (experts in every block) adapts its attention."""
     import copy
 
     from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
@@ -390,8 +389,58 @@ def test_lora_adapts_gemma3_s_projections_and_merges_to_its_logits(tmp_path):
         torch.testing.assert_close(merge_lora(copy.deepcopy(model))(tokens), model(tokens), rtol=1e-10, atol=1e-10)
     experts_only, _ = load_model(random_attention_kind_dir(tmp_path, "gpt_oss"))  # GPT-OSS: attention adapters
     assert apply_lora(experts_only, LoRAConfig(rank=4)) == 4 * 4
-    with pytest.raises(MTNLGError, match="^LoRA on Gated DeltaNet"):
-        LoRAConfig().projections(load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].config)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_lora_adapts_gated_deltanet_s_projections_in_tp2_and_loads_in_peft_with_our_logits(tmp_path, sequence_parallel):
+    """LoRA on a random Qwen3-Next (3 Gated DeltaNet layers, 1 full; experts in every block): in_proj_qkvz, in_proj_ba
+    and out_proj in the Gated DeltaNet layers (Hugging Face's names target them too), q, k, v, o in the full one,
+    the convolution frozen; the planner counts them; the adapters' loss and gradients in tp2 are one process's,
+    merged weights give the adapted logits, and the PEFT export loads in peft on transformers' model with our
+    logits."""
+    import copy
+
+    from test_lora import _adapter_state, _peft_logits
+    from threaded_group import tensor_parallel_runs
+
+    from mtnlg_lightning.interop.peft_adapter import write_peft_adapter
+    from mtnlg_lightning.parallel.lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
+    from mtnlg_lightning.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from mtnlg_lightning.planning.lora_plan import adapter_params_per_block
+
+    base_dir = random_attention_kind_dir(tmp_path, "qwen3_next")
+    model = load_model(base_dir)[0].double()
+    settings = {"rank": 4, "alpha": 8}
+    assert LoRAConfig(targets=("in_proj_qkvz", "out_proj")).projections(model.config) == ("in_proj_qkvz", "out_proj")
+    assert apply_lora(model, LoRAConfig.from_dict(settings)) == 3 * 3 + 4
+    adapted = {name.rsplit(".", 1)[0] for name, p in model.named_parameters() if p.requires_grad}
+    assert "blocks.0.attn.in_proj_ba" in adapted and "blocks.3.attn.q" in adapted
+    assert not any("conv1d" in name for name in adapted)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the planner's mean over the layers
+    assert adapter_params_per_block(model.config, 1, LoRAConfig.from_dict(settings)) == round(trained / 4)
+    for adapter in (m for m in model.modules() if isinstance(m, LoRALinear)):
+        torch.nn.init.normal_(adapter.lora_b, std=0.05)
+    tokens = torch.randint(0, 4096, (2, 71), generator=torch.Generator().manual_seed(3))
+    loss = vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], None)
+    loss.backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    for rank_loss, grads in tensor_parallel_runs(model, tokens, sequence_parallel):
+        assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():  # fp32 in the delta rule and the loss, as above
+            scale = expected[name].abs().max().item()
+            torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: n + m)
+    model.zero_grad()
+    with torch.no_grad():
+        ours = model(tokens)
+        torch.testing.assert_close(merge_lora(copy.deepcopy(model))(tokens), ours, rtol=1e-10, atol=1e-10)
+    if sequence_parallel:
+        return  # the export does not depend on the layout: once
+    model.float()  # as transformers' model in peft computes
+    write_peft_adapter(_adapter_state(model, settings, base_dir), tmp_path / "adapter")
+    theirs, _ = _peft_logits(base_dir, tmp_path / "adapter", tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs, model(tokens)[..., : theirs.shape[-1]], rtol=1e-5, atol=1e-5)
 
 
 def test_a_gated_deltanet_decode_state_is_the_same_size_at_256_and_2048_tokens():

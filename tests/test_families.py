@@ -56,8 +56,9 @@ def closed_form(config, tp: int) -> dict[str, int]:
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
         dk, dv, kernel = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
         projections = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) // tp + nv * dv * h // tp  # qkvz, ba; out
-        whole = (2 * nk * dk + nv * dv) * kernel + 2 * nv + dv  # the conv, A_log and dt_bias, the gated norm
-        form["linear_block"] = projections + whole + mlp + norms * norm
+        # split by key heads too: the conv's channels, A_log and dt_bias; whole: the gated norm
+        heads = ((2 * nk * dk + nv * dv) * kernel + 2 * nv) // tp
+        form["linear_block"] = projections + heads + dv + mlp + norms * norm
     return form
 
 

@@ -41,11 +41,13 @@ def run_ranks(world_size: int, fn) -> list:
 
 
 def tensor_parallel_runs(reference, tokens: torch.Tensor, sequence_parallel: bool, size: int = 2, **forward) -> list:
-    """(next-token loss, every gradient gathered whole) on each of `size` threaded ranks of a copy of `reference`
-    split by `apply_tensor_parallel` (the vocabulary-parallel loss); `forward`: the model's other arguments."""
+    """(next-token loss, every trained parameter's gradient gathered whole) on each of `size` threaded ranks of a
+    copy of `reference` split by `apply_tensor_parallel` (its LoRA adapters, if any, like their bases: the
+    vocabulary-parallel loss); `forward`: the model's other arguments."""
     import copy
 
     from mtnlg_lightning.moe import moe_layers
+    from mtnlg_lightning.parallel.lora import shard_with_adapters
     from mtnlg_lightning.parallel.tensor_parallel import (
         apply_tensor_parallel,
         gather_tensor_parallel,
@@ -57,11 +59,16 @@ def tensor_parallel_runs(reference, tokens: torch.Tensor, sequence_parallel: boo
 
     def rank_fn(rank: int):
         group = dist.group.WORLD
-        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size, sequence_parallel)
+        model = copy.deepcopy(reference)
+        shard_with_adapters(
+            model, lambda: apply_tensor_parallel(model, group, rank, size, sequence_parallel), rank, size
+        )
         loss = vocab_parallel_cross_entropy(model(tokens[:, :-1], **forward), tokens[:, 1:], group)
         loss.backward()
         grads = {}
         for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
             sharded = hasattr(p, "partition_dim") and p.partition_count > 1
             grads[name] = gather_tensor_parallel(p.grad, p.partition_dim, group) if sharded else p.grad
         return loss.detach(), grads

@@ -260,13 +260,16 @@ def matmul_parameters(config: ModelConfig) -> int:
 
 
 @_per_shape
-def linear_shapes_per_rank(config: ModelConfig, tp: int) -> dict[str, tuple[str, float, float]]:
+def linear_shapes_per_rank(
+    config: ModelConfig, tp: int, kind: str | None = None
+) -> dict[str, tuple[str, float, float]]:
     """{module path: (style, output features, input features)} of each Linear layer of a block on one of `tp`
-    tensor-parallel ranks (the GEMMs the cost model times). Of the block kind most layers have; a token's k
-    experts are one GEMM k times as wide (the same FLOPs), and the router one more."""
+    tensor-parallel ranks (the GEMMs the cost model times). Of the block kind most layers have, or `kind`
+    (`layer_kind`'s); a token's k experts are one GEMM k times as wide (the same FLOPs), and the router one more."""
     shapes, out = measure(config), {}
-    kind = "moe" if 2 * len(config.moe_layers) >= config.num_layers and config.moe else "dense"
-    kind = kind if kind in shapes.kinds else f"linear-{kind}"  # a model of Gated DeltaNet layers only
+    if kind is None:
+        kind = "moe" if 2 * len(config.moe_layers) >= config.num_layers and config.moe else "dense"
+        kind = kind if kind in shapes.kinds else f"linear-{kind}"  # a model of Gated DeltaNet layers only
     for path in shapes.kinds[kind]:
         style = _plan_style(config, path)
         if style == EXPERTS:

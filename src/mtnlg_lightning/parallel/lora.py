@@ -35,7 +35,7 @@ from torch import nn
 
 from mtnlg_lightning.config import ModelConfig, reject_unknown_fields
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import measure
+from mtnlg_lightning.families import layer_kind, measure
 from mtnlg_lightning.family_specs import BLOCK, COLUMN, MATMUL_STYLES, TENSOR_PARALLEL_PLAN, family_spec
 from mtnlg_lightning.parallel.sequence_parallel import (
     all_gather_linear,
@@ -86,12 +86,19 @@ def hf_projection_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
 SEPARATE_QKV = ("q", "k", "v")
 
 
+def _layer_paths(config: ModelConfig, index: int) -> frozenset[str]:
+    """The module paths a block of layer `index` holds (a Gated DeltaNet layer's token mixer is not attention's)."""
+    return frozenset(measure(config).kinds[layer_kind(config, index)])
+
+
 def projections_of(config: ModelConfig) -> tuple[str, ...]:
-    """The projections a block of `config` has, in block order. Multi-head latent attention's are those split by
-    heads (Hugging Face's q_proj or q_b_proj, and kv_b_proj): its latent projections, whole on every
-    tensor-parallel rank, take no adapter."""
-    if config.layer_types and "linear_attention" in config.layer_types:
-        raise MTNLGError("LoRA on Gated DeltaNet (linear_attention) layers is not built: train the model whole")
+    """The projections the blocks of `config` have, in block order; each layer adapts those it holds
+    (`layer_projections`). Multi-head latent attention's are those split by heads (Hugging Face's q_proj or
+    q_b_proj, and kv_b_proj): its latent projections, whole on every tensor-parallel rank, take no adapter. A
+    Gated DeltaNet layer's (linear_attention) are in_proj_qkvz, in_proj_ba and out_proj; its short convolution
+    takes no adapter: a depthwise kernel [channels, 1, kernel] has no low-rank form (peft adapts a grouped
+    convolution only with a rank divisible by its groups, here every channel, and cannot merge it), so it stays
+    frozen with the base."""
     attention = ("qkv",) if config.fused_qkv else SEPARATE_QKV
     if config.latent_attention:  # the column-parallel ones of its block, as measured
         attention = tuple(
@@ -102,7 +109,20 @@ def projections_of(config: ModelConfig) -> tuple[str, ...]:
     mlp = ("gate", "up", "down") if config.mlp in ("swiglu", "geglu") else ("fc1", "fc2")  # geglu: Gemma's
     if config.every_layer_moe:  # every MLP is experts (GPT-OSS, Mixtral, OLMoE): the attention's projections only
         mlp = ()
-    return (*attention, "proj", *mlp)
+    held = frozenset().union(*(_layer_paths(config, i) for i in range(config.num_layers)))
+    mixers = tuple(  # a token mixer other than attention (Gated DeltaNet): its own projections
+        name
+        for name, path in PROJECTIONS.items()
+        if path.startswith("attn.") and path in held and name not in (*attention, "proj", "qkv", *SEPARATE_QKV)
+    )
+    return tuple(name for name in (*attention, "proj", *mixers, *mlp) if PROJECTIONS[name] in held)
+
+
+def layer_projections(config: ModelConfig, names: tuple[str, ...], index: int) -> tuple[str, ...]:
+    """Of `names`, those layer `index` of `config` holds (Gated DeltaNet's or the attention's; an MoE layer has
+    no MLP projection)."""
+    paths = _layer_paths(config, index)
+    return tuple(name for name in names if PROJECTIONS[name] in paths)
 
 
 @dataclass(frozen=True)
@@ -280,8 +300,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(torch.initial_seed())
     count = 0
-    for block in model.blocks.values():
-        for name in names:
+    for index, block in model.blocks.items():
+        for name in layer_projections(model.config, names, int(index)):
             parent_path, attr = PROJECTIONS[name].split(".")
             parent = block.get_submodule(parent_path)
             setattr(parent, attr, LoRALinear.around(getattr(parent, attr), lora, generator))
@@ -337,5 +357,6 @@ def stored_parameters(model: nn.Module, settings: dict | None) -> dict[str, nn.P
 def adapter_names(config: ModelConfig, lora: LoRAConfig) -> dict[str, str]:
     """Model-space adapter module of every target (`blocks.N.attn.q`) -> its base weight's name."""
     names = lora.projections(config)
-    modules = (f"blocks.{i}.{PROJECTIONS[name]}" for i in range(config.num_layers) for name in names)
+    layers = range(config.num_layers)
+    modules = (f"blocks.{i}.{PROJECTIONS[name]}" for i in layers for name in layer_projections(config, names, i))
     return {module: f"{module}.weight" for module in modules}

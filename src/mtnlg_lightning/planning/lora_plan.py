@@ -18,8 +18,8 @@ import yaml
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import linear_shapes_per_rank
-from mtnlg_lightning.parallel.lora import PROJECTIONS, LoRAConfig, lora_config
+from mtnlg_lightning.families import layer_kind, linear_shapes_per_rank
+from mtnlg_lightning.parallel.lora import PROJECTIONS, LoRAConfig, layer_projections, lora_config
 
 
 def flag_yaml(text: str, flag: str, example: str):
@@ -40,13 +40,17 @@ def parse_lora(text: str, config: ModelConfig) -> LoRAConfig:
 
 
 def adapter_params_per_block(config: ModelConfig, tp: int, lora: LoRAConfig) -> int:
-    """Adapter parameters one of `tp` tensor-parallel ranks holds for one block."""
-    shapes = linear_shapes_per_rank(config, tp)
-    held = 0
-    for name in lora.projections(config):
-        _, rows, columns = shapes[PROJECTIONS[name]]
-        held += lora.rank * int(rows + columns)
-    return held
+    """Adapter parameters one of `tp` tensor-parallel ranks holds for one block, the mean over the model's layers
+    (a Gated DeltaNet layer adapts its own projections, not the attention's)."""
+    names, per_kind, held = lora.projections(config), {}, 0
+    for index in range(config.num_layers):
+        kind = layer_kind(config, index)
+        if kind not in per_kind:  # one count per block kind (the planner asks for many layouts)
+            shapes = linear_shapes_per_rank(config, tp, kind)
+            parts = (shapes[PROJECTIONS[name]] for name in layer_projections(config, names, index))
+            per_kind[kind] = sum(lora.rank * int(rows + columns) for _, rows, columns in parts)
+        held += per_kind[kind]
+    return round(held / config.num_layers)
 
 
 @dataclass(frozen=True)
