@@ -302,19 +302,67 @@ def test_mxfp4_experts_are_dequantised_on_import_as_transformers_does(tmp_path):
 
 
 def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
-    """Context parallelism of Gated DeltaNet layers and with sinks, and a tensor parallelism that does not divide the
-    key heads: refused before anything is sharded."""
+    """Context parallelism with sinks, and with sequence parallelism for Gated DeltaNet layers, and a tensor
+    parallelism that does not divide the key heads: refused before anything is sharded."""
     from types import SimpleNamespace
 
+    from mtnlg_lightning.linear_attention import GatedDeltaNet
     from mtnlg_lightning.parallel.context_parallel import apply_context_parallel
     from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
-    for family, refused in (("qwen3_next", "Gated DeltaNet"), ("gpt_oss", "attention sinks")):
-        model, _ = load_model(random_attention_kind_dir(tmp_path, family))
-        with pytest.raises(MTNLGError, match=f"^context_parallel cannot run {refused}"):
-            apply_context_parallel(model, SimpleNamespace(size=2))
+    with pytest.raises(MTNLGError, match="^context_parallel cannot run attention sinks"):
+        apply_context_parallel(load_model(random_attention_kind_dir(tmp_path, "gpt_oss"))[0], SimpleNamespace(size=2))
+    model, _ = load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))
     with pytest.raises(MTNLGError, match="^tensor_parallel 4 does not divide Gated DeltaNet's 2 key heads"):
-        apply_tensor_parallel(load_model(tmp_path / "qwen3_next-random")[0], None, 0, 4)
+        apply_tensor_parallel(model, None, 0, 4)
+    for layer in (m for m in model.modules() if isinstance(m, GatedDeltaNet)):
+        layer.split_heads(1, sequence_parallel=True)  # as tensor parallelism with sequence parallelism leaves it
+    ring = SimpleNamespace(size=2, group=None, cp_rank=0)
+    with pytest.raises(MTNLGError, match="^context_parallel with sequence parallelism cannot run Gated DeltaNet"):
+        apply_context_parallel(model, ring)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_gated_deltanet_layer_under_context_parallelism_is_the_whole_sequence_s(tmp_path, cp):
+    """Threads as CP ranks, each holding its two load-balanced chunks of packed rows of 72 tokens (documents
+    crossing the chunks, two of the delta rule's chunks of 64): each rank's output is its chunks of the whole
+    sequence's, its input gradient its chunks' of the whole one, and the parameter gradients summed over the ranks
+    the whole sequence's."""
+    import copy
+
+    import torch.distributed as dist
+    from threaded_group import run_ranks
+
+    from mtnlg_lightning.model import DocumentMask
+    from mtnlg_lightning.parallel.context_parallel import ContextGather, split_sequence
+
+    layer = load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))[0].blocks["0"].attn.double()
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 72, 64, dtype=torch.float64, generator=generator)
+    grad = torch.randn(2, 72, 64, dtype=torch.float64, generator=generator)
+    mask = DocumentMask(torch.tensor([[0] * 11 + [1] * 40 + [2] * 21, [0] * 72]), "blocks")
+    whole = x.clone().requires_grad_()
+    out = layer(whole, mask=mask)
+    (out * grad).sum().backward()
+    expected = {name: p.grad for name, p in layer.named_parameters()}
+
+    def rank_fn(rank: int):
+        mine = copy.deepcopy(layer)
+        mine.zero_grad()
+        mine.context = ContextGather(dist.group.WORLD, rank, cp)
+        chunks = split_sequence(x, rank, cp).requires_grad_()
+        y = mine(chunks, mask=mask)
+        (y * split_sequence(grad, rank, cp)).sum().backward()
+        return y.detach(), chunks.grad, {name: p.grad for name, p in mine.named_parameters()}
+
+    results = run_ranks(cp, rank_fn)
+    for rank, (y, x_grad, _) in enumerate(results):
+        torch.testing.assert_close(y, split_sequence(out.detach(), rank, cp), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(x_grad, split_sequence(whole.grad, rank, cp), rtol=1e-6, atol=1e-7)
+    for name, param_grad in expected.items():
+        summed = sum(grads[name] for _, _, grads in results)  # each rank's part, the delta rule's fp32 rounding
+        scale = param_grad.abs().max().item()
+        torch.testing.assert_close(summed, param_grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: n + m)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])

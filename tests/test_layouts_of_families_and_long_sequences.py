@@ -46,10 +46,11 @@ WORLD2 = ["llama_tp2_ckpt", "llama_tp2_sp", "llama_pp2", "qwen3_tp2", "eval_llam
 WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3", "llama_cp2_acfull", "gpt_cp2_downstream"]
 # The attention kinds' families (issue 62): sliding windows and per-kind RoPE (Gemma 3), sinks, YaRN and biased
 # clamped-SwiGLU experts (GPT-OSS, experts over 2 ranks beside ZeRO-1), Gated DeltaNet (Qwen3-Next: split by key
-# heads in tp2, with and without sequence parallelism; the tp2 checkpoint exported to transformers).
+# heads in tp2, with and without sequence parallelism; the tp2 checkpoint exported to transformers; in cp2 each
+# Gated DeltaNet layer gathers the whole sequence).
 WORLD2 += ["gemma3_tp2_sp", "gemma3_pp2", "gemma3_dp2_zero1", "gptoss_tp2_sp", "gptoss_pp2", "gptoss_ep2_zero1"]
 WORLD2 += ["qwen3next_pp2", "qwen3next_dp2_zero1", "gemma3_cp2"]  # cp2: the ring masks each block by the windows
-WORLD2 += ["qwen3next_tp2_ckpt", "qwen3next_tp2_sp"]
+WORLD2 += ["qwen3next_tp2_ckpt", "qwen3next_tp2_sp", "qwen3next_cp2"]
 WORLD4 = [
     "llama_tp4",
     "llama_tp4_sp",
@@ -107,6 +108,7 @@ def references(family_dirs):
     runs += [("gpt4@long", None, 5, LONG)]  # 4 blocks: the interleaved pipeline's
     runs += [("gemma3", family_dirs["gemma3"], 5, None), ("gptoss", family_dirs["gptoss"], 5, None)]
     runs += [("qwen3next", family_dirs["qwen3next"], 5, None), ("gemma3@long", family_dirs["gemma3"], 5, LONG)]
+    runs += [("qwen3next@long", family_dirs["qwen3next"], 5, LONG)]
     for name, source, steps, seq_len in runs:
         blocks = {"num_layers": 4} if name.startswith("gpt4") else None
         rec, _ = tiny_run(

@@ -24,7 +24,10 @@ keeps whole: this module holds them grouped by key head instead ([q_h, k_h, v_h]
 in_proj_qkvz's first 2 d_k + (n_v / n_k) d_v features per head), and the mapping permutes them on import and export
 (`grouped_conv_channels`), so a rank's shard is contiguous and the checkpoint's plain dim-0 gathering is right. The
 gated norm's weight [d_v] is replicated (its gradient, each rank's from its own heads, summed), `out_proj` row
-parallel. Context parallelism (the state would travel between chunks) is refused in one line.
+parallel. Under context parallelism the layer gathers the whole sequence's hidden states from the CP ranks, runs
+over it, and keeps its rank's chunks (`parallel/context_parallel.ContextGather`): exact, its compute and
+activations those of the whole sequence on every CP rank (passing the state between the ranks' chunks instead is
+the plan, not built).
 """
 
 from __future__ import annotations
@@ -165,14 +168,19 @@ class GatedDeltaNet(nn.Module):
         self.decay = Decay(nv)
         self.norm = GatedRMSNorm(dv, eps=eps)
         self.out_proj = nn.Linear(nv * dv, h, bias=False)
+        self.sequence_parallel = False  # set by tensor parallelism (`split_heads`)
+        # context parallelism's gather of the whole sequence and cut back to this rank's chunks
+        # (`parallel/context_parallel.ContextGather`); None: this rank's input is the whole sequence
+        self.context = None
 
-    def split_heads(self, size: int) -> None:
+    def split_heads(self, size: int, sequence_parallel: bool = False) -> None:
         """Hold the head counts of one of `size` tensor-parallel ranks (the caller shards the parameters)."""
         if self.nk % size:
             raise MTNLGError(
                 f"tensor_parallel {size} does not divide Gated DeltaNet's {self.nk} key heads (linear_num_key_heads)"
             )
         self.nk, self.nv = self.nk // size, self.nv // size
+        self.sequence_parallel = sequence_parallel
 
     def _convolve(self, x: torch.Tensor, before: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, C] -> (silu(causal depthwise conv) [B, L, C], the last kernel - 1 inputs [B, C, kernel - 1]),
@@ -196,6 +204,11 @@ class GatedDeltaNet(nn.Module):
         return self.norm(o, z).reshape(B, L, -1), conv_state, state
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
+        if self.context is not None and cache is None:  # the recurrence runs over the whole sequence, in order
+            return self.context.mine(self._forward(self.context.whole(x), mask))
+        return self._forward(x, mask, cache)
+
+    def _forward(self, x: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
         qkvz = self.in_proj_qkvz(x)  # the whole sequence under sequence parallelism (x: this rank's slice)
         B, S, _ = qkvz.shape
         r = self.nv // self.nk

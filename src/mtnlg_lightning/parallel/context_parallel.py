@@ -30,11 +30,19 @@ Sliding layers (`attention_kinds`): the window is a band on the same mask (`docu
 or not (a row of one document gets ids of zeros here), so each block is exact: one wholly outside the band is
 skipped, one it cuts is masked. A window of w keys needs, for each query chunk, only the key chunks within w
 positions before it; the ring still passes every chunk (what a window could save in traffic is not taken yet).
-Attention sinks and Gated DeltaNet layers are refused in one line (`apply_context_parallel`). The plan for Gated
-DeltaNet: each rank runs its chunks from a zero state, then the final states pass down the ring in order (a state
-is [n_v, d_k, d_v] per row, whatever the length), and each chunk's output is corrected by the incoming state read
-through its decayed queries (the chunked form's inter-chunk term); the convolution needs the kernel - 1 inputs
-before each chunk. Not built.
+Attention sinks are refused in one line (`apply_context_parallel`).
+
+Gated DeltaNet layers (`linear_attention.py`) are a recurrence in sequence order, which the load-balanced chunks
+(r and 2CP-1-r) break: each such layer gathers the whole sequence's hidden states from the CP ranks (all-gather,
+the chunks put back in order), runs over it, documents and all, as one process does, and keeps its rank's chunks
+(`ContextGather`); backward, each rank's gradient of the whole sequence's input is summed over the CP group and it
+keeps its chunks'. Exact, but each CP rank computes these layers over the whole sequence (their activations too):
+CP saves nothing in them. With sequence parallelism it is refused in one line. The plan that would save it: each
+rank runs its chunks from a zero state, then the final states pass between the ranks in sequence order (a state
+is [n_v, d_k, d_v] per row, whatever the length; chunk r's to chunk r + 1, through every rank and back), and each
+chunk's output is corrected by the incoming state read through its decayed queries (the chunked form's
+inter-chunk term); the convolution needs the kernel - 1 inputs before each chunk, and a document starting inside
+a chunk stops the incoming state there. Not built.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from torch import nn
 
 from mtnlg_lightning import torch_compat
 from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.loss import counted_labels
 from mtnlg_lightning.model import DocumentMask, document_mask
 from mtnlg_lightning.moe import moe_layers
@@ -311,6 +320,42 @@ class RingAttentionCore(nn.Module):
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), *args)
 
 
+class _GatherContext(torch.autograd.Function):
+    """This rank's two chunks [B, 2c, ...] -> the whole sequence [B, 2 CP c, ...] in order, on every CP rank;
+    backward, the whole sequence's gradients summed over the CP group, this rank's chunks kept."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp_rank: int, cp_size: int):
+        ctx.group, ctx.cp_rank, ctx.cp_size = group, cp_rank, cp_size
+        parts = [torch.empty_like(x) for _ in range(cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        chunks = [None] * (2 * cp_size)
+        for rank, part in enumerate(parts):
+            first, second = chunk_indices(rank, cp_size)
+            chunks[first], chunks[second] = part.chunk(2, dim=SEQUENCE_DIM)
+        return torch.cat(chunks, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return split_sequence(grad, ctx.cp_rank, ctx.cp_size), None, None, None
+
+
+class ContextGather:
+    """What a Gated DeltaNet layer does under context parallelism (`linear_attention.GatedDeltaNet.context`): its
+    input gathered whole (`whole`), its output cut back to this rank's chunks (`mine`)."""
+
+    def __init__(self, group, cp_rank: int, cp_size: int):
+        self.group, self.cp_rank, self.cp_size = group, cp_rank, cp_size
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherContext.apply(x, self.group, self.cp_rank, self.cp_size)
+
+    def mine(self, y: torch.Tensor) -> torch.Tensor:
+        return split_sequence(y, self.cp_rank, self.cp_size)
+
+
 # ---------------------------------------------------------------------------------------------- applied from outside
 def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
     """A forward pre-hook of every stage: the tokens [B, S] (the stage holding the embedding; later stages receive
@@ -335,18 +380,22 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
     if ring.size == 1:
         return model
     config = getattr(model, "config", None)
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        raise MTNLGError(
-            "context_parallel cannot run Gated DeltaNet (linear_attention) layers yet (each rank's chunk needs the "
-            "recurrent state the chunks before it end with): set context_parallel to 1 for this model"
-        )
     if getattr(config, "attention_sinks", False):
         raise MTNLGError(
             "context_parallel cannot run attention sinks yet (the ring merges log-sum-exps, and a sink's share needs "
             "the final one in the backward): set context_parallel to 1 for this model"
         )
+    linear = [block.attn for block in model.blocks.values() if isinstance(block.attn, GatedDeltaNet)]
+    if any(layer.sequence_parallel for layer in linear):
+        raise MTNLGError(
+            "context_parallel with sequence parallelism cannot run Gated DeltaNet (linear_attention) layers yet "
+            "(each gathers the whole sequence over CP, not its TP slices): turn sequence_parallel off"
+        )
+    for layer in linear:  # the recurrence over the whole sequence, in order: gathered, then cut back to its chunks
+        layer.context = ContextGather(ring.group, ring.cp_rank, ring.size)
     for block in model.blocks.values():
-        block.attn.core = RingAttentionCore(ring, kernel)
+        if not isinstance(block.attn, GatedDeltaNet):
+            block.attn.core = RingAttentionCore(ring, kernel)
     for _, layer in moe_layers(model):
         layer.sequence_groups.append((ring.group, ring.size))
     model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)

@@ -322,7 +322,7 @@ def apply_tensor_parallel(
     plan = tensor_parallel_plan(config)
     for block in model.blocks.values():
         if isinstance(block.attn, GatedDeltaNet):  # its key heads split (refused in one line unless TP divides them)
-            block.attn.split_heads(size)
+            block.attn.split_heads(size, sp)
     for block in model.blocks.values():
         held = dict(block.named_modules())  # a dense block and an MoE block hold different MLP paths
         for path, style in plan.items():
