@@ -303,11 +303,12 @@ def test_mxfp4_experts_are_dequantised_on_import_as_transformers_does(tmp_path):
 
 def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
     """Context parallelism with sinks, and with sequence parallelism for Gated DeltaNet layers, and a tensor
-    parallelism that does not divide the key heads: refused before anything is sharded."""
+    parallelism that does not divide the key heads: refused before anything is sharded. (Without sequence
+    parallelism each Gated DeltaNet layer gathers the sequence, except while decoding's whole sequences run.)"""
     from types import SimpleNamespace
 
     from mtnlg_lightning.linear_attention import GatedDeltaNet
-    from mtnlg_lightning.parallel.context_parallel import apply_context_parallel
+    from mtnlg_lightning.parallel.context_parallel import apply_context_parallel, whole_sequences
     from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
     with pytest.raises(MTNLGError, match="^context_parallel cannot run attention sinks"):
@@ -320,6 +321,13 @@ def test_layouts_not_built_for_gated_deltanet_or_sinks_are_one_line(tmp_path):
     ring = SimpleNamespace(size=2, group=None, cp_rank=0)
     with pytest.raises(MTNLGError, match="^context_parallel with sequence parallelism cannot run Gated DeltaNet"):
         apply_context_parallel(model, ring)
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    for layer in layers:
+        layer.sequence_parallel = False
+    apply_context_parallel(model, ring)  # each Gated DeltaNet layer gathers; decoding's whole sequences do not
+    with whole_sequences([model]):
+        assert all(layer.context is None for layer in layers)
+    assert all(layer.context is not None for layer in layers)
 
 
 @pytest.mark.parametrize("cp", [2, 3])

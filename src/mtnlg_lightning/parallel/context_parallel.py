@@ -455,11 +455,18 @@ def whole_sequences(modules):
     the same tensors, nothing is copied. (A mixture of experts' router statistics: `moe.routing_alone`.)"""
     chunked = [m for m in modules if isinstance(m.__dict__.get("positions"), functools.partial)]
     saved = [m.__dict__["positions"] for m in chunked]
+    # Gated DeltaNet layers: their input is already whole (no gather)
+    linear = [m for root in chunked for m in root.modules() if isinstance(m, GatedDeltaNet) and m.context is not None]
+    gathers = [layer.context for layer in linear]
     for module in chunked:
         del module.positions  # the model's own: contiguous positions
         module.whole_sequences = True
+    for layer in linear:
+        layer.context = None
     try:
         yield
     finally:
         for module, positions in zip(chunked, saved, strict=True):
             module.positions, module.whole_sequences = positions, False
+        for layer, gather in zip(linear, gathers, strict=True):
+            layer.context = gather
