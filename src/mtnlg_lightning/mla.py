@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
+from mtnlg_lightning.sdpa import sdpa
 from mtnlg_lightning.yarn import softmax_scale_correction
 
 # transformers' DeepseekV3RMSNorm of the two latents is built with its default epsilon, whatever rms_norm_eps says.
@@ -110,5 +111,5 @@ class MultiHeadLatentAttention(nn.Module):
             padded = F.pad(v, (0, self.value_padding)) if self.value_padding else v
             y = self.core(q, k, padded, self.dropout if self.training else 0.0, mask)[..., : self.v_head_dim]
         else:  # decoding: the new positions attend to every cached one; a prefill (start 0) is causal
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+            y = sdpa(q, k, v, is_causal=q.shape[2] > 1)
         return self.proj(y.transpose(1, 2).reshape(B, S, -1))

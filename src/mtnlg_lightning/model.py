@@ -48,6 +48,7 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.mla import MultiHeadLatentAttention
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
+from mtnlg_lightning.sdpa import sdpa
 from mtnlg_lightning.torch_compat import non_persistent_buffer_names
 from mtnlg_lightning.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
@@ -250,7 +251,7 @@ class DocumentMask:
             return attention_with_sinks(q, k, v, self.dense, sinks, dropout_p)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.dense, dropout_p=dropout_p)
+        return sdpa(q, k, v, attn_mask=self.dense, dropout_p=dropout_p)
 
 
 class CausalMasks:
@@ -405,17 +406,17 @@ def attention(q, k, v, dropout_p: float = 0.0, causal: bool = True, mask: torch.
     if mask is not None:
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     if groups > 1 and not causal:
         # Every query sees every key (a decoding step): a group's query heads become rows of one query of their
         # key/value head, so the cache is read as it is instead of copied `groups` times per token.
         B, H, L, D = q.shape
         grouped = q.reshape(B, k.shape[1], groups * L, D)
-        y = F.scaled_dot_product_attention(grouped, k, v, dropout_p=dropout_p)
+        y = sdpa(grouped, k, v, dropout_p=dropout_p)
         return y.view(B, H, L, D)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+    return sdpa(q, k, v, dropout_p=dropout_p, is_causal=causal)
 
 
 class AttentionCore(nn.Module):
