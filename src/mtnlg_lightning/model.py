@@ -48,6 +48,7 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.mla import MultiHeadLatentAttention
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
+from mtnlg_lightning.mtp import MultiTokenPrediction
 from mtnlg_lightning.torch_compat import non_persistent_buffer_names
 from mtnlg_lightning.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
@@ -554,6 +555,9 @@ class GPT(nn.Module):
     # Set while a training step's runner runs (`output_layer.heads_in_loss`): forward stops at the final norm and
     # the loss applies the head, in chunks (`parallel/output_layer.py`); decoding with a cache still gets logits.
     head_in_loss = False
+    # Whether a forward outside training runs the multi-token prediction depths too (their outputs wait for the
+    # loss: `mtp.MultiTokenPrediction.take`); decoding with a cache never does.
+    predict_ahead = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -565,6 +569,8 @@ class GPT(nn.Module):
         self.lm_head = OutputHead(config.hidden_size, config.padded_vocab_size(), bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.wte.weight
+        # DeepSeek-V3's multi-token prediction depths (`mtp.py`): run in training forwards only, or `predict_ahead`
+        self.mtp = MultiTokenPrediction(config, Block, make_norm) if config.mtp_layers else None
         # RoPE's frequencies in fp32 whatever dtype the model is cast to (not a buffer, which `.to(bf16)` would round).
         self._rope_inv_freq: dict[str, torch.Tensor] | None = None
         self.reset_parameters()
@@ -648,6 +654,9 @@ class GPT(nn.Module):
             h = h[:, -1:]
         if self.norm is not None:
             h = self.norm(h)
+        if self.mtp is not None and cache is None and (self.training or self.predict_ahead):
+            head = None if self.head_in_loss else self.lm_head
+            self.mtp.predict(self.embed, head, h, tokens, positions, rotary, mask, document_ids)
         if self.lm_head is None or (self.head_in_loss and cache is None):
             # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
             return h.contiguous()

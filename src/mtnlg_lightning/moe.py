@@ -248,6 +248,12 @@ def routing_alone(modules):
             layer.sequence_groups[:] = groups
 
 
+def trunk_moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """`moe_layers` of the model's blocks (`...blocks.N.mlp`), without a multi-token-prediction depth's
+    (`mtp.layers.K.block.mlp`, `mtp.py`): the router losses and the balancing bias count the trunk's routing."""
+    return [(name, layer) for name, layer in moe_layers(model) if name.rsplit(".", 2)[-2].isdigit()]
+
+
 def block_index(layer_name: str) -> int:
     """The block of an MoE layer named `...blocks.N.mlp` (under any prefix: a pipeline chunk's, an engine's)."""
     return int(layer_name.rsplit(".", 2)[-2])
@@ -260,7 +266,7 @@ def balance_expert_bias(model: nn.Module, step_tokens: torch.Tensor, layer_indic
     up for an expert that took fewer of the step's (token, expert) assignments than the mean, down for one that
     took more. `step_tokens` [MoE layers (`layer_indices` order), E]: the step's assignments over every
     micro-batch and rank, the same on every rank: every replica's bias stays equal, whatever the layout."""
-    for name, layer in moe_layers(model):
+    for name, layer in trunk_moe_layers(model):
         if layer.expert_bias is None:
             continue
         counts = step_tokens[layer_indices.index(block_index(name))].to(layer.expert_bias.device, torch.float64)
@@ -293,7 +299,7 @@ class RouterTotals:
         counts = [torch.zeros(self.num_experts, device=device) for _ in self.layer_indices]
         probability, z = torch.zeros(self.num_experts, device=device), torch.zeros(1, device=device)
         tokens = dropped = 0
-        for name, layer in moe_layers(model):
+        for name, layer in trunk_moe_layers(model):
             if layer.stats is None:
                 continue
             counts[self.layer_indices.index(block_index(name))] = layer.stats.tokens_per_expert
@@ -304,7 +310,7 @@ class RouterTotals:
 
     def of(self, model: nn.Module, device) -> torch.Tensor:
         """The totals of `model`'s last forward (the whole model's)."""
-        if not any(layer.stats is not None for _, layer in moe_layers(model)):
+        if not any(layer.stats is not None for _, layer in trunk_moe_layers(model)):
             raise MTNLGError("router losses need a forward of a model with mixture-of-experts layers first")
         return self.add(self.zeros(device), model)
 

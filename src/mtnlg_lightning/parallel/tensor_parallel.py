@@ -319,7 +319,11 @@ def apply_tensor_parallel(
     column = partial(ColumnParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     row = partial(RowParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     plan = tensor_parallel_plan(config)
-    for block in model.blocks.values():
+    # the multi-token prediction depths' blocks (`mtp.py`) shard as the trunk's; their eh_proj and norms stay whole
+    # (their input is whole on every rank; the column-parallel layers after them sum their gradient over TP)
+    mtp = getattr(model, "mtp", None)
+    depth_blocks = [layer.block for layer in mtp.layers.values()] if mtp is not None else []
+    for block in [*model.blocks.values(), *depth_blocks]:
         held = dict(block.named_modules())  # a dense block and an MoE block hold different MLP paths
         for path, style in plan.items():
             if path not in held:

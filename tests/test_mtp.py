@@ -1,0 +1,202 @@
+"""Multi-token prediction (issue 61 item 3, `mtp.py`): the depths' logits are DeepSeek-V3's equations written out
+by hand (fp32), packed documents included; the loss is the main loss plus the weighted MTP loss, whose gradient
+reaches the trunk; the depths stay off in evaluation and decoding; bad settings are one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_deepseek_v3 import MLA_BLOCK
+
+from mtnlg_lightning.config import get_config
+from mtnlg_lightning.errors import MTNLGError
+from mtnlg_lightning.loss import IGNORE_INDEX, cross_entropy
+from mtnlg_lightning.model import KVCache, Rotary, build_model
+from mtnlg_lightning.mtp import MultiTokenPredictionLoss
+from mtnlg_lightning.parallel.layout import ParallelLayout
+from mtnlg_lightning.parallel.output_layer import OutputLoss, heads_in_loss
+from mtnlg_lightning.parallel.parallelize import _check_multi_token_prediction
+from mtnlg_lightning.train.extensions import extensions_for
+from mtnlg_lightning.train.extensions.mixture_of_experts import RouterBalancing
+from mtnlg_lightning.train.extensions.multi_token_prediction import MultiTokenPredictionLosses
+
+DEPTHS = 2
+LENGTHS = (9, 11)  # two packed documents
+
+
+def mtp_model(**overrides):
+    config = get_config("tiny-llama", **{**MLA_BLOCK, "mtp_layers": DEPTHS, "mtp_loss_weight": 0.3, **overrides})
+    torch.manual_seed(0)
+    model = build_model(config)
+    with torch.no_grad():  # norms away from 1: a norm applied in the wrong place changes the logits
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("ln1.weight", "ln2.weight")):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def packed_row():
+    tokens = torch.randint(0, 4096, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    documents = torch.cat([torch.full((n,), d) for d, n in enumerate(LENGTHS)])[None]
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    labels = torch.cat([torch.cat([t[1:], t.new_tensor([IGNORE_INDEX])]) for t in tokens[0].split(LENGTHS)])[None]
+    return tokens, documents, positions, labels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def reference_depth_logits(model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """DeepSeek-V3's MTP for one document alone [1, n]: h_0 the main model's normed final hidden states,
+    h_k = norm_k(Block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h_{k-1})]))), logits_k = head(h_k); position i of
+    depth k valid for i + k < n (the rest are dropped here)."""
+    eps, n = model.config.layernorm_eps, tokens.shape[1]
+    GPT = type(model)
+    GPT.head_in_loss = True
+    try:
+        previous = model(tokens)
+    finally:
+        GPT.head_in_loss = False
+    logits = []
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
+        ahead = torch.cat([tokens[:, k:], tokens[:, :k]], dim=1)  # token i + k at i; the tail never counts
+        embedded = model.embed.wte.weight[ahead]
+        joined = torch.cat(
+            [rms_norm(embedded, layer.enorm.weight, eps), rms_norm(previous, layer.hnorm.weight, eps)], dim=-1
+        )
+        h = joined @ layer.eh_proj.weight.T
+        h = layer.block(h, Rotary(model, 0))
+        previous = rms_norm(h, layer.norm.weight, eps)
+        logits.append((previous @ model.lm_head.weight.T)[:, : n - k])
+    return logits
+
+
+def test_the_depths_logits_are_deepseek_v3_s_equations_by_hand_in_each_packed_document():
+    model = mtp_model().train()  # training runs the depths (no dropout in this config)
+    tokens, documents, positions, _ = packed_row()
+    with torch.no_grad():
+        model(tokens, position_ids=positions, document_ids=documents)
+        outputs = model.mtp.take()
+        model.eval()  # the reference's own trunk forward: no depth
+        apart = [reference_depth_logits(model, piece) for piece in tokens.split(LENGTHS, dim=1)]
+    assert len(outputs) == DEPTHS and model.mtp.take() is None  # taken once
+    for k, (logits, counted) in enumerate(outputs, start=1):
+        starts = [0, LENGTHS[0]]
+        expected_counted = torch.zeros(sum(LENGTHS), dtype=torch.bool)
+        for start, n in zip(starts, LENGTHS, strict=True):
+            expected_counted[start : start + n - k] = True
+        assert torch.equal(counted[0], expected_counted)  # nothing across the documents' boundary or the row's end
+        reference = torch.cat([per_document[k - 1] for per_document in apart], dim=1)
+        torch.testing.assert_close(logits[:, counted[0]], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_is_the_main_loss_plus_the_weighted_mtp_loss_and_reaches_the_trunk():
+    model = mtp_model().train()
+    tokens, documents, positions, labels = packed_row()
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.model = model
+    loss_fn = MultiTokenPredictionLoss(OutputLoss(model, 4096), holder, model.config)
+    with heads_in_loss(model):
+        hidden = model(tokens, position_ids=positions, document_ids=documents)
+    total = loss_fn(hidden, labels)
+    # by hand: the main cross-entropy and each depth's over the labels k further, within each document
+    logits = model.lm_head(hidden)
+    main = cross_entropy(logits, labels)
+    depth_losses = []
+    with torch.no_grad():
+        model(tokens, position_ids=positions, document_ids=documents)  # the depths' logits (head not in the loss)
+    for k, (depth_logits, _) in enumerate(model.mtp.take(), start=1):
+        ahead = torch.full_like(labels, IGNORE_INDEX)
+        for start, n in zip((0, LENGTHS[0]), LENGTHS, strict=True):
+            ahead[:, start : start + n - k] = labels[:, start + k : start + n]
+        depth_losses.append(cross_entropy(depth_logits, ahead))
+    expected = main + 0.3 / DEPTHS * sum(depth_losses)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    assert set(loss_fn.last) == {"mtp_loss", "main_loss"}
+    torch.testing.assert_close(loss_fn.last["mtp_loss"], sum(depth_losses) / DEPTHS, rtol=1e-5, atol=1e-6)
+    # the MTP loss's gradient reaches the trunk (a block's weight and the shared embedding) and every depth
+    total.backward()
+    trunk = dict(model.blocks["0"].named_parameters())
+    trunk_with = {name: param.grad.clone() for name, param in trunk.items()}
+    for name, param in model.mtp.named_parameters():
+        if "experts" not in name and "router" not in name and "expert_bias" not in name:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    model.zero_grad()
+    with heads_in_loss(model):
+        hidden = model(tokens, position_ids=positions, document_ids=documents)
+    model.mtp.take()
+    OutputLoss(model, 4096)(hidden, labels).backward()
+    assert all(not torch.allclose(trunk_with[name], param.grad) for name, param in trunk.items())
+
+
+def test_evaluation_and_decoding_run_no_depth_unless_asked():
+    model = mtp_model().eval()
+    tokens, _, _, _ = packed_row()
+    with torch.no_grad():
+        model(tokens)
+        assert model.mtp.outputs is None
+        cache = KVCache(tokens.shape[1] + 1)
+        model.train()
+        model(tokens, cache=cache)
+        assert model.mtp.outputs is None
+        model.eval()
+        model.predict_ahead = True
+        model(tokens)
+    assert len(model.mtp.take()) == DEPTHS
+
+
+def test_the_extension_wraps_the_loss_before_the_router_losses():
+    config = mtp_model().config
+    kinds = [type(extension) for extension in extensions_for(config, {})]
+    assert kinds == [MultiTokenPredictionLosses, RouterBalancing]
+    assert extensions_for(get_config("tiny-llama", **MLA_BLOCK), {})[0].__class__ is RouterBalancing
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"mtp_layers": -1}, "mtp_layers must be an integer >= 0"),
+        ({"mtp_loss_weight": -0.1}, "mtp_loss_weight must be a number >= 0"),
+    ],
+)
+def test_bad_mtp_settings_are_one_line(change, message):
+    with pytest.raises(MTNLGError, match=message):
+        get_config("tiny-llama", **{**MLA_BLOCK, **change})
+
+
+def test_layouts_mtp_is_not_built_for_are_one_line():
+    config = mtp_model().config
+    with pytest.raises(MTNLGError, match="not built for pipeline parallelism or context parallelism"):
+        _check_multi_token_prediction(config, ParallelLayout(4, pipeline_parallel=2, context_parallel=2), False)
+    _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2), False)
+
+
+def test_the_depths_rolled_labels_ignore_the_row_end():
+    from mtnlg_lightning.mtp import counted_ahead, labels_ahead
+
+    labels = torch.arange(6)[None]
+    counted = counted_ahead((1, 6), 2, None, labels.device)
+    assert labels_ahead(labels, 2, counted).tolist() == [[2, 3, 4, 5, IGNORE_INDEX, IGNORE_INDEX]]
+
+
+def test_the_training_module_s_loss_adds_the_weighted_mtp_loss_and_keeps_both_for_the_logs():
+    from mtnlg_lightning.train.module import MTNLGModule
+
+    overrides = {**MLA_BLOCK, "mtp_layers": 1, "mtp_loss_weight": 0.5, "router_aux_loss_coef": 0.01}
+    module = MTNLGModule(preset="tiny-llama", model_overrides=overrides)
+    module.configure_model()
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(3))
+    module.model.train()
+    with torch.no_grad(), heads_in_loss(module.model):
+        total = module.loss_fn(module.model(tokens[:, :-1]), tokens[:, 1:])
+    mtp_losses = module.extensions[0].losses
+    main, mtp = mtp_losses.last["main_loss"], mtp_losses.last["mtp_loss"]
+    router = module.loss_fn.aux_coef * module.loss_fn.last["router_aux_loss"]  # the MoE wrapper is the outer one
+    torch.testing.assert_close(total, main + 0.5 * mtp + router, rtol=1e-6, atol=0)
+    assert mtp > 0 and mtp != main
+    assert set(mtp_losses.step_means()) == {"main_loss", "mtp_loss"}
