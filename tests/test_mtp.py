@@ -200,3 +200,71 @@ def test_the_training_module_s_loss_adds_the_weighted_mtp_loss_and_keeps_both_fo
     torch.testing.assert_close(total, main + 0.5 * mtp + router, rtol=1e-6, atol=0)
     assert mtp > 0 and mtp != main
     assert set(mtp_losses.step_means()) == {"main_loss", "mtp_loss"}
+
+
+# ------------------------------------------------------------------------------------ DeepSeek-V3 checkpoints
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    from deepseek_models import add_mtp_layers, random_deepseek_dir
+
+    return add_mtp_layers(random_deepseek_dir(tmp_path_factory.mktemp("mtp"), "deepseek_v3"))
+
+
+def test_a_checkpoint_s_mtp_layer_gives_transformers_mtp_logits_when_asked(mtp_dir):
+    """init_from with mtp_layers 1 reads layer num_hidden_layers into the depth: its logits are those of
+    transformers' MtpModel (speculative decoding's, loaded from the same files) to 1e-5 (fp32)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_layers import MtpModel
+
+    from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
+
+    main = transformers.AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32).eval()
+    # transformers finds MTP layers by the main model's ignore pattern, written for the 61-layer model
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3.*"]
+    theirs_mtp = MtpModel.from_pretrained(main).eval()
+    tokens = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        last = main(tokens, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        h = theirs_mtp.forward_layer(0, last[:, :-1], torch.arange(1, 16)[None], None, input_ids=tokens[:, 1:])
+        theirs = theirs_mtp._project_to_logits(h)
+    config = config_for_init(str(mtp_dir), "tiny", {"mtp_layers": 1})
+    model = build_model(config).train()
+    load_init_weights(model, str(mtp_dir))
+    with torch.no_grad():
+        model(tokens)
+    ((logits, counted),) = model.mtp.take()
+    assert counted[0].tolist() == [True] * 15 + [False]
+    torch.testing.assert_close(logits[:, :-1, :4096], theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_layers_0_drops_the_checkpoint_s_and_another_count_is_one_line(mtp_dir):
+    from mtnlg_lightning.interop.hf import read_source
+    from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
+
+    dropped = build_model(config_for_init(str(mtp_dir), "tiny", {}))
+    load_init_weights(dropped, str(mtp_dir))  # the default: no depth, the layer left unread
+    assert dropped.mtp is None
+    with pytest.raises(MTNLGError, match=r"holds 1 multi-token prediction layer.*asks for 2: set mtp_layers to 1"):
+        read_source(mtp_dir, mtp_layers=2)
+
+
+def test_the_export_writes_the_mtp_layer_back_and_transformers_loads_the_same_model(mtp_dir, tmp_path):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from mtnlg_lightning.checkpoint.safetensors_shards import ShardedTensors
+    from mtnlg_lightning.interop.hf import export_hf, read_source
+
+    export_hf(read_source(mtp_dir, mtp_layers=1), tmp_path / "exported")
+    exported, source = ShardedTensors(tmp_path / "exported"), ShardedTensors(mtp_dir)
+    assert sorted(exported.names) == sorted(source.names)  # layer 3 whole, its embedding and head copies included
+    for name in source.names:
+        assert torch.equal(exported.read(name), source.read(name)), name
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    tokens = torch.randint(0, 4096, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits = [
+            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
+            for path in (mtp_dir, tmp_path / "exported")
+        ]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -320,9 +320,18 @@ def hf_tensors(family: Family, config: ModelConfig) -> dict[str, tuple[str, ...]
     return out
 
 
+def path_in_block(module: str) -> str | None:
+    """The path inside its block of a module named `blocks.N.<path>` or `mtp.layers.K.block.<path>` (a
+    multi-token prediction depth's block, `mtp.py`); None for a module outside the blocks."""
+    if module.startswith("blocks."):
+        return module.split(".", 2)[2]
+    if module.startswith("mtp.layers.") and module.split(".", 4)[3:4] == ["block"]:
+        return module.split(".", 4)[4]
+    return None
+
+
 def stacked_over_experts(name: str) -> bool:
-    """Whether a model-space tensor (`blocks.N.<path>.<param>`) is experts' weights stacked [E, ...]."""
-    module = name.rpartition(".")[0]
-    if not module.startswith("blocks."):
-        return False
-    return TENSOR_PARALLEL_PLAN.get(module.split(".", 2)[2]) == EXPERTS
+    """Whether a model-space tensor (`blocks.N.<path>.<param>`, or a depth's block's) is experts' weights stacked
+    [E, ...]."""
+    inner = path_in_block(name.rpartition(".")[0])
+    return inner is not None and TENSOR_PARALLEL_PLAN.get(inner) == EXPERTS
