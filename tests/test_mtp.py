@@ -268,3 +268,53 @@ def test_the_export_writes_the_mtp_layer_back_and_transformers_loads_the_same_mo
             for path in (mtp_dir, tmp_path / "exported")
         ]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ layouts
+def test_tensor_parallel_depths_give_the_single_process_loss_and_gradients():
+    """Threads as ranks: the depths' blocks sharded as the trunk's (MLA's heads, the shared experts), eh_proj and
+    the depths' norms whole, the head vocabulary-parallel inside the loss: the main + MTP loss and every gradient
+    are one process's (the weights fp64, the cross-entropy fp32 as ever)."""
+    import copy
+
+    import torch.distributed as dist
+    from threaded_group import run_ranks
+
+    from mtnlg_lightning.moe import moe_layers
+    from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel, gather_tensor_parallel
+
+    class Holder:
+        def __init__(self, model):
+            self.model = model
+
+    reference = mtp_model().double().train()
+    tokens, documents, positions, labels = packed_row()
+    inputs = {"position_ids": positions, "document_ids": documents}
+    loss_fn = MultiTokenPredictionLoss(cross_entropy, Holder(reference), reference.config)
+    loss = loss_fn(reference(tokens, **inputs), labels)
+    loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    for _, layer in moe_layers(reference):
+        layer.stats = None  # the last forward's (differentiable) statistics: not copied to the ranks
+
+    def rank_fn(rank: int, size: int = 2):
+        group = dist.group.WORLD
+        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size)
+        vocab_local = model.config.padded_vocab_size() // size
+        loss_fn = MultiTokenPredictionLoss(OutputLoss(model, vocab_local, group), Holder(model), model.config)
+        with heads_in_loss(model):
+            loss = loss_fn(model(tokens, **inputs), labels)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            sharded = hasattr(p, "partition_dim") and p.partition_count > 1
+            grads[name] = gather_tensor_parallel(p.grad, p.partition_dim, group) if sharded else p.grad
+        return loss.detach(), grads
+
+    for rank_loss, grads in run_ranks(2, rank_fn):
+        assert rank_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+        assert grads.keys() == expected.keys() and any(name.startswith("mtp.") for name in grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
