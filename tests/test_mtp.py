@@ -171,9 +171,9 @@ def test_bad_mtp_settings_are_one_line(change, message):
 
 def test_layouts_mtp_is_not_built_for_are_one_line():
     config = mtp_model().config
-    with pytest.raises(MTNLGError, match="not built for pipeline parallelism or context parallelism"):
-        _check_multi_token_prediction(config, ParallelLayout(4, pipeline_parallel=2, context_parallel=2), False)
-    _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2), False)
+    with pytest.raises(MTNLGError, match="not built for context parallelism or sequence parallelism"):
+        _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2, context_parallel=2), True)
+    _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2, pipeline_parallel=2), False)
 
 
 def test_the_depths_rolled_labels_ignore_the_row_end():
@@ -318,3 +318,23 @@ def test_tensor_parallel_depths_give_the_single_process_loss_and_gradients():
         assert grads.keys() == expected.keys() and any(name.startswith("mtp.") for name in grads)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_last_pipeline_stage_holds_the_depths_with_a_copy_of_the_embedding(tied):
+    """The depths live on the last stage only; their embedding is a plain tensor there (the per-step copy of the
+    first stage's: the tied head's own copy where the head is tied), no parameter of its own. One rank holding both
+    ends (V-shaped schedules): the embedding itself."""
+    import copy
+
+    from mtnlg_lightning.parallel.pipeline import split_into_stages
+
+    model = mtp_model(tie_embeddings=tied, num_layers=4)
+    first, last = (split_into_stages(copy.deepcopy(model), 2, rank, "1f1b", 1)[0][0] for rank in (0, 1))
+    assert first.mtp is None and last.embed is None
+    weight = last.mtp.embed.wte.weight
+    assert not isinstance(weight, torch.nn.Parameter) and torch.equal(weight, model.embed.wte.weight)
+    assert (weight is last.lm_head.weight) == tied
+    assert not any(name.startswith("mtp.embed") for name, _ in last.named_parameters())
+    first, *_, last = split_into_stages(model, 2, 0, "zbv_zero_bubble", 2)[0]
+    assert last.mtp.embed is first.embed

@@ -621,6 +621,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V]
         (the final hidden states [B, S, H] where the head is in the loss, `head_in_loss`).
@@ -628,8 +629,10 @@ class GPT(nn.Module):
         `document_ids` [B, S]: the document of each token of a packed row; attention stays within it. None: the
         row is one sequence (plain causal attention).
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
-        needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
+        needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT).
+        `mtp_tokens` [B, S]: the tokens, on a last pipeline stage whose multi-token prediction depths embed them."""
         start = cache.start if cache is not None else 0
+        positions = None
         if self.embed is not None:
             positions = position_ids
             if positions is None:
@@ -655,12 +658,25 @@ class GPT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.mtp is not None and cache is None and (self.training or self.predict_ahead):
-            head = None if self.head_in_loss else self.lm_head
-            self.mtp.predict(self.embed, head, h, tokens, positions, rotary, mask, document_ids)
+            if positions is None:  # a stage without the embedding: the data's positions, or 0..S-1
+                positions = position_ids if position_ids is not None else self.positions(0, h.shape[1], h.device)
+            self._predict_ahead(
+                h, tokens if self.embed is not None else mtp_tokens, positions, rotary, mask, document_ids
+            )
         if self.lm_head is None or (self.head_in_loss and cache is None):
             # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
             return h.contiguous()
         return self.lm_head(h)
+
+    def _predict_ahead(self, h, tokens, positions, rotary, mask, document_ids) -> None:
+        """Run the multi-token prediction depths on the final hidden states `h` (`mtp.MultiTokenPrediction`): with
+        this model's embedding, or on a last pipeline stage the depths' copy of it (`pipeline.build_stage`)."""
+        if tokens is None:
+            raise MTNLGError("multi-token prediction on a pipeline stage without the embedding needs mtp_tokens")
+        embed = self.embed if self.embed is not None else self.mtp.embed
+        self.mtp.predict(
+            embed, None if self.head_in_loss else self.lm_head, h, tokens, positions, rotary, mask, document_ids
+        )
 
 
 class KVCache:

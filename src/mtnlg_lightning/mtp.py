@@ -78,6 +78,9 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleDict(
             {str(k): MultiTokenPredictionLayer(config, make_block, make_norm) for k in range(config.mtp_layers)}
         )
+        # On a last pipeline stage without the model's embedding: a copy of it, whose word embedding is the per-step
+        # copy of the first stage's (`pipeline.build_stage`, `tied_embedding.TiedEmbedding`); else None
+        self.embed: nn.Module | None = None
         # (h_k or logits_k, counted_k) per depth, from the last forward; taken (and cleared) by the loss
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 

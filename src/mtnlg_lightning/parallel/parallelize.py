@@ -121,13 +121,13 @@ def parallelize_gpt(
 
 def _check_multi_token_prediction(config, layout: ParallelLayout, sequence_parallel: bool) -> None:
     """Multi-token prediction (`mtp.py`) rolls whole rows of tokens and hidden states on the rank that holds the
-    embedding and the head: built for data, tensor and expert parallelism, not yet for the rest."""
+    embedding and the head (a last pipeline stage holds a copy of the embedding): built for data, tensor, expert and
+    pipeline parallelism, not yet for context and sequence parallelism."""
     if not config.mtp_layers:
         return
     unbuilt = [
         name
         for name, held in (
-            ("pipeline parallelism", layout.pipeline_parallel > 1),
             ("context parallelism", layout.context_parallel > 1),
             ("sequence parallelism", sequence_parallel),
         )

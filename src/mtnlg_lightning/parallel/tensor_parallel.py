@@ -380,6 +380,17 @@ def apply_tensor_parallel(
             if isinstance(head.weight, nn.Parameter):
                 shard = _mark_sharded(nn.Parameter(shard), 0, rank, size)
             model.lm_head = VocabParallelLMHead(shard, group, sp)
+    depth_embed = getattr(mtp, "embed", None) if mtp is not None else None
+    if depth_embed is not None and not isinstance(depth_embed.wte, VocabParallelEmbedding):
+        # a last pipeline stage's copy of the embedding for its depths (`pipeline.build_stage`): sharded as the
+        # embedding, still a plain tensor (the tied head's copy itself where the head is tied)
+        layer = VocabParallelEmbedding.from_embedding(depth_embed.wte, group, rank, size)
+        del layer.weight
+        if config.tie_embeddings:
+            layer.weight = model.lm_head.weight
+        else:
+            layer.weight = _shard(depth_embed.wte.weight, 0, rank, size).requires_grad_(True)
+        depth_embed.wte = layer
     return model
 
 
