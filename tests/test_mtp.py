@@ -338,3 +338,52 @@ def test_the_last_pipeline_stage_holds_the_depths_with_a_copy_of_the_embedding(t
     assert not any(name.startswith("mtp.embed") for name, _ in last.named_parameters())
     first, *_, last = split_into_stages(model, 2, 0, "zbv_zero_bubble", 2)[0]
     assert last.mtp.embed is first.embed
+
+
+def test_the_planner_counts_the_depths_apart_on_the_last_stage_and_their_compute():
+    import dataclasses
+
+    from mtnlg_lightning.families import count_parameters, expert_parameters_per_layer, mtp_parameters
+    from mtnlg_lightning.planning.planner import expert_params_per_stage, params_per_stage
+    from mtnlg_lightning.train.flops import forward_flops_per_token
+
+    for tied in (True, False):
+        config = mtp_model(tie_embeddings=tied).config
+        trunk = dataclasses.replace(config, mtp_layers=0)
+        model = build_model(config, "meta")
+        depths = sum(p.numel() for name, p in model.named_parameters() if name.startswith("mtp."))
+        assert count_parameters(config) == sum(p.numel() for p in model.parameters())
+        assert mtp_parameters(config) == depths > 0
+        assert count_parameters(trunk) == count_parameters(config) - depths
+        layers = [1, config.num_layers - 1]
+        with_depths, without = params_per_stage(config, 1, 2, layers), params_per_stage(trunk, 1, 2, layers)
+        copy = 0 if tied else config.padded_vocab_size() * config.hidden_size  # the last stage's embedding copy
+        assert with_depths[0] == without[0] and with_depths[1] == without[1] + depths + copy
+        experts = expert_parameters_per_layer(config)[-1]
+        assert expert_params_per_stage(config, layers, 2)[1] == expert_params_per_stage(trunk, layers, 2)[1] + (
+            DEPTHS * experts // 2
+        )
+        assert mtp_parameters(config, 1, 2) == depths - DEPTHS * (experts - experts // 2)
+    # each depth costs a block's, eh_proj's and the head's FLOPs: between a block's and the whole trunk's
+    extra = forward_flops_per_token(config) - forward_flops_per_token(trunk)
+    head = 2 * config.hidden_size * config.padded_vocab_size()
+    assert DEPTHS * head < extra < DEPTHS * forward_flops_per_token(trunk)
+
+
+def test_mtnlg_plan_reports_deepseek_v3_s_depth_apart_and_counts_it_on_the_last_stage(capsys):
+    """DeepSeek-V3 trained with its one MTP layer: 11.6 B parameters apart (a MoE block, eh_proj, three norms; the
+    checkpoint's copies of the embedding and head are not parameters here), on the last of 16 stages."""
+    import json
+
+    from mtnlg_lightning.planning.plan_cli import main as plan_main
+
+    layout = ["--model", "deepseek-v3", "--tp", "1", "--pp", "16", "--dp", "1", "--recompute", "full", "--json"]
+    plans = []
+    for depths in ([], ["--mtp-layers", "1"]):
+        capsys.readouterr()
+        assert plan_main([*layout, *depths]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    without, with_depth = plans
+    assert without["mtp_params"] == 0 and round(with_depth["mtp_params"] / 1e8) == 116
+    assert with_depth["params_per_gpu"] == without["params_per_gpu"] + with_depth["mtp_params"] + 129280 * 7168
+    assert with_depth["flops_per_iteration"] > without["flops_per_iteration"]
