@@ -387,3 +387,28 @@ def test_mtnlg_plan_reports_deepseek_v3_s_depth_apart_and_counts_it_on_the_last_
     assert without["mtp_params"] == 0 and round(with_depth["mtp_params"] / 1e8) == 116
     assert with_depth["params_per_gpu"] == without["params_per_gpu"] + with_depth["mtp_params"] + 129280 * 7168
     assert with_depth["flops_per_iteration"] > without["flops_per_iteration"]
+
+
+def test_the_depths_routers_count_in_the_router_statistics_and_their_bias_balances():
+    """A depth's MoE block routes as a layer of the model (Megatron's): its assignments join the router statistics
+    under its own name, its sigmoid router's bias moves toward balance; a forward without the depths (evaluation)
+    keeps no statistics of theirs."""
+    from mtnlg_lightning.moe import RouterTotals, balance_expert_bias, moe_layers
+
+    model = mtp_model().train()
+    totals = RouterTotals(model.config)
+    assert totals.layer_names == ["blocks.1.mlp", "mtp.layers.0.block.mlp", "mtp.layers.1.block.mlp"]
+    tokens, documents, positions, _ = packed_row()
+    with torch.no_grad():
+        model(tokens, position_ids=positions, document_ids=documents)
+    counted = totals.expert_tokens(totals.of(model, tokens.device))
+    k = model.config.experts_per_token
+    assert all(counted[name].sum() == k * tokens.numel() for name in totals.layer_names)
+    step_tokens = torch.stack([counted[name] for name in totals.layer_names])
+    balance_expert_bias(model, step_tokens, totals.layer_names, 0.5)
+    depth_router = dict(moe_layers(model))["mtp.layers.0.block.mlp"]
+    assert depth_router.expert_bias.abs().sum() > 0
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    assert depth_router.stats is None and dict(moe_layers(model))["blocks.1.mlp"].stats is not None

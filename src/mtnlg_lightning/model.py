@@ -663,6 +663,8 @@ class GPT(nn.Module):
             self._predict_ahead(
                 h, tokens if self.embed is not None else mtp_tokens, positions, rotary, mask, document_ids
             )
+        elif self.mtp is not None:
+            self.mtp.forget_routing()
         if self.lm_head is None or (self.head_in_loss and cache is None):
             # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
             return h.contiguous()

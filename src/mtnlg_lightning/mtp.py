@@ -31,6 +31,7 @@ from torch import nn
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.loss import IGNORE_INDEX
+from mtnlg_lightning.moe import moe_layers
 
 
 class MultiTokenPredictionLayer(nn.Module):
@@ -95,6 +96,12 @@ class MultiTokenPrediction(nn.Module):
             counted = counted_ahead(tokens.shape, k, document_ids, tokens.device)
             outputs.append((head(previous) if head is not None else previous, counted))
         self.outputs = outputs
+
+    def forget_routing(self) -> None:
+        """A forward that did not run the depths: their MoE layers keep no statistics of an earlier one (the router
+        losses and the balancing count the layers that routed this forward's tokens)."""
+        for _, layer in moe_layers(self):
+            layer.stats = None
 
     def take(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The last forward's outputs (None if no forward ran the depths since the last take), once."""
