@@ -171,9 +171,9 @@ def test_bad_mtp_settings_are_one_line(change, message):
 
 def test_layouts_mtp_is_not_built_for_are_one_line():
     config = mtp_model().config
-    with pytest.raises(MTNLGError, match="not built for context parallelism or sequence parallelism"):
-        _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2, context_parallel=2), True)
-    _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2, pipeline_parallel=2), False)
+    with pytest.raises(MTNLGError, match="not built for context parallelism"):
+        _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2, context_parallel=2))
+    _check_multi_token_prediction(config, ParallelLayout(4, tensor_parallel=2, pipeline_parallel=2))
 
 
 def test_the_depths_rolled_labels_ignore_the_row_end():
@@ -271,10 +271,12 @@ def test_the_export_writes_the_mtp_layer_back_and_transformers_loads_the_same_mo
 
 
 # ------------------------------------------------------------------------------------------ layouts
-def test_tensor_parallel_depths_give_the_single_process_loss_and_gradients():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_tensor_parallel_depths_give_the_single_process_loss_and_gradients(sequence_parallel):
     """Threads as ranks: the depths' blocks sharded as the trunk's (MLA's heads, the shared experts), eh_proj and
-    the depths' norms whole, the head vocabulary-parallel inside the loss: the main + MTP loss and every gradient
-    are one process's (the weights fp64, the cross-entropy fp32 as ever)."""
+    the depths' norms whole (under SP on each rank's sequence slice, their gradients summed), the head
+    vocabulary-parallel inside the loss: the main + MTP loss and every gradient are one process's (the weights
+    fp64, the cross-entropy fp32 as ever)."""
     import copy
 
     import torch.distributed as dist
@@ -299,7 +301,7 @@ def test_tensor_parallel_depths_give_the_single_process_loss_and_gradients():
 
     def rank_fn(rank: int, size: int = 2):
         group = dist.group.WORLD
-        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size)
+        model = apply_tensor_parallel(copy.deepcopy(reference), group, rank, size, sequence_parallel)
         vocab_local = model.config.padded_vocab_size() // size
         loss_fn = MultiTokenPredictionLoss(OutputLoss(model, vocab_local, group), Holder(model), model.config)
         with heads_in_loss(model):

@@ -68,7 +68,7 @@ def parallelize_gpt(
     head_in_loss (training): `loss_fn` applies the LM head, in chunks of `loss_chunk_tokens`, to the final hidden
     states the model returns inside `output_layer.heads_in_loss` (`output_layer.OutputLoss`)."""
     layout = groups.layout if groups is not None else ParallelLayout(1)
-    _check_multi_token_prediction(model.config, layout, sequence_parallel)
+    _check_multi_token_prediction(model.config, layout)
     if lora is not None:
         apply_lora(model, lora)
     runner = None
@@ -119,22 +119,15 @@ def parallelize_gpt(
     return ParallelGPT(model, loss_fn, runner, tied)
 
 
-def _check_multi_token_prediction(config, layout: ParallelLayout, sequence_parallel: bool) -> None:
+def _check_multi_token_prediction(config, layout: ParallelLayout) -> None:
     """Multi-token prediction (`mtp.py`) rolls whole rows of tokens and hidden states on the rank that holds the
-    embedding and the head (a last pipeline stage holds a copy of the embedding): built for data, tensor, expert and
-    pipeline parallelism, not yet for context and sequence parallelism."""
+    embedding and the head (a last pipeline stage holds a copy of the embedding; under sequence parallelism each
+    rank's slice of them): built for data, tensor (with sequence), expert and pipeline parallelism, not yet for
+    context parallelism (a chunk's tokens k ahead and their labels lie in other ranks' chunks)."""
     if not config.mtp_layers:
         return
-    unbuilt = [
-        name
-        for name, held in (
-            ("context parallelism", layout.context_parallel > 1),
-            ("sequence parallelism", sequence_parallel),
-        )
-        if held
-    ]
-    if unbuilt:
-        raise MTNLGError(f"multi-token prediction (model.mtp_layers) is not built for {' or '.join(unbuilt)} yet")
+    if layout.context_parallel > 1:
+        raise MTNLGError("multi-token prediction (model.mtp_layers) is not built for context parallelism yet")
 
 
 def _split_pipeline(model: nn.Module, groups: ProcessGroups, device, pipeline: PipelineParallelSettings):

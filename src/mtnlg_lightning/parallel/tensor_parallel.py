@@ -391,6 +391,13 @@ def apply_tensor_parallel(
         else:
             layer.weight = _shard(depth_embed.wte.weight, 0, rank, size).requires_grad_(True)
         depth_embed.wte = layer
+        if sp:
+            scatter_output_to_sequence(depth_embed, group)
+    if sp and mtp is not None:  # the depths' own layers run on this rank's sequence slice, as a norm does
+        for depth in mtp.layers.values():
+            for module in (depth.enorm, depth.hnorm, depth.eh_proj, depth.norm):
+                for param in module.parameters():
+                    mark_sequence_parallel(param, group)
     return model
 
 
