@@ -558,6 +558,9 @@ class GPT(nn.Module):
     # Whether a forward outside training runs the multi-token prediction depths too (their outputs wait for the
     # loss: `mtp.MultiTokenPrediction.take`); decoding with a cache never does.
     predict_ahead = False
+    # Context parallelism's (`parallel/context_parallel.py`): whole rows [B, S] -> this rank's chunks; None without.
+    # The multi-token prediction depths take the tokens k ahead of this rank's positions from the whole rows.
+    sequence_chunks = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -630,7 +633,8 @@ class GPT(nn.Module):
         row is one sequence (plain causal attention).
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
         needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT).
-        `mtp_tokens` [B, S]: the tokens, on a last pipeline stage whose multi-token prediction depths embed them."""
+        `mtp_tokens` [B, S]: the whole rows' tokens for the multi-token prediction depths, where `tokens` are not
+        (a last pipeline stage's hidden states; context parallelism's chunks)."""
         start = cache.start if cache is not None else 0
         positions = None
         if self.embed is not None:
@@ -660,9 +664,8 @@ class GPT(nn.Module):
         if self.mtp is not None and cache is None and (self.training or self.predict_ahead):
             if positions is None:  # a stage without the embedding: the data's positions, or 0..S-1
                 positions = position_ids if position_ids is not None else self.positions(0, h.shape[1], h.device)
-            self._predict_ahead(
-                h, tokens if self.embed is not None else mtp_tokens, positions, rotary, mask, document_ids
-            )
+            whole = mtp_tokens if mtp_tokens is not None else tokens if self.embed is not None else None
+            self._predict_ahead(h, whole, positions, rotary, mask, document_ids)
         elif self.mtp is not None:
             self.mtp.forget_routing()
         if self.lm_head is None or (self.head_in_loss and cache is None):
@@ -676,9 +679,8 @@ class GPT(nn.Module):
         if tokens is None:
             raise MTNLGError("multi-token prediction on a pipeline stage without the embedding needs mtp_tokens")
         embed = self.embed if self.embed is not None else self.mtp.embed
-        self.mtp.predict(
-            embed, None if self.head_in_loss else self.lm_head, h, tokens, positions, rotary, mask, document_ids
-        )
+        head = None if self.head_in_loss else self.lm_head
+        self.mtp.predict(embed, head, h, tokens, positions, rotary, mask, document_ids, self.sequence_chunks)
 
 
 class KVCache:

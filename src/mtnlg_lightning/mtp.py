@@ -85,13 +85,21 @@ class MultiTokenPrediction(nn.Module):
         # (h_k or logits_k, counted_k) per depth, from the last forward; taken (and cleared) by the loss
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def predict(self, embed, head, main: torch.Tensor, tokens, positions, rotary, mask, document_ids) -> None:
+    def predict(
+        self, embed, head, main: torch.Tensor, tokens, positions, rotary, mask, document_ids, chunks=None
+    ) -> None:
         """Run every depth on the main model's normed hidden states `main` [B, S, H] and keep each one's output:
         its normed hidden states, or its logits where `head` is given (the model returns logits), with the
-        positions whose labels count (`counted_ahead`). `embed(tokens, positions)` is the model's embedding."""
+        positions whose labels count (`counted_ahead`, over the whole rows). `embed(tokens, positions)` is the
+        model's embedding. `chunks`: context parallelism's (whole rows -> this rank's chunks): `tokens` and
+        `document_ids` are the whole rows', `main` and `positions` this rank's chunks' (rotary positions: a
+        depth's tokens keep the positions of the rows they sit in)."""
         outputs, previous = [], main
         for k, layer in enumerate(self.layers.values(), start=1):
-            embedded = embed(rolled(tokens, k), rolled(positions, k))
+            if chunks is None:
+                embedded = embed(rolled(tokens, k), rolled(positions, k))
+            else:
+                embedded = embed(chunks(rolled(tokens, k)), positions)
             previous = layer(embedded, previous, rotary, mask)
             counted = counted_ahead(tokens.shape, k, document_ids, tokens.device)
             outputs.append((head(previous) if head is not None else previous, counted))

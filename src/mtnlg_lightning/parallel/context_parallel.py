@@ -320,6 +320,8 @@ def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
         return None
     tokens = args[0]
     if tokens.dtype in (torch.int32, torch.int64):
+        if getattr(module, "mtp", None) is not None and kwargs.get("mtp_tokens") is None:
+            kwargs = {**kwargs, "mtp_tokens": tokens}  # the depths read the tokens k ahead from the whole rows
         tokens = split_sequence(tokens, cp_rank, cp_size)
     if kwargs.get("position_ids") is not None:
         kwargs = {**kwargs, "position_ids": split_sequence(kwargs["position_ids"], cp_rank, cp_size)}
@@ -345,8 +347,11 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
             "context_parallel cannot run attention sinks yet (the ring merges log-sum-exps, and a sink's share needs "
             "the final one in the backward): set context_parallel to 1 for this model"
         )
-    for block in model.blocks.values():
+    mtp = getattr(model, "mtp", None)  # the multi-token prediction depths' blocks attend through the ring too
+    for block in [*model.blocks.values(), *([depth.block for depth in mtp.layers.values()] if mtp else [])]:
         block.attn.core = RingAttentionCore(ring, kernel)
+    if mtp is not None:
+        model.sequence_chunks = functools.partial(split_sequence, cp_rank=ring.cp_rank, cp_size=ring.size)
     for _, layer in moe_layers(model):
         layer.sequence_groups.append((ring.group, ring.size))
     model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)

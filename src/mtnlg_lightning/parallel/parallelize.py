@@ -122,12 +122,14 @@ def parallelize_gpt(
 def _check_multi_token_prediction(config, layout: ParallelLayout) -> None:
     """Multi-token prediction (`mtp.py`) rolls whole rows of tokens and hidden states on the rank that holds the
     embedding and the head (a last pipeline stage holds a copy of the embedding; under sequence parallelism each
-    rank's slice of them): built for data, tensor (with sequence), expert and pipeline parallelism, not yet for
-    context parallelism (a chunk's tokens k ahead and their labels lie in other ranks' chunks)."""
+    rank's slice of them; under context parallelism the tokens k ahead of its chunks are read from the whole rows,
+    which leaves a position table out)."""
     if not config.mtp_layers:
         return
-    if layout.context_parallel > 1:
-        raise MTNLGError("multi-token prediction (model.mtp_layers) is not built for context parallelism yet")
+    if layout.context_parallel > 1 and config.position_embedding != "rope":
+        raise MTNLGError(
+            "multi-token prediction (model.mtp_layers) under context parallelism needs rotary positions (no table)"
+        )
 
 
 def _split_pipeline(model: nn.Module, groups: ProcessGroups, device, pipeline: PipelineParallelSettings):
