@@ -49,7 +49,7 @@ LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
 MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp_ckpt", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")
 GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")
 # DeepSeek-V3 with its multi-token prediction layer trained
-MTP = ("mtp_ep2_tp2", "mtp_ep2_tp2_sp", "mtp_ep2_pp2", "mtp_tp2_pp2_sp", "mtp_ep1_cp2", "mtp_pp2_cp2")
+MTP = ("mtp_ep2_tp2", "mtp_ep2_tp2_sp", "mtp_ep2_pp2", "mtp_tp2_pp2_sp", "mtp_ep1_cp2", "mtp_pp2_cp2", "mtp_ep2_z3")
 LAUNCH += MLA + GLM + MTP
 MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
@@ -147,7 +147,8 @@ def test_multi_token_prediction_trains_like_one_process(run, runs, mtp_dir):
     slice, its own layers' gradients summed over TP); under PP the depth on the last stage with
     a copy of the embedding (its gradient sent back to the first stage's, as a tied head's), the tokens handed to
     that stage; under CP each rank's chunks read their tokens ahead from the whole rows, the depth's block attends
-    through the ring. The main + MTP losses, gradient norms and parameters after 5 steps are one process's."""
+    through the ring; ZeRO-3 gathers the shared head for each depth's loss as for the main one. The main + MTP
+    losses, gradient norms and parameters after 5 steps are one process's."""
     assert_trains_like(runs[run], one_process(mtp_dir, "mtp_ep1"))
 
 
