@@ -416,3 +416,26 @@ def test_the_depths_routers_count_in_the_router_statistics_and_their_bias_balanc
     with torch.no_grad():
         model(tokens)
     assert depth_router.stats is None and dict(moe_layers(model))["blocks.1.mlp"].stats is not None
+
+
+def test_a_trained_model_s_depths_export_and_read_back_as_they_were(mtp_dir, tmp_path):
+    """What a checkpoint of a run with mtp_layers 1 holds (the model's own weights, the depth changed by training)
+    exports with num_nextn_predict_layers 1 and reads back, depth and all, as it was."""
+    from mtnlg_lightning.checkpoint import ModelState
+    from mtnlg_lightning.interop.hf import export_hf, read_source
+    from mtnlg_lightning.interop.init_from import config_for_init, load_init_weights
+    from mtnlg_lightning.model import persistent_buffers
+
+    config = config_for_init(str(mtp_dir), "tiny", {"mtp_layers": 1})
+    model = build_model(config)
+    load_init_weights(model, str(mtp_dir))
+    with torch.no_grad():
+        model.mtp.layers["0"].eh_proj.weight.add_(0.1)  # "trained"
+        model.mtp.layers["0"].block.mlp.expert_bias.add_(0.01)
+    weights = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
+    weights["embed.wte.weight"] = weights["embed.wte.weight"][: config.vocab_size]
+    weights["lm_head.weight"] = weights["lm_head.weight"][: config.vocab_size]
+    export_hf(ModelState(config, {k: v.detach() for k, v in weights.items()}, {}), tmp_path / "exported")
+    back = read_source(tmp_path / "exported", mtp_layers=1).weights
+    for name in (n for n in weights if n.startswith("mtp.")):
+        assert torch.equal(back[name], weights[name].detach()), name
