@@ -155,6 +155,8 @@ def test_the_extension_wraps_the_loss_before_the_router_losses():
     kinds = [type(extension) for extension in extensions_for(config, {})]
     assert kinds == [MultiTokenPredictionLosses, RouterBalancing]
     assert extensions_for(get_config("tiny-llama", **MLA_BLOCK), {})[0].__class__ is RouterBalancing
+    with pytest.raises(MTNLGError, match="trains with the lm objective, not 'dpo': set model.mtp_layers to 0"):
+        extensions_for(config, {"objective": "dpo"})
 
 
 @pytest.mark.parametrize(

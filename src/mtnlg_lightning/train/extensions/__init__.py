@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.parallel.lora import lora_config
 from mtnlg_lightning.train.extensions.adapters import LowRankAdapters
 from mtnlg_lightning.train.extensions.extension import Extension
@@ -22,6 +23,12 @@ def extensions_for(config, hparams: Mapping) -> list[Extension]:
     if lora is not None:
         extensions.append(LowRankAdapters(lora, config, hparams.get("init_from")))
     if config.mtp_layers:
+        objective = hparams.get("objective", "lm")
+        if objective != "lm":  # DPO and GRPO score sequences: the depths' next-next tokens are no part of them
+            raise MTNLGError(
+                f"multi-token prediction (model.mtp_layers {config.mtp_layers}) trains with the lm objective, not "
+                f"{objective!r}: set model.mtp_layers to 0"
+            )
         extensions.append(MultiTokenPredictionLosses(config))
     if config.moe:
         extensions.append(RouterBalancing(config, frozen_base=lora is not None))
