@@ -171,7 +171,7 @@ def test_bad_mtp_settings_are_one_line(change, message):
         get_config("tiny-llama", **{**MLA_BLOCK, **change})
 
 
-def test_layouts_mtp_is_not_built_for_are_one_line():
+def test_every_layout_takes_the_depths_but_a_position_table_under_context_parallelism():
     config = mtp_model().config
     _check_multi_token_prediction(config, ParallelLayout(8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2))
     learned = get_config("tiny", mtp_layers=1)  # a position table: the chunks' tokens ahead are not placed by it
