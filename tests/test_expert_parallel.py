@@ -141,7 +141,7 @@ def test_the_deepseek_v3_class_trains_like_one_process(run, runs, mla_reference)
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("run", MTP)
-def test_multi_token_prediction_trains_like_one_process(run, runs, mtp_dir):
+def test_multi_token_prediction_trains_like_one_process(run, runs, mtp_reference):
     """DeepSeek-V3 read with its MTP layer (mtp_layers 1): the depth's block sharded over TP as the trunk's, its
     experts over EP, the shared head vocabulary-parallel inside the loss (SP: the depth on each rank's sequence
     slice, its own layers' gradients summed over TP); under PP the depth on the last stage with
@@ -149,7 +149,13 @@ def test_multi_token_prediction_trains_like_one_process(run, runs, mtp_dir):
     that stage; under CP each rank's chunks read their tokens ahead from the whole rows, the depth's block attends
     through the ring; ZeRO-3 gathers the shared head for each depth's loss as for the main one. The main + MTP
     losses, gradient norms and parameters after 5 steps are one process's."""
-    assert_trains_like(runs[run], one_process(mtp_dir, "mtp_ep1"))
+    assert_trains_like(runs[run], mtp_reference)
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(mtp_dir):
+    """One process, 5 steps, the MTP layer trained (mtp_layers 1)."""
+    return one_process(mtp_dir, "mtp_ep1")
 
 
 @pytest.fixture(scope="module")
