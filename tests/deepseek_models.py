@@ -98,3 +98,36 @@ def random_deepseek_dir(directory: Path, variant: str, seed: int = 0, **override
     model.eval().save_pretrained(out)
     tokenizer.save(out / "tokenizer.json")
     return out
+
+
+def add_mtp_layers(directory: Path, layers: int = 1, seed: int = 1) -> Path:
+    """`directory` (a `random_deepseek_dir`) with `layers` multi-token prediction layers added as DeepSeek-V3's
+    files hold them (transformers builds none): layer num_hidden_layers + k is a perturbed copy of the last decoder
+    layer (its block) with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and the copies of the embedding and head
+    (`embed_tokens`, `shared_head.head`); config.json's num_nextn_predict_layers says how many."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((directory / "config.json").read_text())
+    last, hidden = config["num_hidden_layers"] - 1, config["hidden_size"]
+    tensors = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise(shape) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * 0.05
+
+    for depth in range(layers):
+        layer = f"model.layers.{last + 1 + depth}."
+        for name, tensor in list(tensors.items()):
+            if name.startswith(f"model.layers.{last}."):
+                tensors[name.replace(f"model.layers.{last}.", layer)] = tensor + noise(tensor.shape)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{layer}{norm}.weight"] = torch.rand(hidden, generator=generator) + 0.5
+        tensors[f"{layer}eh_proj.weight"] = noise((hidden, 2 * hidden)) * 4
+        tensors[f"{layer}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{layer}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = layers
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory

@@ -14,7 +14,8 @@ A name starting with sig_ routes by sigmoid (DeepSeek-V3's router: a bias choose
 after each step; with norm_topk_prob) instead of Qwen 3-MoE's softmax. A name starting with mla_ trains the
 DeepSeek-V3 directory, glm_ the GLM-4.5 one (MOE_DIR may be MOE_DIR:MLA_DIR:GLM_DIR): multi-head latent attention
 or partial rotary with q/k/v biases and q/k norms, sigmoid routing in groups, shared experts, the first block dense
-(the bias moved 0.01 per step as sig_'s).
+(the bias moved 0.01 per step as sig_'s). A name starting with mtp_ trains a DeepSeek-V3 directory holding one
+multi-token prediction layer (MOE_DIR:MLA_DIR:GLM_DIR:MTP_DIR) with mtp_layers 1: the main and MTP losses.
 Suffixes: _bf16 runs in bf16-mixed precision; _accum takes micro-batches of 1 (two accumulated per step); _full
 recomputes every block in the backward (activation checkpointing: the routing and the all-to-alls run again); _ckpt
 trains 6 steps saving at 3 and 6;
@@ -45,8 +46,10 @@ def run_settings(name: str, out: Path) -> dict:
     layout, _, source = name.partition("_from_")
     parts = layout.split("_")
     overrides = ROUTER_LOSSES | (SIGMOID_ROUTER if "sig" in parts else {})
-    if "mla" in parts or "glm" in parts:  # the family routes by sigmoid already
+    if "mla" in parts or "glm" in parts or "mtp" in parts:  # the family routes by sigmoid already
         overrides |= {"router_bias_update_rate": SIGMOID_ROUTER["router_bias_update_rate"]}
+    if "mtp" in parts:
+        overrides |= {"mtp_layers": 1}
     settings = {"micro_batch_size": 1 if "accum" in parts else 2, "model_overrides": overrides}
     if "bf16" in parts:
         settings["precision"] = "bf16-mixed"
@@ -89,7 +92,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     def source_of(name: str) -> str:
-        return sources[{"mla": 1, "glm": 2}.get(name.partition("_")[0], 0)]
+        return sources[{"mla": 1, "glm": 2, "mtp": 3}.get(name.partition("_")[0], 0)]
 
     run_each("dist_moe_runs", sys.argv[3:], out, lambda name: train(name, out, source_of(name)))
 

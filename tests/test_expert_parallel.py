@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from deepseek_models import random_deepseek_dir
+from deepseek_models import add_mtp_layers, random_deepseek_dir
 from dist_moe_runs import ROUTER_LOSSES, SIGMOID_ROUTER, run_settings
 from hf_models import exported_logits_gap, random_moe_dir
 from lightning.pytorch import Callback
@@ -48,7 +48,9 @@ LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
 # DeepSeek-V3 and GLM-4.5, in the same launch
 MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp_ckpt", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")
 GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")
-LAUNCH += MLA + GLM
+# DeepSeek-V3 with its multi-token prediction layer trained
+MTP = ("mtp_ep2_tp2", "mtp_ep2_tp2_sp", "mtp_ep2_pp2", "mtp_tp2_pp2_sp", "mtp_ep1_cp2", "mtp_pp2_cp2", "mtp_ep2_z3")
+LAUNCH += MLA + GLM + MTP
 MOE_LAYERS = ("blocks.0.mlp", "blocks.2.mlp")  # block 1 is dense
 
 
@@ -79,10 +81,16 @@ def glm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(moe_dir, mla_dir, glm_dir, tmp_path_factory):
+def mtp_dir(tmp_path_factory):
+    return add_mtp_layers(random_deepseek_dir(tmp_path_factory.mktemp("deepseek_v3_mtp"), "deepseek_v3"))
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir, mla_dir, glm_dir, mtp_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_runs")
     script = Path(__file__).resolve().parent / "dist_moe_runs.py"
-    sources = os.pathsep.join(map(str, (moe_dir, mla_dir, glm_dir)))  # the mla_ runs train the second, glm_ the third
+    # the mla_ runs train the second, glm_ the third, mtp_ the fourth
+    sources = os.pathsep.join(map(str, (moe_dir, mla_dir, glm_dir, mtp_dir)))
     return launch_runs(script, out, list(LAUNCH), ranks=4, args=(sources,)) | {"_dir": out}
 
 
@@ -128,6 +136,26 @@ def test_the_deepseek_v3_class_trains_like_one_process(run, runs, mla_reference)
     DeepSeek-V3's routing beside EP: 5 steps as one process takes them (losses rel 1e-6, parameters 2e-5)."""
     steps = len(runs[run]["losses"])  # the reference ran 6 steps (for the resume), as the _ckpt run did
     assert_trains_like(runs[run], mla_reference | {k: mla_reference[k][:steps] for k in ("losses", "grad_norms")})
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", MTP)
+def test_multi_token_prediction_trains_like_one_process(run, runs, mtp_reference):
+    """DeepSeek-V3 read with its MTP layer (mtp_layers 1): the depth's block sharded over TP as the trunk's, its
+    experts over EP, the shared head vocabulary-parallel inside the loss (SP: the depth on each rank's sequence
+    slice, its own layers' gradients summed over TP); under PP the depth on the last stage with
+    a copy of the embedding (its gradient sent back to the first stage's, as a tied head's), the tokens handed to
+    that stage; under CP each rank's chunks read their tokens ahead from the whole rows, the depth's block attends
+    through the ring; ZeRO-3 gathers the shared head for each depth's loss as for the main one. The main + MTP
+    losses, gradient norms and parameters after 5 steps are one process's."""
+    assert_trains_like(runs[run], mtp_reference)
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(mtp_dir):
+    """One process, 5 steps, the MTP layer trained (mtp_layers 1)."""
+    return one_process(mtp_dir, "mtp_ep1")
 
 
 @pytest.fixture(scope="module")

@@ -195,7 +195,7 @@ def test_the_sigmoid_router_routes_and_its_layer_computes_as_transformers_deepse
     for _ in range(4):  # the bias our rule makes of this layer's loads
         layer(x)
         loads = torch.stack([layer.stats.tokens_per_expert, torch.zeros(4)])  # block 1 balanced: left as it is
-        moe.balance_expert_bias(model, loads, config.moe_layers, 0.05)
+        moe.balance_expert_bias(model, loads, moe.routed_layer_names(config), 0.05)
     assert layer.expert_bias.abs().sum() > 0
     theirs_config = transformers.DeepseekV3Config(
         hidden_size=config.hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size, n_routed_experts=4,
@@ -220,8 +220,8 @@ def test_the_expert_bias_steps_toward_balance_after_a_step_and_stays_fp32_throug
     """Megatron's and DeepSeek-V3's update: + rate for an expert under the mean load, - rate over it, 0 at it."""
     model = build_model(tiny_moe(router="sigmoid", shared_expert_ffn_hidden_size=0, num_layers=2))
     step_tokens = torch.tensor([[10.0, 30.0, 20.0, 20.0], [0.0, 0.0, 0.0, 80.0]])  # per MoE layer, per expert
-    moe.balance_expert_bias(model, step_tokens, model.config.moe_layers, 0.25)
-    moe.balance_expert_bias(model, step_tokens, model.config.moe_layers, 0.25)
+    moe.balance_expert_bias(model, step_tokens, moe.routed_layer_names(model.config), 0.25)
+    moe.balance_expert_bias(model, step_tokens, moe.routed_layer_names(model.config), 0.25)
     assert model.blocks["0"].mlp.expert_bias.tolist() == [0.5, -0.5, 0.0, 0.0]
     assert model.blocks["1"].mlp.expert_bias.tolist() == [0.5, 0.5, 0.5, -0.5]
     model.blocks["0"].mlp.expert_bias.fill_(1 + 2**-20)  # bf16 would round it to 1

@@ -137,6 +137,13 @@ class ModelConfig:
     linear_key_head_dim: int | None = None  # d_k
     linear_value_head_dim: int | None = None  # d_v (a state is d_k x d_v per value head)
     linear_conv_kernel_dim: int | None = None  # the causal depthwise convolution's kernel
+    # Multi-token prediction (DeepSeek-V3's sequential modules, `mtp.py`): this many extra depths, depth k predicting
+    # the token k + 1 ahead through one more block of the last block's kind and the shared embedding and LM head;
+    # trained only (off in generation). 0: none. HF's num_nextn_predict_layers.
+    mtp_layers: int = 0
+    # the MTP loss joins the loss as weight / mtp_layers x the sum of the depths' losses (Megatron's
+    # mtp_loss_scaling_factor; DeepSeek-V3 trained with 0.3, then 0.1)
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         apply_family(self)
@@ -176,6 +183,7 @@ class ModelConfig:
         if self.qk_norm_over not in QK_NORMS:
             raise MTNLGError(f"model qk_norm_over {self.qk_norm_over!r} is not one of {', '.join(QK_NORMS)}")
         check_experts(self)
+        check_multi_token_prediction(self)
         check_attention_kinds(self)
         check_family(self)
         if self.seq_len > self.max_position_embeddings:
@@ -288,6 +296,14 @@ def stored_preset_config(preset: str, overrides: dict) -> ModelConfig:
     values = preset_values(preset, overrides)
     values.pop("family", None)
     return config_from_stored(values)
+
+
+def check_multi_token_prediction(config: ModelConfig) -> None:
+    layers, weight = config.mtp_layers, config.mtp_loss_weight
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise MTNLGError(f"model.mtp_layers must be an integer >= 0, got {layers!r}")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+        raise MTNLGError(f"model.mtp_loss_weight must be a number >= 0, got {weight!r}")
 
 
 def check_experts(config: ModelConfig) -> None:

@@ -119,7 +119,7 @@ def measure(config: ModelConfig, vocab_tensor_parallel: int = 1) -> Measured:
     # Every attention kind has the same parameters (a sliding layer is a mask), so the one block is a full one.
     one = dataclasses.replace(
         config, num_layers=1, make_vocab_size_divisible_by=multiple, family=None, layer_types=None,
-        sliding_rope_theta=None,
+        sliding_rope_theta=None, mtp_layers=0,  # the depths: blocks of these shapes (`mtp_parameters`)
     )  # fmt: skip
 
     def variant(kind: str) -> ModelConfig:  # the one block of a kind: its MLP, and Gated DeltaNet for linear- ones
@@ -203,12 +203,26 @@ def _block_numel(config: ModelConfig, shapes: Measured, experts_share: float = 1
 @_per_shape
 def count_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
     """Exact parameter count of `GPT(config)` (a tied head counted once), its vocabulary padded for
-    `tensor_parallel` ranks."""
+    `tensor_parallel` ranks; the multi-token prediction depths included (`mtp_parameters`)."""
     shapes = measure(config, tensor_parallel)
     top = {path: _numel(params) for path, params in shapes.top.items()}
     if config.tie_embeddings:
         top.pop("lm_head")
-    return _block_numel(config, shapes) + sum(top.values())
+    return _block_numel(config, shapes) + sum(top.values()) + mtp_parameters(config)
+
+
+@_per_shape
+def mtp_parameters(config: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of the multi-token prediction depths (`mtp.py`; 0 without), on one of `tp` tensor-parallel
+    ranks with the experts split over `ep`: each depth a block of the last block's kind (sharded as the trunk's),
+    eh_proj [H, 2H] and three norms (enorm, hnorm, its own) whole. transformers' main model holds none: the planner
+    reports them apart."""
+    if not config.mtp_layers:
+        return 0
+    blocks, top = parameters_per_rank(config, tp)
+    experts = expert_parameters_per_layer(config)[-1]
+    block = blocks[-1] - experts + experts // ep
+    return config.mtp_layers * (block + 2 * config.hidden_size**2 + 3 * top["norm"])
 
 
 @_per_shape
@@ -243,8 +257,8 @@ def _numel(params: dict[str, tuple[int, ...]]) -> int:
 def matmul_parameters(config: ModelConfig) -> int:
     """Weights that multiply activations per token: every block's Linear layers (the plan's column- and
     row-parallel modules, multi-head latent attention's whole ones), a mixture of experts' router and shared-expert
-    gate, the k experts each token goes to (the experts' weights at k / E), and the LM head; the embedding lookup
-    and the norms do no matmul."""
+    gate, the k experts each token goes to (the experts' weights at k / E), and the LM head; each multi-token
+    prediction depth's eh_proj, block and head too; the embedding lookup and the norms do no matmul."""
     shapes = measure(config)
     share = config.experts_per_token / config.num_experts if config.num_experts else 1.0
     per_kind = {}
@@ -256,7 +270,10 @@ def matmul_parameters(config: ModelConfig) -> int:
             if style in (*MATMUL_STYLES, ROUTER, EXPERTS) or _whole_linear(style, shapes.block[path])
         )
     blocks = sum(per_kind[layer_kind(config, i)] for i in range(config.num_layers))
-    return round(blocks) + math.prod(shapes.top["lm_head"]["weight"])
+    head = math.prod(shapes.top["lm_head"]["weight"])
+    # each multi-token prediction depth: eh_proj, a block of the last block's kind and the head again
+    depth = per_kind[layer_kind(config, config.num_layers - 1)] + 2 * config.hidden_size**2 + head
+    return round(blocks + config.mtp_layers * depth) + head
 
 
 @_per_shape
@@ -323,9 +340,18 @@ def hf_tensors(family: Family, config: ModelConfig) -> dict[str, tuple[str, ...]
     return out
 
 
+def path_in_block(module: str) -> str | None:
+    """The path inside its block of a module named `blocks.N.<path>` or `mtp.layers.K.block.<path>` (a
+    multi-token prediction depth's block, `mtp.py`); None for a module outside the blocks."""
+    if module.startswith("blocks."):
+        return module.split(".", 2)[2]
+    if module.startswith("mtp.layers.") and module.split(".", 4)[3:4] == ["block"]:
+        return module.split(".", 4)[4]
+    return None
+
+
 def stacked_over_experts(name: str) -> bool:
-    """Whether a model-space tensor (`blocks.N.<path>.<param>`) is experts' weights stacked [E, ...]."""
-    module = name.rpartition(".")[0]
-    if not module.startswith("blocks."):
-        return False
-    return TENSOR_PARALLEL_PLAN.get(module.split(".", 2)[2]) == EXPERTS
+    """Whether a model-space tensor (`blocks.N.<path>.<param>`, or a depth's block's) is experts' weights stacked
+    [E, ...]."""
+    inner = path_in_block(name.rpartition(".")[0])
+    return inner is not None and TENSOR_PARALLEL_PLAN.get(inner) == EXPERTS

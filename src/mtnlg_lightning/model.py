@@ -48,6 +48,7 @@ from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.linear_attention import GatedDeltaNet
 from mtnlg_lightning.mla import MultiHeadLatentAttention
 from mtnlg_lightning.moe import Gate, MoE, StackedLinear
+from mtnlg_lightning.mtp import MultiTokenPrediction
 from mtnlg_lightning.sdpa import sdpa
 from mtnlg_lightning.torch_compat import non_persistent_buffer_names
 from mtnlg_lightning.yarn import yarn_attention_factor, yarn_inverse_frequencies
@@ -555,6 +556,12 @@ class GPT(nn.Module):
     # Set while a training step's runner runs (`output_layer.heads_in_loss`): forward stops at the final norm and
     # the loss applies the head, in chunks (`parallel/output_layer.py`); decoding with a cache still gets logits.
     head_in_loss = False
+    # Whether a forward outside training runs the multi-token prediction depths too (their outputs wait for the
+    # loss: `mtp.MultiTokenPrediction.take`); decoding with a cache never does.
+    predict_ahead = False
+    # Context parallelism's (`parallel/context_parallel.py`): whole rows [B, S] -> this rank's chunks; None without.
+    # The multi-token prediction depths take the tokens k ahead of this rank's positions from the whole rows.
+    sequence_chunks = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -566,6 +573,8 @@ class GPT(nn.Module):
         self.lm_head = OutputHead(config.hidden_size, config.padded_vocab_size(), bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.wte.weight
+        # DeepSeek-V3's multi-token prediction depths (`mtp.py`): run in training forwards only, or `predict_ahead`
+        self.mtp = MultiTokenPrediction(config, Block, make_norm) if config.mtp_layers else None
         # RoPE's frequencies in fp32 whatever dtype the model is cast to (not a buffer, which `.to(bf16)` would round).
         self._rope_inv_freq: dict[str, torch.Tensor] | None = None
         self.reset_parameters()
@@ -616,6 +625,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, S] int64 (or hidden states [B, S, H] on a pipeline stage without `embed`) -> logits [B, S, V]
         (the final hidden states [B, S, H] where the head is in the loss, `head_in_loss`).
@@ -623,8 +633,11 @@ class GPT(nn.Module):
         `document_ids` [B, S]: the document of each token of a packed row; attention stays within it. None: the
         row is one sequence (plain causal attention).
         With a `cache`, the tokens sit at positions cache.start.. and their keys and values are cached; decoding
-        needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT)."""
+        needs only the last position's logits, so only it goes through the LM head ([B, 1, V], as nanoGPT).
+        `mtp_tokens` [B, S]: the whole rows' tokens for the multi-token prediction depths, where `tokens` are not
+        (a last pipeline stage's hidden states; context parallelism's chunks)."""
         start = cache.start if cache is not None else 0
+        positions = None
         if self.embed is not None:
             positions = position_ids
             if positions is None:
@@ -649,10 +662,26 @@ class GPT(nn.Module):
             h = h[:, -1:]
         if self.norm is not None:
             h = self.norm(h)
+        if self.mtp is not None and cache is None and (self.training or self.predict_ahead):
+            if positions is None:  # a stage without the embedding: the data's positions, or 0..S-1
+                positions = position_ids if position_ids is not None else self.positions(0, h.shape[1], h.device)
+            whole = mtp_tokens if mtp_tokens is not None else tokens if self.embed is not None else None
+            self._predict_ahead(h, whole, positions, rotary, mask, document_ids)
+        elif self.mtp is not None:
+            self.mtp.forget_routing()
         if self.lm_head is None or (self.head_in_loss and cache is None):
             # A pipeline stage's output travels to the next stage, whose buffers are contiguous.
             return h.contiguous()
         return self.lm_head(h)
+
+    def _predict_ahead(self, h, tokens, positions, rotary, mask, document_ids) -> None:
+        """Run the multi-token prediction depths on the final hidden states `h` (`mtp.MultiTokenPrediction`): with
+        this model's embedding, or on a last pipeline stage the depths' copy of it (`pipeline.build_stage`)."""
+        if tokens is None:
+            raise MTNLGError("multi-token prediction on a pipeline stage without the embedding needs mtp_tokens")
+        embed = self.embed if self.embed is not None else self.mtp.embed
+        head = None if self.head_in_loss else self.lm_head
+        self.mtp.predict(embed, head, h, tokens, positions, rotary, mask, document_ids, self.sequence_chunks)
 
 
 class KVCache:

@@ -248,22 +248,34 @@ def routing_alone(modules):
             layer.sequence_groups[:] = groups
 
 
-def block_index(layer_name: str) -> int:
-    """The block of an MoE layer named `...blocks.N.mlp` (under any prefix: a pipeline chunk's, an engine's)."""
-    return int(layer_name.rsplit(".", 2)[-2])
+def routed_layer_names(config: ModelConfig) -> list[str]:
+    """The MoE layers' names, in the order of the router statistics and the balancing: the blocks'
+    (`blocks.N.mlp`), then the multi-token prediction depths' where their block routes (`mtp.layers.K.block.mlp`,
+    `mtp.py`: a block of the last block's kind), whose routing counts and balances as any layer's (Megatron's)."""
+    depths = config.mtp_layers if config.is_moe_layer(config.num_layers - 1) else 0
+    return [f"blocks.{i}.mlp" for i in config.moe_layers] + [f"mtp.layers.{k}.block.mlp" for k in range(depths)]
+
+
+def routed_layer_name(module_name: str) -> str:
+    """An MoE layer's name in `routed_layer_names`, without the prefix of what holds the model (a pipeline chunk,
+    an engine)."""
+    parts = module_name.split(".")
+    depth = len(parts) >= 5 and parts[-5:-3] == ["mtp", "layers"]
+    return ".".join(parts[-5:] if depth else parts[-3:])
 
 
 @torch.no_grad()
-def balance_expert_bias(model: nn.Module, step_tokens: torch.Tensor, layer_indices, rate: float) -> None:
+def balance_expert_bias(model: nn.Module, step_tokens: torch.Tensor, layer_names, rate: float) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3; Megatron's `get_updated_expert_bias`): after an optimizer step,
     each sigmoid router of `model` (or of a pipeline stage) moves its expert bias by `rate` toward the mean load:
     up for an expert that took fewer of the step's (token, expert) assignments than the mean, down for one that
-    took more. `step_tokens` [MoE layers (`layer_indices` order), E]: the step's assignments over every
-    micro-batch and rank, the same on every rank: every replica's bias stays equal, whatever the layout."""
+    took more. `step_tokens` [MoE layers (`layer_names` order: `routed_layer_names`), E]: the step's assignments
+    over every micro-batch and rank, the same on every rank: every replica's bias stays equal, whatever the
+    layout."""
     for name, layer in moe_layers(model):
         if layer.expert_bias is None:
             continue
-        counts = step_tokens[layer_indices.index(block_index(name))].to(layer.expert_bias.device, torch.float64)
+        counts = step_tokens[layer_names.index(routed_layer_name(name))].to(layer.expert_bias.device, torch.float64)
         layer.expert_bias += rate * torch.sign(counts.mean() - counts).float()
 
 
@@ -276,13 +288,9 @@ class RouterTotals:
     The probability and z sums are differentiable, the counts constants."""
 
     def __init__(self, config: ModelConfig):
-        self.layer_indices = config.moe_layers
+        self.layer_names = routed_layer_names(config)
         self.num_experts = config.num_experts
-        self.size = (len(self.layer_indices) + 1) * self.num_experts + 3
-
-    @property
-    def layer_names(self) -> list[str]:
-        return [f"blocks.{index}.mlp" for index in self.layer_indices]
+        self.size = (len(self.layer_names) + 1) * self.num_experts + 3
 
     def zeros(self, device) -> torch.Tensor:
         return torch.zeros(self.size, device=device)
@@ -290,13 +298,13 @@ class RouterTotals:
     def add(self, totals: torch.Tensor, model: nn.Module) -> torch.Tensor:
         """`totals` plus the last forward of `model`'s MoE layers (a whole model or a pipeline stage's part)."""
         device = totals.device
-        counts = [torch.zeros(self.num_experts, device=device) for _ in self.layer_indices]
+        counts = [torch.zeros(self.num_experts, device=device) for _ in self.layer_names]
         probability, z = torch.zeros(self.num_experts, device=device), torch.zeros(1, device=device)
         tokens = dropped = 0
         for name, layer in moe_layers(model):
             if layer.stats is None:
                 continue
-            counts[self.layer_indices.index(block_index(name))] = layer.stats.tokens_per_expert
+            counts[self.layer_names.index(routed_layer_name(name))] = layer.stats.tokens_per_expert
             probability, z = probability + layer.stats.probability_sums, z + layer.stats.z_sum
             tokens, dropped = tokens + layer.stats.tokens, dropped + layer.stats.dropped
         scalars = torch.tensor([float(tokens), float(dropped)], device=device)
@@ -313,7 +321,7 @@ class RouterTotals:
         counts them: E * sum_e f_e * P_e, where f_e is expert e's share of the top-k assignments and P_e its mean
         routing probability, both over every (layer, token) row; z: the mean over those rows of logsumexp(router
         logits)^2. Unscaled: the caller multiplies by router_aux_loss_coef / z_loss_coef."""
-        e, rows = self.num_experts, len(self.layer_indices) * self.num_experts
+        e, rows = self.num_experts, len(self.layer_names) * self.num_experts
         count = totals[-2]
         share = totals[:rows].view(-1, e).sum(dim=0) / count
         probability = totals[rows : rows + e] / count
@@ -321,7 +329,7 @@ class RouterTotals:
 
     def expert_tokens(self, totals: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each MoE layer's [E] top-k assignments."""
-        per_layer = totals[: len(self.layer_indices) * self.num_experts].detach().view(-1, self.num_experts)
+        per_layer = totals[: len(self.layer_names) * self.num_experts].detach().view(-1, self.num_experts)
         return dict(zip(self.layer_names, per_layer, strict=True))
 
     @staticmethod

@@ -11,8 +11,13 @@ checkpoint's interleaved order: `rope_interleave`). GLM-4.5's attention is group
 biases and q/k norms, its rotation over the first `partial_rotary_factor` of each head's dims, as Llama's files
 (`llama_mapping`).
 
-Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers past `num_hidden_layers`) are left
-unread, as transformers' `DeepseekV3ForCausalLM` leaves them; an export writes none (`num_nextn_predict_layers: 0`).
+Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers past `num_hidden_layers`, `mtp.py`):
+left unread unless the run asks for them (`model.mtp_layers`, 0 by default: fine-tuning usually drops them, as
+transformers' `DeepseekV3ForCausalLM` does); then depth k is layer num_hidden_layers + k: `enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm` (our depth's `norm`) and a whole block under the block's names (of the last block's
+kind), and a checkpoint holding another number of them is one line. Each such layer's `embed_tokens` and
+`shared_head.head` are copies of the shared embedding and head: not read, and written as copies on export (vLLM's
+MTP reads them), with `num_nextn_predict_layers` = mtp_layers.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from mtnlg_lightning.checkpoint.safetensors_shards import TensorSpec
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import family_of, hf_tensors, measure, stacked_over_experts
+from mtnlg_lightning.families import family_of, hf_tensors, measure, path_in_block, stacked_over_experts
 from mtnlg_lightning.family_specs import DEEPSEEK_V3, GLM4_MOE
 from mtnlg_lightning.interop import llama_mapping
 
@@ -34,6 +39,9 @@ MODEL_TYPES = tuple(BY_MODEL_TYPE)
 HEAD = llama_mapping.HEAD
 EXPERT_BIAS = "e_score_correction_bias"  # Hugging Face's name of the sigmoid router's balancing bias
 MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a layer index past the decoder's: multi-token prediction
+# a multi-token prediction depth's own modules (ours: theirs, under its layer), beside its block
+MTP_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # of the shared embedding and head, in each layer
 
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -155,7 +163,7 @@ def hf_config(transformers, config: ModelConfig, vocab: int, eod_id: int | None,
         initializer_range=config.init_std,
         attention_dropout=config.attention_dropout,
         tie_word_embeddings=config.tie_embeddings,
-        num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
+        num_nextn_predict_layers=config.mtp_layers,
         bos_token_id=eod_id,
         eos_token_id=eod_id,
         architectures=[BY_MODEL_TYPE[kind].hf_architecture],
@@ -185,11 +193,39 @@ def sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each model-space tensor of `config` (the routers' biases included) and the Hugging Face tensor(s) it is made
     of, in their file order. MLA's `kv_down` and `k_rope` name the same tensor (its rows)."""
     out = {}
-    for ours, theirs in hf_tensors(family_of(config, "Hugging Face names"), config).items():
+    trunk = hf_tensors(family_of(config, "Hugging Face names"), config)
+    for ours, theirs in {**trunk, **_depth_sources(config, trunk)}.items():
         out[ours] = theirs
         if ours.endswith(".mlp.router.weight"):
             out[ours.replace("router.weight", "expert_bias")] = (theirs[0].replace("weight", EXPERT_BIAS),)
     return out
+
+
+def _depth_sources(config: ModelConfig, trunk: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The multi-token prediction depths' tensors (`mtp.layers.K....`) and theirs (`model.layers.{L + K}....`):
+    each depth's own modules, then its block named as the trunk's last block is, at the depth's layer."""
+    last, out = config.num_layers - 1, {}
+    for depth in range(config.mtp_layers):
+        layer = f"model.layers.{config.num_layers + depth}."
+        for ours, theirs in MTP_MODULES.items():
+            out[f"mtp.layers.{depth}.{ours}.weight"] = (f"{layer}{theirs}.weight",)
+        for ours, theirs in trunk.items():
+            if ours.startswith(f"blocks.{last}."):
+                name = ours.replace(f"blocks.{last}.", f"mtp.layers.{depth}.block.", 1)
+                out[name] = tuple(t.replace(f"model.layers.{last}.", layer, 1) for t in theirs)
+    return out
+
+
+def sources_in(config: ModelConfig, names) -> dict[str, tuple[str, ...]]:
+    """`sources`, checking that a run asking for multi-token prediction depths reads as many as the directory holds
+    (`names`: its tensors)."""
+    held = {int(m.group(1)) for name in names if (m := MTP_LAYER.match(name)) and int(m.group(1)) >= config.num_layers}
+    if config.mtp_layers and len(held) != config.mtp_layers:
+        raise MTNLGError(
+            f"the checkpoint holds {len(held)} multi-token prediction layer(s) (num_nextn_predict_layers), "
+            f"model.mtp_layers asks for {config.mtp_layers}: set mtp_layers to {len(held)}, or 0 to drop them"
+        )
+    return sources(config)
 
 
 def row_parts(config: ModelConfig) -> dict[str, tuple[int, int, tuple[str, ...]]]:
@@ -204,7 +240,7 @@ def row_parts(config: ModelConfig) -> dict[str, tuple[int, int, tuple[str, ...]]
         start = 0
         for name in names:
             module, _, param = name.rpartition(".")
-            rows = shapes[module.split(".", 2)[2]][param][0]
+            rows = shapes[path_in_block(module)][param][0]
             parts[name] = (start, start + rows, tuple(names))
             start += rows
     return parts
@@ -248,6 +284,13 @@ def tensor_specs(weights, config: ModelConfig, vocab: int, dtype: torch.dtype) -
                 specs.append(TensorSpec(name, (shape[0] // 3, *shape[1:]), dtype, rows))
         else:
             specs.append(TensorSpec(theirs[0], shape, dtype, llama_mapping._box_rows(weights, ours, shape)))
+    # each multi-token prediction layer's copies of the shared embedding and head, as DeepSeek's files hold them
+    head = "embed.wte.weight" if config.tie_embeddings else "lm_head.weight"
+    for depth in range(config.mtp_layers):
+        for copy, ours in zip(MTP_COPIES, ("embed.wte.weight", head), strict=True):
+            shape = (vocab, *weights.shape(ours)[1:])
+            name = f"model.layers.{config.num_layers + depth}.{copy}"
+            specs.append(TensorSpec(name, shape, dtype, llama_mapping._box_rows(weights, ours, shape)))
     return specs
 
 
@@ -273,8 +316,9 @@ def normalize(name: str) -> str:
 
 def is_constant(name: str, config: ModelConfig | None = None) -> bool:
     """RoPE's frequencies, and the multi-token-prediction layers (`model.layers.N...` past the config's
-    `num_hidden_layers`): left unread, as transformers' model leaves them."""
+    `num_hidden_layers`) where the run asks for none (`mtp_layers` 0), as transformers' model leaves them; where it
+    asks for them, their copies of the shared embedding and head."""
     layer = MTP_LAYER.match(name)
     if config is not None and layer is not None and int(layer.group(1)) >= config.num_layers:
-        return True
+        return not config.mtp_layers or name.endswith(MTP_COPIES)
     return llama_mapping.is_constant(name)

@@ -14,6 +14,7 @@ a few shards, not the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -167,10 +168,14 @@ def _read_hf_weights(path: Path, config: ModelConfig, mapping) -> Mapping[str, t
     raise MTNLGError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
-def read_hf_dir(path: str | Path) -> ModelState:
-    """A local Hugging Face directory as a `ModelState`: its model-space weights read lazily, one at a time."""
+def read_hf_dir(path: str | Path, mtp_layers: int = 0) -> ModelState:
+    """A local Hugging Face directory as a `ModelState`: its model-space weights read lazily, one at a time.
+    `mtp_layers`: the multi-token prediction depths to read too (DeepSeek-V3's `num_nextn_predict_layers`; 0: the
+    decoder alone, as transformers' model reads it)."""
     path = Path(path)
     mapping, config = _mapping_and_config(path)
+    if mtp_layers:
+        config = dataclasses.replace(config, mtp_layers=mtp_layers)
     try:
         weights = _read_hf_weights(path, config, mapping)
     except MTNLGError:
@@ -194,11 +199,12 @@ def _check_hf_shapes(path: Path, weights: Mapping[str, torch.Tensor], config: Mo
             raise MTNLGError(f"{path}: {name} is {list(found)}, config.json implies {list(shape)}")
 
 
-def read_source(path: str | Path, verify: str = "all") -> ModelState:
+def read_source(path: str | Path, verify: str = "all", mtp_layers: int = 0) -> ModelState:
     """A project checkpoint (any layout `read_model_state` reads; `verify` as there) or a Hugging Face directory:
     its architecture, tokenizer and lazily read model-space weights (checked by name and shape, none read yet). A
-    LoRA checkpoint reads as its base with the adapters merged (the base checked against the recorded hash)."""
-    state = read_hf_dir(path) if is_hf_dir(path) else read_model_state(path, verify=verify)
+    LoRA checkpoint reads as its base with the adapters merged (the base checked against the recorded hash).
+    `mtp_layers`: a Hugging Face directory's multi-token prediction depths to read too (`read_hf_dir`)."""
+    state = read_hf_dir(path, mtp_layers) if is_hf_dir(path) else read_model_state(path, verify=verify)
     if state.lora is not None:
         state = with_base(state, read_source(base_path(state), verify))
     return state

@@ -77,5 +77,6 @@ def config_for_init(init_from: str, preset: str, overrides: dict | None) -> Mode
 
 
 def load_init_weights(model, init_from: str) -> None:
-    """Copy the source's model-space weights into the freshly built, not yet sharded `model`."""
-    load_model_space(model, read_source(init_from).weights)
+    """Copy the source's model-space weights into the freshly built, not yet sharded `model` (a Hugging Face
+    directory's multi-token prediction layers too where the model has such depths)."""
+    load_model_space(model, read_source(init_from, mtp_layers=model.config.mtp_layers).weights)

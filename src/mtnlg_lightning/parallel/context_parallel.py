@@ -365,6 +365,8 @@ def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
         return None
     tokens = args[0]
     if tokens.dtype in (torch.int32, torch.int64):
+        if getattr(module, "mtp", None) is not None and kwargs.get("mtp_tokens") is None:
+            kwargs = {**kwargs, "mtp_tokens": tokens}  # the depths read the tokens k ahead from the whole rows
         tokens = split_sequence(tokens, cp_rank, cp_size)
     if kwargs.get("position_ids") is not None:
         kwargs = {**kwargs, "position_ids": split_sequence(kwargs["position_ids"], cp_rank, cp_size)}
@@ -385,7 +387,9 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
             "context_parallel cannot run attention sinks yet (the ring merges log-sum-exps, and a sink's share needs "
             "the final one in the backward): set context_parallel to 1 for this model"
         )
-    linear = [block.attn for block in model.blocks.values() if isinstance(block.attn, GatedDeltaNet)]
+    mtp = getattr(model, "mtp", None)  # the multi-token prediction depths' blocks attend through the ring too
+    blocks = [*model.blocks.values(), *([depth.block for depth in mtp.layers.values()] if mtp else [])]
+    linear = [block.attn for block in blocks if isinstance(block.attn, GatedDeltaNet)]
     if any(layer.sequence_parallel for layer in linear):
         raise MTNLGError(
             "context_parallel with sequence parallelism cannot run Gated DeltaNet (linear_attention) layers yet "
@@ -393,9 +397,11 @@ def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -
         )
     for layer in linear:  # the recurrence over the whole sequence, in order: gathered, then cut back to its chunks
         layer.context = ContextGather(ring.group, ring.cp_rank, ring.size)
-    for block in model.blocks.values():
+    for block in blocks:
         if not isinstance(block.attn, GatedDeltaNet):
             block.attn.core = RingAttentionCore(ring, kernel)
+    if mtp is not None:
+        model.sequence_chunks = functools.partial(split_sequence, cp_rank=ring.cp_rank, cp_size=ring.size)
     for _, layer in moe_layers(model):
         layer.sequence_groups.append((ring.group, ring.size))
     model.positions = functools.partial(local_positions, ring.cp_rank, ring.size)

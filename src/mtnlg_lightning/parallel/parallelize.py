@@ -24,6 +24,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.model import compile_blocks
 from mtnlg_lightning.parallel.activation_checkpointing import NO_RECOMPUTE, Recompute
 from mtnlg_lightning.parallel.config import PipelineParallelSettings
@@ -67,6 +68,7 @@ def parallelize_gpt(
     head_in_loss (training): `loss_fn` applies the LM head, in chunks of `loss_chunk_tokens`, to the final hidden
     states the model returns inside `output_layer.heads_in_loss` (`output_layer.OutputLoss`)."""
     layout = groups.layout if groups is not None else ParallelLayout(1)
+    _check_multi_token_prediction(model.config, layout)
     if lora is not None:
         apply_lora(model, lora)
     runner = None
@@ -115,6 +117,19 @@ def parallelize_gpt(
             loss_fn = ContextParallelLoss(loss_fn, cp_rank, layout.context_parallel, cp_group)
     model = PipelineChunks(stage_models) if len(stage_models) > 1 else stage_models[0]
     return ParallelGPT(model, loss_fn, runner, tied)
+
+
+def _check_multi_token_prediction(config, layout: ParallelLayout) -> None:
+    """Multi-token prediction (`mtp.py`) rolls whole rows of tokens and hidden states on the rank that holds the
+    embedding and the head (a last pipeline stage holds a copy of the embedding; under sequence parallelism each
+    rank's slice of them; under context parallelism the tokens k ahead of its chunks are read from the whole rows,
+    which leaves a position table out)."""
+    if not config.mtp_layers:
+        return
+    if layout.context_parallel > 1 and config.position_embedding != "rope":
+        raise MTNLGError(
+            "multi-token prediction (model.mtp_layers) under context parallelism needs rotary positions (no table)"
+        )
 
 
 def _split_pipeline(model: nn.Module, groups: ProcessGroups, device, pipeline: PipelineParallelSettings):

@@ -98,6 +98,10 @@ def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> 
         weight = model.lm_head.weight
         del model.lm_head.weight  # no longer a parameter: a per-step copy of the first stage's embedding
         model.lm_head.weight = weight.detach().clone().requires_grad_(True)
+    if model.mtp is not None and not is_last:
+        model.mtp = None  # the multi-token prediction depths run on the last stage, after the final norm
+    elif model.mtp is not None and not is_first:
+        model.mtp.embed = _embedding_copy(model)
     if not is_first:
         model.embed = None
         model.register_forward_pre_hook(_send_back_contiguous_gradients)
@@ -105,6 +109,21 @@ def build_stage(model: nn.Module, stage_index: int, layer_counts: list[int]) -> 
         model.norm = None
         model.lm_head = None
     return model
+
+
+def _embedding_copy(model: nn.Module) -> nn.Module:
+    """The last stage's embedding for its multi-token prediction depths: the model's embedding module whose word
+    embedding is a plain tensor, the per-step copy of the first stage's that `tied_embedding.TiedEmbedding` keeps
+    (with a tied head, the head's copy itself: one copy for both). Positions enter through RoPE, not a table."""
+    if model.config.position_embedding != "rope":
+        raise MTNLGError("multi-token prediction under pipeline parallelism needs rotary positions (no table)")
+    embed = copy.deepcopy(model.embed)
+    del embed.wte.weight
+    if model.config.tie_embeddings:
+        embed.wte.weight = model.lm_head.weight
+    else:
+        embed.wte.weight = model.embed.wte.weight.detach().clone().requires_grad_(True)
+    return embed
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -161,7 +180,11 @@ def retie_on_same_rank(stage_models: list[nn.Module]) -> bool:
     parameter again, as in the single-process model. Returns whether it did."""
     firsts = [m for m in stage_models if m.embed is not None]
     lasts = [m for m in stage_models if m.lm_head is not None]
-    if not (firsts and lasts) or firsts[0] is lasts[0] or not firsts[0].config.tie_embeddings:
+    if not (firsts and lasts) or firsts[0] is lasts[0]:
+        return False
+    if lasts[0].mtp is not None:  # the multi-token prediction depths embed with the embedding itself again
+        lasts[0].mtp.embed = firsts[0].embed
+    if not firsts[0].config.tie_embeddings:
         return False
     del lasts[0].lm_head.weight
     lasts[0].lm_head.weight = firsts[0].embed.wte.weight
@@ -313,6 +336,8 @@ class PipelineRunner:
         kwargs = {name: batch[name].contiguous() for name in MODEL_INPUTS if batch.get(name) is not None}
         if self.is_last:
             kwargs |= {"target": labels.contiguous(), "losses": []}
+            if any(getattr(m, "mtp", None) is not None for m in self.stage_models):  # its depths embed the tokens
+                kwargs["mtp_tokens"] = input_ids.contiguous()
         if train:
             schedule.step(*args, **kwargs)
         else:

@@ -320,10 +320,14 @@ def apply_tensor_parallel(
     column = partial(ColumnParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     row = partial(RowParallelLinear.from_linear, group=group, rank=rank, size=size, sequence_parallel=sp)
     plan = tensor_parallel_plan(config)
-    for block in model.blocks.values():
+    # the multi-token prediction depths' blocks (`mtp.py`) shard as the trunk's; their eh_proj and norms stay whole
+    # (their input is whole on every rank; the column-parallel layers after them sum their gradient over TP)
+    mtp = getattr(model, "mtp", None)
+    depth_blocks = [layer.block for layer in mtp.layers.values()] if mtp is not None else []
+    for block in [*model.blocks.values(), *depth_blocks]:
         if isinstance(block.attn, GatedDeltaNet):  # its key heads split (refused in one line unless TP divides them)
             block.attn.split_heads(size, sp)
-    for block in model.blocks.values():
+    for block in [*model.blocks.values(), *depth_blocks]:
         held = dict(block.named_modules())  # a dense block and an MoE block hold different MLP paths
         for path, style in plan.items():
             if path not in held:
@@ -376,6 +380,24 @@ def apply_tensor_parallel(
             if isinstance(head.weight, nn.Parameter):
                 shard = _mark_sharded(nn.Parameter(shard), 0, rank, size)
             model.lm_head = VocabParallelLMHead(shard, group, sp)
+    depth_embed = getattr(mtp, "embed", None) if mtp is not None else None
+    if depth_embed is not None and not isinstance(depth_embed.wte, VocabParallelEmbedding):
+        # a last pipeline stage's copy of the embedding for its depths (`pipeline.build_stage`): sharded as the
+        # embedding, still a plain tensor (the tied head's copy itself where the head is tied)
+        layer = VocabParallelEmbedding.from_embedding(depth_embed.wte, group, rank, size)
+        del layer.weight
+        if config.tie_embeddings:
+            layer.weight = model.lm_head.weight
+        else:
+            layer.weight = _shard(depth_embed.wte.weight, 0, rank, size).requires_grad_(True)
+        depth_embed.wte = layer
+        if sp:
+            scatter_output_to_sequence(depth_embed, group)
+    if sp and mtp is not None:  # the depths' own layers run on this rank's sequence slice, as a norm does
+        for depth in mtp.layers.values():
+            for module in (depth.enorm, depth.hnorm, depth.eh_proj, depth.norm):
+                for param in module.parameters():
+                    mark_sequence_parallel(param, group)
     return model
 
 

@@ -1,4 +1,5 @@
-"""The word embedding and the LM head as one weight when pipeline parallelism puts them on different ranks.
+"""The word embedding and the LM head as one weight when pipeline parallelism puts them on different ranks (and
+the embedding the multi-token prediction depths of the last stage use, tied head or not: `mtp.py`).
 
 Megatron ties the LM head on the last stage to the word embedding on the first and sums the two gradients every
 step. Here the parameter lives only on the first stage (sharded along the vocabulary over TP like the embedding);
@@ -39,14 +40,20 @@ class TiedEmbedding:
         """Collectively create the tie of every (dp, tp) coordinate; this rank's end, or None when it holds neither
         end or both (V-shaped schedules keep the single-process parameter sharing). Call after TP sharding: the
         tensors are the final ones."""
-        if not stage_models[0].config.tie_embeddings:  # an untied head is a parameter of the last stage alone
+        config = stage_models[0].config
+        # an untied head is a parameter of the last stage alone; multi-token prediction depths (on the last stage)
+        # embed tokens with a copy of the embedding all the same (`pipeline.build_stage`)
+        if not config.tie_embeddings and not config.mtp_layers:
             return None
         group, first_rank, last_rank = _embedding_group(groups.layout, schedule, virtual_stages, groups.rank)
         if group is None:
             return None
         firsts = [m for m in stage_models if m.embed is not None]
         lasts = [m for m in stage_models if m.lm_head is not None]
-        weight = firsts[0].embed.wte.weight if firsts else lasts[0].lm_head.weight
+        if firsts:
+            weight = firsts[0].embed.wte.weight
+        else:  # the tied head's copy, which the depths share, or the depths' own
+            weight = lasts[0].lm_head.weight if config.tie_embeddings else lasts[0].mtp.embed.wte.weight
         return cls(group, first_rank, last_rank, weight, is_first=bool(firsts))
 
     def use_engine(self, engine) -> None:

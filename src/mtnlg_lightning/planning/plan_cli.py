@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default mtnlg-530b)")
     for flag, field in DIMENSIONS.items():
         model.add_argument(f"--{flag}", type=int, help=f"{field} (overrides the preset's)")
+    model.add_argument(
+        "--mtp-layers",
+        type=int,
+        help="multi-token prediction depths trained beside the model (model.mtp_layers; DeepSeek-V3 trained 1)",
+    )
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument(
         "--gpu",
@@ -167,15 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_config(args) -> ModelConfig:
     overrides = {field: getattr(args, flag) for flag, field in DIMENSIONS.items() if getattr(args, flag) is not None}
+    depths = {"mtp_layers": args.mtp_layers} if getattr(args, "mtp_layers", None) is not None else {}
     if args.model is None and overrides:
         missing = [f"--{flag}" for flag in ("layers", "hidden", "heads", "seq") if getattr(args, flag) is None]
         if missing:
             raise MTNLGError(f"a model by dimensions needs {', '.join(missing)} (or --model PRESET to start from)")
-        return ModelConfig(**overrides, name="custom")
+        return ModelConfig(**overrides, **depths, name="custom")
     preset = args.model or "mtnlg-530b"
     if "seq_len" in overrides:
         overrides.setdefault("max_position_embeddings", overrides["seq_len"])
-    return get_config(preset, **overrides)
+    return get_config(preset, **overrides, **depths)
 
 
 def strategy_yaml(p: Plan, gpus_per_node: int) -> str:

@@ -14,7 +14,12 @@ from functools import partial
 
 from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.families import active_parameters, expert_parameters_per_layer, parameters_per_rank
+from mtnlg_lightning.families import (
+    active_parameters,
+    expert_parameters_per_layer,
+    mtp_parameters,
+    parameters_per_rank,
+)
 from mtnlg_lightning.gpus import GPUSpec, get_gpu
 from mtnlg_lightning.parallel.lora import LoRAConfig
 from mtnlg_lightning.planning.activations import activation_bytes_per_layer
@@ -52,15 +57,25 @@ def params_per_stage(config: ModelConfig, tp: int, pp: int, layers: list[int], e
     experts = expert_parameters_per_layer(config)
     held = [n - e + e // ep for n, e in zip(blocks, experts, strict=True)]
     counts = _per_stage(held, layers)
-    counts[0] += top["embed.wte"] + top.get("embed.wpe", 0)
+    word_embedding = top["embed.wte"]
+    counts[0] += word_embedding + top.get("embed.wpe", 0)
     head = top["lm_head"] if (pp > 1 or not config.tie_embeddings) else 0
     counts[-1] += top["norm"] + head
+    # the multi-token prediction depths, on the last stage (with a copy of the word embedding when pipelined and
+    # the head is untied: a tied head's copy serves them)
+    if config.mtp_layers:
+        copy = word_embedding if pp > 1 and not config.tie_embeddings else 0
+        counts[-1] += mtp_parameters(config, tp, ep) + copy
     return counts
 
 
 def expert_params_per_stage(config: ModelConfig, layers: list[int], ep: int = 1) -> list[int]:
-    """Of `params_per_stage`, the experts' parameters one rank of each stage holds (E / ep of each MoE layer's)."""
-    return _per_stage([e // ep for e in expert_parameters_per_layer(config)], layers)
+    """Of `params_per_stage`, the experts' parameters one rank of each stage holds (E / ep of each MoE layer's, the
+    multi-token prediction depths' on the last stage)."""
+    per_layer = [e // ep for e in expert_parameters_per_layer(config)]
+    counts = _per_stage(per_layer, layers)
+    counts[-1] += config.mtp_layers * per_layer[-1]
+    return counts
 
 
 def _per_stage(per_layer: list[int], layers: list[int]) -> list[int]:
@@ -136,6 +151,9 @@ class Plan:
     # Parameters one token goes through (a mixture of experts' k of E experts; the whole model when dense), as
     # `families.active_parameters` counts them; the FLOPs above count these.
     active_params: int = 0
+    # The multi-token prediction depths' parameters (`families.mtp_parameters`), apart: transformers' model holds
+    # none; params_per_gpu counts them on the last stage, the FLOPs count their compute. 0 without depths.
+    mtp_params: int = 0
     ep: int = 1  # expert-parallel ranks (out of the dp ranks) each MoE layer's experts are split over
     muon: dict | None = None  # Muon's momentum, saved bytes and optimizer seconds (`muon_plan`); None: AdamW
 
@@ -292,6 +310,7 @@ def plan(
         lora=lora_summary(lora, config, memory["trained"]) if lora is not None else None,
         dpo=dpo.summary(memory["reference"]) if dpo is not None else None,
         active_params=active_parameters(config),
+        mtp_params=mtp_parameters(config),
         ep=ep,
         grpo=grpo.summary(memory["reference"], sequences // dp, memory, generation, seconds) if grpo else None,
         muon=muon_summary,
@@ -504,7 +523,8 @@ def format_plan(p: Plan) -> str:
         f"global batch {p.global_batch} ({p.num_microbatches} micro-batches per pipeline)",
         f"  layers per stage     {p.layers_per_stage if len(set(p.layers_per_stage)) > 1 else p.layers_per_stage[0]}"
         f" ({schedule})",
-        f"  params per GPU       {p.params_per_gpu / 1e9:,.3f} B (largest stage)",
+        f"  params per GPU       {p.params_per_gpu / 1e9:,.3f} B (largest stage"
+        f"{f'; the MTP depths, {p.mtp_params / 1e9:,.3f} B in all, on the last' if p.mtp_params else ''})",
         f"  model states         {gb(p.model_state_gb)} (ZeRO-{p.zero_stage}"
         f"{', LoRA: frozen base and trained adapters' if p.lora else ''})",
         f"  activations          {gb(p.activation_gb)} (recompute: {p.recompute}, sequence parallel: "

@@ -15,9 +15,9 @@ PEAK_BF16_FLOPS = {name: spec.peak_tflops * 1e12 for name, spec in GPUS.items()}
 def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     """2 FLOPs per matmul weight (`families.matmul_parameters`: every block's Linear layers and the LM head), plus
     attention's QK^T and AV over the whole sequence (2 x 2 x S x heads x head_dim per layer, counted without the
-    causal half as Megatron and PaLM count it)."""
+    causal half as Megatron and PaLM count it); the multi-token prediction depths' blocks as layers."""
     s = seq_len or config.seq_len
-    attention = 4 * s * config.num_heads * config.head_dim * config.num_layers
+    attention = 4 * s * config.num_heads * config.head_dim * (config.num_layers + config.mtp_layers)
     return 2 * matmul_parameters(config) + attention
 
 

@@ -33,7 +33,7 @@ class RouterBalancing(Extension):
     def after_update(self, module, vetoed: bool) -> None:
         self.expert_tokens = self._step_expert_tokens(module)
         if self.bias_rate > 0 and not vetoed:  # a vetoed step leaves the model as it was
-            balance_expert_bias(module.model, self.expert_tokens, self.config.moe_layers, self.bias_rate)
+            balance_expert_bias(module.model, self.expert_tokens, self.losses.totals.layer_names, self.bias_rate)
 
     def log_step(self, module) -> None:
         for name, value in self._router_logs(module).items():
