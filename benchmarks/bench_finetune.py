@@ -43,8 +43,8 @@ litgpt runs in its own virtual environment (`--litgpt-python`, default /work/ven
 huggingface_hub and jsonargparse conflict with this project's); without one, its rows say why.
 
     python benchmarks/bench_finetune.py [--hidden 384 --layers 4 --seq 256 --micro-batch 4 --steps 6 --rounds 2]
-    python benchmarks/bench_finetune.py --preset smollm2-135m --precision fp32 bf16 --clock wall --rounds 1 \
-        --steps 5 --warmup 1 --most-questions 4 --micro-batch 4 --unpacked-micro-batch 13 \
+    python benchmarks/bench_finetune.py --preset smollm2-135m --precision fp32 bf16 --clock cpu --rounds 3 \
+        --steps 4 --warmup 1 --most-questions 4 --micro-batch 2 --unpacked-micro-batch 7 --accumulate 4 \
         --variants ours_lora trl_lora ours_lora_unpacked trl_lora_unpacked --once
 """
 
