@@ -47,7 +47,7 @@ SIGMOID = (
 LAUNCH += (*SIGMOID, "sig_ep4_from_sig_ep2_z3_ckpt")  # one launch of 4 ranks
 # DeepSeek-V3 and GLM-4.5, in the same launch
 MLA = ("mla_ep2_tp2", "mla_ep2_tp2_sp_ckpt", "mla_ep2_pp2", "mla_ep1_cp2", "mla_ep2_z3")
-GLM = ("glm_ep2_tp2_sp", "glm_ep1_cp2")
+GLM = ("glm_ep2_tp2_sp", "glm_ep2_pp2", "glm_ep1_cp2", "glm_ep2_z3")
 # DeepSeek-V3 with its multi-token prediction layer trained
 MTP = ("mtp_ep2_tp2", "mtp_ep2_tp2_sp", "mtp_ep2_pp2", "mtp_tp2_pp2_sp", "mtp_ep1_cp2", "mtp_pp2_cp2", "mtp_ep2_z3")
 LAUNCH += MLA + GLM + MTP
@@ -186,7 +186,7 @@ def test_an_mla_checkpoint_of_ep2_x_tp2_with_sp_resumes_in_one_process_and_expor
 @pytest.mark.parametrize("run", GLM)
 def test_the_glm_4_5_class_trains_like_one_process(run, runs, glm_reference):
     """GLM-4.5 (q/k/v biases, per-head q/k norms, half of each head rotating; DeepSeek-V3's routing) in ep2 x tp2
-    with SP and in cp2 as one process."""
+    with SP, ep2 x pp2, cp2 and ep2 with ZeRO-3 as one process."""
     assert_trains_like(runs[run], glm_reference)
 
 
