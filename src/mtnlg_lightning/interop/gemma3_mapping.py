@@ -19,6 +19,7 @@ from mtnlg_lightning.family_specs import GEMMA3
 from mtnlg_lightning.interop.llama_mapping import (  # noqa: F401 - the tensor moves every mapping module offers
     HEAD,
     from_hf,
+    hf_block_fields,
     is_constant,
     normalize,
     ours_shape,
@@ -75,7 +76,6 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
         raise MTNLGError(f"{path}: a gemma3_text model with {', '.join(problems)} cannot be imported")
     theta, scaling, local = _rope_kinds(cfg, where)
     heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     types = cfg.get("layer_types") or [
         "sliding_attention" if (i + 1) % (cfg.get("sliding_window_pattern") or 6) else "full_attention"
         for i in range(layers)
@@ -84,17 +84,7 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
     positions = cfg.get("max_position_embeddings") or 131_072
     return ModelConfig(
         num_layers=layers,
-        hidden_size=cfg["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        seq_len=positions,
-        max_position_embeddings=positions,
-        vocab_size=cfg["vocab_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        attention_dropout=cfg.get("attention_dropout", 0.0),
-        layernorm_eps=cfg.get("rms_norm_eps", 1e-6),
-        init_std=cfg.get("initializer_range", 0.02),
+        **hf_block_fields(cfg, heads, positions, 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),

@@ -27,7 +27,12 @@ from mtnlg_lightning.config import ModelConfig
 from mtnlg_lightning.errors import MTNLGError
 from mtnlg_lightning.family_specs import GPT_OSS
 from mtnlg_lightning.interop import llama_mapping
-from mtnlg_lightning.interop.llama_mapping import HEAD, is_constant, normalize  # noqa: F401 - a mapping's interface
+from mtnlg_lightning.interop.llama_mapping import (  # noqa: F401 - a mapping's interface
+    HEAD,
+    hf_block_fields,
+    is_constant,
+    normalize,
+)
 
 MODEL_TYPES = (GPT_OSS.hf_model_type,)
 _LAYER = "model.layers.{i}."
@@ -58,17 +63,7 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
     coef = cfg.get("router_aux_loss_coef", 0.0) if cfg.get("output_router_logits") else 0.0
     return ModelConfig(
         num_layers=layers,
-        hidden_size=cfg["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        seq_len=positions,
-        max_position_embeddings=positions,
-        vocab_size=cfg["vocab_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        attention_dropout=cfg.get("attention_dropout", 0.0),
-        layernorm_eps=cfg.get("rms_norm_eps", 1e-5),
-        init_std=cfg.get("initializer_range", 0.02),
+        **hf_block_fields(cfg, heads, positions, 1e-5),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),

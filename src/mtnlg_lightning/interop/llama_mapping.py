@@ -42,6 +42,24 @@ def _rope(cfg: dict, where: Path) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def hf_block_fields(cfg: dict, heads: int, positions: int, eps: float) -> dict:
+    """The ModelConfig fields every Llama-style config.json states alike (sizes, heads, positions, dropout, norm eps,
+    init): the part each decoder family's `read_config` shares. `eps`: the family's default rms_norm_eps."""
+    return dict(
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        seq_len=positions,
+        max_position_embeddings=positions,
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        attention_dropout=cfg.get("attention_dropout", 0.0),
+        layernorm_eps=cfg.get("rms_norm_eps", eps),
+        init_std=cfg.get("initializer_range", 0.02),
+    )
+
+
 def read_config(cfg: dict, path: Path) -> ModelConfig:
     """The architecture of a Llama / Qwen 2 / Qwen 3 `config.json`; what this decoder does not have is one line."""
     where = path / "config.json"
@@ -70,17 +88,7 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
     positions = cfg.get("max_position_embeddings") or 2048
     return ModelConfig(
         num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        seq_len=positions,
-        max_position_embeddings=positions,
-        vocab_size=cfg["vocab_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        attention_dropout=cfg.get("attention_dropout", 0.0),
-        layernorm_eps=cfg.get("rms_norm_eps", 1e-6),
-        init_std=cfg.get("initializer_range", 0.02),
+        **hf_block_fields(cfg, heads, positions, 1e-6),
         position_embedding="rope",
         rope_theta=theta,
         rope_scaling=scaling,

@@ -23,6 +23,7 @@ from mtnlg_lightning.family_specs import QWEN3_NEXT
 from mtnlg_lightning.interop import llama_mapping
 from mtnlg_lightning.interop.llama_mapping import (  # noqa: F401 - the tensor moves every mapping module offers
     HEAD,
+    hf_block_fields,
     is_constant,
     normalize,
     ours_shape,
@@ -104,17 +105,7 @@ def read_config(cfg: dict, path: Path) -> ModelConfig:
     )
     return ModelConfig(
         num_layers=layers,
-        hidden_size=cfg["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        seq_len=positions,
-        max_position_embeddings=positions,
-        vocab_size=cfg["vocab_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        attention_dropout=cfg.get("attention_dropout", 0.0),
-        layernorm_eps=cfg.get("rms_norm_eps", 1e-6),
-        init_std=cfg.get("initializer_range", 0.02),
+        **hf_block_fields(cfg, heads, positions, 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
