@@ -50,7 +50,7 @@ WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3", "llama_cp2_acfull", "gpt_c
 # Gated DeltaNet layer gathers the whole sequence).
 WORLD2 += ["gemma3_tp2_sp", "gemma3_pp2", "gemma3_dp2_zero1", "gptoss_tp2_sp", "gptoss_pp2", "gptoss_ep2_zero1"]
 WORLD2 += ["qwen3next_pp2", "qwen3next_dp2_zero1", "gemma3_cp2"]  # cp2: the ring masks each block by the windows
-WORLD2 += ["qwen3next_tp2_ckpt", "qwen3next_tp2_sp", "qwen3next_cp2"]
+WORLD2 += ["qwen3next_tp2_ckpt", "qwen3next_tp2_sp", "qwen3next_cp2", "gptoss_cp2"]  # gptoss: sinks after the ring
 WORLD4 = [
     "llama_tp4",
     "llama_tp4_sp",
@@ -108,7 +108,7 @@ def references(family_dirs):
     runs += [("gpt4@long", None, 5, LONG)]  # 4 blocks: the interleaved pipeline's
     runs += [("gemma3", family_dirs["gemma3"], 5, None), ("gptoss", family_dirs["gptoss"], 5, None)]
     runs += [("qwen3next", family_dirs["qwen3next"], 5, None), ("gemma3@long", family_dirs["gemma3"], 5, LONG)]
-    runs += [("qwen3next@long", family_dirs["qwen3next"], 5, LONG)]
+    runs += [("qwen3next@long", family_dirs["qwen3next"], 5, LONG), ("gptoss@long", family_dirs["gptoss"], 5, LONG)]
     for name, source, steps, seq_len in runs:
         blocks = {"num_layers": 4} if name.startswith("gpt4") else None
         rec, _ = tiny_run(
