@@ -16,6 +16,10 @@ Packed rows (`document_ids`): the convolution and the state restart at each docu
 computed alone), which transformers' torch path does not do. Decoding keeps, per layer, the convolution's last
 kernel - 1 inputs and the state (fp32) in the `KVCache` (`states`): a constant size whatever the length.
 
+On CUDA with flash-linear-attention installed (and causal-conv1d, for the convolution), a sequence or a prefill
+runs on their kernels instead (`fla_kernels`: every document of the batch in one call, the state restarted by
+offsets); a decoding step stays the torch recurrence. Everywhere else, CPU included, the torch path below runs.
+
 Tensor parallelism splits the layer by key heads (`parallel/tensor_parallel.py`): each rank holds a contiguous run
 of key heads and their value heads. `in_proj_qkvz` and `in_proj_ba` are grouped by key head already (a column split
 is whole heads), so is every per-value-head parameter (A_log, dt_bias: value head j belongs to key head j // (n_v /
@@ -36,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtnlg_lightning import fla_kernels
 from mtnlg_lightning.errors import MTNLGError
 
 CHUNK = 64  # transformers' chunk of the sequence
@@ -138,12 +143,16 @@ class GatedRMSNorm(nn.Module):
         return (y * F.silu(gate.float())).to(x.dtype)
 
 
+def no_branches(document_ids: torch.Tensor) -> None:
+    if bool((document_ids < -1).any()):
+        raise MTNLGError("Gated DeltaNet layers cannot continue a prefix document in branches (GRPO's shared prompt)")
+
+
 def document_runs(document_ids: torch.Tensor | None, rows: int, length: int) -> list[tuple[int, int, int]]:
     """(row, start, end) of each run of one document in a packed row ([B, S] ids), or each whole row."""
     if document_ids is None:
         return [(b, 0, length) for b in range(rows)]
-    if bool((document_ids < -1).any()):
-        raise MTNLGError("Gated DeltaNet layers cannot continue a prefix document in branches (GRPO's shared prompt)")
+    no_branches(document_ids)
     runs = []
     for b in range(document_ids.shape[0]):
         row = document_ids[b]
@@ -203,6 +212,28 @@ class GatedDeltaNet(nn.Module):
         o, state = rule(q, k, v.reshape(B, L, self.nv, self.dv), g, beta, state)
         return self.norm(o, z).reshape(B, L, -1), conv_state, state
 
+    def _fused(self, kernels, mixed, beta, g, z, document_ids=None, final_state=False):
+        """`_mix` of every run of the batch in one call of each kernel (`fla_kernels`) -> [B, S, nv * dv], and with
+        `final_state` (a prefill: one run per row) the conv inputs and the state decoding continues from."""
+        B, S, C = mixed.shape
+        offsets = run = None
+        if document_ids is not None:  # packed rows: one row of runs, each restarting the convolution and the state
+            no_branches(document_ids)
+            starts = fla_kernels.run_starts(document_ids)
+            offsets, run = fla_kernels.cu_seqlens(starts), fla_kernels.run_index(starts)
+            mixed, g, beta = mixed.reshape(1, B * S, C), g.reshape(1, B * S, -1), beta.reshape(1, B * S, -1)
+        rows, L = mixed.shape[:2]
+        conv = fla_kernels.convolve(kernels, mixed, self.conv1d.weight, run)
+        r = self.nv // self.nk
+        q, k, v = conv.view(rows, L, self.nk, -1).split([self.dk, self.dk, r * self.dv], dim=-1)
+        v = v.reshape(rows, L, self.nv, self.dv)
+        o, state = fla_kernels.chunk_rule(kernels, q, k, v, g, beta, offsets, final_state)
+        out = self.norm(o.view(B, S, self.nv, self.dv), z).reshape(B, S, -1)
+        if not final_state:
+            return out, None, None
+        kernel = self.conv1d.weight.shape[-1]  # the last kernel - 1 inputs, zeros before a shorter prompt
+        return out, F.pad(mixed.transpose(1, 2), (kernel - 1, 0))[..., S:], state
+
     def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
         if self.context is not None and cache is None:  # the recurrence runs over the whole sequence, in order
             return self.context.mine(self._forward(self.context.whole(x), mask))
@@ -218,15 +249,23 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(B, S, self.nv, self.dv)
         beta = b.reshape(B, S, self.nv).sigmoid()
         g = self.decay(a.reshape(B, S, self.nv))
+        kernels = fla_kernels.kernels_for(x)  # None: the torch path (CPU, or fla not installed)
         if cache is not None:  # decoding: this layer's conv inputs and state continue, a prefill starts them
             held = cache.cache.states.setdefault(cache.name, {})
             step = S == 1 and bool(held)
-            out, held["conv"], held["state"] = self._mix(
-                mixed, beta, g, z, held.get("conv") if step else None, held.get("state") if step else None, step
-            )
+            if kernels is not None and not step:  # a step is a few small ops: the torch recurrence
+                out, held["conv"], held["state"] = self._fused(kernels, mixed, beta, g, z, final_state=True)
+            else:
+                out, held["conv"], held["state"] = self._mix(
+                    mixed, beta, g, z, held.get("conv") if step else None, held.get("state") if step else None, step
+                )
             return self.out_proj(out)
         ids = getattr(mask, "document_ids", None)
         if ids is None or getattr(mask, "one_sequence", False):
+            ids = None
+        if kernels is not None:
+            return self.out_proj(self._fused(kernels, mixed, beta, g, z, ids)[0])
+        if ids is None:
             return self.out_proj(self._mix(mixed, beta, g, z)[0])
         parts = [  # each document alone: the convolution and the state restart at its first token
             self._mix(*(t[row : row + 1, s:e] for t in (mixed, beta, g, z)))[0]
