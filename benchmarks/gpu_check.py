@@ -16,8 +16,14 @@ Stages, each timed and recorded (a failing stage is recorded with its error; the
   generation    benchmarks/bench_generate.py on the GPU: our KV-cache decoding vs transformers' generate, bf16.
   evaluation    benchmarks/bench_eval.py on the GPU: mtnlg-eval vs lm-evaluation-harness' HF backend (LAMBADA
                 format), with the accuracies of both.
+  gated_deltanet  Gated DeltaNet on flash-linear-attention's kernels (causal-conv1d's too, where installed) against
+                its torch path, fp32 and bf16, two rows and a packed row of three documents: the output's and the
+                input gradient's relative errors (testing/gated_deltanet_kernels.py argues the tolerances), then
+                both paths' forward + backward time at Qwen3-Next's linear-attention shape. Skipped without
+                flash-linear-attention (pip install 'mtnlg-lightning[linear-attention-kernels]').
 --dry-run: the same stages on CPU with the tiny model, a few steps, the aot_eager backend (no C++ compilation),
-2 gloo ranks for the distributed part: it proves the script runs end to end, not any speed.
+2 gloo ranks for the distributed part, plain-torch stand-ins for Gated DeltaNet's kernels: it proves the script
+runs end to end, not any speed.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ from testing.local_ranks import run_on_ranks  # noqa: E402
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5  # fp32, as tests/test_parallel_equivalence.py
 BF16_LOSS_RTOL = 1e-3  # bf16 vs fp32 losses over 5 steps (the suite's bf16 section argues it)
 DIST_RUNS = ["tp2", "pp2_1f1b", "dp2_zero1", "bf16_dp2_zero2"]
-STAGES = ("equivalence", "training", "generation", "evaluation")
+STAGES = ("equivalence", "training", "generation", "evaluation", "gated_deltanet")
+# Qwen3-Next's linear attention (hidden 2048, 16 key and 32 value heads of 128), rows of 4096: the timing's shape
+GDN_TIMING_SIZE = (2048, (16, 32), (128, 128))
+GDN_TIMING_ROWS = {"sequence": [[4096], [4096]], "packed": [[700, 1300, 96, 2000], [4096]]}
 
 
 def environment() -> dict:
@@ -210,6 +219,33 @@ def evaluation(dry_run: bool, tmp: Path) -> dict:
     return script("bench_eval.py", args, tmp)
 
 
+def gated_deltanet(dry_run: bool) -> dict:
+    import torch
+
+    from mtnlg_lightning import fla_kernels
+    from testing.gated_deltanet_kernels import STAND_INS, check, time_paths
+
+    if dry_run:  # the comparison and the timing run, the torch rule standing in for the kernels
+        kernels, device, rows = STAND_INS, "cpu", {"packed": [[30, 41, 29]]}
+        size, repeats = (64, (2, 4), (16, 16)), 1
+        out = {"kernels": "plain-torch stand-ins (dry run)"}
+    else:
+        kernels, device, rows = fla_kernels.kernels_for(torch.zeros(1, device="cuda")), "cuda", GDN_TIMING_ROWS
+        size, repeats = GDN_TIMING_SIZE, 10
+        if kernels is None:
+            return {"ok": True, "kernels": "skipped: flash-linear-attention (>= 0.5) not installed"}
+        import fla
+
+        out = {"kernels": f"flash-linear-attention {fla.__version__}", "causal_conv1d": kernels.conv is not None}
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in ("sequence", "packed"):
+            out[f"{str(dtype).removeprefix('torch.')}_{case}"] = check(kernels, dtype, case, device)
+    out["timing_bf16"] = {case: time_paths(kernels, lengths, size, device=device, repeats=repeats)
+                          for case, lengths in rows.items()}  # fmt: skip
+    out["ok"] = all(r["ok"] for r in out.values() if isinstance(r, dict) and "ok" in r)
+    return out
+
+
 def run_stage(results: dict, name: str, fn, *args) -> None:
     started = time.perf_counter()
     print(f"[gpu_check] {name} ...", flush=True)
@@ -246,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "training": (training, args.dry_run, args.steps, tmp),
             "generation": (generation, args.dry_run, tmp),
             "evaluation": (evaluation, args.dry_run, tmp),
+            "gated_deltanet": (gated_deltanet, args.dry_run),
         }
         for name in args.stages:
             run_stage(results, name, *stages[name])

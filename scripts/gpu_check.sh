@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU acceptance run in one command: installs what is missing, then benchmarks/gpu_check.py runs the
 # equivalence subset on CUDA (NCCL layouts with 2+ GPUs), measures gpt3-1.3b bf16 training (eager / compiled,
-# with / without activation checkpointing: tokens/s, TFLOP/s, MFU), generation vs transformers and evaluation vs
-# lm-eval, and writes one JSON (default gpu_check.json). About 10 minutes on one H100/H200-class GPU.
+# with / without activation checkpointing: tokens/s, TFLOP/s, MFU), generation vs transformers, evaluation vs
+# lm-eval and Gated DeltaNet's fused kernels vs its torch path (skipped unless the [linear-attention-kernels] extra
+# is installed: not installed here), and writes one JSON (default gpu_check.json). About 10 minutes on one
+# H100/H200-class GPU.
 #   bash scripts/gpu_check.sh [--output FILE] [--stages equivalence training ...]
 #   bash scripts/gpu_check.sh --dry-run     # every stage at tiny sizes on CPU, no CUDA (the test suite runs this)
 set -euo pipefail

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh cannot rot before a GPU is lent: its dry run runs every stage (equivalence with compiled
 blocks and bf16, 2 gloo ranks; bf16 training eager/compiled x activation checkpointing; generation vs transformers;
-evaluation vs lm-eval) at tiny sizes on CPU and writes the one JSON of results."""
+evaluation vs lm-eval; Gated DeltaNet's kernels against its torch path, plain-torch stand-ins for the kernels) at tiny
+sizes on CPU and writes the one JSON of results."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_one_json(tmp_path):
     )
     assert result["generation"]["same_greedy_tokens"] is True
     assert result["evaluation"]["ours_acc"] == pytest.approx(result["evaluation"]["lm_eval_acc"])
+    deltanet = result["gated_deltanet"]
+    assert deltanet["kernels"].startswith("plain-torch stand-ins") and deltanet["float32_packed"]["ok"]
+    assert deltanet["bfloat16_packed"]["ok"] and deltanet["timing_bf16"]["packed"]["kernels_ms"] > 0
     assert not list(tmp_path.glob("*.tmp"))  # written atomically
 
 
