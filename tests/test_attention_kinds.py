@@ -310,11 +310,15 @@ def test_mxfp4_experts_are_dequantised_on_import_as_transformers_does(tmp_path):
 def test_layouts_not_built_for_gated_deltanet_are_one_line(tmp_path):
     """Context parallelism with sequence parallelism for Gated DeltaNet layers, and a tensor parallelism that does
     not divide the key heads: refused before anything is sharded. (Without sequence parallelism each Gated DeltaNet
-    layer gathers the sequence, except while decoding's whole sequences run.)"""
+    layer passes its state between the CP ranks' chunks, except while decoding's whole sequences run.)"""
     from types import SimpleNamespace
 
     from mtnlg_lightning.linear_attention import GatedDeltaNet
-    from mtnlg_lightning.parallel.context_parallel import apply_context_parallel, whole_sequences
+    from mtnlg_lightning.parallel.context_parallel import (
+        ContextStatePassing,
+        apply_context_parallel,
+        whole_sequences,
+    )
     from mtnlg_lightning.parallel.tensor_parallel import apply_tensor_parallel
 
     model, _ = load_model(random_attention_kind_dir(tmp_path, "qwen3_next"))
@@ -328,15 +332,16 @@ def test_layouts_not_built_for_gated_deltanet_are_one_line(tmp_path):
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     for layer in layers:
         layer.sequence_parallel = False
-    apply_context_parallel(model, ring)  # each Gated DeltaNet layer gathers; decoding's whole sequences do not
+    apply_context_parallel(model, ring)  # each Gated DeltaNet layer passes its state; decoding's whole sequences not
     with whole_sequences([model]):
         assert all(layer.context is None for layer in layers)
-    assert all(layer.context is not None for layer in layers)
+    assert all(isinstance(layer.context, ContextStatePassing) for layer in layers)
 
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_gated_deltanet_layer_under_context_parallelism_is_the_whole_sequence_s(tmp_path, cp):
-    """Threads as CP ranks, each holding its two load-balanced chunks of packed rows of 72 tokens (documents
+    """The other path, gathering the whole sequence (`ContextGather`, `apply_context_parallel(..., linear="gather")`).
+    Threads as CP ranks, each holding its two load-balanced chunks of packed rows of 72 tokens (documents
     crossing the chunks, two of the delta rule's chunks of 64): each rank's output is its chunks of the whole
     sequence's, its input gradient its chunks' of the whole one, and the parameter gradients summed over the ranks
     the whole sequence's."""
@@ -375,6 +380,84 @@ def test_a_gated_deltanet_layer_under_context_parallelism_is_the_whole_sequence_
         summed = sum(grads[name] for _, _, grads in results)  # each rank's part, the delta rule's fp32 rounding
         scale = param_grad.abs().max().item()
         torch.testing.assert_close(summed, param_grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: n + m)
+
+
+# Packed rows for the state passing: at 96 tokens cp2's chunks start at 24, 48, 72 and cp3's at 16, 32, 48, 64, 80.
+# Row 0: documents of 5 and 2 tokens (shorter than the convolution's kernel of 4), one to 48 over chunk starts, one
+# from 48 (a chunk's start) through a whole chunk into the next (so that chunk's state map must not see its incoming
+# state), one of 3 from 80 (cp3's chunk start), one to the end. Row 1: one from 47 (the next chunk's window holds
+# one of its inputs) over two chunk starts, one from 80.
+STATE_PASSING_IDS = torch.tensor(
+    [[0] * 5 + [1] * 2 + [2] * 41 + [3] * 32 + [4] * 3 + [5] * 13, [0] * 20 + [1] * 27 + [2] * 33 + [3] * 16]
+)
+
+
+@pytest.mark.parametrize(
+    "cp,length,packed",
+    [(2, 96, True), (3, 96, True), (2, 160, False), (3, 12, False)],
+    ids=["cp2_packed", "cp3_packed", "cp2_chunks_longer_than_the_rule_s", "cp3_chunks_shorter_than_the_kernel"],
+)
+def test_a_gated_deltanet_layer_passes_its_state_between_the_context_parallel_ranks_exactly(
+    gated_deltanet_layer, cp, length, packed
+):
+    """Threads as CP ranks, each running the layer over its two load-balanced chunks only (`ContextStatePassing`):
+    the convolution's inputs before each chunk and each chunk's affine state map all-gathered, the incoming states
+    composed in sequence order. Packed rows (documents starting inside chunks and at their starts, shorter than the
+    kernel, over several chunk boundaries), one sequence in chunks longer than the rule's chunk of 64, and chunks of
+    2 tokens (a window of 3 inputs spans two chunks): each rank's output and input gradient are its chunks' of the
+    whole sequence's, and the parameter gradients summed over the ranks the whole sequence's, within 1e-11 of each
+    tensor's scale. In float64 (the rule computes in it for a float64 layer): in fp32 the decay's gradients (dt_bias,
+    A_log: sums over every position that nearly cancel) move 1.3e-5 of their scale when only the rule's inner chunk
+    changes from 64 to 32, which would hide a small error."""
+    import copy
+
+    import torch.distributed as dist
+    from threaded_group import run_ranks
+
+    from mtnlg_lightning.model import DocumentMask
+    from mtnlg_lightning.parallel.context_parallel import ContextStatePassing, split_sequence
+
+    layer = gated_deltanet_layer
+    generator = torch.Generator().manual_seed(5)
+    x, grad = (torch.randn(2, length, 64, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = DocumentMask(STATE_PASSING_IDS, "blocks") if packed else None
+    whole = x.clone().requires_grad_()
+    reference = copy.deepcopy(layer)
+    out = reference(whole, mask=mask)
+    (out * grad).sum().backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+
+    def rank_fn(rank: int):
+        mine = copy.deepcopy(layer)
+        mine.context = ContextStatePassing(dist.group.WORLD, rank, cp)
+        chunks = split_sequence(x, rank, cp).requires_grad_()
+        y = mine(chunks, mask=mask)
+        (y * split_sequence(grad, rank, cp)).sum().backward()
+        return y.detach(), chunks.grad, {name: p.grad for name, p in mine.named_parameters()}
+
+    def close(got, want, what):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11 * scale, msg=lambda m: f"{what}: {m}")
+
+    results = run_ranks(cp, rank_fn)
+    for rank, (y, x_grad, _) in enumerate(results):
+        close(y, split_sequence(out.detach(), rank, cp), f"output of rank {rank}")
+        close(x_grad, split_sequence(whole.grad, rank, cp), f"input gradient of rank {rank}")
+    assert expected.keys() == results[0][2].keys()
+    for name, param_grad in expected.items():
+        close(sum(grads[name] for _, _, grads in results), param_grad, name)
+
+
+@pytest.fixture(scope="module")
+def gated_deltanet_layer(tmp_path_factory):
+    """The first Gated DeltaNet layer of a random Qwen3-Next (2 key heads, 4 value heads, d_k 8, d_v 16, kernel 4),
+    in float64, its decays slow (rates A in [0.01, 0.1], not the init's [1, 16]): with the init's a state fades by
+    e^-30 over a chunk of 24 tokens, and a mistake in passing it would hide."""
+    model = load_model(random_attention_kind_dir(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next"))[0]
+    layer = model.blocks["0"].attn.double()
+    with torch.no_grad():
+        layer.decay.A_log.copy_(torch.linspace(0.01, 0.1, layer.nv, dtype=torch.float64).log())
+    return layer
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])

@@ -13,7 +13,7 @@ import torch
 
 from mtnlg_lightning import fla_kernels
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.linear_attention import document_runs
+from mtnlg_lightning.linear_attention import document_runs, document_starts
 from mtnlg_lightning.model import DocumentMask, KVCache
 from testing.gated_deltanet_kernels import (
     STAND_INS,
@@ -30,14 +30,14 @@ LENGTHS = [[30, 41, 29], [70, 30]]  # a row of 3 documents (a chunk of 64 crosse
 
 def test_a_packed_row_s_offsets_are_its_documents_and_a_batch_s_rows_follow_each_other():
     (a, b, c), (d, _) = LENGTHS
-    starts = fla_kernels.run_starts(packed_ids(LENGTHS[:1]))
+    starts = document_starts(packed_ids(LENGTHS[:1])).flatten()
     assert fla_kernels.cu_seqlens(starts).tolist() == [0, a, a + b, a + b + c]
     assert fla_kernels.run_index(starts).tolist() == [[0] * a + [1] * b + [2] * c]
     ids = packed_ids(LENGTHS)
     ids[1] = 2  # row 1 is the document row 0 ends with: still a run of its own
-    assert fla_kernels.cu_seqlens(fla_kernels.run_starts(ids)).tolist() == [0, a, a + b, 100, 200]
+    assert fla_kernels.cu_seqlens(document_starts(ids).flatten()).tolist() == [0, a, a + b, 100, 200]
     ids = packed_ids(LENGTHS)
-    offsets = fla_kernels.cu_seqlens(fla_kernels.run_starts(ids))
+    offsets = fla_kernels.cu_seqlens(document_starts(ids).flatten())
     assert offsets.tolist() == [0, a, a + b, 100, 100 + d, 200] and offsets.dtype == torch.int64
     assert offsets.tolist()[:-1] == [row * 100 + s for row, s, _ in document_runs(ids, 2, 100)]
 
@@ -49,7 +49,7 @@ def test_the_convolution_of_each_document_in_torch_is_the_layer_s_per_document()
     expected = torch.zeros_like(x)
     for row, s, e in document_runs(ids, 2, 100):
         expected[row, s:e] = layer._convolve(x[row : row + 1, s:e], None)[0]
-    run = fla_kernels.run_index(fla_kernels.run_starts(ids)).view(2, 100)
+    run = fla_kernels.run_index(document_starts(ids).flatten()).view(2, 100)
     torch.testing.assert_close(fla_kernels.conv_per_run(x, layer.conv1d.weight, run), expected, rtol=1e-12, atol=1e-12)
     whole = layer._convolve(x, None)[0]
     torch.testing.assert_close(fla_kernels.conv_per_run(x, layer.conv1d.weight), whole, rtol=1e-12, atol=1e-12)
@@ -94,7 +94,11 @@ def test_a_prefill_on_the_kernels_continues_as_the_torch_path_s_decoding():
     for part in ("conv", "state"):
         torch.testing.assert_close(outs["kernels"][1][part], outs["torch"][1][part], rtol=1e-6, atol=1e-7)
     held = outs["kernels"][1]
-    assert held["state"].dtype == torch.float32 and held["conv"].shape == (2, layer.conv1d.in_channels, 3)
+    assert held["state"].dtype == torch.float64 and held["conv"].shape == (
+        2,
+        layer.conv1d.in_channels,
+        3,
+    )  # the state in compute_dtype: fp32, float64 here
 
 
 def test_the_kernels_keep_the_torch_path_s_refusal_of_branches():

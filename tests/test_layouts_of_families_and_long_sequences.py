@@ -48,7 +48,7 @@ WORLD2 += ["gpt_cp2", "llama_cp2", "llama_cp2_zero3", "llama_cp2_acfull", "gpt_c
 # The attention kinds' families (issue 62): sliding windows and per-kind RoPE (Gemma 3), sinks, YaRN and biased
 # clamped-SwiGLU experts (GPT-OSS, experts over 2 ranks beside ZeRO-1), Gated DeltaNet (Qwen3-Next: split by key
 # heads in tp2, with and without sequence parallelism; the tp2 checkpoint exported to transformers; in cp2 each
-# Gated DeltaNet layer gathers the whole sequence).
+# Gated DeltaNet layer runs its rank's chunks and passes the state between the ranks).
 WORLD2 += ["gemma3_tp2_sp", "gemma3_pp2", "gemma3_dp2_zero1", "gptoss_tp2_sp", "gptoss_pp2", "gptoss_ep2_zero1"]
 WORLD2 += ["qwen3next_pp2", "qwen3next_dp2_zero1", "gemma3_cp2"]  # cp2: the ring masks each block by the windows
 WORLD2 += ["qwen3next_tp2_ckpt", "qwen3next_tp2_sp", "qwen3next_cp2", "gptoss_cp2"]  # gptoss: sinks after the ring

@@ -110,12 +110,6 @@ def _announce(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def run_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """[B * S] bool, True at each run's first token: each row's first, and each whose document is not the one
-    before it (`document_runs`' runs, in the batch flattened to one row)."""
-    return F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True).flatten()
-
-
 def cu_seqlens(starts: torch.Tensor) -> torch.Tensor:
     """The runs' offsets in the flattened row, [0, ..., B * S] (int64, as fla takes them)."""
     return F.pad(starts.nonzero().flatten(), (0, 1), value=starts.numel())

@@ -28,10 +28,12 @@ keeps whole: this module holds them grouped by key head instead ([q_h, k_h, v_h]
 in_proj_qkvz's first 2 d_k + (n_v / n_k) d_v features per head), and the mapping permutes them on import and export
 (`grouped_conv_channels`), so a rank's shard is contiguous and the checkpoint's plain dim-0 gathering is right. The
 gated norm's weight [d_v] is replicated (its gradient, each rank's from its own heads, summed), `out_proj` row
-parallel. Under context parallelism the layer gathers the whole sequence's hidden states from the CP ranks, runs
-over it, and keeps its rank's chunks (`parallel/context_parallel.ContextGather`): exact, its compute and
-activations those of the whole sequence on every CP rank (passing the state between the ranks' chunks instead is
-the plan, not built).
+parallel. Under context parallelism each CP rank runs the layer over its own two chunks of the sequence, and the
+ranks pass the recurrence's state between the chunks in sequence order (`parallel/context_parallel.
+ContextStatePassing`): a run whose incoming state is not known yet runs as an affine map of it
+(`chunk_gated_delta_rule_map`: output o_0 + reads S0, final state M S0 + C), the convolution reads the kernel - 1
+inputs before its chunk from the neighbouring chunk, and the layer's compute and activations are those of the
+rank's chunks. `ContextGather` (the whole sequence gathered on every CP rank, run as one process) is the other path.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ from mtnlg_lightning.errors import MTNLGError
 CHUNK = 64  # transformers' chunk of the sequence
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the rule, the decay and the gated norm compute in: fp32 whatever the model's dtype, float64 for a
+    float64 model (so its tests see the arithmetic, not fp32's rounding)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -55,7 +63,8 @@ def _prepare(q, k, v, g, beta):
     groups = v.shape[2] // k.shape[2]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (q, k, v, beta, g))
+    dtype = compute_dtype(v.dtype)
+    q, k, v, beta, g = (x.transpose(1, 2).to(dtype).contiguous() for x in (q, k, v, beta, g))
     q, k = l2norm(q), l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
@@ -63,8 +72,30 @@ def _prepare(q, k, v, g, beta):
 def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
     """q, k [B, L, n_k, d_k], v [B, L, n_v, d_v], g and beta [B, L, n_v] -> (o [B, L, n_v, d_v] in v's dtype, the
     final state [B, n_v, d_k, d_v] fp32), from `state` (zeros: a sequence's start)."""
-    dtype, length = v.dtype, q.shape[1]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    out, S = _chunk_scan(*_prepare(q, k, v, g, beta), state)
+    return out.transpose(1, 2).to(v.dtype).contiguous(), S
+
+
+def chunk_gated_delta_rule_map(q, k, v, g, beta):
+    """The rule over a run whose incoming state S0 is not known yet (context parallelism: the state comes from
+    another rank's chunk), as an affine map of S0 (inputs as `chunk_gated_delta_rule`'s) -> (o_0 [B, L, n_v, d_v],
+    reads [B, L, n_v, d_k], C [B, n_v, d_k, d_v], M [B, n_v, d_k, d_k]), all fp32: the output from S0 is
+    o_0 + reads S0 and the final state M S0 + C (per value head, [L, d_k] @ [d_k, d_v] and [d_k, d_k] @ [d_k, d_v]).
+
+    Each step of the chunked form acts on the state's columns one by one (v_new = U - W S, o = Qd S + A v_new,
+    S' = gamma S + Kd^T v_new), so the scan of the state [0 | I] with values [v | 0] carries (C, M) in its state and
+    (o_0, reads) in its output, in one pass over d_v + d_k columns."""
+    out, S = _chunk_scan(*_prepare(q, k, v, g, beta), None, carry_identity=True)
+    dv = v.shape[-1]
+    o0, reads = out.transpose(1, 2).split([dv, out.shape[-1] - dv], dim=-1)
+    C, M = S.split([dv, S.shape[-1] - dv], dim=-1)
+    return o0, reads, C, M
+
+
+def _chunk_scan(q, k, v, g, beta, state: torch.Tensor | None, carry_identity: bool = False):
+    """The chunked form over prepared fp32 [B, n_v, L, d] inputs -> (o fp32 [B, n_v, L, d_v], the final state);
+    `carry_identity`: d_k more columns, values 0 and state I (`chunk_gated_delta_rule_map`)."""
+    length = q.shape[2]
     B, H, _, dk = k.shape
     pad = (CHUNK - length % CHUNK) % CHUNK
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -80,7 +111,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
     k_decayed = torch.linalg.solve_triangular(
         system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True
     )
-    S = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None else state.float()
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=v.dtype, device=v.device) if state is None else state.to(v.dtype)
+    if carry_identity:
+        new_values = F.pad(new_values, (0, dk))
+        S = torch.cat([S, torch.eye(dk, dtype=S.dtype, device=S.device).expand(B, H, dk, dk)], dim=-1)
     q = q * decay.exp().unsqueeze(-1)
     k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
@@ -89,8 +123,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
         v_new = new_values[:, :, i] - k_decayed[:, :, i] @ S
         out[:, :, i] = q[:, :, i] @ S + within[:, :, i] @ v_new
         S = S * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(B, H, -1, v.shape[-1])[:, :, :length]
-    return out.transpose(1, 2).to(dtype).contiguous(), S
+    return out.reshape(B, H, -1, out.shape[-1])[:, :, :length], S
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
@@ -98,7 +131,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = No
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, length, dk = k.shape
-    S = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None else state.float()
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=v.dtype, device=v.device) if state is None else state.to(v.dtype)
     out = torch.empty_like(v)
     for t in range(length):
         S = S * g[:, :, t].exp()[..., None, None]
@@ -126,7 +159,8 @@ class Decay(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1, 16)))  # decay rates A in [1, 16]
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        dtype = compute_dtype(a.dtype)
+        return -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias)
 
 
 class GatedRMSNorm(nn.Module):
@@ -138,25 +172,27 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = x.float()
+        y = x.to(compute_dtype(x.dtype))
         y = self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (y * F.silu(gate.float())).to(x.dtype)
+        return (y * F.silu(gate.to(compute_dtype(gate.dtype)))).to(x.dtype)
 
 
-def no_branches(document_ids: torch.Tensor) -> None:
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: True where a run of one document starts in a packed row (position 0 and each change of id)."""
     if bool((document_ids < -1).any()):
         raise MTNLGError("Gated DeltaNet layers cannot continue a prefix document in branches (GRPO's shared prompt)")
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
 
 
 def document_runs(document_ids: torch.Tensor | None, rows: int, length: int) -> list[tuple[int, int, int]]:
     """(row, start, end) of each run of one document in a packed row ([B, S] ids), or each whole row."""
     if document_ids is None:
         return [(b, 0, length) for b in range(rows)]
-    no_branches(document_ids)
     runs = []
-    for b in range(document_ids.shape[0]):
-        row = document_ids[b]
-        starts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), length]
+    for b, row in enumerate(document_starts(document_ids)):
+        starts = [*torch.nonzero(row).flatten().tolist(), length]
         runs += [(b, s, e) for s, e in zip(starts[:-1], starts[1:], strict=True)]
     return runs
 
@@ -178,8 +214,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dv, eps=eps)
         self.out_proj = nn.Linear(nv * dv, h, bias=False)
         self.sequence_parallel = False  # set by tensor parallelism (`split_heads`)
-        # context parallelism's gather of the whole sequence and cut back to this rank's chunks
-        # (`parallel/context_parallel.ContextGather`); None: this rank's input is the whole sequence
+        # how this layer runs over this rank's chunks of a sequence under context parallelism, called as
+        # context(layer, x, mask) (`parallel/context_parallel.ContextStatePassing` or `ContextGather`); None: this
+        # rank's input is the whole sequence
         self.context = None
 
     def split_heads(self, size: int, sequence_parallel: bool = False) -> None:
@@ -191,25 +228,35 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv = self.nk // size, self.nv // size
         self.sequence_parallel = sequence_parallel
 
+    @property
+    def kernel(self) -> int:
+        return self.conv1d.weight.shape[-1]
+
     def _convolve(self, x: torch.Tensor, before: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, C] -> (silu(causal depthwise conv) [B, L, C], the last kernel - 1 inputs [B, C, kernel - 1]),
         `before` the inputs preceding x (None: zeros, a sequence's start)."""
-        kernel = self.conv1d.weight.shape[-1]
         channels = x.transpose(1, 2)
         if before is None:
-            before = channels.new_zeros(*channels.shape[:2], kernel - 1)
+            before = channels.new_zeros(*channels.shape[:2], self.kernel - 1)
         window = torch.cat([before.to(channels.dtype), channels], dim=-1)
         out = F.conv1d(window, self.conv1d.weight, groups=window.shape[1])
-        return F.silu(out).transpose(1, 2), window[..., window.shape[-1] - (kernel - 1) :]
+        return F.silu(out).transpose(1, 2), window[..., window.shape[-1] - (self.kernel - 1) :]
 
-    def _mix(self, mixed, beta, g, z, conv_state=None, state=None, recurrent=False):
-        """One run (a document, a row, or a decoding step): conv, the rule, the gated norm -> [B, L, nv * dv]."""
+    def rule_inputs(self, mixed, conv_state=None):
+        """One run's convolution (`_convolve`) split into the rule's q, k [B, L, n_k, d_k] and v [B, L, n_v, d_v];
+        with the convolution's last kernel - 1 inputs."""
         B, L, _ = mixed.shape
         conv, conv_state = self._convolve(mixed, conv_state)
         r = self.nv // self.nk
         q, k, v = conv.view(B, L, self.nk, -1).split([self.dk, self.dk, r * self.dv], dim=-1)
+        return (q, k, v.reshape(B, L, self.nv, self.dv)), conv_state
+
+    def _mix(self, mixed, beta, g, z, conv_state=None, state=None, recurrent=False):
+        """One run (a document, a row, or a decoding step): conv, the rule, the gated norm -> [B, L, nv * dv]."""
+        B, L, _ = mixed.shape
+        (q, k, v), conv_state = self.rule_inputs(mixed, conv_state)
         rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
-        o, state = rule(q, k, v.reshape(B, L, self.nv, self.dv), g, beta, state)
+        o, state = rule(q, k, v, g, beta, state)
         return self.norm(o, z).reshape(B, L, -1), conv_state, state
 
     def _fused(self, kernels, mixed, beta, g, z, document_ids=None, final_state=False):
@@ -218,8 +265,7 @@ class GatedDeltaNet(nn.Module):
         B, S, C = mixed.shape
         offsets = run = None
         if document_ids is not None:  # packed rows: one row of runs, each restarting the convolution and the state
-            no_branches(document_ids)
-            starts = fla_kernels.run_starts(document_ids)
+            starts = document_starts(document_ids).flatten()
             offsets, run = fla_kernels.cu_seqlens(starts), fla_kernels.run_index(starts)
             mixed, g, beta = mixed.reshape(1, B * S, C), g.reshape(1, B * S, -1), beta.reshape(1, B * S, -1)
         rows, L = mixed.shape[:2]
@@ -235,20 +281,25 @@ class GatedDeltaNet(nn.Module):
         return out, F.pad(mixed.transpose(1, 2), (kernel - 1, 0))[..., S:], state
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None, mask=None) -> torch.Tensor:
-        if self.context is not None and cache is None:  # the recurrence runs over the whole sequence, in order
-            return self.context.mine(self._forward(self.context.whole(x), mask))
+        if self.context is not None and cache is None:  # this rank's chunks of a sequence (context parallelism)
+            return self.context(self, x, mask)
         return self._forward(x, mask, cache)
 
-    def _forward(self, x: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
+    def project(self, x: torch.Tensor):
+        """x [B, S, hidden] -> the convolution's input channels `mixed` [B, S, 2 n_k d_k + n_v d_v] ([q_h, k_h, v_h]
+        per key head), the gate z [B, S, n_v, d_v], beta and the log decay g [B, S, n_v]."""
         qkvz = self.in_proj_qkvz(x)  # the whole sequence under sequence parallelism (x: this rank's slice)
         B, S, _ = qkvz.shape
         r = self.nv // self.nk
         mixed, z = qkvz.view(B, S, self.nk, -1).split([2 * self.dk + r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).view(B, S, self.nk, 2 * r).split([r, r], dim=-1)
-        mixed = mixed.reshape(B, S, -1)  # [q_h, k_h, v_h] per key head: the convolution's channel order
-        z = z.reshape(B, S, self.nv, self.dv)
         beta = b.reshape(B, S, self.nv).sigmoid()
         g = self.decay(a.reshape(B, S, self.nv))
+        return mixed.reshape(B, S, -1), z.reshape(B, S, self.nv, self.dv), beta, g
+
+    def _forward(self, x: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
+        mixed, z, beta, g = self.project(x)
+        B, S, _ = mixed.shape
         kernels = fla_kernels.kernels_for(x)  # None: the torch path (CPU, or fla not installed)
         if cache is not None:  # decoding: this layer's conv inputs and state continue, a prefill starts them
             held = cache.cache.states.setdefault(cache.name, {})

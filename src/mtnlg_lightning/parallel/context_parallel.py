@@ -35,17 +35,27 @@ softmax, where lse is the ring's merged log-sum-exp over every key, so the outpu
 backward runs the blocks on the scaled output gradient and the sinked output, and the sink's gradient is its column's
 (`_RingAttention`). Exact, at no extra traffic.
 
-Gated DeltaNet layers (`linear_attention.py`) are a recurrence in sequence order, which the load-balanced chunks
-(r and 2CP-1-r) break: each such layer gathers the whole sequence's hidden states from the CP ranks (all-gather,
-the chunks put back in order), runs over it, documents and all, as one process does, and keeps its rank's chunks
-(`ContextGather`); backward, each rank's gradient of the whole sequence's input is summed over the CP group and it
-keeps its chunks'. Exact, but each CP rank computes these layers over the whole sequence (their activations too):
-CP saves nothing in them. With sequence parallelism it is refused in one line. The plan that would save it: each
-rank runs its chunks from a zero state, then the final states pass between the ranks in sequence order (a state
-is [n_v, d_k, d_v] per row, whatever the length; chunk r's to chunk r + 1, through every rank and back), and each
-chunk's output is corrected by the incoming state read through its decayed queries (the chunked form's
-inter-chunk term); the convolution needs the kernel - 1 inputs before each chunk, and a document starting inside
-a chunk stops the incoming state there. Not built.
+Gated DeltaNet layers (`linear_attention.py`) are a recurrence in sequence order, and a rank's chunks r and
+2CP-1-r are not neighbours. Each rank runs such a layer over its own two chunks (`ContextStatePassing`, the default)
+and the ranks pass what crosses a chunk boundary. The rule over a chunk is affine in its incoming state S0 (per row
+and value head, S [d_k, d_v] fp32): its output is o_0 + reads S0 and its final state M S0 + C, one pass of the
+chunked form over the state [S0 | I] (`linear_attention.chunk_gated_delta_rule_map`); a document starting inside
+the chunk cuts the dependence (the runs after it start from zero, M = 0), and a chunk that starts a document reads
+no S0. Per layer each rank all-gathers (1) every chunk's (C | M): per row and value head d_k x d_v + d_k x d_k fp32
+per chunk, two chunks per rank, whatever the length; each rank then composes the incoming states of its two chunks
+in sequence order (S_0 = 0, S_{j+1} = M_j S_j + C_j, up to 2CP small matmuls) and adds reads S0 to their outputs;
+and (2) the short convolution's kernel - 1 inputs at the end of every chunk (per row (kernel - 1) x (2 n_k d_k +
+n_v d_v) values, the projected q/k/v channels), the window before each chunk (zeros before the sequence and before
+the chunk's document). Backward, each gathered
+piece's gradient is summed over the CP group to its owner. Exact (threaded cp2 and cp3, packed or not, within 1e-11
+in float64; cp2 trains like one process); each rank computes and keeps these layers' activations for its 2c tokens
+only, the scan of the chunks whose state comes in carrying d_k more columns (for M): at cp2, Qwen3-Next's head dims
+and 4096 tokens, a layer's activations per rank are 0.61 of the whole sequence's (`benchmarks/
+bench_context_parallel_memory.py --gated-deltanet`). `ContextGather` is the other path (`apply_context_parallel(...,
+linear="gather")`): the whole sequence's hidden states all-gathered (the chunks put back in order), the layer run over
+it as one process does, this rank's chunks kept; backward, each rank's gradient of the whole sequence's input summed
+over the CP group, its chunks' kept. Exact, but CP saves nothing in these layers. With sequence parallelism either is
+refused in one line (neither takes the TP slices of the chunks yet).
 """
 
 from __future__ import annotations
@@ -55,11 +65,17 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from mtnlg_lightning import torch_compat
 from mtnlg_lightning.errors import MTNLGError
-from mtnlg_lightning.linear_attention import GatedDeltaNet
+from mtnlg_lightning.linear_attention import (
+    GatedDeltaNet,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_map,
+    document_starts,
+)
 from mtnlg_lightning.loss import counted_labels
 from mtnlg_lightning.model import DocumentMask, document_mask
 from mtnlg_lightning.moe import moe_layers
@@ -361,17 +377,198 @@ class _GatherContext(torch.autograd.Function):
 
 
 class ContextGather:
-    """What a Gated DeltaNet layer does under context parallelism (`linear_attention.GatedDeltaNet.context`): its
-    input gathered whole (`whole`), its output cut back to this rank's chunks (`mine`)."""
+    """A Gated DeltaNet layer under context parallelism that runs over the whole sequence
+    (`linear_attention.GatedDeltaNet.context`): its input gathered whole (`whole`), its output cut back to this
+    rank's chunks (`mine`). Exact, but CP saves nothing in the layer; `ContextStatePassing` is the default."""
 
     def __init__(self, group, cp_rank: int, cp_size: int):
         self.group, self.cp_rank, self.cp_size = group, cp_rank, cp_size
+
+    def __call__(self, layer: GatedDeltaNet, x: torch.Tensor, mask) -> torch.Tensor:
+        return self.mine(layer._forward(self.whole(x), mask))
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         return _GatherContext.apply(x, self.group, self.cp_rank, self.cp_size)
 
     def mine(self, y: torch.Tensor) -> torch.Tensor:
         return split_sequence(y, self.cp_rank, self.cp_size)
+
+
+class _GatherOverContext(torch.autograd.Function):
+    """Each CP rank's `x` -> every rank's stacked [CP, ...] (by CP rank), on every rank. Backward: each rank read
+    every piece, so a piece's gradient is the sum of the ranks' gradients of it, handed to its owner (an all-reduce
+    of the whole stack, then the owner's piece: gloo has no reduce-scatter, and the pieces here are small)."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp_rank: int, cp_size: int):
+        ctx.group, ctx.cp_rank = group, cp_rank
+        parts = [torch.empty_like(x) for _ in range(cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.cp_rank], None, None, None
+
+
+class ContextStatePassing:
+    """A Gated DeltaNet layer under context parallelism that runs over this rank's two chunks only
+    (`linear_attention.GatedDeltaNet.context`; the default). What crosses a chunk boundary in sequence order is
+    exchanged over the CP group, two all-gathers per layer:
+
+    - the convolution's kernel - 1 inputs (the projected q/k/v channels before it) at the end of each chunk: each
+      chunk's window is its predecessors' (zeros before the sequence and before the chunk's document's start);
+    - each chunk's recurrence as an affine map of its incoming state S0, per row and value head: the final state
+      M S0 + C (M [d_k, d_k], C [d_k, d_v], fp32; `chunk_gated_delta_rule_map`), M = 0 where a document starts in
+      the chunk (its final state does not see S0). Every rank composes the incoming states of its two chunks from
+      the 2 x CP maps in sequence order (a scan of small matmuls), then adds reads S0 to its first run's output.
+
+    Backward, each gathered piece's gradient is summed over the group to its owner (`_GatherOverContext`). Each
+    rank's graph reaches both gathers whatever its documents (its second chunk always reads a window and an
+    incoming state, times 0 where its document starts there), so every rank runs their backward collectives, in
+    the same order."""
+
+    def __init__(self, group, cp_rank: int, cp_size: int):
+        self.group, self.cp_rank, self.cp_size = group, cp_rank, cp_size
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's two chunks' pieces [2, ...] -> every chunk's, [CP, 2, ...] (`of_chunk` reads them)."""
+        return _GatherOverContext.apply(x, self.group, self.cp_rank, self.cp_size)
+
+    def of_chunk(self, gathered: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The piece of sequence chunk `chunk` (of 2 x CP) in a `gather`ed stack."""
+        if chunk < self.cp_size:
+            return gathered[chunk, 0]
+        return gathered[2 * self.cp_size - 1 - chunk, 1]
+
+    def __call__(self, layer: GatedDeltaNet, x: torch.Tensor, mask) -> torch.Tensor:
+        mixed, z, beta, g = layer.project(x)  # this rank's 2c tokens: chunks r and 2CP-1-r, in sequence order
+        B, length, _ = mixed.shape
+        c, chunks = length // 2, chunk_indices(self.cp_rank, self.cp_size)
+        starts, document_start = self._documents(mask)
+        windows = self._windows(mixed, layer.kernel - 1, chunks, c, document_start)
+        pieces, maps = [], []
+        for i, (chunk, window) in enumerate(zip(chunks, windows, strict=True)):
+            part = slice(i * c, (i + 1) * c)
+            groups = self._row_groups(chunk, c, B, starts, document_start, mixed.device)
+            piece, state_map = self._run_chunk(layer, chunk, *(t[:, part] for t in (mixed, beta, g)), window, groups)
+            pieces.append(piece)
+            maps.append(state_map)
+        incoming = self._incoming_states(self.gather(torch.stack(maps)), chunks, layer.dv)
+        o = torch.cat([self._read_incoming(p, S0, mixed.dtype) for p, S0 in zip(pieces, incoming, strict=True)], 1)
+        return layer.out_proj(layer.norm(o, z).reshape(B, length, -1))  # o: [B, 2c, n_v, d_v]
+
+    @staticmethod
+    def _documents(mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """For packed rows ([B, S] `document_ids`, whole on every rank): where a document starts (bool) and, for
+        each position, where its document started; (None, None) for rows of one sequence."""
+        ids = None if getattr(mask, "one_sequence", False) else getattr(mask, "document_ids", None)
+        if ids is None:
+            return None, None
+        starts = document_starts(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return starts, torch.where(starts, positions, 0).cummax(dim=1).values
+
+    @staticmethod
+    def _run_chunk(layer: GatedDeltaNet, chunk: int, mixed, beta, g, window, groups):
+        """One chunk's runs [B, c, ...] before its incoming state is known -> (per row group: rows, whether the
+        chunk continues a document, its first run's o_0 (fp32; in the model's dtype for the sequence's first
+        chunk) and reads (None there), the later runs' outputs; the chunk's final state as (C | M) [B, n_v, d_k,
+        d_v + d_k])."""
+        pieces, maps = [], []
+        for rows, bounds, continued in groups:
+            m, b, d = (t[rows] for t in (mixed, beta, g))
+            s, e = bounds[0]
+            qkv, _ = layer.rule_inputs(m[:, s:e], window[rows] if window is not None else None)
+            if chunk == 0:  # the sequence's start: the incoming state is zero
+                o0, state = chunk_gated_delta_rule(*qkv, d[:, s:e], b[:, s:e])
+                reads, M = None, state.new_zeros(*state.shape[:-1], state.shape[-2])
+            else:
+                o0, reads, state, M = chunk_gated_delta_rule_map(*qkv, d[:, s:e], b[:, s:e])
+                M = M * continued[:, None, None, None]  # a chunk that starts a document ignores S0
+            later = []
+            for s, e in bounds[1:]:  # documents that start inside the chunk: from a zero state
+                qkv, _ = layer.rule_inputs(m[:, s:e])
+                o, state = chunk_gated_delta_rule(*qkv, d[:, s:e], b[:, s:e])
+                later.append(o)
+            if later:  # the final state is the last document's, which S0 does not reach
+                M = torch.zeros_like(M)
+            pieces.append((rows, continued, o0, reads, later))
+            maps.append(torch.cat([state, M], dim=-1))
+        return pieces, torch.cat(maps)
+
+    @staticmethod
+    def _read_incoming(pieces, S0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A chunk's output [B, c, n_v, d_v] from its `_run_chunk` pieces and its incoming state S0: its first
+        run's o_0 + reads S0 (per value head, [L, d_k] @ [d_k, d_v]; S0 times 0 where the chunk starts a
+        document), then the later runs'."""
+        rows_out = []
+        for rows, continued, o0, reads, later in pieces:
+            if reads is not None:
+                S0_rows = S0[rows] * continued[:, None, None, None]
+                o0 = (o0 + torch.einsum("blhk,bhkv->blhv", reads, S0_rows)).to(dtype)
+            rows_out.append(torch.cat([o0, *later], dim=1))
+        return torch.cat(rows_out)
+
+    def _windows(self, mixed, width: int, chunks, c: int, document_start) -> list[torch.Tensor | None]:
+        """The `width` (kernel - 1) convolution inputs before each of this rank's chunks, [B, C, width] as
+        `GatedDeltaNet._convolve` takes them (None for the sequence's first chunk). Every chunk's last min(c, width)
+        inputs are gathered, so a window spans several chunks when chunks are shorter than it; inputs before the
+        sequence or before the document of the chunk's first token (`document_start`: each position's, or None) are
+        zeros, as one process's run of that document has."""
+        if width == 0:  # a kernel of 1 reads nothing before a chunk
+            return [None] * len(chunks)
+        tail = min(c, width)
+        length = mixed.shape[1]
+        tails = self.gather(torch.stack([mixed[:, c - tail : c], mixed[:, length - tail :]]))  # [CP, 2, B, t, C]
+        needed = -(-width // tail)  # the chunks whose tails cover a window
+        windows = []
+        for chunk in chunks:
+            if chunk == 0:
+                windows.append(None)
+                continue
+            before = torch.cat([self.of_chunk(tails, j) for j in range(max(0, chunk - needed), chunk)], dim=1)
+            if before.shape[1] >= width:
+                before = before[:, before.shape[1] - width :]
+            else:  # the window reaches before the sequence
+                before = F.pad(before, (0, 0, width - before.shape[1], 0))
+            positions = chunk * c - width + torch.arange(width, device=mixed.device)
+            keep = (positions >= 0)[None, :]
+            if document_start is not None:
+                keep = keep & (positions[None, :] >= document_start[:, chunk * c, None])
+            windows.append((before * keep[..., None].to(before.dtype)).transpose(1, 2))
+        return windows
+
+    @staticmethod
+    def _row_groups(chunk: int, c: int, rows: int, starts, document_start, device):
+        """(rows, the chunk's runs of one document [(start, end)] within it, whether each row's first run continues
+        the previous chunk's document [rows] float) for each group of rows that share the runs: all rows of one
+        sequence each, or each packed row alone."""
+        begin = chunk * c
+        if starts is None:
+            continued = torch.full((rows,), float(chunk > 0), device=device)
+            return [(slice(0, rows), [(0, c)], continued)]
+        groups = []
+        for row in range(rows):
+            inside = (torch.nonzero(starts[row, begin + 1 : begin + c]).flatten() + 1).tolist()
+            bounds = [0, *inside, c]
+            continued = (document_start[row : row + 1, begin] < begin).float()
+            groups.append((slice(row, row + 1), list(zip(bounds[:-1], bounds[1:], strict=True)), continued))
+        return groups
+
+    def _incoming_states(self, maps: torch.Tensor, chunks, dv: int) -> list[torch.Tensor]:
+        """The state entering each of this rank's chunks, from every chunk's (C | M) [CP, 2, B, n_v, d_k, d_v + d_k]:
+        S_0 = 0, S_{j+1} = M_j S_j + C_j, in sequence order up to this rank's later chunk."""
+        S = torch.zeros_like(maps[0, 0, ..., :dv])
+        incoming = {}
+        for chunk in range(max(chunks)):
+            incoming[chunk] = S
+            C, M = self.of_chunk(maps, chunk).split([dv, maps.shape[-1] - dv], dim=-1)
+            S = M @ S + C
+        incoming[max(chunks)] = S
+        return [incoming[chunk] for chunk in chunks]
 
 
 # ---------------------------------------------------------------------------------------------- applied from outside
@@ -391,24 +588,28 @@ def _split_tokens(cp_rank: int, cp_size: int, module, args, kwargs):
     return (tokens, *args[1:]), kwargs
 
 
-def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto") -> nn.Module:
+LINEAR_CONTEXT = {"states": ContextStatePassing, "gather": ContextGather}  # how Gated DeltaNet layers run
+
+
+def apply_context_parallel(model: nn.Module, ring: Ring, kernel: str = "auto", linear: str = "states") -> nn.Module:
     """Shard a built GPT (or pipeline stage) over the CP group in place: its blocks attend through the ring (packed
     rows masked block by block), its positions are those of this rank's chunks, and the stage with the embedding
     keeps only their tokens. A mixture of experts routes this rank's chunks, its router's statistics summed over
     the CP group (the losses of the whole sequences, each rank's gradient CP x its chunks' part, as the averaging
-    over DP x CP expects)."""
+    over DP x CP expects). Gated DeltaNet layers run their chunks and pass the recurrence's state between the ranks
+    (`linear` "states": `ContextStatePassing`), or gather the whole sequence ("gather": `ContextGather`)."""
     if ring.size == 1:
         return model
     mtp = getattr(model, "mtp", None)  # the multi-token prediction depths' blocks attend through the ring too
     blocks = [*model.blocks.values(), *([depth.block for depth in mtp.layers.values()] if mtp else [])]
-    linear = [block.attn for block in blocks if isinstance(block.attn, GatedDeltaNet)]
-    if any(layer.sequence_parallel for layer in linear):
+    linear_layers = [block.attn for block in blocks if isinstance(block.attn, GatedDeltaNet)]
+    if any(layer.sequence_parallel for layer in linear_layers):
         raise MTNLGError(
             "context_parallel with sequence parallelism cannot run Gated DeltaNet (linear_attention) layers yet "
-            "(each gathers the whole sequence over CP, not its TP slices): turn sequence_parallel off"
+            "(not built for TP slices of the chunks): turn sequence_parallel off"
         )
-    for layer in linear:  # the recurrence over the whole sequence, in order: gathered, then cut back to its chunks
-        layer.context = ContextGather(ring.group, ring.cp_rank, ring.size)
+    for layer in linear_layers:  # the recurrence in sequence order across the ranks' chunks
+        layer.context = LINEAR_CONTEXT[linear](ring.group, ring.cp_rank, ring.size)
     for block in blocks:
         if not isinstance(block.attn, GatedDeltaNet):
             block.attn.core = RingAttentionCore(ring, kernel)
