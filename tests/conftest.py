@@ -90,26 +90,38 @@ def demo_data():
 
 # The modules that take longest (minutes of launches on 2 cores), longest first. They run first, so that under
 # pytest-xdist (scripts/test.sh: one module per worker at a time) no worker starts a long one when the rest is done.
-LONGEST_MODULES = (  # measured: a suite run's per-module totals (--junitxml), 2026-12-05
+# pytest-xdist 3.x sorts loadfile's modules by their count of tests unless told not to (its --loadscope-reorder
+# default), which put test_wheel.py and test_gpu_check.py (3 tests, 2-3 minutes each) last: `pytest_configure` turns
+# that off so this order holds.
+LONGEST_MODULES = (  # measured: a suite run's per-module totals (--durations=0), 2026-12-06
     "test_resilience.py",
     "test_checkpoint_layouts.py",
-    "test_parallel_equivalence.py",
-    "test_inference_layouts.py",
-    "test_dpo.py",
+    "test_expert_parallel.py",
     "test_layouts_of_families_and_long_sequences.py",
-    "test_interop_hf.py",
     "test_wheel.py",
-    "test_strategy_cli.py",
-    "test_planner.py",
+    "test_parallel_equivalence.py",
     "test_gpu_check.py",
+    "test_interop_hf.py",
+    "test_muon.py",
+    "test_inference_layouts.py",
+    "test_grpo.py",
     "test_checkpoints.py",
-    "test_lora.py",
+    "test_strategy_cli.py",
+    "test_curation_cli.py",
     "test_cli.py",
+    "test_object_store_tools.py",
+    "test_planner.py",
+    "test_lora.py",
     "test_bias.py",
     "test_pipeline.py",
     "test_finetune_cli.py",
-    "test_moe.py",
-    "test_expert_parallel.py",
+    "test_model_families.py",
+    "test_object_store_ray.py",
+    "test_object_store_training.py",
+    "test_dpo.py",
+    "test_curation_ray.py",
+    "test_labels.py",
+    "test_moe_pipeline.py",
 )
 
 
@@ -119,6 +131,8 @@ def pytest_configure(config):
     from testing.suite_budget import register
 
     register(config)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep LONGEST_MODULES' order (above)
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
