@@ -23,9 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtnlg-export-hf",
         description="Export a checkpoint (any layout) to a Hugging Face directory of the family its config names "
-        "(model.family: GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE, DeepSeek-V3 or GLM-4.5: "
-        "architectures, RoPE "
-        "settings, tied or untied head): config.json, "
+        "(model.family: GPT-2, Llama, Qwen 2, Qwen 3, Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, "
+        "Gemma 3, GPT-OSS or Qwen3-Next: architectures, RoPE settings, tied or untied head): config.json, "
         "model.safetensors or its shards model-0000k-of-0000n.safetensors with model.safetensors.index.json "
         "(vocabulary trimmed to the tokenizer's), tokenizer files with the chat template the checkpoint carries "
         "(chat_template.jinja and its special tokens) and generation_config.json (eos: the end of the "
