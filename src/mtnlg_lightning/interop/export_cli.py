@@ -1,7 +1,7 @@
 """`mtnlg-export-hf CHECKPOINT OUTPUT_DIR`: a checkpoint as a Hugging Face directory of the family its config names
 (`model.family`: GPT-2, Llama, Qwen 2, Qwen 3, and the mixtures of experts Qwen 3-MoE, Qwen 2-MoE, Mixtral, OLMoE,
-DeepSeek-V3, GLM-4.5; Gemma 3, GPT-OSS and Qwen3-Next); a checkpoint written before configs named their family gets it from its options when read (`config.config_from_stored`),
-a custom block (family null) has no Hugging Face form.
+DeepSeek-V3, GLM-4.5; Gemma 3, GPT-OSS and Qwen3-Next); a checkpoint written before configs named their family gets
+it from its options when read (`config.config_from_stored`), a custom block (family null) has no Hugging Face form.
 
 The directory loads offline with `transformers.AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUTPUT_DIR)`.
