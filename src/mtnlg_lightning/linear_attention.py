@@ -245,11 +245,16 @@ class GatedDeltaNet(nn.Module):
     def rule_inputs(self, mixed, conv_state=None):
         """One run's convolution (`_convolve`) split into the rule's q, k [B, L, n_k, d_k] and v [B, L, n_v, d_v];
         with the convolution's last kernel - 1 inputs."""
-        B, L, _ = mixed.shape
         conv, conv_state = self._convolve(mixed, conv_state)
+        return self.split_convolved(conv), conv_state
+
+    def split_convolved(self, conv: torch.Tensor):
+        """The convolution's output [B, L, channels] ([q_h, k_h, v_h] per key head) -> q, k [B, L, n_k, d_k] and
+        v [B, L, n_v, d_v]."""
+        B, L, _ = conv.shape
         r = self.nv // self.nk
         q, k, v = conv.view(B, L, self.nk, -1).split([self.dk, self.dk, r * self.dv], dim=-1)
-        return (q, k, v.reshape(B, L, self.nv, self.dv)), conv_state
+        return q, k, v.reshape(B, L, self.nv, self.dv)
 
     def _mix(self, mixed, beta, g, z, conv_state=None, state=None, recurrent=False):
         """One run (a document, a row, or a decoding step): conv, the rule, the gated norm -> [B, L, nv * dv]."""
@@ -268,11 +273,7 @@ class GatedDeltaNet(nn.Module):
             starts = document_starts(document_ids).flatten()
             offsets, run = fla_kernels.cu_seqlens(starts), fla_kernels.run_index(starts)
             mixed, g, beta = mixed.reshape(1, B * S, C), g.reshape(1, B * S, -1), beta.reshape(1, B * S, -1)
-        rows, L = mixed.shape[:2]
-        conv = fla_kernels.convolve(kernels, mixed, self.conv1d.weight, run)
-        r = self.nv // self.nk
-        q, k, v = conv.view(rows, L, self.nk, -1).split([self.dk, self.dk, r * self.dv], dim=-1)
-        v = v.reshape(rows, L, self.nv, self.dv)
+        q, k, v = self.split_convolved(fla_kernels.convolve(kernels, mixed, self.conv1d.weight, run))
         o, state = fla_kernels.chunk_rule(kernels, q, k, v, g, beta, offsets, final_state)
         out = self.norm(o.view(B, S, self.nv, self.dv), z).reshape(B, S, -1)
         if not final_state:
